@@ -1,0 +1,26 @@
+# Each target creates .venv on first use and installs what it needs.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/reshard demo
+
+test: $(STAMP)
+	$(PY) -m pytest -m "not slow" -q
+
+bench: $(STAMP)
+	$(PY) bench/plan_quality.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

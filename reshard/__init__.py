@@ -1,0 +1,55 @@
+"""reshard: plan and carry out cross-mesh resharding of sharded tensors.
+
+The core (this package's own modules) needs numpy only. The client SDK
+(`reshard.client`) and the services (`reshard.server`) are imported on first
+use, so planning-only users never load gRPC.
+"""
+
+from reshard.errors import (
+    InvalidMeshError,
+    InvalidShapeError,
+    InvalidShardingError,
+    InvalidTopologyError,
+    PlanValidationError,
+    ReshardError,
+    UnknownDtypeError,
+)
+from reshard.mesh import Mesh, host_of
+from reshard.plan import Plan, Transfer
+from reshard.planner import BASELINES, STRATEGIES, plan
+from reshard.sharding import Replicate, Shard, Sharding
+from reshard.topology import Topology
+
+__version__ = "0.1.0"
+
+_SDK = ("connect", "local_cluster", "Client")
+
+__all__ = [
+    "Mesh",
+    "Sharding",
+    "Shard",
+    "Replicate",
+    "Topology",
+    "Plan",
+    "Transfer",
+    "plan",
+    "host_of",
+    "STRATEGIES",
+    "BASELINES",
+    "ReshardError",
+    "InvalidMeshError",
+    "InvalidShardingError",
+    "InvalidShapeError",
+    "InvalidTopologyError",
+    "UnknownDtypeError",
+    "PlanValidationError",
+    *_SDK,
+]
+
+
+def __getattr__(name):
+    if name in _SDK:
+        from reshard import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'reshard' has no attribute {name!r}")

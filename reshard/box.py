@@ -1,0 +1,60 @@
+"""Boxes: axis-aligned regions of a tensor, ``((lo, hi), ...)`` per dim, half-open."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+__all__ = ["volume", "intersect", "contains", "to_slices", "split", "box_str"]
+
+Box = tuple[tuple[int, int], ...]
+
+
+def volume(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def intersect(a: Box, b: Box) -> Optional[Box]:
+    """The common part of two boxes, or None when it is empty."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if lo >= hi:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def contains(outer: Box, inner: Box) -> bool:
+    return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def to_slices(box: Box, origin: Optional[Box] = None) -> tuple[slice, ...]:
+    """numpy slices selecting ``box``, relative to ``origin``'s corner when given."""
+    if origin is None:
+        return tuple(slice(lo, hi) for lo, hi in box)
+    return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(box, origin))
+
+
+def split(box: Box, parts: int) -> list[Box]:
+    """Cut ``box`` into ``parts`` pieces along one dim, ``torch.chunk`` style.
+
+    The first dim at least ``parts`` long is cut, so pieces stay contiguous in
+    row-major memory where possible; otherwise the longest dim. Empty pieces are
+    kept so that piece ``i`` always belongs to part ``i``.
+    """
+    lengths = [hi - lo for lo, hi in box]
+    dim = next((d for d, n in enumerate(lengths) if n >= parts), None)
+    if dim is None:
+        dim = max(range(len(box)), key=lambda d: lengths[d])
+    lo, hi = box[dim]
+    c = -(-(hi - lo) // parts)
+    out = []
+    for i in range(parts):
+        a, b = min(lo + i * c, hi), min(lo + (i + 1) * c, hi)
+        out.append(box[:dim] + ((a, b),) + box[dim + 1:])
+    return out
+
+
+def box_str(box: Box) -> str:
+    return "[" + ", ".join(f"{lo}:{hi}" for lo, hi in box) + "]"

@@ -1,0 +1,34 @@
+"""Error types of the core.
+
+Caller mistakes are `ValueError` subclasses whose message states the rule, the
+offending value and what would be valid. The service maps them to gRPC status
+codes with the same message.
+"""
+
+
+class ReshardError(Exception):
+    """Base of every error reshard raises on purpose."""
+
+
+class InvalidMeshError(ReshardError, ValueError):
+    """A mesh's axes or devices break a rule."""
+
+
+class InvalidShardingError(ReshardError, ValueError):
+    """A sharding spec does not fit its mesh or tensor."""
+
+
+class InvalidShapeError(ReshardError, ValueError):
+    """A tensor shape has a zero, negative or non-integer size."""
+
+
+class UnknownDtypeError(ReshardError, ValueError):
+    """A dtype name reshard does not know."""
+
+
+class InvalidTopologyError(ReshardError, ValueError):
+    """A bandwidth that is not a positive number."""
+
+
+class PlanValidationError(ReshardError, ValueError):
+    """A plan that would not deliver every destination tile exactly once."""

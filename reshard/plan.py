@@ -1,0 +1,350 @@
+"""Plans: the transfers that move a tensor from one sharding to another, as plain data.
+
+A plan is transport-neutral: boxes, senders, receivers, method, phase and, for
+broadcasts, the chain of hosts. It serialises to JSON, has a stable content hash
+(its id) and is validated completely before anything moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Optional
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.cost import PhaseLoad, _HostCache, lower_bound_seconds, phase_loads
+from reshard.dtypes import dtype_name, itemsize
+from reshard.errors import PlanValidationError
+from reshard.mesh import host_of
+from reshard.sharding import Box, Sharding, normalise_shape
+from reshard.tasks import decompose
+from reshard.topology import Topology
+
+__all__ = ["Transfer", "Plan", "METHODS", "PLAN_VERSION"]
+
+PLAN_VERSION = 1
+METHODS = ("p2p", "broadcast", "local")
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One box from one sender to one or more receivers."""
+
+    box: Box
+    sender: str
+    receivers: tuple[str, ...]
+    method: str
+    phase: int = 0
+    route: tuple[str, ...] = ()
+
+    @property
+    def num_elements(self) -> int:
+        return boxes.volume(self.box)
+
+    def to_json(self) -> dict:
+        out = {
+            "box": [[lo, hi] for lo, hi in self.box],
+            "sender": self.sender,
+            "receivers": list(self.receivers),
+            "method": self.method,
+            "phase": self.phase,
+        }
+        if self.method == "broadcast":
+            out["route"] = list(self.route)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Transfer":
+        try:
+            return cls(
+                box=tuple((int(lo), int(hi)) for lo, hi in data["box"]),
+                sender=str(data["sender"]),
+                receivers=tuple(str(r) for r in data["receivers"]),
+                method=str(data["method"]),
+                phase=int(data.get("phase", 0)),
+                route=tuple(str(h) for h in data.get("route", ())),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanValidationError(
+                f"transfer JSON needs box, sender, receivers, method (and phase, route); got {data!r}"
+            ) from e
+
+    def __str__(self) -> str:
+        via = f" via {'->'.join(self.route)}" if self.route else ""
+        recv = ",".join(self.receivers)
+        return f"[{self.phase}] {self.method} {boxes.box_str(self.box)} {self.sender} -> {recv}{via}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to move a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    src: Sharding
+    dst: Sharding
+    strategy: str
+    transfers: tuple[Transfer, ...]
+    topology: Topology = field(default_factory=Topology, compare=False)
+
+    # -- derived figures ------------------------------------------------------------
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the whole tensor."""
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+    @cached_property
+    def unit_tasks(self):
+        return decompose(self.shape, self.src, self.dst)
+
+    def loads(self) -> list[PhaseLoad]:
+        return phase_loads(self.transfers, self.itemsize)
+
+    def estimate(self, topology: Optional[Topology] = None) -> float:
+        """Seconds on the fluid model: per phase the busiest link, phases added."""
+        topology = topology or self.topology
+        hosts = _HostCache()
+        return sum(p.seconds(topology, hosts)[0] for p in phase_loads(self.transfers, self.itemsize, hosts))
+
+    def lower_bound(self, topology: Optional[Topology] = None) -> float:
+        """Seconds no plan can beat on ``topology``."""
+        return lower_bound_seconds(self.unit_tasks, self.itemsize, topology or self.topology)
+
+    @cached_property
+    def estimate_seconds(self) -> float:
+        return self.estimate()
+
+    @cached_property
+    def lower_bound_seconds(self) -> float:
+        return self.lower_bound()
+
+    def network_bytes(self) -> int:
+        """Bytes that cross a NIC (counted once, at the receiving host)."""
+        return sum(p.network_bytes for p in self.loads())
+
+    # -- identity and serialisation --------------------------------------------------
+
+    def _canonical(self) -> dict:
+        return {
+            "version": PLAN_VERSION,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "src": self.src.to_json(),
+            "dst": self.dst.to_json(),
+            "strategy": self.strategy,
+            "transfers": [t.to_json() for t in self.transfers],
+        }
+
+    @cached_property
+    def id(self) -> str:
+        """sha256 of the plan's canonical JSON (estimates and topology excluded)."""
+        text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def to_json(self) -> dict:
+        out = self._canonical()
+        out["estimate_seconds"] = self.estimate_seconds
+        out["lower_bound_seconds"] = self.lower_bound_seconds
+        out["topology"] = self.topology.to_json()
+        out["id"] = self.id
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def from_json(cls, data) -> "Plan":
+        if isinstance(data, (str, bytes)):
+            data = json.loads(data)
+        if data.get("version") != PLAN_VERSION:
+            raise PlanValidationError(
+                f"plan JSON version {data.get('version')!r} is not supported; this reshard reads version {PLAN_VERSION}"
+            )
+        try:
+            plan = cls(
+                shape=normalise_shape(data["shape"]),
+                dtype=dtype_name(data["dtype"]),
+                src=Sharding.from_json(data["src"]),
+                dst=Sharding.from_json(data["dst"]),
+                strategy=str(data["strategy"]),
+                transfers=tuple(Transfer.from_json(t) for t in data["transfers"]),
+                topology=Topology.from_json(data.get("topology", {})),
+            )
+        except KeyError as e:
+            raise PlanValidationError(f"plan JSON lacks the field {e.args[0]!r}") from None
+        if "id" in data and data["id"] != plan.id:
+            raise PlanValidationError(
+                f"plan JSON claims id {data['id']} but its content hashes to {plan.id}; it was altered"
+            )
+        return plan
+
+    # -- validation ----------------------------------------------------------------------
+
+    def validate(self) -> "Plan":
+        """Prove the plan delivers every destination tile exactly, phase by phase.
+
+        Checks that every sender holds its box when its phase starts (from its
+        source tile or from an earlier phase), that every box a device receives
+        lies in its destination tile, and that each destination device ends up
+        with its whole tile, every element exactly once (held or received).
+        Raises `PlanValidationError` naming the first problem; returns the plan.
+        """
+        shape = self.shape
+        src_tiles = self.src.tiles(shape)
+        dst_tiles = self.dst.tiles(shape)
+        full = tuple((0, s) for s in shape)
+        hosts = _HostCache()
+        received: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+        for i, t in enumerate(self.transfers):
+            where = f"transfer {i} ({t})"
+            if t.method not in METHODS:
+                raise PlanValidationError(f"{where}: method {t.method!r} is not one of {list(METHODS)}")
+            if len(t.box) != len(shape) or not boxes.contains(full, t.box) or any(lo >= hi for lo, hi in t.box):
+                raise PlanValidationError(
+                    f"{where}: box {boxes.box_str(t.box)} is empty or outside the tensor of shape {shape}"
+                )
+            if not t.receivers or len(set(t.receivers)) != len(t.receivers) or t.sender in t.receivers:
+                raise PlanValidationError(
+                    f"{where}: receivers must be distinct, non-empty and exclude the sender"
+                )
+            hs = hosts[t.sender]
+            for r in t.receivers:
+                tile = dst_tiles.get(r)
+                if tile is None:
+                    raise PlanValidationError(f"{where}: receiver {r!r} is not a device of the destination mesh")
+                if not boxes.contains(tile, t.box):
+                    raise PlanValidationError(
+                        f"{where}: box {boxes.box_str(t.box)} is not inside receiver {r}'s tile {boxes.box_str(tile)}"
+                    )
+            if t.method == "local" and any(hosts[r] != hs for r in t.receivers):
+                raise PlanValidationError(f"{where}: a local transfer must stay on host {hs}")
+            if t.method == "broadcast":
+                remote = {hosts[r] for r in t.receivers} - {hs}
+                if len(set(t.route)) != len(t.route) or set(t.route) != remote:
+                    raise PlanValidationError(
+                        f"{where}: route {list(t.route)} must list each receiving host other than the "
+                        f"sender's exactly once; expected the hosts {sorted(remote)}"
+                    )
+            elif t.route:
+                raise PlanValidationError(f"{where}: only broadcasts have a route")
+            own = src_tiles.get(t.sender)
+            if not (own is not None and boxes.contains(own, t.box)) and not any(
+                p < t.phase and boxes.contains(b, t.box) for p, b in received.get(t.sender, ())
+            ):
+                raise PlanValidationError(
+                    f"{where}: sender {t.sender} does not hold box {boxes.box_str(t.box)} at the start of "
+                    f"phase {t.phase} (its source tile is "
+                    f"{boxes.box_str(own) if own is not None else 'none'})"
+                )
+            for r in t.receivers:
+                received[r].append((t.phase, t.box))
+        for dev, tile in dst_tiles.items():
+            missing, excess = _coverage(tile, src_tiles.get(dev), [b for _, b in received.get(dev, ())])
+            if missing or excess:
+                problem = []
+                if missing:
+                    problem.append(f"misses {missing} of its {boxes.volume(tile)} elements")
+                if excess:
+                    problem.append(f"gets {excess} elements it already has (held or received twice)")
+                raise PlanValidationError(
+                    f"destination device {dev} (tile {boxes.box_str(tile)}) " + " and ".join(problem)
+                )
+        return self
+
+    def wasted_bytes(self) -> int:
+        """Bytes delivered to devices that already held them, or delivered twice."""
+        src_tiles = self.src.tiles(self.shape)
+        received: dict[str, list[Box]] = defaultdict(list)
+        for t in self.transfers:
+            for r in t.receivers:
+                received[r].append(t.box)
+        total = 0
+        for dev, tile in self.dst.tiles(self.shape).items():
+            total += _coverage(tile, src_tiles.get(dev), received.get(dev, []))[1]
+        return total * self.itemsize
+
+    # -- presentation --------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        shape = ",".join(map(str, self.shape))
+        return (
+            f"Plan {self.id[:12]} {self.strategy}: {self.dtype}[{shape}] "
+            f"{self.src.spec_str()} -> {self.dst.spec_str()}, {len(self.transfers)} transfers, "
+            f"estimate {self.estimate_seconds:.4g}s, lower bound {self.lower_bound_seconds:.4g}s"
+        )
+
+    def summary(self, max_transfers: int = 20) -> str:
+        """A report a person can read: per-host load, estimate vs bound, the transfers."""
+        hosts = _HostCache()
+        lines = [str(self), f"topology: {self.topology}"]
+        for load in phase_loads(self.transfers, self.itemsize, hosts):
+            secs, what = load.seconds(self.topology, hosts)
+            lines.append(f"phase {load.phase}: {secs:.4g}s, bottleneck {what}")
+            all_hosts = sorted(set(load.send) | set(load.recv))
+            if all_hosts:
+                lines.append(f"  {'host':<16} {'send MiB':>10} {'recv MiB':>10} {'send s':>9} {'recv s':>9}")
+            for h in all_hosts:
+                bw = self.topology.nic_bytes_per_s(h)
+                s, r = load.send.get(h, 0), load.recv.get(h, 0)
+                lines.append(f"  {h:<16} {s / 2**20:>10.2f} {r / 2**20:>10.2f} {s / bw:>9.4f} {r / bw:>9.4f}")
+        ratio = self.estimate_seconds / self.lower_bound_seconds if self.lower_bound_seconds else 1.0
+        lines.append(
+            f"estimate {self.estimate_seconds:.4g}s vs lower bound {self.lower_bound_seconds:.4g}s "
+            f"(ratio {ratio:.3f}); {self.network_bytes() / 2**20:.2f} MiB over the network"
+        )
+        shown = self.transfers[:max_transfers]
+        lines.append(f"transfers ({len(self.transfers)}):")
+        lines.extend(f"  {t}" for t in shown)
+        if len(self.transfers) > len(shown):
+            lines.append(f"  ... {len(self.transfers) - len(shown)} more (use --json for all)")
+        return "\n".join(lines)
+
+
+def _coverage(tile: Box, held_tile: Optional[Box], pieces: Sequence[Box]) -> tuple[int, int]:
+    """(elements of ``tile`` nobody provides, elements provided more than once)."""
+    all_pieces = list(pieces)
+    if held_tile is not None:
+        held = boxes.intersect(held_tile, tile)
+        if held is not None:
+            all_pieces.append(held)
+    outside = sum(boxes.volume(p) - boxes.volume(boxes.intersect(p, tile) or tuple((0, 0) for _ in p)) for p in all_pieces)
+    if len(all_pieces) == 1 and all_pieces[0] == tile:
+        return 0, outside
+    if boxes.volume(tile) == 0:
+        return 0, outside + sum(boxes.volume(p) for p in all_pieces)
+    # Count coverage on the grid the piece edges cut the tile into.
+    cuts = []
+    for d, (lo, hi) in enumerate(tile):
+        edges = {lo, hi}
+        for p in all_pieces:
+            edges.update(min(max(e, lo), hi) for e in p[d])
+        cuts.append(np.array(sorted(edges)))
+    counts = np.zeros([len(c) - 1 for c in cuts], dtype=np.int32)
+    for p in all_pieces:
+        sel = tuple(
+            slice(int(np.searchsorted(c, max(p0, c[0]))), int(np.searchsorted(c, min(p1, c[-1]))))
+            for c, (p0, p1) in zip(cuts, p)
+        )
+        counts[sel] += 1
+    widths = np.ones(counts.shape, dtype=np.int64)
+    for d, c in enumerate(cuts):
+        shape = [1] * len(cuts)
+        shape[d] = len(c) - 1
+        widths = widths * np.diff(c).reshape(shape)
+    missing = int(widths[counts == 0].sum())
+    excess = int((widths * np.maximum(counts - 1, 0)).sum())
+    return missing, outside + excess

@@ -1,0 +1,260 @@
+"""Shardings: which mesh axes split which tensor dims, and the tile each device holds.
+
+Notation
+--------
+spec        one entry per tensor dim: ``None`` (not split), an axis name, or a tuple of
+            axis names (the first is major), as in JAX's ``PartitionSpec``. Printed
+            ``P('x', None, ('y', 'z'))``. Axes named nowhere replicate the tensor.
+placements  DTensor's per-mesh-axis view: ``Shard(d)`` or ``Replicate()``, short ``S(0)R``.
+tile        the box ``((lo, hi), ...)`` of the global tensor a device holds. A dim split
+            over axes ``(a1, a2, ...)`` is cut by ``a1`` first, then each piece by ``a2``;
+            a piece of length ``m`` cut ``k`` ways has chunks of ``ceil(m / k)``, so
+            trailing chunks may be smaller or empty (``torch.chunk`` semantics). This
+            is exactly DTensor's local shard.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Union
+
+from reshard.errors import InvalidShapeError, InvalidShardingError
+from reshard.mesh import Mesh
+
+__all__ = ["Sharding", "Shard", "Replicate", "Box", "normalise_shape", "chunk_bounds"]
+
+Box = tuple[tuple[int, int], ...]
+SpecEntry = Union[None, str, Sequence[str]]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """DTensor placement: this mesh axis splits tensor dim ``dim``."""
+
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """DTensor placement: the tensor is replicated along this mesh axis."""
+
+    def __str__(self) -> str:
+        return "R"
+
+
+def normalise_shape(shape) -> tuple[int, ...]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise InvalidShapeError(f"shape {shape!r} is not a sequence of sizes like (1024, 512)") from None
+    for i, s in enumerate(dims):
+        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+            raise InvalidShapeError(
+                f"dim {i} of shape {dims} has size {s!r}; every dim size must be a positive integer"
+            )
+    return tuple(int(s) for s in dims)
+
+
+def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk`` bounds of chunk ``index`` when ``length`` is cut ``parts`` ways."""
+    c = -(-length // parts)
+    return min(index * c, length), min((index + 1) * c, length)
+
+
+def _normalise_spec(mesh: Mesh, spec) -> tuple[tuple[str, ...], ...]:
+    if isinstance(spec, (str, bytes)) or not isinstance(spec, Sequence):
+        raise InvalidShardingError(
+            f"spec {spec!r} must be a sequence with one entry per tensor dim, "
+            f"each None, an axis name or a tuple of axis names, e.g. ('x', None)"
+        )
+    names = mesh.axis_names
+    used: dict[str, int] = {}
+    out = []
+    for dim, entry in enumerate(spec):
+        if entry is None:
+            axes: tuple[str, ...] = ()
+        elif isinstance(entry, str):
+            axes = (entry,)
+        elif isinstance(entry, Sequence) and all(isinstance(a, str) for a in entry):
+            axes = tuple(entry)
+        else:
+            raise InvalidShardingError(
+                f"spec entry {entry!r} for dim {dim} must be None, an axis name or a tuple of axis names"
+            )
+        for a in axes:
+            if a not in names:
+                raise InvalidShardingError(
+                    f"dim {dim} is split over unknown axis {a!r}; the mesh's axes are {list(names)}"
+                )
+            if a in used:
+                where = "the same dim" if used[a] == dim else f"dim {used[a]}"
+                raise InvalidShardingError(
+                    f"axis {a!r} splits dim {dim} but is already used by {where}; "
+                    f"a mesh axis may split at most one tensor dim, once"
+                )
+            used[a] = dim
+        out.append(axes)
+    return tuple(out)
+
+
+def _entry_str(axes: tuple[str, ...]) -> str:
+    if not axes:
+        return "None"
+    if len(axes) == 1:
+        return repr(axes[0])
+    return "(" + ", ".join(repr(a) for a in axes) + ")"
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """A tensor laid out on a mesh: ``Sharding(mesh, ('x', None))``."""
+
+    mesh: Mesh
+    spec: tuple[tuple[str, ...], ...]
+
+    def __init__(self, mesh: Mesh, spec: Sequence[SpecEntry]):
+        if not isinstance(mesh, Mesh):
+            raise InvalidShardingError(f"mesh must be a reshard.Mesh, got {type(mesh).__name__}")
+        object.__setattr__(self, "mesh", mesh)
+        object.__setattr__(self, "spec", _normalise_spec(mesh, spec))
+
+    # -- other vocabularies ------------------------------------------------------
+
+    @classmethod
+    def from_layout_rules(cls, mesh: Mesh, dim_names: Sequence[str], rules: Mapping[str, SpecEntry]) -> "Sharding":
+        """Mesh-TensorFlow layout: ``rules`` maps tensor dim names to mesh axes.
+
+        Rules are global, as in Mesh-TensorFlow: a rule for a dim name this tensor
+        does not have is ignored, and an unnamed dim is not split.
+        """
+        dim_names = list(dim_names)
+        if len(set(dim_names)) != len(dim_names):
+            raise InvalidShardingError(f"dim names {dim_names} repeat a name; each tensor dim needs its own name")
+        return cls(mesh, [rules.get(n) for n in dim_names])
+
+    @classmethod
+    def from_placements(cls, mesh: Mesh, placements: Sequence[Union[Shard, Replicate]], ndim: int | None = None) -> "Sharding":
+        """DTensor placements, one per mesh axis: ``[Shard(0), Replicate()]``."""
+        placements = list(placements)
+        if len(placements) != len(mesh.axes):
+            raise InvalidShardingError(
+                f"{len(placements)} placements given for a mesh with {len(mesh.axes)} axes "
+                f"{list(mesh.axis_names)}; give one Shard(d) or Replicate() per mesh axis"
+            )
+        dims: dict[int, list[str]] = {}
+        for (name, _), p in zip(mesh.axes, placements):
+            if isinstance(p, Shard):
+                if p.dim < 0:
+                    raise InvalidShardingError(f"Shard({p.dim}) on axis {name!r}: dims must be >= 0")
+                dims.setdefault(p.dim, []).append(name)
+            elif not isinstance(p, Replicate):
+                raise InvalidShardingError(
+                    f"placement {p!r} on axis {name!r} is not Shard(d) or Replicate()"
+                )
+        needed = max(dims, default=-1) + 1
+        if ndim is None:
+            ndim = needed
+        elif ndim < needed:
+            raise InvalidShardingError(f"placements shard dim {needed - 1} but ndim is {ndim}")
+        return cls(mesh, [tuple(dims.get(d, ())) or None for d in range(ndim)])
+
+    @property
+    def placements(self) -> tuple[Union[Shard, Replicate], ...]:
+        """DTensor placements, one per mesh axis (multi-axis dims list them major first)."""
+        by_axis = {a: d for d, axes in enumerate(self.spec) for a in axes}
+        return tuple(Shard(by_axis[n]) if n in by_axis else Replicate() for n in self.mesh.axis_names)
+
+    # -- tiles ---------------------------------------------------------------------
+
+    def check_shape(self, shape) -> tuple[int, ...]:
+        shape = normalise_shape(shape)
+        if len(self.spec) > len(shape):
+            raise InvalidShardingError(
+                f"spec {self.spec_str()} has {len(self.spec)} entries but the tensor has "
+                f"{len(shape)} dims {shape}; give at most one entry per dim"
+            )
+        return shape
+
+    def dim_axes(self, ndim: int) -> tuple[tuple[str, ...], ...]:
+        return self.spec + ((),) * (ndim - len(self.spec))
+
+    def dim_chunks(self, shape) -> list[list[tuple[int, int]]]:
+        """Per dim, the interval of every chunk index (row-major over the dim's axes)."""
+        shape = self.check_shape(shape)
+        out = []
+        for length, axes in zip(shape, self.dim_axes(len(shape))):
+            pieces = [(0, length)]
+            for a in axes:
+                k = self.mesh.axis_size(a)
+                pieces = [
+                    (lo + b0, lo + b1)
+                    for lo, hi in pieces
+                    for b0, b1 in (chunk_bounds(hi - lo, k, i) for i in range(k))
+                ]
+            out.append(pieces)
+        return out
+
+    def chunk_index(self, position: int, ndim: int) -> tuple[int, ...]:
+        """Per dim, which chunk the device at mesh ``position`` holds."""
+        coords = dict(zip(self.mesh.axis_names, self.mesh.coords(position)))
+        index = []
+        for axes in self.dim_axes(ndim):
+            i = 0
+            for a in axes:
+                i = i * self.mesh.axis_size(a) + coords[a]
+            index.append(i)
+        return tuple(index)
+
+    def tile(self, shape, device_or_position) -> Box:
+        """The box of the global tensor held by a device (id or mesh position)."""
+        shape = self.check_shape(shape)
+        pos = device_or_position
+        if isinstance(pos, str):
+            pos = self.mesh.position(pos)
+        chunks = self.dim_chunks(shape)
+        return tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(pos, len(shape))))
+
+    def tiles(self, shape) -> dict[str, Box]:
+        """Every device's tile, by device id."""
+        shape = self.check_shape(shape)
+        chunks = self.dim_chunks(shape)
+        devices = self.mesh.require_devices()
+        return {
+            dev: tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(p, len(shape))))
+            for p, dev in enumerate(devices)
+        }
+
+    def num_replicas(self) -> int:
+        used = {a for axes in self.spec for a in axes}
+        return math.prod(s for n, s in self.mesh.axes if n not in used)
+
+    # -- notation and serialisation ----------------------------------------------
+
+    def spec_str(self) -> str:
+        return "P(" + ", ".join(_entry_str(a) for a in self.spec) + ")"
+
+    def placements_str(self) -> str:
+        return "".join(str(p) for p in self.placements)
+
+    def __str__(self) -> str:
+        axes = ", ".join(f"{n}={s}" for n, s in self.mesh.axes)
+        return f"{self.spec_str()} on ({axes})"
+
+    def to_json(self) -> dict:
+        return {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Sharding":
+        try:
+            mesh = Mesh.from_json(data["mesh"])
+            spec = [tuple(a) if a else None for a in data["spec"]]
+        except (KeyError, TypeError) as e:
+            raise InvalidShardingError(
+                f"sharding JSON needs 'mesh' and 'spec' (per dim, a list of axes); got {data!r}"
+            ) from e
+        return cls(mesh, spec)
