@@ -30,7 +30,7 @@ from reshard.dtypes import itemsize
 from reshard.mesh import Mesh
 from reshard.sharding import Sharding
 
-__all__ = ["Case", "n_to_m_cases", "one_to_m_cases", "ONE_TO_M_MESHES", "N_TO_M_BYTES", "ONE_TO_M_BYTES"]
+__all__ = ["Case", "n_to_m_cases", "one_to_m_cases", "overlap_cases", "ONE_TO_M_MESHES", "N_TO_M_BYTES", "ONE_TO_M_BYTES"]
 
 N_TO_M_BYTES = 2 * 2**30
 ONE_TO_M_BYTES = 2**30
@@ -107,3 +107,26 @@ def one_to_m_cases(
         dst = Sharding(_mesh(h, 1, shape), (None,))
         out.append(Case(f"1to{shape[0]}x{shape[1]}", (n,), "int32", src, dst, f"1 device -> {shape[0]}x{shape[1]} replicas"))
     return out
+
+
+def overlap_cases(hosts: Optional[Sequence[str]] = None, nbytes: int = N_TO_M_BYTES) -> list[Case]:
+    """Reshards whose source and destination share hosts, as inside one training job.
+
+    The paper's cases keep the meshes disjoint; here a receiver's own host often
+    holds a replica, and hosts forward broadcast chains while they send their own
+    data, so the order of a chain and the choice of a local sender matter.
+    """
+    n = max(8, nbytes // 4 // 1024)
+    shape = (n, 1024)
+    h = _hosts(hosts, 8)
+    m42, m82, m24 = _mesh(h, 0, (4, 2)), _mesh(h, 0, (8, 2)), _mesh(h, 0, (2, 4))
+    shifted = Mesh.from_hosts({"x": 4, "y": 2}, h[1:5], 2)
+    specs = [
+        ("allgather4", m42, ("x", None), m42, (None, None), "dim0 over 4 hosts -> replicated on the same hosts"),
+        ("allgather8", m82, ("x", None), m82, (None, None), "dim0 over 8 hosts -> replicated on the same hosts"),
+        ("grow2to4", m24, ("y", None), m42, (None, None), "2 hosts' devices -> replicated over 4 hosts, 2 shared"),
+        ("regroup", m42, ("x", None), m24, (None, "x"), "4x2 dim0 over hosts -> 2x4 dim1 over hosts"),
+        ("shift1", m42, ("x", None), shifted, ("x", None), "dim0 over hosts, mesh moved by one host"),
+    ]
+    return [Case(name, shape, "float32", Sharding(sm, ss), Sharding(dm, ds), desc)
+            for name, sm, ss, dm, ds, desc in specs]

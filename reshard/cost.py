@@ -120,21 +120,31 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology) -> f
 
     A host must receive every byte its devices need and no device of it holds;
     a byte that only one host holds must leave that host at least once if any
-    other host needs it.
+    other host needs it; and all needed bytes together must leave their holders
+    through the holders' NICs combined.
     """
     hosts = _HostCache()
     need: dict[str, int] = defaultdict(int)
     sole: dict[str, int] = defaultdict(int)
+    leaving = 0
+    sources: set[str] = set()
     for task in tasks:
         n = task.num_elements * itemsize
         holders = {hosts[d] for d in task.senders}
         wanting = {hosts[d] for d in task.receivers} - holders
         for h in wanting:
             need[h] += n
-        if wanting and len(holders) == 1:
-            sole[next(iter(holders))] += n
+        if wanting:
+            leaving += n
+            sources |= holders
+            if len(holders) == 1:
+                sole[next(iter(holders))] += n
     best = 0.0
     for loads in (need, sole):
         for h, b in loads.items():
             best = max(best, b / topology.nic_bytes_per_s(h))
+    if sources:
+        # Every needed byte leaves one of its holders at least once, and all holders together
+        # send no faster than their NICs added up.
+        best = max(best, leaving / sum(topology.nic_bytes_per_s(h) for h in sources))
     return best

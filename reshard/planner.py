@@ -159,6 +159,18 @@ def _auto(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: in
     for i in order:
         t = tasks[i]
         nbytes = t.num_elements * size
+        if len(t.senders) == 1 and len(t.receivers) == 1:
+            # The all-to-all shape of most large reshards: nothing to choose.
+            s, r = t.senders[0], t.receivers[0]
+            hs, hr = hosts[s], hosts[r]
+            if hs == hr:
+                local_out[s] += nbytes
+                out.append(Transfer(t.box, s, t.receivers, "local"))
+            else:
+                loads.add_recv(hr, loads.seconds(hr, nbytes))
+                loads.add_send({hs: loads.seconds(hs, nbytes)})
+                out.append(Transfer(t.box, s, t.receivers, "p2p"))
+            continue
         holders = _group_by_host(t.senders, hosts)
         wanting = _group_by_host(t.receivers, hosts)
         # A receiver whose host holds a replica copies it locally: no NIC involved.
@@ -172,6 +184,12 @@ def _auto(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: in
             continue
         for h in remote:
             loads.add_recv(h, loads.seconds(h, nbytes))
+        if len(holders) == 1 and len(remote) == 1:
+            # One replica host and one receiving host: nothing to choose.
+            (hs, group), = holders.items()
+            loads.add_send({hs: loads.seconds(hs, nbytes)})
+            out.append(_deliver(t.box, group[0], wanting[remote[0]], hosts))
+            continue
         out.extend(_best_delivery(t, nbytes, holders, wanting, remote, loads, hosts))
     return out
 

@@ -64,24 +64,31 @@ def decompose(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> list[Unit
     src_chunks, src_groups = tile_groups(src, shape)
     dst_chunks, dst_groups = tile_groups(dst, shape)
     overlaps = [_overlaps(d, s) for d, s in zip(dst_chunks, src_chunks)]
-    holder_sets = {key: frozenset(devs) for key, devs in src_groups.items()}
+    # When no destination device is also a source device, nobody already holds anything.
+    overlap = set(src.mesh.require_devices()) & set(dst.mesh.require_devices())
+    holder_sets = {key: frozenset(devs) for key, devs in src_groups.items()} if overlap else {}
+    src_senders = {key: tuple(devs) for key, devs in src_groups.items()}
     tasks = []
+    append = tasks.append
     for dkey, receivers in dst_groups.items():
+        receivers = tuple(receivers)
         per_dim = [overlaps[d][i] for d, i in enumerate(dkey)]
         for combo in itertools.product(*per_dim):
-            skey = tuple(c[0] for c in combo)
-            senders = src_groups.get(skey)
+            skey = tuple([c[0] for c in combo])
+            senders = src_senders.get(skey)
             if senders is None:
                 continue
-            held = holder_sets[skey]
-            need = tuple(r for r in receivers if r not in held)
-            if not need:
-                continue
-            box = tuple((c[1], c[2]) for c in combo)
+            need = receivers
+            if overlap:
+                held = holder_sets[skey]
+                need = tuple([r for r in receivers if r not in held])
+                if not need:
+                    continue
+            box = tuple([(c[1], c[2]) for c in combo])
             n = 1
             for c in combo:
                 n *= c[2] - c[1]
-            tasks.append(UnitTask(box, n, tuple(senders), need))
+            append(UnitTask(box, n, senders, need))
     return tasks
 
 
