@@ -1,0 +1,259 @@
+"""An emulated multi-host cluster on one machine: network namespaces with shaped links.
+
+Layout of one lab (``ID`` is short and random, so labs never collide):
+
+    root ns --veth-- [ rsl-ID-br: bridge br0 ] --veth, shaped-- rsl-ID-h0 (agent host0)
+                                              --veth, shaped-- rsl-ID-h1 (agent host1)
+                                              --veth--------- rsl-ID-p  (planner)
+
+Every host link is shaped with ``tc`` to the same rate in both directions (egress of
+the host's ``eth0`` and egress of its bridge port), so each emulated host has one
+full-duplex NIC of that rate, as the planner's cost model assumes. Addresses live
+only inside the namespaces the lab creates (``10.213.N.0/24``); the root namespace
+gets one address on the bridge so the SDK can reach the planner.
+
+Teardown kills every process in the lab's namespaces and deletes them, on exit,
+on Ctrl-C and on failure. A lab whose owner died is removed by the next lab that
+starts, and ``reshard lab --cleanup`` removes every lab.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available"]
+
+PREFIX = "rsl-"
+STATE_DIR = Path("/run/reshard-lab")
+
+
+class LabError(RuntimeError):
+    """The lab cannot be built here (no root, no ``ip``) or a command failed."""
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    num_hosts: int = 3
+    devices_per_host: int = 2
+    gbps: float = 1.0
+    delay_ms: float = 0.0
+    mtu: int = 9000
+    subnet_base: int = 213  # addresses 10.<subnet_base>.<lab index>.x
+    host_prefix: str = "host"
+
+
+def lab_available() -> tuple[bool, str]:
+    """Whether a lab can be built here, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "reshard lab needs root (it creates network namespaces and shapes links with tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return False, f"reshard lab needs the '{tool}' command (Debian package iproute2)"
+    probe = f"{PREFIX}probe-{os.getpid()}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return False, f"cannot create network namespaces here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return True, ""
+
+
+def _run(*args: str, ns: Optional[str] = None, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise LabError(f"command failed: {' '.join(cmd)}: {r.stderr.strip()}")
+    return r
+
+
+def _namespaces() -> list[str]:
+    r = _run("ip", "netns", "list", check=False)
+    return [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+
+
+def _kill_namespace(ns: str) -> None:
+    r = _run("ip", "netns", "pids", ns, check=False)
+    pids = [int(p) for p in r.stdout.split() if p.isdigit()]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 3
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if Path(f"/proc/{p}").exists()]
+            time.sleep(0.05)
+    _run("ip", "netns", "del", ns, check=False)
+
+
+def _lab_ids() -> set[str]:
+    return {ns[len(PREFIX):].split("-")[0] for ns in _namespaces() if ns.startswith(PREFIX)}
+
+
+def _owner_alive(lab_id: str) -> bool:
+    try:
+        pid = json.loads((STATE_DIR / f"{lab_id}.json").read_text())["owner"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return Path(f"/proc/{pid}").exists()
+
+
+def cleanup_labs(only_orphans: bool = False) -> list[str]:
+    """Remove labs (all of them, or those whose owner process is gone); returns their ids."""
+    removed = []
+    for lab_id in sorted(_lab_ids()):
+        if only_orphans and _owner_alive(lab_id):
+            continue
+        for ns in _namespaces():
+            if ns.startswith(f"{PREFIX}{lab_id}-"):
+                _kill_namespace(ns)
+        (STATE_DIR / f"{lab_id}.json").unlink(missing_ok=True)
+        removed.append(lab_id)
+    return removed
+
+
+@dataclass
+class Lab:
+    """Build with ``with Lab(LabConfig(...)) as lab:``; start processes with `spawn`."""
+
+    config: LabConfig = field(default_factory=LabConfig)
+    lab_id: str = field(default_factory=lambda: secrets.token_hex(3))
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    _built: list[str] = field(default_factory=list)
+
+    # -- names and addresses ---------------------------------------------------------
+
+    @property
+    def index(self) -> int:
+        return int(self.lab_id, 16) % 250 + 1
+
+    def _addr(self, last: int) -> str:
+        return f"10.{self.config.subnet_base}.{self.index}.{last}"
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{PREFIX}{self.lab_id}-br"
+
+    @property
+    def planner_ns(self) -> str:
+        return f"{PREFIX}{self.lab_id}-p"
+
+    @property
+    def planner_ip(self) -> str:
+        return self._addr(1)
+
+    @property
+    def root_ip(self) -> str:
+        return self._addr(254)
+
+    def host_name(self, i: int) -> str:
+        return f"{self.config.host_prefix}{i}"
+
+    def host_ns(self, i: int) -> str:
+        return f"{PREFIX}{self.lab_id}-h{i}"
+
+    def host_ip(self, i: int) -> str:
+        return self._addr(10 + i)
+
+    # -- building ---------------------------------------------------------------------
+
+    def __enter__(self) -> "Lab":
+        try:
+            self.build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _add_ns(self, ns: str) -> None:
+        _run("ip", "netns", "add", ns)
+        self._built.append(ns)
+        _run("ip", "link", "set", "lo", "up", ns=ns)
+
+    def _link(self, ns: str, ip: str, port: str, shaped: bool) -> None:
+        """A veth from ``ns`` (as eth0, address ``ip``) to the bridge (as ``port``)."""
+        tmp = f"rs{self.lab_id}{port}"[:15]
+        _run("ip", "link", "add", tmp, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        _run("ip", "link", "set", tmp, "netns", self.bridge_ns)
+        _run("ip", "link", "set", tmp, "name", port, ns=self.bridge_ns)
+        for where, dev in ((ns, "eth0"), (self.bridge_ns, port)):
+            _run("ip", "link", "set", dev, "mtu", str(self.config.mtu), ns=where)
+        _run("ip", "link", "set", port, "master", "br0", "up", ns=self.bridge_ns)
+        _run("ip", "addr", "add", f"{ip}/24", "dev", "eth0", ns=ns)
+        _run("ip", "link", "set", "eth0", "up", ns=ns)
+        if shaped:
+            self._shape(ns, "eth0")
+            self._shape(self.bridge_ns, port)
+
+    def _shape(self, ns: str, dev: str) -> None:
+        rate_bits = self.config.gbps * 1e9
+        # A burst of a few milliseconds at line rate keeps tbf accurate with large segments.
+        burst = max(int(rate_bits / 8 * 0.002), 2 * self.config.mtu + 65536)
+        tbf = ["rate", f"{int(rate_bits)}bit", "burst", str(burst), "latency", "100ms"]
+        if self.config.delay_ms > 0:
+            _run("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem",
+                 "delay", f"{self.config.delay_ms}ms", ns=ns)
+            _run("tc", "qdisc", "add", "dev", dev, "parent", "1:", "handle", "2:", "tbf", *tbf, ns=ns)
+        else:
+            _run("tc", "qdisc", "add", "dev", dev, "root", "tbf", *tbf, ns=ns)
+
+    def build(self) -> None:
+        ok, why = lab_available()
+        if not ok:
+            raise LabError(why)
+        stale = cleanup_labs(only_orphans=True)
+        if stale:
+            log.info("removed leftover labs %s", stale)
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        (STATE_DIR / f"{self.lab_id}.json").write_text(json.dumps({"owner": os.getpid()}))
+        self._add_ns(self.bridge_ns)
+        _run("ip", "link", "add", "br0", "type", "bridge", ns=self.bridge_ns)
+        _run("ip", "link", "set", "br0", "up", ns=self.bridge_ns)
+        self._add_ns(self.planner_ns)
+        self._link(self.planner_ns, self.planner_ip, "vp", shaped=False)
+        for i in range(self.config.num_hosts):
+            self._add_ns(self.host_ns(i))
+            self._link(self.host_ns(i), self.host_ip(i), f"vh{i}", shaped=True)
+        # The root namespace joins the bridge so the SDK can reach the planner and agents.
+        root_dev = f"rs{self.lab_id}r"
+        _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", "vr", "netns", self.bridge_ns)
+        _run("ip", "link", "set", "vr", "master", "br0", "up", ns=self.bridge_ns)
+        _run("ip", "addr", "add", f"{self.root_ip}/24", "dev", root_dev)
+        _run("ip", "link", "set", root_dev, "up")
+        log.info("lab %s: %d hosts at %g Gbit/s", self.lab_id, self.config.num_hosts, self.config.gbps)
+
+    def spawn(self, ns: str, argv: list[str], **popen) -> subprocess.Popen:
+        """Start ``argv`` inside namespace ``ns``; it is killed when the lab closes."""
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **popen)
+        self.processes.append(proc)
+        return proc
+
+    def close(self) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for ns in reversed(self._built):
+            _kill_namespace(ns)
+        self._built.clear()
+        (STATE_DIR / f"{self.lab_id}.json").unlink(missing_ok=True)
