@@ -1,0 +1,32 @@
+"""The reshard SDK: ``reshard.connect(address)`` and ``reshard.local_cluster(...)``.
+
+Imports the core and the wire contract (``reshard.proto``), never the services.
+"""
+
+from reshard.client.client import Client, Job, JobFailedError, JobResult, TensorInfo, connect
+from reshard.client.cluster import LocalCluster, local_cluster
+from reshard.proto.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
+
+__all__ = [
+    "Client",
+    "connect",
+    "local_cluster",
+    "LocalCluster",
+    "Job",
+    "JobResult",
+    "JobFailedError",
+    "TensorInfo",
+    "InvalidArgumentError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "FailedPreconditionError",
+    "UnavailableError",
+    "DeadlineExceededError",
+]

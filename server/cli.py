@@ -1,10 +1,12 @@
-"""The ``reshard`` command: planning, and (as the service grows) agents, planner, cluster and demo."""
+"""The ``reshard`` command: plan, run an agent or the planner, start a local cluster, run the demo."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from reshard.cli import add_plan_command
 from reshard.errors import ReshardError
@@ -12,20 +14,115 @@ from reshard.errors import ReshardError
 __all__ = ["main", "build_parser"]
 
 
-def _add_demo_command(sub) -> None:
-    p = sub.add_parser("demo", help="compare the planning strategies on the paper's cases")
-    p.add_argument("--nic-gbps", type=float, default=10.0)
-    p.set_defaults(func=_run_demo)
+def _wait_for_signal() -> None:
+    """Block until SIGINT or SIGTERM."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
 
 
-def _run_demo(args) -> int:
-    from reshard.cases import n_to_m_cases, one_to_m_cases
-    from reshard.report import compare_strategies, format_rows
-    from reshard.topology import Topology
+def _add_agent_command(sub) -> None:
+    from reshard.server.config import AgentConfig
 
-    rows = compare_strategies(n_to_m_cases() + one_to_m_cases(), Topology(nic_gbps=args.nic_gbps))
-    print(format_rows(rows))
+    d = AgentConfig("h", 1, "")
+    p = sub.add_parser("agent", help="run a host's agent: holds shards and moves bytes",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--planner", required=True, help="planner address, host:port")
+    p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
+    p.add_argument("--advertise", default=None, help="address peers dial (default: the bound address)")
+    p.add_argument("--host", required=True, help="this host's name; devices are HOST/0 .. HOST/K-1")
+    p.add_argument("--devices", type=int, required=True, help="number of devices K")
+    p.add_argument("--chunk-mib", type=float, default=d.chunk_bytes / 2**20, help="stream chunk size")
+    p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
+    p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
+                   help="cap this agent's send rate (0: none); for tests and demos")
+    p.set_defaults(func=_run_agent)
+
+
+def _run_agent(args) -> int:
+    from reshard.server.agent import Agent
+    from reshard.server.config import AgentConfig
+
+    config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
+                         advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
+                         rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20)
+    agent = Agent(config).start()
+    print(f"reshard agent {config.host} listening on {agent.address} "
+          f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        agent.stop()
     return 0
+
+
+def _add_planner_command(sub) -> None:
+    from reshard.server.config import PlannerConfig
+
+    d = PlannerConfig()
+    p = sub.add_parser("planner", help="run the planner service: registry, catalog and jobs",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
+    p.add_argument("--state", default=None, help="SQLite file for tensors, jobs and plans (default: memory)")
+    p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
+                   help="seconds without a heartbeat before an agent is down")
+    p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,
+                   help="seconds an idle upload is kept before its staged shards are dropped")
+    p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
+    p.set_defaults(func=_run_planner)
+
+
+def _run_planner(args) -> int:
+    from reshard.server.config import PlannerConfig
+    from reshard.server.planner_service import serve_planner
+
+    config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
+                           upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout)
+    server, port, planner = serve_planner(config)
+    host = config.listen.rsplit(":", 1)[0]
+    print(f"reshard planner listening on {host}:{port}", flush=True)
+    try:
+        _wait_for_signal()
+    finally:
+        server.stop(1.0).wait()
+        planner.close()
+    return 0
+
+
+def _add_up_command(sub) -> None:
+    p = sub.add_parser("up", help="start a planner and N agents on this machine; Ctrl-C stops them all",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hosts", type=int, default=2, help="number of agents (hosts host0..hostN-1)")
+    p.add_argument("--devices-per-host", type=int, default=4)
+    p.add_argument("--state", default=None, help="planner state file (SQLite)")
+    p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
+    p.set_defaults(func=_run_up)
+
+
+def _run_up(args) -> int:
+    from reshard.client.cluster import LocalCluster
+
+    planner_args = ["--state", args.state] if args.state else []
+    cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir)
+    with cluster:
+        print(f"planner  {cluster.address}")
+        for h, a in cluster.agent_addresses.items():
+            print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1}")
+        print(f"logs     {cluster.log_dir}")
+        print(f"connect with: reshard.connect({cluster.address!r}); Ctrl-C stops the cluster", flush=True)
+        _wait_for_signal()
+    return 0
+
+
+def _add_demo_command(sub) -> None:
+    from reshard.server.demo import add_demo_arguments, run_demo
+
+    p = sub.add_parser("demo", help="run the paper's cases with every strategy through real agents",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_demo_arguments(p)
+    p.set_defaults(func=run_demo)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_plan_command(sub)
+    _add_agent_command(sub)
+    _add_planner_command(sub)
+    _add_up_command(sub)
     _add_demo_command(sub)
     return parser
 

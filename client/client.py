@@ -1,0 +1,364 @@
+"""The SDK's client: metadata through the planner, tensor bytes straight to and from the agents.
+
+Uploads are transactions: shards are staged on their agents and the tensor
+enters the catalog only when every device's shard is there, so a client that
+dies midway leaves nothing visible (the planner drops the staged shards once the
+upload has been idle for its timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import grpc
+import numpy as np
+
+from reshard.box import Box
+from reshard.dtypes import dtype_name
+from reshard.errors import ReshardError
+from reshard.plan import Plan
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError, UnavailableError
+from reshard.proto.layout import np_dtype, tile_shape
+from reshard.proto.status import domain_error
+from reshard.proto.wire import box_from_pb, read_shard_stream, shard_stream
+from reshard.sharding import Sharding
+
+__all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
+
+MiB = 2**20
+_MESSAGE_SLACK = 2**16
+
+
+class JobFailedError(ReshardError, RuntimeError):
+    """A reshard job ended in ``failed``; the message is the job's error text."""
+
+    def __init__(self, message: str, job_id: str = ""):
+        super().__init__(message)
+        self.job_id = job_id
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: Sharding
+    version: int
+    kind: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype}{list(self.shape)} {self.sharding} v{self.version}"
+
+
+@dataclass(frozen=True)
+class JobResult:
+    id: str
+    state: str
+    tensor: str
+    strategy: str
+    plan_id: str
+    seconds: float
+    version: int
+    progress: dict[str, tuple[int, int]]  # host -> (bytes sent, bytes to send)
+    traffic: dict[str, dict]  # host -> {"bytes_in": {peer: n}, "bytes_out": {peer: n}, "local_bytes": n}
+    error: str = ""
+
+    @property
+    def network_bytes(self) -> int:
+        return sum(sum(t["bytes_in"].values()) for t in self.traffic.values())
+
+
+def _result(info: pb.JobInfo) -> JobResult:
+    return JobResult(
+        id=info.id, state=info.state, tensor=info.tensor, strategy=info.strategy, plan_id=info.plan_id,
+        seconds=info.seconds, version=info.version,
+        progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
+        traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
+                 for t in info.traffic},
+        error=info.error)
+
+
+class Job:
+    """A reshard in flight. Many may run at once; jobs on one tensor run in submission order."""
+
+    def __init__(self, client: "Client", info: pb.JobInfo):
+        self._client = client
+        self.id = info.id
+        self.tensor = info.tensor
+
+    def info(self, wait_s: float = 0.0) -> JobResult:
+        return _result(self._client._planner_call("GetJob", pb.JobRequest(job=self.id, wait_s=wait_s),
+                                                  timeout=wait_s + self._client.timeout))
+
+    def done(self) -> bool:
+        return self.info().state in ("succeeded", "failed")
+
+    def progress(self) -> tuple[int, int]:
+        """(bytes sent, bytes to send) summed over the agents."""
+        p = self.info().progress
+        return sum(d for d, _ in p.values()), sum(t for _, t in p.values())
+
+    def result(self, timeout: Optional[float] = None) -> JobResult:
+        """Wait for the job; raises `JobFailedError` with the job's error, or `DeadlineExceededError`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
+            info = self.info(wait_s=max(left, 0.0))
+            if info.state == "succeeded":
+                return info
+            if info.state == "failed":
+                raise JobFailedError(info.error, self.id)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"job {self.id} on {self.tensor!r} is still {info.state} after {timeout:g}s")
+
+    def __repr__(self) -> str:
+        return f"Job({self.id[:12]} on {self.tensor!r})"
+
+
+def _to_numpy(array) -> tuple[np.ndarray, str, str]:
+    """(C-contiguous numpy array, dtype name, kind) of a numpy array or torch CPU tensor."""
+    mod = type(array).__module__
+    if mod.startswith("torch"):
+        import torch
+
+        t = array.detach()
+        if t.device.type != "cpu":
+            raise InvalidArgumentError(f"tensor is on {t.device}; the SDK takes CPU tensors (call .cpu() first)")
+        t = t.contiguous()
+        name = dtype_name(t.dtype)
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16), name, "torch"
+        return t.numpy(), name, "torch"
+    if isinstance(array, np.ndarray):
+        return np.ascontiguousarray(array), dtype_name(array.dtype), "numpy"
+    raise InvalidArgumentError(f"expected a numpy array or a torch CPU tensor, got {type(array).__name__}")
+
+
+def _from_numpy(arr: np.ndarray, dtype: str, kind: str):
+    if kind == "torch" or dtype == "bfloat16":
+        import torch
+
+        if dtype == "bfloat16":
+            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(arr)
+    return arr
+
+
+def _sharding_json(sharding: Sharding) -> str:
+    if not isinstance(sharding, Sharding):
+        raise InvalidArgumentError(f"sharding must be a reshard.Sharding, got {type(sharding).__name__}")
+    return json.dumps(sharding.to_json(), sort_keys=True)
+
+
+class Client:
+    """A connection to a reshard planner (``reshard.connect("host:port")``)."""
+
+    def __init__(self, address: str, *, timeout: float = 30.0, chunk_bytes: int = 4 * MiB, workers: int = 8):
+        self.address = address
+        self.timeout = timeout
+        self.chunk_bytes = chunk_bytes
+        opts = [("grpc.max_send_message_length", chunk_bytes + _MESSAGE_SLACK),
+                ("grpc.max_receive_message_length", 64 * MiB + _MESSAGE_SLACK)]
+        self._options = opts
+        self._channel = grpc.insecure_channel(address, options=opts)
+        self._planner = pb_grpc.PlannerStub(self._channel)
+        self._lock = threading.Lock()
+        self._agents: dict[str, grpc.Channel] = {}
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reshard-sdk")
+        self.cluster = None  # set by local_cluster
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _planner_call(self, method: str, request, timeout: Optional[float] = None):
+        try:
+            return getattr(self._planner, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"planner at {self.address}") from None
+
+    def _agent(self, address: str) -> pb_grpc.AgentStub:
+        if not address:
+            raise UnavailableError("the agent holding this shard is down; wait for it to come back")
+        with self._lock:
+            ch = self._agents.get(address)
+            if ch is None:
+                ch = self._agents[address] = grpc.insecure_channel(address, options=self._options)
+        return pb_grpc.AgentStub(ch)
+
+    def _upload(self, txn: str, name: str, device: str, address: str, tile: Box, dtype: str, arr: np.ndarray) -> None:
+        header = pb.ShardHeader(txn=txn, tensor=name, device=device, dtype=dtype,
+                                box=pb.Box(lo=[lo for lo, _ in tile], hi=[hi for _, hi in tile]))
+        try:
+            self._agent(address).PutShard(shard_stream(arr, header, self.chunk_bytes), timeout=None)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent at {address} (device {device})") from None
+
+    def _download(self, name: str, version: int, device: str, address: str) -> np.ndarray:
+        try:
+            stream = self._agent(address).GetShard(pb.GetShardRequest(tensor=name, version=version, device=device))
+            return read_shard_stream(stream)[1]
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent at {address} (device {device})") from None
+
+    # -- cluster -------------------------------------------------------------------------
+
+    def agents(self) -> list[dict[str, Any]]:
+        reply = self._planner_call("ListAgents", pb.Empty())
+        return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
+                 "heartbeat_age_s": a.heartbeat_age_s} for a in reply.agents]
+
+    def devices(self) -> list[str]:
+        """Device ids (``host/index``) of the agents that are up, host by host."""
+        return [f"{a['host']}/{i}" for a in self.agents() if a["up"] for i in range(a["num_devices"])]
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def put(self, name: str, array, sharding: Sharding) -> TensorInfo:
+        """Scatter a whole tensor: every device of ``sharding`` gets its tile, then the tensor appears."""
+        arr, dtype, kind = _to_numpy(array)
+        reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
+            name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
+        jobs = []
+        for p in reply.placements:
+            tile = box_from_pb(p.box)
+            jobs.append(self._pool.submit(self._upload, reply.txn, name, p.device, p.address, tile, dtype,
+                                          arr[tuple(slice(lo, hi) for lo, hi in tile)]))
+        for f in jobs:
+            f.result()
+        self._planner_call("FinishUpload", pb.FinishUploadRequest(
+            txn=reply.txn, devices=[p.device for p in reply.placements]))
+        return self.info(name)
+
+    def put_shard(self, name: str, device: str, array, sharding: Sharding,
+                  shape: Optional[Sequence[int]] = None) -> bool:
+        """Hand over one device's shard, as a training rank does.
+
+        The tensor appears in the catalog once every device of ``sharding`` has
+        put its shard (all with the same shape, dtype and sharding); returns True
+        for the call that completed it. ``shape`` is the global shape; by default
+        each sharded dim is the local size times its number of pieces, which only
+        holds when the dim divides evenly: pass ``shape`` otherwise.
+        """
+        arr, dtype, kind = _to_numpy(array)
+        if shape is None:
+            shape = [n * math.prod(sharding.mesh.axis_size(a) for a in axes)
+                     for n, axes in zip(arr.shape, sharding.dim_axes(arr.ndim))]
+        reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
+            name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
+            device=device, shard_shape=arr.shape))
+        placement = next(p for p in reply.placements if p.device == device)
+        self._upload(reply.txn, name, device, placement.address, box_from_pb(placement.box), dtype, arr)
+        done = self._planner_call("FinishUpload", pb.FinishUploadRequest(txn=reply.txn, devices=[device]))
+        return done.complete
+
+    def _tensor(self, name: str) -> pb.TensorInfo:
+        return self._planner_call("GetTensor", pb.TensorRequest(name=name))
+
+    def info(self, name: str) -> TensorInfo:
+        return _info(self._tensor(name))
+
+    def get(self, name: str):
+        """Gather the whole tensor (one replica of each tile); numpy or torch, as it was put."""
+        t = self._tensor(name)
+        out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
+        seen: dict[Box, pb.Placement] = {}
+        for p in t.placements:
+            tile = box_from_pb(p.box)
+            if all(lo < hi for lo, hi in tile) and (tile not in seen or not seen[tile].address):
+                seen[tile] = p
+
+        def fetch(tile: Box, p: pb.Placement) -> None:
+            out[tuple(slice(lo, hi) for lo, hi in tile)] = self._download(name, t.version, p.device, p.address)
+
+        for f in [self._pool.submit(fetch, tile, p) for tile, p in seen.items()]:
+            f.result()
+        return _from_numpy(out, t.dtype, t.kind)
+
+    def get_shard(self, name: str, device: str):
+        """The tile ``device`` holds; numpy or torch, as the tensor was put."""
+        t = self._tensor(name)
+        p = next((p for p in t.placements if p.device == device), None)
+        if p is None:
+            raise NotFoundError(f"tensor {name!r} has no shard on device {device!r}; its devices are "
+                                f"{[q.device for q in t.placements]}")
+        arr = self._download(name, t.version, device, p.address)
+        return _from_numpy(arr.reshape(tile_shape(box_from_pb(p.box))), t.dtype, t.kind)
+
+    def digests(self, name: str) -> dict[str, str]:
+        """blake2b of every device's shard bytes, computed where the shards live (for verification)."""
+        t = self._tensor(name)
+        by_addr: dict[str, list[str]] = {}
+        for p in t.placements:
+            by_addr.setdefault(p.address, []).append(p.device)
+        out: dict[str, str] = {}
+        for address, devices in by_addr.items():
+            try:
+                reply = self._agent(address).Digest(pb.DigestRequest(tensor=name, version=t.version, devices=devices),
+                                                    timeout=self.timeout)
+            except grpc.RpcError as e:
+                raise domain_error(e, f"agent at {address}") from None
+            out.update(reply.blake2b)
+        return out
+
+    def tensors(self) -> list[TensorInfo]:
+        return [_info(t) for t in self._planner_call("ListTensors", pb.Empty()).tensors]
+
+    def delete(self, name: str) -> None:
+        self._planner_call("DeleteTensor", pb.TensorRequest(name=name))
+
+    # -- resharding ---------------------------------------------------------------------------
+
+    def reshard(self, name: str, sharding: Sharding, strategy: str = "auto") -> Job:
+        """Start moving ``name`` to ``sharding``; returns a `Job` at once."""
+        info = self._planner_call("Reshard", pb.ReshardRequest(name=name, dst_json=_sharding_json(sharding),
+                                                               strategy=strategy))
+        return Job(self, info)
+
+    def plan(self, tensor: Union[str, Sequence[int]], dst: Sharding, strategy: str = "auto", *,
+             dtype: Optional[str] = None, src: Optional[Sharding] = None) -> Plan:
+        """Dry run: the plan a reshard of ``tensor`` (a name, or a shape with ``dtype`` and ``src``) would run."""
+        if isinstance(tensor, str):
+            req = pb.PlanRequest(name=tensor, dst_json=_sharding_json(dst), strategy=strategy)
+        else:
+            if dtype is None or src is None:
+                raise InvalidArgumentError("plan(shape, dst) needs dtype= and src= when no tensor name is given")
+            req = pb.PlanRequest(shape=list(tensor), dtype=dtype_name(dtype), src_json=_sharding_json(src),
+                                 dst_json=_sharding_json(dst), strategy=strategy)
+        return Plan.from_json(self._planner_call("Plan", req).plan_json)
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        with self._lock:
+            for ch in self._agents.values():
+                ch.close()
+            self._agents.clear()
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"reshard.Client({self.address!r})"
+
+
+def _info(t: pb.TensorInfo) -> TensorInfo:
+    return TensorInfo(t.name, tuple(t.shape), t.dtype, Sharding.from_json(json.loads(t.sharding_json)), t.version,
+                      t.kind)
+
+
+def connect(address: str, **kwargs) -> Client:
+    """A client of the planner at ``address`` (``"host:port"``)."""
+    return Client(address, **kwargs)

@@ -1,0 +1,173 @@
+"""A planner and N agents as local processes on loopback: ``reshard up`` and ``reshard.local_cluster``.
+
+Every process binds port 0 and prints the address it got on its first stdout
+line; logs go to files under the cluster's log directory. Stopping sends
+SIGTERM, then SIGKILL to whatever lingers; children also get SIGTERM if this
+process dies first (Linux parent-death signal), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import re
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Optional
+
+from reshard.proto.errors import DeadlineExceededError, UnavailableError
+
+if TYPE_CHECKING:
+    from reshard.client.client import Client
+
+__all__ = ["LocalCluster", "local_cluster", "start_process"]
+
+_READY = re.compile(r"listening on (\S+)")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the parent exits (PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+def start_process(args: Sequence[str], log_path: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """Start ``args``, wait for its "listening on ADDR" line, and return the process and ADDR."""
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
+                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    log.close()
+    deadline = time.monotonic() + timeout
+    line = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.1)
+        if ready:
+            line = proc.stdout.readline()
+            m = _READY.search(line.decode(errors="replace"))
+            if m:
+                return proc, m.group(1)
+        if proc.poll() is not None:
+            break
+    proc.kill()
+    proc.wait()
+    tail = log_path.read_text(errors="replace")[-2000:]
+    raise UnavailableError(f"{' '.join(args[3:5])} did not start (exit code {proc.returncode}); log {log_path}:\n{tail}")
+
+
+class LocalCluster:
+    """One planner and ``hosts`` agents with ``devices_per_host`` devices each, on 127.0.0.1."""
+
+    def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
+                 planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
+                 startup_timeout_s: float = 60.0):
+        self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
+        self.devices_per_host = devices_per_host
+        self.planner_args = list(planner_args)
+        self.agent_args = list(agent_args)
+        self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="reshard-cluster-")
+        self.log_dir = Path(log_dir or self._tmp.name)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.startup_timeout_s = startup_timeout_s
+        self.address = ""
+        self.planner: Optional[subprocess.Popen] = None
+        self.agents: dict[str, subprocess.Popen] = {}
+        self.agent_addresses: dict[str, str] = {}
+
+    def _cmd(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "reshard.server.cli", *args]
+
+    def start(self) -> "LocalCluster":
+        try:
+            self.planner, self.address = start_process(
+                self._cmd("planner", "--listen", "127.0.0.1:0", *self.planner_args),
+                self.log_dir / "planner.log", self.startup_timeout_s)
+            for h in self.host_names:
+                self.start_agent(h, wait=False)
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_agent(self, host: str, wait: bool = True, extra_args: Sequence[str] = ()) -> str:
+        """Start (or restart) the agent of ``host``; returns its address."""
+        proc, addr = start_process(
+            self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
+                      "--devices", str(self.devices_per_host), *self.agent_args, *extra_args),
+            self.log_dir / f"agent-{host}.log", self.startup_timeout_s)
+        self.agents[host], self.agent_addresses[host] = proc, addr
+        if wait:
+            self.wait_ready()
+        return addr
+
+    def kill_agent(self, host: str) -> None:
+        """SIGKILL the agent of ``host`` (fault tests)."""
+        proc = self.agents[host]
+        proc.kill()
+        proc.wait()
+
+    def wait_ready(self) -> None:
+        """Block until the planner lists every live agent as up."""
+        from reshard.client.client import Client
+
+        deadline = time.monotonic() + self.startup_timeout_s
+        want = {h for h, p in self.agents.items() if p.poll() is None}
+        with Client(self.address) as c:
+            while True:
+                try:
+                    up = {a["host"] for a in c.agents() if a["up"] and a["address"] == self.agent_addresses[a["host"]]}
+                except Exception:  # noqa: BLE001 - the planner may still be starting
+                    up = set()
+                if want <= up:
+                    return
+                if time.monotonic() > deadline:
+                    raise DeadlineExceededError(f"agents {sorted(want - up)} did not register within "
+                                                f"{self.startup_timeout_s:g}s; logs in {self.log_dir}")
+                time.sleep(0.05)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        procs = [p for p in self.agents.values()] + ([self.planner] if self.planner else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        self.agents.clear()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def local_cluster(hosts: int = 2, devices_per_host: int = 4, **kwargs) -> Iterator["Client"]:
+    """``with reshard.local_cluster(hosts=2, devices_per_host=4) as c:`` yields a connected client.
+
+    ``c.address`` is the planner's address and ``c.cluster`` the `LocalCluster`.
+    """
+    from reshard.client.client import Client
+
+    with LocalCluster(hosts, devices_per_host, **kwargs) as cluster:
+        with Client(cluster.address) as c:
+            c.cluster = cluster
+            yield c

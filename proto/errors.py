@@ -1,0 +1,82 @@
+"""The service's error vocabulary, shared by the services and the SDK.
+
+Each error maps to one gRPC status code; the message travels unchanged. Caller
+mistakes stay ``ValueError`` subclasses (the core's errors included) and map to
+``INVALID_ARGUMENT``. This module imports no gRPC, so domain code may raise
+these errors and the SDK may re-raise them without either depending on the
+other.
+
+==================== ====================== ========================================
+error                status code            when
+==================== ====================== ========================================
+ValueError (any)     INVALID_ARGUMENT       bad shape, dtype, sharding, shard, device
+NotFoundError        NOT_FOUND              unknown tensor, job or shard
+AlreadyExistsError   ALREADY_EXISTS         a tensor name that is taken
+FailedPrecondition.. FAILED_PRECONDITION    a host is down, a shard set is incomplete
+UnavailableError     UNAVAILABLE            an agent that cannot be reached
+DeadlineExceeded..   DEADLINE_EXCEEDED      a job or transfer that ran out of time
+==================== ====================== ========================================
+"""
+
+from __future__ import annotations
+
+from reshard.errors import ReshardError
+
+__all__ = [
+    "InvalidArgumentError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "FailedPreconditionError",
+    "UnavailableError",
+    "DeadlineExceededError",
+    "status_name",
+    "error_for_status",
+]
+
+
+class InvalidArgumentError(ReshardError, ValueError):
+    """A request the service rejects as malformed (a shard of the wrong size, say)."""
+
+
+class NotFoundError(ReshardError, LookupError):
+    """No tensor, job, device or shard by that name."""
+
+
+class AlreadyExistsError(ReshardError):
+    """The name is taken."""
+
+
+class FailedPreconditionError(ReshardError):
+    """The request is well formed but the cluster is not in a state to carry it out."""
+
+
+class UnavailableError(ReshardError, ConnectionError):
+    """A service or agent could not be reached."""
+
+
+class DeadlineExceededError(ReshardError, TimeoutError):
+    """Work did not finish in the time allowed."""
+
+
+_CODES = (
+    (NotFoundError, "NOT_FOUND"),
+    (AlreadyExistsError, "ALREADY_EXISTS"),
+    (FailedPreconditionError, "FAILED_PRECONDITION"),
+    (UnavailableError, "UNAVAILABLE"),
+    (DeadlineExceededError, "DEADLINE_EXCEEDED"),
+    (ValueError, "INVALID_ARGUMENT"),
+)
+
+
+def status_name(error: BaseException) -> str | None:
+    """The gRPC status code name for a domain error, or None for a bug (INTERNAL)."""
+    for cls, name in _CODES:
+        if isinstance(error, cls):
+            return name
+    return None
+
+
+def error_for_status(name: str, message: str) -> Exception | None:
+    """The domain error a status code name stands for, carrying ``message``."""
+    cls = {"INVALID_ARGUMENT": InvalidArgumentError, **{n: c for c, n in _CODES if c is not ValueError}}.get(name)
+    return cls(message) if cls else None

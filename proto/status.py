@@ -1,0 +1,79 @@
+"""Domain errors to gRPC status codes and back, with the message unchanged.
+
+A servicer that fails on purpose marks its status with trailing metadata, so a
+caller can tell "the peer said no" (re-raised as the same domain error) from
+"the peer could not be reached" (an `UnavailableError` naming the peer).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from reshard.proto.errors import DeadlineExceededError, UnavailableError, error_for_status, status_name
+
+__all__ = ["servicer_method", "domain_error", "start_server"]
+
+log = logging.getLogger(__name__)
+
+_MARK = "reshard-domain-error"
+
+
+def _abort(context: grpc.ServicerContext, error: Exception):
+    name = status_name(error)
+    if name is None:
+        log.exception("internal error in %s", getattr(context, "peer", lambda: "?")())
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+    context.set_trailing_metadata(((_MARK, "1"),))
+    context.abort(getattr(grpc.StatusCode, name), str(error))
+
+
+def servicer_method(fn):
+    """Wrap a servicer method (unary or streaming) so domain errors become status codes."""
+    if inspect.isgeneratorfunction(fn):
+        @functools.wraps(fn)
+        def stream(self, request, context):
+            try:
+                yield from fn(self, request, context)
+            except Exception as e:  # noqa: BLE001 - every error leaves as a status
+                _abort(context, e)
+        return stream
+
+    @functools.wraps(fn)
+    def unary(self, request, context):
+        try:
+            return fn(self, request, context)
+        except Exception as e:  # noqa: BLE001
+            _abort(context, e)
+    return unary
+
+
+def domain_error(err: grpc.RpcError, peer: str) -> Exception:
+    """The domain error a failed call stands for; ``peer`` describes whom we called."""
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = (err.details() if hasattr(err, "details") else str(err)) or ""
+    marked = any(k == _MARK for k, _ in (err.trailing_metadata() or ())) if hasattr(err, "trailing_metadata") else False
+    if marked:
+        mapped = error_for_status(code.name, details)
+        if mapped is not None:
+            return mapped
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(f"{peer} did not answer in time ({details})")
+    return UnavailableError(f"{peer} failed: {code.name}: {details}")
+
+
+def start_server(server: grpc.Server, listen: str, service: str) -> int:
+    """Add health checking, bind ``listen``, start, and report SERVING; returns the bound port."""
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port(listen)
+    if port == 0:
+        raise OSError(f"{service} could not bind {listen}")
+    server.start()
+    for name in ("", service):
+        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return port

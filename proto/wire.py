@@ -1,0 +1,94 @@
+"""Conversions between the core's values and the generated messages, and shard streams."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from reshard.box import Box, to_slices
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
+
+__all__ = ["box_to_pb", "box_from_pb", "shard_stream", "read_shard_stream"]
+
+
+def box_to_pb(box: Box) -> pb.Box:
+    return pb.Box(lo=[lo for lo, _ in box], hi=[hi for _, hi in box])
+
+
+def box_from_pb(msg: pb.Box) -> Box:
+    if len(msg.lo) != len(msg.hi):
+        raise InvalidArgumentError(f"box has {len(msg.lo)} lower and {len(msg.hi)} upper bounds; they must match")
+    return tuple(zip(msg.lo, msg.hi))
+
+
+def shard_stream(array: np.ndarray, header: pb.ShardHeader, chunk_bytes: int) -> Iterator[pb.ShardChunk]:
+    """Header, the tile's bytes in chunks, and a trailer; ``array`` is the tile ``header.box``."""
+    tile = box_from_pb(header.box)
+    yield pb.ShardChunk(header=header)
+    check = Checksum()
+    for sub in chunk_boxes(tile, header.dtype, chunk_bytes):
+        data = np.ascontiguousarray(array[to_slices(sub, tile)]).tobytes()
+        check.update(data)
+        yield pb.ShardChunk(piece=pb.Piece(box=box_to_pb(sub), data=data))
+    yield pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, crc32=check.crc32))
+
+
+def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None) -> tuple[pb.ShardHeader, np.ndarray]:
+    """Assemble a shard from a stream, checking every piece lies in the tile and the trailer matches.
+
+    ``check_header(header)`` may reject the stream before any bytes are read.
+    """
+    it = iter(chunks)
+    first = next(it, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise InvalidArgumentError("a shard stream must open with a header naming tensor, device, dtype and box")
+    header = first.header
+    if check_header is not None:
+        check_header(header)
+    tile = box_from_pb(header.box)
+    dtype = np_dtype(header.dtype)
+    out = np.empty(tile_shape(tile), dtype=dtype)
+    check = Checksum()
+    for msg in it:
+        kind = msg.WhichOneof("kind")
+        if kind == "piece":
+            write_piece(out, tile, msg.piece, dtype)
+            check.update(msg.piece.data)
+        elif kind == "trailer":
+            verify_trailer(check, msg.trailer, out.nbytes, f"shard of device {header.device!r}")
+            return header, out
+        else:
+            raise InvalidArgumentError("a shard stream carries one header, then pieces, then one trailer")
+    raise InvalidArgumentError(
+        f"shard stream for device {header.device!r} ended after {check.nbytes} bytes without a trailer; "
+        f"the upload was cut off"
+    )
+
+
+def write_piece(out: np.ndarray, tile: Box, piece: pb.Piece, dtype: np.dtype) -> Box:
+    """Write a piece into ``out`` (which holds ``tile``), checking it fits; return its box."""
+    sub = box_from_pb(piece.box)
+    if len(sub) != len(tile) or any(s0 < t0 or s1 > t1 or s0 >= s1 for (s0, s1), (t0, t1) in zip(sub, tile)):
+        raise InvalidArgumentError(f"piece {list(sub)} lies outside the tile {list(tile)}")
+    shape = tile_shape(sub)
+    expected = int(np.prod(shape)) * dtype.itemsize
+    if len(piece.data) != expected:
+        raise InvalidArgumentError(
+            f"piece {list(sub)} carries {len(piece.data)} bytes but {shape} elements of {dtype} need {expected}"
+        )
+    out[to_slices(sub, tile)] = np.frombuffer(piece.data, dtype=dtype).reshape(shape)
+    return sub
+
+
+def verify_trailer(check: Checksum, trailer: pb.Trailer, expected_nbytes: int, what: str) -> None:
+    if check.nbytes != trailer.nbytes or check.nbytes != expected_nbytes:
+        raise InvalidArgumentError(
+            f"{what}: received {check.nbytes} bytes, sender sent {trailer.nbytes}, the box holds {expected_nbytes}"
+        )
+    if check.crc32 != trailer.crc32:
+        raise InvalidArgumentError(
+            f"{what}: CRC-32 {check.crc32:08x} of the received bytes differs from the sender's {trailer.crc32:08x}"
+        )

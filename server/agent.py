@@ -1,0 +1,275 @@
+"""The agent service: a host's shards over gRPC, pushes between agents, and registration.
+
+``serve_agent(config)`` builds the server and returns it with its bound port;
+``Agent`` adds the registration and heartbeat loop that keeps the planner
+informed. The servicer only converts messages; `Executor` and `ShardStore` do
+the work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from concurrent import futures
+
+import grpc
+
+from reshard.dtypes import dtype_name
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.status import domain_error, servicer_method, start_server
+from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
+from reshard.server.config import AgentConfig
+from reshard.server.executor import Executor, Item, PushHeader
+from reshard.server.shards import Shard, ShardStore
+
+__all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
+
+log = logging.getLogger(__name__)
+
+_PROGRESS_INTERVAL_S = 0.2
+# Bytes per message: chunks plus headroom for the piece's box.
+_MESSAGE_SLACK = 2**16
+
+
+def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
+    limit = chunk_bytes + _MESSAGE_SLACK
+    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+
+
+class GrpcPeerLink:
+    """Pushes to peer agents, one cached channel per address."""
+
+    def __init__(self, chunk_bytes: int, timeout_s: float):
+        self._options = channel_options(chunk_bytes)
+        self._timeout = timeout_s
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.AgentStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
+        return pb_grpc.AgentStub(ch)
+
+    def push(self, host: str, address: str, header: PushHeader, items: Iterable[Item]) -> list[str]:
+        def messages() -> Iterator[pb.PushChunk]:
+            yield pb.PushChunk(header=pb.PushHeader(job=header.job, plan_id=header.plan_id, transfer=header.transfer,
+                                                     hop=header.hop, from_host=header.from_host))
+            for item in items:
+                if item[0] == "piece":
+                    yield pb.PushChunk(piece=pb.Piece(box=box_to_pb(item[1]), data=item[2]))
+                else:
+                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], crc32=item[2]))
+
+        try:
+            reply = self._stub(address).Push(messages(), timeout=self._timeout, wait_for_ready=False)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent of host {host} at {address}") from None
+        return list(reply.confirmed)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
+    it = iter(request_iterator)
+    first = next(it, None)
+    if first is None or first.WhichOneof("kind") != "header":
+        raise InvalidArgumentError(f"a {first_kind} stream must open with a header")
+    return first.header, it
+
+
+class AgentServicer(pb_grpc.AgentServicer):
+    def __init__(self, config: AgentConfig, store: ShardStore, executor: Executor):
+        self.config = config
+        self.store = store
+        self.executor = executor
+        self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
+
+    def _check_device(self, device: str) -> None:
+        if device not in self.devices:
+            raise InvalidArgumentError(
+                f"device {device!r} is not on host {self.config.host}; its devices are {sorted(self.devices)}"
+            )
+
+    @servicer_method
+    def PutShard(self, request_iterator, context):
+        header, shard = read_shard_stream(request_iterator, lambda h: self._check_device(h.device))
+        self.store.stage(header.txn, header.device, Shard(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+        return pb.PutShardReply(nbytes=shard.nbytes)
+
+    @servicer_method
+    def GetShard(self, request, context):
+        shard = self.store.get(request.tensor, request.version, request.device)
+        header = pb.ShardHeader(tensor=request.tensor, version=request.version, device=request.device,
+                                dtype=shard.dtype, box=box_to_pb(shard.tile))
+        yield from shard_stream(shard.array, header, self.config.chunk_bytes)
+
+    @servicer_method
+    def Digest(self, request, context):
+        out = {}
+        for d in request.devices:
+            shard = self.store.get(request.tensor, request.version, d)
+            out[d] = hashlib.blake2b(memoryview(shard.array).cast("B") if shard.array.flags.c_contiguous
+                                     else shard.array.tobytes()).hexdigest()
+        return pb.DigestReply(blake2b=out)
+
+    @servicer_method
+    def Push(self, request_iterator, context):
+        h, it = _pieces(request_iterator, "Push")
+        header = PushHeader(h.job, h.plan_id, h.transfer, h.hop, h.from_host)
+
+        def items() -> Iterator[Item]:
+            for msg in it:
+                kind = msg.WhichOneof("kind")
+                if kind == "piece":
+                    yield ("piece", box_from_pb(msg.piece.box), msg.piece.data)
+                elif kind == "trailer":
+                    yield ("trailer", msg.trailer.nbytes, msg.trailer.crc32)
+                else:
+                    raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
+
+        return pb.PushReply(confirmed=self.executor.receive(header, items()))
+
+    @servicer_method
+    def Prepare(self, request, context):
+        self.executor.prepare(request.job, request.plan_json, request.tensor, request.src_version,
+                              request.dst_version, dict(request.peers))
+        return pb.Empty()
+
+    @servicer_method
+    def Execute(self, request, context):
+        wait_all, progress, done = self.executor.execute(request.job, request.plan_id, request.phase)
+        result: dict[str, BaseException | None] = {"error": None}
+        finished = threading.Event()
+
+        def waiter():
+            try:
+                wait_all()
+            except BaseException as e:  # noqa: BLE001 - reported to the caller below
+                result["error"] = e
+            finally:
+                finished.set()
+
+        threading.Thread(target=waiter, daemon=True, name=f"execute-{request.job[:8]}").start()
+        while not finished.wait(_PROGRESS_INTERVAL_S):
+            if not context.is_active():
+                self.executor.abort(request.job)
+                return
+            sent, total = progress()
+            yield pb.Progress(bytes_done=sent, bytes_total=total)
+        if result["error"] is not None:
+            raise result["error"]
+        sent, total = progress()
+        yield pb.Progress(bytes_done=sent, bytes_total=total, done=True)
+
+    @servicer_method
+    def Commit(self, request, context):
+        if request.devices:
+            self.store.commit(request.txn, request.tensor, request.version, list(request.devices))
+        else:
+            self.executor.commit(request.txn)
+        return pb.Empty()
+
+    @servicer_method
+    def Abort(self, request, context):
+        self.executor.abort(request.txn)
+        return pb.Empty()
+
+    @servicer_method
+    def Release(self, request, context):
+        self.store.release(request.tensor, request.version)
+        return pb.Empty()
+
+    @servicer_method
+    def JobStats(self, request, context):
+        t = self.executor.traffic(request.job)
+        return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
+                              local_bytes=t.local_bytes)
+
+
+def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
+    """Build and start an agent's gRPC server; returns (server, bound port, executor)."""
+    store = ShardStore()
+    link = GrpcPeerLink(config.chunk_bytes, config.transfer_timeout_s)
+    executor = Executor(config.host, store, link, chunk_bytes=config.chunk_bytes, workers=config.max_workers,
+                        forward_queue_chunks=config.forward_queue_chunks,
+                        transfer_timeout_s=config.transfer_timeout_s,
+                        rate_limit_bytes_per_s=config.rate_limit_bytes_per_s)
+    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
+                         options=channel_options(config.chunk_bytes))
+    pb_grpc.add_AgentServicer_to_server(AgentServicer(config, store, executor), server)
+    port = start_server(server, config.listen, "reshard.v1.Agent")
+    return server, port, executor
+
+
+def advertised_address(config: AgentConfig, port: int) -> str:
+    if config.advertise:
+        return config.advertise
+    host = config.listen.rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
+class Agent:
+    """A running agent: its server plus the loop that registers and heartbeats."""
+
+    def __init__(self, config: AgentConfig):
+        self.config = config
+        self.server, self.port, self.executor = serve_agent(config)
+        self.address = advertised_address(config, self.port)
+        self._stop = threading.Event()
+        self._channel = grpc.insecure_channel(config.planner)
+        self._planner = pb_grpc.PlannerStub(self._channel)
+        self._interval = config.heartbeat_interval_s
+        self._thread: threading.Thread | None = None
+
+    def register(self) -> None:
+        """Register with the planner, retrying until ``register_timeout_s`` runs out."""
+        deadline = time.monotonic() + self.config.register_timeout_s
+        while True:
+            try:
+                reply = self._planner.Register(pb.RegisterRequest(
+                    host=self.config.host, num_devices=self.config.num_devices, address=self.address,
+                    nic_gbps=self.config.nic_gbps), timeout=5.0, wait_for_ready=True)
+                self._interval = reply.heartbeat_interval_s or self._interval
+                log.info("host %s registered with planner %s as %s", self.config.host, self.config.planner,
+                         self.address)
+                return
+            except grpc.RpcError as e:
+                if time.monotonic() > deadline:
+                    raise domain_error(e, f"planner at {self.config.planner}") from None
+                time.sleep(0.2)
+
+    def start(self) -> "Agent":
+        self.register()
+        self._thread = threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat")
+        self._thread.start()
+        return self
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(self._interval):
+            try:
+                reply = self._planner.Heartbeat(pb.HeartbeatRequest(host=self.config.host, address=self.address),
+                                                timeout=max(self._interval, 1.0))
+                if not reply.known:
+                    self.register()
+            except grpc.RpcError as e:
+                log.warning("heartbeat to planner %s failed: %s", self.config.planner, e.code().name)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace).wait()
+        self.executor.link.close()
+        self._channel.close()

@@ -1,0 +1,199 @@
+"""The planner's catalog of tensors, and the uploads that may add to it.
+
+A tensor enters the catalog only when every device of its sharding holds its
+shard: an upload is a transaction that commits whole or leaves nothing. An
+upload that goes quiet for ``upload_timeout_s`` (a client that died midway) is
+expired and its staged shards dropped.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from reshard.dtypes import dtype_name
+from reshard.proto.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from reshard.sharding import Sharding, normalise_shape
+
+__all__ = ["TensorRecord", "Catalog", "Upload", "Uploads"]
+
+KINDS = ("numpy", "torch")
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharding: Sharding
+    version: int
+    kind: str = "numpy"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+                "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "TensorRecord":
+        return cls(data["name"], tuple(data["shape"]), data["dtype"], Sharding.from_json(data["sharding"]),
+                   int(data["version"]), data.get("kind", "numpy"))
+
+
+def check_name(name: str) -> str:
+    if not isinstance(name, str) or not name or len(name) > 256 or not name.isprintable():
+        raise InvalidArgumentError(f"tensor name {name!r} must be 1 to 256 printable characters")
+    return name
+
+
+class Catalog:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tensors: dict[str, TensorRecord] = {}
+
+    def get(self, name: str) -> TensorRecord:
+        with self._lock:
+            rec = self._tensors.get(name)
+            names = sorted(self._tensors)
+        if rec is None:
+            shown = names[:10] + (["..."] if len(names) > 10 else [])
+            raise NotFoundError(f"no tensor named {name!r}; the catalog holds {shown}")
+        return rec
+
+    def contains(self, name: str) -> bool:
+        with self._lock:
+            return name in self._tensors
+
+    def list(self) -> list[TensorRecord]:
+        with self._lock:
+            return sorted(self._tensors.values(), key=lambda r: r.name)
+
+    def add(self, rec: TensorRecord) -> None:
+        with self._lock:
+            if rec.name in self._tensors:
+                raise AlreadyExistsError(f"tensor name {rec.name!r} is taken; delete it first or pick another name")
+            self._tensors[rec.name] = rec
+
+    def swap(self, old: TensorRecord, new: TensorRecord) -> None:
+        """Replace ``old`` by ``new`` if ``old`` is still current (the commit point of a reshard)."""
+        with self._lock:
+            if self._tensors.get(old.name) != old:
+                raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the reshard")
+            self._tensors[old.name] = new
+
+    def remove(self, name: str) -> TensorRecord:
+        with self._lock:
+            rec = self._tensors.pop(name, None)
+        if rec is None:
+            raise NotFoundError(f"no tensor named {name!r} to delete")
+        return rec
+
+    def load(self, records) -> None:
+        with self._lock:
+            for r in records:
+                self._tensors[r.name] = r
+
+
+@dataclass
+class Upload:
+    txn: str
+    record: TensorRecord
+    per_shard: bool
+    done: set[str] = field(default_factory=set)
+    last_activity: float = 0.0
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.record.sharding.mesh.require_devices()
+
+
+class Uploads:
+    def __init__(self, catalog: Catalog, timeout_s: float, clock: Callable[[], float] = time.monotonic):
+        self._catalog = catalog
+        self._timeout = timeout_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_txn: dict[str, Upload] = {}
+        self._by_name: dict[str, Upload] = {}
+
+    def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool) -> Upload:
+        check_name(name)
+        shape = sharding.check_shape(normalise_shape(shape))
+        dtype = dtype_name(dtype)
+        if kind not in KINDS:
+            raise InvalidArgumentError(f"kind {kind!r} must be one of {list(KINDS)}")
+        rec = TensorRecord(name, shape, dtype, sharding, 1, kind)
+        with self._lock:
+            if self._catalog.contains(name):
+                raise AlreadyExistsError(f"tensor name {name!r} is taken; delete it first or pick another name")
+            pending = self._by_name.get(name)
+            if pending is not None:
+                if per_shard and pending.per_shard:
+                    self._check_same(pending.record, rec)
+                    pending.last_activity = self._clock()
+                    return pending
+                raise AlreadyExistsError(
+                    f"tensor {name!r} is being uploaded (transaction {pending.txn[:8]}); wait for it to finish or "
+                    f"for it to expire {self._timeout:g}s after its last activity"
+                )
+            up = Upload(uuid.uuid4().hex, rec, per_shard, last_activity=self._clock())
+            self._by_txn[up.txn] = up
+            self._by_name[name] = up
+            return up
+
+    @staticmethod
+    def _check_same(old: TensorRecord, new: TensorRecord) -> None:
+        for what in ("shape", "dtype", "sharding"):
+            a, b = getattr(old, what), getattr(new, what)
+            if a != b:
+                raise InvalidArgumentError(
+                    f"put_shard of {old.name!r} gives {what} {b} but earlier shards gave {a}; "
+                    f"every rank must describe the same tensor"
+                )
+
+    def get(self, txn: str) -> Upload:
+        with self._lock:
+            up = self._by_txn.get(txn)
+        if up is None:
+            raise NotFoundError(f"no upload transaction {txn!r}; it finished, failed or expired")
+        return up
+
+    def mark(self, txn: str, devices) -> tuple[Upload, bool]:
+        """Record uploaded devices; returns the upload and whether every device now has its shard."""
+        up = self.get(txn)
+        devices = list(devices)
+        unknown = [d for d in devices if d not in up.devices]
+        if unknown:
+            raise InvalidArgumentError(
+                f"devices {unknown} are not in the mesh of {up.record.name!r}; its devices are {list(up.devices)}"
+            )
+        with self._lock:
+            up.done.update(devices)
+            up.last_activity = self._clock()
+            return up, len(up.done) == len(up.devices)
+
+    def close(self, txn: str) -> None:
+        with self._lock:
+            up = self._by_txn.pop(txn, None)
+            if up is not None and self._by_name.get(up.record.name) is up:
+                del self._by_name[up.record.name]
+
+    def expired(self) -> list[Upload]:
+        now = self._clock()
+        with self._lock:
+            out = [u for u in self._by_txn.values() if now - u.last_activity > self._timeout]
+        for u in out:
+            self.close(u.txn)
+        return out
+
+    def touch(self, txn: str) -> None:
+        with self._lock:
+            up = self._by_txn.get(txn)
+            if up is not None:
+                up.last_activity = self._clock()
+
+
+def bumped(rec: TensorRecord, sharding: Sharding) -> TensorRecord:
+    return replace(rec, sharding=sharding, version=rec.version + 1)

@@ -1,0 +1,53 @@
+"""One configuration object per component: every address, size and timeout lives here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["AgentConfig", "PlannerConfig", "MiB"]
+
+MiB = 2**20
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """An agent: one host's shard holder and mover."""
+
+    host: str
+    num_devices: int
+    planner: str
+    listen: str = "127.0.0.1:0"
+    advertise: Optional[str] = None  # address peers dial; defaults to the bound listen address
+    chunk_bytes: int = 4 * MiB
+    max_workers: int = 16  # gRPC server threads; concurrent transfers use the same bound
+    nic_gbps: float = 10.0  # reported to the planner's cost model
+    heartbeat_interval_s: float = 1.0
+    register_timeout_s: float = 30.0
+    transfer_timeout_s: float = 300.0
+    forward_queue_chunks: int = 4  # chunks a chain hop buffers before it pushes back
+    rate_limit_bytes_per_s: float = 0.0  # 0: unlimited; tests slow transfers down to interrupt them
+
+    def __post_init__(self):
+        if self.num_devices <= 0:
+            raise ValueError(f"an agent needs at least one device; got num_devices={self.num_devices}")
+        if "/" in self.host or not self.host:
+            raise ValueError(f"host name {self.host!r} must be non-empty and contain no '/'")
+        if self.chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive; got {self.chunk_bytes}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """The planner service: registry, catalog and jobs."""
+
+    listen: str = "127.0.0.1:0"
+    state_path: Optional[str] = None  # SQLite file for the catalog, jobs and plans; None: memory only
+    max_workers: int = 32
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 5.0  # an agent silent this long is down
+    upload_timeout_s: float = 120.0  # an upload idle this long is aborted
+    job_timeout_s: float = 600.0  # a reshard job still moving data after this long fails
+    agent_rpc_timeout_s: float = 30.0  # control calls to agents (prepare, commit, release)
+    max_wait_s: float = 10.0  # longest a GetJob call blocks
+    max_concurrent_jobs: int = 8

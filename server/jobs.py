@@ -1,0 +1,214 @@
+"""Reshard jobs: plan, validate, hand each agent its part, wait, commit, release.
+
+A job's life: ``queued`` (waiting for earlier jobs on the same tensor) ->
+``running`` -> ``succeeded`` or ``failed``. The commit point is the catalog
+swap: agents stage the new version's shards and make them visible only on
+commit, and the old version's shards are released only after every receiver
+confirmed and every agent committed, so a failed job leaves the source as it
+was. Agent calls go through an `AgentCalls` object the service layer provides.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from reshard.mesh import host_of
+from reshard.plan import Plan
+from reshard.planner import plan as make_plan
+from reshard.proto.errors import DeadlineExceededError
+from reshard.server.catalog import Catalog, TensorRecord, bumped
+from reshard.server.executor import send_bytes
+from reshard.server.registry import Registry
+from reshard.server.state import StateStore
+from reshard.sharding import Sharding
+
+__all__ = ["Job", "JobRunner", "AgentCalls", "STATES"]
+
+log = logging.getLogger(__name__)
+
+STATES = ("queued", "running", "succeeded", "failed")
+
+
+class AgentCalls(Protocol):
+    def prepare(self, host: str, address: str, job: str, plan_json: str, tensor: str, src_version: int,
+                dst_version: int, peers: dict[str, str], timeout: float) -> None: ...
+
+    def execute(self, host: str, address: str, job: str, plan_id: str, phase: int,
+                on_progress: Callable[[int, int], None], timeout: float) -> None: ...
+
+    def commit(self, host: str, address: str, txn: str, tensor: str, version: int, devices: list[str],
+               timeout: float) -> None: ...
+
+    def abort(self, host: str, address: str, txn: str, timeout: float) -> None: ...
+
+    def release(self, host: str, address: str, tensor: str, version: int, timeout: float) -> None: ...
+
+    def stats(self, host: str, address: str, job: str, timeout: float) -> dict: ...
+
+
+@dataclass
+class Job:
+    id: str
+    tensor: str
+    dst: Sharding
+    strategy: str
+    state: str = "queued"
+    error: str = ""
+    plan: Plan | None = None
+    created: float = field(default_factory=time.time)
+    started: float = 0.0
+    finished: float = 0.0
+    version: int = 0
+    progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [done, total]
+    traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
+    done_event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def seconds(self) -> float:
+        if not self.started:
+            return 0.0
+        return (self.finished or time.time()) - self.started
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json(), "strategy": self.strategy,
+                "state": self.state, "error": self.error, "plan_id": self.plan.id if self.plan else "",
+                "created": self.created, "started": self.started, "finished": self.finished,
+                "version": self.version, "progress": self.progress, "traffic": self.traffic}
+
+    @classmethod
+    def from_json(cls, d: dict, plan: Plan | None) -> "Job":
+        job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]), d["strategy"], d["state"], d["error"], plan,
+                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d["traffic"])
+        if job.state in ("queued", "running"):
+            job.state, job.error = "failed", "the planner restarted while this job was in flight"
+        job.done_event.set()
+        return job
+
+
+class JobRunner:
+    def __init__(self, registry: Registry, catalog: Catalog, store: StateStore, agents: AgentCalls, *,
+                 job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int):
+        self.registry = registry
+        self.catalog = catalog
+        self.store = store
+        self.agents = agents
+        self.job_timeout_s = job_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._jobs_pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="job")
+        self._calls_pool = ThreadPoolExecutor(max(8, 4 * max_concurrent), thread_name_prefix="agent-call")
+        self._lock = threading.Lock()
+        self._jobs: dict[str, Job] = {}
+        self._tensor_locks: dict[str, threading.Lock] = {}
+        for doc in store.jobs():
+            plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
+            job = Job.from_json(doc, Plan.from_json(plan_doc) if plan_doc else None)
+            self._jobs[job.id] = job
+
+    def submit(self, tensor: str, dst: Sharding, strategy: str) -> Job:
+        job = Job(uuid.uuid4().hex, tensor, dst, strategy)
+        with self._lock:
+            self._jobs[job.id] = job
+            lock = self._tensor_locks.setdefault(tensor, threading.Lock())
+        self.store.save_job(job.to_json())
+        self._jobs_pool.submit(self._run, job, lock)
+        return job
+
+    def get(self, job_id: str) -> Job | None:
+        with self._lock:
+            return self._jobs.get(job_id)
+
+    def busy(self, tensor: str) -> bool:
+        with self._lock:
+            return any(j.tensor == tensor and j.state in ("queued", "running") for j in self._jobs.values())
+
+    # -- running ------------------------------------------------------------------------
+
+    def _run(self, job: Job, lock: threading.Lock) -> None:
+        with lock:
+            job.state, job.started = "running", time.time()
+            self.store.save_job(job.to_json())
+            try:
+                self._reshard(job)
+                job.state = "succeeded"
+            except Exception as e:  # noqa: BLE001 - every failure is recorded on the job
+                job.state = "failed"
+                job.error = f"reshard of {job.tensor!r} to {job.dst.spec_str()} failed: {e}"
+                log.warning("job %s failed: %s", job.id[:8], job.error)
+            finally:
+                job.finished = time.time()
+                self.store.save_job(job.to_json())
+                job.done_event.set()
+
+    def _fan_out(self, fn, hosts, deadline: float) -> None:
+        """Call ``fn(host)`` for every host at once; raise the first error, naming its host."""
+        futures = {self._calls_pool.submit(fn, h): h for h in hosts}
+        done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+        if pending:
+            late = sorted(futures[f] for f in pending)
+            raise DeadlineExceededError(f"agents of hosts {late} did not finish within the job timeout "
+                                        f"({self.job_timeout_s:g}s)")
+
+    def _reshard(self, job: Job) -> None:
+        rec: TensorRecord = self.catalog.get(job.tensor)
+        deadline = time.monotonic() + self.job_timeout_s
+        plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(), job.strategy)
+        plan.validate()
+        job.plan = plan
+        self.store.save_plan(plan.id, plan.dumps())
+        hosts = set(job.dst.mesh.hosts) | {host_of(t.sender) for t in plan.transfers}
+        hosts |= {h for t in plan.transfers for h in t.route}
+        hosts = sorted(hosts)
+        peers = {h: self.registry.require_up(h).address for h in hosts}
+        job.version = rec.version + 1
+        job.progress = {h: [0, send_bytes(plan, h)] for h in hosts}
+        dst_hosts = sorted(job.dst.mesh.hosts)
+        timeout = self.rpc_timeout_s
+        try:
+            self._fan_out(lambda h: self.agents.prepare(h, peers[h], job.id, plan.dumps(), rec.name, rec.version,
+                                                        job.version, peers, timeout), hosts, deadline)
+            base = {h: 0 for h in hosts}
+            for phase in sorted({t.phase for t in plan.transfers}):
+                senders = sorted({host_of(t.sender) for t in plan.transfers if t.phase == phase})
+
+                def run(h, phase=phase):
+                    def on_progress(done: int, total: int) -> None:
+                        job.progress[h][0] = base[h] + done
+                    self.agents.execute(h, peers[h], job.id, plan.id, phase, on_progress,
+                                        max(0.1, deadline - time.monotonic()))
+                    base[h] = job.progress[h][0] = base[h] + send_bytes(plan, h, phase)
+
+                self._fan_out(run, senders, deadline)
+            self._fan_out(lambda h: self.agents.commit(h, peers[h], job.id, rec.name, job.version, [], timeout),
+                          dst_hosts, deadline)
+            self.catalog.swap(rec, bumped(rec, job.dst))
+        except BaseException:
+            self._best_effort(lambda h: self.agents.abort(h, peers[h], job.id, timeout), hosts)
+            self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
+            raise
+        self.store.save_tensor(self.catalog.get(rec.name).to_json())
+        src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
+        self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version, timeout),
+                          sorted(src_agents))
+        for h in hosts:
+            try:
+                job.traffic[h] = self.agents.stats(h, peers[h], job.id, timeout)
+            except Exception as e:  # noqa: BLE001 - statistics are informative only
+                log.info("no traffic statistics from %s for job %s: %s", h, job.id[:8], e)
+
+    def _best_effort(self, fn, hosts) -> None:
+        futures = {self._calls_pool.submit(fn, h): h for h in hosts}
+        for f, h in futures.items():
+            try:
+                f.result(timeout=self.rpc_timeout_s)
+            except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
+                log.info("cleanup call to host %s failed: %s", h, e)

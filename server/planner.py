@@ -1,0 +1,202 @@
+"""The planner service's domain: registry, catalog, uploads and jobs behind one facade.
+
+The servicer turns messages into calls on `Planner`; agent calls go through the
+`AgentCalls` the service layer provides, so this module knows no gRPC.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+from reshard.box import Box
+from reshard.errors import InvalidShardingError
+from reshard.mesh import host_of
+from reshard.plan import Plan
+from reshard.planner import STRATEGIES
+from reshard.planner import plan as make_plan
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from reshard.server.catalog import Catalog, TensorRecord, Upload, Uploads
+from reshard.server.config import PlannerConfig
+from reshard.server.jobs import AgentCalls, Job, JobRunner
+from reshard.server.registry import AgentRecord, Registry
+from reshard.server.state import StateStore
+from reshard.sharding import Sharding
+
+__all__ = ["Planner", "parse_sharding"]
+
+log = logging.getLogger(__name__)
+
+Placement = tuple[str, str, Box]  # device, agent address, tile
+
+
+def parse_sharding(text: str, what: str) -> Sharding:
+    try:
+        data = json.loads(text)
+    except (TypeError, ValueError):
+        raise InvalidShardingError(f"{what} is not JSON of a sharding (Sharding.to_json()): {text[:80]!r}") from None
+    return Sharding.from_json(data)
+
+
+def check_strategy(strategy: str) -> str:
+    strategy = strategy or "auto"
+    if strategy not in STRATEGIES:
+        raise InvalidArgumentError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    return strategy
+
+
+class Planner:
+    def __init__(self, config: PlannerConfig, agents: AgentCalls):
+        self.config = config
+        self.agents = agents
+        self.registry = Registry(config.heartbeat_timeout_s)
+        self.catalog = Catalog()
+        self.store = StateStore(config.state_path)
+        self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())
+        self.uploads = Uploads(self.catalog, config.upload_timeout_s)
+        self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
+                              rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs)
+        self._upload_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap, daemon=True, name="upload-reaper")
+        self._reaper.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    # -- registry ------------------------------------------------------------------------
+
+    def register(self, host: str, num_devices: int, address: str, nic_gbps: float) -> AgentRecord:
+        rec = self.registry.register(host, num_devices, address, nic_gbps)
+        log.info("agent of host %s registered at %s with %d devices", host, address, num_devices)
+        return rec
+
+    def heartbeat(self, host: str, address: str) -> bool:
+        return self.registry.heartbeat(host, address)
+
+    def _placements(self, sharding: Sharding, shape) -> list[Placement]:
+        tiles = sharding.tiles(shape)
+        return [(d, self.registry.require_up(host_of(d)).address, tiles[d]) for d in sharding.mesh.require_devices()]
+
+    # -- uploads -----------------------------------------------------------------------------
+
+    def begin_upload(self, name: str, shape, dtype: str, sharding_json: str, kind: str,
+                     device: str = "", shard_shape=()) -> tuple[Upload, list[Placement]]:
+        sharding = parse_sharding(sharding_json, "sharding")
+        sharding.check_shape(shape)
+        self.registry.check_mesh(sharding.mesh)
+        if device:
+            tiles = sharding.tiles(tuple(shape))
+            if device not in tiles:
+                raise InvalidArgumentError(
+                    f"device {device!r} is not in the mesh of sharding {sharding}; its devices are {list(tiles)}"
+                )
+            want = tuple(hi - lo for lo, hi in tiles[device])
+            if tuple(shard_shape) != want:
+                raise InvalidArgumentError(
+                    f"shard for device {device} has shape {tuple(shard_shape)}, but {sharding.spec_str()} of shape "
+                    f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
+                )
+        upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device))
+        return upload, self._placements(upload.record.sharding, upload.record.shape)
+
+    def finish_upload(self, txn: str, devices) -> tuple[bool, int]:
+        upload, complete = self.uploads.mark(txn, devices)
+        if not complete:
+            return False, len(upload.devices) - len(upload.done)
+        with self._upload_lock:
+            self.uploads.get(txn)  # still open: not expired meanwhile
+            rec = upload.record
+            by_host: dict[str, list[str]] = {}
+            for d in upload.devices:
+                by_host.setdefault(host_of(d), []).append(d)
+            committed = []
+            try:
+                for h, devs in by_host.items():
+                    self.agents.commit(h, self.registry.require_up(h).address, txn, rec.name, rec.version, devs,
+                                       self.config.agent_rpc_timeout_s)
+                    committed.append(h)
+                self.catalog.add(rec)
+            except BaseException:
+                self._drop_upload(upload, committed)
+                raise
+            finally:
+                self.uploads.close(txn)
+            self.store.save_tensor(rec.to_json())
+        return True, 0
+
+    def _drop_upload(self, upload: Upload, committed_hosts=()) -> None:
+        rec = upload.record
+        for h in rec.sharding.mesh.hosts:
+            agent = self.registry.get(h)
+            if agent is None:
+                continue
+            try:
+                if h in committed_hosts:
+                    self.agents.release(h, agent.address, rec.name, rec.version, self.config.agent_rpc_timeout_s)
+                self.agents.abort(h, agent.address, upload.txn, self.config.agent_rpc_timeout_s)
+            except Exception as e:  # noqa: BLE001 - cleanup continues on the other hosts
+                log.info("dropping upload %s on host %s failed: %s", upload.txn[:8], h, e)
+
+    def _reap(self) -> None:
+        while not self._stop.wait(min(1.0, self.config.upload_timeout_s / 4)):
+            for up in self.uploads.expired():
+                log.warning("upload of %r expired after %gs without activity; dropping its staged shards",
+                            up.record.name, self.config.upload_timeout_s)
+                self._drop_upload(up)
+
+    # -- catalog ---------------------------------------------------------------------------------
+
+    def tensor(self, name: str) -> tuple[TensorRecord, list[Placement]]:
+        rec = self.catalog.get(name)
+        tiles = rec.sharding.tiles(rec.shape)
+        out = []
+        for d in rec.sharding.mesh.require_devices():
+            agent = self.registry.get(host_of(d))
+            up = agent is not None and self.registry.is_up(agent)
+            out.append((d, agent.address if up else "", tiles[d]))
+        return rec, out
+
+    def tensors(self) -> list[TensorRecord]:
+        return self.catalog.list()
+
+    def delete(self, name: str) -> None:
+        if self.jobs.busy(name):
+            raise FailedPreconditionError(f"tensor {name!r} has a reshard job queued or running; wait for it first")
+        rec = self.catalog.remove(name)
+        self.store.delete_tensor(name)
+        for h in rec.sharding.mesh.hosts:
+            agent = self.registry.get(h)
+            if agent is None:
+                continue
+            try:
+                self.agents.release(h, agent.address, name, rec.version, self.config.agent_rpc_timeout_s)
+            except Exception as e:  # noqa: BLE001 - the catalog entry is gone; memory is reclaimed on restart
+                log.info("releasing %r on host %s failed: %s", name, h, e)
+
+    # -- planning and jobs -------------------------------------------------------------------------
+
+    def dry_plan(self, name: str, shape, dtype: str, src_json: str, dst_json: str, strategy: str) -> Plan:
+        dst = parse_sharding(dst_json, "destination sharding")
+        if name:
+            rec = self.catalog.get(name)
+            shape, dtype, src = rec.shape, rec.dtype, rec.sharding
+        else:
+            src = parse_sharding(src_json, "source sharding")
+        return make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), check_strategy(strategy)).validate()
+
+    def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
+        rec = self.catalog.get(name)
+        dst = parse_sharding(dst_json, "destination sharding")
+        dst.check_shape(rec.shape)
+        self.registry.check_mesh(dst.mesh)
+        return self.jobs.submit(name, dst, check_strategy(strategy))
+
+    def job(self, job_id: str, wait_s: float = 0.0) -> Job:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise NotFoundError(f"no job {job_id!r}")
+        if wait_s > 0:
+            job.done_event.wait(min(wait_s, self.config.max_wait_s))
+        return job

@@ -1,0 +1,162 @@
+"""The planner's gRPC face: the servicer, the calls it makes to agents, and its factory."""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent import futures
+
+import grpc
+
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.status import domain_error, servicer_method, start_server
+from reshard.proto.wire import box_to_pb
+from reshard.server.config import PlannerConfig
+from reshard.server.jobs import Job
+from reshard.server.planner import Planner
+
+__all__ = ["serve_planner", "GrpcAgentCalls"]
+
+
+class GrpcAgentCalls:
+    """`AgentCalls` over gRPC: one cached channel per agent address."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def _stub(self, address: str) -> pb_grpc.AgentStub:
+        with self._lock:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = self._channels[address] = grpc.insecure_channel(address)
+        return pb_grpc.AgentStub(ch)
+
+    def _call(self, host: str, address: str, method: str, request, timeout: float):
+        try:
+            return getattr(self._stub(address), method)(request, timeout=timeout)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent of host {host} at {address}") from None
+
+    def prepare(self, host, address, job, plan_json, tensor, src_version, dst_version, peers, timeout):
+        self._call(host, address, "Prepare", pb.PrepareRequest(
+            job=job, plan_json=plan_json, tensor=tensor, src_version=src_version, dst_version=dst_version,
+            peers=peers), timeout)
+
+    def execute(self, host, address, job, plan_id, phase, on_progress, timeout):
+        try:
+            for msg in self._stub(address).Execute(pb.ExecuteRequest(job=job, plan_id=plan_id, phase=phase),
+                                                   timeout=timeout):
+                on_progress(msg.bytes_done, msg.bytes_total)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent of host {host} at {address}") from None
+
+    def commit(self, host, address, txn, tensor, version, devices, timeout):
+        self._call(host, address, "Commit",
+                   pb.TxnRequest(txn=txn, tensor=tensor, version=version, devices=devices), timeout)
+
+    def abort(self, host, address, txn, timeout):
+        self._call(host, address, "Abort", pb.TxnRequest(txn=txn), timeout)
+
+    def release(self, host, address, tensor, version, timeout):
+        self._call(host, address, "Release", pb.ReleaseRequest(tensor=tensor, version=version), timeout)
+
+    def stats(self, host, address, job, timeout):
+        t = self._call(host, address, "JobStats", pb.JobStatsRequest(job=job), timeout)
+        return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+def _placements(items) -> list[pb.Placement]:
+    return [pb.Placement(device=d, address=a, box=box_to_pb(b)) for d, a, b in items]
+
+
+def job_info(job: Job) -> pb.JobInfo:
+    return pb.JobInfo(
+        id=job.id, tensor=job.tensor, state=job.state, error=job.error,
+        plan_id=job.plan.id if job.plan else "", strategy=job.strategy,
+        progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
+        traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
+                 for h, t in sorted(job.traffic.items())],
+        seconds=job.seconds, version=job.version)
+
+
+class PlannerServicer(pb_grpc.PlannerServicer):
+    def __init__(self, planner: Planner):
+        self.planner = planner
+
+    @servicer_method
+    def Register(self, request, context):
+        self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps)
+        return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s)
+
+    @servicer_method
+    def Heartbeat(self, request, context):
+        return pb.HeartbeatReply(known=self.planner.heartbeat(request.host, request.address))
+
+    @servicer_method
+    def ListAgents(self, request, context):
+        reg = self.planner.registry
+        return pb.AgentList(agents=[
+            pb.AgentInfo(host=r.host, address=r.address, num_devices=r.num_devices, up=reg.is_up(r),
+                         heartbeat_age_s=reg.age(r)) for r in reg.agents()])
+
+    @servicer_method
+    def BeginUpload(self, request, context):
+        upload, placements = self.planner.begin_upload(
+            request.name, tuple(request.shape), request.dtype, request.sharding_json, request.kind,
+            request.device, tuple(request.shard_shape))
+        return pb.BeginUploadReply(txn=upload.txn, version=upload.record.version, placements=_placements(placements))
+
+    @servicer_method
+    def FinishUpload(self, request, context):
+        complete, missing = self.planner.finish_upload(request.txn, list(request.devices))
+        return pb.FinishUploadReply(complete=complete, num_missing=missing)
+
+    def _tensor_info(self, rec, placements=()) -> pb.TensorInfo:
+        return pb.TensorInfo(name=rec.name, shape=rec.shape, dtype=rec.dtype, version=rec.version, kind=rec.kind,
+                             sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), placements=_placements(placements))
+
+    @servicer_method
+    def GetTensor(self, request, context):
+        rec, placements = self.planner.tensor(request.name)
+        return self._tensor_info(rec, placements)
+
+    @servicer_method
+    def ListTensors(self, request, context):
+        return pb.TensorList(tensors=[self._tensor_info(r) for r in self.planner.tensors()])
+
+    @servicer_method
+    def DeleteTensor(self, request, context):
+        self.planner.delete(request.name)
+        return pb.Empty()
+
+    @servicer_method
+    def Plan(self, request, context):
+        plan = self.planner.dry_plan(request.name, tuple(request.shape), request.dtype, request.src_json,
+                                     request.dst_json, request.strategy)
+        return pb.PlanReply(plan_json=plan.dumps())
+
+    @servicer_method
+    def Reshard(self, request, context):
+        return job_info(self.planner.reshard(request.name, request.dst_json, request.strategy))
+
+    @servicer_method
+    def GetJob(self, request, context):
+        return job_info(self.planner.job(request.job, request.wait_s))
+
+
+def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
+    """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
+    agents = GrpcAgentCalls()
+    planner = Planner(config, agents)
+    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"))
+    pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
+    port = start_server(server, config.listen, "reshard.v1.Planner")
+    return server, port, planner

@@ -1,0 +1,82 @@
+"""An agent's memory: committed shards per (tensor, version, device) and staged ones per transaction.
+
+Staged shards (an upload in progress, or a reshard's destination buffers) are
+invisible to readers until their transaction commits; an aborted transaction
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+from reshard.box import Box
+from reshard.proto.errors import FailedPreconditionError, NotFoundError
+
+__all__ = ["Shard", "ShardStore"]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One device's tile of a tensor: ``array`` holds the box ``tile`` of the global tensor."""
+
+    array: np.ndarray
+    tile: Box
+    dtype: str
+
+
+class ShardStore:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._committed: dict[tuple[str, int, str], Shard] = {}
+        self._staged: dict[str, dict[str, Shard]] = {}
+
+    def stage(self, txn: str, device: str, shard: Shard) -> None:
+        with self._lock:
+            self._staged.setdefault(txn, {})[device] = shard
+
+    def staged(self, txn: str, device: str) -> Shard | None:
+        with self._lock:
+            return self._staged.get(txn, {}).get(device)
+
+    def commit(self, txn: str, tensor: str, version: int, devices) -> None:
+        """Make the staged shards of ``devices`` visible as ``tensor`` at ``version``, all or none."""
+        with self._lock:
+            staged = self._staged.get(txn, {})
+            missing = [d for d in devices if d not in staged]
+            if missing:
+                raise FailedPreconditionError(
+                    f"cannot commit {tensor!r} v{version}: transaction {txn} holds no shard for devices {missing}"
+                )
+            for d in devices:
+                self._committed[(tensor, version, d)] = staged[d]
+            del self._staged[txn]
+
+    def abort(self, txn: str) -> None:
+        with self._lock:
+            self._staged.pop(txn, None)
+
+    def get(self, tensor: str, version: int, device: str) -> Shard:
+        with self._lock:
+            shard = self._committed.get((tensor, version, device))
+        if shard is None:
+            raise NotFoundError(f"this agent holds no shard of {tensor!r} v{version} for device {device!r}")
+        return shard
+
+    def find(self, tensor: str, version: int, device: str) -> Shard | None:
+        with self._lock:
+            return self._committed.get((tensor, version, device))
+
+    def release(self, tensor: str, version: int) -> int:
+        """Drop every shard of ``tensor`` at ``version``; returns how many."""
+        with self._lock:
+            keys = [k for k in self._committed if k[0] == tensor and k[1] == version]
+            for k in keys:
+                del self._committed[k]
+        return len(keys)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(s.array.nbytes for s in self._committed.values())

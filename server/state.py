@@ -1,0 +1,65 @@
+"""The planner's durable state: tensors, jobs and plans in SQLite (``--state PATH``).
+
+Without a path the same tables live in memory, so one code path serves both.
+Rows hold JSON documents; no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+
+__all__ = ["StateStore"]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS tensors (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created REAL NOT NULL, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS plans (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+"""
+
+
+class StateStore:
+    def __init__(self, path: str | None):
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path or ":memory:", check_same_thread=False)
+        self._db.executescript(_SCHEMA)
+        self._db.commit()
+
+    def _write(self, sql: str, args: tuple) -> None:
+        with self._lock:
+            self._db.execute(sql, args)
+            self._db.commit()
+
+    def _read(self, sql: str) -> list[tuple]:
+        with self._lock:
+            return self._db.execute(sql).fetchall()
+
+    def save_tensor(self, doc: dict) -> None:
+        self._write("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)", (doc["name"], json.dumps(doc)))
+
+    def delete_tensor(self, name: str) -> None:
+        self._write("DELETE FROM tensors WHERE name = ?", (name,))
+
+    def tensors(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._read("SELECT doc FROM tensors ORDER BY name")]
+
+    def save_job(self, doc: dict) -> None:
+        self._write("INSERT OR REPLACE INTO jobs (id, created, doc) VALUES (?, ?, ?)",
+                    (doc["id"], doc["created"], json.dumps(doc)))
+
+    def jobs(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._read("SELECT doc FROM jobs ORDER BY created")]
+
+    def save_plan(self, plan_id: str, doc: str) -> None:
+        self._write("INSERT OR IGNORE INTO plans (id, doc) VALUES (?, ?)", (plan_id, doc))
+
+    def plan(self, plan_id: str) -> str | None:
+        with self._lock:
+            row = self._db.execute("SELECT doc FROM plans WHERE id = ?", (plan_id,)).fetchone()
+        return row[0] if row else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
