@@ -26,14 +26,16 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available"]
+__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available", "start_cluster"]
 
 PREFIX = "rsl-"
 STATE_DIR = Path("/run/reshard-lab")
@@ -257,3 +259,52 @@ class Lab:
             _kill_namespace(ns)
         self._built.clear()
         (STATE_DIR / f"{self.lab_id}.json").unlink(missing_ok=True)
+
+
+PLANNER_PORT = 7070
+AGENT_PORT = 7071
+
+
+def _wait_listening(ns: str, ip: str, port: int, proc: subprocess.Popen, what: str, timeout: float = 60.0) -> None:
+    """Wait until ``ip:port`` inside ``ns`` accepts connections, or fail naming ``what``."""
+    probe = (
+        "import socket,sys\n"
+        "s=socket.socket(); s.settimeout(0.5)\n"
+        f"sys.exit(0 if s.connect_ex(('{ip}', {port})) == 0 else 1)\n"
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise LabError(f"{what} exited with code {proc.returncode} before it listened on {ip}:{port}")
+        if _run(sys.executable, "-c", probe, ns=ns, check=False).returncode == 0:
+            return
+        time.sleep(0.2)
+    raise LabError(f"{what} did not listen on {ip}:{port} within {timeout:.0f}s")
+
+
+def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optional[Path] = None) -> str:
+    """Start a planner and one agent per emulated host; returns the planner's address.
+
+    Each agent reports the lab's link rate as its NIC bandwidth, so the planner's
+    topology matches the shaping.
+    """
+    def out(name: str):
+        if log_dir is None:
+            return subprocess.DEVNULL
+        log_dir.mkdir(parents=True, exist_ok=True)
+        return open(log_dir / f"{name}.log", "wb")
+
+    cli = [sys.executable, "-m", "reshard.server.cli"]
+    planner = lab.spawn(lab.planner_ns, [*cli, "planner", "--listen", f"{lab.planner_ip}:{PLANNER_PORT}"],
+                        stdout=out("planner"), stderr=subprocess.STDOUT)
+    _wait_listening(lab.planner_ns, lab.planner_ip, PLANNER_PORT, planner, "the planner")
+    address = f"{lab.planner_ip}:{PLANNER_PORT}"
+    for i in range(lab.config.num_hosts):
+        host = lab.host_name(i)
+        agent = lab.spawn(lab.host_ns(i), [
+            *cli, "agent", "--planner", address, "--listen", f"{lab.host_ip(i)}:{AGENT_PORT}",
+            "--host", host, "--devices", str(lab.config.devices_per_host),
+            "--nic-gbps", str(lab.config.gbps), *extra_agent_args,
+        ], stdout=out(host), stderr=subprocess.STDOUT)
+        _wait_listening(lab.host_ns(i), lab.host_ip(i), AGENT_PORT, agent, f"the agent of {host}")
+    return address

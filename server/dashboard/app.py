@@ -1,0 +1,234 @@
+"""The admin dashboard: cluster, tensors, jobs and transfer plans, as pages and as JSON.
+
+Served by the planner process (``reshard planner --http ADDR``). Pages are rendered
+on the server (Jinja2, inline SVG); the JSON under ``/api`` is described by the
+generated OpenAPI document; ``/metrics`` speaks Prometheus. No GET changes state.
+
+Access: when a token is configured, every request needs it, as
+``Authorization: Bearer TOKEN``, the ``reshard_admin`` cookie, or once as
+``/login?token=TOKEN`` (which sets the cookie and redirects). Anything else gets a
+bare 401.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.templating import Jinja2Templates
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from reshard import Plan, Sharding, STRATEGIES, plan as make_plan
+from reshard.cli import parse_mesh, parse_shape, parse_spec
+from reshard.errors import ReshardError
+from reshard.server.dashboard.plan_view import plan_view
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DashboardSource", "create_app", "COOKIE"]
+
+COOKIE = "reshard_admin"
+TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+
+class DashboardSource(Protocol):
+    """What the dashboard reads from the planner. Each method returns plain data."""
+
+    def agents(self) -> list[dict]:
+        """host, address, num_devices, devices, up, heartbeat_age_s, bytes_held, transport"""
+
+    def tensors(self) -> list[dict]:
+        """name, shape, dtype, sharding (str), spec, version, nbytes, bytes_per_host"""
+
+    def jobs(self) -> list[dict]:
+        """id, tensor, state, strategy, bytes_done, bytes_total, seconds, started, error, plan_id, transports"""
+
+    def job(self, job_id: str) -> Optional[dict]:
+        ...
+
+    def plan(self, plan_id: str) -> Optional[Plan]:
+        ...
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved so far, by transport name."""
+
+
+def _auth(token: Optional[str]) -> Callable:
+    def check(request: Request) -> None:
+        if token is None:
+            return
+        given = request.cookies.get(COOKIE)
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("bearer "):
+            given = header[7:].strip()
+        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+            raise HTTPException(status_code=401, detail="unauthorized")
+
+    return check
+
+
+def _job_view(job: dict) -> dict:
+    done, total = job.get("bytes_done", 0), job.get("bytes_total", 0)
+    secs = job.get("seconds") or 0.0
+    return {
+        **job,
+        "percent": 100.0 * done / total if total else (100.0 if job.get("state") == "succeeded" else 0.0),
+        "gbps": total * 8 / secs / 1e9 if secs and job.get("state") == "succeeded" else None,
+    }
+
+
+def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
+    app = FastAPI(title="reshard admin", version="1", description="Cluster, tensors, jobs and transfer plans.")
+    guard = [Depends(_auth(token))]
+
+    @app.get("/login", include_in_schema=False)
+    def login(token_arg: str = Query(alias="token"), next_page: str = Query("/", alias="next")):
+        if token is None or not hmac.compare_digest(token_arg.encode(), token.encode()):
+            raise HTTPException(status_code=401, detail="unauthorized")
+        # Only paths on this server, never another site.
+        target = next_page if next_page.startswith("/") and not next_page.startswith("//") else "/"
+        resp = RedirectResponse(target, status_code=303)
+        resp.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=12 * 3600)
+        return resp
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    @app.get("/api/cluster", dependencies=guard, tags=["api"], summary="Agents, their devices and health")
+    def api_cluster() -> list[dict[str, Any]]:
+        return source.agents()
+
+    @app.get("/api/tensors", dependencies=guard, tags=["api"], summary="Tensors in the catalog")
+    def api_tensors() -> list[dict[str, Any]]:
+        return source.tensors()
+
+    @app.get("/api/jobs", dependencies=guard, tags=["api"], summary="Reshard jobs, newest first")
+    def api_jobs() -> list[dict[str, Any]]:
+        return [_job_view(j) for j in source.jobs()]
+
+    @app.get("/api/jobs/{job_id}", dependencies=guard, tags=["api"], summary="One job")
+    def api_job(job_id: str) -> dict[str, Any]:
+        job = source.job(job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        return _job_view(job)
+
+    @app.get("/api/plans/{plan_id}", dependencies=guard, tags=["api"], summary="A plan as JSON")
+    def api_plan(plan_id: str) -> dict[str, Any]:
+        p = source.plan(plan_id)
+        if p is None:
+            raise HTTPException(404, f"no plan {plan_id!r}")
+        return p.to_json()
+
+    @app.get("/api/whatif", dependencies=guard, tags=["api"], summary="Plans of every strategy; moves no data")
+    def api_whatif(shape: str, src: str, src_spec: str, dst: str, dst_spec: str, dtype: str = "float32",
+                   nic_gbps: float = 10.0) -> list[dict[str, Any]]:
+        return [p.to_json() for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps)]
+
+    # -- pages ------------------------------------------------------------------------------
+
+    def page(request: Request, name: str, **ctx) -> HTMLResponse:
+        return TEMPLATES.TemplateResponse(request, name, ctx)
+
+    @app.get("/", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def index(request: Request):
+        return page(request, "cluster.html", agents=source.agents(), tensors=source.tensors(),
+                    jobs=[_job_view(j) for j in source.jobs()[:10]])
+
+    @app.get("/tensors", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def tensors_page(request: Request):
+        return page(request, "tensors.html", tensors=source.tensors())
+
+    @app.get("/jobs", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def jobs_page(request: Request):
+        return page(request, "jobs.html", jobs=[_job_view(j) for j in source.jobs()])
+
+    @app.get("/jobs/{job_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def job_page(request: Request, job_id: str):
+        job = source.job(job_id)
+        if job is None:
+            raise HTTPException(404, f"no job {job_id!r}")
+        p = source.plan(job["plan_id"]) if job.get("plan_id") else None
+        measured = job.get("seconds") if job.get("state") == "succeeded" else None
+        return page(request, "plan.html", job=_job_view(job), view=plan_view(p, measured) if p else None)
+
+    @app.get("/plans/{plan_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def plan_page(request: Request, plan_id: str):
+        p = source.plan(plan_id)
+        if p is None:
+            raise HTTPException(404, f"no plan {plan_id!r}")
+        return page(request, "plan.html", job=None, view=plan_view(p))
+
+    @app.get("/whatif", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def whatif_page(request: Request, shape: str = "", src: str = "", src_spec: str = "", dst: str = "",
+                    dst_spec: str = "", dtype: str = "float32", nic_gbps: float = 10.0):
+        form = dict(shape=shape, src=src, src_spec=src_spec, dst=dst, dst_spec=dst_spec, dtype=dtype, nic_gbps=nic_gbps)
+        views, error = [], None
+        if shape:
+            try:
+                views = [plan_view(p) for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps)]
+            except HTTPException as e:
+                error = e.detail
+        return page(request, "whatif.html", form=form, views=views, error=error)
+
+    # -- metrics ------------------------------------------------------------------------------
+
+    @app.get("/metrics", dependencies=guard, response_class=PlainTextResponse, include_in_schema=False)
+    def metrics():
+        registry = CollectorRegistry()
+        registry.register(_Collector(source))
+        return Response(generate_latest(registry), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def _whatif(shape: str, dtype: str, src: str, src_spec: str, dst: str, dst_spec: str, nic_gbps: float) -> list[Plan]:
+    from reshard import Topology
+
+    try:
+        s = Sharding(parse_mesh(src, "src"), parse_spec(src_spec))
+        d = Sharding(parse_mesh(dst, "dst"), parse_spec(dst_spec))
+        topo = Topology(nic_gbps=nic_gbps)
+        return [make_plan(parse_shape(shape), dtype, s, d, topo, name) for name in STRATEGIES]
+    except ReshardError as e:
+        raise HTTPException(status_code=422, detail=str(e)) from None
+
+
+class _Collector:
+    """Reads the planner's figures at scrape time, so nothing is counted twice."""
+
+    def __init__(self, source: DashboardSource):
+        self.source = source
+
+    def collect(self):
+        moved = CounterMetricFamily("reshard_bytes_moved", "Bytes moved by reshard jobs, by transport", labels=["transport"])
+        for transport, n in sorted(self.source.bytes_moved().items()):
+            moved.add_metric([transport], n)
+        yield moved
+        states = GaugeMetricFamily("reshard_jobs", "Jobs by state", labels=["state"])
+        jobs = self.source.jobs()
+        counts: dict[str, int] = {}
+        for j in jobs:
+            counts[j["state"]] = counts.get(j["state"], 0) + 1
+        for state, n in sorted(counts.items()):
+            states.add_metric([state], n)
+        yield states
+        durations = [j["seconds"] for j in jobs if j.get("state") == "succeeded" and j.get("seconds") is not None]
+        buckets, acc = [], 0
+        for le in _DURATION_BUCKETS:
+            acc = sum(1 for d in durations if d <= le)
+            buckets.append((str(le), acc))
+        buckets.append(("+Inf", len(durations)))
+        hist = HistogramMetricFamily("reshard_job_duration_seconds", "Duration of finished reshard jobs")
+        hist.add_metric([], buckets, sum(durations))
+        yield hist
+        agents = self.source.agents()
+        up = GaugeMetricFamily("reshard_agents_up", "Agents whose heartbeats are current")
+        up.add_metric([], sum(1 for a in agents if a.get("up")))
+        yield up
