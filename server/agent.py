@@ -37,17 +37,17 @@ _PROGRESS_INTERVAL_S = 0.2
 _MESSAGE_SLACK = 2**16
 
 
-def channel_options(chunk_bytes: int) -> list[tuple[str, int]]:
-    limit = chunk_bytes + _MESSAGE_SLACK
+def channel_options(config: AgentConfig) -> list[tuple[str, int]]:
+    limit = max(config.chunk_bytes, config.max_message_bytes) + _MESSAGE_SLACK
     return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
 class GrpcPeerLink:
     """Pushes to peer agents, one cached channel per address."""
 
-    def __init__(self, chunk_bytes: int, timeout_s: float):
-        self._options = channel_options(chunk_bytes)
-        self._timeout = timeout_s
+    def __init__(self, config: AgentConfig):
+        self._options = channel_options(config)
+        self._timeout = config.transfer_timeout_s
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -201,13 +201,13 @@ class AgentServicer(pb_grpc.AgentServicer):
 def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
     """Build and start an agent's gRPC server; returns (server, bound port, executor)."""
     store = ShardStore()
-    link = GrpcPeerLink(config.chunk_bytes, config.transfer_timeout_s)
+    link = GrpcPeerLink(config)
     executor = Executor(config.host, store, link, chunk_bytes=config.chunk_bytes, workers=config.max_workers,
                         forward_queue_chunks=config.forward_queue_chunks,
                         transfer_timeout_s=config.transfer_timeout_s,
                         rate_limit_bytes_per_s=config.rate_limit_bytes_per_s)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
-                         options=channel_options(config.chunk_bytes))
+                         options=channel_options(config))
     pb_grpc.add_AgentServicer_to_server(AgentServicer(config, store, executor), server)
     port = start_server(server, config.listen, "reshard.v1.Agent")
     return server, port, executor

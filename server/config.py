@@ -20,6 +20,7 @@ class AgentConfig:
     listen: str = "127.0.0.1:0"
     advertise: Optional[str] = None  # address peers dial; defaults to the bound listen address
     chunk_bytes: int = 4 * MiB
+    max_message_bytes: int = 64 * MiB  # largest chunk a peer or client may send us
     max_workers: int = 16  # gRPC server threads; concurrent transfers use the same bound
     nic_gbps: float = 10.0  # reported to the planner's cost model
     heartbeat_interval_s: float = 1.0

@@ -1,0 +1,32 @@
+"""Integration fixtures: real planner and agent processes on loopback."""
+
+from __future__ import annotations
+
+import pytest
+
+from reshard.client.cluster import LocalCluster
+from reshard.client.client import Client
+
+HOSTS = 4
+DEVICES_PER_HOST = 2
+HEARTBEAT_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """One planner and 4 agents x 2 devices, shared by the tests that leave it healthy."""
+    with LocalCluster(HOSTS, DEVICES_PER_HOST, planner_args=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]) as c:
+        yield c
+
+
+@pytest.fixture()
+def client(cluster):
+    with Client(cluster.address) as c:
+        c.cluster = cluster
+        yield c
+
+
+@pytest.fixture()
+def fresh_name(request):
+    """A tensor name unique to the test, deleted afterwards if it exists."""
+    return request.node.name.replace("[", "_").replace("]", "").replace("-", "_")

@@ -1,0 +1,96 @@
+"""Faults with real processes: an agent killed mid-reshard, and a client that dies mid-upload."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
+from reshard.client.client import Client
+from reshard.client.cluster import LocalCluster
+
+RATE_MIB_S = 8  # every agent sends at most this fast, so a kill lands mid-transfer
+UPLOAD_TIMEOUT_S = 2.0
+
+
+@pytest.fixture(scope="module")
+def slow_cluster():
+    with LocalCluster(4, 2, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25"],
+                      planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S)]) as cluster:
+        with Client(cluster.address) as c:
+            c.cluster = cluster
+            yield c
+
+
+SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2), ("x", None))
+DST = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host2", "host3"], 2), (None, "y"))
+
+
+def test_killed_agent_fails_the_job_and_leaves_the_source(slow_cluster):
+    c = slow_cluster
+    a = np.random.default_rng(2).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: about 1 s per sender
+    c.put("victim", a, SRC)
+    job = c.reshard("victim", DST, "broadcast")
+    deadline = time.monotonic() + 20
+    while job.progress()[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done, total = job.progress()
+    assert 0 < done < total, "the kill must land mid-transfer"
+    t0 = time.monotonic()
+    c.cluster.kill_agent("host3")
+    with pytest.raises(JobFailedError, match=r"host3") as err:
+        job.result(timeout=30)
+    assert time.monotonic() - t0 < 10, "the job must fail within a bounded time"
+    assert "failed" in str(err.value)
+    info = c.info("victim")
+    assert info.version == 1 and info.sharding == SRC
+    assert np.array_equal(c.get("victim"), a)
+    # a destination that avoids the dead host works at once
+    other = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["host2"], 2), ("y", None))
+    c.reshard("victim", other).result(timeout=60)
+    assert np.array_equal(c.get("victim"), a)
+    # once the agent is back, the original reshard succeeds
+    c.cluster.start_agent("host3")
+    c.reshard("victim", SRC).result(timeout=60)
+    c.reshard("victim", DST, "broadcast").result(timeout=60)
+    assert np.array_equal(c.get("victim"), a)
+    c.delete("victim")
+
+
+_DYING_CLIENT = textwrap.dedent("""
+    import os, sys, numpy as np, reshard
+    import reshard.client.client as sdk
+    from reshard import Mesh, Sharding
+    real = sdk.shard_stream
+    def dying(array, header, chunk_bytes):
+        for i, msg in enumerate(real(array, header, chunk_bytes)):
+            if i == 3:
+                os._exit(17)  # the client dies with the upload half sent
+            yield msg
+    sdk.shard_stream = dying
+    c = reshard.connect(sys.argv[1], chunk_bytes=65536)
+    mesh = Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2)
+    c.put("halfway", np.ones((1024, 256), np.float32), Sharding(mesh, ("x", None)))
+""")
+
+
+def test_client_dying_mid_upload_leaves_no_tensor(slow_cluster):
+    c = slow_cluster
+    proc = subprocess.run([sys.executable, "-c", _DYING_CLIENT, c.address], timeout=60)
+    assert proc.returncode == 17
+    assert "halfway" not in [t.name for t in c.tensors()]
+    with pytest.raises(NotFoundError, match="no tensor named 'halfway'"):
+        c.get("halfway")
+    with pytest.raises(AlreadyExistsError, match="'halfway' is being uploaded"):
+        c.put("halfway", np.zeros((8, 8), np.float32), SRC)
+    time.sleep(UPLOAD_TIMEOUT_S + 1.5)  # the planner expires the idle upload and drops its staged shards
+    b = np.arange(64, dtype=np.float32).reshape(8, 8)
+    c.put("halfway", b, SRC)
+    assert np.array_equal(c.get("halfway"), b)
+    c.delete("halfway")
