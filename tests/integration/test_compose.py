@@ -1,0 +1,85 @@
+"""docker-compose.yml, run without Docker: each service's exact command as a local process.
+
+Compose service addresses (``agent0:50052``) and in-container binds
+(``0.0.0.0:50052``) are translated to distinct loopback ports; paths under
+``/var/lib/reshard`` to a temporary folder. Nothing else in the commands changes.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from reshard import Mesh, Sharding
+from reshard.client import Client
+from reshard.client.cluster import start_process
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
+    """Each service's command with compose addresses mapped to loopback ports."""
+    ports: dict[tuple[str, str], int] = {}
+    for name in sorted(services):
+        for arg in services[name]["command"]:
+            for svc, port in re.findall(r"\b([a-z][\w-]*):(\d+)\b", arg):
+                if svc in services:
+                    ports.setdefault((svc, port), _free_port())
+    out = {}
+    for name, svc in services.items():
+        cmd = []
+        for arg in svc["command"]:
+            arg = re.sub(r"\b0\.0\.0\.0:(\d+)", lambda m: f"127.0.0.1:{ports[(name, m.group(1))]}", arg)
+            arg = re.sub(r"\b([a-z][\w-]*):(\d+)\b",
+                         lambda m: f"127.0.0.1:{ports[(m.group(1), m.group(2))]}" if m.group(1) in services else m.group(0),
+                         arg)
+            cmd.append(arg.replace("/var/lib/reshard", str(tmp)))
+        assert cmd[0] == "reshard"
+        out[name] = [sys.executable, "-m", "reshard.server.cli", *cmd[1:]]
+    return out
+
+
+def test_compose_services_run_a_reshard(tmp_path):
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert sorted(services) == ["agent0", "agent1", "agent2", "agent3", "planner"]
+    assert all(s.get("build") == "." for s in services.values())
+    assert (ROOT / "Dockerfile").exists()
+    commands = translate(services, tmp_path)
+    procs = []
+    try:
+        planner, address = start_process(commands.pop("planner"), tmp_path / "planner.log", 60)
+        procs.append(planner)
+        for name in sorted(commands):
+            procs.append(start_process(commands[name], tmp_path / f"{name}.log", 60)[0])
+        with Client(address) as c:
+            deadline = time.monotonic() + 30
+            while len(c.devices()) < 16 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.devices() == [f"agent{h}/{d}" for h in range(4) for d in range(4)]
+            src = Sharding(Mesh.from_hosts({"x": 2, "y": 4}, ["agent0", "agent1"], 4), ("x", "y"))
+            dst = Sharding(Mesh.from_hosts({"x": 2, "y": 4}, ["agent2", "agent3"], 4), (None, ("x", "y")))
+            a = np.random.default_rng(3).standard_normal((33, 65)).astype(np.float32)
+            c.put("compose", a, src)
+            c.reshard("compose", dst, "auto").result(timeout=60)
+            assert np.array_equal(c.get("compose"), a)
+        assert (tmp_path / "state.db").exists()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+            if p.stdout:
+                p.stdout.close()
