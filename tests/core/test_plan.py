@@ -1,0 +1,255 @@
+"""Plans as data: validation of broken plans, the JSON contract, and the paper's cases.
+
+Broken plans are made by editing one transfer of a good plan, so each test
+shows that `Plan.validate` catches exactly that fault and names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from reshard import Mesh, Plan, PlanValidationError, Sharding, Topology, plan
+from reshard.cases import n_to_m_cases, one_to_m_cases
+
+SHAPE = (8, 6)
+SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["s0", "s1"]), ("x", None))
+# Dim 1 over y: every tile is wanted on both destination hosts, so broadcasts have a route.
+DST_BOTH_HOSTS = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["d0", "d1"]), (None, "y"))
+# Dim 0 over x: both devices of a host want the same tile, so local_allgather has a phase 1.
+DST_ONE_HOST = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["d0", "d1"]), ("x", None))
+
+
+def _edit(p: Plan, index: int, **changes) -> Plan:
+    transfers = list(p.transfers)
+    transfers[index] = dataclasses.replace(transfers[index], **changes)
+    return dataclasses.replace(p, transfers=tuple(transfers))
+
+
+def _first(p: Plan, method: str) -> int:
+    return next(i for i, t in enumerate(p.transfers) if t.method == method)
+
+
+@pytest.fixture
+def broadcast_plan() -> Plan:
+    p = plan(SHAPE, "float32", SRC, DST_BOTH_HOSTS, strategy="broadcast")
+    assert {t.method for t in p.transfers} == {"broadcast"}
+    return p.validate()
+
+
+@pytest.fixture
+def p2p_plan() -> Plan:
+    p = plan(SHAPE, "float32", SRC, DST_BOTH_HOSTS, strategy="send_recv")
+    assert {t.method for t in p.transfers} == {"p2p"}
+    return p.validate()
+
+
+@pytest.fixture
+def two_phase_plan() -> Plan:
+    p = plan(SHAPE, "float32", SRC, DST_ONE_HOST, strategy="local_allgather")
+    assert {t.phase for t in p.transfers} == {0, 1}
+    return p.validate()
+
+
+# -- validation catches broken plans --------------------------------------------------
+
+
+def test_sender_that_does_not_hold_its_box(broadcast_plan):
+    t = broadcast_plan.transfers[0]
+    other = next(d for d, tile in SRC.tiles(SHAPE).items() if tile[0] != SRC.tile(SHAPE, t.sender)[0])
+    bad = _edit(broadcast_plan, 0, sender=other)
+    with pytest.raises(PlanValidationError, match=rf"transfer 0 .*sender {other} does not hold box"):
+        bad.validate()
+
+
+def test_sender_outside_the_source_mesh(p2p_plan):
+    bad = _edit(p2p_plan, 0, sender="elsewhere/0")
+    with pytest.raises(PlanValidationError, match=r"sender elsewhere/0 does not hold box .*source tile is none"):
+        bad.validate()
+
+
+def test_missing_destination_piece(p2p_plan):
+    dropped = p2p_plan.transfers[-1]
+    bad = dataclasses.replace(p2p_plan, transfers=p2p_plan.transfers[:-1])
+    receiver = dropped.receivers[0]
+    n = dropped.num_elements
+    with pytest.raises(PlanValidationError, match=rf"destination device {receiver} .* misses {n} of its"):
+        bad.validate()
+
+
+def test_duplicate_delivery(broadcast_plan):
+    bad = dataclasses.replace(broadcast_plan, transfers=broadcast_plan.transfers + broadcast_plan.transfers[:1])
+    with pytest.raises(PlanValidationError, match=r"gets \d+ elements it already has \(held or received twice\)"):
+        bad.validate()
+    assert bad.wasted_bytes() == broadcast_plan.transfers[0].num_elements * 4 * len(broadcast_plan.transfers[0].receivers)
+    assert broadcast_plan.wasted_bytes() == 0
+
+
+def test_box_outside_a_receivers_tile(p2p_plan):
+    t = p2p_plan.transfers[0]
+    tile = DST_BOTH_HOSTS.tile(SHAPE, t.receivers[0])
+    wrong_cols = (6 - tile[1][1], 6 - tile[1][0])
+    bad = _edit(p2p_plan, 0, box=(t.box[0], wrong_cols))
+    with pytest.raises(PlanValidationError, match=rf"is not inside receiver {t.receivers[0]}'s tile"):
+        bad.validate()
+
+
+def test_box_outside_the_tensor(p2p_plan):
+    bad = _edit(p2p_plan, 0, box=((0, 4), (0, 7)))
+    with pytest.raises(PlanValidationError, match=r"box \[0:4, 0:7\] is empty or outside the tensor of shape \(8, 6\)"):
+        bad.validate()
+
+
+def test_broadcast_route_that_misses_a_host(broadcast_plan):
+    i = _first(broadcast_plan, "broadcast")
+    route = broadcast_plan.transfers[i].route
+    assert len(route) == 2
+    bad = _edit(broadcast_plan, i, route=route[:1])
+    with pytest.raises(PlanValidationError, match=r"route .* must list each receiving host .*exactly once; expected the hosts \['d0', 'd1'\]"):
+        bad.validate()
+    twice = _edit(broadcast_plan, i, route=route + route[:1])
+    with pytest.raises(PlanValidationError, match=r"exactly once"):
+        twice.validate()
+
+
+def test_local_transfer_that_crosses_hosts(p2p_plan):
+    bad = _edit(p2p_plan, 0, method="local")
+    with pytest.raises(PlanValidationError, match=r"a local transfer must stay on host s0"):
+        bad.validate()
+
+
+def test_unknown_method_and_stray_route(p2p_plan):
+    with pytest.raises(PlanValidationError, match=r"method 'multicast' is not one of \['p2p', 'broadcast', 'local'\]"):
+        _edit(p2p_plan, 0, method="multicast").validate()
+    with pytest.raises(PlanValidationError, match=r"only broadcasts have a route"):
+        _edit(p2p_plan, 0, route=("d0",)).validate()
+
+
+def test_receiver_outside_the_destination_mesh(p2p_plan):
+    with pytest.raises(PlanValidationError, match=r"receiver 'd9/0' is not a device of the destination mesh"):
+        _edit(p2p_plan, 0, receivers=("d9/0",)).validate()
+
+
+def test_forwarding_must_wait_for_the_next_phase(two_phase_plan):
+    """A device may pass on a box only in a phase after the one it received it in."""
+    i = next(i for i, t in enumerate(two_phase_plan.transfers) if t.phase == 1)
+    bad = _edit(two_phase_plan, i, phase=0)
+    with pytest.raises(PlanValidationError, match=r"does not hold box .* at the start of phase 0"):
+        bad.validate()
+
+
+# -- the JSON contract ------------------------------------------------------------------
+
+
+def test_json_has_the_documented_shape(broadcast_plan):
+    data = json.loads(broadcast_plan.dumps())
+    assert {"version", "shape", "dtype", "src", "dst", "strategy", "transfers",
+            "estimate_seconds", "lower_bound_seconds"} <= set(data)
+    assert data["version"] == 1
+    assert data["shape"] == [8, 6]
+    assert data["dtype"] == "float32"
+    assert data["strategy"] == "broadcast"
+    assert data["src"] == {
+        "mesh": {"axes": [["x", 2], ["y", 2]], "devices": ["s0/0", "s0/1", "s1/0", "s1/1"]},
+        "spec": [["x"], []],
+    }
+    assert data["dst"]["spec"] == [[], ["y"]]
+    assert data["estimate_seconds"] == pytest.approx(broadcast_plan.estimate())
+    assert data["lower_bound_seconds"] == pytest.approx(broadcast_plan.lower_bound())
+    for t in data["transfers"]:
+        assert set(t) == {"box", "sender", "receivers", "method", "phase", "route"}
+        assert all(len(b) == 2 and b[0] < b[1] for b in t["box"])
+        assert t["method"] == "broadcast" and sorted(t["route"]) == ["d0", "d1"]
+
+
+def test_json_of_point_to_point_transfers(p2p_plan):
+    for t in p2p_plan.to_json()["transfers"]:
+        assert {"box", "sender", "receivers", "method", "phase"} <= set(t) <= {
+            "box", "sender", "receivers", "method", "phase", "route"}
+        assert t.get("route", []) == []
+
+
+def test_tampered_json_is_rejected(broadcast_plan):
+    data = broadcast_plan.to_json()
+    data["transfers"][0]["sender"] = "s0/1"
+    with pytest.raises(PlanValidationError, match=rf"claims id {broadcast_plan.id} but its content hashes to .*altered"):
+        Plan.from_json(data)
+    forged = {**broadcast_plan.to_json(), "id": "0" * 64}
+    with pytest.raises(PlanValidationError, match="altered"):
+        Plan.from_json(forged)
+
+
+def test_json_of_another_version_is_rejected(broadcast_plan):
+    data = {**broadcast_plan.to_json(), "version": 2}
+    with pytest.raises(PlanValidationError, match=r"version 2 is not supported; this reshard reads version 1"):
+        Plan.from_json(data)
+
+
+def test_json_without_a_field_is_rejected(broadcast_plan):
+    data = broadcast_plan.to_json()
+    del data["strategy"], data["id"]
+    with pytest.raises(PlanValidationError, match=r"lacks the field 'strategy'"):
+        Plan.from_json(data)
+
+
+def test_id_changes_with_content(broadcast_plan, p2p_plan):
+    assert broadcast_plan.id != p2p_plan.id
+    assert len(broadcast_plan.id) == 64 and int(broadcast_plan.id, 16) >= 0
+    moved = _edit(broadcast_plan, 0, phase=1)
+    assert moved.id != broadcast_plan.id
+
+
+def test_str_is_a_one_line_summary(broadcast_plan):
+    text = str(broadcast_plan)
+    assert "\n" not in text
+    assert broadcast_plan.id[:12] in text
+    assert "P('x', None) -> P(None, 'y')" in text
+    assert "broadcast" in text and "lower bound" in text
+
+
+# -- the paper's cases, 10 Gbit/s --------------------------------------------------------
+
+TEN_GBIT = Topology(nic_gbps=10.0)
+PAPER_CASES = n_to_m_cases() + one_to_m_cases()
+
+
+@pytest.mark.parametrize("case", PAPER_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("strategy", ["auto", "broadcast"])
+def test_auto_and_broadcast_sit_at_the_lower_bound(case, strategy):
+    p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, strategy).validate()
+    assert p.lower_bound() > 0
+    assert p.estimate() <= 1.05 * p.lower_bound(), f"{case.name}: {p.estimate()} vs bound {p.lower_bound()}"
+
+
+def _case(name: str):
+    return next(c for c in PAPER_CASES if c.name == name)
+
+
+def test_send_recv_is_eight_times_the_bound_on_1to4x2():
+    case = _case("1to4x2")
+    p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, "send_recv").validate()
+    assert p.estimate() / p.lower_bound() == pytest.approx(8.0, rel=1e-6)
+    # The bound: 1 GiB leaving the only holder at 10 Gbit/s.
+    assert p.lower_bound() == pytest.approx(case.nbytes / (10e9 / 8))
+
+
+@pytest.mark.parametrize("strategy, times", [("broadcast", 4), ("auto", 4), ("local_allgather", 4), ("send_recv", 8)])
+def test_network_bytes_on_1to4x2(strategy, times):
+    case = _case("1to4x2")
+    p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, strategy).validate()
+    assert p.network_bytes() == times * case.nbytes
+
+
+def test_broadcast_on_1to4x2_reaches_each_host_once():
+    case = _case("1to4x2")
+    p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, "broadcast").validate()
+    (load,) = p.loads()
+    receiving = set(case.dst.mesh.hosts)
+    assert len(receiving) == 4
+    assert dict(load.recv) == {h: case.nbytes for h in receiving}
+    # The chain: the source host sends once, every route host but the last forwards once.
+    assert sorted(load.send.values()) == [case.nbytes] * 4
+    assert len(p.transfers) == 1 and p.transfers[0].method == "broadcast"
+    assert set(p.transfers[0].receivers) == set(case.dst.mesh.devices)
