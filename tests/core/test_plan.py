@@ -28,10 +28,6 @@ def _edit(p: Plan, index: int, **changes) -> Plan:
     return dataclasses.replace(p, transfers=tuple(transfers))
 
 
-def _first(p: Plan, method: str) -> int:
-    return next(i for i, t in enumerate(p.transfers) if t.method == method)
-
-
 @pytest.fixture
 def broadcast_plan() -> Plan:
     p = plan(SHAPE, "float32", SRC, DST_BOTH_HOSTS, strategy="broadcast")
@@ -56,17 +52,55 @@ def two_phase_plan() -> Plan:
 # -- validation catches broken plans --------------------------------------------------
 
 
-def test_sender_that_does_not_hold_its_box(broadcast_plan):
-    t = broadcast_plan.transfers[0]
-    other = next(d for d, tile in SRC.tiles(SHAPE).items() if tile[0] != SRC.tile(SHAPE, t.sender)[0])
-    bad = _edit(broadcast_plan, 0, sender=other)
-    with pytest.raises(PlanValidationError, match=rf"transfer 0 .*sender {other} does not hold box"):
-        bad.validate()
+def _other_sender(p: Plan) -> str:
+    """A source device whose tile does not contain transfer 0's box."""
+    mine = SRC.tile(SHAPE, p.transfers[0].sender)
+    return next(d for d, tile in SRC.tiles(SHAPE).items() if tile != mine)
 
 
-def test_sender_outside_the_source_mesh(p2p_plan):
-    bad = _edit(p2p_plan, 0, sender="elsewhere/0")
-    with pytest.raises(PlanValidationError, match=r"sender elsewhere/0 does not hold box .*source tile is none"):
+def _wrong_columns(p: Plan) -> tuple:
+    t = p.transfers[0]
+    (c0, c1) = DST_BOTH_HOSTS.tile(SHAPE, t.receivers[0])[1]
+    return (t.box[0], (SHAPE[1] - c1, SHAPE[1] - c0))
+
+
+# (name, plan, changes to transfer 0 given the plan, the message expected)
+ONE_EDIT = [
+    ("sender that does not hold its box", "broadcast",
+     lambda p: {"sender": _other_sender(p)}, r"transfer 0 .*sender s1/0 does not hold box \[0:4, 0:3\]"),
+    ("sender outside the source mesh", "p2p",
+     lambda p: {"sender": "elsewhere/0"}, r"sender elsewhere/0 does not hold box .*source tile is none"),
+    ("box outside a receiver's tile", "p2p",
+     lambda p: {"box": _wrong_columns(p)}, r"box \[0:4, 3:6\] is not inside receiver d0/0's tile \[0:8, 0:3\]"),
+    ("box outside the tensor", "p2p",
+     lambda p: {"box": ((0, 4), (0, 7))}, r"box \[0:4, 0:7\] is empty or outside the tensor of shape \(8, 6\)"),
+    ("empty box", "p2p",
+     lambda p: {"box": ((2, 2), (0, 3))}, r"box \[2:2, 0:3\] is empty or outside the tensor"),
+    ("broadcast route that misses a host", "broadcast",
+     lambda p: {"route": p.transfers[0].route[:1]},
+     r"route \['d0'\] must list each receiving host other than the sender's exactly once; expected the hosts \['d0', 'd1'\]"),
+    ("broadcast route that repeats a host", "broadcast",
+     lambda p: {"route": p.transfers[0].route + p.transfers[0].route[:1]}, r"route \['d0', 'd1', 'd0'\] must list"),
+    ("local transfer that crosses hosts", "p2p",
+     lambda p: {"method": "local"}, r"a local transfer must stay on host s0"),
+    ("unknown method", "p2p",
+     lambda p: {"method": "multicast"}, r"method 'multicast' is not one of \['p2p', 'broadcast', 'local'\]"),
+    ("route on a point-to-point transfer", "p2p",
+     lambda p: {"route": ("d0",)}, r"only broadcasts have a route"),
+    ("receiver outside the destination mesh", "p2p",
+     lambda p: {"receivers": ("d9/0",)}, r"receiver 'd9/0' is not a device of the destination mesh"),
+    ("sender among its receivers", "p2p",
+     lambda p: {"receivers": (p.transfers[0].sender,)}, r"receivers must be distinct, non-empty and exclude the sender"),
+    ("no receivers", "p2p",
+     lambda p: {"receivers": ()}, r"receivers must be distinct, non-empty"),
+]
+
+
+@pytest.mark.parametrize("name, kind, changes, message", ONE_EDIT, ids=[e[0] for e in ONE_EDIT])
+def test_one_edited_transfer_is_caught(name, kind, changes, message, broadcast_plan, p2p_plan):
+    good = broadcast_plan if kind == "broadcast" else p2p_plan
+    bad = _edit(good, 0, **changes(good))
+    with pytest.raises(PlanValidationError, match=message):
         bad.validate()
 
 
@@ -83,53 +117,9 @@ def test_duplicate_delivery(broadcast_plan):
     bad = dataclasses.replace(broadcast_plan, transfers=broadcast_plan.transfers + broadcast_plan.transfers[:1])
     with pytest.raises(PlanValidationError, match=r"gets \d+ elements it already has \(held or received twice\)"):
         bad.validate()
-    assert bad.wasted_bytes() == broadcast_plan.transfers[0].num_elements * 4 * len(broadcast_plan.transfers[0].receivers)
+    first = broadcast_plan.transfers[0]
+    assert bad.wasted_bytes() == first.num_elements * 4 * len(first.receivers)
     assert broadcast_plan.wasted_bytes() == 0
-
-
-def test_box_outside_a_receivers_tile(p2p_plan):
-    t = p2p_plan.transfers[0]
-    tile = DST_BOTH_HOSTS.tile(SHAPE, t.receivers[0])
-    wrong_cols = (6 - tile[1][1], 6 - tile[1][0])
-    bad = _edit(p2p_plan, 0, box=(t.box[0], wrong_cols))
-    with pytest.raises(PlanValidationError, match=rf"is not inside receiver {t.receivers[0]}'s tile"):
-        bad.validate()
-
-
-def test_box_outside_the_tensor(p2p_plan):
-    bad = _edit(p2p_plan, 0, box=((0, 4), (0, 7)))
-    with pytest.raises(PlanValidationError, match=r"box \[0:4, 0:7\] is empty or outside the tensor of shape \(8, 6\)"):
-        bad.validate()
-
-
-def test_broadcast_route_that_misses_a_host(broadcast_plan):
-    i = _first(broadcast_plan, "broadcast")
-    route = broadcast_plan.transfers[i].route
-    assert len(route) == 2
-    bad = _edit(broadcast_plan, i, route=route[:1])
-    with pytest.raises(PlanValidationError, match=r"route .* must list each receiving host .*exactly once; expected the hosts \['d0', 'd1'\]"):
-        bad.validate()
-    twice = _edit(broadcast_plan, i, route=route + route[:1])
-    with pytest.raises(PlanValidationError, match=r"exactly once"):
-        twice.validate()
-
-
-def test_local_transfer_that_crosses_hosts(p2p_plan):
-    bad = _edit(p2p_plan, 0, method="local")
-    with pytest.raises(PlanValidationError, match=r"a local transfer must stay on host s0"):
-        bad.validate()
-
-
-def test_unknown_method_and_stray_route(p2p_plan):
-    with pytest.raises(PlanValidationError, match=r"method 'multicast' is not one of \['p2p', 'broadcast', 'local'\]"):
-        _edit(p2p_plan, 0, method="multicast").validate()
-    with pytest.raises(PlanValidationError, match=r"only broadcasts have a route"):
-        _edit(p2p_plan, 0, route=("d0",)).validate()
-
-
-def test_receiver_outside_the_destination_mesh(p2p_plan):
-    with pytest.raises(PlanValidationError, match=r"receiver 'd9/0' is not a device of the destination mesh"):
-        _edit(p2p_plan, 0, receivers=("d9/0",)).validate()
 
 
 def test_forwarding_must_wait_for_the_next_phase(two_phase_plan):
