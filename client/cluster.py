@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import re
+import secrets
 import select
 import signal
 import subprocess
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 __all__ = ["LocalCluster", "local_cluster", "start_process"]
 
 _READY = re.compile(r"listening on (\S+)")
+_DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
 
 
 def _die_with_parent() -> None:
@@ -39,8 +41,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_process(args: Sequence[str], log_path: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    """Start ``args``, wait for its "listening on ADDR" line, and return the process and ADDR."""
+def start_process(args: Sequence[str], log_path: Path, timeout: float,
+                  ready_lines: Optional[list[str]] = None) -> tuple[subprocess.Popen, str]:
+    """Start ``args``, wait for its "listening on ADDR" line, and return the process and ADDR.
+
+    The ready line itself is appended to ``ready_lines`` when given.
+    """
     log = open(log_path, "ab")
     proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
                             preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
@@ -53,6 +59,8 @@ def start_process(args: Sequence[str], log_path: Path, timeout: float) -> tuple[
             line = proc.stdout.readline()
             m = _READY.search(line.decode(errors="replace"))
             if m:
+                if ready_lines is not None:
+                    ready_lines.append(line.decode(errors="replace"))
                 return proc, m.group(1)
         if proc.poll() is not None:
             break
@@ -67,7 +75,7 @@ class LocalCluster:
 
     def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
                  planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
-                 startup_timeout_s: float = 60.0):
+                 startup_timeout_s: float = 60.0, dashboard: bool = False):
         self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
         self.devices_per_host = devices_per_host
         self.planner_args = list(planner_args)
@@ -80,15 +88,27 @@ class LocalCluster:
         self.planner: Optional[subprocess.Popen] = None
         self.agents: dict[str, subprocess.Popen] = {}
         self.agent_addresses: dict[str, str] = {}
+        self.dashboard = dashboard
+        self.dashboard_url = ""
+        self.admin_token = secrets.token_urlsafe(24) if dashboard else ""
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "reshard.server.cli", *args]
 
     def start(self) -> "LocalCluster":
         try:
+            web_args: list[str] = []
+            if self.dashboard:
+                token_file = self.log_dir / "admin-token"
+                token_file.write_text(self.admin_token)
+                token_file.chmod(0o600)
+                web_args = ["--http", "127.0.0.1:0", "--admin-token-file", str(token_file)]
+            lines: list[str] = []
             self.planner, self.address = start_process(
-                self._cmd("planner", "--listen", "127.0.0.1:0", *self.planner_args),
-                self.log_dir / "planner.log", self.startup_timeout_s)
+                self._cmd("planner", "--listen", "127.0.0.1:0", *web_args, *self.planner_args),
+                self.log_dir / "planner.log", self.startup_timeout_s, lines)
+            m = _DASHBOARD.search(lines[0]) if lines else None
+            self.dashboard_url = m.group(1) if m else ""
             for h in self.host_names:
                 self.start_agent(h, wait=False)
             self.wait_ready()
@@ -107,6 +127,13 @@ class LocalCluster:
         if wait:
             self.wait_ready()
         return addr
+
+    @property
+    def dashboard_login_url(self) -> str:
+        """A URL that logs a browser in to the dashboard (it holds the token: show it, never log it)."""
+        if not self.dashboard_url:
+            return ""
+        return f"{self.dashboard_url}login?token={self.admin_token}"
 
     def kill_agent(self, host: str) -> None:
         """SIGKILL the agent of ``host`` (fault tests)."""

@@ -13,6 +13,8 @@ from reshard.errors import ReshardError
 
 __all__ = ["main", "build_parser"]
 
+log = logging.getLogger(__name__)
+
 
 def _wait_for_signal() -> None:
     """Block until SIGINT or SIGTERM."""
@@ -71,6 +73,10 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,
                    help="seconds an idle upload is kept before its staged shards are dropped")
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
+    p.add_argument("--http", default=None, metavar="ADDR",
+                   help="serve the admin dashboard on ADDR, e.g. 127.0.0.1:8080 (port 0: any free port)")
+    p.add_argument("--admin-token-file", default=None, metavar="PATH",
+                   help="file holding the token every dashboard page and API call must present")
     p.set_defaults(func=_run_planner)
 
 
@@ -80,12 +86,29 @@ def _run_planner(args) -> int:
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                            upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout)
+    token = None
+    if args.http:
+        from reshard.server.dashboard.source import read_token
+
+        token = read_token(args.admin_token_file)
+        if token is None:
+            log.warning("the dashboard on %s has no admin token: anyone who can reach it can read it; "
+                        "pass --admin-token-file", args.http)
     server, port, planner = serve_planner(config)
     host = config.listen.rsplit(":", 1)[0]
-    print(f"reshard planner listening on {host}:{port}", flush=True)
+    dashboard = ""
+    web = None
+    if args.http:
+        from reshard.server.dashboard.source import serve_dashboard
+
+        web, http_port = serve_dashboard(planner, args.http, token)
+        dashboard = f" (dashboard http://{args.http.rpartition(':')[0] or '127.0.0.1'}:{http_port}/)"
+    print(f"reshard planner listening on {host}:{port}{dashboard}", flush=True)
     try:
         _wait_for_signal()
     finally:
+        if web is not None:
+            web.should_exit = True
         server.stop(1.0).wait()
         planner.close()
     return 0
@@ -105,9 +128,11 @@ def _run_up(args) -> int:
     from reshard.client.cluster import LocalCluster
 
     planner_args = ["--state", args.state] if args.state else []
-    cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir)
+    cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir,
+                           dashboard=True)
     with cluster:
         print(f"planner  {cluster.address}")
+        print(f"admin    {cluster.dashboard_login_url}")
         for h, a in cluster.agent_addresses.items():
             print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1}")
         print(f"logs     {cluster.log_dir}")

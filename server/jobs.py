@@ -124,6 +124,11 @@ class JobRunner:
         with self._lock:
             return self._jobs.get(job_id)
 
+    def list(self) -> list[Job]:
+        """Every job the planner knows, newest first."""
+        with self._lock:
+            return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
+
     def busy(self, tensor: str) -> bool:
         with self._lock:
             return any(j.tensor == tensor and j.state in ("queued", "running") for j in self._jobs.values())

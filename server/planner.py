@@ -184,7 +184,14 @@ class Planner:
             shape, dtype, src = rec.shape, rec.dtype, rec.sharding
         else:
             src = parse_sharding(src_json, "source sharding")
-        return make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), check_strategy(strategy)).validate()
+        plan = make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), check_strategy(strategy)).validate()
+        # Kept so that the dashboard can show dry runs as well as jobs.
+        self.store.save_plan(plan.id, plan.dumps())
+        return plan
+
+    def stored_plan(self, plan_id: str) -> Plan | None:
+        doc = self.store.plan(plan_id)
+        return Plan.from_json(doc) if doc else None
 
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)

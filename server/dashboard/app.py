@@ -20,6 +20,7 @@ from typing import Any, Optional, Protocol
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -35,6 +36,18 @@ __all__ = ["DashboardSource", "create_app", "COOKIE"]
 
 COOKIE = "reshard_admin"
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
+
+
+def _human_bytes(n) -> str:
+    n = float(n or 0)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+TEMPLATES.env.filters["bytes"] = _human_bytes
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
@@ -85,8 +98,18 @@ def _job_view(job: dict) -> dict:
 
 
 def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
-    app = FastAPI(title="reshard admin", version="1", description="Cluster, tensors, jobs and transfer plans.")
+    # FastAPI's own documentation routes would skip the token check; they are added below, guarded.
+    app = FastAPI(title="reshard admin", version="1", description="Cluster, tensors, jobs and transfer plans.",
+                  docs_url=None, redoc_url=None, openapi_url=None)
     guard = [Depends(_auth(token))]
+
+    @app.get("/openapi.json", dependencies=guard, include_in_schema=False)
+    def openapi() -> dict:
+        return app.openapi()
+
+    @app.get("/docs", dependencies=guard, include_in_schema=False)
+    def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="reshard admin API")
 
     @app.get("/login", include_in_schema=False)
     def login(token_arg: str = Query(alias="token"), next_page: str = Query("/", alias="next")):

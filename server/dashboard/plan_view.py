@@ -146,9 +146,9 @@ def _heatmap_svg(hosts: list[str], matrix: dict[tuple[str, str], int]) -> str:
 
 def _nic_svg(hosts: list[str], send: dict[str, float], recv: dict[str, float], bound: float) -> str:
     """Each host's NIC send and receive seconds, with the plan's lower bound as a line."""
-    width, label, row = 480, 90, 30
+    width, label, row = 520, 90, 30
     peak = max([*send.values(), *recv.values(), bound], default=0) or 1
-    scale = (width - label - 100) / peak
+    scale = (width - label - 140) / peak
     parts = [f'<svg class="nic" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{len(hosts) * row + 24}">']
     for i, h in enumerate(hosts):
         y = i * row + 4

@@ -1,0 +1,139 @@
+"""The dashboard's view of a running planner, and the HTTP server that shows it.
+
+`PlannerSource` reads the planner's registry, catalog and jobs and hands the
+dashboard plain data; it never changes them. `serve_dashboard` runs the app on
+its own thread inside the planner process.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import defaultdict
+from typing import Optional
+
+import uvicorn
+
+from reshard import Plan
+from reshard.box import volume
+from reshard.dtypes import itemsize
+from reshard.mesh import host_of
+from reshard.server.dashboard.app import create_app
+from reshard.server.jobs import Job
+from reshard.server.planner import Planner
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PlannerSource", "serve_dashboard", "read_token"]
+
+
+def _job_doc(job: Job) -> dict:
+    total = sum(t for _, t in job.progress.values())
+    done = sum(d for d, _ in job.progress.values())
+    transports = sorted({tr for t in job.traffic.values() for tr in t.get("transports", ())}) or ["grpc"]
+    return {
+        "id": job.id, "tensor": job.tensor, "state": job.state, "strategy": job.strategy,
+        "destination": job.dst.spec_str(), "bytes_done": done, "bytes_total": total,
+        "seconds": job.seconds if job.started else None, "started": job.started, "finished": job.finished,
+        "error": job.error or None, "plan_id": job.plan.id if job.plan else None, "transports": transports,
+        "estimate_seconds": job.plan.estimate_seconds if job.plan else None,
+    }
+
+
+class PlannerSource:
+    """Read-only plain-data view of a `Planner` for the dashboard."""
+
+    def __init__(self, planner: Planner):
+        self.planner = planner
+
+    def _held_by_host(self) -> dict[str, int]:
+        held: dict[str, int] = defaultdict(int)
+        for rec in self.planner.tensors():
+            size = itemsize(rec.dtype)
+            for dev, tile in rec.sharding.tiles(rec.shape).items():
+                held[host_of(dev)] += volume(tile) * size
+        return held
+
+    def agents(self) -> list[dict]:
+        held = self._held_by_host()
+        registry = self.planner.registry
+        return [{
+            "host": a.host, "address": a.address, "num_devices": a.num_devices, "devices": a.devices,
+            "up": registry.is_up(a), "heartbeat_age_s": registry.age(a),
+            "bytes_held": held.get(a.host, 0), "nic_gbps": a.nic_gbps,
+            "transport": getattr(a, "transport", "grpc"),
+        } for a in registry.agents()]
+
+    def tensors(self) -> list[dict]:
+        out = []
+        for rec in self.planner.tensors():
+            size = itemsize(rec.dtype)
+            per_host: dict[str, int] = defaultdict(int)
+            for dev, tile in rec.sharding.tiles(rec.shape).items():
+                per_host[host_of(dev)] += volume(tile) * size
+            n = size
+            for s in rec.shape:
+                n *= s
+            out.append({"name": rec.name, "shape": list(rec.shape), "dtype": rec.dtype, "sharding": str(rec.sharding),
+                        "spec": [list(a) for a in rec.sharding.spec], "version": rec.version, "nbytes": n,
+                        "bytes_per_host": dict(per_host)})
+        return out
+
+    def jobs(self) -> list[dict]:
+        return [_job_doc(j) for j in self.planner.jobs.list()]
+
+    def job(self, job_id: str) -> Optional[dict]:
+        job = self.planner.jobs.get(job_id)
+        return _job_doc(job) if job else None
+
+    def plan(self, plan_id: str) -> Optional[Plan]:
+        for job in self.planner.jobs.list():
+            if job.plan is not None and job.plan.id == plan_id:
+                return job.plan
+        return self.planner.stored_plan(plan_id)
+
+    def bytes_moved(self) -> dict[str, int]:
+        moved = getattr(self.planner, "bytes_moved", None)
+        if callable(moved):
+            return moved()
+        total: dict[str, int] = defaultdict(int)
+        for job in self.planner.jobs.list():
+            if job.state == "succeeded":
+                total["grpc"] += sum(sum(t.get("bytes_in", {}).values()) for t in job.traffic.values())
+        return dict(total)
+
+
+def read_token(path: Optional[str]) -> Optional[str]:
+    if not path:
+        return None
+    token = open(path, encoding="utf-8").read().strip()
+    if not token:
+        raise ValueError(f"admin token file {path} is empty; put a long random token in it")
+    return token
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:
+        """The planner process owns the signals."""
+
+
+def serve_dashboard(planner: Planner, listen: str, token: Optional[str]) -> tuple[_Server, int]:
+    """Serve the dashboard for ``planner`` on ``listen`` (port 0: any free port); returns (server, port)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(port or 0)))
+    bound = sock.getsockname()[1]
+    app = create_app(PlannerSource(planner), token)
+    server = _Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="dashboard")
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        raise RuntimeError(f"the dashboard did not start on {host}:{bound}")
+    return server, bound

@@ -1,0 +1,201 @@
+"""The admin dashboard served by a real planner process, after real reshards by real agents."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from reshard import Mesh, Sharding
+from reshard.client.cluster import LocalCluster
+from reshard.client.client import Client
+
+HOSTS = ["host0", "host1", "host2", "host3"]
+
+
+def _reshard_broadcast(c: Client, name: str) -> tuple[str, str]:
+    """Put a tensor on host0 and broadcast it to hosts 1-3; returns (job id, plan id)."""
+    src = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
+    dst = Sharding(Mesh.from_hosts({"x": 3, "y": 2}, HOSTS[1:], 2), (None, None))
+    data = np.arange(1024 * 1025, dtype=np.float32).reshape(1024, 1025)
+    c.put(name, data, src)
+    result = c.reshard(name, dst, "broadcast").result(timeout=60)
+    assert np.array_equal(c.get(name), data)
+    return result.id, result.plan_id
+
+
+@pytest.fixture(scope="module")
+def web(tmp_path_factory):
+    """A cluster with its dashboard, a finished broadcast job and a dry-run plan."""
+    log_dir = tmp_path_factory.mktemp("dash")
+    state = log_dir / "state.db"
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(log_dir), planner_args=["--state", str(state)]) as cluster:
+        with Client(cluster.address) as c:
+            job_id, plan_id = _reshard_broadcast(c, "weights")
+            dry = c.plan("weights", Sharding(Mesh.from_hosts({"x": 2, "y": 2}, HOSTS[:2], 2), ("x", None)))
+            yield {"cluster": cluster, "client": c, "job": job_id, "plan": plan_id, "dry": dry.id,
+                   "token": cluster.admin_token, "url": cluster.dashboard_url, "log_dir": log_dir, "state": state}
+
+
+def _get(web, path: str, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {web['token']}"}
+    return httpx.get(web["url"].rstrip("/") + path, headers=headers, timeout=30, **kw)
+
+
+def test_api_shows_cluster_tensors_jobs_and_plans(web):
+    agents = _get(web, "/api/cluster").json()
+    assert sorted(a["host"] for a in agents) == HOSTS
+    assert all(a["up"] and a["heartbeat_age_s"] < 10 for a in agents)
+    held = {a["host"]: a["bytes_held"] for a in agents}
+    assert held["host0"] == 0 and held["host1"] == 1024 * 1025 * 4 * 2  # two replicas on host1's devices
+
+    tensors = {t["name"]: t for t in _get(web, "/api/tensors").json()}
+    assert tensors["weights"]["shape"] == [1024, 1025] and tensors["weights"]["version"] == 2
+    assert tensors["weights"]["sharding"].startswith("P(None, None)")
+
+    jobs = _get(web, "/api/jobs").json()
+    job = next(j for j in jobs if j["id"] == web["job"])
+    assert job["state"] == "succeeded" and job["bytes_done"] == job["bytes_total"] > 0
+    assert job["plan_id"] == web["plan"] and job["seconds"] > 0 and job["gbps"] > 0
+    assert _get(web, f"/api/jobs/{web['job']}").json()["id"] == web["job"]
+
+    plan = _get(web, f"/api/plans/{web['plan']}").json()
+    assert plan["id"] == web["plan"] and plan["strategy"] == "broadcast"
+    assert [t["route"] for t in plan["transfers"] if t["method"] == "broadcast"] == [["host1", "host2", "host3"]]
+    assert _get(web, f"/api/plans/{web['dry']}").status_code == 200  # dry runs are kept too
+    assert _get(web, "/api/jobs/nope").status_code == 404
+
+
+def test_whatif_plans_every_strategy_and_moves_nothing(web):
+    before = _get(web, "/api/jobs").json()
+    params = {"shape": "1024,1024,512", "dtype": "int32", "src": "x=2,y=4", "src_spec": "_,x,_",
+              "dst": "x=2,y=4", "dst_spec": "x,_,_"}
+    plans = _get(web, "/api/whatif", params=params).json()
+    assert [p["strategy"] for p in plans] == ["send_recv", "local_allgather", "broadcast", "auto"]
+    assert min(p["estimate_seconds"] for p in plans) == plans[-1]["estimate_seconds"]
+    page = _get(web, "/whatif", params=params).text
+    assert page.count('class="plan"') == 4
+    bad = _get(web, "/api/whatif", params={**params, "src_spec": "z,_,_"})
+    assert bad.status_code == 422 and "unknown axis 'z'" in bad.text
+    assert _get(web, "/api/jobs").json() == before
+
+
+def test_openapi_describes_the_api(web):
+    doc = _get(web, "/openapi.json").json()
+    assert {"/api/cluster", "/api/tensors", "/api/jobs", "/api/jobs/{job_id}", "/api/plans/{plan_id}",
+            "/api/whatif"} <= set(doc["paths"])
+    # No GET changes state: the API has no other method.
+    assert all(set(ops) == {"get"} for ops in doc["paths"].values())
+
+
+def test_metrics_parse(web):
+    text = _get(web, "/metrics").text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    moved = {s.labels["transport"]: s.value for s in families["reshard_bytes_moved"].samples
+             if s.name == "reshard_bytes_moved_total"}
+    assert sum(moved.values()) > 0
+    assert any(s.labels.get("state") == "succeeded" and s.value >= 1 for s in families["reshard_jobs"].samples)
+    assert families["reshard_agents_up"].samples[0].value == 4
+    count = next(s for s in families["reshard_job_duration_seconds"].samples
+                 if s.name == "reshard_job_duration_seconds_count")
+    assert count.value >= 1
+
+
+@pytest.mark.parametrize("path", ["/", "/jobs", "/tensors", "/whatif", "/api/jobs", "/api/cluster", "/metrics",
+                                  "/openapi.json", "/docs"])
+def test_token_required(web, path):
+    url = web["url"].rstrip("/") + path
+    missing = httpx.get(url, timeout=30)
+    wrong = httpx.get(url, headers={"Authorization": "Bearer not-the-token"}, timeout=30)
+    right = httpx.get(url, headers={"Authorization": f"Bearer {web['token']}"}, timeout=30)
+    for r in (missing, wrong):
+        assert r.status_code == 401 and r.json() == {"detail": "unauthorized"}
+    assert right.status_code == 200
+
+
+def test_login_sets_a_cookie_and_the_token_is_never_logged(web):
+    base = web["url"].rstrip("/")
+    r = httpx.get(f"{base}/login", params={"token": web["token"], "next": "/jobs"}, timeout=30)
+    assert r.status_code == 303 and r.headers["location"] == "/jobs"
+    page = httpx.get(f"{base}/jobs", cookies={"reshard_admin": web["token"]}, timeout=30)
+    assert page.status_code == 200 and web["job"][:12] in page.text
+    assert httpx.get(f"{base}/login", params={"token": "wrong"}, timeout=30).status_code == 401
+    off_site = httpx.get(f"{base}/login", params={"token": web["token"], "next": "//evil.example/"}, timeout=30)
+    assert off_site.headers["location"] == "/"
+    for log in Path(web["log_dir"]).glob("*.log"):
+        assert web["token"] not in log.read_text(errors="replace"), log
+
+
+def test_history_survives_a_planner_restart(tmp_path):
+    state = tmp_path / "state.db"
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "a"), planner_args=["--state", str(state)]) as one:
+        with Client(one.address) as c:
+            job_id, plan_id = _reshard_broadcast(c, "kept")
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "b"), planner_args=["--state", str(state)]) as two:
+        headers = {"Authorization": f"Bearer {two.admin_token}"}
+        base = two.dashboard_url.rstrip("/")
+        jobs = httpx.get(f"{base}/api/jobs", headers=headers, timeout=30).json()
+        assert any(j["id"] == job_id and j["state"] == "succeeded" for j in jobs)
+        page = httpx.get(f"{base}/jobs/{job_id}", headers=headers, timeout=30)
+        assert page.status_code == 200 and plan_id in page.text and 'class="heatmap"' in page.text
+
+
+# -- a real browser ------------------------------------------------------------------------------
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _chromium() -> str:
+    path = shutil.which("chromium")
+    if path:
+        return path
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        pytest.skip("headless Chromium is not installed and cannot be installed here (needs root and apt-get)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=False, capture_output=True, env=env, timeout=600)
+    r = subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], capture_output=True, env=env, timeout=900)
+    path = shutil.which("chromium")
+    if not path:
+        pytest.skip(f"installing Debian's chromium failed: {r.stderr.decode(errors='replace')[-300:]}")
+    return path
+
+
+def test_plan_page_in_a_real_browser(web, tmp_path):
+    chromium = _chromium()
+    url = f"{web['url']}login?token={web['token']}&next=/jobs/{web['job']}"
+    profile = tmp_path / "profile"
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
+                         capture_output=True, text=True, timeout=120)
+    html = dom.stdout
+    assert f"Job {web['job'][:12]}" in html, dom.stderr[-500:]
+    # Heat map: bytes flow host0 -> host1 -> host2 -> host3 along the chain, and nowhere else.
+    import re
+
+    cells = {(a, b): int(n) for a, b, n in re.findall(r'class="cell" data-from="(\w+)" data-to="(\w+)" data-bytes="(\d+)"', html)}
+    nbytes = 1024 * 1025 * 4
+    assert {k for k, v in cells.items() if v} == {("host0", "host1"), ("host1", "host2"), ("host2", "host3")}
+    assert all(v == nbytes for v in cells.values() if v)
+    # NIC bars against the lower bound: every receiving host receives the tensor once.
+    bars = {(h, d): float(s) for h, d, s in re.findall(
+        r'class="nic-bar" data-host="(\w+)" data-direction="(\w+)" data-seconds="([0-9.e+-]+)"', html)}
+    bound = float(re.search(r'class="bound" data-seconds="([0-9.e+-]+)"', html).group(1))
+    assert all(bars[h, "recv"] == pytest.approx(bound) for h in HOSTS[1:])
+    assert bars["host3", "send"] == 0
+    # The chain route, drawn.
+    assert re.findall(r'class="chain" data-route="([\w,]+)"', html) == ["host0,host1,host2,host3"]
+    assert 'data-mesh="src"' in html and 'data-mesh="dst"' in html
+    shot = tmp_path / "plan.png"
+    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1300,1100",
+                    f"--screenshot={shot}", url], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000
+    out = os.environ.get("RESHARD_SCREENSHOT_DIR")
+    if out:
+        shutil.copy(shot, Path(out) / "dashboard-plan.png")
