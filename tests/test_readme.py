@@ -24,3 +24,9 @@ def test_readme_planning_example_runs():
     assert out.returncode == 0, out.stderr
     assert "auto: int32[1024,1024,512] P(None, 'x', None) -> P('x', None, None)" in out.stdout
     assert "lower bound" in out.stdout and "send MiB" in out.stdout
+
+
+def test_readme_quickstart_is_the_tested_file():
+    """tests/integration/test_packaging.py runs docs/quickstart.py; the README shows exactly that file."""
+    quickstart = (README.parent / "docs" / "quickstart.py").read_text()
+    assert quickstart in python_blocks()
