@@ -157,6 +157,9 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     # -- pages ------------------------------------------------------------------------------
 
     def page(request: Request, name: str, **ctx) -> HTMLResponse:
+        # Pages showing a job still in flight reload themselves every two seconds.
+        if any(j.get("state") in ("queued", "running") for j in ctx.get("jobs", []) + [ctx.get("job") or {}]):
+            ctx["refresh"] = 2
         return TEMPLATES.TemplateResponse(request, name, ctx)
 
     @app.get("/", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)

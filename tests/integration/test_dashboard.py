@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -177,8 +179,6 @@ def test_plan_page_in_a_real_browser(web, tmp_path):
     html = dom.stdout
     assert f"Job {web['job'][:12]}" in html, dom.stderr[-500:]
     # Heat map: bytes flow host0 -> host1 -> host2 -> host3 along the chain, and nowhere else.
-    import re
-
     cells = {(a, b): int(n) for a, b, n in re.findall(r'class="cell" data-from="(\w+)" data-to="(\w+)" data-bytes="(\d+)"', html)}
     nbytes = 1024 * 1025 * 4
     assert {k for k, v in cells.items() if v} == {("host0", "host1"), ("host1", "host2"), ("host2", "host3")}
@@ -199,3 +199,29 @@ def test_plan_page_in_a_real_browser(web, tmp_path):
     out = os.environ.get("RESHARD_SCREENSHOT_DIR")
     if out:
         shutil.copy(shot, Path(out) / "dashboard-plan.png")
+
+
+def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):
+    slow = ["--rate-limit-mib-s", "8"]
+    with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path), agent_args=slow) as cluster, \
+            Client(cluster.address) as c:
+        headers = {"Authorization": f"Bearer {cluster.admin_token}"}
+        base = cluster.dashboard_url.rstrip("/")
+        data = np.arange(4 * 2**20, dtype=np.float32)  # 16 MiB: about 2 s at 8 MiB/s
+        c.put("slow", data, Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None,)))
+        job = c.reshard("slow", Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None,)))
+        seen = None
+        for _ in range(200):
+            doc = httpx.get(f"{base}/api/jobs/{job.id}", headers=headers, timeout=30).json()
+            if doc["state"] == "running" and 0 < doc["bytes_done"] < doc["bytes_total"]:
+                seen = doc
+                break
+            time.sleep(0.02)
+        assert seen is not None, "never saw the job part-way"
+        assert 0 < seen["percent"] < 100
+        page = httpx.get(f"{base}/jobs/{job.id}", headers=headers, timeout=30).text
+        assert '<meta http-equiv="refresh" content="2">' in page
+        job.result(timeout=60)
+        page = httpx.get(f"{base}/jobs/{job.id}", headers=headers, timeout=30).text
+        assert 'http-equiv="refresh"' not in page
+        assert np.array_equal(c.get("slow"), data)
