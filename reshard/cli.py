@@ -19,7 +19,7 @@ import json
 import re
 import sys
 
-from reshard.errors import InvalidMeshError, InvalidShardingError, ReshardError
+from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError, ReshardError
 from reshard.mesh import Mesh
 from reshard.planner import STRATEGIES, plan
 from reshard.sharding import Sharding, normalise_shape
@@ -100,9 +100,10 @@ def parse_spec(text: str) -> tuple:
 
 def parse_shape(text: str) -> tuple[int, ...]:
     try:
-        return normalise_shape(int(s) for s in text.replace("x", ",").split(",") if s.strip())
+        sizes = [int(s) for s in text.replace("x", ",").split(",") if s.strip()]
     except ValueError:
-        raise InvalidShardingError(f"shape {text!r} is not a list of sizes like 1024,1024,512") from None
+        raise InvalidShapeError(f"shape {text!r} is not a list of sizes like 1024,1024,512") from None
+    return normalise_shape(sizes)
 
 
 def add_plan_command(sub) -> None:
@@ -114,7 +115,7 @@ def add_plan_command(sub) -> None:
         "'x=2,y=4@a0,a1' or 'x=2,y=4@node[0-1]'. Specs: per dim an axis, '_' (not split) or 'x+y'.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--shape", required=True, type=parse_shape, help="tensor shape, e.g. 1024,1024,512")
+    p.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024,512")
     p.add_argument("--dtype", default="float32", help="element type")
     p.add_argument("--src", required=True, help="source mesh, e.g. x=2,y=4")
     p.add_argument("--src-spec", required=True, help="source spec, e.g. x,_,_")
@@ -129,6 +130,8 @@ def add_plan_command(sub) -> None:
 
 
 def run_plan(args) -> int:
+    # Parsed here, not as an argparse type, so that the message states the rule.
+    args.shape = parse_shape(args.shape)
     src = Sharding(parse_mesh(args.src, "src"), parse_spec(args.src_spec))
     dst = Sharding(parse_mesh(args.dst, "dst"), parse_spec(args.dst_spec))
     topo = Topology(nic_gbps=args.nic_gbps, intra_host_gbps=args.intra_gbps)

@@ -165,7 +165,19 @@ class Sharding:
 
     @property
     def placements(self) -> tuple[Union[Shard, Replicate], ...]:
-        """DTensor placements, one per mesh axis (multi-axis dims list them major first)."""
+        """DTensor placements, one per mesh axis.
+
+        DTensor cuts a dim split over several mesh axes in mesh-axis order, so a
+        dim whose major axis comes later in the mesh has no `Shard` form.
+        """
+        order = {n: i for i, n in enumerate(self.mesh.axis_names)}
+        for d, axes in enumerate(self.spec):
+            if list(axes) != sorted(axes, key=order.__getitem__):
+                raise InvalidShardingError(
+                    f"dim {d} is split over {axes}, major axis first, but DTensor's Shard placements cut a dim "
+                    f"in mesh-axis order {self.mesh.axis_names}; this layout has no Shard/Replicate form "
+                    f"(list the dim's axes in mesh order, or use the spec {self.spec_str()} directly)"
+                )
         by_axis = {a: d for d, axes in enumerate(self.spec) for a in axes}
         return tuple(Shard(by_axis[n]) if n in by_axis else Replicate() for n in self.mesh.axis_names)
 
