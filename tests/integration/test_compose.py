@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import yaml
 
@@ -37,6 +38,8 @@ def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
             for svc, port in re.findall(r"\b([a-z][\w-]*):(\d+)\b", arg):
                 if svc in services:
                     ports.setdefault((svc, port), _free_port())
+            for port in re.findall(r"\b0\.0\.0\.0:(\d+)", arg):
+                ports.setdefault((name, port), _free_port())
     out = {}
     for name, svc in services.items():
         cmd = []
@@ -45,7 +48,7 @@ def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
             arg = re.sub(r"\b([a-z][\w-]*):(\d+)\b",
                          lambda m: f"127.0.0.1:{ports[(m.group(1), m.group(2))]}" if m.group(1) in services else m.group(0),
                          arg)
-            cmd.append(arg.replace("/var/lib/reshard", str(tmp)))
+            cmd.append(arg.replace("/var/lib/reshard", str(tmp)).replace("/run/secrets", str(tmp)))
         assert cmd[0] == "reshard"
         out[name] = [sys.executable, "-m", "reshard.server.cli", *cmd[1:]]
     return out
@@ -57,7 +60,11 @@ def test_compose_services_run_a_reshard(tmp_path):
     assert sorted(services) == ["agent0", "agent1", "agent2", "agent3", "planner"]
     assert all(s.get("build") == "." for s in services.values())
     assert (ROOT / "Dockerfile").exists()
+    assert services["planner"]["secrets"] == ["admin_token"] and "admin_token" in compose["secrets"]
+    token = "compose-test-token"
+    (tmp_path / "admin_token").write_text(token)
     commands = translate(services, tmp_path)
+    web = commands["planner"][commands["planner"].index("--http") + 1]
     procs = []
     try:
         planner, address = start_process(commands.pop("planner"), tmp_path / "planner.log", 60)
@@ -76,6 +83,10 @@ def test_compose_services_run_a_reshard(tmp_path):
             c.reshard("compose", dst, "auto").result(timeout=60)
             assert np.array_equal(c.get("compose"), a)
         assert (tmp_path / "state.db").exists()
+        base = f"http://{web}"
+        assert httpx.get(f"{base}/api/tensors", timeout=30).status_code == 401
+        tensors = httpx.get(f"{base}/api/tensors", headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+        assert [t["name"] for t in tensors] == ["compose"]
     finally:
         for p in procs:
             p.terminate()
