@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from reshard.dtypes import itemsize
+from reshard.errors import InvalidMeshError
 from reshard.mesh import Mesh
 from reshard.sharding import Sharding
 
@@ -61,7 +62,7 @@ class Case:
 def _hosts(hosts: Optional[Sequence[str]], needed: int) -> list[str]:
     hosts = list(hosts) if hosts is not None else [f"h{i}" for i in range(needed)]
     if len(hosts) < needed:
-        raise ValueError(f"this case needs {needed} hosts but only {len(hosts)} were given: {hosts}")
+        raise InvalidMeshError(f"this case needs {needed} hosts but only {len(hosts)} were given: {hosts}; pass at least {needed} host names")
     return hosts
 
 
