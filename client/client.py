@@ -71,6 +71,8 @@ class JobResult:
     progress: dict[str, tuple[int, int]]  # host -> (bytes sent, bytes to send)
     traffic: dict[str, dict]  # host -> {"bytes_in": {peer: n}, "bytes_out": {peer: n}, "local_bytes": n}
     error: str = ""
+    transport: str = ""  # what carried the network transfers: "grpc" or "collective"
+    transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", or "local" (stayed on a host)
 
     @property
     def network_bytes(self) -> int:
@@ -84,7 +86,7 @@ def _result(info: pb.JobInfo) -> JobResult:
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
         traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
                  for t in info.traffic},
-        error=info.error)
+        error=info.error, transport=info.transport, transports=tuple(info.transports))
 
 
 class Job:
@@ -213,7 +215,8 @@ class Client:
     def agents(self) -> list[dict[str, Any]]:
         reply = self._planner_call("ListAgents", pb.Empty())
         return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
-                 "heartbeat_age_s": a.heartbeat_age_s} for a in reply.agents]
+                 "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group}
+                for a in reply.agents]
 
     def devices(self) -> list[str]:
         """Device ids (``host/index``) of the agents that are up, host by host."""

@@ -75,11 +75,14 @@ class LocalCluster:
 
     def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
                  planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
-                 startup_timeout_s: float = 60.0, dashboard: bool = False):
+                 startup_timeout_s: float = 60.0, dashboard: bool = False, transport: Optional[str] = None):
         self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
         self.devices_per_host = devices_per_host
         self.planner_args = list(planner_args)
-        self.agent_args = list(agent_args)
+        # grpc, collective or auto (the agents' default); with collective or auto the cluster is
+        # ready once the agents' process group has formed, so the first job can use it.
+        self.transport = transport
+        self.agent_args = list(agent_args) + (["--transport", transport] if transport else [])
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="reshard-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -150,14 +153,15 @@ class LocalCluster:
         with Client(self.address) as c:
             while True:
                 try:
-                    up = {a["host"] for a in c.agents() if a["up"] and a["address"] == self.agent_addresses[a["host"]]}
+                    up = {a["host"] for a in c.agents() if a["up"] and a["address"] == self.agent_addresses[a["host"]]
+                          and (a["transport"] == "grpc" or a["in_group"])}
                 except Exception:  # noqa: BLE001 - the planner may still be starting
                     up = set()
                 if want <= up:
                     return
                 if time.monotonic() > deadline:
-                    raise DeadlineExceededError(f"agents {sorted(want - up)} did not register within "
-                                                f"{self.startup_timeout_s:g}s; logs in {self.log_dir}")
+                    raise DeadlineExceededError(f"agents {sorted(want - up)} did not register (and join the process "
+                                                f"group) within {self.startup_timeout_s:g}s; logs in {self.log_dir}")
                 time.sleep(0.05)
 
     def stop(self, grace_s: float = 5.0) -> None:

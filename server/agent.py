@@ -26,6 +26,7 @@ from reshard.proto.status import domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.config import AgentConfig
 from reshard.server.executor import Executor, Item, PushHeader
+from reshard.server.group import GroupView
 from reshard.server.shards import Shard, ShardStore
 
 __all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
@@ -144,7 +145,8 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def Prepare(self, request, context):
         self.executor.prepare(request.job, request.plan_json, request.tensor, request.src_version,
-                              request.dst_version, dict(request.peers))
+                              request.dst_version, dict(request.peers), request.transport, request.generation,
+                              request.job_seq)
         return pb.Empty()
 
     @servicer_method
@@ -209,8 +211,28 @@ def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config))
     pb_grpc.add_AgentServicer_to_server(AgentServicer(config, store, executor), server)
+    executor.collective = collective_transport(config, executor)
     port = start_server(server, config.listen, "reshard.v1.Agent")
     return server, port, executor
+
+
+def collective_transport(config: AgentConfig, executor: Executor):
+    """The agent's collective transport, or None when it runs gRPC only.
+
+    ``--transport collective`` without torch is an error naming the install; ``auto``
+    without torch quietly stays on gRPC, and says so in the log.
+    """
+    from reshard.server.collective import CollectiveTransport, GroupMember, torch_available
+
+    if config.transport == "grpc" or (config.transport == "auto" and not torch_available()):
+        if config.transport == "auto":
+            log.info("torch is not installed: agent %s runs the gRPC transport only", config.host)
+        return None
+    bind = (config.advertise or config.listen).rsplit(":", 1)[0].strip("[]")
+    member = GroupMember(config.host, config.planner.rsplit(":", 1)[0], "" if bind in ("0.0.0.0", "::", "") else bind,
+                         config.backend, config.device, config.group_join_timeout_s, config.collective_timeout_s)
+    return CollectiveTransport(executor, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
+                               confirm_timeout_s=config.collective_timeout_s)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:
@@ -242,15 +264,28 @@ class Agent:
             try:
                 reply = self._planner.Register(pb.RegisterRequest(
                     host=self.config.host, num_devices=self.config.num_devices, address=self.address,
-                    nic_gbps=self.config.nic_gbps), timeout=5.0, wait_for_ready=True)
+                    nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend),
+                    timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval
-                log.info("host %s registered with planner %s as %s", self.config.host, self.config.planner,
-                         self.address)
+                self._follow_group(reply.group)
+                log.info("host %s registered with planner %s as %s (transport %s)", self.config.host,
+                         self.config.planner, self.address, self.transport)
                 return
             except grpc.RpcError as e:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                                                               grpc.StatusCode.INVALID_ARGUMENT):
                     raise domain_error(e, f"planner at {self.config.planner}") from None
                 time.sleep(0.2)
+
+    @property
+    def transport(self) -> str:
+        """What this agent registers: its --transport, or grpc when it cannot join a group."""
+        return "grpc" if self.executor.collective is None else self.config.transport
+
+    def _follow_group(self, info: pb.GroupInfo) -> None:
+        if self.executor.collective is not None:
+            self.executor.collective.member.update(
+                GroupView(info.store_port, info.generation, tuple(info.members), info.backend))
 
     def start(self) -> "Agent":
         self.register()
@@ -261,10 +296,15 @@ class Agent:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                reply = self._planner.Heartbeat(pb.HeartbeatRequest(host=self.config.host, address=self.address),
-                                                timeout=max(self._interval, 1.0))
+                joined, broken = (self.executor.collective.member.status() if self.executor.collective
+                                  else (0, 0))
+                reply = self._planner.Heartbeat(pb.HeartbeatRequest(
+                    host=self.config.host, address=self.address, joined_generation=joined,
+                    broken_generation=broken), timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()
+                else:
+                    self._follow_group(reply.group)
             except grpc.RpcError as e:
                 log.warning("heartbeat to planner %s failed: %s", self.config.planner, e.code().name)
 

@@ -40,6 +40,13 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
+    p.add_argument("--transport", choices=("grpc", "collective", "auto"), default=d.transport,
+                   help="what carries transfers between agents: gRPC streams, the torch.distributed process group "
+                        "(needs torch), or auto (the group when it is up, gRPC otherwise)")
+    p.add_argument("--device", default=d.device,
+                   help="where collective chunks live: cpu (gloo) or cuda[:N] (NCCL; one agent per GPU)")
+    p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
+                   help="seconds one collective send or recv, or the plan-id confirmation, may take")
     p.set_defaults(func=_run_agent)
 
 
@@ -49,7 +56,8 @@ def _run_agent(args) -> int:
 
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
-                         rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20)
+                         rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
+                         device=args.device, collective_timeout_s=args.collective_timeout)
     agent = Agent(config).start()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
@@ -73,6 +81,8 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,
                    help="seconds an idle upload is kept before its staged shards are dropped")
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
+    p.add_argument("--group-wait", type=float, default=d.group_wait_s,
+                   help="seconds a job on --transport collective agents waits for their process group to form")
     p.add_argument("--http", default=None, metavar="ADDR",
                    help="serve the admin dashboard on ADDR, e.g. 127.0.0.1:8080 (port 0: any free port)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
@@ -85,7 +95,8 @@ def _run_planner(args) -> int:
     from reshard.server.planner_service import serve_planner
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
-                           upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout)
+                           upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
+                           group_wait_s=args.group_wait)
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token
@@ -121,6 +132,8 @@ def _add_up_command(sub) -> None:
     p.add_argument("--devices-per-host", type=int, default=4)
     p.add_argument("--state", default=None, help="planner state file (SQLite)")
     p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
+    p.add_argument("--transport", choices=("grpc", "collective", "auto"), default="auto",
+                   help="the agents' transport (see reshard agent --help)")
     p.set_defaults(func=_run_up)
 
 
@@ -129,7 +142,7 @@ def _run_up(args) -> int:
 
     planner_args = ["--state", args.state] if args.state else []
     cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir,
-                           dashboard=True)
+                           dashboard=True, transport=args.transport)
     with cluster:
         print(f"planner  {cluster.address}")
         print(f"admin    {cluster.dashboard_login_url}")

@@ -28,8 +28,23 @@ class AgentConfig:
     transfer_timeout_s: float = 300.0
     forward_queue_chunks: int = 4  # chunks a chain hop buffers before it pushes back
     rate_limit_bytes_per_s: float = 0.0  # 0: unlimited; tests slow transfers down to interrupt them
+    # The collective transport (reshard.server.collective): grpc, collective, or auto (collective when
+    # torch is installed and the process group is up, gRPC otherwise).
+    transport: str = "auto"
+    device: str = "cpu"  # where collective chunks live: cpu (gloo) or cuda[:N] (NCCL, one GPU per agent)
+    group_join_timeout_s: float = 10.0  # forming one generation of the process group
+    collective_timeout_s: float = 30.0  # one send or recv, and the plan-id confirmation before a phase
+    collective_lanes: int = 4  # transfers of one phase that run at once over the group
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
 
     def __post_init__(self):
+        if self.transport not in ("grpc", "collective", "auto"):
+            raise ValueError(f"transport {self.transport!r} is not one of grpc, collective, auto")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device {self.device!r} is neither cpu nor cuda[:N]")
         if self.num_devices <= 0:
             raise ValueError(f"an agent needs at least one device; got num_devices={self.num_devices}")
         if "/" in self.host or not self.host:
@@ -52,3 +67,5 @@ class PlannerConfig:
     agent_rpc_timeout_s: float = 30.0  # control calls to agents (prepare, commit, release)
     max_wait_s: float = 10.0  # longest a GetJob call blocks
     max_concurrent_jobs: int = 8
+    rendezvous: bool = True  # host the agents' torch.distributed store (when torch is installed)
+    group_wait_s: float = 30.0  # a job on --transport collective hosts waits this long for the group

@@ -191,13 +191,22 @@ class Executor:
         self._lock = threading.Lock()
         self._jobs: dict[str, _AgentJob] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
+        self.collective = None  # a CollectiveTransport when this agent may join the process group
 
     # -- lifecycle ------------------------------------------------------------------
 
     def prepare(self, job: str, plan_json: str, tensor: str, src_version: int, dst_version: int,
-                peers: dict[str, str]) -> _AgentJob:
+                peers: dict[str, str], transport: str = "grpc", generation: int = 0, job_seq: int = 0) -> _AgentJob:
         plan = Plan.from_json(plan_json)
+        group = None
+        if transport == "collective":
+            if self.collective is None:
+                raise FailedPreconditionError(
+                    f"job {job} asks agent {self.host} for the collective transport, but it runs --transport grpc"
+                )
+            group = self.collective.member.require(generation, job)
         state = _AgentJob(job, plan, tensor, src_version, dst_version, peers, self.host, self.store)
+        state.transport, state.generation, state.job_seq, state.group = transport or "grpc", generation, job_seq, group
         with self._lock:
             self._jobs[job] = state
         return state
@@ -250,6 +259,8 @@ class Executor:
                 f"job {job}: execute names plan {plan_id[:12]} but agent {self.host} prepared plan "
                 f"{state.plan.id[:12]}; every agent must run the same plan"
             )
+        if state.transport == "collective":
+            return self.collective.execute(state, phase)
         mine = [(i, t) for i, t in enumerate(state.plan.transfers)
                 if t.phase == phase and host_of(t.sender) == self.host]
         total = send_bytes(state.plan, self.host, phase)

@@ -16,15 +16,18 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from reshard import box as boxes
 from reshard.mesh import host_of
-from reshard.plan import Plan
+from reshard.plan import Plan, Transfer
 from reshard.planner import plan as make_plan
 from reshard.proto.errors import DeadlineExceededError
 from reshard.server.catalog import Catalog, TensorRecord, bumped
 from reshard.server.executor import send_bytes
+from reshard.server.group import GroupCoordinator
 from reshard.server.registry import Registry
 from reshard.server.state import StateStore
 from reshard.sharding import Sharding
@@ -38,7 +41,8 @@ STATES = ("queued", "running", "succeeded", "failed")
 
 class AgentCalls(Protocol):
     def prepare(self, host: str, address: str, job: str, plan_json: str, tensor: str, src_version: int,
-                dst_version: int, peers: dict[str, str], timeout: float) -> None: ...
+                dst_version: int, peers: dict[str, str], timeout: float, transport: str = "grpc",
+                generation: int = 0, job_seq: int = 0) -> None: ...
 
     def execute(self, host: str, address: str, job: str, plan_id: str, phase: int,
                 on_progress: Callable[[int, int], None], timeout: float) -> None: ...
@@ -68,6 +72,8 @@ class Job:
     version: int = 0
     progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [done, total]
     traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
+    transport: str = ""  # grpc or collective, once chosen
+    transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -80,12 +86,14 @@ class Job:
         return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json(), "strategy": self.strategy,
                 "state": self.state, "error": self.error, "plan_id": self.plan.id if self.plan else "",
                 "created": self.created, "started": self.started, "finished": self.finished,
-                "version": self.version, "progress": self.progress, "traffic": self.traffic}
+                "version": self.version, "progress": self.progress, "traffic": self.traffic,
+                "transport": self.transport, "transports": self.transports}
 
     @classmethod
     def from_json(cls, d: dict, plan: Plan | None) -> "Job":
         job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]), d["strategy"], d["state"], d["error"], plan,
-                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d["traffic"])
+                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d["traffic"],
+                  d.get("transport", ""), d.get("transports", []))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -94,8 +102,12 @@ class Job:
 
 class JobRunner:
     def __init__(self, registry: Registry, catalog: Catalog, store: StateStore, agents: AgentCalls, *,
-                 job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int):
+                 job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int,
+                 group: GroupCoordinator | None = None, group_wait_s: float = 0.0):
         self.registry = registry
+        self.group = group
+        self.group_wait_s = group_wait_s
+        self._moved: dict[str, int] = defaultdict(int)  # bytes moved by succeeded jobs, per transport
         self.catalog = catalog
         self.store = store
         self.agents = agents
@@ -128,6 +140,11 @@ class JobRunner:
         """Every job the planner knows, newest first."""
         with self._lock:
             return sorted(self._jobs.values(), key=lambda j: j.created, reverse=True)
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes succeeded jobs moved, by transport: grpc and collective over the network, local within hosts."""
+        with self._lock:
+            return dict(self._moved)
 
     def busy(self, tensor: str) -> bool:
         with self._lock:
@@ -178,12 +195,20 @@ class JobRunner:
         job.progress = {h: [0, send_bytes(plan, h)] for h in hosts}
         dst_hosts = sorted(job.dst.mesh.hosts)
         timeout = self.rpc_timeout_s
+        transport, generation, seq = (self.group.choose(hosts, self.group_wait_s) if self.group
+                                      else ("grpc", 0, 0))
+        job.transport = transport
+        job.transports = [transport if _network(t) else "local" for t in plan.transfers]
         try:
             self._fan_out(lambda h: self.agents.prepare(h, peers[h], job.id, plan.dumps(), rec.name, rec.version,
-                                                        job.version, peers, timeout), hosts, deadline)
+                                                        job.version, peers, timeout, transport, generation, seq),
+                          hosts, deadline)
             base = {h: 0 for h in hosts}
             for phase in sorted({t.phase for t in plan.transfers}):
                 senders = sorted({host_of(t.sender) for t in plan.transfers if t.phase == phase})
+                if transport == "collective":  # receivers post their recvs: every host of the phase runs
+                    senders = sorted(set(senders) | {h for t in plan.transfers if t.phase == phase
+                                                     for h in (*map(host_of, t.receivers), *t.route)})
 
                 def run(h, phase=phase):
                     def on_progress(done: int, total: int) -> None:
@@ -196,11 +221,19 @@ class JobRunner:
             self._fan_out(lambda h: self.agents.commit(h, peers[h], job.id, rec.name, job.version, [], timeout),
                           dst_hosts, deadline)
             self.catalog.swap(rec, bumped(rec, job.dst))
-        except BaseException:
+        except BaseException as e:
+            if transport == "collective" and self.group is not None:
+                # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
+                self.group.reform(f"job {job.id[:8]} failed on generation {generation}: {str(e)[:120]}")
             self._best_effort(lambda h: self.agents.abort(h, peers[h], job.id, timeout), hosts)
             self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
             raise
         self.store.save_tensor(self.catalog.get(rec.name).to_json())
+        with self._lock:
+            for t, via in zip(plan.transfers, job.transports):
+                n = boxes.volume(t.box) * plan.itemsize
+                self._moved[via if via != "local" else job.transport] += n * _network(t)
+                self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
         src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
         self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version, timeout),
                           sorted(src_agents))
@@ -217,3 +250,13 @@ class JobRunner:
                 f.result(timeout=self.rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
                 log.info("cleanup call to host %s failed: %s", h, e)
+
+
+def _network(t: Transfer) -> int:
+    """How many times a transfer's box crosses the network (0: it stays on the sender's host)."""
+    src = host_of(t.sender)
+    if t.method == "broadcast":
+        return len(t.route)
+    if t.method == "p2p":
+        return sum(host_of(r) != src for r in t.receivers)
+    return 0

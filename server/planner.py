@@ -19,6 +19,7 @@ from reshard.planner import plan as make_plan
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.server.catalog import Catalog, TensorRecord, Upload, Uploads
 from reshard.server.config import PlannerConfig
+from reshard.server.group import GroupCoordinator
 from reshard.server.jobs import AgentCalls, Job, JobRunner
 from reshard.server.registry import AgentRecord, Registry
 from reshard.server.state import StateStore
@@ -47,16 +48,18 @@ def check_strategy(strategy: str) -> str:
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, agents: AgentCalls):
+    def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0):
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
+        self.group = GroupCoordinator(self.registry, store_port)
         self.catalog = Catalog()
         self.store = StateStore(config.state_path)
         self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
-                              rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs)
+                              rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
+                              group=self.group, group_wait_s=config.group_wait_s)
         self._upload_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="upload-reaper")
@@ -67,13 +70,23 @@ class Planner:
 
     # -- registry ------------------------------------------------------------------------
 
-    def register(self, host: str, num_devices: int, address: str, nic_gbps: float) -> AgentRecord:
+    def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
+                 backend: str = "gloo") -> AgentRecord:
         rec = self.registry.register(host, num_devices, address, nic_gbps)
-        log.info("agent of host %s registered at %s with %d devices", host, address, num_devices)
+        self.group.register(host, transport, backend)
+        log.info("agent of host %s registered at %s with %d devices (transport %s)", host, address, num_devices,
+                 transport or "grpc")
         return rec
 
-    def heartbeat(self, host: str, address: str) -> bool:
-        return self.registry.heartbeat(host, address)
+    def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0) -> bool:
+        known = self.registry.heartbeat(host, address)
+        if known:
+            self.group.heartbeat(host, joined_generation, broken_generation)
+        return known
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes moved by succeeded jobs, by transport: ``grpc``, ``collective`` (network), ``local`` (within a host)."""
+        return self.jobs.bytes_moved()
 
     def _placements(self, sharding: Sharding, shape) -> list[Placement]:
         tiles = sharding.tiles(shape)

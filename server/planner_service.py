@@ -12,7 +12,9 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.status import domain_error, servicer_method, start_server
 from reshard.proto.wire import box_to_pb
+from reshard.server.collective import Rendezvous, torch_available
 from reshard.server.config import PlannerConfig
+from reshard.server.group import GroupView
 from reshard.server.jobs import Job
 from reshard.server.planner import Planner
 
@@ -39,10 +41,11 @@ class GrpcAgentCalls:
         except grpc.RpcError as e:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
-    def prepare(self, host, address, job, plan_json, tensor, src_version, dst_version, peers, timeout):
+    def prepare(self, host, address, job, plan_json, tensor, src_version, dst_version, peers, timeout,
+                transport="grpc", generation=0, job_seq=0):
         self._call(host, address, "Prepare", pb.PrepareRequest(
             job=job, plan_json=plan_json, tensor=tensor, src_version=src_version, dst_version=dst_version,
-            peers=peers), timeout)
+            peers=peers, transport=transport, generation=generation, job_seq=job_seq), timeout)
 
     def execute(self, host, address, job, plan_id, phase, on_progress, timeout):
         try:
@@ -84,7 +87,12 @@ def job_info(job: Job) -> pb.JobInfo:
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
                  for h, t in sorted(job.traffic.items())],
-        seconds=job.seconds, version=job.version)
+        seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports)
+
+
+def group_info(view: GroupView) -> pb.GroupInfo:
+    return pb.GroupInfo(store_port=view.store_port, generation=view.generation, members=view.members,
+                        backend=view.backend)
 
 
 class PlannerServicer(pb_grpc.PlannerServicer):
@@ -93,19 +101,24 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def Register(self, request, context):
-        self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps)
-        return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s)
+        self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps,
+                              request.transport, request.backend)
+        return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
+                                group=group_info(self.planner.group.view()))
 
     @servicer_method
     def Heartbeat(self, request, context):
-        return pb.HeartbeatReply(known=self.planner.heartbeat(request.host, request.address))
+        known = self.planner.heartbeat(request.host, request.address, request.joined_generation,
+                                       request.broken_generation)
+        return pb.HeartbeatReply(known=known, group=group_info(self.planner.group.view()))
 
     @servicer_method
     def ListAgents(self, request, context):
         reg = self.planner.registry
         return pb.AgentList(agents=[
             pb.AgentInfo(host=r.host, address=r.address, num_devices=r.num_devices, up=reg.is_up(r),
-                         heartbeat_age_s=reg.age(r)) for r in reg.agents()])
+                         heartbeat_age_s=reg.age(r), transport=self.planner.group.mode(r.host),
+                         in_group=self.planner.group.in_group(r.host)) for r in reg.agents()])
 
     @servicer_method
     def BeginUpload(self, request, context):
@@ -155,7 +168,11 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
     agents = GrpcAgentCalls()
-    planner = Planner(config, agents)
+    rendezvous = None
+    if config.rendezvous and torch_available():
+        rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
+    planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
+    planner.rendezvous = rendezvous  # the store lives as long as the planner
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"))
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner")

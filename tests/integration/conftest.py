@@ -10,12 +10,15 @@ from reshard.client.client import Client
 HOSTS = 4
 DEVICES_PER_HOST = 2
 HEARTBEAT_TIMEOUT_S = 2.0
+# Every test on a shared cluster runs once per transport; explicit, so neither can fall back to the other.
+TRANSPORTS = ("grpc", "collective")
 
 
-@pytest.fixture(scope="session")
-def cluster():
+@pytest.fixture(scope="session", params=TRANSPORTS)
+def cluster(request):
     """One planner and 4 agents x 2 devices, shared by the tests that leave it healthy."""
-    with LocalCluster(HOSTS, DEVICES_PER_HOST, planner_args=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)]) as c:
+    with LocalCluster(HOSTS, DEVICES_PER_HOST, planner_args=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
+                      transport=request.param) as c:
         yield c
 
 

@@ -15,14 +15,17 @@ from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
 from reshard.client.client import Client
 from reshard.client.cluster import LocalCluster
 
+from .conftest import TRANSPORTS
+
 RATE_MIB_S = 8  # every agent sends at most this fast, so a kill lands mid-transfer
 UPLOAD_TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module")
-def slow_cluster():
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def slow_cluster(request):
     with LocalCluster(4, 2, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25"],
-                      planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S)]) as cluster:
+                      planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S)],
+                      transport=request.param) as cluster:
         with Client(cluster.address) as c:
             c.cluster = cluster
             yield c

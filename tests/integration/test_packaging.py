@@ -32,7 +32,8 @@ def _imports(path: Path) -> set[str]:
     return out
 
 
-@pytest.mark.parametrize("module", ["registry", "catalog", "jobs", "executor", "shards", "state", "planner", "config"])
+@pytest.mark.parametrize("module", ["registry", "catalog", "jobs", "executor", "shards", "state", "planner", "config",
+                                    "group", "collective"])
 def test_domain_code_knows_no_grpc(module):
     bad = {m for m in _imports(ROOT / "server" / f"{module}.py")
            if m.split(".")[0] in ("grpc", "grpc_health") or m.endswith(("_pb2", "_pb2_grpc"))

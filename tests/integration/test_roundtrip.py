@@ -44,6 +44,8 @@ def test_reshard_is_bit_exact(client, fresh_name, strategy, target):
     try:
         result = client.reshard(fresh_name, TARGETS[target], strategy).result(timeout=60)
         assert result.state == "succeeded" and result.version == 2
+        assert result.transport == client.cluster.transport
+        assert set(result.transports) <= {client.cluster.transport, "local"}
         info = client.info(fresh_name)
         assert info.sharding == TARGETS[target] and info.version == 2
         got = client.get(fresh_name)

@@ -39,6 +39,7 @@ def test_chain_broadcast_each_host_receives_the_box_once(client, fresh_name):
     assert t.method == "broadcast" and len(t.route) == 3
     result = client.reshard(fresh_name, dst, "broadcast").result(timeout=60)
     assert result.plan_id == plan.id
+    assert result.transports == (client.cluster.transport,)
     route = [t.sender.split("/")[0], *t.route]
     for prev, host in zip(route, route[1:]):
         # exactly once over the network, from the previous hop of the chain

@@ -1,0 +1,180 @@
+"""Transport bench: raw torch.distributed against a reshard over the collective transport and over gRPC.
+
+On loopback with ``--hosts`` processes (4), one run measures side by side:
+
+(a) raw gloo: ``broadcast`` of the bytes from rank 0, and a chain of sends
+    0 -> 1 -> ... -> N-1 in the agent's chunk size, each rank forwarding chunk k
+    while it receives chunk k+1 (the same pipeline the agents run);
+(b) a reshard of a replicated tensor from host0 to the other hosts through real
+    agents on the collective transport (the plan is a chain broadcast);
+(c) the same reshard with the agents on gRPC.
+
+Figures are bytes delivered to each receiver per second (the tensor's size over
+the time until the last receiver has it), best of ``--repeats``; the reshard
+times are the job's own (prepare, move, verify, commit). It writes its section of
+BENCHMARKS.md through ``bench/_report.py``.
+
+    python bench/transport.py              # 256 MiB, 4 hosts, 3 repeats
+    python bench/transport.py --mib 64     # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MiB = 2**20
+CHUNK_BYTES = 4 * MiB  # the agents' default chunk
+WINDOW = 4  # the agents' default chunks in flight per stream
+
+
+# -- (a) raw torch.distributed, one process per rank ---------------------------------------------------
+
+
+def _raw_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    pg = dist.ProcessGroupGloo(dist.PrefixStore("bench/", store), rank, world, opts)
+    buf = torch.full((nbytes,), rank, dtype=torch.uint8)
+    n = nbytes // CHUNK_BYTES
+
+    def chunk(k):
+        return buf[k * CHUNK_BYTES:(k + 1) * CHUNK_BYTES]
+
+    def broadcast():
+        pg.broadcast(buf, 0).wait()
+
+    def chain():
+        if rank == 0:
+            works = []
+            for k in range(n):
+                works.append(pg.send([chunk(k)], 1, 7))
+                if len(works) >= WINDOW:
+                    works.pop(0).wait()
+            for w in works:
+                w.wait()
+            return
+        recvs = [pg.recv([chunk(k)], rank - 1, 7) for k in range(min(WINDOW, n))]
+        sends = []
+        for k in range(n):
+            recvs[k].wait()
+            if k + WINDOW < n:
+                recvs.append(pg.recv([chunk(k + WINDOW)], rank - 1, 7))
+            if rank + 1 < world:
+                sends.append(pg.send([chunk(k)], rank + 1, 7))
+        for w in sends:
+            w.wait()
+
+    out = {}
+    for name, fn in (("broadcast", broadcast), ("chain", chain)):
+        best = float("inf")
+        for _ in range(repeats):
+            pg.barrier().wait()
+            t0 = time.perf_counter()
+            fn()
+            pg.barrier().wait()  # the time until the last receiver has every byte
+            best = min(best, time.perf_counter() - t0)
+        assert int(buf[-1]) == 0, "the bytes did not arrive"
+        out[name] = best
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+
+
+def raw(world: int, nbytes: int, repeats: int) -> dict[str, float]:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, __file__, "--raw-worker", str(store.port), str(r), str(world),
+                               str(nbytes), str(repeats)], stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"raw workers failed: {[p.returncode for p in procs]}")
+    return json.loads(outs[0])
+
+
+# -- (b), (c) reshard through the agents --------------------------------------------------------------
+
+
+def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int) -> tuple[float, tuple[str, ...]]:
+    import numpy as np
+
+    from reshard import Mesh, Sharding
+    from reshard.client.cluster import LocalCluster
+    from reshard.client.client import Client
+
+    hosts = [f"host{i}" for i in range(world)]
+    src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
+    dst = Sharding(Mesh.from_hosts({"x": world - 1, "y": 1}, hosts[1:], 1), (None,))
+    back = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
+    a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    best, transports = float("inf"), ()
+    with LocalCluster(world, 1, transport=transport) as cluster, Client(cluster.address) as c:
+        c.put("bench", a, src)
+        for _ in range(repeats):
+            result = c.reshard("bench", dst, "auto").result(timeout=600)
+            best = min(best, result.seconds)
+            transports = result.transports
+            c.reshard("bench", back, "auto").result(timeout=600)
+        if not np.array_equal(c.get("bench"), a):
+            raise AssertionError(f"the reshard over {transport} did not arrive bit for bit")
+    return best, transports
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mib", type=int, default=256, help="tensor size")
+    p.add_argument("--hosts", type=int, default=4, help="processes / agents")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = p.parse_args(argv)
+    nbytes = args.mib * MiB
+    raw_s = raw(args.hosts, nbytes, args.repeats)
+    coll_s, coll_t = reshard_seconds("collective", args.hosts, nbytes, args.repeats)
+    grpc_s, grpc_t = reshard_seconds("grpc", args.hosts, nbytes, args.repeats)
+    best_raw = min(raw_s.values())
+    rows = [
+        ("(a) raw gloo broadcast", raw_s["broadcast"], ""),
+        ("(a) raw gloo chain of sends", raw_s["chain"], ""),
+        ("(b) reshard, collective transport", coll_s, f"{best_raw / coll_s:.2f}x (target 0.8x)"),
+        ("(c) reshard, gRPC transport", grpc_s, f"{best_raw / grpc_s:.2f}x (target 0.4x)"),
+    ]
+    lines = [
+        f"A {args.mib} MiB tensor replicated on host0, delivered to the other {args.hosts - 1} of {args.hosts} "
+        f"processes on loopback; best of {args.repeats}. GB/s is the tensor's size over the time until the last "
+        f"receiver has it. The reshards run through real agents (job seconds: prepare, move, verify CRC-32, "
+        f"commit); their plan is one chain broadcast (transfers carried by: collective {list(coll_t)}, "
+        f"gRPC {list(grpc_t)}).",
+        "",
+        "| what | seconds | GB/s | of the better raw figure |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [f"| {name} | {s:.3f} | {nbytes / s / 1e9:.2f} | {ratio} |" for name, s, ratio in rows]
+    lines += ["", f"Reproduce: `python bench/transport.py --mib {args.mib} --hosts {args.hosts} "
+                  f"--repeats {args.repeats}`."]
+    body = "\n".join(lines)
+    print(body)
+    if not args.no_write:
+        from _report import write_section
+
+        write_section("transport", "Transport: collective vs gRPC vs raw torch.distributed", body)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--raw-worker":
+        _raw_worker(*(int(v) for v in sys.argv[2:7]))
+    else:
+        sys.exit(main())

@@ -1,0 +1,222 @@
+"""The collective transport's own guarantees, against a planner in this process and real agent processes.
+
+A job on a stale process group generation and agents that prepared different plans
+each fail with a clean error inside the timeout instead of hanging a recv; the job
+records which transport carried each transfer, and the planner totals the bytes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from reshard import Mesh, Sharding
+from reshard.client import Client, FailedPreconditionError, JobFailedError
+from reshard.client.cluster import start_process
+from reshard.planner import plan as make_plan
+from reshard.server.config import PlannerConfig
+from reshard.server.planner_service import serve_planner
+
+COLLECTIVE_TIMEOUT_S = 5.0
+HOSTS = ("c0", "c1")
+
+
+def _agent(address, host, tmp_path, transport="collective", *extra):
+    cmd = [sys.executable, "-m", "reshard.server.cli", "agent", "--planner", address, "--listen", "127.0.0.1:0",
+           "--host", host, "--devices", "2", "--transport", transport,
+           "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), *extra]
+    return start_process(cmd, tmp_path / f"agent-{host}.log", 60)[0]
+
+
+def _wait_group(planner, hosts, after=0, timeout=30.0):
+    """Block until ``hosts`` formed a generation newer than ``after``; returns it."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = planner.group.view()
+        if view.generation > after and set(hosts) <= set(view.members) and all(planner.group.in_group(h)
+                                                                                for h in view.members):
+            return view.generation
+        time.sleep(0.05)
+    raise AssertionError(f"process group with {hosts} did not form: {planner.group.view()}")
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("collective")
+    server, port, planner = serve_planner(PlannerConfig(heartbeat_timeout_s=2.0, group_wait_s=20.0))
+    address = f"127.0.0.1:{port}"
+    procs = [_agent(address, h, tmp) for h in HOSTS]
+    try:
+        _wait_group(planner, HOSTS)
+        with Client(address) as c:
+            yield planner, c, tmp
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+            p.stdout.close()
+        server.stop(0)
+        planner.close()
+
+
+SRC = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["c0"], 2), ("y", None))
+DST = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["c1"], 2), (None, None))
+A = np.arange(300 * 40, dtype=np.float32).reshape(300, 40)
+
+
+def test_job_records_transport_and_planner_counts_bytes(planned):
+    planner, c, _ = planned
+    c.put("counted", A, SRC)
+    before = planner.bytes_moved()
+    plan = c.plan("counted", DST, "broadcast")
+    result = c.reshard("counted", DST, "broadcast").result(timeout=60)
+    assert result.plan_id == plan.id and result.transport == "collective"
+    assert result.transports == ("collective",) * len(plan.transfers)
+    assert np.array_equal(c.get("counted"), A)
+    moved = planner.bytes_moved()
+    assert moved["collective"] - before.get("collective", 0) == result.network_bytes == A.nbytes
+    split = Sharding(DST.mesh, ("y", None))
+    assert c.reshard("counted", split, "auto").result(timeout=60).transports == ()  # each device keeps its half
+    again = c.reshard("counted", DST, "auto").result(timeout=60)  # each device copies the other's half
+    assert set(again.transports) == {"local"} and again.network_bytes == 0
+    assert planner.bytes_moved()["local"] - moved.get("local", 0) == A.nbytes
+    assert np.array_equal(c.get("counted"), A)
+    c.delete("counted")
+
+
+def _prepare_both(planner, c, job, plans, generation, seq):
+    rec = planner.catalog.get("shared")
+    peers = {h: planner.registry.get(h).address for h in HOSTS}
+    for h, plan in zip(HOSTS, plans):
+        planner.agents.prepare(h, peers[h], job, plan.dumps(), "shared", rec.version, rec.version + 1, peers, 10,
+                               "collective", generation, seq)
+    return peers
+
+
+def _execute_both(planner, job, plans, peers):
+    """Run Execute on both agents at once; returns {host: (error or None, seconds)}."""
+    out = {}
+
+    def run(h, plan):
+        t0 = time.monotonic()
+        try:
+            planner.agents.execute(h, peers[h], job, plan.id, 0, lambda *_: None, 60)
+            out[h] = (None, time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            out[h] = (e, time.monotonic() - t0)
+
+    threads = [threading.Thread(target=run, args=(h, p)) for h, p in zip(HOSTS, plans)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for h, p in zip(HOSTS, plans):
+        planner.agents.abort(h, peers[h], job, 10)
+    return out
+
+
+@pytest.fixture()
+def shared(planned):
+    planner, c, _ = planned
+    c.put("shared", A, SRC)
+    yield planner, c
+    c.delete("shared")
+
+
+def test_plan_id_mismatch_raises_instead_of_hanging(shared):
+    planner, c = shared
+    rec = planner.catalog.get("shared")
+    plans = [make_plan(A.shape, "float32", rec.sharding, DST, strategy=s).validate()
+             for s in ("broadcast", "send_recv")]
+    assert plans[0].id != plans[1].id
+    generation = _wait_group(planner, HOSTS)
+    peers = _prepare_both(planner, c, "mismatch", plans, generation, 900)
+    out = _execute_both(planner, "mismatch", plans, peers)
+    for h in HOSTS:
+        err, seconds = out[h]
+        assert isinstance(err, FailedPreconditionError), (h, err)
+        assert "every agent must run the same plan, so no collective call was made" in str(err)
+        assert seconds < COLLECTIVE_TIMEOUT_S
+    assert f"confirmed plan {plans[1].id[:12]}" in str(out["c0"][0])
+    # no call was made, so the group is intact and the next job runs on it
+    assert c.reshard("shared", DST).result(timeout=60).transport == "collective"
+
+
+def test_stale_generation_fails_cleanly(shared):
+    planner, c = shared
+    rec = planner.catalog.get("shared")
+    plan = make_plan(A.shape, "float32", rec.sharding, DST, strategy="broadcast").validate()
+    generation = _wait_group(planner, HOSTS)
+    peers = _prepare_both(planner, c, "stale", [plan, plan], generation, 901)
+    planner.group.reform("the test re-forms the group")  # as when an agent joins or leaves
+    newer = _wait_group(planner, HOSTS, after=generation)
+    out = _execute_both(planner, "stale", [plan, plan], peers)
+    for h in HOSTS:
+        err, seconds = out[h]
+        assert isinstance(err, FailedPreconditionError), (h, err)
+        assert f"runs on process group generation {generation}" in str(err) or "cannot run phase 0" in str(err)
+        assert seconds < COLLECTIVE_TIMEOUT_S
+    # a job prepared on the old generation is refused outright
+    with pytest.raises(FailedPreconditionError, match=rf"generation {generation}, but agent c0 has generation {newer}"):
+        planner.agents.prepare("c0", peers["c0"], "late", plan.dumps(), "shared", rec.version, rec.version + 1,
+                               peers, 10, "collective", generation, 902)
+    assert c.reshard("shared", DST).result(timeout=60).transport == "collective"
+    assert np.array_equal(c.get("shared"), A)
+
+
+def test_hosts_on_different_transports_fail_the_job_naming_them(planned):
+    planner, c, tmp = planned
+    proc = _agent(c.address, "g0", tmp, "grpc")
+    try:
+        deadline = time.monotonic() + 20
+        while "g0/0" not in c.devices() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c.put("mixed", A, SRC)
+        job = c.reshard("mixed", Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["g0"], 2), (None, None)))
+        with pytest.raises(JobFailedError, match=r"hosts \['c0'\] run --transport collective but hosts \['g0'\] "
+                                                 r"run --transport grpc"):
+            job.result(timeout=30)
+        assert np.array_equal(c.get("mixed"), A)
+        c.delete("mixed")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()
+
+
+def test_collective_without_torch_is_an_error_naming_the_install():
+    code = ("import sys; sys.modules['torch'] = None; from reshard.server.cli import main; "
+            "sys.exit(main(['agent', '--planner', '127.0.0.1:9', '--host', 'h', '--devices', '1', "
+            "'--transport', 'collective']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "pip install reshard[torch]" in proc.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="the NCCL backend needs a CUDA device per agent (two here); this machine has "
+                           f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+def test_nccl_backend_moves_bytes(tmp_path):
+    server, port, planner = serve_planner(PlannerConfig(heartbeat_timeout_s=2.0, group_wait_s=30.0))
+    address = f"127.0.0.1:{port}"
+    procs = [_agent(address, h, tmp_path, "collective", "--device", f"cuda:{i}") for i, h in enumerate(HOSTS)]
+    try:
+        _wait_group(planner, HOSTS)
+        with Client(address) as c:
+            c.put("nccl", A, SRC)
+            result = c.reshard("nccl", DST, "broadcast").result(timeout=60)
+            assert result.transport == "collective" and planner.group.view().backend == "nccl"
+            assert np.array_equal(c.get("nccl"), A)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+        server.stop(0)
