@@ -21,6 +21,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/plan_quality.py
+	$(PY) bench/transport.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -464,6 +464,20 @@ class CollectiveTransport:
         while pending:
             self._wait(state, group, pending.popleft(), "send", peer)
 
+    @staticmethod
+    def _in_place(state: "_AgentJob", group: Group, local: list[str], sub) -> tuple[str, np.ndarray | None]:
+        """A receiver whose buffer holds ``sub`` contiguously, and that part of it: chunks land there directly
+        (no staging buffer, no copy); the other local receivers copy from it, and the next hop is fed from it."""
+        if group.device.type != "cpu":
+            return "", None
+        for r in local:
+            tile = state.dst_tiles.get(r)
+            if tile is not None and boxes.contains(tile, sub):
+                view = state.buffers[r][boxes.to_slices(sub, tile)]
+                if view.flags.c_contiguous:
+                    return r, view
+        return "", None
+
     def _receive(self, state: "_AgentJob", group: Group, task: _Task, stream: int) -> None:
         torch = self.torch
         t, me = task.transfer, self.executor.host
@@ -483,14 +497,16 @@ class CollectiveTransport:
         def post() -> None:
             sub = next(nxt_sub, None)
             if sub is not None:
-                buf = torch.empty(boxes.volume(sub) * size, dtype=torch.uint8, device=group.device)
-                posted.append((sub, buf, group.pg.recv([buf], src, tag)))
+                into, view = self._in_place(state, group, local, sub)
+                buf = (torch.from_numpy(view.reshape(-1).view(np.uint8)) if into
+                       else torch.empty(boxes.volume(sub) * size, dtype=torch.uint8, device=group.device))
+                posted.append((sub, buf, into, group.pg.recv([buf], src, tag)))
 
         for _ in range(self.window):
             post()
         check = Checksum()
         while posted:
-            sub, buf, work = posted.popleft()
+            sub, buf, into, work = posted.popleft()
             self._wait(state, group, work, "recv", task.peer)
             post()
             if nxt:
@@ -502,7 +518,10 @@ class CollectiveTransport:
             raw = host_buf.numpy()
             arr = raw.view(state.dtype).reshape(tile_shape(sub))
             for r in local:
-                state.write(r, sub, arr)
+                if r == into:
+                    state.mark(r, sub)
+                else:
+                    state.write(r, sub, arr)
             check.update(raw)
             state.traffic.add_in(task.peer, raw.nbytes)
         trailer = torch.empty(2, dtype=torch.int64, device=group.device)

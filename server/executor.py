@@ -165,6 +165,16 @@ class _AgentJob:
         with self._lock:
             self.missing[device] -= boxes.volume(sub)
 
+    def mark(self, device: str, sub: Box) -> None:
+        """Count ``sub`` as arrived in ``device``'s buffer, which a transport received into in place."""
+        tile = self.dst_tiles.get(device)
+        if tile is None or not boxes.contains(tile, sub):
+            raise InvalidArgumentError(
+                f"job {self.id}: box {boxes.box_str(sub)} is not inside device {device}'s destination tile"
+            )
+        with self._lock:
+            self.missing[device] -= boxes.volume(sub)
+
     def check_complete(self) -> None:
         short = {d: n for d, n in self.missing.items() if n}
         if short:
