@@ -22,11 +22,13 @@ from reshard.dtypes import dtype_name
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
 from reshard.proto.status import domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.config import AgentConfig
 from reshard.server.executor import Executor, Item, PushHeader
 from reshard.server.group import GroupView
+from reshard.server.memory import keep_freed_memory
 from reshard.server.shards import Shard, ShardStore
 
 __all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
@@ -52,25 +54,27 @@ class GrpcPeerLink:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
-    def _stub(self, address: str) -> pb_grpc.AgentStub:
+    def _push_call(self, address: str):
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
                 ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
-        return pb_grpc.AgentStub(ch)
+        # The generated stub's Push, but messages arrive already serialised (see reshard.proto.frames).
+        return ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
+                               response_deserializer=pb.PushReply.FromString)
 
     def push(self, host: str, address: str, header: PushHeader, items: Iterable[Item]) -> list[str]:
-        def messages() -> Iterator[pb.PushChunk]:
+        def messages() -> Iterator[bytes]:
             yield pb.PushChunk(header=pb.PushHeader(job=header.job, plan_id=header.plan_id, transfer=header.transfer,
-                                                     hop=header.hop, from_host=header.from_host))
+                                                     hop=header.hop, from_host=header.from_host)).SerializeToString()
             for item in items:
                 if item[0] == "piece":
-                    yield pb.PushChunk(piece=pb.Piece(box=box_to_pb(item[1]), data=item[2]))
+                    yield item[3] if item[3] is not None else encode_piece(item[1], item[2])
                 else:
-                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], crc32=item[2]))
+                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], crc32=item[2])).SerializeToString()
 
         try:
-            reply = self._stub(address).Push(messages(), timeout=self._timeout, wait_for_ready=False)
+            reply = self._push_call(address)(messages(), timeout=self._timeout, wait_for_ready=False)
         except grpc.RpcError as e:
             raise domain_error(e, f"agent of host {host} at {address}") from None
         return list(reply.confirmed)
@@ -85,7 +89,7 @@ class GrpcPeerLink:
 def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
     it = iter(request_iterator)
     first = next(it, None)
-    if first is None or first.WhichOneof("kind") != "header":
+    if first is None or isinstance(first, RawPiece) or first.WhichOneof("kind") != "header":
         raise InvalidArgumentError(f"a {first_kind} stream must open with a header")
     return first.header, it
 
@@ -132,10 +136,11 @@ class AgentServicer(pb_grpc.AgentServicer):
 
         def items() -> Iterator[Item]:
             for msg in it:
+                if isinstance(msg, RawPiece):
+                    yield ("piece", msg.box, msg.data, msg.frame)
+                    continue
                 kind = msg.WhichOneof("kind")
-                if kind == "piece":
-                    yield ("piece", box_from_pb(msg.piece.box), msg.piece.data)
-                elif kind == "trailer":
+                if kind == "trailer":
                     yield ("trailer", msg.trailer.nbytes, msg.trailer.crc32)
                 else:
                     raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
@@ -200,6 +205,26 @@ class AgentServicer(pb_grpc.AgentServicer):
                               local_bytes=t.local_bytes)
 
 
+class _PushDecoding:
+    """Stands in for the server while the generated code registers the Agent service, so that
+    Push requests are decoded by `decode_push_chunk` (pieces without copying their bytes)."""
+
+    def __init__(self, server: grpc.Server):
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the same handlers arrive in add_registered_method_handlers, which registers both
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        handlers = dict(handlers, Push=handlers["Push"]._replace(request_deserializer=decode_push_chunk))
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+        self._server.add_registered_method_handlers(service, handlers)
+
+
+def _add_agent_servicer(servicer: "AgentServicer", server: grpc.Server) -> None:
+    pb_grpc.add_AgentServicer_to_server(servicer, _PushDecoding(server))
+
+
 def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
     """Build and start an agent's gRPC server; returns (server, bound port, executor)."""
     store = ShardStore()
@@ -210,7 +235,7 @@ def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
                         rate_limit_bytes_per_s=config.rate_limit_bytes_per_s)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config))
-    pb_grpc.add_AgentServicer_to_server(AgentServicer(config, store, executor), server)
+    _add_agent_servicer(AgentServicer(config, store, executor), server)
     executor.collective = collective_transport(config, executor)
     port = start_server(server, config.listen, "reshard.v1.Agent")
     return server, port, executor
@@ -249,6 +274,7 @@ class Agent:
 
     def __init__(self, config: AgentConfig):
         self.config = config
+        keep_freed_memory()
         self.server, self.port, self.executor = serve_agent(config)
         self.address = advertised_address(config, self.port)
         self._stop = threading.Event()

@@ -19,7 +19,7 @@ class AgentConfig:
     planner: str
     listen: str = "127.0.0.1:0"
     advertise: Optional[str] = None  # address peers dial; defaults to the bound listen address
-    chunk_bytes: int = 4 * MiB
+    chunk_bytes: int = 2 * MiB  # a chain hop forwards a chunk once it has all of it: smaller fills the pipe sooner
     max_message_bytes: int = 64 * MiB  # largest chunk a peer or client may send us
     max_workers: int = 16  # gRPC server threads; concurrent transfers use the same bound
     nic_gbps: float = 10.0  # reported to the planner's cost model

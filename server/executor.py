@@ -49,7 +49,10 @@ __all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes"]
 
 log = logging.getLogger(__name__)
 
-# Items of a push stream: ("piece", box, data) ... then ("trailer", nbytes, crc32).
+# Items of a push stream: ("piece", box, data, wire) ... then ("trailer", nbytes, crc32).
+# ``data`` is a C-contiguous bytes-like view; ``wire`` is the link's own encoding of the
+# piece as it arrived (a chain hop hands it on unchanged, so it is not re-encoded),
+# or None when the sender made the piece.
 Item = tuple
 
 
@@ -80,6 +83,28 @@ def send_bytes(plan: Plan, host: str, phase: int | None = None) -> int:
         else:
             total += n * len(t.receivers)
     return total
+
+
+def _first_peer(t: Transfer) -> str:
+    """The host a transfer's sender streams to first ('' when it stays on the sender's host)."""
+    if t.method == "broadcast":
+        return t.route[0] if t.route else ""
+    sender = host_of(t.sender)
+    return next((h for h in map(host_of, t.receivers) if h != sender), "")
+
+
+def _interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
+    """Round-robin over destination hosts, so the transfers running at once (the pool is
+    bounded) share every destination NIC, as the cost model assumes, instead of all going
+    to one host while the others idle. Plans list transfers grouped by destination."""
+    by_peer: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+    for it in transfers:
+        by_peer[_first_peer(it[1])].append(it)
+    queues = list(by_peer.values())
+    out = []
+    for k in range(max(map(len, queues), default=0)):
+        out += [q[k] for q in queues if k < len(q)]
+    return out
 
 
 class Traffic:
@@ -271,8 +296,8 @@ class Executor:
             )
         if state.transport == "collective":
             return self.collective.execute(state, phase)
-        mine = [(i, t) for i, t in enumerate(state.plan.transfers)
-                if t.phase == phase and host_of(t.sender) == self.host]
+        mine = _interleaved([(i, t) for i, t in enumerate(state.plan.transfers)
+                             if t.phase == phase and host_of(t.sender) == self.host])
         total = send_bytes(state.plan, self.host, phase)
         base = state.traffic.sent
         futures = [self._pool.submit(self._run_transfer, state, i, t) for i, t in mine]
@@ -337,10 +362,11 @@ class Executor:
         for sub in chunk_boxes(box, state.plan.dtype, self.chunk_bytes):
             if state.failed is not None:
                 return  # the stream ends without a trailer: the receiver discards it
-            data = np.ascontiguousarray(array[boxes.to_slices(sub, origin)]).tobytes()
+            # A view, not a copy: the link copies the bytes once, into the message it sends.
+            data = memoryview(np.ascontiguousarray(array[boxes.to_slices(sub, origin)])).cast("B")
             self._throttle.wait(len(data))
             check.update(data)
-            yield ("piece", sub, data)
+            yield ("piece", sub, data, None)
             state.traffic.add_out(peer, len(data), origin=True)
         yield ("trailer", check.nbytes, check.crc32)
 
@@ -377,7 +403,7 @@ class Executor:
         try:
             for item in items:
                 if item[0] == "piece":
-                    _, sub, data = item
+                    _, sub, data, _wire = item
                     if not boxes.contains(t.box, sub):
                         raise InvalidArgumentError(
                             f"job {header.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(t.box)}"
