@@ -10,6 +10,7 @@ import threading
 
 from reshard.cli import add_plan_command
 from reshard.errors import ReshardError
+from reshard.server.lab import add_lab_command
 
 __all__ = ["main", "build_parser"]
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_planner_command(sub)
     _add_up_command(sub)
     _add_demo_command(sub)
+    add_lab_command(sub)
     return parser
 
 

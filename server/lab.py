@@ -19,6 +19,7 @@ starts, and ``reshard lab --cleanup`` removes every lab.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ from typing import Optional
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available", "start_cluster"]
+__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available", "start_cluster", "add_lab_command"]
 
 PREFIX = "rsl-"
 STATE_DIR = Path("/run/reshard-lab")
@@ -308,3 +310,69 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
         ], stdout=out(host), stderr=subprocess.STDOUT)
         _wait_listening(lab.host_ns(i), lab.host_ip(i), AGENT_PORT, agent, f"the agent of {host}")
     return address
+
+
+# -- the ``reshard lab`` command ------------------------------------------------------
+
+
+def add_lab_command(sub) -> None:
+    d = LabConfig()
+    p = sub.add_parser("lab", help="emulate N hosts with shaped links (network namespaces; needs root) and run "
+                                   "a planner and an agent per host in them; Ctrl-C tears it all down",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hosts", type=int, default=d.num_hosts, help="emulated hosts, one agent each (host0..)")
+    p.add_argument("--devices-per-host", type=int, default=d.devices_per_host)
+    p.add_argument("--gbps", type=float, default=d.gbps, help="every host link's rate, each way")
+    p.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay added to every host link")
+    p.add_argument("--log-dir", default=None, help="keep the planner's and agents' logs here")
+    p.add_argument("--cleanup", action="store_true",
+                   help="remove the labs left behind (their owner process is gone), then exit")
+    p.add_argument("--all", action="store_true", help="with --cleanup: also remove labs whose owner still runs")
+    p.set_defaults(func=run_lab_command)
+
+
+def _until_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(3600):
+        pass
+
+
+def run_lab_command(args) -> int:
+    ok, why = lab_available()
+    if not ok:
+        print(f"error: {why}; nothing was created", file=sys.stderr)
+        return 2
+    if args.cleanup:
+        removed = cleanup_labs(only_orphans=not args.all)
+        print(f"removed labs {', '.join(removed)}" if removed else "no labs to remove")
+        return 0
+    if args.hosts < 1 or args.devices_per_host < 1 or args.gbps <= 0 or args.delay_ms < 0:
+        print(f"error: a lab needs --hosts >= 1, --devices-per-host >= 1, --gbps > 0 and --delay-ms >= 0; got "
+              f"{args.hosts}, {args.devices_per_host}, {args.gbps:g}, {args.delay_ms:g}", file=sys.stderr)
+        return 2
+    config = LabConfig(num_hosts=args.hosts, devices_per_host=args.devices_per_host, gbps=args.gbps,
+                       delay_ms=args.delay_ms)
+    # SIGTERM and SIGHUP must unwind through the Lab's __exit__ like Ctrl-C does, also while it builds.
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.default_int_handler)
+    try:
+        with Lab(config) as lab:
+            address = start_cluster(lab, log_dir=Path(args.log_dir) if args.log_dir else None)
+            link = f"{config.gbps:g} Gbit/s each way" + (f", {config.delay_ms:g} ms delay" if config.delay_ms else "")
+            print(f"lab {lab.lab_id}: {config.num_hosts} hosts, links {link}")
+            print(f"planner  {address}  (namespace {lab.planner_ns})")
+            for i in range(config.num_hosts):
+                h = lab.host_name(i)
+                print(f"agent    {h:<8} {lab.host_ip(i)}:{AGENT_PORT}  devices {h}/0..{h}/{config.devices_per_host - 1}"
+                      f"  (namespace {lab.host_ns(i)})")
+            print(f"connect with: reshard.connect({address!r}); Ctrl-C tears the lab down", flush=True)
+            _until_signal()
+    except KeyboardInterrupt:
+        pass
+    except LabError as e:
+        print(f"error: {e}; the lab was torn down", file=sys.stderr)
+        return 2
+    print("lab torn down", flush=True)
+    return 0

@@ -1,0 +1,104 @@
+"""The emulated cluster: a chain broadcast over shaped links, and nothing left behind.
+
+Needs root and network namespaces; skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import reshard
+from reshard import Mesh, Sharding
+from reshard.server.lab import PREFIX, Lab, LabConfig, lab_available, start_cluster
+
+pytestmark = pytest.mark.lab
+
+GBPS = 1.0
+NBYTES = 64 * 2**20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_lab():
+    ok, why = lab_available()
+    if not ok:
+        pytest.skip(why)
+
+
+def lab_namespaces(lab_id: str) -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{PREFIX}{lab_id}-")]
+
+
+def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_near_the_estimate():
+    with Lab(LabConfig(num_hosts=3, devices_per_host=2, gbps=GBPS)) as lab:
+        address = start_cluster(lab)
+        hosts = [lab.host_name(i) for i in range(3)]
+        src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
+        dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, hosts[1:], 2), (None,))
+        data = np.arange(NBYTES // 4, dtype=np.int32)
+        with reshard.connect(address) as c:
+            c.put("t", data, src)
+            plan = c.plan("t", dst, "broadcast")
+            # The planner's topology is the shaping: one box through each NIC at the link rate.
+            assert plan.estimate_seconds == pytest.approx(NBYTES * 8 / (GBPS * 1e9), rel=1e-6)
+            assert [t.method for t in plan.transfers] == ["broadcast"]
+            t0 = time.perf_counter()
+            result = c.reshard("t", dst, "broadcast").result(timeout=60)
+            seconds = time.perf_counter() - t0
+            for dev in dst.mesh.devices:
+                assert np.array_equal(c.get_shard("t", dev), data)
+        assert lab_namespaces(lab.lab_id)
+    # Each receiving host got the box once over the network: the chain, not a copy per device.
+    assert result.network_bytes == 2 * NBYTES
+    assert seconds <= 2 * plan.estimate_seconds, (
+        f"broadcast of {NBYTES / 2**20:.0f} MiB to 2 hosts at {GBPS:g} Gbit/s took {seconds:.2f}s; "
+        f"the estimate is {plan.estimate_seconds:.2f}s")
+    assert lab_namespaces(lab.lab_id) == []
+
+
+OWNER = """
+import sys, time
+from reshard.server.lab import Lab, LabConfig, start_cluster
+lab = Lab(LabConfig(num_hosts=2, devices_per_host=1)).__enter__()
+start_cluster(lab)
+print(lab.lab_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["next lab", "reshard lab --cleanup"])
+def test_a_lab_whose_owner_was_killed_is_removed(how):
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
+    try:
+        lab_id = owner.stdout.readline().strip()
+        assert lab_id, "the owner process died before its lab was up"
+        owner.kill()  # SIGKILL: no teardown runs; planner and agents keep running in the namespaces
+        owner.wait()
+        assert lab_namespaces(lab_id), "the killed owner's namespaces should still be there"
+        if how == "next lab":
+            with Lab(LabConfig(num_hosts=1, devices_per_host=1)):
+                assert lab_namespaces(lab_id) == []
+        else:
+            out = subprocess.run([sys.executable, "-m", "reshard.server.cli", "lab", "--cleanup"],
+                                 capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            assert lab_id in out.stdout
+        assert lab_namespaces(lab_id) == []
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+
+
+def test_reshard_lab_refuses_without_root():
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-m", "reshard.server.cli", "lab"],
+                         capture_output=True, text=True, timeout=60, cwd="/")
+    assert out.returncode == 2
+    assert "reshard lab needs root" in out.stderr
+    assert "nothing was created" in out.stderr
