@@ -1,0 +1,197 @@
+"""The paper's microbenchmarks, measured with our agents on an emulated cluster.
+
+Builds a lab (network namespaces, every host link shaped to ``--gbps`` in both
+directions), starts a planner and one agent per host, and for the 1-to-M cases
+(1 device to 1x2, 2x2, 4x2 receivers) and the N-to-M cases 1-7 and 9 runs every
+strategy ``--runs`` times: put the tensor in its source layout, reshard, verify
+every destination shard bit for bit (blake2b computed where the shard lives,
+against the bytes it must hold), delete. As in the paper's harness, which drops
+its first runs, every case first runs once untimed, so an agent's first touch
+of fresh memory is not charged to one strategy. Prints a table and writes it,
+with a plot of effective bandwidth per case and strategy, to BENCHMARKS.md.
+
+Needs root (``reshard lab`` does). Run by ``make bench``:
+
+    python bench/paper.py [--gbps 1] [--nbytes 134217728] [--runs 3] [--cases case1,1to4x2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import ROOT, write_section  # noqa: E402
+
+import reshard  # noqa: E402
+from reshard import STRATEGIES, Topology, plan  # noqa: E402
+from reshard.box import to_slices  # noqa: E402
+from reshard.cases import Case, n_to_m_cases, one_to_m_cases  # noqa: E402
+from reshard.server.lab import Lab, LabConfig, lab_available, start_cluster  # noqa: E402
+
+NUM_HOSTS = 5
+DEVICES_PER_HOST = 4
+
+
+@dataclass
+class Result:
+    case: str
+    strategy: str
+    nbytes: int
+    seconds: list[float]
+    estimate: float
+    lower_bound: float
+    network_bytes: int
+    verified: bool
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes * 8 / self.median / 1e9
+
+
+def cases_for(hosts: list[str], nbytes: int, one_to_m_nbytes: int, names: set[str] | None) -> list[Case]:
+    cases = one_to_m_cases(hosts, one_to_m_nbytes, meshes=((1, 2), (2, 2), (4, 2))) + n_to_m_cases(hosts, nbytes)
+    return [c for c in cases if names is None or c.name in names]
+
+
+def expected_digests(case: Case, data: np.ndarray) -> dict[str, str]:
+    return {dev: hashlib.blake2b(np.ascontiguousarray(data[to_slices(tile)]).tobytes()).hexdigest()
+            for dev, tile in case.dst.tiles(case.shape).items()}
+
+
+def verify(client, name: str, expected: dict[str, str]) -> bool:
+    """Every destination device holds exactly the bytes of its tile (and no device is missing)."""
+    return client.digests(name) == expected
+
+
+def run_case(client, case: Case, strategy: str, runs: int, topo: Topology, warmup: int = 0) -> Result:
+    data = np.arange(int(np.prod(case.shape)), dtype=np.int32).reshape(case.shape)
+    expected = expected_digests(case, data)
+    p = plan(case.shape, case.dtype, case.src, case.dst, topo, strategy)
+    for i in range(warmup):
+        name = f"{case.name}-{strategy}-warmup{i}"
+        client.put(name, data, case.src)
+        client.reshard(name, case.dst, strategy).result(timeout=600)
+        client.delete(name)
+    seconds, verified, moved = [], True, 0
+    for i in range(runs):
+        name = f"{case.name}-{strategy}-{i}"
+        client.put(name, data, case.src)
+        t0 = time.perf_counter()
+        result = client.reshard(name, case.dst, strategy).result(timeout=600)
+        seconds.append(time.perf_counter() - t0)
+        moved = result.network_bytes
+        verified = verified and verify(client, name, expected)
+        client.delete(name)
+    return Result(case.name, strategy, case.nbytes, seconds, p.estimate_seconds, p.lower_bound_seconds, moved, verified)
+
+
+def table(results: list[Result], markdown: bool) -> str:
+    by = {(r.case, r.strategy): r for r in results}
+    header = ["case", "strategy", "median s", "Gbit/s", "estimate s", "measured / estimate",
+              "vs send_recv", "vs local_allgather", "network MiB", "verified"]
+    rows = []
+    for r in results:
+        sr, la = by.get((r.case, "send_recv")), by.get((r.case, "local_allgather"))
+        rows.append([r.case, r.strategy, f"{r.median:.3f}", f"{r.gbps:.2f}", f"{r.estimate:.3f}",
+                     f"{r.median / r.estimate:.2f}", f"{sr.median / r.median:.2f}x" if sr else "-",
+                     f"{la.median / r.median:.2f}x" if la else "-", f"{r.network_bytes / 2**20:.1f}",
+                     "yes" if r.verified else "NO"])
+    if markdown:
+        return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+                         + ["| " + " | ".join(row) + " |" for row in rows])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
+
+
+def plot(results: list[Result], path: Path, gbps: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = list(dict.fromkeys(r.case for r in results))
+    strategies = [s for s in STRATEGIES if any(r.strategy == s for r in results)]
+    by = {(r.case, r.strategy): r for r in results}
+    fig, ax = plt.subplots(figsize=(max(8, len(cases) * 1.1), 4))
+    width = 0.8 / len(strategies)
+    for k, s in enumerate(strategies):
+        xs = [i + (k - (len(strategies) - 1) / 2) * width for i in range(len(cases))]
+        ys = [by[c, s].gbps if (c, s) in by else 0 for c in cases]
+        ax.bar(xs, ys, width, label=s)
+    ax.axhline(gbps, color="#c00", linestyle="--", linewidth=1, label=f"one NIC ({gbps:g} Gbit/s)")
+    ax.set_xticks(range(len(cases)), cases, rotation=30)
+    ax.set_ylabel("effective bandwidth (Gbit/s)")
+    ax.set_title("Cross-mesh resharding on emulated hosts: tensor bits / measured seconds")
+    ax.legend(fontsize=8, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gbps", type=float, default=1.0, help="link rate of every emulated host")
+    ap.add_argument("--nbytes", type=int, default=128 * 2**20, help="N-to-M tensor size")
+    ap.add_argument("--one-to-m-nbytes", type=int, default=128 * 2**20, help="1-to-M tensor size")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs of each case before the timed ones")
+    ap.add_argument("--transport", default="grpc", choices=("grpc", "collective", "auto"),
+                    help="the agents' transport (reshard agent --transport)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--log-dir", default=None, help="keep the planner's and agents' logs here")
+    args = ap.parse_args()
+    ok, why = lab_available()
+    if not ok:
+        print(f"bench/paper.py skipped: {why}")
+        return 0
+    names = set(args.cases.split(",")) if args.cases else None
+    strategies = args.strategies.split(",")
+    results: list[Result] = []
+    with Lab(LabConfig(num_hosts=NUM_HOSTS, devices_per_host=DEVICES_PER_HOST, gbps=args.gbps)) as lab:
+        address = start_cluster(lab, extra_agent_args=["--transport", args.transport],
+                                log_dir=Path(args.log_dir) if args.log_dir else None)
+        hosts = [lab.host_name(i) for i in range(NUM_HOSTS)]
+        topo = Topology(nic_gbps=args.gbps)
+        with reshard.connect(address) as client:
+            for case in cases_for(hosts, args.nbytes, args.one_to_m_nbytes, names):
+                for k, s in enumerate(strategies):
+                    r = run_case(client, case, s, args.runs, topo, warmup=args.warmup if k == 0 else 0)
+                    results.append(r)
+                    print(f"{case.name:8} {s:16} median {r.median:.3f}s  estimate {r.estimate:.3f}s  "
+                          f"ratio {r.median / r.estimate:.2f}  verified {r.verified}", flush=True)
+    print(table(results, markdown=False))
+    if not args.no_write:
+        png = ROOT / "docs" / "paper-bench.png"
+        png.parent.mkdir(exist_ok=True)
+        plot(results, png, args.gbps)
+        body = (
+            f"Emulated hosts (`reshard lab`): {NUM_HOSTS} network namespaces, every link shaped to "
+            f"{args.gbps:g} Gbit/s each way, {DEVICES_PER_HOST} devices per agent, agents on the "
+            f"`{args.transport}` transport. N-to-M tensors {args.nbytes / 2**20:.0f} MiB int32, 1-to-M "
+            f"{args.one_to_m_nbytes / 2**20:.0f} MiB; median of {args.runs} runs after {args.warmup} untimed "
+            "run(s) per case, each timed from the reshard request to the committed result and verified bit for "
+            "bit. Estimate is the planner's fluid-model figure for the same topology. Reproduce with "
+            f"`python bench/paper.py --runs {args.runs}` (root).\n\n"
+            + table(results, markdown=True) + "\n\n![effective bandwidth per case and strategy](docs/paper-bench.png)\n"
+        )
+        write_section("paper", "The paper's microbenchmarks on emulated hosts", body)
+        print("wrote BENCHMARKS.md and docs/paper-bench.png")
+    return 0 if all(r.verified for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
