@@ -69,6 +69,9 @@ class DashboardSource(Protocol):
     def plan(self, plan_id: str) -> Optional[Plan]:
         ...
 
+    def job_transfer_transports(self, job_id: str) -> list[str]:
+        """Per transfer of the job's plan, the transport that carried it (grpc, collective or local)."""
+
     def bytes_moved(self) -> dict[str, int]:
         """Bytes moved so far, by transport name."""
 
@@ -182,7 +185,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
             raise HTTPException(404, f"no job {job_id!r}")
         p = source.plan(job["plan_id"]) if job.get("plan_id") else None
         measured = job.get("seconds") if job.get("state") == "succeeded" else None
-        return page(request, "plan.html", job=_job_view(job), view=plan_view(p, measured) if p else None)
+        return page(request, "plan.html", job=_job_view(job), view=plan_view(p, measured) if p else None,
+                    carried_by=source.job_transfer_transports(job_id))
 
     @app.get("/plans/{plan_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def plan_page(request: Request, plan_id: str):

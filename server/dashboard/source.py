@@ -32,7 +32,7 @@ __all__ = ["PlannerSource", "serve_dashboard", "read_token"]
 def _job_doc(job: Job) -> dict:
     total = sum(t for _, t in job.progress.values())
     done = sum(d for d, _ in job.progress.values())
-    transports = sorted({tr for t in job.traffic.values() for tr in t.get("transports", ())}) or ["grpc"]
+    transports = sorted(set(job.transports)) or ([job.transport] if job.transport else [])
     return {
         "id": job.id, "tensor": job.tensor, "state": job.state, "strategy": job.strategy,
         "destination": job.dst.spec_str(), "bytes_done": done, "bytes_total": total,
@@ -63,7 +63,7 @@ class PlannerSource:
             "host": a.host, "address": a.address, "num_devices": a.num_devices, "devices": a.devices,
             "up": registry.is_up(a), "heartbeat_age_s": registry.age(a),
             "bytes_held": held.get(a.host, 0), "nic_gbps": a.nic_gbps,
-            "transport": getattr(a, "transport", "grpc"),
+            "transport": self.planner.group.mode(a.host), "in_group": self.planner.group.in_group(a.host),
         } for a in registry.agents()]
 
     def tensors(self) -> list[dict]:
@@ -88,6 +88,10 @@ class PlannerSource:
         job = self.planner.jobs.get(job_id)
         return _job_doc(job) if job else None
 
+    def job_transfer_transports(self, job_id: str) -> list[str]:
+        job = self.planner.jobs.get(job_id)
+        return list(job.transports) if job else []
+
     def plan(self, plan_id: str) -> Optional[Plan]:
         for job in self.planner.jobs.list():
             if job.plan is not None and job.plan.id == plan_id:
@@ -95,14 +99,7 @@ class PlannerSource:
         return self.planner.stored_plan(plan_id)
 
     def bytes_moved(self) -> dict[str, int]:
-        moved = getattr(self.planner, "bytes_moved", None)
-        if callable(moved):
-            return moved()
-        total: dict[str, int] = defaultdict(int)
-        for job in self.planner.jobs.list():
-            if job.state == "succeeded":
-                total["grpc"] += sum(sum(t.get("bytes_in", {}).values()) for t in job.traffic.values())
-        return dict(total)
+        return self.planner.bytes_moved()
 
 
 def read_token(path: Optional[str]) -> Optional[str]:

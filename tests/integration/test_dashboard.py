@@ -20,6 +20,8 @@ from reshard.client.cluster import LocalCluster
 from reshard.client.client import Client
 
 HOSTS = ["host0", "host1", "host2", "host3"]
+# The dashboard does not depend on the transport; gRPC agents start without importing torch.
+GRPC = ["--transport", "grpc"]
 
 
 def _reshard_broadcast(c: Client, name: str) -> tuple[str, str]:
@@ -38,7 +40,8 @@ def web(tmp_path_factory):
     """A cluster with its dashboard, a finished broadcast job and a dry-run plan."""
     log_dir = tmp_path_factory.mktemp("dash")
     state = log_dir / "state.db"
-    with LocalCluster(4, 2, dashboard=True, log_dir=str(log_dir), planner_args=["--state", str(state)]) as cluster:
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(log_dir), planner_args=["--state", str(state)],
+                      agent_args=GRPC) as cluster:
         with Client(cluster.address) as c:
             job_id, plan_id = _reshard_broadcast(c, "weights")
             dry = c.plan("weights", Sharding(Mesh.from_hosts({"x": 2, "y": 2}, HOSTS[:2], 2), ("x", None)))
@@ -137,10 +140,12 @@ def test_login_sets_a_cookie_and_the_token_is_never_logged(web):
 
 def test_history_survives_a_planner_restart(tmp_path):
     state = tmp_path / "state.db"
-    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "a"), planner_args=["--state", str(state)]) as one:
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "a"), planner_args=["--state", str(state)],
+                      agent_args=GRPC) as one:
         with Client(one.address) as c:
             job_id, plan_id = _reshard_broadcast(c, "kept")
-    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "b"), planner_args=["--state", str(state)]) as two:
+    with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "b"), planner_args=["--state", str(state)],
+                      agent_args=GRPC) as two:
         headers = {"Authorization": f"Bearer {two.admin_token}"}
         base = two.dashboard_url.rstrip("/")
         jobs = httpx.get(f"{base}/api/jobs", headers=headers, timeout=30).json()
@@ -202,7 +207,7 @@ def test_plan_page_in_a_real_browser(web, tmp_path):
 
 
 def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):
-    slow = ["--rate-limit-mib-s", "8"]
+    slow = [*GRPC, "--rate-limit-mib-s", "8"]
     with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path), agent_args=slow) as cluster, \
             Client(cluster.address) as c:
         headers = {"Authorization": f"Bearer {cluster.admin_token}"}
@@ -225,3 +230,25 @@ def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):
         page = httpx.get(f"{base}/jobs/{job.id}", headers=headers, timeout=30).text
         assert 'http-equiv="refresh"' not in page
         assert np.array_equal(c.get("slow"), data)
+
+
+def test_transport_in_use_is_shown(tmp_path):
+    """Agents on the default transport join the collective group; the pages say what carried each transfer."""
+    with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path)) as cluster, Client(cluster.address) as c:
+        headers = {"Authorization": f"Bearer {cluster.admin_token}"}
+        base = cluster.dashboard_url.rstrip("/")
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            agents = httpx.get(f"{base}/api/cluster", headers=headers, timeout=30).json()
+            if all(a["in_group"] for a in agents):
+                break
+            time.sleep(0.1)
+        assert [(a["transport"], a["in_group"]) for a in agents] == [("auto", True)] * 2
+        data = np.arange(1000, dtype=np.int64)
+        c.put("t", data, Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None,)))
+        job = c.reshard("t", Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None,))).result(timeout=60)
+        doc = httpx.get(f"{base}/api/jobs/{job.id}", headers=headers, timeout=30).json()
+        assert doc["transports"] == ["collective"]
+        page = httpx.get(f"{base}/jobs/{job.id}", headers=headers, timeout=30).text
+        assert re.findall(r'<td class="carried-by">(\w+)</td>', page) == ["collective"]
+        assert 'data-host="host0"' in httpx.get(f"{base}/", headers=headers, timeout=30).text
