@@ -115,19 +115,24 @@ def overlap_cases(hosts: Optional[Sequence[str]] = None, nbytes: int = N_TO_M_BY
 
     The paper's cases keep the meshes disjoint; here a receiver's own host often
     holds a replica, and hosts forward broadcast chains while they send their own
-    data, so the order of a chain and the choice of a local sender matter.
+    data, so the order of a chain and the choice of a local sender matter. Cases
+    that need more hosts than ``hosts`` has are left out.
     """
     n = max(8, nbytes // 4 // 1024)
     shape = (n, 1024)
-    h = _hosts(hosts, 8)
-    m42, m82, m24 = _mesh(h, 0, (4, 2)), _mesh(h, 0, (8, 2)), _mesh(h, 0, (2, 4))
-    shifted = Mesh.from_hosts({"x": 4, "y": 2}, h[1:5], 2)
+    # (name, hosts needed, source mesh, spec, destination mesh, spec, description); hosts are taken in order.
     specs = [
-        ("allgather4", m42, ("x", None), m42, (None, None), "dim0 over 4 hosts -> replicated on the same hosts"),
-        ("allgather8", m82, ("x", None), m82, (None, None), "dim0 over 8 hosts -> replicated on the same hosts"),
-        ("grow2to4", m24, ("y", None), m42, (None, None), "2 hosts' devices -> replicated over 4 hosts, 2 shared"),
-        ("regroup", m42, ("x", None), m24, (None, "x"), "4x2 dim0 over hosts -> 2x4 dim1 over hosts"),
-        ("shift1", m42, ("x", None), shifted, ("x", None), "dim0 over hosts, mesh moved by one host"),
+        ("allgather4", 4, (4, 2), ("x", None), (4, 2), (None, None), "dim0 over 4 hosts -> replicated on the same hosts"),
+        ("allgather8", 8, (8, 2), ("x", None), (8, 2), (None, None), "dim0 over 8 hosts -> replicated on the same hosts"),
+        ("grow2to4", 4, (2, 4), ("y", None), (4, 2), (None, None), "2 hosts' devices -> replicated over 4 hosts, 2 shared"),
+        ("regroup", 4, (4, 2), ("x", None), (2, 4), (None, "x"), "4x2 dim0 over hosts -> 2x4 dim1 over hosts"),
+        ("shift1", 5, (4, 2), ("x", None), None, ("x", None), "dim0 over hosts, mesh moved by one host"),
     ]
-    return [Case(name, shape, "float32", Sharding(sm, ss), Sharding(dm, ds), desc)
-            for name, sm, ss, dm, ds, desc in specs]
+    out = []
+    for name, needed, sm, ss, dm, ds, desc in specs:
+        if hosts is not None and len(hosts) < needed:
+            continue
+        h = _hosts(hosts, needed)
+        dst_mesh = _mesh(h, 0, dm) if dm else Mesh.from_hosts({"x": 4, "y": 2}, h[1:5], 2)
+        out.append(Case(name, shape, "float32", Sharding(_mesh(h, 0, sm), ss), Sharding(dst_mesh, ds), desc))
+    return out
