@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     lines = [
         f"A {args.mib} MiB tensor replicated on host0, delivered to the other {args.hosts - 1} of {args.hosts} "
         f"processes on loopback; best of {args.repeats}. GB/s is the tensor's size over the time until the last "
-        f"receiver has it. The reshards run through real agents (job seconds: prepare, move, verify CRC-32, "
+        f"receiver has it. The reshards run through real agents (job seconds: prepare, move, verify XXH3-64, "
         f"commit); their plan is one chain broadcast (transfers carried by: collective {list(coll_t)}, "
         f"gRPC {list(grpc_t)}).",
         "",

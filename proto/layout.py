@@ -2,16 +2,18 @@
 
 numpy only, so domain code on both sides may use it. A shard or transfer box
 travels as a sequence of sub-boxes in C order, each at most ``chunk_bytes``
-long, followed by the total byte count and a CRC-32 of all the bytes in order.
+long, followed by the total byte count and an XXH3-64 digest of all the bytes in
+order (the ``xxhash`` package: about 6x the speed of zlib's CRC-32, so the check
+every receiver runs before commit costs little next to the bytes' own copy).
 numpy has no bfloat16: those elements are held as ``uint16`` of the same bits.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterator
 
 import numpy as np
+import xxhash
 
 from reshard.box import Box, volume
 from reshard.dtypes import dtype_name, itemsize
@@ -48,14 +50,20 @@ def chunk_boxes(box: Box, dtype, chunk_bytes: int) -> Iterator[Box]:
 
 
 class Checksum:
-    """Running byte count and CRC-32 over a stream's bytes."""
+    """Running byte count and XXH3-64 digest over a stream's bytes, however they were cut into pieces."""
 
-    __slots__ = ("nbytes", "crc32")
+    __slots__ = ("nbytes", "_hash")
 
     def __init__(self):
         self.nbytes = 0
-        self.crc32 = 0
+        self._hash = xxhash.xxh3_64()
 
-    def update(self, data: bytes) -> None:
-        self.nbytes += len(data)
-        self.crc32 = zlib.crc32(data, self.crc32)
+    def update(self, data) -> None:
+        """Add a C-contiguous bytes-like object (bytes, memoryview, numpy array) to the stream."""
+        self.nbytes += memoryview(data).nbytes
+        self._hash.update(data)
+
+    @property
+    def xxh3_64(self) -> int:
+        """The digest so far, as an unsigned 64-bit integer."""
+        return self._hash.intdigest()

@@ -33,7 +33,7 @@ def shard_stream(array: np.ndarray, header: pb.ShardHeader, chunk_bytes: int) ->
         data = np.ascontiguousarray(array[to_slices(sub, tile)]).tobytes()
         check.update(data)
         yield pb.ShardChunk(piece=pb.Piece(box=box_to_pb(sub), data=data))
-    yield pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, crc32=check.crc32))
+    yield pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, xxh3_64=check.xxh3_64))
 
 
 def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None) -> tuple[pb.ShardHeader, np.ndarray]:
@@ -88,7 +88,8 @@ def verify_trailer(check: Checksum, trailer: pb.Trailer, expected_nbytes: int, w
         raise InvalidArgumentError(
             f"{what}: received {check.nbytes} bytes, sender sent {trailer.nbytes}, the box holds {expected_nbytes}"
         )
-    if check.crc32 != trailer.crc32:
+    if check.xxh3_64 != trailer.xxh3_64:
         raise InvalidArgumentError(
-            f"{what}: CRC-32 {check.crc32:08x} of the received bytes differs from the sender's {trailer.crc32:08x}"
+            f"{what}: XXH3-64 {check.xxh3_64:016x} of the received bytes differs from the sender's "
+            f"{trailer.xxh3_64:016x}"
         )

@@ -71,7 +71,7 @@ class GrpcPeerLink:
                 if item[0] == "piece":
                     yield item[3] if item[3] is not None else encode_piece(item[1], item[2])
                 else:
-                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], crc32=item[2])).SerializeToString()
+                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], xxh3_64=item[2])).SerializeToString()
 
         try:
             reply = self._push_call(address)(messages(), timeout=self._timeout, wait_for_ready=False)
@@ -141,7 +141,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                     continue
                 kind = msg.WhichOneof("kind")
                 if kind == "trailer":
-                    yield ("trailer", msg.trailer.nbytes, msg.trailer.crc32)
+                    yield ("trailer", msg.trailer.nbytes, msg.trailer.xxh3_64)
                 else:
                     raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
 

@@ -16,7 +16,7 @@ confirm         before a phase's first send or recv, an agent writes
                 deadline, for the keys of every peer it will talk to in that phase: a peer
                 on another plan or generation raises at once instead of hanging a recv
 stream          one box from one host to the next: chunks (``chunk_boxes``) as raw bytes,
-                then a trailer ``int64[nbytes, crc32]``; at most ``window`` chunks in flight
+                then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window`` chunks in flight
 tag             ``(job_seq mod 2^11) << 20 | stream``, stream numbered over the plan's
                 (transfer, hop) pairs: concurrent jobs and transfers never share a tag
 chain           a route host receives chunk k+1 while it forwards chunk k to the next host
@@ -29,7 +29,7 @@ lanes           a phase's tasks (one per transfer and hop this host takes part i
 =============== ==============================================================================
 
 Received chunks are checked like the gRPC path's: every byte lands inside the
-transfer's box, and the byte count and CRC-32 match the sender's trailer
+transfer's box, and the byte count and XXH3-64 digest match the sender's trailer
 before the receiver's Execute returns (and so before the planner commits).
 """
 
@@ -459,7 +459,7 @@ class CollectiveTransport:
             state.traffic.add_out(peer, data.nbytes, origin=True)
             if len(pending) >= self.window:
                 self._wait(state, group, pending.popleft(), "send", peer)
-        trailer = self.torch.tensor([check.nbytes, check.crc32], dtype=self.torch.int64, device=group.device)
+        trailer = self._chunk_tensor(np.array([check.nbytes, check.xxh3_64], dtype=np.uint64), group)
         pending.append(group.pg.send([trailer], dst, tag))
         while pending:
             self._wait(state, group, pending.popleft(), "send", peer)
@@ -524,17 +524,17 @@ class CollectiveTransport:
                     state.write(r, sub, arr)
             check.update(raw)
             state.traffic.add_in(task.peer, raw.nbytes)
-        trailer = torch.empty(2, dtype=torch.int64, device=group.device)
+        trailer = torch.empty(16, dtype=torch.uint8, device=group.device)
         self._wait(state, group, group.pg.recv([trailer], src, tag), "recv", task.peer)
         if nxt:
             forwards.append(group.pg.send([trailer], fwd_rank, fwd_tag))
-        nbytes, crc = (int(v) for v in trailer.cpu().tolist())
+        nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
         expected = boxes.volume(t.box) * size
-        if not (check.nbytes == nbytes == expected) or check.crc32 != crc:
+        if not (check.nbytes == nbytes == expected) or check.xxh3_64 != digest:
             raise FailedPreconditionError(
                 f"job {state.id}: transfer {task.index} from {task.peer} arrived over the collective transport with "
-                f"{check.nbytes} bytes, CRC-32 {check.crc32:08x}; the sender sent {nbytes} bytes, CRC-32 {crc:08x}; "
-                f"the box holds {expected} bytes"
+                f"{check.nbytes} bytes, XXH3-64 {check.xxh3_64:016x}; the sender sent {nbytes} bytes, XXH3-64 "
+                f"{digest:016x}; the box holds {expected} bytes"
             )
         while forwards:
             self._wait(state, group, forwards.popleft(), "send", nxt)

@@ -13,7 +13,7 @@ broadcast   receivers on the sender's host get local copies; the box is pushed o
 =========== ===========================================================================
 
 A receiver checks that every piece lies in the transfer's box, that the byte count
-and CRC-32 match the sender's trailer, and, before its buffers may commit, that each
+and XXH3-64 digest match the sender's trailer, and, before its buffers may commit, that each
 destination device got exactly the elements it lacked. The executor knows no gRPC:
 pushes go through a `PeerLink` the service layer provides.
 """
@@ -49,7 +49,7 @@ __all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes"]
 
 log = logging.getLogger(__name__)
 
-# Items of a push stream: ("piece", box, data, wire) ... then ("trailer", nbytes, crc32).
+# Items of a push stream: ("piece", box, data, wire) ... then ("trailer", nbytes, xxh3_64).
 # ``data`` is a C-contiguous bytes-like view; ``wire`` is the link's own encoding of the
 # piece as it arrived (a chain hop hands it on unchanged, so it is not re-encoded),
 # or None when the sender made the piece.
@@ -368,7 +368,7 @@ class Executor:
             check.update(data)
             yield ("piece", sub, data, None)
             state.traffic.add_out(peer, len(data), origin=True)
-        yield ("trailer", check.nbytes, check.crc32)
+        yield ("trailer", check.nbytes, check.xxh3_64)
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -422,15 +422,15 @@ class Executor:
                     check.update(data)
                     state.traffic.add_in(header.from_host, len(data))
                 else:
-                    _, nbytes, crc = item
+                    _, nbytes, digest = item
                     if forward is not None:
                         forward.send(item)
                     expected = boxes.volume(t.box) * state.dtype.itemsize
-                    if not (check.nbytes == nbytes == expected) or check.crc32 != crc:
+                    if not (check.nbytes == nbytes == expected) or check.xxh3_64 != digest:
                         raise InvalidArgumentError(
                             f"job {header.job}: transfer {header.transfer} from {header.from_host} arrived with "
-                            f"{check.nbytes} bytes, CRC-32 {check.crc32:08x}; the sender sent {nbytes} bytes, "
-                            f"CRC-32 {crc:08x}; the box holds {expected} bytes"
+                            f"{check.nbytes} bytes, XXH3-64 {check.xxh3_64:016x}; the sender sent {nbytes} bytes, "
+                            f"XXH3-64 {digest:016x}; the box holds {expected} bytes"
                         )
                     confirmed = [self.host]
                     if forward is not None:

@@ -1,13 +1,16 @@
-"""Hand-encoded push messages are byte-for-byte the generated PushChunk, both ways."""
+"""Hand-encoded push messages are byte-for-byte the generated PushChunk, both ways; trailers carry XXH3-64."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
+from reshard.proto.layout import Checksum
+from reshard.proto.wire import verify_trailer
 
 
 @pytest.mark.parametrize("box,n", [(((0, 3),), 3), (((2, 4), (0, 1000)), 2000), (((5, 6), (0, 0)), 0)])
@@ -23,7 +26,7 @@ def test_encoded_piece_is_the_generated_message(box, n):
 
 
 def test_headers_and_trailers_decode_through_the_generated_classes():
-    msg = pb.PushChunk(trailer=pb.Trailer(nbytes=7, crc32=9))
+    msg = pb.PushChunk(trailer=pb.Trailer(nbytes=7, xxh3_64=2**64 - 9))
     assert decode_push_chunk(msg.SerializeToString()) == msg
     msg = pb.PushChunk(header=pb.PushHeader(job="j", plan_id="p", transfer=1, hop=2, from_host="h"))
     assert decode_push_chunk(msg.SerializeToString()) == msg
@@ -44,3 +47,16 @@ def test_a_cut_off_piece_is_rejected_with_the_reason():
         decode_push_chunk(frame[:-3])
     with pytest.raises(InvalidArgumentError, match="runs past the end"):
         decode_push_chunk(bytes([0x12, 4, 0x12, 10, 0, 0]))
+
+
+def test_checksum_is_xxh3_64_of_the_bytes_in_order_however_they_were_cut():
+    data = np.arange(1000, dtype=np.int32)
+    whole, pieces = Checksum(), Checksum()
+    whole.update(data)
+    for a in range(0, 1000, 333):
+        pieces.update(data[a:a + 333])
+    assert whole.nbytes == pieces.nbytes == 4000
+    assert whole.xxh3_64 == pieces.xxh3_64 == xxhash.xxh3_64_intdigest(data.tobytes())
+    verify_trailer(whole, pb.Trailer(nbytes=4000, xxh3_64=whole.xxh3_64), 4000, "shard")
+    with pytest.raises(InvalidArgumentError, match=r"shard: XXH3-64 [0-9a-f]{16} of the received bytes differs"):
+        verify_trailer(whole, pb.Trailer(nbytes=4000, xxh3_64=whole.xxh3_64 ^ 1), 4000, "shard")
