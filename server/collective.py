@@ -22,9 +22,11 @@ tag             ``(job_seq mod 2^11) << 20 | stream``, stream numbered over the 
 chain           a route host receives chunk k+1 while it forwards chunk k to the next host
                 and writes it into its own receivers (the fan-out to local devices)
 lanes           a phase's tasks (one per transfer and hop this host takes part in) run on a
-                FIFO pool of ``lanes`` threads in plan order on every host, so the lowest
-                unfinished transfer always runs on all its hosts: no deadlock, concurrency
-                up to ``lanes``, memory at most ``lanes * 2 * window * chunk_bytes``. NCCL
+                FIFO pool of ``lanes`` threads in one order every host derives from the plan
+                (``interleaved``: round-robin over sender and destination host pairs, so the
+                tasks running at once load every NIC), so the first unfinished transfer in
+                that order always runs on all its hosts: no deadlock, concurrency up to
+                ``lanes``, memory at most ``lanes * 2 * window * chunk_bytes``. NCCL
                 ignores tags and orders calls per communicator, so it gets one lane
 =============== ==============================================================================
 
@@ -53,6 +55,7 @@ from reshard.mesh import host_of
 from reshard.plan import Plan, Transfer
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
+from reshard.server.executor import interleaved, send_bytes
 
 if TYPE_CHECKING:
     from reshard.server.executor import Executor, _AgentJob
@@ -250,9 +253,7 @@ class _Task:
 
 def _tasks(plan: Plan, phase: int, host: str) -> list[_Task]:
     out = []
-    for i, t in enumerate(plan.transfers):
-        if t.phase != phase:
-            continue
+    for i, t in interleaved([(i, t) for i, t in enumerate(plan.transfers) if t.phase == phase]):
         src = host_of(t.sender)
         if src == host:
             out.append(_Task(i, t, "send"))
@@ -296,8 +297,6 @@ class CollectiveTransport:
 
     def execute(self, state: "_AgentJob", phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]],
                                                                Callable[[], bool]]:
-        from reshard.server.executor import send_bytes
-
         group = state.group
         plan = state.plan
         tasks = _tasks(plan, phase, self.executor.host)

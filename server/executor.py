@@ -45,7 +45,7 @@ from reshard.proto.errors import (
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
 from reshard.server.shards import Shard, ShardStore
 
-__all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes"]
+__all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved"]
 
 log = logging.getLogger(__name__)
 
@@ -93,13 +93,14 @@ def _first_peer(t: Transfer) -> str:
     return next((h for h in map(host_of, t.receivers) if h != sender), "")
 
 
-def _interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
-    """Round-robin over destination hosts, so the transfers running at once (the pool is
-    bounded) share every destination NIC, as the cost model assumes, instead of all going
-    to one host while the others idle. Plans list transfers grouped by destination."""
-    by_peer: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+def interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
+    """Round-robin over (sender host, destination host) pairs, so the transfers running at
+    once (pools are bounded) share every NIC, as the cost model assumes, instead of all
+    going to one host while the others idle. Plans list transfers grouped by destination.
+    The order depends on the transfers alone, so every host computes the same one."""
+    by_peer: dict[tuple[str, str], list[tuple[int, Transfer]]] = defaultdict(list)
     for it in transfers:
-        by_peer[_first_peer(it[1])].append(it)
+        by_peer[host_of(it[1].sender), _first_peer(it[1])].append(it)
     queues = list(by_peer.values())
     out = []
     for k in range(max(map(len, queues), default=0)):
@@ -296,7 +297,7 @@ class Executor:
             )
         if state.transport == "collective":
             return self.collective.execute(state, phase)
-        mine = _interleaved([(i, t) for i, t in enumerate(state.plan.transfers)
+        mine = interleaved([(i, t) for i, t in enumerate(state.plan.transfers)
                              if t.phase == phase and host_of(t.sender) == self.host])
         total = send_bytes(state.plan, self.host, phase)
         base = state.traffic.sent

@@ -220,3 +220,29 @@ def test_nccl_backend_moves_bytes(tmp_path):
             p.terminate()
             p.wait(10)
         server.stop(0)
+
+
+
+def test_lanes_run_an_all_to_all_round_robin_over_host_pairs_in_one_order_on_every_host():
+    from reshard import Topology
+    from reshard.cases import n_to_m_cases
+    from reshard.mesh import host_of
+    from reshard.server.collective import _tasks
+
+    hosts = [f"h{i}" for i in range(5)]
+    case = next(c for c in n_to_m_cases(hosts, 2**20) if c.name == "case4")
+    p = make_plan(case.shape, case.dtype, case.src, case.dst, Topology(nic_gbps=1.0), "auto")
+    pairs = {(host_of(t.sender), host_of(t.receivers[0])) for t in p.transfers}
+    assert len(p.transfers) > len(pairs) > 1  # several transfers per host pair, listed grouped by destination
+    seqs = {h: list(dict.fromkeys(task.index for task in _tasks(p, 0, h))) for h in hosts}
+    # Any two transfers that two hosts share run in the same order on both: the first unfinished
+    # transfer of that one order runs on all its hosts, so the lanes cannot deadlock ...
+    for h1 in hosts:
+        for h2 in hosts:
+            shared = set(seqs[h1]) & set(seqs[h2])
+            assert [i for i in seqs[h1] if i in shared] == [i for i in seqs[h2] if i in shared], (h1, h2)
+    # ... and a host's first sends go to different hosts, not all to the first destination in the plan.
+    for h in hosts:
+        sends = [host_of(task.transfer.receivers[0]) for task in _tasks(p, 0, h) if task.role == "send"]
+        firsts = sends[:len(set(sends))]
+        assert len(set(firsts)) == len(firsts), (h, firsts)
