@@ -31,8 +31,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MiB = 2**20
-CHUNK_BYTES = 4 * MiB  # the agents' default chunk
-WINDOW = 4  # the agents' default chunks in flight per stream
+
+
+def _agent_defaults() -> tuple[int, int]:
+    """The agents' default chunk size and chunks in flight per stream: the raw chain pipelines the same way."""
+    from reshard.server.config import AgentConfig
+
+    d = AgentConfig(host="bench", num_devices=1, planner="")
+    return d.chunk_bytes, d.forward_queue_chunks
+
+
+CHUNK_BYTES, WINDOW = _agent_defaults()
 
 
 # -- (a) raw torch.distributed, one process per rank ---------------------------------------------------
@@ -153,7 +162,8 @@ def main(argv=None) -> int:
     ]
     lines = [
         f"A {args.mib} MiB tensor replicated on host0, delivered to the other {args.hosts - 1} of {args.hosts} "
-        f"processes on loopback; best of {args.repeats}. GB/s is the tensor's size over the time until the last "
+        f"processes on loopback; best of {args.repeats}. The raw chain pipelines like the agents: "
+        f"{CHUNK_BYTES // MiB} MiB chunks, {WINDOW} in flight. GB/s is the tensor's size over the time until the last "
         f"receiver has it. The reshards run through real agents (job seconds: prepare, move, verify XXH3-64, "
         f"commit); their plan is one chain broadcast (transfers carried by: collective {list(coll_t)}, "
         f"gRPC {list(grpc_t)}).",
