@@ -150,8 +150,9 @@ def main() -> int:
     ap.add_argument("--nbytes", type=int, default=128 * 2**20, help="N-to-M tensor size")
     ap.add_argument("--one-to-m-nbytes", type=int, default=128 * 2**20, help="1-to-M tensor size")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs of each case before the timed ones")
-    ap.add_argument("--transport", default="grpc", choices=("grpc", "collective", "auto"),
-                    help="the agents' transport (reshard agent --transport)")
+    ap.add_argument("--transport", default="auto", choices=("grpc", "collective", "auto"),
+                    help="the agents' transport (reshard agent --transport); auto, the agents' default, is the "
+                         "collective transport once the process group is up")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
