@@ -26,10 +26,12 @@ from dataclasses import dataclass, field
 from reshard.mesh import host_of
 from reshard.topology import Topology
 
-__all__ = ["PhaseLoad", "phase_loads", "estimate_seconds", "lower_bound_seconds"]
+__all__ = ["HostCache", "PhaseLoad", "phase_loads", "estimate_seconds", "lower_bound_seconds"]
 
 
-class _HostCache(dict):
+class HostCache(dict):
+    """Device id -> host, parsed once per device."""
+
     def __missing__(self, device: str) -> str:
         h = self[device] = host_of(device)
         return h
@@ -45,7 +47,7 @@ class PhaseLoad:
     dev_in: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     dev_out: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
-    def seconds(self, topology: Topology, hosts: _HostCache) -> tuple[float, str]:
+    def seconds(self, topology: Topology, hosts: HostCache) -> tuple[float, str]:
         """Duration of the phase and a description of its busiest link."""
         best, what = 0.0, "nothing moves"
         for direction, loads in (("send", self.send), ("receive", self.recv)):
@@ -71,9 +73,9 @@ def _chain(load: PhaseLoad, devices: list[str], nbytes: int) -> None:
         load.dev_in[b] += nbytes
 
 
-def phase_loads(transfers: Iterable, itemsize: int, hosts: _HostCache | None = None) -> list[PhaseLoad]:
+def phase_loads(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> list[PhaseLoad]:
     """Per phase, the bytes each NIC direction and each intra-host link carries."""
-    hosts = hosts if hosts is not None else _HostCache()
+    hosts = hosts if hosts is not None else HostCache()
     phases: dict[int, PhaseLoad] = {}
     for t in transfers:
         load = phases.get(t.phase)
@@ -111,7 +113,7 @@ def phase_loads(transfers: Iterable, itemsize: int, hosts: _HostCache | None = N
 
 
 def estimate_seconds(transfers: Iterable, itemsize: int, topology: Topology) -> float:
-    hosts = _HostCache()
+    hosts = HostCache()
     return sum(p.seconds(topology, hosts)[0] for p in phase_loads(transfers, itemsize, hosts))
 
 
@@ -123,7 +125,7 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology) -> f
     other host needs it; and all needed bytes together must leave their holders
     through the holders' NICs combined.
     """
-    hosts = _HostCache()
+    hosts = HostCache()
     need: dict[str, int] = defaultdict(int)
     sole: dict[str, int] = defaultdict(int)
     leaving = 0

@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from reshard import box as boxes
-from reshard.cost import PhaseLoad, _HostCache, lower_bound_seconds, phase_loads
+from reshard.cost import PhaseLoad, HostCache, lower_bound_seconds, phase_loads
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import PlanValidationError
 from reshard.mesh import host_of
@@ -117,7 +117,7 @@ class Plan:
     def estimate(self, topology: Optional[Topology] = None) -> float:
         """Seconds on the fluid model: per phase the busiest link, phases added."""
         topology = topology or self.topology
-        hosts = _HostCache()
+        hosts = HostCache()
         return sum(p.seconds(topology, hosts)[0] for p in phase_loads(self.transfers, self.itemsize, hosts))
 
     def lower_bound(self, topology: Optional[Topology] = None) -> float:
@@ -207,7 +207,7 @@ class Plan:
         src_tiles = self.src.tiles(shape)
         dst_tiles = self.dst.tiles(shape)
         full = tuple((0, s) for s in shape)
-        hosts = _HostCache()
+        hosts = HostCache()
         received: dict[str, list[tuple[int, Box]]] = defaultdict(list)
         for i, t in enumerate(self.transfers):
             where = _Where(i, t)
@@ -289,7 +289,7 @@ class Plan:
 
     def summary(self, max_transfers: int = 20) -> str:
         """A report a person can read: per-host load, estimate vs bound, the transfers."""
-        hosts = _HostCache()
+        hosts = HostCache()
         lines = [str(self), f"topology: {self.topology}"]
         for load in phase_loads(self.transfers, self.itemsize, hosts):
             secs, what = load.seconds(self.topology, hosts)

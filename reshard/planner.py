@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Callable, Optional
 
 from reshard import box as boxes
-from reshard.cost import _HostCache, estimate_seconds, lower_bound_seconds
+from reshard.cost import HostCache, estimate_seconds, lower_bound_seconds
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidShardingError
 from reshard.plan import Plan, Transfer
@@ -43,14 +43,14 @@ STRATEGIES = (*BASELINES, "auto")
 _MAX_STRIPES = 4
 
 
-def _group_by_host(devices: Sequence[str], hosts: _HostCache) -> dict[str, list[str]]:
+def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[str]]:
     out: dict[str, list[str]] = defaultdict(list)
     for d in devices:
         out[hosts[d]].append(d)
     return out
 
 
-def _deliver(box, sender: str, receivers: list[str], hosts: _HostCache, phase: int = 0) -> Transfer:
+def _deliver(box, sender: str, receivers: list[str], hosts: HostCache, phase: int = 0) -> Transfer:
     """A transfer of ``box`` to ``receivers``: local, point-to-point or a chain broadcast."""
     hs = hosts[sender]
     route = tuple(dict.fromkeys(h for h in (hosts[r] for r in receivers) if h != hs))
@@ -64,7 +64,7 @@ def _deliver(box, sender: str, receivers: list[str], hosts: _HostCache, phase: i
 # -- baselines ----------------------------------------------------------------------
 
 
-def _send_recv(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: int) -> list[Transfer]:
+def _send_recv(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
     out = []
     for t in tasks:
         s = t.senders[0]
@@ -73,7 +73,7 @@ def _send_recv(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, siz
     return out
 
 
-def _local_allgather(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: int) -> list[Transfer]:
+def _local_allgather(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
     load: dict[str, int] = defaultdict(int)
     out = []
     gathers = []
@@ -91,7 +91,7 @@ def _local_allgather(tasks: list[UnitTask], hosts: _HostCache, topology: Topolog
     return out + gathers
 
 
-def _broadcast(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: int) -> list[Transfer]:
+def _broadcast(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
     load: dict[str, float] = defaultdict(float)
     out = []
     for t in tasks:
@@ -151,7 +151,7 @@ def _chain_order(remote: list[str], loads: _Loads) -> list[str]:
     return sorted(remote, key=lambda h: (loads.send[h], h))
 
 
-def _auto(tasks: list[UnitTask], hosts: _HostCache, topology: Topology, size: int) -> list[Transfer]:
+def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
     loads = _Loads(topology)
     local_out: dict[str, int] = defaultdict(int)
     out: list[Transfer] = []
@@ -204,7 +204,6 @@ def _best_delivery(t: UnitTask, nbytes: int, holders, wanting, remote, loads: _L
         for h in route[:-1]:
             delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
 
-    receivers = [r for h in remote for r in wanting[h]]
     for hs in candidates[:_MAX_STRIPES]:
         route = _chain_order(remote, loads)
         delta: dict[str, float] = {}
@@ -291,7 +290,7 @@ def plan(
     topology = topology or Topology()
     size = itemsize(dtype)
     tasks = decompose(shape, src, dst)
-    hosts = _HostCache()
+    hosts = HostCache()
     transfers = _BUILDERS[strategy](tasks, hosts, topology, size)
     if strategy == "auto":
         transfers = _never_worse(transfers, tasks, hosts, topology, size)

@@ -13,7 +13,6 @@ import itertools
 from dataclasses import dataclass
 
 from reshard.box import Box
-from reshard.mesh import host_of
 from reshard.sharding import Sharding
 
 __all__ = ["UnitTask", "decompose", "tile_groups"]
@@ -91,7 +90,3 @@ def decompose(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> list[Unit
             append(UnitTask(box, n, senders, need))
     return tasks
 
-
-def hosts_of(devices) -> list[str]:
-    """Distinct hosts of ``devices``, in first-appearance order."""
-    return list(dict.fromkeys(host_of(d) for d in devices))

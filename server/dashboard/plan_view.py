@@ -16,7 +16,7 @@ from typing import Optional
 
 from reshard import Plan, Sharding
 from reshard.box import box_str
-from reshard.cost import _HostCache, phase_loads
+from reshard.cost import HostCache, phase_loads
 from reshard.mesh import host_of
 
 __all__ = ["PlanView", "plan_view"]
@@ -56,7 +56,7 @@ class PlanView:
 
 
 def plan_view(plan: Plan, measured_seconds: Optional[float] = None) -> PlanView:
-    hosts_of = _HostCache()
+    hosts_of = HostCache()
     matrix: dict[tuple[str, str], int] = defaultdict(int)
     chains = []
     size = plan.itemsize
