@@ -18,7 +18,7 @@ from typing import Optional
 import numpy as np
 
 from reshard import box as boxes
-from reshard.cost import PhaseLoad, HostCache, lower_bound_seconds, phase_loads
+from reshard.cost import HostCache, PhaseLoad, estimate_seconds, lower_bound_seconds, phase_loads
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import PlanValidationError
 from reshard.mesh import host_of
@@ -116,9 +116,7 @@ class Plan:
 
     def estimate(self, topology: Optional[Topology] = None) -> float:
         """Seconds on the fluid model: per phase the busiest link, phases added."""
-        topology = topology or self.topology
-        hosts = HostCache()
-        return sum(p.seconds(topology, hosts)[0] for p in phase_loads(self.transfers, self.itemsize, hosts))
+        return estimate_seconds(self.transfers, self.itemsize, topology or self.topology)
 
     def lower_bound(self, topology: Optional[Topology] = None) -> float:
         """Seconds no plan can beat on ``topology``."""

@@ -188,12 +188,6 @@ class Uploads:
             self.close(u.txn)
         return out
 
-    def touch(self, txn: str) -> None:
-        with self._lock:
-            up = self._by_txn.get(txn)
-            if up is not None:
-                up.last_activity = self._clock()
-
 
 def bumped(rec: TensorRecord, sharding: Sharding) -> TensorRecord:
     return replace(rec, sharding=sharding, version=rec.version + 1)

@@ -151,7 +151,6 @@ class GroupMember:
         self._lock = threading.Lock()
         self._target: tuple[int, int] | None = None  # (store port, generation)
         self._group: Group | None = None
-        self._port = 0
         self._broken = 0
 
     def update(self, view: "GroupView") -> None:
@@ -196,7 +195,6 @@ class GroupMember:
             if self._target != (view.store_port, gen):
                 return  # superseded while forming
             self._group = Group(gen, members, rank, self.backend, pg, store, self.device)
-            self._port = view.store_port
         log.info("host %s joined process group generation %d as rank %d of %d (%s)", self.host, gen, rank,
                  len(members), self.backend)
 
