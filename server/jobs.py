@@ -156,8 +156,9 @@ class JobRunner:
         with lock:
             job.state, job.started = "running", time.time()
             self.store.save_job(job.to_json())
+            superseded = None
             try:
-                self._reshard(job)
+                superseded = self._reshard(job)
                 job.state = "succeeded"
             except Exception as e:  # noqa: BLE001 - every failure is recorded on the job
                 job.state = "failed"
@@ -167,6 +168,15 @@ class JobRunner:
                 job.finished = time.time()
                 self.store.save_job(job.to_json())
                 job.done_event.set()
+            if superseded is not None:
+                # The new version is committed and the caller has it; freeing the old one is housekeeping,
+                # still under the tensor's lock so the next job on this tensor starts after it.
+                self._release(superseded)
+
+    def _release(self, rec: TensorRecord) -> None:
+        src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
+        self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version,
+                                                        self.rpc_timeout_s), sorted(src_agents))
 
     def _fan_out(self, fn, hosts, deadline: float) -> None:
         """Call ``fn(host)`` for every host at once; raise the first error, naming its host."""
@@ -180,7 +190,8 @@ class JobRunner:
             raise DeadlineExceededError(f"agents of hosts {late} did not finish within the job timeout "
                                         f"({self.job_timeout_s:g}s)")
 
-    def _reshard(self, job: Job) -> None:
+    def _reshard(self, job: Job) -> TensorRecord:
+        """Run the job up to its commit; returns the tensor's record as it was, whose version is now free."""
         rec: TensorRecord = self.catalog.get(job.tensor)
         deadline = time.monotonic() + self.job_timeout_s
         plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(), job.strategy)
@@ -218,6 +229,8 @@ class JobRunner:
                     base[h] = job.progress[h][0] = base[h] + send_bytes(plan, h, phase)
 
                 self._fan_out(run, senders, deadline)
+            # Each host's traffic is final once the phases ran: fetch it while the receivers commit.
+            stats = {self._calls_pool.submit(self.agents.stats, h, peers[h], job.id, timeout): h for h in hosts}
             self._fan_out(lambda h: self.agents.commit(h, peers[h], job.id, rec.name, job.version, [], timeout),
                           dst_hosts, deadline)
             self.catalog.swap(rec, bumped(rec, job.dst))
@@ -234,14 +247,12 @@ class JobRunner:
                 n = boxes.volume(t.box) * plan.itemsize
                 self._moved[via if via != "local" else job.transport] += n * _network(t)
                 self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
-        src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
-        self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version, timeout),
-                          sorted(src_agents))
-        for h in hosts:
+        for f, h in stats.items():
             try:
-                job.traffic[h] = self.agents.stats(h, peers[h], job.id, timeout)
+                job.traffic[h] = f.result(timeout=self.rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - statistics are informative only
                 log.info("no traffic statistics from %s for job %s: %s", h, job.id[:8], e)
+        return rec
 
     def _best_effort(self, fn, hosts) -> None:
         futures = {self._calls_pool.submit(fn, h): h for h in hosts}
