@@ -35,11 +35,11 @@ MiB = 2**20
 
 
 def _agent_defaults() -> tuple[int, int]:
-    """The agents' default chunk size and chunks in flight per stream: the raw chain pipelines the same way."""
+    """The agents' default collective chunk size and chunks in flight per stream: the raw chain pipelines the same way."""
     from reshard.server.config import AgentConfig
 
     d = AgentConfig(host="bench", num_devices=1, planner="")
-    return d.chunk_bytes, d.forward_queue_chunks
+    return d.collective_chunk, d.forward_queue_chunks
 
 
 CHUNK_BYTES, WINDOW = _agent_defaults()

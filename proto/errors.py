@@ -15,6 +15,7 @@ AlreadyExistsError   ALREADY_EXISTS         a tensor name that is taken
 FailedPrecondition.. FAILED_PRECONDITION    a host is down, a shard set is incomplete
 UnavailableError     UNAVAILABLE            an agent that cannot be reached
 DeadlineExceeded..   DEADLINE_EXCEEDED      a job or transfer that ran out of time
+DataLossError        DATA_LOSS              bytes that arrived unlike the sender's (size, XXH3-64)
 ==================== ====================== ========================================
 """
 
@@ -29,6 +30,7 @@ __all__ = [
     "FailedPreconditionError",
     "UnavailableError",
     "DeadlineExceededError",
+    "DataLossError",
     "status_name",
     "error_for_status",
 ]
@@ -58,12 +60,17 @@ class DeadlineExceededError(ReshardError, TimeoutError):
     """Work did not finish in the time allowed."""
 
 
+class DataLossError(ReshardError):
+    """Bytes arrived unlike what the sender sent: a short stream or a digest that does not match."""
+
+
 _CODES = (
     (NotFoundError, "NOT_FOUND"),
     (AlreadyExistsError, "ALREADY_EXISTS"),
     (FailedPreconditionError, "FAILED_PRECONDITION"),
     (UnavailableError, "UNAVAILABLE"),
     (DeadlineExceededError, "DEADLINE_EXCEEDED"),
+    (DataLossError, "DATA_LOSS"),
     (ValueError, "INVALID_ARGUMENT"),
 )
 

@@ -50,20 +50,31 @@ def chunk_boxes(box: Box, dtype, chunk_bytes: int) -> Iterator[Box]:
 
 
 class Checksum:
-    """Running byte count and XXH3-64 digest over a stream's bytes, however they were cut into pieces."""
+    """Running byte count and XXH3-64 digest over a stream's bytes, however they were cut into pieces.
+
+    ``digest=False`` counts bytes only: a chain hop that forwards every byte it
+    keeps leaves the digest to the chain's last hop (see ``verify_chain``).
+    """
 
     __slots__ = ("nbytes", "_hash")
 
-    def __init__(self):
+    def __init__(self, digest: bool = True):
         self.nbytes = 0
-        self._hash = xxhash.xxh3_64()
+        self._hash = xxhash.xxh3_64() if digest else None
 
     def update(self, data) -> None:
         """Add a C-contiguous bytes-like object (bytes, memoryview, numpy array) to the stream."""
         self.nbytes += memoryview(data).nbytes
-        self._hash.update(data)
+        if self._hash is not None:
+            self._hash.update(data)
+
+    @property
+    def digests(self) -> bool:
+        return self._hash is not None
 
     @property
     def xxh3_64(self) -> int:
         """The digest so far, as an unsigned 64-bit integer."""
+        if self._hash is None:
+            raise AssertionError("this Checksum counts bytes only")
         return self._hash.intdigest()

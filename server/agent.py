@@ -232,7 +232,7 @@ def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
     executor = Executor(config.host, store, link, chunk_bytes=config.chunk_bytes, workers=config.max_workers,
                         forward_queue_chunks=config.forward_queue_chunks,
                         transfer_timeout_s=config.transfer_timeout_s,
-                        rate_limit_bytes_per_s=config.rate_limit_bytes_per_s)
+                        rate_limit_bytes_per_s=config.rate_limit_bytes_per_s, fault=config.fault)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config))
     _add_agent_servicer(AgentServicer(config, store, executor), server)
@@ -257,7 +257,7 @@ def collective_transport(config: AgentConfig, executor: Executor):
     member = GroupMember(config.host, config.planner.rsplit(":", 1)[0], "" if bind in ("0.0.0.0", "::", "") else bind,
                          config.backend, config.device, config.group_join_timeout_s, config.collective_timeout_s)
     return CollectiveTransport(executor, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
-                               confirm_timeout_s=config.collective_timeout_s)
+                               chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:

@@ -37,7 +37,9 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--advertise", default=None, help="address peers dial (default: the bound address)")
     p.add_argument("--host", required=True, help="this host's name; devices are HOST/0 .. HOST/K-1")
     p.add_argument("--devices", type=int, required=True, help="number of devices K")
-    p.add_argument("--chunk-mib", type=float, default=d.chunk_bytes / 2**20, help="stream chunk size")
+    p.add_argument("--chunk-mib", type=float, default=d.chunk_bytes / 2**20, help="gRPC stream chunk size")
+    p.add_argument("--collective-chunk-mib", type=float, default=0.0,
+                   help="collective transport chunk size (0: about 3 ms at --nic-gbps, 2 to 16 MiB)")
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
@@ -48,6 +50,7 @@ def _add_agent_command(sub) -> None:
                    help="where collective chunks live: cpu (gloo) or cuda[:N] (NCCL; one agent per GPU)")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
                    help="seconds one collective send or recv, or the plan-id confirmation, may take")
+    p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
     p.set_defaults(func=_run_agent)
 
 
@@ -58,7 +61,8 @@ def _run_agent(args) -> int:
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
                          rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
-                         device=args.device, collective_timeout_s=args.collective_timeout)
+                         device=args.device, collective_timeout_s=args.collective_timeout,
+                         collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault)
     agent = Agent(config).start()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)

@@ -13,9 +13,13 @@ broadcast   receivers on the sender's host get local copies; the box is pushed o
 =========== ===========================================================================
 
 A receiver checks that every piece lies in the transfer's box, that the byte count
-and XXH3-64 digest match the sender's trailer, and, before its buffers may commit, that each
-destination device got exactly the elements it lacked. The executor knows no gRPC:
-pushes go through a `PeerLink` the service layer provides.
+and XXH3-64 digest match the sender's trailer (`verify_arrival`), and, before its
+buffers may commit, that each destination device got exactly the elements it
+lacked. A chain's digest is checked once, end to end, by its last hop: a hop that
+forwards hands on the very bytes it keeps, so the last hop's match covers every
+hop's copy, and a mismatch anywhere fails the job before any hop commits (the
+planner commits only once every agent's part succeeded). The executor knows no
+gRPC: pushes go through a `PeerLink` the service layer provides.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from reshard.box import Box
 from reshard.mesh import host_of
 from reshard.plan import Plan, Transfer
 from reshard.proto.errors import (
+    DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -45,7 +50,7 @@ from reshard.proto.errors import (
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
 from reshard.server.shards import Shard, ShardStore
 
-__all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved"]
+__all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved", "verify_arrival"]
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +88,31 @@ def send_bytes(plan: Plan, host: str, phase: int | None = None) -> int:
         else:
             total += n * len(t.receivers)
     return total
+
+
+def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, nbytes: int, digest: int,
+                   itemsize: int) -> None:
+    """Check one received stream of transfer ``index`` against the sender's trailer (``nbytes``, ``digest``).
+
+    ``check`` counts bytes only on a hop that forwards down a chain; the last hop's
+    digest then speaks for the whole route (see the module docstring).
+    """
+    expected = boxes.volume(t.box) * itemsize
+    sender = host_of(t.sender)
+    if not check.nbytes == nbytes == expected:
+        raise DataLossError(
+            f"job {job}: transfer {index} from {sender} arrived with {check.nbytes} bytes; the sender sent "
+            f"{nbytes} and the box holds {expected}"
+        )
+    if check.digests and check.xxh3_64 != digest:
+        if t.method == "broadcast" and hop:
+            where = f"somewhere on the chain {' -> '.join([sender, *t.route[:hop + 1]])}"
+        else:
+            where = f"between {sender} and {t.route[0] if t.method == 'broadcast' else host_of(t.receivers[hop])}"
+        raise DataLossError(
+            f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
+            f"{digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
+        )
 
 
 def _first_peer(t: Transfer) -> str:
@@ -215,8 +245,10 @@ class Executor:
     """Runs the plan parts of one agent; shared by every job on it."""
 
     def __init__(self, host: str, store: ShardStore, link: PeerLink, *, chunk_bytes: int,
-                 workers: int, forward_queue_chunks: int, transfer_timeout_s: float, rate_limit_bytes_per_s: float):
+                 workers: int, forward_queue_chunks: int, transfer_timeout_s: float, rate_limit_bytes_per_s: float,
+                 fault: str = ""):
         self.host = host
+        self.fault = fault  # AgentConfig.fault: tests only
         self.store = store
         self.link = link
         self.chunk_bytes = chunk_bytes
@@ -400,7 +432,7 @@ class Executor:
             forward = _Forwarder(self.link, nxt, state.peers.get(nxt, ""),
                                  PushHeader(header.job, plan.id, header.transfer, header.hop + 1, self.host),
                                  self.forward_queue_chunks, state.traffic)
-        check = Checksum()
+        check = Checksum(digest=forward is None)
         try:
             for item in items:
                 if item[0] == "piece":
@@ -410,6 +442,9 @@ class Executor:
                             f"job {header.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(t.box)}"
                         )
                     if forward is not None:
+                        if self.fault == "corrupt-relay" and check.nbytes == 0:
+                            data = _corrupted(data, header.hop)
+                            item = ("piece", sub, data, None)
                         forward.send(item)
                     shape = tile_shape(sub)
                     if len(data) != boxes.volume(sub) * state.dtype.itemsize:
@@ -426,13 +461,8 @@ class Executor:
                     _, nbytes, digest = item
                     if forward is not None:
                         forward.send(item)
-                    expected = boxes.volume(t.box) * state.dtype.itemsize
-                    if not (check.nbytes == nbytes == expected) or check.xxh3_64 != digest:
-                        raise InvalidArgumentError(
-                            f"job {header.job}: transfer {header.transfer} from {header.from_host} arrived with "
-                            f"{check.nbytes} bytes, XXH3-64 {check.xxh3_64:016x}; the sender sent {nbytes} bytes, "
-                            f"XXH3-64 {digest:016x}; the box holds {expected} bytes"
-                        )
+                    verify_arrival(header.job, header.transfer, t, header.hop, check, nbytes, digest,
+                                   state.dtype.itemsize)
                     confirmed = [self.host]
                     if forward is not None:
                         confirmed += forward.result(self.transfer_timeout_s)
@@ -445,6 +475,19 @@ class Executor:
             if forward is not None:
                 forward.cancel()
             raise
+
+
+def corrupt_bit(hop: int) -> int:
+    """The bit of its first byte that chain hop ``hop`` flips under AgentConfig.fault "corrupt-relay"
+    (one per hop, so two relaying hops never undo each other)."""
+    return 1 << (hop % 8)
+
+
+def _corrupted(data, hop: int) -> memoryview:
+    out = bytearray(data)
+    if out:
+        out[0] ^= corrupt_bit(hop)
+    return memoryview(out)
 
 
 _STOP = object()

@@ -23,7 +23,8 @@ UPLOAD_TIMEOUT_S = 2.0
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def slow_cluster(request):
-    with LocalCluster(4, 2, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25"],
+    with LocalCluster(4, 2, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25",
+                                        "--collective-chunk-mib", "0.25"],
                       planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S)],
                       transport=request.param) as cluster:
         with Client(cluster.address) as c:
@@ -97,3 +98,31 @@ def test_client_dying_mid_upload_leaves_no_tensor(slow_cluster):
     c.put("halfway", b, SRC)
     assert np.array_equal(c.get("halfway"), b)
     c.delete("halfway")
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_relay_that_corrupts_a_chunk_fails_the_job_at_the_chain_end(tmp_path, transport):
+    """Forwarding hops count bytes but leave the digest to the last hop: a bit flipped on a middle hop
+    (in what it keeps and what it forwards) must still fail the job before any host commits."""
+    hosts = ["host0", "host1", "host2", "host3"]
+    src = Sharding(Mesh.from_hosts({"x": 1}, hosts[:1], 1), (None,))
+    dst = Sharding(Mesh.from_hosts({"x": 3}, hosts[1:], 1), (None,))
+    a = np.random.default_rng(5).integers(0, 2**31, (1024, 1024), dtype=np.int32)
+    with LocalCluster(4, 1, log_dir=str(tmp_path), transport=transport,
+                      agent_args=["--fault", "corrupt-relay", "--chunk-mib", "1", "--collective-chunk-mib", "1"]
+                      ) as cluster, Client(cluster.address) as c:
+        c.put("relayed", a, src)
+        plan = c.plan("relayed", dst, "broadcast")
+        (t,) = plan.transfers
+        assert t.method == "broadcast" and len(t.route) == 3, plan  # two hops forward, the third keeps
+        chain = " -> ".join(["host0", *t.route])
+        with pytest.raises(JobFailedError, match=rf"XXH3-64 .* the bytes changed somewhere on the chain "
+                                                 rf"{chain}, so the job fails and no host commits them"):
+            c.reshard("relayed", dst, "broadcast").result(timeout=60)
+        info = c.info("relayed")
+        assert info.version == 1 and info.sharding == src
+        assert np.array_equal(c.get("relayed"), a)
+        # a delivery with no relaying hop is untouched by the fault and succeeds on the same agents
+        one = Sharding(Mesh.from_hosts({"x": 1}, hosts[2:3], 1), (None,))
+        c.reshard("relayed", one).result(timeout=60)
+        assert np.array_equal(c.get("relayed"), a)
