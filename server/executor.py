@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,7 +47,7 @@ from reshard.proto.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
+from reshard.proto.layout import Checksum, chunk_boxes, digest, np_dtype, tile_shape
 from reshard.server.shards import Shard, ShardStore
 
 __all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved", "verify_arrival"]
@@ -113,6 +113,12 @@ def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum,
             f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
             f"{digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
         )
+
+
+def _leaves_host(t: Transfer) -> bool:
+    """Whether a transfer streams its box to another host."""
+    src = host_of(t.sender)
+    return bool(t.route) if t.method == "broadcast" else any(host_of(r) != src for r in t.receivers)
 
 
 def _first_peer(t: Transfer) -> str:
@@ -196,6 +202,7 @@ class _AgentJob:
         self.dtype = np_dtype(plan.dtype)
         self.traffic = Traffic()
         self.failed: BaseException | None = None
+        self.digests: dict[int, Future] = {}  # transfer index -> XXH3-64 of its box, from a held source shard
         self._lock = threading.Lock()
         src_tiles = plan.src.tiles(plan.shape)
         self.dst_tiles = {d: b for d, b in plan.dst.tiles(plan.shape).items() if host_of(d) == host}
@@ -256,6 +263,7 @@ class Executor:
         self.transfer_timeout_s = transfer_timeout_s
         self._throttle = _Throttle(rate_limit_bytes_per_s)
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"send-{host}")
+        self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
         self._lock = threading.Lock()
         self._jobs: dict[str, _AgentJob] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
@@ -277,7 +285,34 @@ class Executor:
         state.transport, state.generation, state.job_seq, state.group = transport or "grpc", generation, job_seq, group
         with self._lock:
             self._jobs[job] = state
+        self._digest_sources(state)
         return state
+
+    def _digest_sources(self, state: _AgentJob) -> None:
+        """Start digesting, on a background thread, every box this host will send from a shard it already holds.
+
+        A sender's trailer needs the XXH3-64 of its box; computed from prepare on (xxhash
+        releases the GIL), it is ready by the time the last chunk leaves, instead of adding a
+        pass over the bytes to the send loop while the transfer is in flight.
+        """
+        for phase in sorted({t.phase for t in state.plan.transfers}):
+            for i, t in interleaved([(i, t) for i, t in enumerate(state.plan.transfers) if t.phase == phase]):
+                if host_of(t.sender) != self.host or not _leaves_host(t):
+                    continue
+                shard = self.store.find(state.tensor, state.src_version, t.sender)
+                if shard is not None and boxes.contains(shard.tile, t.box):
+                    state.digests[i] = self._digest_pool.submit(self._digest, state, t, shard.array, shard.tile)
+
+    def _digest(self, state: _AgentJob, t: Transfer, array: np.ndarray, origin: Box) -> int:
+        view = array[boxes.to_slices(t.box, origin)]
+        if view.flags.c_contiguous:
+            return digest(view.reshape(-1).view(np.uint8))
+        check = Checksum()
+        for sub in chunk_boxes(t.box, state.plan.dtype, self.chunk_bytes):
+            if state.failed is not None:
+                raise state.failed
+            check.update(np.ascontiguousarray(array[boxes.to_slices(sub, origin)]).reshape(-1).view(np.uint8))
+        return check.xxh3_64
 
     def _job(self, job: str) -> _AgentJob:
         with self._lock:
@@ -388,10 +423,12 @@ class Executor:
         if address is None:
             raise FailedPreconditionError(f"job {state.id}: no address for host {host}; is its agent registered?")
         header = PushHeader(state.id, state.plan.id, index, hop, self.host)
-        return self.link.push(host, address, header, self._items(state, t.box, array, origin, host))
+        return self.link.push(host, address, header, self._items(state, index, t.box, array, origin, host))
 
-    def _items(self, state: _AgentJob, box: Box, array: np.ndarray, origin: Box, peer: str) -> Iterator[Item]:
-        check = Checksum()
+    def _items(self, state: _AgentJob, index: int, box: Box, array: np.ndarray, origin: Box,
+               peer: str) -> Iterator[Item]:
+        known = state.digests.get(index)
+        check = Checksum(digest=known is None)
         for sub in chunk_boxes(box, state.plan.dtype, self.chunk_bytes):
             if state.failed is not None:
                 return  # the stream ends without a trailer: the receiver discards it
@@ -401,7 +438,7 @@ class Executor:
             check.update(data)
             yield ("piece", sub, data, None)
             state.traffic.add_out(peer, len(data), origin=True)
-        yield ("trailer", check.nbytes, check.xxh3_64)
+        yield ("trailer", check.nbytes, known.result() if known is not None else check.xxh3_64)
 
     # -- receiving ---------------------------------------------------------------------
 
