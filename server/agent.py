@@ -149,13 +149,25 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Prepare(self, request, context):
-        self.executor.prepare(request.job, request.plan_json, request.tensor, request.src_version,
-                              request.dst_version, dict(request.peers), request.transport, request.generation,
-                              request.job_seq)
+        self._prepare(request)
         return pb.Empty()
+
+    def _prepare(self, r: pb.PrepareRequest) -> None:
+        self.executor.prepare(r.job, r.plan_json, r.tensor, r.src_version, r.dst_version, dict(r.peers), r.transport,
+                              r.generation, r.job_seq)
+
+    def _traffic(self, job: str) -> pb.HostTraffic:
+        t = self.executor.traffic(job)
+        return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
+                              local_bytes=t.local_bytes)
 
     @servicer_method
     def Execute(self, request, context):
+        if request.HasField("prepare"):
+            if request.prepare.job != request.job:
+                raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
+                                           f"{request.prepare.job}")
+            self._prepare(request.prepare)
         wait_all, progress, done = self.executor.execute(request.job, request.plan_id, request.phase)
         result: dict[str, BaseException | None] = {"error": None}
         finished = threading.Event()
@@ -178,7 +190,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         if result["error"] is not None:
             raise result["error"]
         sent, total = progress()
-        yield pb.Progress(bytes_done=sent, bytes_total=total, done=True)
+        yield pb.Progress(bytes_done=sent, bytes_total=total, done=True, traffic=self._traffic(request.job))
 
     @servicer_method
     def Commit(self, request, context):
@@ -200,9 +212,7 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def JobStats(self, request, context):
-        t = self.executor.traffic(request.job)
-        return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
-                              local_bytes=t.local_bytes)
+        return self._traffic(request.job)
 
 
 class _PushDecoding:

@@ -435,19 +435,21 @@ class CollectiveTransport:
         if t.method == "p2p":
             for hop, r in enumerate(t.receivers):
                 if host_of(r) != me:
-                    self._send(state, group, t, host_of(r), offsets[task.index] + hop, array, origin)
+                    self._send(state, group, task.index, host_of(r), offsets[task.index] + hop, array, origin)
         elif t.method == "broadcast" and t.route:
-            self._send(state, group, t, t.route[0], offsets[task.index], array, origin)
+            self._send(state, group, task.index, t.route[0], offsets[task.index], array, origin)
 
     def _chunk_tensor(self, data: np.ndarray, group: Group):
         flat = data.reshape(-1).view(np.uint8)
         tensor = self.torch.from_numpy(flat)
         return tensor if group.device.type == "cpu" else tensor.to(group.device, non_blocking=False)
 
-    def _send(self, state: "_AgentJob", group: Group, t: Transfer, peer: str, stream: int, array: np.ndarray,
+    def _send(self, state: "_AgentJob", group: Group, index: int, peer: str, stream: int, array: np.ndarray,
               origin) -> None:
+        t = state.plan.transfers[index]
         dst, tag = group.rank_of(peer), self._tag(state, stream)
-        check = Checksum()
+        known = state.digests.get(index)  # started at prepare (Executor._digest_sources)
+        check = Checksum(digest=known is None)
         pending: deque = deque()
         for sub in chunk_boxes(t.box, state.plan.dtype, self.chunk_bytes):
             if state.failed is not None:
@@ -463,7 +465,8 @@ class CollectiveTransport:
             state.traffic.add_out(peer, data.nbytes, origin=True)
             if len(pending) >= self.window:
                 self._wait(state, group, pending.popleft(), "send", peer)
-        trailer = self._chunk_tensor(np.array([check.nbytes, check.xxh3_64], dtype=np.uint64), group)
+        xxh3 = known.result() if known is not None else check.xxh3_64
+        trailer = self._chunk_tensor(np.array([check.nbytes, xxh3], dtype=np.uint64), group)
         pending.append(group.pg.send([trailer], dst, tag))
         while pending:
             self._wait(state, group, pending.popleft(), "send", peer)

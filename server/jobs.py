@@ -32,20 +32,36 @@ from reshard.server.registry import Registry
 from reshard.server.state import StateStore
 from reshard.sharding import Sharding
 
-__all__ = ["Job", "JobRunner", "AgentCalls", "STATES"]
+__all__ = ["Job", "JobRunner", "AgentCalls", "Preparation", "STATES"]
 
 log = logging.getLogger(__name__)
 
 STATES = ("queued", "running", "succeeded", "failed")
 
 
+@dataclass(frozen=True)
+class Preparation:
+    """What an agent needs to take part in a job: the plan, the tensor's versions, its peers and transport."""
+
+    job: str
+    plan_json: str
+    tensor: str
+    src_version: int
+    dst_version: int
+    peers: dict[str, str]  # host -> agent address
+    transport: str = "grpc"
+    generation: int = 0  # collective: the process group generation
+    job_seq: int = 0  # collective: the job's number, for message tags
+
+
 class AgentCalls(Protocol):
-    def prepare(self, host: str, address: str, job: str, plan_json: str, tensor: str, src_version: int,
-                dst_version: int, peers: dict[str, str], timeout: float, transport: str = "grpc",
-                generation: int = 0, job_seq: int = 0) -> None: ...
+    def prepare(self, host: str, address: str, prep: Preparation, timeout: float) -> None: ...
 
     def execute(self, host: str, address: str, job: str, plan_id: str, phase: int,
-                on_progress: Callable[[int, int], None], timeout: float) -> None: ...
+                on_progress: Callable[[int, int], None], timeout: float,
+                prepare: Preparation | None = None) -> dict | None:
+        """Run the host's part of ``phase`` (preparing first when ``prepare`` is given); returns the host's
+        traffic for the job so far when the agent reports it (as `stats` does), else None."""
 
     def commit(self, host: str, address: str, txn: str, tensor: str, version: int, devices: list[str],
                timeout: float) -> None: ...
@@ -210,27 +226,33 @@ class JobRunner:
                                       else ("grpc", 0, 0))
         job.transport = transport
         job.transports = [transport if _network(t) else "local" for t in plan.transfers]
+        prep = Preparation(job.id, plan.dumps(), rec.name, rec.version, job.version, peers, transport, generation, seq)
+        phases = sorted({t.phase for t in plan.transfers})
+        traffic: dict[str, dict] = {}
         try:
-            self._fan_out(lambda h: self.agents.prepare(h, peers[h], job.id, plan.dumps(), rec.name, rec.version,
-                                                        job.version, peers, timeout, transport, generation, seq),
-                          hosts, deadline)
+            runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
+            # On the collective transport the first phase's hosts prepare inside their Execute call: the
+            # plan-id confirmation before any send or recv waits for every peer anyway.
+            early = set(runs[phases[0]]) if transport == "collective" and phases else set()
+            self._fan_out(lambda h: self.agents.prepare(h, peers[h], prep, timeout),
+                          [h for h in hosts if h not in early], deadline)
             base = {h: 0 for h in hosts}
-            for phase in sorted({t.phase for t in plan.transfers}):
-                senders = sorted({host_of(t.sender) for t in plan.transfers if t.phase == phase})
-                if transport == "collective":  # receivers post their recvs: every host of the phase runs
-                    senders = sorted(set(senders) | {h for t in plan.transfers if t.phase == phase
-                                                     for h in (*map(host_of, t.receivers), *t.route)})
-
+            for phase in phases:
                 def run(h, phase=phase):
                     def on_progress(done: int, total: int) -> None:
                         job.progress[h][0] = base[h] + done
-                    self.agents.execute(h, peers[h], job.id, plan.id, phase, on_progress,
-                                        max(0.1, deadline - time.monotonic()))
+                    reported = self.agents.execute(h, peers[h], job.id, plan.id, phase, on_progress,
+                                                   max(0.1, deadline - time.monotonic()),
+                                                   prep if h in early and phase == phases[0] else None)
                     base[h] = job.progress[h][0] = base[h] + send_bytes(plan, h, phase)
+                    if transport == "collective" and reported is not None:
+                        traffic[h] = reported  # all of a host's collective traffic happens inside its Executes
 
-                self._fan_out(run, senders, deadline)
-            # Each host's traffic is final once the phases ran: fetch it while the receivers commit.
-            stats = {self._calls_pool.submit(self.agents.stats, h, peers[h], job.id, timeout): h for h in hosts}
+                self._fan_out(run, runs[phase], deadline)
+            # Each host's traffic is final once the phases ran: what Execute did not report is fetched
+            # while the receivers commit.
+            stats = {self._calls_pool.submit(self.agents.stats, h, peers[h], job.id, timeout): h
+                     for h in hosts if h not in traffic}
             self._fan_out(lambda h: self.agents.commit(h, peers[h], job.id, rec.name, job.version, [], timeout),
                           dst_hosts, deadline)
             self.catalog.swap(rec, bumped(rec, job.dst))
@@ -247,6 +269,7 @@ class JobRunner:
                 n = boxes.volume(t.box) * plan.itemsize
                 self._moved[via if via != "local" else job.transport] += n * _network(t)
                 self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
+        job.traffic.update(traffic)
         for f, h in stats.items():
             try:
                 job.traffic[h] = f.result(timeout=self.rpc_timeout_s)
@@ -261,6 +284,16 @@ class JobRunner:
                 f.result(timeout=self.rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
                 log.info("cleanup call to host %s failed: %s", h, e)
+
+
+def _phase_hosts(plan: Plan, phase: int, transport: str) -> list[str]:
+    """The hosts whose agents run ``phase``: its senders; on the collective transport also every host that
+    receives or relays (they post the recvs)."""
+    ts = [t for t in plan.transfers if t.phase == phase]
+    hosts = {host_of(t.sender) for t in ts}
+    if transport == "collective":
+        hosts |= {h for t in ts for h in (*map(host_of, t.receivers), *t.route)}
+    return sorted(hosts)
 
 
 def _network(t: Transfer) -> int:

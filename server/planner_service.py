@@ -15,10 +15,20 @@ from reshard.proto.wire import box_to_pb
 from reshard.server.collective import Rendezvous, torch_available
 from reshard.server.config import PlannerConfig
 from reshard.server.group import GroupView
-from reshard.server.jobs import Job
+from reshard.server.jobs import Job, Preparation
 from reshard.server.planner import Planner
 
 __all__ = ["serve_planner", "GrpcAgentCalls"]
+
+
+def _prepare_request(p: Preparation) -> pb.PrepareRequest:
+    return pb.PrepareRequest(job=p.job, plan_json=p.plan_json, tensor=p.tensor, src_version=p.src_version,
+                             dst_version=p.dst_version, peers=p.peers, transport=p.transport,
+                             generation=p.generation, job_seq=p.job_seq)
+
+
+def _traffic(t: pb.HostTraffic) -> dict:
+    return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
 
 
 class GrpcAgentCalls:
@@ -41,19 +51,21 @@ class GrpcAgentCalls:
         except grpc.RpcError as e:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
-    def prepare(self, host, address, job, plan_json, tensor, src_version, dst_version, peers, timeout,
-                transport="grpc", generation=0, job_seq=0):
-        self._call(host, address, "Prepare", pb.PrepareRequest(
-            job=job, plan_json=plan_json, tensor=tensor, src_version=src_version, dst_version=dst_version,
-            peers=peers, transport=transport, generation=generation, job_seq=job_seq), timeout)
+    def prepare(self, host, address, prep, timeout):
+        self._call(host, address, "Prepare", _prepare_request(prep), timeout)
 
-    def execute(self, host, address, job, plan_id, phase, on_progress, timeout):
+    def execute(self, host, address, job, plan_id, phase, on_progress, timeout, prepare=None):
+        request = pb.ExecuteRequest(job=job, plan_id=plan_id, phase=phase,
+                                    prepare=_prepare_request(prepare) if prepare is not None else None)
+        traffic = None
         try:
-            for msg in self._stub(address).Execute(pb.ExecuteRequest(job=job, plan_id=plan_id, phase=phase),
-                                                   timeout=timeout):
+            for msg in self._stub(address).Execute(request, timeout=timeout):
                 on_progress(msg.bytes_done, msg.bytes_total)
+                if msg.HasField("traffic"):
+                    traffic = _traffic(msg.traffic)
         except grpc.RpcError as e:
             raise domain_error(e, f"agent of host {host} at {address}") from None
+        return traffic
 
     def commit(self, host, address, txn, tensor, version, devices, timeout):
         self._call(host, address, "Commit",
@@ -66,8 +78,7 @@ class GrpcAgentCalls:
         self._call(host, address, "Release", pb.ReleaseRequest(tensor=tensor, version=version), timeout)
 
     def stats(self, host, address, job, timeout):
-        t = self._call(host, address, "JobStats", pb.JobStatsRequest(job=job), timeout)
-        return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
+        return _traffic(self._call(host, address, "JobStats", pb.JobStatsRequest(job=job), timeout))
 
     def close(self) -> None:
         with self._lock:

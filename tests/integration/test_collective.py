@@ -21,6 +21,7 @@ from reshard.client import Client, FailedPreconditionError, JobFailedError
 from reshard.client.cluster import start_process
 from reshard.planner import plan as make_plan
 from reshard.server.config import PlannerConfig
+from reshard.server.jobs import Preparation
 from reshard.server.planner_service import serve_planner
 
 COLLECTIVE_TIMEOUT_S = 5.0
@@ -95,8 +96,8 @@ def _prepare_both(planner, c, job, plans, generation, seq):
     rec = planner.catalog.get("shared")
     peers = {h: planner.registry.get(h).address for h in HOSTS}
     for h, plan in zip(HOSTS, plans):
-        planner.agents.prepare(h, peers[h], job, plan.dumps(), "shared", rec.version, rec.version + 1, peers, 10,
-                               "collective", generation, seq)
+        planner.agents.prepare(h, peers[h], Preparation(job, plan.dumps(), "shared", rec.version, rec.version + 1,
+                                                        peers, "collective", generation, seq), 10)
     return peers
 
 
@@ -163,10 +164,16 @@ def test_stale_generation_fails_cleanly(shared):
         assert isinstance(err, FailedPreconditionError), (h, err)
         assert f"runs on process group generation {generation}" in str(err) or "cannot run phase 0" in str(err)
         assert seconds < COLLECTIVE_TIMEOUT_S
-    # a job prepared on the old generation is refused outright
-    with pytest.raises(FailedPreconditionError, match=rf"generation {generation}, but agent c0 has generation {newer}"):
-        planner.agents.prepare("c0", peers["c0"], "late", plan.dumps(), "shared", rec.version, rec.version + 1,
-                               peers, 10, "collective", generation, 902)
+    # a job prepared on the old generation is refused outright, alone or inside its first Execute
+    late = Preparation("late", plan.dumps(), "shared", rec.version, rec.version + 1, peers, "collective", generation,
+                       902)
+    stale = rf"generation {generation}, but agent c0 has generation {newer}"
+    with pytest.raises(FailedPreconditionError, match=stale):
+        planner.agents.prepare("c0", peers["c0"], late, 10)
+    t0 = time.monotonic()
+    with pytest.raises(FailedPreconditionError, match=stale):
+        planner.agents.execute("c0", peers["c0"], "late", plan.id, 0, lambda *_: None, 60, late)
+    assert time.monotonic() - t0 < COLLECTIVE_TIMEOUT_S
     assert c.reshard("shared", DST).result(timeout=60).transport == "collective"
     assert np.array_equal(c.get("shared"), A)
 
