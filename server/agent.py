@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent import futures
+from contextlib import ExitStack
 
 import grpc
 
@@ -109,8 +110,13 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def PutShard(self, request_iterator, context):
-        header, shard = read_shard_stream(request_iterator, lambda h: self._check_device(h.device))
-        self.store.stage(header.txn, header.device, Shard(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+        with ExitStack() as receiving:
+            def check(h: pb.ShardHeader) -> None:
+                self._check_device(h.device)
+                receiving.enter_context(self.store.receiving(h.txn))  # heartbeats keep the upload alive
+
+            header, shard = read_shard_stream(request_iterator, check)
+            self.store.stage(header.txn, header.device, Shard(shard, box_from_pb(header.box), dtype_name(header.dtype)))
         return pb.PutShardReply(nbytes=shard.nbytes)
 
     @servicer_method
@@ -336,7 +342,8 @@ class Agent:
                                   else (0, 0))
                 reply = self._planner.Heartbeat(pb.HeartbeatRequest(
                     host=self.config.host, address=self.address, joined_generation=joined,
-                    broken_generation=broken), timeout=max(self._interval, 1.0))
+                    broken_generation=broken, uploading=self.executor.store.receiving_txns()),
+                    timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()
                 else:

@@ -174,6 +174,16 @@ class Uploads:
             up.last_activity = self._clock()
             return up, len(up.done) == len(up.devices)
 
+    def touch(self, txns) -> None:
+        """Count uploads whose bytes are still streaming into an agent as active (unknown ones are ignored:
+        they finished or expired)."""
+        with self._lock:
+            now = self._clock()
+            for txn in txns:
+                up = self._by_txn.get(txn)
+                if up is not None:
+                    up.last_activity = now
+
     def close(self, txn: str) -> None:
         with self._lock:
             up = self._by_txn.pop(txn, None)

@@ -78,10 +78,13 @@ class Planner:
                  transport or "grpc")
         return rec
 
-    def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0) -> bool:
+    def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
+                  uploading: list[str] = ()) -> bool:
+        """Record an agent's heartbeat; ``uploading`` names uploads streaming into it, which are not idle."""
         known = self.registry.heartbeat(host, address)
         if known:
             self.group.heartbeat(host, joined_generation, broken_generation)
+            self.uploads.touch(uploading)
         return known
 
     def bytes_moved(self) -> dict[str, int]:

@@ -120,7 +120,7 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     @servicer_method
     def Heartbeat(self, request, context):
         known = self.planner.heartbeat(request.host, request.address, request.joined_generation,
-                                       request.broken_generation)
+                                       request.broken_generation, list(request.uploading))
         return pb.HeartbeatReply(known=known, group=group_info(self.planner.group.view()))
 
     @servicer_method

@@ -2,12 +2,16 @@
 
 Staged shards (an upload in progress, or a reshard's destination buffers) are
 invisible to readers until their transaction commits; an aborted transaction
-leaves nothing behind.
+leaves nothing behind. Uploads whose bytes are streaming in right now are
+listed too (`receiving`), so heartbeats can keep them from expiring.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +36,24 @@ class ShardStore:
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], Shard] = {}
         self._staged: dict[str, dict[str, Shard]] = {}
+        self._receiving: Counter[str] = Counter()  # txn -> shard streams in progress
+
+    @contextmanager
+    def receiving(self, txn: str) -> Iterator[None]:
+        """Count a shard of upload ``txn`` as streaming in while the block runs."""
+        with self._lock:
+            self._receiving[txn] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._receiving[txn] -= 1
+                if not self._receiving[txn]:
+                    del self._receiving[txn]
+
+    def receiving_txns(self) -> list[str]:
+        with self._lock:
+            return sorted(self._receiving)
 
     def stage(self, txn: str, device: str, shard: Shard) -> None:
         with self._lock:

@@ -126,3 +126,27 @@ def test_a_relay_that_corrupts_a_chunk_fails_the_job_at_the_chain_end(tmp_path, 
         one = Sharding(Mesh.from_hosts({"x": 1}, hosts[2:3], 1), (None,))
         c.reshard("relayed", one).result(timeout=60)
         assert np.array_equal(c.get("relayed"), a)
+
+
+def test_an_upload_slower_than_the_idle_timeout_is_kept_alive_while_bytes_flow(slow_cluster, monkeypatch):
+    """The planner only sees an upload begin and finish; agents report the shard streams they are receiving
+    with every heartbeat, so one long shard does not expire mid-stream."""
+    import reshard.client.client as sdk
+
+    real = sdk.shard_stream
+
+    def slow(array, header, chunk_bytes):
+        for msg in real(array, header, chunk_bytes):
+            time.sleep(0.25)  # 12 chunks: 3 s of streaming against a 2 s idle timeout
+            yield msg
+
+    monkeypatch.setattr(sdk, "shard_stream", slow)
+    c = slow_cluster
+    one = Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None,))
+    b = np.arange(10 * 1024, dtype=np.float32).reshape(10, 1024)  # 10 chunks of 4 KiB, header and trailer
+    t0 = time.monotonic()
+    with Client(c.address, chunk_bytes=4096) as slow_client:
+        slow_client.put("long_upload", b, one)
+    assert time.monotonic() - t0 > UPLOAD_TIMEOUT_S + 0.5
+    assert np.array_equal(c.get("long_upload"), b)
+    c.delete("long_upload")
