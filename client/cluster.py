@@ -3,13 +3,15 @@
 Every process binds port 0 and prints the address it got on its first stdout
 line; logs go to files under the cluster's log directory. Stopping sends
 SIGTERM, then SIGKILL to whatever lingers; children also get SIGTERM if this
-process dies first (Linux parent-death signal), so nothing is orphaned.
+process dies first (Linux parent-death signal, which each child requests for
+itself: `die_with_parent`), so nothing is orphaned.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import re
 import secrets
 import select
@@ -27,18 +29,35 @@ from reshard.proto.errors import DeadlineExceededError, UnavailableError
 if TYPE_CHECKING:
     from reshard.client.client import Client
 
-__all__ = ["LocalCluster", "local_cluster", "start_process"]
+__all__ = ["LocalCluster", "local_cluster", "start_process", "die_with_parent"]
 
 _READY = re.compile(r"listening on (\S+)")
 _DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the parent exits (PR_SET_PDEATHSIG)."""
+_PARENT_ENV = "RESHARD_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a process `start_process` launched: get SIGTERM when that parent exits (Linux PR_SET_PDEATHSIG).
+
+    The child sets this itself, first thing, instead of the parent passing a
+    ``preexec_fn``: a ``preexec_fn`` makes ``subprocess`` fork the whole parent,
+    and in a parent that runs gRPC the forked child can abort before it execs
+    (gRPC's fork handler restarts its poller thread, which then finds its epoll
+    fd closed by ``close_fds``: "Epoll1Poller encountered epoll_wait error: Bad
+    file descriptor", SIGABRT). Without one, ``subprocess`` uses vfork and runs
+    no fork handlers.
+    """
+    parent = os.environ.pop(_PARENT_ENV, "")
+    if not parent or not sys.platform.startswith("linux"):
+        return
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def start_process(args: Sequence[str], log_path: Path, timeout: float,
@@ -48,8 +67,8 @@ def start_process(args: Sequence[str], log_path: Path, timeout: float,
     The ready line itself is appended to ``ready_lines`` when given.
     """
     log = open(log_path, "ab")
-    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL,
-                            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    env = {**os.environ, _PARENT_ENV: str(os.getpid())}  # the child calls die_with_parent()
+    proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env)
     log.close()
     deadline = time.monotonic() + timeout
     line = b""

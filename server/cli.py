@@ -9,6 +9,7 @@ import sys
 import threading
 
 from reshard.cli import add_plan_command
+from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
 from reshard.server.lab import add_lab_command
 
@@ -182,6 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    die_with_parent()  # when a LocalCluster (reshard up, tests) started this process
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
