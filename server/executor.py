@@ -90,28 +90,28 @@ def send_bytes(plan: Plan, host: str, phase: int | None = None) -> int:
     return total
 
 
-def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, nbytes: int, digest: int,
-                   itemsize: int) -> None:
-    """Check one received stream of transfer ``index`` against the sender's trailer (``nbytes``, ``digest``).
+def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, sent_nbytes: int,
+                   sent_digest: int, itemsize: int) -> None:
+    """Check one received stream of transfer ``index`` against its sender's trailer: byte count and XXH3-64.
 
     ``check`` counts bytes only on a hop that forwards down a chain; the last hop's
     digest then speaks for the whole route (see the module docstring).
     """
     expected = boxes.volume(t.box) * itemsize
     sender = host_of(t.sender)
-    if not check.nbytes == nbytes == expected:
+    if not check.nbytes == sent_nbytes == expected:
         raise DataLossError(
             f"job {job}: transfer {index} from {sender} arrived with {check.nbytes} bytes; the sender sent "
-            f"{nbytes} and the box holds {expected}"
+            f"{sent_nbytes} and the box holds {expected}"
         )
-    if check.digests and check.xxh3_64 != digest:
+    if check.digests and check.xxh3_64 != sent_digest:
         if t.method == "broadcast" and hop:
             where = f"somewhere on the chain {' -> '.join([sender, *t.route[:hop + 1]])}"
         else:
             where = f"between {sender} and {t.route[0] if t.method == 'broadcast' else host_of(t.receivers[hop])}"
         raise DataLossError(
             f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
-            f"{digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
+            f"{sent_digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
         )
 
 
