@@ -3,7 +3,7 @@
 On loopback with ``--hosts`` processes (4), one run measures side by side:
 
 (a) raw gloo: ``broadcast`` of the bytes from rank 0, and a chain of sends
-    0 -> 1 -> ... -> N-1 in the agent's chunk size, each rank forwarding chunk k
+    0 -> 1 -> ... -> N-1 in the agents' collective chunk size, each rank forwarding chunk k
     while it receives chunk k+1 (the same pipeline the agents run);
 (b) a reshard of a replicated tensor from host0 to the other hosts through real
     agents on the collective transport (the plan is a chain broadcast);
@@ -15,7 +15,7 @@ after ``--warmup`` untimed round trips, as the raw buffers are written first); t
 times are the job's own (prepare, move, verify, commit). It writes its section of
 BENCHMARKS.md through ``bench/_report.py``.
 
-    python bench/transport.py              # 256 MiB, 4 hosts, 3 repeats
+    python bench/transport.py              # 256 MiB, 4 hosts, 5 repeats
     python bench/transport.py --mib 64     # quicker
 """
 
@@ -34,15 +34,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 MiB = 2**20
 
 
-def _agent_defaults() -> tuple[int, int]:
-    """The agents' default collective chunk size and chunks in flight per stream: the raw chain pipelines the same way."""
+def _agent_defaults() -> tuple[int, int, int]:
+    """The agents' default collective chunk size and chunks in flight per stream (the raw chain pipelines the
+    same way), and their gRPC chunk size."""
     from reshard.server.config import AgentConfig
 
     d = AgentConfig(host="bench", num_devices=1, planner="")
-    return d.collective_chunk, d.forward_queue_chunks
+    return d.collective_chunk, d.forward_queue_chunks, d.chunk_bytes
 
 
-CHUNK_BYTES, WINDOW = _agent_defaults()
+CHUNK_BYTES, WINDOW, GRPC_CHUNK_BYTES = _agent_defaults()
 
 
 # -- (a) raw torch.distributed, one process per rank ---------------------------------------------------
@@ -149,7 +150,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256, help="tensor size")
     p.add_argument("--hosts", type=int, default=4, help="processes / agents")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed round trips before the timed reshards, as the raw runs write their buffers "
                         "(torch.full) before timing: here an agent's first jobs spent up to ~1 CPU-second per "
@@ -169,11 +170,12 @@ def main(argv=None) -> int:
     ]
     lines = [
         f"A {args.mib} MiB tensor replicated on host0, delivered to the other {args.hosts - 1} of {args.hosts} "
-        f"processes on loopback; best of {args.repeats} (the reshards after {args.warmup} untimed round trips). The raw chain pipelines like the agents: "
-        f"{CHUNK_BYTES // MiB} MiB chunks, {WINDOW} in flight. GB/s is the tensor's size over the time until the last "
-        f"receiver has it. The reshards run through real agents (job seconds: prepare, move, verify XXH3-64, "
-        f"commit); their plan is one chain broadcast (transfers carried by: collective {list(coll_t)}, "
-        f"gRPC {list(grpc_t)}).",
+        f"processes on loopback; best of {args.repeats} (the reshards after {args.warmup} untimed round trips). "
+        f"The raw chain pipelines like the collective transport: {CHUNK_BYTES // MiB} MiB chunks, {WINDOW} in "
+        f"flight (gRPC streams use their own {GRPC_CHUNK_BYTES // MiB} MiB chunks). GB/s is the tensor's size "
+        f"over the time until the last receiver has it. The reshards run through real agents (job seconds: plan, "
+        f"prepare, move, XXH3-64 check at the chain's end, commit); their plan is one chain broadcast (transfers "
+        f"carried by: collective {list(coll_t)}, gRPC {list(grpc_t)}).",
         "",
         "| what | seconds | GB/s | of the better raw figure |",
         "|---|---:|---:|---:|",
