@@ -14,7 +14,8 @@ group           one ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) pe
 confirm         before a phase's first send or recv, an agent writes
                 ``reshard/g<gen>/confirm/<job>/<phase>/<host> = plan id`` and waits, with a
                 deadline, for the keys of every peer it will talk to in that phase: a peer
-                on another plan or generation raises at once instead of hanging a recv
+                on another plan or generation raises at once instead of hanging a recv;
+                the planner deletes a job's keys when the job ends (`Rendezvous.forget_job`)
 stream          one box from one host to the next: chunks (``chunk_boxes``) as raw bytes,
                 then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window`` chunks in flight
 tag             ``(job_seq mod 2^11) << 20 | stream``, stream numbered over the plan's
@@ -97,6 +98,10 @@ def _td(seconds: float) -> datetime.timedelta:
     return datetime.timedelta(seconds=seconds)
 
 
+def _confirm_prefix(generation: int, job: str, phase: int) -> str:
+    return f"reshard/g{generation}/confirm/{job}/{phase}/"
+
+
 class Rendezvous:
     """The planner's TCPStore, bound to its listen host on a free port."""
 
@@ -105,6 +110,14 @@ class Rendezvous:
         host = listen_host.strip("[]") or "0.0.0.0"
         self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
         self.port = self.store.port
+        self._lock = threading.Lock()
+
+    def forget_job(self, generation: int, job: str, hosts_by_phase: dict[int, list[str]]) -> None:
+        """Delete a finished job's plan-id confirmations, so a long-lived store does not grow with every job."""
+        with self._lock:
+            for phase, hosts in hosts_by_phase.items():
+                for host in hosts:
+                    self.store.delete_key(_confirm_prefix(generation, job, phase) + host)
 
 
 # -- the group ----------------------------------------------------------------------------------
@@ -351,7 +364,7 @@ class CollectiveTransport:
     def _confirm(self, state: "_AgentJob", group: Group, phase: int, peers: set[str]) -> None:
         """Publish this agent's plan id for the phase and check every peer's before any call."""
         me = self.executor.host
-        prefix = f"reshard/g{state.generation}/confirm/{state.id}/{phase}/"
+        prefix = _confirm_prefix(state.generation, state.id, phase)
         mine = state.plan.id
         try:
             self.member.require(state.generation, state.id)

@@ -129,6 +129,8 @@ class JobRunner:
         self.agents = agents
         self.job_timeout_s = job_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        # (generation, job id, hosts by phase) -> None: drops a collective job's keys from the rendezvous store
+        self.collective_cleanup: Callable[[int, str, dict[int, list[str]]], None] | None = None
         self._jobs_pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="job")
         self._calls_pool = ThreadPoolExecutor(max(8, 4 * max_concurrent), thread_name_prefix="agent-call")
         self._lock = threading.Lock()
@@ -229,8 +231,8 @@ class JobRunner:
         prep = Preparation(job.id, plan.dumps(), rec.name, rec.version, job.version, peers, transport, generation, seq)
         phases = sorted({t.phase for t in plan.transfers})
         traffic: dict[str, dict] = {}
+        runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
         try:
-            runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
             # On the collective transport the first phase's hosts prepare inside their Execute call: the
             # plan-id confirmation before any send or recv waits for every peer anyway.
             early = set(runs[phases[0]]) if transport == "collective" and phases else set()
@@ -263,6 +265,12 @@ class JobRunner:
             self._best_effort(lambda h: self.agents.abort(h, peers[h], job.id, timeout), hosts)
             self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
             raise
+        finally:
+            if transport == "collective" and self.collective_cleanup is not None:
+                try:
+                    self.collective_cleanup(generation, job.id, runs)
+                except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
+                    log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
         self.store.save_tensor(self.catalog.get(rec.name).to_json())
         with self._lock:
             for t, via in zip(plan.transfers, job.transports):

@@ -184,6 +184,8 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
         rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
     planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
     planner.rendezvous = rendezvous  # the store lives as long as the planner
+    if rendezvous is not None:
+        planner.jobs.collective_cleanup = rendezvous.forget_job
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"))
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner")

@@ -92,6 +92,22 @@ def test_job_records_transport_and_planner_counts_bytes(planned):
     c.delete("counted")
 
 
+def test_finished_jobs_leave_no_confirmation_keys_in_the_store(planned):
+    """The rendezvous store lives as long as the planner: per-job keys must not pile up."""
+    planner, c, _ = planned
+    _wait_group(planner, HOSTS)
+    c.put("keys", A, SRC)
+    c.reshard("keys", DST, "broadcast").result(timeout=60)  # the group's own keys are in place after one job
+    store = planner.rendezvous.store
+    before = store.num_keys()
+    for dst in (SRC, DST, SRC):
+        job = c.reshard("keys", dst, "broadcast").result(timeout=60)
+        assert job.transport == "collective"
+        assert not store.check([f"reshard/g{planner.group.view().generation}/confirm/{job.id}/0/c0"])
+    assert store.num_keys() == before
+    c.delete("keys")
+
+
 def _prepare_both(planner, c, job, plans, generation, seq):
     rec = planner.catalog.get("shared")
     peers = {h: planner.registry.get(h).address for h in HOSTS}
