@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from reshard.cli import add_plan_command
 from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
 from reshard.server.lab import add_lab_command
+from reshard.server.lifecycle import wait_for_signal
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger(__name__)
-
-
-def _wait_for_signal() -> None:
-    """Block until SIGINT or SIGTERM."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
 
 
 def _add_agent_command(sub) -> None:
@@ -68,7 +58,7 @@ def _run_agent(args) -> int:
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     try:
-        _wait_for_signal()
+        wait_for_signal()
     finally:
         agent.stop()
     return 0
@@ -122,7 +112,7 @@ def _run_planner(args) -> int:
         dashboard = f" (dashboard http://{args.http.rpartition(':')[0] or '127.0.0.1'}:{http_port}/)"
     print(f"reshard planner listening on {host}:{port}{dashboard}", flush=True)
     try:
-        _wait_for_signal()
+        wait_for_signal()
     finally:
         if web is not None:
             web.should_exit = True
@@ -156,7 +146,7 @@ def _run_up(args) -> int:
             print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1}")
         print(f"logs     {cluster.log_dir}")
         print(f"connect with: reshard.connect({cluster.address!r}); Ctrl-C stops the cluster", flush=True)
-        _wait_for_signal()
+        wait_for_signal()
     return 0
 
 

@@ -28,12 +28,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
+
+from reshard.server.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
 
@@ -331,14 +332,6 @@ def add_lab_command(sub) -> None:
     p.set_defaults(func=run_lab_command)
 
 
-def _until_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(3600):
-        pass
-
-
 def run_lab_command(args) -> int:
     ok, why = lab_available()
     if not ok:
@@ -368,7 +361,7 @@ def run_lab_command(args) -> int:
                 print(f"agent    {h:<8} {lab.host_ip(i)}:{AGENT_PORT}  devices {h}/0..{h}/{config.devices_per_host - 1}"
                       f"  (namespace {lab.host_ns(i)})")
             print(f"connect with: reshard.connect({address!r}); Ctrl-C tears the lab down", flush=True)
-            _until_signal()
+            wait_for_signal(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
     except KeyboardInterrupt:
         pass
     except LabError as e:

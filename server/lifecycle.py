@@ -1,0 +1,32 @@
+"""How a service process waits to be told to stop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+__all__ = ["wait_for_signal"]
+
+
+def wait_for_signal(*signals: int) -> int:
+    """Block until one of ``signals`` (default SIGINT, SIGTERM) arrives; returns it.
+
+    A signal may arrive several times at once: a parent-death signal is re-sent
+    each time the dying parent's threads exit one by one. Python runs a handler
+    nested inside the previous one, and ``Event.set`` from a nested handler would
+    deadlock on the lock the outer one holds, so only the first delivery sets
+    the event.
+    """
+    stop = threading.Event()
+    received: list[int] = []
+
+    def handler(signum, _frame) -> None:
+        if not received:
+            received.append(signum)
+            stop.set()
+
+    for sig in signals or (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+    while not stop.wait(3600):
+        pass
+    return received[0]
