@@ -131,6 +131,7 @@ class JobRunner:
         self.rpc_timeout_s = rpc_timeout_s
         # (generation, job id, hosts by phase) -> None: drops a collective job's keys from the rendezvous store
         self.collective_cleanup: Callable[[int, str, dict[int, list[str]]], None] | None = None
+        self._nccl_turn = threading.Lock()  # one collective job at a time on an NCCL group
         self._jobs_pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="job")
         self._calls_pool = ThreadPoolExecutor(max(8, 4 * max_concurrent), thread_name_prefix="agent-call")
         self._lock = threading.Lock()
@@ -232,6 +233,11 @@ class JobRunner:
         phases = sorted({t.phase for t in plan.transfers})
         traffic: dict[str, dict] = {}
         runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
+        # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
+        # sends and recvs in different orders on different agents would deadlock, so NCCL jobs take turns.
+        serial = transport == "collective" and self.group is not None and self.group.view().backend == "nccl"
+        if serial:
+            self._nccl_turn.acquire()
         try:
             # On the collective transport the first phase's hosts prepare inside their Execute call: the
             # plan-id confirmation before any send or recv waits for every peer anyway.
@@ -266,6 +272,8 @@ class JobRunner:
             self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
             raise
         finally:
+            if serial:
+                self._nccl_turn.release()
             if transport == "collective" and self.collective_cleanup is not None:
                 try:
                     self.collective_cleanup(generation, job.id, runs)

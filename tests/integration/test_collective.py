@@ -238,6 +238,12 @@ def test_nccl_backend_moves_bytes(tmp_path):
             result = c.reshard("nccl", DST, "broadcast").result(timeout=60)
             assert result.transport == "collective" and planner.group.view().backend == "nccl"
             assert np.array_equal(c.get("nccl"), A)
+            # jobs in flight at once take turns on the communicator instead of interleaving their calls
+            B = A[::-1].copy()
+            c.put("nccl2", B, DST)
+            jobs = [c.reshard("nccl", SRC, "send_recv"), c.reshard("nccl2", SRC, "send_recv")]
+            assert [j.result(timeout=60).transport for j in jobs] == ["collective"] * 2
+            assert np.array_equal(c.get("nccl"), A) and np.array_equal(c.get("nccl2"), B)
     finally:
         for p in procs:
             p.terminate()
