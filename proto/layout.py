@@ -58,7 +58,7 @@ class Checksum:
     """Running byte count and XXH3-64 digest over a stream's bytes, however they were cut into pieces.
 
     ``digest=False`` counts bytes only: a chain hop that forwards every byte it
-    keeps leaves the digest to the chain's last hop (see ``verify_chain``).
+    keeps leaves the digest to the chain's last hop (the agents' ``verify_arrival``).
     """
 
     __slots__ = ("nbytes", "_hash")

@@ -69,8 +69,8 @@ class AgentConfig:
         if "/" in self.host or not self.host:
             raise ValueError(f"host name {self.host!r} must be non-empty and contain no '/'")
         if self.chunk_bytes <= 0 or self.collective_chunk_bytes < 0:
-            raise ValueError(f"chunk sizes must be positive; got chunk_bytes={self.chunk_bytes}, "
-                             f"collective_chunk_bytes={self.collective_chunk_bytes}")
+            raise ValueError(f"chunk_bytes must be positive and collective_chunk_bytes positive or 0 (sized from "
+                             f"nic_gbps); got {self.chunk_bytes} and {self.collective_chunk_bytes}")
         if self.fault not in ("", "corrupt-relay"):
             raise ValueError(f"fault {self.fault!r} is not one of '', 'corrupt-relay'")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Iterable
 
 from reshard.box import Box
 from reshard.errors import InvalidShardingError
@@ -79,7 +80,7 @@ class Planner:
         return rec
 
     def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
-                  uploading: list[str] = ()) -> bool:
+                  uploading: Iterable[str] = ()) -> bool:
         """Record an agent's heartbeat; ``uploading`` names uploads streaming into it, which are not idle."""
         known = self.registry.heartbeat(host, address)
         if known:
