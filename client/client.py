@@ -20,7 +20,7 @@ from typing import Any, Optional, Union
 import grpc
 import numpy as np
 
-from reshard.box import Box
+from reshard.box import Box, to_slices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
 from reshard.plan import Plan
@@ -29,13 +29,12 @@ from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError, UnavailableError
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.proto.status import domain_error
-from reshard.proto.wire import box_from_pb, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
 from reshard.sharding import Sharding
 
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
 
 MiB = 2**20
-_MESSAGE_SLACK = 2**16
 
 
 class JobFailedError(ReshardError, RuntimeError):
@@ -168,8 +167,7 @@ class Client:
         self.address = address
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
-        opts = [("grpc.max_send_message_length", chunk_bytes + _MESSAGE_SLACK),
-                ("grpc.max_receive_message_length", 64 * MiB + _MESSAGE_SLACK)]
+        opts = message_size_options(chunk_bytes, 64 * MiB)  # agents send at most 64 MiB chunks
         self._options = opts
         self._channel = grpc.insecure_channel(address, options=opts)
         self._planner = pb_grpc.PlannerStub(self._channel)
@@ -197,7 +195,7 @@ class Client:
 
     def _upload(self, txn: str, name: str, device: str, address: str, tile: Box, dtype: str, arr: np.ndarray) -> None:
         header = pb.ShardHeader(txn=txn, tensor=name, device=device, dtype=dtype,
-                                box=pb.Box(lo=[lo for lo, _ in tile], hi=[hi for _, hi in tile]))
+                                box=box_to_pb(tile))
         try:
             self._agent(address).PutShard(shard_stream(arr, header, self.chunk_bytes), timeout=None)
         except grpc.RpcError as e:
@@ -233,7 +231,7 @@ class Client:
         for p in reply.placements:
             tile = box_from_pb(p.box)
             jobs.append(self._pool.submit(self._upload, reply.txn, name, p.device, p.address, tile, dtype,
-                                          arr[tuple(slice(lo, hi) for lo, hi in tile)]))
+                                          arr[to_slices(tile)]))
         for f in jobs:
             f.result()
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
@@ -279,7 +277,7 @@ class Client:
                 seen[tile] = p
 
         def fetch(tile: Box, p: pb.Placement) -> None:
-            out[tuple(slice(lo, hi) for lo, hi in tile)] = self._download(name, t.version, p.device, p.address)
+            out[to_slices(tile)] = self._download(name, t.version, p.device, p.address)
 
         for f in [self._pool.submit(fetch, tile, p) for tile, p in seen.items()]:
             f.result()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from reshard.box import Box
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.wire import box_from_pb, box_to_pb
 
 __all__ = ["RawPiece", "encode_piece", "decode_push_chunk"]
 
@@ -63,7 +64,7 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
 def encode_piece(box: Box, data) -> bytes:
     """``PushChunk(piece=Piece(box=box, data=data))`` serialised; ``data`` is any C-contiguous buffer."""
     view = memoryview(data).cast("B")
-    box_bytes = pb.Box(lo=[lo for lo, _ in box], hi=[hi for _, hi in box]).SerializeToString()
+    box_bytes = box_to_pb(box).SerializeToString()
     head = bytes([_PIECE_BOX]) + _varint(len(box_bytes)) + box_bytes
     if len(view):  # proto3 leaves an empty bytes field out
         head += bytes([_PIECE_DATA]) + _varint(len(view))
@@ -94,7 +95,7 @@ def decode_push_chunk(frame: bytes):
         msg = pb.PushChunk.FromString(frame)
         if msg.WhichOneof("kind") != "piece":
             return msg
-        return RawPiece(tuple(zip(msg.piece.box.lo, msg.piece.box.hi)), memoryview(msg.piece.data), frame)
+        return RawPiece(box_from_pb(msg.piece.box), memoryview(msg.piece.data), frame)
     box, data, i = None, memoryview(b""), start
     view = memoryview(frame)
     while i < end:
@@ -112,7 +113,4 @@ def decode_push_chunk(frame: bytes):
             i = _skip(frame, i, tag & 7)
     if i != end:
         raise InvalidArgumentError("a push piece's fields run past the end of its message")
-    lo, hi = (box.lo, box.hi) if box is not None else ((), ())
-    if len(lo) != len(hi):
-        raise InvalidArgumentError(f"box has {len(lo)} lower and {len(hi)} upper bounds; they must match")
-    return RawPiece(tuple(zip(lo, hi)), data, frame)
+    return RawPiece(box_from_pb(box) if box is not None else (), data, frame)

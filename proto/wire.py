@@ -11,7 +11,16 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
 
-__all__ = ["box_to_pb", "box_from_pb", "shard_stream", "read_shard_stream"]
+__all__ = ["box_to_pb", "box_from_pb", "shard_stream", "read_shard_stream", "message_size_options"]
+
+# A message carries one chunk plus its box and framing.
+_MESSAGE_SLACK = 2**16
+
+
+def message_size_options(send_chunk_bytes: int, receive_chunk_bytes: int) -> list[tuple[str, int]]:
+    """gRPC channel and server options that admit chunks of these sizes."""
+    return [("grpc.max_send_message_length", send_chunk_bytes + _MESSAGE_SLACK),
+            ("grpc.max_receive_message_length", receive_chunk_bytes + _MESSAGE_SLACK)]
 
 
 def box_to_pb(box: Box) -> pb.Box:

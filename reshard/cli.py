@@ -17,9 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 
-from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError, ReshardError
+from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError
 from reshard.mesh import Mesh
 from reshard.planner import STRATEGIES, plan
 from reshard.sharding import Sharding, normalise_shape
@@ -106,6 +105,13 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return normalise_shape(sizes)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, except where there is none to show (``None``: the help text says it)."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def add_plan_command(sub) -> None:
     p = sub.add_parser(
         "plan",
@@ -113,7 +119,7 @@ def add_plan_command(sub) -> None:
         description="Plan moving a tensor between two mesh layouts and print the plan. "
         "Meshes: 'x=2,y=4' (hosts src0.. / dst0.., last axis = devices of a host) or "
         "'x=2,y=4@a0,a1' or 'x=2,y=4@node[0-1]'. Specs: per dim an axis, '_' (not split) or 'x+y'.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024,512")
     p.add_argument("--dtype", default="float32", help="element type")
@@ -151,16 +157,3 @@ def run_plan(args) -> int:
     result = plan(args.shape, args.dtype, src, dst, topo, args.strategy).validate()
     print(result.dumps() if args.json else result.summary(args.max_transfers))
     return 0
-
-
-def main(argv=None) -> int:
-    """``reshard plan`` alone, for environments without the service packages."""
-    parser = argparse.ArgumentParser(prog="reshard")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_plan_command(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except ReshardError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2

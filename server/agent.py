@@ -25,7 +25,7 @@ from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
 from reshard.proto.status import domain_error, servicer_method, start_server
-from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
 from reshard.server.config import AgentConfig
 from reshard.server.executor import Executor, Item, PushHeader
 from reshard.server.group import GroupView
@@ -37,32 +37,30 @@ __all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
 log = logging.getLogger(__name__)
 
 _PROGRESS_INTERVAL_S = 0.2
-# Bytes per message: chunks plus headroom for the piece's box.
-_MESSAGE_SLACK = 2**16
 
 
 def channel_options(config: AgentConfig) -> list[tuple[str, int]]:
-    limit = max(config.chunk_bytes, config.max_message_bytes) + _MESSAGE_SLACK
-    return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
+    limit = max(config.chunk_bytes, config.max_message_bytes)
+    return message_size_options(limit, limit)
 
 
 class GrpcPeerLink:
-    """Pushes to peer agents, one cached channel per address."""
+    """Pushes to peer agents, one cached channel (and Push method) per address."""
 
     def __init__(self, config: AgentConfig):
         self._options = channel_options(config)
         self._timeout = config.transfer_timeout_s
         self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[str, tuple[grpc.Channel, object]] = {}
 
     def _push_call(self, address: str):
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address, options=self._options)
-        # The generated stub's Push, but messages arrive already serialised (see reshard.proto.frames).
-        return ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
-                               response_deserializer=pb.PushReply.FromString)
+            if address not in self._channels:
+                ch = grpc.insecure_channel(address, options=self._options)
+                # The generated stub's Push, but messages arrive already serialised (see reshard.proto.frames).
+                self._channels[address] = ch, ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
+                                                              response_deserializer=pb.PushReply.FromString)
+            return self._channels[address][1]
 
     def push(self, host: str, address: str, header: PushHeader, items: Iterable[Item]) -> list[str]:
         def messages() -> Iterator[bytes]:
@@ -82,7 +80,7 @@ class GrpcPeerLink:
 
     def close(self) -> None:
         with self._lock:
-            for ch in self._channels.values():
+            for ch, _ in self._channels.values():
                 ch.close()
             self._channels.clear()
 
@@ -174,7 +172,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                 raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
                                            f"{request.prepare.job}")
             self._prepare(request.prepare)
-        wait_all, progress, done = self.executor.execute(request.job, request.plan_id, request.phase)
+        wait_all, progress = self.executor.execute(request.job, request.plan_id, request.phase)
         result: dict[str, BaseException | None] = {"error": None}
         finished = threading.Event()
 

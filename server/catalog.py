@@ -56,7 +56,7 @@ class Catalog:
     def get(self, name: str) -> TensorRecord:
         with self._lock:
             rec = self._tensors.get(name)
-            names = sorted(self._tensors)
+            names = sorted(self._tensors) if rec is None else []  # only for the error: a lookup stays O(1)
         if rec is None:
             shown = names[:10] + (["..."] if len(names) > 10 else [])
             raise NotFoundError(f"no tensor named {name!r}; the catalog holds {shown}")

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from reshard.cli import add_plan_command
+from reshard.cli import HelpFormatter, add_plan_command
 from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
 from reshard.server.lab import add_lab_command
@@ -22,7 +22,7 @@ def _add_agent_command(sub) -> None:
 
     d = AgentConfig("h", 1, "")
     p = sub.add_parser("agent", help="run a host's agent: holds shards and moves bytes",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--planner", required=True, help="planner address, host:port")
     p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
     p.add_argument("--advertise", default=None, help="address peers dial (default: the bound address)")
@@ -69,7 +69,7 @@ def _add_planner_command(sub) -> None:
 
     d = PlannerConfig()
     p = sub.add_parser("planner", help="run the planner service: registry, catalog and jobs",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
     p.add_argument("--state", default=None, help="SQLite file for tensors, jobs and plans (default: memory)")
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
@@ -123,9 +123,9 @@ def _run_planner(args) -> int:
 
 def _add_up_command(sub) -> None:
     p = sub.add_parser("up", help="start a planner and N agents on this machine; Ctrl-C stops them all",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--hosts", type=int, default=2, help="number of agents (hosts host0..hostN-1)")
-    p.add_argument("--devices-per-host", type=int, default=4)
+    p.add_argument("--devices-per-host", type=int, default=4, help="devices per agent (HOST/0 ..)")
     p.add_argument("--state", default=None, help="planner state file (SQLite)")
     p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
     p.add_argument("--transport", choices=("grpc", "collective", "auto"), default="auto",
@@ -154,7 +154,7 @@ def _add_demo_command(sub) -> None:
     from reshard.server.demo import add_demo_arguments, run_demo
 
     p = sub.add_parser("demo", help="run the paper's cases with every strategy through real agents",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_demo_arguments(p)
     p.set_defaults(func=run_demo)
 

@@ -127,8 +127,6 @@ class Rendezvous:
 class Group:
     generation: int
     members: tuple[str, ...]
-    rank: int
-    backend: str
     pg: object
     store: object  # a client of the planner's store, for the confirm keys
     device: object  # torch.device the chunks live on
@@ -210,7 +208,7 @@ class GroupMember:
         with self._lock:
             if self._target != (view.store_port, gen):
                 return  # superseded while forming
-            self._group = Group(gen, members, rank, self.backend, pg, store, self.device)
+            self._group = Group(gen, members, pg, store, self.device)
         log.info("host %s joined process group generation %d as rank %d of %d (%s)", self.host, gen, rank,
                  len(members), self.backend)
 
@@ -311,8 +309,7 @@ class CollectiveTransport:
         # Chunks are read-only views of shards that arrived as bytes; torch only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
-    def execute(self, state: "_AgentJob", phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]],
-                                                               Callable[[], bool]]:
+    def execute(self, state: "_AgentJob", phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]]]:
         group = state.group
         plan = state.plan
         tasks = _tasks(plan, phase, self.executor.host)
@@ -320,12 +317,10 @@ class CollectiveTransport:
         total = send_bytes(plan, self.executor.host, phase)
         base = state.traffic.sent
         pool = ThreadPoolExecutor(self.lanes, thread_name_prefix=f"coll-{state.id[:6]}")
-        started = threading.Event()
         futures = []
 
         def run() -> None:
             self._confirm(state, group, phase, _peers(tasks, self.executor.host))
-            started.set()
             futures.extend(pool.submit(self._run_task, state, group, task, offsets) for task in tasks)
             done, pending = wait(futures, timeout=self.executor.transfer_timeout_s, return_when=FIRST_EXCEPTION)
             for f in done:
@@ -357,7 +352,7 @@ class CollectiveTransport:
             if result["error"] is not None:
                 raise result["error"]
 
-        return wait_all, lambda: (state.traffic.sent - base, total), finished.is_set
+        return wait_all, lambda: (state.traffic.sent - base, total)
 
     # -- confirm ---------------------------------------------------------------------------
 

@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import hashlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
+from reshard.box import to_slices
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases
 from reshard.planner import STRATEGIES
 from reshard.proto.layout import np_dtype
+
+if TYPE_CHECKING:  # rich is imported when the demo runs, not whenever the CLI builds its parser
+    from rich.table import Table
 
 __all__ = ["add_demo_arguments", "run_demo", "DemoRow"]
 
@@ -66,7 +68,7 @@ def _expected_digests(a: np.ndarray, case: Case) -> dict[str, str]:
     out = {}
     for dev, tile in case.dst.tiles(case.shape).items():
         if tile not in by_tile:
-            part = np.ascontiguousarray(a[tuple(slice(lo, hi) for lo, hi in tile)])
+            part = np.ascontiguousarray(a[to_slices(tile)])
             by_tile[tile] = hashlib.blake2b(part.tobytes()).hexdigest()
         out[dev] = by_tile[tile]
     return out
@@ -99,6 +101,8 @@ def run_cases(client, cases: list[Case], strategies: list[str], progress=None) -
 
 
 def rows_table(rows: list[DemoRow], title: str) -> Table:
+    from rich.table import Table
+
     table = Table(title=title)
     for col, justify in (("case", "left"), ("strategy", "left"), ("seconds", "right"), ("GB/s", "right"),
                          ("network MiB", "right"), ("verified", "center")):
@@ -110,6 +114,9 @@ def rows_table(rows: list[DemoRow], title: str) -> Table:
 
 
 def run_demo(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from reshard.client import Client, LocalCluster
 
     console = Console()

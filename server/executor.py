@@ -115,12 +115,6 @@ def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum,
         )
 
 
-def _leaves_host(t: Transfer) -> bool:
-    """Whether a transfer streams its box to another host."""
-    src = host_of(t.sender)
-    return bool(t.route) if t.method == "broadcast" else any(host_of(r) != src for r in t.receivers)
-
-
 def _first_peer(t: Transfer) -> str:
     """The host a transfer's sender streams to first ('' when it stays on the sender's host)."""
     if t.method == "broadcast":
@@ -297,7 +291,7 @@ class Executor:
         """
         for phase in sorted({t.phase for t in state.plan.transfers}):
             for i, t in interleaved([(i, t) for i, t in enumerate(state.plan.transfers) if t.phase == phase]):
-                if host_of(t.sender) != self.host or not _leaves_host(t):
+                if host_of(t.sender) != self.host or not _first_peer(t):  # stays on this host
                     continue
                 shard = self.store.find(state.tensor, state.src_version, t.sender)
                 if shard is not None and boxes.contains(shard.tile, t.box):
@@ -354,8 +348,8 @@ class Executor:
 
     # -- sending ---------------------------------------------------------------------
 
-    def execute(self, job: str, plan_id: str, phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]], Callable[[], bool]]:
-        """Start this host's sends of ``phase``; returns (wait, progress, done) callables."""
+    def execute(self, job: str, plan_id: str, phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]]]:
+        """Start this host's sends of ``phase``; returns (wait, progress) callables."""
         state = self._job(job)
         if plan_id != state.plan.id:
             raise FailedPreconditionError(
@@ -383,9 +377,7 @@ class Executor:
                 )
                 raise state.failed
 
-        return (wait_all,
-                lambda: (state.traffic.sent - base, total),
-                lambda: all(f.done() for f in futures))
+        return wait_all, lambda: (state.traffic.sent - base, total)
 
     def _source(self, state: _AgentJob, device: str, box: Box) -> tuple[np.ndarray, Box]:
         shard = self.store.find(state.tensor, state.src_version, device)

@@ -190,9 +190,10 @@ class JobRunner:
             if superseded is not None:
                 # The new version is committed and the caller has it; freeing the old one is housekeeping,
                 # still under the tensor's lock so the next job on this tensor starts after it.
-                self._release(superseded)
+                self.release(superseded)
 
-    def _release(self, rec: TensorRecord) -> None:
+    def release(self, rec: TensorRecord) -> None:
+        """Free ``rec``'s version on every host of its mesh that is registered, at once; failures are logged."""
         src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
         self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version,
                                                         self.rpc_timeout_s), sorted(src_agents))
@@ -216,7 +217,8 @@ class JobRunner:
         plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(), job.strategy)
         plan.validate()
         job.plan = plan
-        self.store.save_plan(plan.id, plan.dumps())
+        plan_json = plan.dumps()
+        self.store.save_plan(plan.id, plan_json)
         hosts = set(job.dst.mesh.hosts) | {host_of(t.sender) for t in plan.transfers}
         hosts |= {h for t in plan.transfers for h in t.route}
         hosts = sorted(hosts)
@@ -229,7 +231,7 @@ class JobRunner:
                                       else ("grpc", 0, 0))
         job.transport = transport
         job.transports = [transport if _network(t) else "local" for t in plan.transfers]
-        prep = Preparation(job.id, plan.dumps(), rec.name, rec.version, job.version, peers, transport, generation, seq)
+        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq)
         phases = sorted({t.phase for t in plan.transfers})
         traffic: dict[str, dict] = {}
         runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
@@ -281,9 +283,9 @@ class JobRunner:
                     log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
         self.store.save_tensor(self.catalog.get(rec.name).to_json())
         with self._lock:
-            for t, via in zip(plan.transfers, job.transports):
+            for t in plan.transfers:
                 n = boxes.volume(t.box) * plan.itemsize
-                self._moved[via if via != "local" else job.transport] += n * _network(t)
+                self._moved[job.transport] += n * _network(t)
                 self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
         job.traffic.update(traffic)
         for f, h in stats.items():

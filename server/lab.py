@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from reshard.cli import HelpFormatter
 from reshard.server.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -320,9 +321,9 @@ def add_lab_command(sub) -> None:
     d = LabConfig()
     p = sub.add_parser("lab", help="emulate N hosts with shaped links (network namespaces; needs root) and run "
                                    "a planner and an agent per host in them; Ctrl-C tears it all down",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       formatter_class=HelpFormatter)
     p.add_argument("--hosts", type=int, default=d.num_hosts, help="emulated hosts, one agent each (host0..)")
-    p.add_argument("--devices-per-host", type=int, default=d.devices_per_host)
+    p.add_argument("--devices-per-host", type=int, default=d.devices_per_host, help="devices per agent (HOST/0 ..)")
     p.add_argument("--gbps", type=float, default=d.gbps, help="every host link's rate, each way")
     p.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay added to every host link")
     p.add_argument("--log-dir", default=None, help="keep the planner's and agents' logs here")

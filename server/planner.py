@@ -18,6 +18,7 @@ from reshard.plan import Plan
 from reshard.planner import STRATEGIES
 from reshard.planner import plan as make_plan
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from reshard.proto.layout import tile_shape
 from reshard.server.catalog import Catalog, TensorRecord, Upload, Uploads
 from reshard.server.config import PlannerConfig
 from reshard.server.group import GroupCoordinator
@@ -109,7 +110,7 @@ class Planner:
                 raise InvalidArgumentError(
                     f"device {device!r} is not in the mesh of sharding {sharding}; its devices are {list(tiles)}"
                 )
-            want = tuple(hi - lo for lo, hi in tiles[device])
+            want = tile_shape(tiles[device])
             if tuple(shard_shape) != want:
                 raise InvalidArgumentError(
                     f"shard for device {device} has shape {tuple(shard_shape)}, but {sharding.spec_str()} of shape "
@@ -183,14 +184,7 @@ class Planner:
             raise FailedPreconditionError(f"tensor {name!r} has a reshard job queued or running; wait for it first")
         rec = self.catalog.remove(name)
         self.store.delete_tensor(name)
-        for h in rec.sharding.mesh.hosts:
-            agent = self.registry.get(h)
-            if agent is None:
-                continue
-            try:
-                self.agents.release(h, agent.address, name, rec.version, self.config.agent_rpc_timeout_s)
-            except Exception as e:  # noqa: BLE001 - the catalog entry is gone; memory is reclaimed on restart
-                log.info("releasing %r on host %s failed: %s", name, h, e)
+        self.jobs.release(rec)  # best effort: the catalog entry is gone; memory is reclaimed on restart
 
     # -- planning and jobs -------------------------------------------------------------------------
 

@@ -40,11 +40,11 @@ TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 def _human_bytes(n) -> str:
     n = float(n or 0)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    return f"{n:.1f} GiB"
 
 
 TEMPLATES.env.filters["bytes"] = _human_bytes

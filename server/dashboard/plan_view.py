@@ -52,7 +52,7 @@ class PlanView:
         return _nic_svg(self.hosts, self.nic_send_s, self.nic_recv_s, self.lower_bound)
 
     def chains_svg(self, limit: int = 40) -> str:
-        return _chains_svg(self.chains[:limit], self.hosts)
+        return _chains_svg(self.chains[:limit])
 
 
 def plan_view(plan: Plan, measured_seconds: Optional[float] = None) -> PlanView:
@@ -167,7 +167,7 @@ def _nic_svg(hosts: list[str], send: dict[str, float], recv: dict[str, float], b
     return "".join(parts)
 
 
-def _chains_svg(chains: list[tuple[str, tuple[str, ...], int]], hosts: list[str]) -> str:
+def _chains_svg(chains: list[tuple[str, tuple[str, ...], int]]) -> str:
     """One row per broadcast: sender's host, then each hop of the chain."""
     row, step = 28, 96
     longest = max((len(route) for _, route, _ in chains), default=0) + 1

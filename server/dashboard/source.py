@@ -8,6 +8,7 @@ its own thread inside the planner process.
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
@@ -42,6 +43,15 @@ def _job_doc(job: Job) -> dict:
     }
 
 
+def _bytes_per_host(rec) -> dict[str, int]:
+    """Bytes of a tensor's current version each host holds (replicas counted per device)."""
+    size = itemsize(rec.dtype)
+    out: dict[str, int] = defaultdict(int)
+    for dev, tile in rec.sharding.tiles(rec.shape).items():
+        out[host_of(dev)] += volume(tile) * size
+    return out
+
+
 class PlannerSource:
     """Read-only plain-data view of a `Planner` for the dashboard."""
 
@@ -51,9 +61,8 @@ class PlannerSource:
     def _held_by_host(self) -> dict[str, int]:
         held: dict[str, int] = defaultdict(int)
         for rec in self.planner.tensors():
-            size = itemsize(rec.dtype)
-            for dev, tile in rec.sharding.tiles(rec.shape).items():
-                held[host_of(dev)] += volume(tile) * size
+            for host, n in _bytes_per_host(rec).items():
+                held[host] += n
         return held
 
     def agents(self) -> list[dict]:
@@ -69,13 +78,8 @@ class PlannerSource:
     def tensors(self) -> list[dict]:
         out = []
         for rec in self.planner.tensors():
-            size = itemsize(rec.dtype)
-            per_host: dict[str, int] = defaultdict(int)
-            for dev, tile in rec.sharding.tiles(rec.shape).items():
-                per_host[host_of(dev)] += volume(tile) * size
-            n = size
-            for s in rec.shape:
-                n *= s
+            per_host = _bytes_per_host(rec)
+            n = itemsize(rec.dtype) * math.prod(rec.shape)
             out.append({"name": rec.name, "shape": list(rec.shape), "dtype": rec.dtype, "sharding": str(rec.sharding),
                         "spec": [list(a) for a in rec.sharding.spec], "version": rec.version, "nbytes": n,
                         "bytes_per_host": dict(per_host)})
