@@ -38,7 +38,7 @@ import reshard  # noqa: E402
 from reshard import STRATEGIES, Topology, plan  # noqa: E402
 from reshard.box import to_slices  # noqa: E402
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases, overlap_cases  # noqa: E402
-from reshard.server.lab import Lab, LabConfig, lab_available, start_cluster  # noqa: E402
+from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster  # noqa: E402
 
 NUM_HOSTS = 5
 DEVICES_PER_HOST = 4

@@ -37,7 +37,7 @@ MiB = 2**20
 def _agent_defaults() -> tuple[int, int, int]:
     """The agents' default collective chunk size and chunks in flight per stream (the raw chain pipelines the
     same way), and their gRPC chunk size."""
-    from reshard.server.config import AgentConfig
+    from reshard.server.common.config import AgentConfig
 
     d = AgentConfig(host="bench", num_devices=1, planner="")
     return d.collective_chunk, d.forward_queue_chunks, d.chunk_bytes

@@ -16,7 +16,7 @@ from reshard.errors import (
 )
 from reshard.mesh import Mesh, host_of
 from reshard.plan import Plan, Transfer
-from reshard.planner import BASELINES, STRATEGIES, plan
+from reshard.strategies import BASELINES, STRATEGIES, plan
 from reshard.sharding import Replicate, Shard, Sharding
 from reshard.topology import Topology
 

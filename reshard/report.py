@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reshard.cases import Case
-from reshard.planner import STRATEGIES, plan
+from reshard.strategies import STRATEGIES, plan
 from reshard.topology import Topology
 
 __all__ = ["PlanRow", "compare_strategies", "format_rows"]

@@ -6,11 +6,11 @@ import argparse
 import logging
 import sys
 
-from reshard.cli import HelpFormatter, add_plan_command
+from reshard.plan_command import HelpFormatter, add_plan_command
 from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
-from reshard.server.lab import add_lab_command
-from reshard.server.lifecycle import wait_for_signal
+from reshard.server.devtools.lab import add_lab_command
+from reshard.server.common.lifecycle import wait_for_signal
 
 __all__ = ["main", "build_parser"]
 
@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 
 def _add_agent_command(sub) -> None:
-    from reshard.server.config import AgentConfig
+    from reshard.server.common.config import AgentConfig
 
     d = AgentConfig("h", 1, "")
     p = sub.add_parser("agent", help="run a host's agent: holds shards and moves bytes",
@@ -46,8 +46,8 @@ def _add_agent_command(sub) -> None:
 
 
 def _run_agent(args) -> int:
-    from reshard.server.agent import Agent
-    from reshard.server.config import AgentConfig
+    from reshard.server.agent.service import Agent
+    from reshard.server.common.config import AgentConfig
 
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
@@ -65,7 +65,7 @@ def _run_agent(args) -> int:
 
 
 def _add_planner_command(sub) -> None:
-    from reshard.server.config import PlannerConfig
+    from reshard.server.common.config import PlannerConfig
 
     d = PlannerConfig()
     p = sub.add_parser("planner", help="run the planner service: registry, catalog and jobs",
@@ -87,8 +87,8 @@ def _add_planner_command(sub) -> None:
 
 
 def _run_planner(args) -> int:
-    from reshard.server.config import PlannerConfig
-    from reshard.server.planner_service import serve_planner
+    from reshard.server.common.config import PlannerConfig
+    from reshard.server.planner.service import serve_planner
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                            upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
@@ -151,7 +151,7 @@ def _run_up(args) -> int:
 
 
 def _add_demo_command(sub) -> None:
-    from reshard.server.demo import add_demo_arguments, run_demo
+    from reshard.server.devtools.demo import add_demo_arguments, run_demo
 
     p = sub.add_parser("demo", help="run the paper's cases with every strategy through real agents",
                        formatter_class=HelpFormatter)

@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from reshard import Plan, Sharding, STRATEGIES, plan as make_plan
-from reshard.cli import parse_mesh, parse_shape, parse_spec
+from reshard.plan_command import parse_mesh, parse_shape, parse_spec
 from reshard.errors import ReshardError
 from reshard.server.dashboard.plan_view import plan_view
 

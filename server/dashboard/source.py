@@ -22,8 +22,8 @@ from reshard.box import volume
 from reshard.dtypes import itemsize
 from reshard.mesh import host_of
 from reshard.server.dashboard.app import create_app
-from reshard.server.jobs import Job
-from reshard.server.planner import Planner
+from reshard.server.planner.jobs import Job
+from reshard.server.planner.control import Planner
 
 log = logging.getLogger(__name__)
 

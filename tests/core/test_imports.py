@@ -100,7 +100,7 @@ def test_the_sdk_never_imports_the_server():
 def test_importing_the_core_loads_no_service_dependency():
     code = (
         "import json, sys\n"
-        "import reshard, reshard.planner, reshard.cases, reshard.report, reshard.cli\n"
+        "import reshard, reshard.strategies, reshard.cases, reshard.report, reshard.plan_command\n"
         "from reshard import Mesh, Sharding, plan\n"
         "p = plan((8, 8), 'float32', Sharding(Mesh.grid({'x': 2}, 1), ('x',)),"
         " Sharding(Mesh.grid({'x': 2}, 1, 'd'), (None, 'x'))).validate()\n"

@@ -19,10 +19,10 @@ import torch
 from reshard import Mesh, Sharding
 from reshard.client import Client, FailedPreconditionError, JobFailedError
 from reshard.client.cluster import start_process
-from reshard.planner import plan as make_plan
-from reshard.server.config import PlannerConfig
-from reshard.server.jobs import Preparation
-from reshard.server.planner_service import serve_planner
+from reshard.strategies import plan as make_plan
+from reshard.server.common.config import PlannerConfig
+from reshard.server.planner.jobs import Preparation
+from reshard.server.planner.service import serve_planner
 
 COLLECTIVE_TIMEOUT_S = 5.0
 HOSTS = ("c0", "c1")
@@ -256,7 +256,7 @@ def test_lanes_run_an_all_to_all_round_robin_over_host_pairs_in_one_order_on_eve
     from reshard import Topology
     from reshard.cases import n_to_m_cases
     from reshard.mesh import host_of
-    from reshard.server.collective import _tasks
+    from reshard.server.transport.collective import _tasks
 
     hosts = [f"h{i}" for i in range(5)]
     case = next(c for c in n_to_m_cases(hosts, 2**20) if c.name == "case4")

@@ -14,7 +14,7 @@ import pytest
 
 import reshard
 from reshard import Mesh, Sharding
-from reshard.server.lab import PREFIX, Lab, LabConfig, lab_available, start_cluster
+from reshard.server.devtools.lab import PREFIX, Lab, LabConfig, lab_available, start_cluster
 
 pytestmark = pytest.mark.lab
 
@@ -63,7 +63,7 @@ def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_near_the_estimat
 
 OWNER = """
 import sys, time
-from reshard.server.lab import Lab, LabConfig, start_cluster
+from reshard.server.devtools.lab import Lab, LabConfig, start_cluster
 lab = Lab(LabConfig(num_hosts=2, devices_per_host=1)).__enter__()
 start_cluster(lab)
 print(lab.lab_id, flush=True)

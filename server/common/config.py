@@ -28,7 +28,7 @@ class AgentConfig:
     transfer_timeout_s: float = 300.0
     forward_queue_chunks: int = 4  # chunks a chain hop buffers before it pushes back
     rate_limit_bytes_per_s: float = 0.0  # 0: unlimited; tests slow transfers down to interrupt them
-    # The collective transport (reshard.server.collective): grpc, collective, or auto (collective when
+    # The collective transport (reshard.server.transport.collective): grpc, collective, or auto (collective when
     # torch is installed and the process group is up, gRPC otherwise).
     transport: str = "auto"
     device: str = "cpu"  # where collective chunks live: cpu (gloo) or cuda[:N] (NCCL, one GPU per agent)

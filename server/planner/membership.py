@@ -21,7 +21,7 @@ all ``auto`` (or with grpc)  collective if the group is up with every host,
                              else gRPC
 ============================ ===============================================
 
-This module knows no torch: the store itself lives in `reshard.server.collective`.
+This module knows no torch: the store itself lives in `reshard.server.planner.rendezvous`.
 """
 
 from __future__ import annotations
@@ -30,28 +30,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
-from reshard.server.registry import Registry
+from reshard.server.common.contract import BACKENDS, TRANSPORT_MODES, GroupView
+from reshard.server.planner.registry import Registry
 
-__all__ = ["GroupCoordinator", "GroupView", "TRANSPORT_MODES", "BACKENDS"]
+__all__ = ["GroupCoordinator"]
 
 log = logging.getLogger(__name__)
-
-TRANSPORT_MODES = ("grpc", "collective", "auto")
-BACKENDS = ("gloo", "nccl")
-
-
-@dataclass(frozen=True)
-class GroupView:
-    """What an agent is told: where the store is and which group to form."""
-
-    store_port: int
-    generation: int
-    members: tuple[str, ...]
-    backend: str
-
 
 class GroupCoordinator:
     def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic):

@@ -26,11 +26,11 @@ from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
 from reshard.proto.status import domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
-from reshard.server.config import AgentConfig
-from reshard.server.executor import Executor, Item, PushHeader
-from reshard.server.group import GroupView
-from reshard.server.memory import keep_freed_memory
-from reshard.server.shards import Shard, ShardStore
+from reshard.server.common.config import AgentConfig
+from reshard.server.agent.executor import Executor, Item, PushHeader
+from reshard.server.common.contract import GroupView
+from reshard.server.agent.memory import keep_freed_memory
+from reshard.server.agent.store import Shard, ShardStore
 
 __all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
 
@@ -261,7 +261,7 @@ def collective_transport(config: AgentConfig, executor: Executor):
     ``--transport collective`` without torch is an error naming the install; ``auto``
     without torch quietly stays on gRPC, and says so in the log.
     """
-    from reshard.server.collective import CollectiveTransport, GroupMember, torch_available
+    from reshard.server.transport.collective import CollectiveTransport, GroupMember, torch_available
 
     if config.transport == "grpc" or (config.transport == "auto" and not torch_available()):
         if config.transport == "auto":

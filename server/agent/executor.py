@@ -48,7 +48,7 @@ from reshard.proto.errors import (
     NotFoundError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, np_dtype, tile_shape
-from reshard.server.shards import Shard, ShardStore
+from reshard.server.agent.store import Shard, ShardStore
 
 __all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved", "verify_arrival"]
 

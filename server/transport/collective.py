@@ -4,7 +4,7 @@ Owns everything that touches torch: the planner's rendezvous store
 (`Rendezvous`), an agent's membership in the group (`GroupMember`), and the
 data plane (`CollectiveTransport`), which runs one agent's part of a phase with
 point-to-point ``send``/``recv`` on the group. The planner decides who the
-members are (`reshard.server.group`); this module only follows it.
+members are (`reshard.server.planner.membership`); this module only follows it.
 
 =============== ==============================================================================
 group           one ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) per generation,
@@ -36,12 +36,11 @@ transfer's box, and the byte count and XXH3-64 digest match the sender's trailer
 before the receiver's Execute returns (and so before the planner commits); a
 chain's digest is checked end to end by its last hop, which covers every hop's
 bytes because each hop forwards from the very buffer it keeps
-(`reshard.server.executor.verify_arrival`).
+(`reshard.server.agent.executor.verify_arrival`).
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -59,65 +58,20 @@ from reshard.mesh import host_of
 from reshard.plan import Plan, Transfer
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
-from reshard.server.executor import corrupt_bit, interleaved, send_bytes, verify_arrival
+from reshard.server.agent.executor import corrupt_bit, interleaved, send_bytes, verify_arrival
+from reshard.server.common.contract import confirm_prefix
+from reshard.server.common.torch_support import require_torch, seconds_delta, torch_available
 
 if TYPE_CHECKING:
-    from reshard.server.executor import Executor, _AgentJob
-    from reshard.server.group import GroupView
+    from reshard.server.agent.executor import Executor, _AgentJob
+    from reshard.server.common.contract import GroupView
 
-__all__ = ["torch_available", "require_torch", "Rendezvous", "GroupMember", "CollectiveTransport",
-           "stream_offsets"]
+__all__ = ["torch_available", "GroupMember", "CollectiveTransport", "stream_offsets"]
 
 log = logging.getLogger(__name__)
 
-_TORCH_HINT = "the collective transport needs torch: pip install reshard[torch]"
 _STREAM_BITS = 20
 _SEQ_MASK = (1 << 11) - 1
-
-
-def torch_available() -> bool:
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return False
-    return dist.is_available()
-
-
-def require_torch():
-    """``torch.distributed``, or a `FailedPreconditionError` that says how to install it."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        raise FailedPreconditionError(f"torch is not installed; {_TORCH_HINT}") from None
-    if not dist.is_available():
-        raise FailedPreconditionError(f"this torch build has no torch.distributed; {_TORCH_HINT}")
-    return dist
-
-
-def _td(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=seconds)
-
-
-def _confirm_prefix(generation: int, job: str, phase: int) -> str:
-    return f"reshard/g{generation}/confirm/{job}/{phase}/"
-
-
-class Rendezvous:
-    """The planner's TCPStore, bound to its listen host on a free port."""
-
-    def __init__(self, listen_host: str, timeout_s: float):
-        dist = require_torch()
-        host = listen_host.strip("[]") or "0.0.0.0"
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=_td(timeout_s))
-        self.port = self.store.port
-        self._lock = threading.Lock()
-
-    def forget_job(self, generation: int, job: str, hosts_by_phase: dict[int, list[str]]) -> None:
-        """Delete a finished job's plan-id confirmations, so a long-lived store does not grow with every job."""
-        with self._lock:
-            for phase, hosts in hosts_by_phase.items():
-                for host in hosts:
-                    self.store.delete_key(_confirm_prefix(generation, job, phase) + host)
 
 
 # -- the group ----------------------------------------------------------------------------------
@@ -185,15 +139,15 @@ class GroupMember:
         rank = members.index(self.host)
         try:
             store = dist.TCPStore(self.planner_host, view.store_port, is_master=False, wait_for_workers=False,
-                                  timeout=_td(self.join_timeout_s))
+                                  timeout=seconds_delta(self.join_timeout_s))
             prefixed = dist.PrefixStore(f"reshard/g{gen}/pg/", store)
             if self.backend == "nccl":
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = _td(self.op_timeout_s)
+                opts._timeout = seconds_delta(self.op_timeout_s)
                 pg = dist.ProcessGroupNCCL(prefixed, rank, len(members), opts)
             else:
                 opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = _td(self.op_timeout_s)
+                opts._timeout = seconds_delta(self.op_timeout_s)
                 opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host) if self.bind_host
                                  else dist.ProcessGroupGloo.create_default_device()]
                 pg = dist.ProcessGroupGloo(prefixed, rank, len(members), opts)
@@ -305,7 +259,7 @@ class CollectiveTransport:
         self.lanes = 1 if member.backend == "nccl" else lanes
         self.window = max(1, window)
         self.confirm_timeout_s = confirm_timeout_s
-        self.op_timeout = _td(member.op_timeout_s)
+        self.op_timeout = seconds_delta(member.op_timeout_s)
         # Chunks are read-only views of shards that arrived as bytes; torch only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
@@ -359,7 +313,7 @@ class CollectiveTransport:
     def _confirm(self, state: "_AgentJob", group: Group, phase: int, peers: set[str]) -> None:
         """Publish this agent's plan id for the phase and check every peer's before any call."""
         me = self.executor.host
-        prefix = _confirm_prefix(state.generation, state.id, phase)
+        prefix = confirm_prefix(state.generation, state.id, phase)
         mine = state.plan.id
         try:
             self.member.require(state.generation, state.id)

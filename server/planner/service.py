@@ -12,11 +12,12 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.status import domain_error, servicer_method, start_server
 from reshard.proto.wire import box_to_pb
-from reshard.server.collective import Rendezvous, torch_available
-from reshard.server.config import PlannerConfig
-from reshard.server.group import GroupView
-from reshard.server.jobs import Job, Preparation
-from reshard.server.planner import Planner
+from reshard.server.common.torch_support import torch_available
+from reshard.server.planner.rendezvous import Rendezvous
+from reshard.server.common.config import PlannerConfig
+from reshard.server.common.contract import GroupView
+from reshard.server.planner.jobs import Job, Preparation
+from reshard.server.planner.control import Planner
 
 __all__ = ["serve_planner", "GrpcAgentCalls"]
 

@@ -20,7 +20,7 @@ import re
 
 from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError
 from reshard.mesh import Mesh
-from reshard.planner import STRATEGIES, plan
+from reshard.strategies import STRATEGIES, plan
 from reshard.sharding import Sharding, normalise_shape
 from reshard.topology import Topology
 

@@ -23,13 +23,13 @@ from typing import Protocol
 from reshard import box as boxes
 from reshard.mesh import host_of
 from reshard.plan import Plan, Transfer
-from reshard.planner import plan as make_plan
+from reshard.strategies import plan as make_plan
 from reshard.proto.errors import DeadlineExceededError
-from reshard.server.catalog import Catalog, TensorRecord, bumped
-from reshard.server.executor import send_bytes
-from reshard.server.group import GroupCoordinator
-from reshard.server.registry import Registry
-from reshard.server.state import StateStore
+from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
+from reshard.server.agent.executor import send_bytes
+from reshard.server.planner.membership import GroupCoordinator
+from reshard.server.planner.registry import Registry
+from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 
 __all__ = ["Job", "JobRunner", "AgentCalls", "Preparation", "STATES"]

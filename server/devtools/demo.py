@@ -19,7 +19,7 @@ import numpy as np
 
 from reshard.box import to_slices
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases
-from reshard.planner import STRATEGIES
+from reshard.strategies import STRATEGIES
 from reshard.proto.layout import np_dtype
 
 if TYPE_CHECKING:  # rich is imported when the demo runs, not whenever the CLI builds its parser

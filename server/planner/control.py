@@ -15,16 +15,16 @@ from reshard.box import Box
 from reshard.errors import InvalidShardingError
 from reshard.mesh import host_of
 from reshard.plan import Plan
-from reshard.planner import STRATEGIES
-from reshard.planner import plan as make_plan
+from reshard.strategies import STRATEGIES
+from reshard.strategies import plan as make_plan
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.proto.layout import tile_shape
-from reshard.server.catalog import Catalog, TensorRecord, Upload, Uploads
-from reshard.server.config import PlannerConfig
-from reshard.server.group import GroupCoordinator
-from reshard.server.jobs import AgentCalls, Job, JobRunner
-from reshard.server.registry import AgentRecord, Registry
-from reshard.server.state import StateStore
+from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads
+from reshard.server.common.config import PlannerConfig
+from reshard.server.planner.membership import GroupCoordinator
+from reshard.server.planner.jobs import AgentCalls, Job, JobRunner
+from reshard.server.planner.registry import AgentRecord, Registry
+from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 
 __all__ = ["Planner", "parse_sharding"]

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from reshard.cli import HelpFormatter
-from reshard.server.lifecycle import wait_for_signal
+from reshard.plan_command import HelpFormatter
+from reshard.server.common.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
 

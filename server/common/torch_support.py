@@ -1,0 +1,39 @@
+"""torch, where a component needs it: whether it is there, and a clear error where it is not.
+
+The planner (its rendezvous store) and the collective transport both need
+``torch.distributed``; nothing else in the service imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from reshard.proto.errors import FailedPreconditionError
+
+__all__ = ["torch_available", "require_torch", "seconds_delta"]
+
+_TORCH_HINT = "the collective transport needs torch: pip install reshard[torch]"
+
+
+def torch_available() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return False
+    return dist.is_available()
+
+
+def require_torch():
+    """``torch.distributed``, or a `FailedPreconditionError` that says how to install it."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        raise FailedPreconditionError(f"torch is not installed; {_TORCH_HINT}") from None
+    if not dist.is_available():
+        raise FailedPreconditionError(f"this torch build has no torch.distributed; {_TORCH_HINT}")
+    return dist
+
+
+def seconds_delta(seconds: float) -> datetime.timedelta:
+    """The timeout type torch.distributed takes."""
+    return datetime.timedelta(seconds=seconds)
