@@ -15,6 +15,10 @@ broadcast   a chain over the route's hosts: ``hs`` sends b once, every route hos
             receives b once and all but the last forward it; inside each host the
             box is fanned out along a chain of that host's receivers
 =========== ====================================================================
+
+That table is written once, as code, in `transfer_flows`: the cost model here,
+the agents' progress accounting (`sender_bytes`), the planner's statistics
+(`network_copies`, `host_traffic`) and the dashboard all read it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,20 @@ from dataclasses import dataclass, field
 from reshard.mesh import host_of
 from reshard.topology import Topology
 
-__all__ = ["HostCache", "PhaseLoad", "phase_loads", "estimate_seconds", "lower_bound_seconds"]
+__all__ = [
+    "HostCache",
+    "Flow",
+    "transfer_flows",
+    "sender_bytes",
+    "network_copies",
+    "host_traffic",
+    "PhaseLoad",
+    "phase_loads",
+    "estimate_seconds",
+    "lower_bound_seconds",
+]
+
+NIC, INTRA = "nic", "intra"
 
 
 class HostCache(dict):
@@ -62,53 +79,142 @@ class PhaseLoad:
                     best, what = t, f"intra-host link {direction} of {d}"
         return best, what
 
+    def add(self, flows: Iterable[Flow]) -> None:
+        for f in flows:
+            if f.link == NIC:
+                self.send[f.src] += f.nbytes
+                self.recv[f.dst] += f.nbytes
+            else:
+                self.dev_out[f.src] += f.nbytes
+                self.dev_in[f.dst] += f.nbytes
+
     @property
     def network_bytes(self) -> int:
         return sum(self.recv.values())
 
 
-def _chain(load: PhaseLoad, devices: list[str], nbytes: int) -> None:
-    for a, b in zip(devices, devices[1:]):
-        load.dev_out[a] += nbytes
-        load.dev_in[b] += nbytes
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """Bytes one transfer puts on one link.
+
+    ``link`` is ``"nic"`` when ``src`` and ``dst`` are hosts and the bytes cross
+    the network, ``"intra"`` when they are devices of one host. ``origin`` is True
+    when the transfer's sender host sends these bytes itself, False when a chain
+    hop (a route host, or a receiver inside a host) forwards what it received.
+    """
+
+    src: str
+    dst: str
+    nbytes: int
+    link: str
+    origin: bool
+
+
+def _box_bytes(box, itemsize: int) -> int:
+    n = itemsize
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _chain_flows(out: list[Flow], devices: list[str], nbytes: int, origin: bool) -> None:
+    # Only the chain's first link leaves the device that started it; later links are forwarded.
+    for i, (a, b) in enumerate(zip(devices, devices[1:])):
+        out.append(Flow(a, b, nbytes, INTRA, origin and i == 0))
+
+
+def transfer_flows(t, itemsize: int, hosts: HostCache | None = None) -> list[Flow]:
+    """The flows of one transfer, as the module docstring's table defines them."""
+    hosts = hosts if hosts is not None else HostCache()
+    n = _box_bytes(t.box, itemsize)
+    hs = hosts[t.sender]
+    out: list[Flow] = []
+    if t.method == "p2p":
+        for r in t.receivers:
+            hr = hosts[r]
+            if hr == hs:
+                out.append(Flow(t.sender, r, n, INTRA, True))
+            else:
+                out.append(Flow(hs, hr, n, NIC, True))
+    elif t.method == "local":
+        _chain_flows(out, [t.sender, *t.receivers], n, True)
+    else:
+        by_host: dict[str, list[str]] = defaultdict(list)
+        for r in t.receivers:
+            by_host[hosts[r]].append(r)
+        if by_host.get(hs):
+            _chain_flows(out, [t.sender, *by_host[hs]], n, True)
+        prev = hs
+        for h in t.route:
+            out.append(Flow(prev, h, n, NIC, prev == hs))
+            _chain_flows(out, by_host.get(h, []), n, False)
+            prev = h
+    return out
+
+
+def sender_bytes(transfers: Iterable, itemsize: int, host: str, phase: int | None = None) -> int:
+    """Bytes the agent of ``host`` sends as a transfer's sender (copies and first hops).
+
+    This is what an agent's progress reports count. It is not the sum of the
+    origin flows: for a local fan-out the cost model charges a chain (sender ->
+    r1 -> r2 ...), but the agent writes each receiver on its own host directly
+    from the sender's buffer, so it counts one copy per local receiver; a
+    broadcast's route adds one first hop, whatever the route's length.
+    """
+    hosts = HostCache()
+    total = 0
+    for t in transfers:
+        if hosts[t.sender] != host or (phase is not None and t.phase != phase):
+            continue
+        n = _box_bytes(t.box, itemsize)
+        if t.method == "broadcast":
+            total += n * (sum(hosts[r] == host for r in t.receivers) + (1 if t.route else 0))
+        else:
+            total += n * len(t.receivers)
+    return total
+
+
+def network_copies(t, hosts: HostCache | None = None) -> int:
+    """How many times a transfer's box crosses the network (0: it stays on the sender's host)."""
+    hosts = hosts if hosts is not None else HostCache()
+    if t.method == "broadcast":
+        return len(t.route)
+    if t.method == "p2p":
+        hs = hosts[t.sender]
+        return sum(hosts[r] != hs for r in t.receivers)
+    return 0
+
+
+def host_traffic(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> dict[str, dict[str, int]]:
+    """Per host, from the flows: ``bytes_out`` and ``bytes_in`` over its NIC, ``local_bytes`` between its devices."""
+    hosts = hosts if hosts is not None else HostCache()
+    out: dict[str, dict[str, int]] = {}
+
+    def row(h: str) -> dict[str, int]:
+        r = out.get(h)
+        if r is None:
+            r = out[h] = {"bytes_out": 0, "bytes_in": 0, "local_bytes": 0}
+        return r
+
+    for t in transfers:
+        for f in transfer_flows(t, itemsize, hosts):
+            if f.link == NIC:
+                row(f.src)["bytes_out"] += f.nbytes
+                row(f.dst)["bytes_in"] += f.nbytes
+            else:
+                row(hosts[f.src])["local_bytes"] += f.nbytes
+    return out
 
 
 def phase_loads(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> list[PhaseLoad]:
-    """Per phase, the bytes each NIC direction and each intra-host link carries."""
+    """Per phase, the bytes each NIC direction and each intra-host link carries (the flows, added up)."""
     hosts = hosts if hosts is not None else HostCache()
     phases: dict[int, PhaseLoad] = {}
     for t in transfers:
         load = phases.get(t.phase)
         if load is None:
             load = phases[t.phase] = PhaseLoad(t.phase)
-        n = itemsize
-        for lo, hi in t.box:
-            n *= hi - lo
-        hs = hosts[t.sender]
-        if t.method == "p2p":
-            for r in t.receivers:
-                hr = hosts[r]
-                if hr == hs:
-                    load.dev_out[t.sender] += n
-                    load.dev_in[r] += n
-                else:
-                    load.send[hs] += n
-                    load.recv[hr] += n
-        elif t.method == "local":
-            _chain(load, [t.sender, *t.receivers], n)
-        else:
-            by_host: dict[str, list[str]] = defaultdict(list)
-            for r in t.receivers:
-                by_host[hosts[r]].append(r)
-            if by_host.get(hs):
-                _chain(load, [t.sender, *by_host[hs]], n)
-            if t.route:
-                load.send[hs] += n
-                for i, h in enumerate(t.route):
-                    load.recv[h] += n
-                    if i + 1 < len(t.route):
-                        load.send[h] += n
-                    _chain(load, by_host.get(h, []), n)
+        load.add(transfer_flows(t, itemsize, hosts))
     return [phases[p] for p in sorted(phases)]
 
 
