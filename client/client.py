@@ -193,8 +193,8 @@ class Client:
                 ch = self._agents[address] = grpc.insecure_channel(address, options=self._options)
         return pb_grpc.AgentStub(ch)
 
-    def _upload(self, txn: str, name: str, device: str, address: str, tile: Box, dtype: str, arr: np.ndarray) -> None:
-        header = pb.ShardHeader(txn=txn, tensor=name, device=device, dtype=dtype,
+    def _upload(self, upload_id: str, name: str, device: str, address: str, tile: Box, dtype: str, arr: np.ndarray) -> None:
+        header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype,
                                 box=box_to_pb(tile))
         try:
             self._agent(address).PutShard(shard_stream(arr, header, self.chunk_bytes), timeout=None)
@@ -228,14 +228,14 @@ class Client:
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
         jobs = []
-        for p in reply.placements:
+        for p in reply.locations:
             tile = box_from_pb(p.box)
-            jobs.append(self._pool.submit(self._upload, reply.txn, name, p.device, p.address, tile, dtype,
+            jobs.append(self._pool.submit(self._upload, reply.upload_id, name, p.device, p.address, tile, dtype,
                                           arr[to_slices(tile)]))
         for f in jobs:
             f.result()
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
-            txn=reply.txn, devices=[p.device for p in reply.placements]))
+            upload_id=reply.upload_id, devices=[p.device for p in reply.locations]))
         return self.info(name)
 
     def put_shard(self, name: str, device: str, array, sharding: Sharding,
@@ -255,9 +255,9 @@ class Client:
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
             device=device, shard_shape=arr.shape))
-        placement = next(p for p in reply.placements if p.device == device)
-        self._upload(reply.txn, name, device, placement.address, box_from_pb(placement.box), dtype, arr)
-        done = self._planner_call("FinishUpload", pb.FinishUploadRequest(txn=reply.txn, devices=[device]))
+        placement = next(p for p in reply.locations if p.device == device)
+        self._upload(reply.upload_id, name, device, placement.address, box_from_pb(placement.box), dtype, arr)
+        done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 
     def _tensor(self, name: str) -> pb.TensorInfo:
@@ -270,13 +270,13 @@ class Client:
         """Gather the whole tensor (one replica of each tile); numpy or torch, as it was put."""
         t = self._tensor(name)
         out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
-        seen: dict[Box, pb.Placement] = {}
-        for p in t.placements:
+        seen: dict[Box, pb.TileLocation] = {}
+        for p in t.locations:
             tile = box_from_pb(p.box)
             if all(lo < hi for lo, hi in tile) and (tile not in seen or not seen[tile].address):
                 seen[tile] = p
 
-        def fetch(tile: Box, p: pb.Placement) -> None:
+        def fetch(tile: Box, p: pb.TileLocation) -> None:
             out[to_slices(tile)] = self._download(name, t.version, p.device, p.address)
 
         for f in [self._pool.submit(fetch, tile, p) for tile, p in seen.items()]:
@@ -286,10 +286,10 @@ class Client:
     def get_shard(self, name: str, device: str):
         """The tile ``device`` holds; numpy or torch, as the tensor was put."""
         t = self._tensor(name)
-        p = next((p for p in t.placements if p.device == device), None)
+        p = next((p for p in t.locations if p.device == device), None)
         if p is None:
             raise NotFoundError(f"tensor {name!r} has no shard on device {device!r}; its devices are "
-                                f"{[q.device for q in t.placements]}")
+                                f"{[q.device for q in t.locations]}")
         arr = self._download(name, t.version, device, p.address)
         return _from_numpy(arr.reshape(tile_shape(box_from_pb(p.box))), t.dtype, t.kind)
 
@@ -297,7 +297,7 @@ class Client:
         """blake2b of every device's shard bytes, computed where the shards live (for verification)."""
         t = self._tensor(name)
         by_addr: dict[str, list[str]] = {}
-        for p in t.placements:
+        for p in t.locations:
             by_addr.setdefault(p.address, []).append(p.device)
         out: dict[str, str] = {}
         for address, devices in by_addr.items():

@@ -66,12 +66,12 @@ class AgentStub:
                 _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/reshard.v1.Agent/Commit',
-                request_serializer=reshard__pb2.TxnRequest.SerializeToString,
+                request_serializer=reshard__pb2.StagingRequest.SerializeToString,
                 response_deserializer=reshard__pb2.Empty.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/reshard.v1.Agent/Abort',
-                request_serializer=reshard__pb2.TxnRequest.SerializeToString,
+                request_serializer=reshard__pb2.StagingRequest.SerializeToString,
                 response_deserializer=reshard__pb2.Empty.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
@@ -184,12 +184,12 @@ def add_AgentServicer_to_server(servicer, server):
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
-                    request_deserializer=reshard__pb2.TxnRequest.FromString,
+                    request_deserializer=reshard__pb2.StagingRequest.FromString,
                     response_serializer=reshard__pb2.Empty.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
-                    request_deserializer=reshard__pb2.TxnRequest.FromString,
+                    request_deserializer=reshard__pb2.StagingRequest.FromString,
                     response_serializer=reshard__pb2.Empty.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
@@ -390,7 +390,7 @@ class Agent:
             request,
             target,
             '/reshard.v1.Agent/Commit',
-            reshard__pb2.TxnRequest.SerializeToString,
+            reshard__pb2.StagingRequest.SerializeToString,
             reshard__pb2.Empty.FromString,
             options,
             channel_credentials,
@@ -417,7 +417,7 @@ class Agent:
             request,
             target,
             '/reshard.v1.Agent/Abort',
-            reshard__pb2.TxnRequest.SerializeToString,
+            reshard__pb2.StagingRequest.SerializeToString,
             reshard__pb2.Empty.FromString,
             options,
             channel_credentials,

@@ -48,7 +48,7 @@ from reshard.proto.errors import (
     NotFoundError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, np_dtype, tile_shape
-from reshard.server.agent.store import Shard, ShardStore
+from reshard.server.agent.store import ShardStore, TileBuffer
 
 __all__ = ["PushHeader", "PeerLink", "Executor", "Traffic", "send_bytes", "interleaved", "verify_arrival"]
 
@@ -210,7 +210,7 @@ class _AgentJob:
                 buf[boxes.to_slices(held, tile)] = src.array[boxes.to_slices(held, src.tile)]
             self.buffers[dev] = buf
             self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
-            store.stage(job, dev, Shard(buf, tile, plan.dtype))
+            store.stage(job, dev, TileBuffer(buf, tile, plan.dtype))
 
     def write(self, device: str, sub: Box, data: np.ndarray) -> None:
         tile = self.dst_tiles.get(device)

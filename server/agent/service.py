@@ -30,7 +30,7 @@ from reshard.server.common.config import AgentConfig
 from reshard.server.agent.executor import Executor, Item, PushHeader
 from reshard.server.common.contract import GroupView
 from reshard.server.agent.memory import keep_freed_memory
-from reshard.server.agent.store import Shard, ShardStore
+from reshard.server.agent.store import ShardStore, TileBuffer
 
 __all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
 
@@ -111,10 +111,10 @@ class AgentServicer(pb_grpc.AgentServicer):
         with ExitStack() as receiving:
             def check(h: pb.ShardHeader) -> None:
                 self._check_device(h.device)
-                receiving.enter_context(self.store.receiving(h.txn))  # heartbeats keep the upload alive
+                receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
             header, shard = read_shard_stream(request_iterator, check)
-            self.store.stage(header.txn, header.device, Shard(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+            self.store.stage(header.upload_id, header.device, TileBuffer(shard, box_from_pb(header.box), dtype_name(header.dtype)))
         return pb.PutShardReply(nbytes=shard.nbytes)
 
     @servicer_method
@@ -198,15 +198,18 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Commit(self, request, context):
-        if request.devices:
-            self.store.commit(request.txn, request.tensor, request.version, list(request.devices))
+        if request.upload_id:
+            self.store.commit(request.upload_id, request.tensor, request.version, list(request.devices))
         else:
-            self.executor.commit(request.txn)
+            self.executor.commit(request.job_id)
         return pb.Empty()
 
     @servicer_method
     def Abort(self, request, context):
-        self.executor.abort(request.txn)
+        if request.upload_id:
+            self.store.abort(request.upload_id)
+        else:
+            self.executor.abort(request.job_id)
         return pb.Empty()
 
     @servicer_method
@@ -340,7 +343,7 @@ class Agent:
                                   else (0, 0))
                 reply = self._planner.Heartbeat(pb.HeartbeatRequest(
                     host=self.config.host, address=self.address, joined_generation=joined,
-                    broken_generation=broken, uploading=self.executor.store.receiving_txns()),
+                    broken_generation=broken, uploading=self.executor.store.receiving_uploads()),
                     timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()

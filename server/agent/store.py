@@ -19,11 +19,11 @@ import numpy as np
 from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, NotFoundError
 
-__all__ = ["Shard", "ShardStore"]
+__all__ = ["TileBuffer", "ShardStore"]
 
 
 @dataclass(frozen=True)
-class Shard:
+class TileBuffer:
     """One device's tile of a tensor: ``array`` holds the box ``tile`` of the global tensor."""
 
     array: np.ndarray
@@ -34,60 +34,60 @@ class Shard:
 class ShardStore:
     def __init__(self):
         self._lock = threading.Lock()
-        self._committed: dict[tuple[str, int, str], Shard] = {}
-        self._staged: dict[str, dict[str, Shard]] = {}
-        self._receiving: Counter[str] = Counter()  # txn -> shard streams in progress
+        self._committed: dict[tuple[str, int, str], TileBuffer] = {}
+        self._staged: dict[str, dict[str, TileBuffer]] = {}
+        self._receiving: Counter[str] = Counter()  # owner -> shard streams in progress
 
     @contextmanager
-    def receiving(self, txn: str) -> Iterator[None]:
-        """Count a shard of upload ``txn`` as streaming in while the block runs."""
+    def receiving(self, owner: str) -> Iterator[None]:
+        """Count a shard of upload ``owner`` as streaming in while the block runs."""
         with self._lock:
-            self._receiving[txn] += 1
+            self._receiving[owner] += 1
         try:
             yield
         finally:
             with self._lock:
-                self._receiving[txn] -= 1
-                if not self._receiving[txn]:
-                    del self._receiving[txn]
+                self._receiving[owner] -= 1
+                if not self._receiving[owner]:
+                    del self._receiving[owner]
 
-    def receiving_txns(self) -> list[str]:
+    def receiving_uploads(self) -> list[str]:
         with self._lock:
             return sorted(self._receiving)
 
-    def stage(self, txn: str, device: str, shard: Shard) -> None:
+    def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
         with self._lock:
-            self._staged.setdefault(txn, {})[device] = shard
+            self._staged.setdefault(owner, {})[device] = shard
 
-    def staged(self, txn: str, device: str) -> Shard | None:
+    def staged(self, owner: str, device: str) -> TileBuffer | None:
         with self._lock:
-            return self._staged.get(txn, {}).get(device)
+            return self._staged.get(owner, {}).get(device)
 
-    def commit(self, txn: str, tensor: str, version: int, devices) -> None:
+    def commit(self, owner: str, tensor: str, version: int, devices) -> None:
         """Make the staged shards of ``devices`` visible as ``tensor`` at ``version``, all or none."""
         with self._lock:
-            staged = self._staged.get(txn, {})
+            staged = self._staged.get(owner, {})
             missing = [d for d in devices if d not in staged]
             if missing:
                 raise FailedPreconditionError(
-                    f"cannot commit {tensor!r} v{version}: transaction {txn} holds no shard for devices {missing}"
+                    f"cannot commit {tensor!r} v{version}: transaction {owner} holds no shard for devices {missing}"
                 )
             for d in devices:
                 self._committed[(tensor, version, d)] = staged[d]
-            del self._staged[txn]
+            del self._staged[owner]
 
-    def abort(self, txn: str) -> None:
+    def abort(self, owner: str) -> None:
         with self._lock:
-            self._staged.pop(txn, None)
+            self._staged.pop(owner, None)
 
-    def get(self, tensor: str, version: int, device: str) -> Shard:
+    def get(self, tensor: str, version: int, device: str) -> TileBuffer:
         with self._lock:
             shard = self._committed.get((tensor, version, device))
         if shard is None:
             raise NotFoundError(f"this agent holds no shard of {tensor!r} v{version} for device {device!r}")
         return shard
 
-    def find(self, tensor: str, version: int, device: str) -> Shard | None:
+    def find(self, tensor: str, version: int, device: str) -> TileBuffer | None:
         with self._lock:
             return self._committed.get((tensor, version, device))
 

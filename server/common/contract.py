@@ -5,6 +5,7 @@
                         members in rank order, backend)
 ``TRANSPORT_MODES``     what an agent may register: ``grpc``, ``collective``, ``auto``
 ``BACKENDS``            the collective backends: ``gloo`` (CPU shards), ``nccl`` (CUDA shards)
+``Staging``             an upload id or a job id: who staged shards on an agent
 ``confirm_prefix``      the rendezvous keys under which a job's hosts confirm its plan id before a
                         collective phase; the planner deletes them when the job ends
 ======================= ==========================================================================
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GroupView", "TRANSPORT_MODES", "BACKENDS", "confirm_prefix"]
+__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "confirm_prefix"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto")
 BACKENDS = ("gloo", "nccl")
@@ -28,6 +29,25 @@ class GroupView:
     generation: int
     members: tuple[str, ...]
     backend: str
+
+
+@dataclass(frozen=True)
+class Staging:
+    """Who staged shards on an agent: an upload (``upload``, the SDK's) or a job (``job``, the planner's).
+
+    Upload ids and job ids are different things that both stage shards until they
+    commit or abort; naming which one a call means keeps them apart on the wire.
+    """
+
+    upload: str = ""
+    job: str = ""
+
+    def __post_init__(self):
+        if bool(self.upload) == bool(self.job):
+            raise ValueError(f"name exactly one of an upload id and a job id; got upload={self.upload!r}, job={self.job!r}")
+
+    def __str__(self) -> str:
+        return f"upload {self.upload[:8]}" if self.upload else f"job {self.job[:8]}"
 
 
 def confirm_prefix(generation: int, job: str, phase: int) -> str:

@@ -98,7 +98,7 @@ class Catalog:
 
 @dataclass
 class Upload:
-    txn: str
+    id: str
     record: TensorRecord
     per_shard: bool
     done: set[str] = field(default_factory=set)
@@ -115,7 +115,7 @@ class Uploads:
         self._timeout = timeout_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._by_txn: dict[str, Upload] = {}
+        self._by_id: dict[str, Upload] = {}
         self._by_name: dict[str, Upload] = {}
 
     def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool) -> Upload:
@@ -135,11 +135,11 @@ class Uploads:
                     pending.last_activity = self._clock()
                     return pending
                 raise AlreadyExistsError(
-                    f"tensor {name!r} is being uploaded (transaction {pending.txn[:8]}); wait for it to finish or "
+                    f"tensor {name!r} is being uploaded (transaction {pending.id[:8]}); wait for it to finish or "
                     f"for it to expire {self._timeout:g}s after its last activity"
                 )
             up = Upload(uuid.uuid4().hex, rec, per_shard, last_activity=self._clock())
-            self._by_txn[up.txn] = up
+            self._by_id[up.id] = up
             self._by_name[name] = up
             return up
 
@@ -153,16 +153,16 @@ class Uploads:
                     f"every rank must describe the same tensor"
                 )
 
-    def get(self, txn: str) -> Upload:
+    def get(self, id: str) -> Upload:
         with self._lock:
-            up = self._by_txn.get(txn)
+            up = self._by_id.get(id)
         if up is None:
-            raise NotFoundError(f"no upload transaction {txn!r}; it finished, failed or expired")
+            raise NotFoundError(f"no upload transaction {id!r}; it finished, failed or expired")
         return up
 
-    def mark(self, txn: str, devices) -> tuple[Upload, bool]:
+    def mark(self, id: str, devices) -> tuple[Upload, bool]:
         """Record uploaded devices; returns the upload and whether every device now has its shard."""
-        up = self.get(txn)
+        up = self.get(id)
         devices = list(devices)
         unknown = [d for d in devices if d not in up.devices]
         if unknown:
@@ -174,28 +174,28 @@ class Uploads:
             up.last_activity = self._clock()
             return up, len(up.done) == len(up.devices)
 
-    def touch(self, txns) -> None:
+    def touch(self, ids) -> None:
         """Count uploads whose bytes are still streaming into an agent as active (unknown ones are ignored:
         they finished or expired)."""
         with self._lock:
             now = self._clock()
-            for txn in txns:
-                up = self._by_txn.get(txn)
+            for id in ids:
+                up = self._by_id.get(id)
                 if up is not None:
                     up.last_activity = now
 
-    def close(self, txn: str) -> None:
+    def close(self, id: str) -> None:
         with self._lock:
-            up = self._by_txn.pop(txn, None)
+            up = self._by_id.pop(id, None)
             if up is not None and self._by_name.get(up.record.name) is up:
                 del self._by_name[up.record.name]
 
     def expired(self) -> list[Upload]:
         now = self._clock()
         with self._lock:
-            out = [u for u in self._by_txn.values() if now - u.last_activity > self._timeout]
+            out = [u for u in self._by_id.values() if now - u.last_activity > self._timeout]
         for u in out:
-            self.close(u.txn)
+            self.close(u.id)
         return out
 
 

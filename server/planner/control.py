@@ -19,6 +19,7 @@ from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.proto.layout import tile_shape
+from reshard.server.common.contract import Staging
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
@@ -31,7 +32,7 @@ __all__ = ["Planner", "parse_sharding"]
 
 log = logging.getLogger(__name__)
 
-Placement = tuple[str, str, Box]  # device, agent address, tile
+TileLocation = tuple[str, str, Box]  # device, agent address, tile
 
 
 def parse_sharding(text: str, what: str) -> Sharding:
@@ -93,14 +94,14 @@ class Planner:
         """Bytes moved by succeeded jobs, by transport: ``grpc``, ``collective`` (network), ``local`` (within a host)."""
         return self.jobs.bytes_moved()
 
-    def _placements(self, sharding: Sharding, shape) -> list[Placement]:
+    def _locations(self, sharding: Sharding, shape) -> list[TileLocation]:
         tiles = sharding.tiles(shape)
         return [(d, self.registry.require_up(host_of(d)).address, tiles[d]) for d in sharding.mesh.require_devices()]
 
     # -- uploads -----------------------------------------------------------------------------
 
     def begin_upload(self, name: str, shape, dtype: str, sharding_json: str, kind: str,
-                     device: str = "", shard_shape=()) -> tuple[Upload, list[Placement]]:
+                     device: str = "", shard_shape=()) -> tuple[Upload, list[TileLocation]]:
         sharding = parse_sharding(sharding_json, "sharding")
         sharding.check_shape(shape)
         self.registry.check_mesh(sharding.mesh)
@@ -117,14 +118,14 @@ class Planner:
                     f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
                 )
         upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device))
-        return upload, self._placements(upload.record.sharding, upload.record.shape)
+        return upload, self._locations(upload.record.sharding, upload.record.shape)
 
-    def finish_upload(self, txn: str, devices) -> tuple[bool, int]:
-        upload, complete = self.uploads.mark(txn, devices)
+    def finish_upload(self, upload_id: str, devices) -> tuple[bool, int]:
+        upload, complete = self.uploads.mark(upload_id, devices)
         if not complete:
             return False, len(upload.devices) - len(upload.done)
         with self._upload_lock:
-            self.uploads.get(txn)  # still open: not expired meanwhile
+            self.uploads.get(upload_id)  # still open: not expired meanwhile
             rec = upload.record
             by_host: dict[str, list[str]] = {}
             for d in upload.devices:
@@ -132,7 +133,7 @@ class Planner:
             committed = []
             try:
                 for h, devs in by_host.items():
-                    self.agents.commit(h, self.registry.require_up(h).address, txn, rec.name, rec.version, devs,
+                    self.agents.commit(h, self.registry.require_up(h).address, Staging(upload=upload_id), rec.name, rec.version, devs,
                                        self.config.agent_rpc_timeout_s)
                     committed.append(h)
                 self.catalog.add(rec)
@@ -140,7 +141,7 @@ class Planner:
                 self._drop_upload(upload, committed)
                 raise
             finally:
-                self.uploads.close(txn)
+                self.uploads.close(upload_id)
             self.store.save_tensor(rec.to_json())
         return True, 0
 
@@ -153,9 +154,9 @@ class Planner:
             try:
                 if h in committed_hosts:
                     self.agents.release(h, agent.address, rec.name, rec.version, self.config.agent_rpc_timeout_s)
-                self.agents.abort(h, agent.address, upload.txn, self.config.agent_rpc_timeout_s)
+                self.agents.abort(h, agent.address, Staging(upload=upload.id), self.config.agent_rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup continues on the other hosts
-                log.info("dropping upload %s on host %s failed: %s", upload.txn[:8], h, e)
+                log.info("dropping upload %s on host %s failed: %s", upload.id[:8], h, e)
 
     def _reap(self) -> None:
         while not self._stop.wait(min(1.0, self.config.upload_timeout_s / 4)):
@@ -166,7 +167,7 @@ class Planner:
 
     # -- catalog ---------------------------------------------------------------------------------
 
-    def tensor(self, name: str) -> tuple[TensorRecord, list[Placement]]:
+    def tensor(self, name: str) -> tuple[TensorRecord, list[TileLocation]]:
         rec = self.catalog.get(name)
         tiles = rec.sharding.tiles(rec.shape)
         out = []

@@ -25,6 +25,7 @@ from reshard.mesh import host_of
 from reshard.plan import Plan, Transfer
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import DeadlineExceededError
+from reshard.server.common.contract import Staging
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
 from reshard.server.agent.executor import send_bytes
 from reshard.server.planner.membership import GroupCoordinator
@@ -63,10 +64,10 @@ class AgentCalls(Protocol):
         """Run the host's part of ``phase`` (preparing first when ``prepare`` is given); returns the host's
         traffic for the job so far when the agent reports it (as `stats` does), else None."""
 
-    def commit(self, host: str, address: str, txn: str, tensor: str, version: int, devices: list[str],
+    def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float) -> None: ...
 
-    def abort(self, host: str, address: str, txn: str, timeout: float) -> None: ...
+    def abort(self, host: str, address: str, staging: Staging, timeout: float) -> None: ...
 
     def release(self, host: str, address: str, tensor: str, version: int, timeout: float) -> None: ...
 
@@ -263,14 +264,14 @@ class JobRunner:
             # while the receivers commit.
             stats = {self._calls_pool.submit(self.agents.stats, h, peers[h], job.id, timeout): h
                      for h in hosts if h not in traffic}
-            self._fan_out(lambda h: self.agents.commit(h, peers[h], job.id, rec.name, job.version, [], timeout),
+            self._fan_out(lambda h: self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version, [], timeout),
                           dst_hosts, deadline)
             self.catalog.swap(rec, bumped(rec, job.dst))
         except BaseException as e:
             if transport == "collective" and self.group is not None:
                 # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
                 self.group.reform(f"job {job.id[:8]} failed on generation {generation}: {str(e)[:120]}")
-            self._best_effort(lambda h: self.agents.abort(h, peers[h], job.id, timeout), hosts)
+            self._best_effort(lambda h: self.agents.abort(h, peers[h], Staging(job=job.id), timeout), hosts)
             self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
             raise
         finally:

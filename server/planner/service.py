@@ -15,7 +15,7 @@ from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import GroupView
+from reshard.server.common.contract import GroupView, Staging
 from reshard.server.planner.jobs import Job, Preparation
 from reshard.server.planner.control import Planner
 
@@ -68,12 +68,12 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
         return traffic
 
-    def commit(self, host, address, txn, tensor, version, devices, timeout):
+    def commit(self, host, address, staging, tensor, version, devices, timeout):
         self._call(host, address, "Commit",
-                   pb.TxnRequest(txn=txn, tensor=tensor, version=version, devices=devices), timeout)
+                   _staging(staging, tensor=tensor, version=version, devices=devices), timeout)
 
-    def abort(self, host, address, txn, timeout):
-        self._call(host, address, "Abort", pb.TxnRequest(txn=txn), timeout)
+    def abort(self, host, address, staging, timeout):
+        self._call(host, address, "Abort", _staging(staging), timeout)
 
     def release(self, host, address, tensor, version, timeout):
         self._call(host, address, "Release", pb.ReleaseRequest(tensor=tensor, version=version), timeout)
@@ -88,8 +88,12 @@ class GrpcAgentCalls:
             self._channels.clear()
 
 
-def _placements(items) -> list[pb.Placement]:
-    return [pb.Placement(device=d, address=a, box=box_to_pb(b)) for d, a, b in items]
+def _staging(staging: Staging, **fields) -> pb.StagingRequest:
+    return pb.StagingRequest(upload_id=staging.upload, job_id=staging.job, **fields)
+
+
+def _locations(items) -> list[pb.TileLocation]:
+    return [pb.TileLocation(device=d, address=a, box=box_to_pb(b)) for d, a, b in items]
 
 
 def job_info(job: Job) -> pb.JobInfo:
@@ -134,24 +138,24 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def BeginUpload(self, request, context):
-        upload, placements = self.planner.begin_upload(
+        upload, locations = self.planner.begin_upload(
             request.name, tuple(request.shape), request.dtype, request.sharding_json, request.kind,
             request.device, tuple(request.shard_shape))
-        return pb.BeginUploadReply(txn=upload.txn, version=upload.record.version, placements=_placements(placements))
+        return pb.BeginUploadReply(upload_id=upload.id, version=upload.record.version, locations=_locations(locations))
 
     @servicer_method
     def FinishUpload(self, request, context):
-        complete, missing = self.planner.finish_upload(request.txn, list(request.devices))
+        complete, missing = self.planner.finish_upload(request.upload_id, list(request.devices))
         return pb.FinishUploadReply(complete=complete, num_missing=missing)
 
-    def _tensor_info(self, rec, placements=()) -> pb.TensorInfo:
+    def _tensor_info(self, rec, locations=()) -> pb.TensorInfo:
         return pb.TensorInfo(name=rec.name, shape=rec.shape, dtype=rec.dtype, version=rec.version, kind=rec.kind,
-                             sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), placements=_placements(placements))
+                             sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), locations=_locations(locations))
 
     @servicer_method
     def GetTensor(self, request, context):
-        rec, placements = self.planner.tensor(request.name)
-        return self._tensor_info(rec, placements)
+        rec, locations = self.planner.tensor(request.name)
+        return self._tensor_info(rec, locations)
 
     @servicer_method
     def ListTensors(self, request, context):

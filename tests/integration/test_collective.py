@@ -20,6 +20,7 @@ from reshard import Mesh, Sharding
 from reshard.client import Client, FailedPreconditionError, JobFailedError
 from reshard.client.cluster import start_process
 from reshard.strategies import plan as make_plan
+from reshard.server.common.contract import Staging
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.jobs import Preparation
 from reshard.server.planner.service import serve_planner
@@ -135,7 +136,7 @@ def _execute_both(planner, job, plans, peers):
     for t in threads:
         t.join(60)
     for h, p in zip(HOSTS, plans):
-        planner.agents.abort(h, peers[h], job, 10)
+        planner.agents.abort(h, peers[h], Staging(job=job), 10)
     return out
 
 
