@@ -14,7 +14,8 @@ import math
 from collections import defaultdict
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from reshard import STRATEGIES, Mesh, Plan, Sharding, Topology, plan
@@ -147,3 +148,35 @@ def test_plan_json_round_trip_and_stable_id(problem, strategy):
         assert q.id == p.id
         assert (q.shape, q.dtype, q.src, q.dst, q.strategy) == (p.shape, p.dtype, p.src, p.dst, p.strategy)
         assert q.estimate() == p.estimate()
+
+
+@st.composite
+def problems_with_empty_tiles(draw):
+    """A problem whose tensor is so small that some destination devices get an empty tile."""
+    shape, src, dst, topology = draw(problems())
+    shape = tuple(draw(st.integers(1, 3)) for _ in shape)
+    assume(any(lo == hi for tile in dst.tiles(shape).values() for lo, hi in tile))
+    return shape, src, dst, topology
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(problems_with_empty_tiles(), st.sampled_from(STRATEGIES))
+def test_empty_destination_tiles_get_no_transfers_and_the_rest_arrive(problem, strategy):
+    shape, src, dst, topology = problem
+    p = plan(shape, "float32", src, dst, topology, strategy=strategy).validate()
+    simulate(p)
+    empty = {dev for dev, tile in dst.tiles(shape).items() if any(lo == hi for lo, hi in tile)}
+    for t in p.transfers:
+        assert all(lo < hi for lo, hi in t.box), f"{t}: an empty box"
+        assert not empty & set(t.receivers), f"{t}: sends to a device whose tile is empty"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_issue_10_case_thirteen_rows_over_eight_devices(strategy):
+    """(13, 64) from 2 devices of one host to 4x2 devices over 4 hosts: the last tile is empty."""
+    src = Sharding(Mesh.from_hosts({"a": 2}, ["h0"], 2), ("a", None))
+    dst = Sharding(Mesh.from_hosts({"a": 4, "b": 2}, ["h0", "h1", "h2", "h3"], 2), (("a", "b"), None))
+    assert dst.tile((13, 64), "h3/1") == ((13, 13), (0, 64))
+    p = plan((13, 64), "float32", src, dst, strategy=strategy).validate()
+    simulate(p)
+    assert all("h3/1" not in t.receivers for t in p.transfers)
