@@ -16,6 +16,17 @@ from reshard.errors import (
 )
 from reshard.mesh import Mesh, host_of
 from reshard.plan import Plan, Transfer
+from reshard.program import (
+    COMPUTE,
+    MOVE,
+    REDUCE,
+    STEP_KINDS,
+    Program,
+    Step,
+    StepEstimate,
+    TensorDecl,
+    TileRef,
+)
 from reshard.strategies import BASELINES, STRATEGIES, plan
 from reshard.sharding import Replicate, Shard, Sharding
 from reshard.topology import Topology
@@ -32,6 +43,15 @@ __all__ = [
     "Topology",
     "Plan",
     "Transfer",
+    "Program",
+    "Step",
+    "TileRef",
+    "TensorDecl",
+    "StepEstimate",
+    "MOVE",
+    "COMPUTE",
+    "REDUCE",
+    "STEP_KINDS",
     "plan",
     "host_of",
     "STRATEGIES",

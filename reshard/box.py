@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["volume", "intersect", "contains", "to_slices", "split", "box_str"]
+__all__ = ["volume", "intersect", "contains", "to_slices", "chunk", "split", "box_str"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -36,17 +36,12 @@ def to_slices(box: Box, origin: Optional[Box] = None) -> tuple[slice, ...]:
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(box, origin))
 
 
-def split(box: Box, parts: int) -> list[Box]:
-    """Cut ``box`` into ``parts`` pieces along one dim, ``torch.chunk`` style.
+def chunk(box: Box, parts: int, dim: int) -> list[Box]:
+    """Cut ``box`` into ``parts`` pieces along ``dim``, ``torch.chunk`` style.
 
-    The first dim at least ``parts`` long is cut, so pieces stay contiguous in
-    row-major memory where possible; otherwise the longest dim. Empty pieces are
-    kept so that piece ``i`` always belongs to part ``i``.
+    Every piece but the trailing ones is ceil(length / parts) long; empty pieces
+    are kept so that piece ``i`` always belongs to part ``i``.
     """
-    lengths = [hi - lo for lo, hi in box]
-    dim = next((d for d, n in enumerate(lengths) if n >= parts), None)
-    if dim is None:
-        dim = max(range(len(box)), key=lambda d: lengths[d])
     lo, hi = box[dim]
     c = -(-(hi - lo) // parts)
     out = []
@@ -54,6 +49,19 @@ def split(box: Box, parts: int) -> list[Box]:
         a, b = min(lo + i * c, hi), min(lo + (i + 1) * c, hi)
         out.append(box[:dim] + ((a, b),) + box[dim + 1:])
     return out
+
+
+def split(box: Box, parts: int) -> list[Box]:
+    """Cut ``box`` into ``parts`` pieces along one dim, `chunk` style.
+
+    The first dim at least ``parts`` long is cut, so pieces stay contiguous in
+    row-major memory where possible; otherwise the longest dim.
+    """
+    lengths = [hi - lo for lo, hi in box]
+    dim = next((d for d, n in enumerate(lengths) if n >= parts), None)
+    if dim is None:
+        dim = max(range(len(box)), key=lambda d: lengths[d])
+    return chunk(box, parts, dim)
 
 
 def box_str(box: Box) -> str:

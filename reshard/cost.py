@@ -16,7 +16,21 @@ broadcast   a chain over the route's hosts: ``hs`` sends b once, every route hos
             box is fanned out along a chain of that host's receivers
 =========== ====================================================================
 
-That table is written once, as code, in `transfer_flows`: the cost model here,
+A group reduce over ``n`` members of a ``b``-byte box (`reduce_rounds`):
+
+=========== ====================================================================
+ring        every member sends to the next (the last to the first) at once:
+            (n-1) rounds of b/n for ``shard`` (reduce-scatter), 2(n-1) for
+            ``replicate`` (reduce-scatter then all-gather); one fluid round
+chain       hops one after another, m0 -> m1 -> ... -> m(n-1), each carrying b,
+            the last member adds the final addend; ``replicate`` then sends the
+            result back down the chain hop by hop; ``shard`` sends each member
+            its piece from the last member in one round
+=========== ====================================================================
+
+A hop between devices of one host uses the intra-host link, between hosts the NIC.
+
+The move table is written once, as code, in `transfer_flows`: the cost model here,
 the agents' progress accounting (`sender_bytes`), the planner's statistics
 (`network_copies`, `host_traffic`) and the dashboard all read it.
 """
@@ -37,6 +51,8 @@ __all__ = [
     "sender_bytes",
     "network_copies",
     "host_traffic",
+    "flow_totals",
+    "reduce_rounds",
     "PhaseLoad",
     "phase_loads",
     "estimate_seconds",
@@ -185,8 +201,8 @@ def network_copies(t, hosts: HostCache | None = None) -> int:
     return 0
 
 
-def host_traffic(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> dict[str, dict[str, int]]:
-    """Per host, from the flows: ``bytes_out`` and ``bytes_in`` over its NIC, ``local_bytes`` between its devices."""
+def flow_totals(flows: Iterable[Flow], hosts: HostCache | None = None) -> dict[str, dict[str, int]]:
+    """Per host: ``bytes_out`` and ``bytes_in`` over its NIC, ``local_bytes`` between its devices."""
     hosts = hosts if hosts is not None else HostCache()
     out: dict[str, dict[str, int]] = {}
 
@@ -196,14 +212,54 @@ def host_traffic(transfers: Iterable, itemsize: int, hosts: HostCache | None = N
             r = out[h] = {"bytes_out": 0, "bytes_in": 0, "local_bytes": 0}
         return r
 
-    for t in transfers:
-        for f in transfer_flows(t, itemsize, hosts):
-            if f.link == NIC:
-                row(f.src)["bytes_out"] += f.nbytes
-                row(f.dst)["bytes_in"] += f.nbytes
-            else:
-                row(hosts[f.src])["local_bytes"] += f.nbytes
+    for f in flows:
+        if f.link == NIC:
+            row(f.src)["bytes_out"] += f.nbytes
+            row(f.dst)["bytes_in"] += f.nbytes
+        else:
+            row(hosts[f.src])["local_bytes"] += f.nbytes
     return out
+
+
+def host_traffic(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> dict[str, dict[str, int]]:
+    """`flow_totals` of every flow of ``transfers``."""
+    hosts = hosts if hosts is not None else HostCache()
+    return flow_totals((f for t in transfers for f in transfer_flows(t, itemsize, hosts)), hosts)
+
+
+def _hop(a: str, b: str, nbytes: int, hosts: HostCache, origin: bool) -> Flow:
+    ha, hb = hosts[a], hosts[b]
+    if ha == hb:
+        return Flow(a, b, nbytes, INTRA, origin)
+    return Flow(ha, hb, nbytes, NIC, origin)
+
+
+def reduce_rounds(devices, nbytes: int, result: str, algorithm: str,
+                  hosts: HostCache | None = None) -> list[list[Flow]]:
+    """The rounds of a group reduce, as the module docstring's table defines them.
+
+    Flows of one round share links at once (the fluid model); rounds run one
+    after another. A ring's pieces are b/n bytes rounded down. ``origin`` marks
+    the bytes a member sends of its own addend, the first hop of a chain.
+    """
+    hosts = hosts if hosts is not None else HostCache()
+    devices = list(devices)
+    n = len(devices)
+    if n < 2:
+        return []
+    if algorithm == "ring":
+        steps = (n - 1) * (2 if result == "replicate" else 1)
+        per_member = steps * nbytes // n
+        return [[_hop(a, b, per_member, hosts, True) for a, b in zip(devices, devices[1:] + devices[:1])]]
+    rounds = [[_hop(a, b, nbytes, hosts, i == 0)] for i, (a, b) in enumerate(zip(devices, devices[1:]))]
+    last = devices[-1]
+    if result == "replicate":
+        back = devices[::-1]
+        rounds += [[_hop(a, b, nbytes, hosts, False)] for a, b in zip(back, back[1:])]
+    else:
+        piece = nbytes // n
+        rounds.append([_hop(last, d, piece, hosts, False) for d in devices[:-1]])
+    return rounds
 
 
 def phase_loads(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> list[PhaseLoad]:

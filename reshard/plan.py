@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Optional
@@ -21,12 +21,22 @@ from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, estimate_seconds, lower_bound_seconds, phase_loads
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import PlanValidationError
-from reshard.mesh import host_of
 from reshard.sharding import Box, Sharding, normalise_shape
 from reshard.tasks import decompose
 from reshard.topology import Topology
 
-__all__ = ["Transfer", "Plan", "METHODS", "PLAN_VERSION"]
+__all__ = [
+    "Transfer",
+    "Plan",
+    "METHODS",
+    "PLAN_VERSION",
+    "check_transfer",
+    "check_delivery",
+    "content_id",
+    "ContentAddressed",
+    "check_version",
+    "check_claimed_id",
+]
 
 PLAN_VERSION = 1
 METHODS = ("p2p", "broadcast", "local")
@@ -81,8 +91,32 @@ class Transfer:
         return f"[{self.phase}] {self.method} {boxes.box_str(self.box)} {self.sender} -> {recv}{via}"
 
 
+class ContentAddressed:
+    """Plain data whose id is the sha256 of its canonical JSON; estimates and topology are extras, not hashed."""
+
+    def _canonical(self) -> dict:
+        raise NotImplementedError
+
+    def _extras(self) -> dict:
+        return {}
+
+    @cached_property
+    def id(self) -> str:
+        """sha256 of the canonical JSON; every agent confirms it before it joins the work."""
+        return content_id(self._canonical())
+
+    def to_json(self) -> dict:
+        out = self._canonical()
+        out.update(self._extras())
+        out["id"] = self.id
+        return out
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json())
+
+
 @dataclass(frozen=True)
-class Plan:
+class Plan(ContentAddressed):
     """How to move a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``."""
 
     shape: tuple[int, ...]
@@ -147,31 +181,18 @@ class Plan:
             "transfers": [t.to_json() for t in self.transfers],
         }
 
-    @cached_property
-    def id(self) -> str:
-        """sha256 of the plan's canonical JSON (estimates and topology excluded)."""
-        text = json.dumps(self._canonical(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
-
-    def to_json(self) -> dict:
-        out = self._canonical()
-        out["estimate_seconds"] = self.estimate_seconds
-        out["lower_bound_seconds"] = self.lower_bound_seconds
-        out["topology"] = self.topology.to_json()
-        out["id"] = self.id
-        return out
-
-    def dumps(self) -> str:
-        return json.dumps(self.to_json())
+    def _extras(self) -> dict:
+        return {
+            "estimate_seconds": self.estimate_seconds,
+            "lower_bound_seconds": self.lower_bound_seconds,
+            "topology": self.topology.to_json(),
+        }
 
     @classmethod
     def from_json(cls, data) -> "Plan":
         if isinstance(data, (str, bytes)):
             data = json.loads(data)
-        if data.get("version") != PLAN_VERSION:
-            raise PlanValidationError(
-                f"plan JSON version {data.get('version')!r} is not supported; this reshard reads version {PLAN_VERSION}"
-            )
+        check_version(data, "plan", PLAN_VERSION)
         try:
             plan = cls(
                 shape=normalise_shape(data["shape"]),
@@ -184,11 +205,7 @@ class Plan:
             )
         except KeyError as e:
             raise PlanValidationError(f"plan JSON lacks the field {e.args[0]!r}") from None
-        if "id" in data and data["id"] != plan.id:
-            raise PlanValidationError(
-                f"plan JSON claims id {data['id']} but its content hashes to {plan.id}; it was altered"
-            )
-        return plan
+        return check_claimed_id(data, plan, "plan")
 
     # -- validation ----------------------------------------------------------------------
 
@@ -201,66 +218,13 @@ class Plan:
         with its whole tile, every element exactly once (held or received).
         Raises `PlanValidationError` naming the first problem; returns the plan.
         """
-        shape = self.shape
-        src_tiles = self.src.tiles(shape)
-        dst_tiles = self.dst.tiles(shape)
-        full = tuple((0, s) for s in shape)
-        hosts = HostCache()
-        received: dict[str, list[tuple[int, Box]]] = defaultdict(list)
-        for i, t in enumerate(self.transfers):
-            where = _Where(i, t)
-            if t.method not in METHODS:
-                raise PlanValidationError(f"{where}: method {t.method!r} is not one of {list(METHODS)}")
-            if len(t.box) != len(shape) or not boxes.contains(full, t.box) or any(lo >= hi for lo, hi in t.box):
-                raise PlanValidationError(
-                    f"{where}: box {boxes.box_str(t.box)} is empty or outside the tensor of shape {shape}"
-                )
-            if not t.receivers or len(set(t.receivers)) != len(t.receivers) or t.sender in t.receivers:
-                raise PlanValidationError(
-                    f"{where}: receivers must be distinct, non-empty and exclude the sender"
-                )
-            hs = hosts[t.sender]
-            for r in t.receivers:
-                tile = dst_tiles.get(r)
-                if tile is None:
-                    raise PlanValidationError(f"{where}: receiver {r!r} is not a device of the destination mesh")
-                if not boxes.contains(tile, t.box):
-                    raise PlanValidationError(
-                        f"{where}: box {boxes.box_str(t.box)} is not inside receiver {r}'s tile {boxes.box_str(tile)}"
-                    )
-            if t.method == "local" and any(hosts[r] != hs for r in t.receivers):
-                raise PlanValidationError(f"{where}: a local transfer must stay on host {hs}")
-            if t.method == "broadcast":
-                remote = {hosts[r] for r in t.receivers} - {hs}
-                if len(set(t.route)) != len(t.route) or set(t.route) != remote:
-                    raise PlanValidationError(
-                        f"{where}: route {list(t.route)} must list each receiving host other than the "
-                        f"sender's exactly once; expected the hosts {sorted(remote)}"
-                    )
-            elif t.route:
-                raise PlanValidationError(f"{where}: only broadcasts have a route")
-            own = src_tiles.get(t.sender)
-            if not (own is not None and boxes.contains(own, t.box)) and not any(
-                p < t.phase and boxes.contains(b, t.box) for p, b in received.get(t.sender, ())
-            ):
-                raise PlanValidationError(
-                    f"{where}: sender {t.sender} does not hold box {boxes.box_str(t.box)} at the start of "
-                    f"phase {t.phase} (its source tile is "
-                    f"{boxes.box_str(own) if own is not None else 'none'})"
-                )
-            for r in t.receivers:
-                received[r].append((t.phase, t.box))
-        for dev, tile in dst_tiles.items():
-            missing, excess = _coverage(tile, src_tiles.get(dev), [b for _, b in received.get(dev, ())])
-            if missing or excess:
-                problem = []
-                if missing:
-                    problem.append(f"misses {missing} of its {boxes.volume(tile)} elements")
-                if excess:
-                    problem.append(f"gets {excess} elements it already has (held or received twice)")
-                raise PlanValidationError(
-                    f"destination device {dev} (tile {boxes.box_str(tile)}) " + " and ".join(problem)
-                )
+        transfers = self.transfers
+        check_delivery(
+            self.shape, self.src, self.dst, list(enumerate(transfers)),
+            before=lambda i, j: transfers[j].phase < transfers[i].phase,
+            where=_Where,
+            when=lambda i, t: f"at the start of phase {t.phase}",
+        )
         return self
 
     def wasted_bytes(self) -> int:
@@ -310,6 +274,107 @@ class Plan:
         if len(self.transfers) > len(shown):
             lines.append(f"  ... {len(self.transfers) - len(shown)} more (use --json for all)")
         return "\n".join(lines)
+
+
+def content_id(canonical: Mapping) -> str:
+    """sha256 of canonical JSON (sorted keys, no spaces): the id of a plan or a program."""
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_version(data: Mapping, what: str, version: int) -> None:
+    if data.get("version") != version:
+        raise PlanValidationError(
+            f"{what} JSON version {data.get('version')!r} is not supported; this reshard reads version {version}"
+        )
+
+
+def check_claimed_id(data: Mapping, made, what: str):
+    """``made``, read from ``data``, if the id ``data`` claims (if any) is ``made``'s own."""
+    if "id" in data and data["id"] != made.id:
+        raise PlanValidationError(
+            f"{what} JSON claims id {data['id']} but its content hashes to {made.id}; it was altered"
+        )
+    return made
+
+
+def check_transfer(where, t: Transfer, shape: tuple[int, ...], hosts: HostCache) -> None:
+    """The rules of one transfer on its own: method, box, receivers, and the route of a broadcast."""
+    full = tuple((0, n) for n in shape)
+    if t.method not in METHODS:
+        raise PlanValidationError(f"{where}: method {t.method!r} is not one of {list(METHODS)}")
+    if len(t.box) != len(shape) or not boxes.contains(full, t.box) or any(lo >= hi for lo, hi in t.box):
+        raise PlanValidationError(
+            f"{where}: box {boxes.box_str(t.box)} is empty or outside the tensor of shape {shape}"
+        )
+    if not t.receivers or len(set(t.receivers)) != len(t.receivers) or t.sender in t.receivers:
+        raise PlanValidationError(f"{where}: receivers must be distinct, non-empty and exclude the sender")
+    hs = hosts[t.sender]
+    if t.method == "local" and any(hosts[r] != hs for r in t.receivers):
+        raise PlanValidationError(f"{where}: a local transfer must stay on host {hs}")
+    if t.method == "broadcast":
+        remote = {hosts[r] for r in t.receivers} - {hs}
+        if len(set(t.route)) != len(t.route) or set(t.route) != remote:
+            raise PlanValidationError(
+                f"{where}: route {list(t.route)} must list each receiving host other than the "
+                f"sender's exactly once; expected the hosts {sorted(remote)}"
+            )
+    elif t.route:
+        raise PlanValidationError(f"{where}: only broadcasts have a route")
+
+
+def check_delivery(
+    shape: tuple[int, ...],
+    src: Sharding,
+    dst: Sharding,
+    transfers: Sequence[tuple[int, Transfer]],
+    before: Callable[[int, int], bool],
+    where: Callable[[int, Transfer], object],
+    when: Callable[[int, Transfer], str],
+) -> None:
+    """Prove ``transfers`` (index, transfer) take a tensor from ``src`` to ``dst`` exactly.
+
+    ``before(i, j)`` says whether transfer ``j`` has delivered when transfer ``i``
+    starts: the phase order of a plan, the dependencies of a program. A sender
+    holds a box when its source tile or one box delivered before contains it.
+    ``where`` names a transfer in a message and ``when`` says when it starts.
+    """
+    src_tiles = src.tiles(shape)
+    dst_tiles = dst.tiles(shape)
+    hosts = HostCache()
+    received: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    for i, t in transfers:
+        place = where(i, t)
+        check_transfer(place, t, shape, hosts)
+        for r in t.receivers:
+            tile = dst_tiles.get(r)
+            if tile is None:
+                raise PlanValidationError(f"{place}: receiver {r!r} is not a device of the destination mesh")
+            if not boxes.contains(tile, t.box):
+                raise PlanValidationError(
+                    f"{place}: box {boxes.box_str(t.box)} is not inside receiver {r}'s tile {boxes.box_str(tile)}"
+                )
+        own = src_tiles.get(t.sender)
+        if not (own is not None and boxes.contains(own, t.box)) and not any(
+            before(i, j) and boxes.contains(b, t.box) for j, b in received.get(t.sender, ())
+        ):
+            raise PlanValidationError(
+                f"{place}: sender {t.sender} does not hold box {boxes.box_str(t.box)} {when(i, t)} "
+                f"(its source tile is {boxes.box_str(own) if own is not None else 'none'})"
+            )
+        for r in t.receivers:
+            received[r].append((i, t.box))
+    for dev, tile in dst_tiles.items():
+        missing, excess = _coverage(tile, src_tiles.get(dev), [b for _, b in received.get(dev, ())])
+        if missing or excess:
+            problem = []
+            if missing:
+                problem.append(f"misses {missing} of its {boxes.volume(tile)} elements")
+            if excess:
+                problem.append(f"gets {excess} elements it already has (held or received twice)")
+            raise PlanValidationError(
+                f"destination device {dev} (tile {boxes.box_str(tile)}) " + " and ".join(problem)
+            )
 
 
 class _Where:

@@ -1,8 +1,11 @@
-"""Network topology the cost model sees: one full-duplex NIC per host, and
-device-to-device links inside a host.
+"""Network topology the cost model sees: one full-duplex NIC per host,
+device-to-device links inside a host, and each device's memory bandwidth.
 
-Bandwidths are given in Gbit/s, as NICs are sold; the cost model works in bytes
-per second.
+Link bandwidths are given in Gbit/s, as NICs are sold; memory bandwidth in
+GB/s (10^9 bytes), as memory is sold. The cost model works in bytes per second.
+The memory figure prices compute steps, which read and write a device's own
+memory: 20 GB/s is a conservative single-core CPU copy rate; a GPU host would
+set a few hundred to a few thousand.
 """
 
 from __future__ import annotations
@@ -15,28 +18,32 @@ from reshard.errors import InvalidTopologyError
 __all__ = ["Topology"]
 
 
-def _positive(name: str, value) -> float:
+def _positive(name: str, value, unit: str = "Gbit/s") -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidTopologyError(f"{name} is {value!r}; bandwidths must be positive numbers of Gbit/s")
+        raise InvalidTopologyError(f"{name} is {value!r}; bandwidths must be positive numbers of {unit}")
     return float(value)
 
 
 @dataclass(frozen=True)
 class Topology:
-    """Per-host NIC bandwidth (send and receive each at that rate) and intra-host bandwidth."""
+    """Per-host NIC bandwidth (send and receive each at that rate), intra-host bandwidth
+    and per-device memory bandwidth, each with per-host overrides."""
 
     nic_gbps: float = 10.0
     intra_host_gbps: float = 100.0
     host_nic_gbps: tuple[tuple[str, float], ...] = field(default=())
     host_intra_gbps: tuple[tuple[str, float], ...] = field(default=())
+    memory_gb_per_s: float = 20.0
+    host_memory_gb_per_s: tuple[tuple[str, float], ...] = field(default=())
 
     def __post_init__(self):
         object.__setattr__(self, "nic_gbps", _positive("nic_gbps", self.nic_gbps))
         object.__setattr__(self, "intra_host_gbps", _positive("intra_host_gbps", self.intra_host_gbps))
-        for attr in ("host_nic_gbps", "host_intra_gbps"):
+        object.__setattr__(self, "memory_gb_per_s", _positive("memory_gb_per_s", self.memory_gb_per_s, "GB/s"))
+        for attr, unit in (("host_nic_gbps", "Gbit/s"), ("host_intra_gbps", "Gbit/s"), ("host_memory_gb_per_s", "GB/s")):
             raw = getattr(self, attr)
             items = raw.items() if isinstance(raw, Mapping) else raw
-            norm = tuple(sorted((str(h), _positive(f"{attr}[{h!r}]", v)) for h, v in items))
+            norm = tuple(sorted((str(h), _positive(f"{attr}[{h!r}]", v, unit)) for h, v in items))
             object.__setattr__(self, attr, norm)
 
     def nic_bytes_per_s(self, host: str) -> float:
@@ -45,12 +52,18 @@ class Topology:
     def intra_bytes_per_s(self, host: str) -> float:
         return dict(self.host_intra_gbps).get(host, self.intra_host_gbps) * 1e9 / 8
 
+    def memory_bytes_per_s(self, host: str) -> float:
+        """How fast one device of ``host`` reads plus writes its own memory."""
+        return dict(self.host_memory_gb_per_s).get(host, self.memory_gb_per_s) * 1e9
+
     def to_json(self) -> dict:
         return {
             "nic_gbps": self.nic_gbps,
             "intra_host_gbps": self.intra_host_gbps,
             "host_nic_gbps": dict(self.host_nic_gbps),
             "host_intra_gbps": dict(self.host_intra_gbps),
+            "memory_gb_per_s": self.memory_gb_per_s,
+            "host_memory_gb_per_s": dict(self.host_memory_gb_per_s),
         }
 
     @classmethod
@@ -60,6 +73,9 @@ class Topology:
             intra_host_gbps=data.get("intra_host_gbps", 100.0),
             host_nic_gbps=data.get("host_nic_gbps", {}),
             host_intra_gbps=data.get("host_intra_gbps", {}),
+            # Topology JSON written before memory bandwidth existed reads with the default.
+            memory_gb_per_s=data.get("memory_gb_per_s", 20.0),
+            host_memory_gb_per_s=data.get("host_memory_gb_per_s", {}),
         )
 
     def __str__(self) -> str:

@@ -1,0 +1,846 @@
+"""Programs: moves, compute and reduce steps with dependencies, as plain data.
+
+A program is what an agent runs: steps with ids, each naming the steps it
+waits for. A reshard is a program of moves (`Program.from_plan`); split einsum
+and pipelines add compute and reduce steps. Like a plan, a program serialises
+to JSON, has a stable content hash (its id), is validated whole before
+anything runs, and has an estimate on the fluid cost model (`reshard.cost`).
+
+================== =============================================================
+step               one unit of work; ``id`` is its position in ``Program.steps``
+``after``          ids of the steps that must finish before it starts; always
+                   earlier steps, so the steps are listed in a valid order
+ancestor           a step reached through ``after``, transitively
+depth              0 for a step with no ``after``, else 1 + the deepest of them;
+                   for a program made from a plan it is the transfer's phase
+tensor             a name in ``Program.tensors`` (a `TensorDecl`: shape, dtype,
+                   and optionally ``src``, the sharding it is held in when the
+                   program starts, and ``dst``, the one it must end in)
+reshard tensor     a tensor with both ``src`` and ``dst``: its moves must give
+                   every ``dst`` tile exactly its elements (`Plan.validate`'s
+                   checks, with ancestors in place of earlier phases)
+role               which buffer of a tensor on a device: ``"src"`` is the tile
+                   held at the start, ``"dst"`` the buffer moves deliver into;
+                   steps may name others (``"partial"``, ``"out"``)
+`TileRef`          (tensor, role, box): one buffer's box on the step's device
+holds              a device holds a box in a role when the step starts if its
+                   ``src`` tile contains it (role ``"src"``), or one ancestor
+                   produced a box that contains it there; a move's sender may
+                   read any role
+*move*             ``transfer`` (a `Transfer`: box, sender, receivers, method,
+                   route) of ``tensor``; receivers write into ``"dst"``; the
+                   transfer's phase is unused (0): ``after`` orders the moves
+*compute*          ``kernel`` (one of `reshard.kernels.KERNELS`) on ``device``
+                   reads ``inputs`` and writes ``output``, shaped by the
+                   kernel's rule, with string ``params``
+*reduce*           ``op`` (``"sum"`` or ``"max"``) over the ordered group
+                   ``devices``; every member holds addends of ``inputs[0]``
+                   (its ``box``); ``result`` ``"replicate"`` leaves every member
+                   the reduced ``output`` box, ``"shard"`` (reduce-scatter)
+                   leaves member ``i`` chunk ``i`` of it along ``dim``, cut as
+                   ``torch.chunk`` cuts (`box.chunk`: trailing members may get
+                   an empty chunk); ``algorithm`` ``"ring"`` or ``"chain"``
+                   (what each puts on the links: `cost.reduce_rounds`)
+================== =============================================================
+
+The estimate is the longest path through the dependency graph, each step
+taking its own time, except that moves of one depth share links as the moves
+of one phase do in a plan: they run as one fluid round that starts when all
+their dependencies are done. A move-only program therefore estimates exactly
+as the plan it came from. A compute step takes the bytes it reads and writes
+over its device's memory bandwidth; a reduce its rounds on the fluid model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from functools import cached_property
+from typing import Optional
+
+from reshard import box as boxes
+from reshard.cost import HostCache, PhaseLoad, flow_totals, reduce_rounds, transfer_flows
+from reshard.dtypes import dtype_name, itemsize
+from reshard.errors import InvalidMeshError, PlanValidationError, ReshardError
+from reshard.kernels import KERNELS, KernelShapeError
+from reshard.mesh import host_of
+from reshard.plan import (
+    ContentAddressed,
+    Plan,
+    Transfer,
+    check_claimed_id,
+    check_delivery,
+    check_transfer,
+    check_version,
+)
+from reshard.sharding import Box, Sharding, normalise_shape
+from reshard.topology import Topology
+
+__all__ = [
+    "Program",
+    "Step",
+    "TileRef",
+    "TensorDecl",
+    "StepEstimate",
+    "MOVE",
+    "COMPUTE",
+    "REDUCE",
+    "STEP_KINDS",
+    "REDUCE_OPS",
+    "REDUCE_RESULTS",
+    "REDUCE_ALGORITHMS",
+    "SRC",
+    "DST",
+    "RESHARD_TENSOR",
+    "PROGRAM_VERSION",
+]
+
+PROGRAM_VERSION = 1
+MOVE, COMPUTE, REDUCE = "move", "compute", "reduce"
+STEP_KINDS = (MOVE, COMPUTE, REDUCE)
+REDUCE_OPS = ("sum", "max")
+REDUCE_RESULTS = ("replicate", "shard")
+REDUCE_ALGORITHMS = ("ring", "chain")
+SRC, DST = "src", "dst"
+# The one tensor of a program made from a plan; plans do not know the catalog's name.
+RESHARD_TENSOR = "tensor"
+
+# The fields each kind of step uses; a step leaves the others at their defaults.
+_KIND_FIELDS = {
+    MOVE: ("transfer", "tensor"),
+    COMPUTE: ("kernel", "device", "inputs", "output", "params"),
+    REDUCE: ("op", "devices", "inputs", "output", "result", "algorithm", "dim"),
+}
+_DEFAULTS = {"transfer": None, "tensor": "", "kernel": "", "device": "", "inputs": (), "output": None,
+             "params": (), "op": "", "devices": (), "result": "", "algorithm": "", "dim": None}
+
+
+def _box(raw) -> Box:
+    return tuple((int(lo), int(hi)) for lo, hi in raw)
+
+
+def _shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+@dataclass(frozen=True, slots=True)
+class TileRef:
+    """A box of one buffer (``role``) of ``tensor`` on the device of the step that names it."""
+
+    tensor: str
+    role: str
+    box: Box
+
+    def __post_init__(self):
+        object.__setattr__(self, "box", _box(self.box))
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "role": self.role, "box": [[lo, hi] for lo, hi in self.box]}
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "TileRef":
+        return cls(str(data["tensor"]), str(data["role"]), _box(data["box"]))
+
+    def __str__(self) -> str:
+        return f"{self.tensor}:{self.role}{boxes.box_str(self.box)}"
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A tensor a program names: ``src`` is how it is held at the start, ``dst`` how it must end (both optional)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    src: Optional[Sharding] = None
+    dst: Optional[Sharding] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", normalise_shape(self.shape))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        for s in (self.src, self.dst):
+            if s is not None:
+                s.check_shape(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    @property
+    def is_reshard(self) -> bool:
+        return self.src is not None and self.dst is not None
+
+    def to_json(self) -> dict:
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+        for key, s in (("src", self.src), ("dst", self.dst)):
+            if s is not None:
+                out[key] = s.to_json()
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "TensorDecl":
+        return cls(
+            name=str(data["name"]),
+            shape=data["shape"],
+            dtype=data["dtype"],
+            src=Sharding.from_json(data["src"]) if "src" in data else None,
+            dst=Sharding.from_json(data["dst"]) if "dst" in data else None,
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a program; which fields it uses depends on its ``kind`` (see the module's table).
+
+    Build steps with `Step.move`, `Step.compute` and `Step.reduce`.
+    """
+
+    id: int
+    kind: str
+    after: tuple[int, ...] = ()
+    transfer: Optional[Transfer] = None
+    tensor: str = ""
+    kernel: str = ""
+    device: str = ""
+    inputs: tuple[TileRef, ...] = ()
+    output: Optional[TileRef] = None
+    params: tuple[tuple[str, str], ...] = ()
+    op: str = ""
+    devices: tuple[str, ...] = ()
+    result: str = ""
+    algorithm: str = ""
+    dim: Optional[int] = None
+
+    def __post_init__(self):
+        if self.kind not in STEP_KINDS:
+            raise PlanValidationError(f"step {self.id}: kind {self.kind!r} is not one of {list(STEP_KINDS)}")
+        # ``after`` is a set of steps; sorting it gives one JSON form, so one id, per program.
+        object.__setattr__(self, "after", tuple(sorted({int(a) for a in self.after})))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+        params = self.params.items() if isinstance(self.params, Mapping) else self.params
+        object.__setattr__(self, "params", tuple(sorted((str(k), str(v)) for k, v in params)))
+        stray = [f for f in _DEFAULTS if f not in _KIND_FIELDS[self.kind] and getattr(self, f) != _DEFAULTS[f]]
+        if stray:
+            raise PlanValidationError(
+                f"step {self.id}: a {self.kind} step uses only {list(_KIND_FIELDS[self.kind])}, but sets {stray}"
+            )
+
+    # -- builders ---------------------------------------------------------------------------
+
+    @classmethod
+    def move(cls, id: int, transfer: Transfer, after: Iterable[int] = (), tensor: str = RESHARD_TENSOR) -> "Step":
+        return cls(id, MOVE, tuple(after), transfer=transfer, tensor=tensor)
+
+    @classmethod
+    def compute(cls, id: int, kernel: str, device: str, inputs: Iterable[TileRef], output: TileRef,
+                after: Iterable[int] = (), params: Mapping[str, str] | None = None) -> "Step":
+        return cls(id, COMPUTE, tuple(after), kernel=kernel, device=device, inputs=tuple(inputs), output=output,
+                   params=tuple((params or {}).items()))
+
+    @classmethod
+    def reduce(cls, id: int, op: str, devices: Iterable[str], input: TileRef, output: TileRef,
+               result: str = "replicate", algorithm: str = "ring", dim: Optional[int] = None,
+               after: Iterable[int] = ()) -> "Step":
+        return cls(id, REDUCE, tuple(after), op=op, devices=tuple(devices), inputs=(input,), output=output,
+                   result=result, algorithm=algorithm, dim=dim)
+
+    # -- what it touches ---------------------------------------------------------------------
+
+    @property
+    def box(self) -> Box:
+        """The box a move moves, or a reduce's members hold addends of, or a compute writes."""
+        if self.kind == MOVE:
+            return self.transfer.box
+        if self.kind == REDUCE:
+            return self.inputs[0].box
+        return self.output.box
+
+    def participants(self) -> tuple[str, ...]:
+        """The devices that take part: the sender and receivers, the compute device, the group."""
+        if self.kind == MOVE:
+            return (self.transfer.sender, *self.transfer.receivers)
+        if self.kind == COMPUTE:
+            return (self.device,)
+        return self.devices
+
+    def produces(self) -> list[tuple[str, str, str, Box]]:
+        """(device, tensor, role, box) of every buffer the step writes."""
+        if self.kind == MOVE:
+            return [(r, self.tensor, DST, self.transfer.box) for r in self.transfer.receivers]
+        out = self.output
+        if self.kind == COMPUTE:
+            return [(self.device, out.tensor, out.role, out.box)]
+        if self.result == "replicate":
+            return [(d, out.tensor, out.role, out.box) for d in self.devices]
+        pieces = boxes.chunk(out.box, len(self.devices), self.dim)
+        return [(d, out.tensor, out.role, b) for d, b in zip(self.devices, pieces) if boxes.volume(b)]
+
+    # -- serialisation ------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        out: dict = {"id": self.id, "kind": self.kind, "after": list(self.after)}
+        if self.kind == MOVE:
+            out["tensor"] = self.tensor
+            out.update(self.transfer.to_json())
+            del out["phase"]
+        elif self.kind == COMPUTE:
+            out.update(kernel=self.kernel, device=self.device, params=dict(self.params))
+        else:
+            out.update(op=self.op, devices=list(self.devices), result=self.result, algorithm=self.algorithm)
+            if self.dim is not None:
+                out["dim"] = self.dim
+        if self.kind != MOVE:
+            out["inputs"] = [r.to_json() for r in self.inputs]
+            out["output"] = self.output.to_json() if self.output is not None else None
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping) -> "Step":
+        kind = data.get("kind")
+        if kind not in STEP_KINDS:
+            raise PlanValidationError(f"step JSON kind {kind!r} is not one of {list(STEP_KINDS)}; got {dict(data)!r}")
+        try:
+            sid, after = int(data["id"]), tuple(int(a) for a in data.get("after", ()))
+            if kind == MOVE:
+                return cls.move(sid, Transfer.from_json(data), after, str(data["tensor"]))
+            inputs = tuple(TileRef.from_json(r) for r in data["inputs"])
+            output = TileRef.from_json(data["output"]) if data.get("output") is not None else None
+            if kind == COMPUTE:
+                return cls.compute(sid, str(data["kernel"]), str(data["device"]), inputs, output, after,
+                                   data.get("params", {}))
+            dim = data.get("dim")
+            return cls(sid, REDUCE, after, op=str(data["op"]), devices=tuple(data["devices"]), inputs=inputs,
+                       output=output, result=str(data["result"]), algorithm=str(data["algorithm"]),
+                       dim=None if dim is None else int(dim))
+        except ReshardError:
+            raise
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanValidationError(f"step JSON lacks or mistypes a field ({e!r}); got {dict(data)!r}") from None
+
+    def __str__(self) -> str:
+        after = f" after {','.join(map(str, self.after))}" if self.after else ""
+        if self.kind == MOVE:
+            t = self.transfer
+            via = f" via {'->'.join(t.route)}" if t.route else ""
+            body = (f"{self.tensor} {t.method} {boxes.box_str(t.box)} {t.sender} -> "
+                    f"{','.join(t.receivers)}{via}")
+        elif self.kind == COMPUTE:
+            body = f"{self.kernel} on {self.device}: {', '.join(map(str, self.inputs))} -> {self.output}"
+        else:
+            how = f"{self.result}" + (f"(dim {self.dim})" if self.dim is not None else "")
+            refs = ", ".join(map(str, self.inputs))
+            body = f"{self.op} {how} by {self.algorithm} over {','.join(self.devices)}: {refs} -> {self.output}"
+        return f"#{self.id} {self.kind} {body}{after}"
+
+
+@dataclass(frozen=True, slots=True)
+class StepEstimate:
+    """When a step runs on the cost model: seconds, start and finish, and what limits it."""
+
+    id: int
+    kind: str
+    seconds: float
+    start: float
+    finish: float
+    bottleneck: str
+
+
+def _when(s: Step) -> str:
+    return f"when its dependencies {list(s.after)} are done" if s.after else "at the start (it depends on no step)"
+
+
+class _StepWhere:
+    """Names a step in an error message, formatted only if one is raised."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: Step):
+        self.step = step
+
+    def __str__(self) -> str:
+        return f"step {self.step}"
+
+
+@dataclass(frozen=True)
+class Program(ContentAddressed):
+    """Steps over named tensors; see the module's table for what each field means."""
+
+    tensors: tuple[TensorDecl, ...]
+    steps: tuple[Step, ...]
+    strategy: str = ""
+    topology: Topology = field(default_factory=Topology, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        object.__setattr__(self, "steps", tuple(self.steps))
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise PlanValidationError(f"program tensors {names} repeat a name; each tensor needs its own name")
+
+    # -- tensors ------------------------------------------------------------------------------
+
+    @cached_property
+    def _by_name(self) -> dict[str, TensorDecl]:
+        return {t.name: t for t in self.tensors}
+
+    def tensor(self, name: str) -> TensorDecl:
+        decl = self._by_name.get(name)
+        if decl is not None:
+            return decl
+        raise PlanValidationError(
+            f"tensor {name!r} is not declared by the program; it declares {[t.name for t in self.tensors]}"
+        )
+
+    @property
+    def is_reshard(self) -> bool:
+        """One tensor, with a source and a destination sharding: what `from_plan` makes."""
+        return len(self.tensors) == 1 and self.tensors[0].is_reshard
+
+    def _only(self) -> TensorDecl:
+        if not self.is_reshard:
+            raise PlanValidationError(
+                f"shape, dtype, src and dst name the one tensor of a reshard program, but this program declares "
+                f"{[t.name for t in self.tensors]}; use program.tensor(name)"
+            )
+        return self.tensors[0]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._only().shape
+
+    @property
+    def dtype(self) -> str:
+        return self._only().dtype
+
+    @property
+    def itemsize(self) -> int:
+        return self._only().itemsize
+
+    @property
+    def src(self) -> Sharding:
+        return self._only().src
+
+    @property
+    def dst(self) -> Sharding:
+        return self._only().dst
+
+    # -- the dependency graph -------------------------------------------------------------------
+
+    @cached_property
+    def _ancestors(self) -> tuple[int, ...]:
+        """Per step, its ancestors as a bit set (bit ``j`` set: step ``j`` is an ancestor)."""
+        self._check_graph()
+        out: list[int] = []
+        for s in self.steps:
+            bits = 0
+            for a in s.after:
+                bits |= out[a] | (1 << a)
+            out.append(bits)
+        return tuple(out)
+
+    @cached_property
+    def depths(self) -> tuple[int, ...]:
+        """Per step, its depth: 0 without dependencies, else one more than its deepest dependency."""
+        self._check_graph()
+        out: list[int] = []
+        for s in self.steps:
+            out.append(1 + max(out[a] for a in s.after) if s.after else 0)
+        return tuple(out)
+
+    def _check_graph(self) -> None:
+        """Ids are positions; every ``after`` names an existing, earlier step; no cycle."""
+        n = len(self.steps)
+        for i, s in enumerate(self.steps):
+            if s.id != i:
+                raise PlanValidationError(
+                    f"step {s} is listed at position {i}; a step's id is its position in the program, so renumber "
+                    f"the steps 0..{n - 1} in order"
+                )
+            unknown = [a for a in s.after if not 0 <= a < n]
+            if unknown:
+                raise PlanValidationError(
+                    f"step {s} depends on {unknown}, which are not steps of this program (ids 0..{n - 1})"
+                )
+        cycle = self._find_cycle()
+        if cycle:
+            raise PlanValidationError(
+                f"steps depend on each other in a cycle {' -> '.join(map(str, cycle))}, so none of them could "
+                f"start; break the cycle by removing one of those dependencies"
+            )
+        for s in self.steps:
+            later = [a for a in s.after if a >= s.id]
+            if later:
+                raise PlanValidationError(
+                    f"step {s} depends on the later steps {later}; list every step after the steps it depends on"
+                )
+
+    def _find_cycle(self) -> list[int]:
+        state = [0] * len(self.steps)  # 0 unseen, 1 on the current path, 2 done
+        for root in range(len(self.steps)):
+            if state[root]:
+                continue
+            path, stack = [], [(root, iter(self.steps[root].after))]
+            state[root] = 1
+            path.append(root)
+            while stack:
+                node, deps = stack[-1]
+                nxt = next(deps, None)
+                if nxt is None:
+                    state[node] = 2
+                    path.pop()
+                    stack.pop()
+                elif state[nxt] == 1:
+                    return path[path.index(nxt):] + [nxt]
+                elif state[nxt] == 0:
+                    state[nxt] = 1
+                    path.append(nxt)
+                    stack.append((nxt, iter(self.steps[nxt].after)))
+        return []
+
+    # -- plans ------------------------------------------------------------------------------------
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> "Program":
+        """One move step per transfer, step id = transfer index.
+
+        A step waits for the steps of earlier phases that deliver part of its box
+        to its sender: the dependency graph replaces the phase barrier.
+        """
+        delivered: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
+        for j, t in enumerate(plan.transfers):
+            for r in t.receivers:
+                delivered[r].append((j, t.phase, t.box))
+        steps = []
+        for i, t in enumerate(plan.transfers):
+            after = [j for j, phase, b in delivered.get(t.sender, ())
+                     if phase < t.phase and boxes.intersect(b, t.box) is not None]
+            if any(j > i for j in after):
+                raise PlanValidationError(
+                    f"transfer {i} ({t}) comes before a transfer of an earlier phase that feeds it; a program's "
+                    f"steps depend on earlier steps only, so list the plan's transfers by phase"
+                )
+            steps.append(Step.move(i, replace(t, phase=0), after))
+        decl = TensorDecl(RESHARD_TENSOR, plan.shape, plan.dtype, plan.src, plan.dst)
+        return cls((decl,), tuple(steps), plan.strategy, plan.topology)
+
+    def to_plan(self) -> Plan:
+        """The plan of a move-only reshard program; a transfer's phase is its step's depth."""
+        decl = self._only()
+        others = sorted({s.kind for s in self.steps} - {MOVE})
+        if others:
+            raise PlanValidationError(f"only a program of moves is a plan; this one has {others} steps")
+        depths = self.depths
+        transfers = tuple(replace(s.transfer, phase=depths[s.id]) for s in self.steps)
+        return Plan(decl.shape, decl.dtype, decl.src, decl.dst, self.strategy, transfers, self.topology)
+
+    # -- identity and serialisation -------------------------------------------------------------------
+
+    def _canonical(self) -> dict:
+        return {
+            "kind": "program",
+            "version": PROGRAM_VERSION,
+            "strategy": self.strategy,
+            "tensors": [t.to_json() for t in self.tensors],
+            "steps": [s.to_json() for s in self.steps],
+        }
+
+    def _extras(self) -> dict:
+        return {"estimate_seconds": self.estimate_seconds, "topology": self.topology.to_json()}
+
+    @classmethod
+    def from_json(cls, data) -> "Program":
+        """Read program JSON, or plan JSON v1 (what `Plan.to_json` writes), which becomes `from_plan` of it."""
+        if isinstance(data, (str, bytes)):
+            data = json.loads(data)
+        if data.get("kind") != "program":
+            if "transfers" in data and "steps" not in data:
+                return cls.from_plan(Plan.from_json(data))
+            raise PlanValidationError(
+                f"JSON with kind {data.get('kind')!r} and fields {sorted(data)} is neither a program (kind "
+                f"'program', with steps) nor a plan (with transfers)"
+            )
+        check_version(data, "program", PROGRAM_VERSION)
+        try:
+            program = cls(
+                tensors=tuple(TensorDecl.from_json(t) for t in data["tensors"]),
+                steps=tuple(Step.from_json(s) for s in data["steps"]),
+                strategy=str(data.get("strategy", "")),
+                topology=Topology.from_json(data.get("topology", {})),
+            )
+        except KeyError as e:
+            raise PlanValidationError(f"program JSON lacks the field {e.args[0]!r}") from None
+        return check_claimed_id(data, program, "program")
+
+    # -- validation ---------------------------------------------------------------------------------
+
+    def validate(self) -> "Program":
+        """Prove the program can run and delivers what it promises.
+
+        The graph: ids are positions, dependencies are earlier steps, no cycle.
+        Moves: the rules of `Plan.validate`, where a sender must hold its box
+        from its source tile or from an ancestor; a reshard tensor's moves give
+        every destination tile exactly its elements. Compute: a known kernel,
+        boxes inside their tensors, shapes by the kernel's rule, inputs held.
+        Reduce: a known op, result and algorithm, distinct devices, a non-empty
+        box that every member holds. Raises `PlanValidationError` naming the
+        first problem and its step; returns the program.
+        """
+        ancestors = self._ancestors
+        hosts = HostCache()
+        produced: dict[tuple[str, str], list[tuple[int, str, Box]]] = defaultdict(list)
+        src_tiles = {t.name: t.src.tiles(t.shape) for t in self.tensors if t.src is not None}
+        reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+
+        def holds(i: int, device: str, tensor: str, role: Optional[str], box: Box) -> bool:
+            if not boxes.volume(box):
+                return True
+            tile = src_tiles.get(tensor, {}).get(device)
+            if role in (None, SRC) and tile is not None and boxes.contains(tile, box):
+                return True
+            return any(ancestors[i] >> j & 1 and role in (None, r) and boxes.contains(b, box)
+                       for j, r, b in produced.get((device, tensor), ()))
+
+        for s in self.steps:
+            where = _StepWhere(s)
+            if s.kind == MOVE:
+                decl = self._declared(where, s.tensor)
+                if decl.is_reshard:
+                    reshard_moves[decl.name].append((s.id, s.transfer))
+                else:
+                    self._check_free_move(where, s, decl, hosts, holds)
+            elif s.kind == COMPUTE:
+                self._check_compute(where, s, hosts, holds)
+            else:
+                self._check_reduce(where, s, hosts, holds)
+            for dev, tensor, role, b in s.produces():
+                produced[(dev, tensor)].append((s.id, role, b))
+        for decl in self.tensors:
+            if decl.is_reshard:
+                check_delivery(
+                    decl.shape, decl.src, decl.dst, reshard_moves.get(decl.name, []),
+                    before=lambda i, j: bool(ancestors[i] >> j & 1),
+                    where=lambda i, t: _StepWhere(self.steps[i]),
+                    when=lambda i, t: _when(self.steps[i]),
+                )
+        return self
+
+    def _declared(self, where, name: str) -> TensorDecl:
+        try:
+            return self.tensor(name)
+        except PlanValidationError as e:
+            raise PlanValidationError(f"{where}: {e}") from None
+
+    def _check_ref(self, where, ref: TileRef, what: str) -> TensorDecl:
+        decl = self._declared(where, ref.tensor)
+        full = tuple((0, n) for n in decl.shape)
+        if len(ref.box) != len(decl.shape) or any(lo > hi for lo, hi in ref.box) or not boxes.contains(full, ref.box):
+            raise PlanValidationError(
+                f"{where}: {what} {ref} is not a box of tensor {decl.name!r} of shape {decl.shape}; a box has one "
+                f"(lo, hi) per dim with 0 <= lo <= hi <= size"
+            )
+        return decl
+
+    @staticmethod
+    def _check_device(where, device: str) -> str:
+        try:
+            return host_of(device)
+        except InvalidMeshError as e:
+            raise PlanValidationError(f"{where}: {e}") from None
+
+    @staticmethod
+    def _check_held(where, s: Step, device: str, ref: TileRef, holds, any_role: bool = False) -> None:
+        if not holds(s.id, device, ref.tensor, None if any_role else ref.role, ref.box):
+            what = f"box {boxes.box_str(ref.box)} of {ref.tensor!r}" if any_role else str(ref)
+            raise PlanValidationError(
+                f"{where}: device {device} does not hold {what} {_when(s)}; it must lie in the device's source "
+                f"tile (role 'src') or in one box that a step it depends on, directly or not, writes there"
+            )
+
+    def _check_free_move(self, where, s: Step, decl: TensorDecl, hosts: HostCache, holds) -> None:
+        """A move of a tensor without both shardings: the transfer's own rules, and a sender that holds its box."""
+        t = s.transfer
+        check_transfer(where, t, decl.shape, hosts)
+        for d in (t.sender, *t.receivers):
+            self._check_device(where, d)
+        self._check_held(where, s, t.sender, TileRef(decl.name, SRC, t.box), holds, any_role=True)
+
+    def _check_compute(self, where, s: Step, hosts: HostCache, holds) -> None:
+        kernel = KERNELS.get(s.kernel)
+        if kernel is None:
+            raise PlanValidationError(
+                f"{where}: kernel {s.kernel!r} is not one of {sorted(KERNELS)}; use one of those or add it to "
+                f"reshard.kernels.KERNELS with its shape rule"
+            )
+        self._check_device(where, s.device)
+        if len(s.inputs) != kernel.num_inputs or s.output is None:
+            raise PlanValidationError(
+                f"{where}: kernel {kernel.name!r} reads {kernel.num_inputs} input tile(s) and writes one output; "
+                f"the step names {len(s.inputs)} input(s) and {'an' if s.output is not None else 'no'} output"
+            )
+        for ref in s.inputs:
+            self._check_ref(where, ref, "input")
+        self._check_ref(where, s.output, "output")
+        shapes = tuple(_shape(r.box) for r in s.inputs)
+        try:
+            want = tuple(kernel.output_shape(shapes, dict(s.params)))
+        except KernelShapeError as e:
+            raise PlanValidationError(f"{where}: {e}") from None
+        got = _shape(s.output.box)
+        if got != want:
+            raise PlanValidationError(
+                f"{where}: kernel {kernel.name!r} makes a tile of shape {want} from input shapes {list(shapes)}, "
+                f"but the output box {boxes.box_str(s.output.box)} has shape {got}; give the output a box of "
+                f"shape {want}"
+            )
+        for ref in s.inputs:
+            self._check_held(where, s, s.device, ref, holds)
+
+    def _check_reduce(self, where, s: Step, hosts: HostCache, holds) -> None:
+        for name, value, valid in (("op", s.op, REDUCE_OPS), ("result", s.result, REDUCE_RESULTS),
+                                   ("algorithm", s.algorithm, REDUCE_ALGORITHMS)):
+            if value not in valid:
+                raise PlanValidationError(f"{where}: {name} {value!r} is not one of {list(valid)}")
+        if not s.devices:
+            raise PlanValidationError(f"{where}: a reduce needs a group of at least one device")
+        repeated = sorted({d for d in s.devices if s.devices.count(d) > 1})
+        if repeated:
+            raise PlanValidationError(
+                f"{where}: devices {list(s.devices)} name {repeated} more than once; each member of the group "
+                f"holds one set of addends, so list each device once"
+            )
+        for d in s.devices:
+            self._check_device(where, d)
+        if len(s.inputs) != 1 or s.output is None:
+            raise PlanValidationError(
+                f"{where}: a reduce reads one input tile on every member and writes one output; the step names "
+                f"{len(s.inputs)} input(s) and {'an' if s.output is not None else 'no'} output"
+            )
+        ref = s.inputs[0]
+        self._check_ref(where, ref, "input")
+        self._check_ref(where, s.output, "output")
+        if not boxes.volume(ref.box):
+            raise PlanValidationError(f"{where}: the reduced box {boxes.box_str(ref.box)} is empty; drop the step")
+        if s.output.box != ref.box:
+            raise PlanValidationError(
+                f"{where}: a reduce writes the box it reduces, but the output box {boxes.box_str(s.output.box)} "
+                f"differs from the input box {boxes.box_str(ref.box)}"
+            )
+        ndim = len(ref.box)
+        if s.result == "shard" and not (isinstance(s.dim, int) and 0 <= s.dim < ndim):
+            raise PlanValidationError(
+                f"{where}: a reduce-scatter (result 'shard') cuts its box along a dim 0..{ndim - 1}; dim is {s.dim!r}"
+            )
+        if s.result == "replicate" and s.dim is not None:
+            raise PlanValidationError(f"{where}: dim {s.dim} applies to result 'shard' only; leave it out")
+        for d in s.devices:
+            self._check_held(where, s, d, ref, holds)
+
+    # -- cost -----------------------------------------------------------------------------------------------
+
+    def loads(self, hosts: HostCache | None = None) -> list[PhaseLoad]:
+        """Per depth with moves, the bytes each link carries (a plan's `loads`, with depth for phase)."""
+        hosts = hosts if hosts is not None else HostCache()
+        depths = self.depths
+        levels: dict[int, PhaseLoad] = {}
+        for s in self.steps:
+            if s.kind == MOVE:
+                load = levels.get(depths[s.id])
+                if load is None:
+                    load = levels[depths[s.id]] = PhaseLoad(depths[s.id])
+                load.add(transfer_flows(s.transfer, self.tensor(s.tensor).itemsize, hosts))
+        return [levels[d] for d in sorted(levels)]
+
+    def _reduce_rounds(self, s: Step, hosts: HostCache):
+        nbytes = boxes.volume(s.box) * self.tensor(s.inputs[0].tensor).itemsize
+        return reduce_rounds(s.devices, nbytes, s.result, s.algorithm, hosts)
+
+    def step_estimates(self, topology: Optional[Topology] = None) -> list[StepEstimate]:
+        """When each step runs on the cost model (see the module docstring)."""
+        topo = topology or self.topology
+        hosts = HostCache()
+        depths = self.depths
+        levels = {load.phase: load.seconds(topo, hosts) for load in self.loads(hosts)}
+        by_depth: dict[int, list[Step]] = defaultdict(list)
+        for s in self.steps:
+            by_depth[depths[s.id]].append(s)
+        finish = [0.0] * len(self.steps)
+        out: list[Optional[StepEstimate]] = [None] * len(self.steps)
+        for depth in sorted(by_depth):
+            steps = by_depth[depth]
+            moves = [s for s in steps if s.kind == MOVE]
+            if moves:
+                secs, what = levels[depth]
+                start = max((finish[a] for s in moves for a in s.after), default=0.0)
+                for s in moves:
+                    finish[s.id] = start + secs
+                    out[s.id] = StepEstimate(s.id, MOVE, secs, start, start + secs, what)
+            for s in steps:
+                if s.kind == MOVE:
+                    continue
+                secs, what = self._seconds(s, topo, hosts)
+                start = max((finish[a] for a in s.after), default=0.0)
+                finish[s.id] = start + secs
+                out[s.id] = StepEstimate(s.id, s.kind, secs, start, start + secs, what)
+        return out
+
+    def _seconds(self, s: Step, topo: Topology, hosts: HostCache) -> tuple[float, str]:
+        if s.kind == COMPUTE:
+            nbytes = sum(boxes.volume(r.box) * self.tensor(r.tensor).itemsize for r in (*s.inputs, s.output))
+            return nbytes / topo.memory_bytes_per_s(hosts[s.device]), f"memory of {s.device}"
+        total, what = 0.0, "nothing moves"
+        for i, flows in enumerate(self._reduce_rounds(s, hosts)):
+            load = PhaseLoad(i)
+            load.add(flows)
+            secs, busiest = load.seconds(topo, hosts)
+            if secs > 0:
+                total += secs
+                what = busiest
+        return total, what
+
+    def estimate(self, topology: Optional[Topology] = None) -> float:
+        """Seconds on the cost model: the longest path through the dependency graph."""
+        return max((e.finish for e in self.step_estimates(topology)), default=0.0)
+
+    @cached_property
+    def estimate_seconds(self) -> float:
+        return self.estimate()
+
+    def host_bytes(self) -> dict[str, dict[str, int]]:
+        """Per host, ``bytes_out``/``bytes_in`` over its NIC and ``local_bytes`` between its devices."""
+        hosts = HostCache()
+        flows = []
+        for s in self.steps:
+            if s.kind == MOVE:
+                flows += transfer_flows(s.transfer, self.tensor(s.tensor).itemsize, hosts)
+            elif s.kind == REDUCE:
+                flows += [f for r in self._reduce_rounds(s, hosts) for f in r]
+        return flow_totals(flows, hosts)
+
+    # -- presentation -----------------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        counts = defaultdict(int)
+        for s in self.steps:
+            counts[s.kind] += 1
+        kinds = ", ".join(f"{counts[k]} {k}" for k in STEP_KINDS if counts[k]) or "none"
+        if self.is_reshard:
+            d = self.tensors[0]
+            what = f"{d.dtype}[{','.join(map(str, d.shape))}] {d.src.spec_str()} -> {d.dst.spec_str()}"
+        else:
+            what = f"tensors {', '.join(t.name for t in self.tensors)}"
+        depth = 1 + max(self.depths, default=-1)
+        return (f"Program {self.id[:12]} {self.strategy or 'custom'}: {what}, {len(self.steps)} steps ({kinds}), "
+                f"{depth} deep, estimate {self.estimate_seconds:.4g}s")
+
+    def summary(self, max_steps: int = 20) -> str:
+        """The one-line form, then each step with when it runs on the cost model."""
+        lines = [str(self), f"topology: {self.topology}"]
+        estimates = self.step_estimates()
+        for s, e in list(zip(self.steps, estimates))[:max_steps]:
+            lines.append(f"  {s}  [{e.start:.4g}s..{e.finish:.4g}s, {e.bottleneck}]")
+        if len(self.steps) > max_steps:
+            lines.append(f"  ... {len(self.steps) - max_steps} more (use --json for all)")
+        return "\n".join(lines)
