@@ -32,8 +32,14 @@ def tile_shape(box: Box) -> tuple[int, ...]:
 
 
 def chunk_boxes(box: Box, dtype, chunk_bytes: int) -> Iterator[Box]:
-    """Cut ``box`` into C-ordered sub-boxes of at most ``chunk_bytes`` (at least one element each)."""
+    """Cut ``box`` into C-ordered sub-boxes of at most ``chunk_bytes`` (at least one element each).
+
+    An empty box (a trailing tile that torch.chunk leaves empty) has no sub-boxes: its
+    stream is a header and a trailer of 0 bytes.
+    """
     size = itemsize(dtype)
+    if box and any(hi <= lo for lo, hi in box):
+        return
     if volume(box) * size <= chunk_bytes or not box:
         yield box
         return

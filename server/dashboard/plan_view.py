@@ -16,7 +16,7 @@ from typing import Optional
 
 from reshard import Plan, Sharding
 from reshard.box import box_str
-from reshard.cost import HostCache, phase_loads
+from reshard.cost import NIC, HostCache, phase_loads, transfer_flows
 from reshard.mesh import host_of
 
 __all__ = ["PlanView", "plan_view"]
@@ -61,17 +61,11 @@ def plan_view(plan: Plan, measured_seconds: Optional[float] = None) -> PlanView:
     chains = []
     size = plan.itemsize
     for t in plan.transfers:
-        n = t.num_elements * size
-        hs = hosts_of[t.sender]
-        if t.method == "p2p":
-            for r in t.receivers:
-                if hosts_of[r] != hs:
-                    matrix[hs, hosts_of[r]] += n
-        elif t.method == "broadcast":
-            hops = [hs, *t.route]
-            for a, b in zip(hops, hops[1:]):
-                matrix[a, b] += n
-            chains.append((t.sender, t.route, n))
+        for f in transfer_flows(t, size, hosts_of):
+            if f.link == NIC:
+                matrix[f.src, f.dst] += f.nbytes
+        if t.method == "broadcast" and t.route:
+            chains.append((t.sender, t.route, t.num_elements * size))
     send: dict[str, float] = defaultdict(float)
     recv: dict[str, float] = defaultdict(float)
     for load in phase_loads(plan.transfers, size, hosts_of):
