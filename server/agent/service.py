@@ -2,8 +2,8 @@
 
 ``serve_agent(config)`` builds the server and returns it with its bound port;
 ``Agent`` adds the registration and heartbeat loop that keeps the planner
-informed. The servicer only converts messages; `Executor` and `ShardStore` do
-the work.
+informed. The servicer only converts messages; the `Runtime`
+(``reshard.server.agent.runtime``), its transports and the `ShardStore` do the work.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
 
@@ -23,66 +23,23 @@ from reshard.dtypes import dtype_name
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import InvalidArgumentError
-from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
+from reshard.proto.frames import RawPiece, decode_push_chunk
 from reshard.proto.status import domain_error, servicer_method, start_server
-from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.common.config import AgentConfig
-from reshard.server.agent.executor import Executor, Item, PushHeader
+from reshard.server.agent.runtime import Run, Runtime
+from reshard.server.transport.base import Piece, PushHeader, Throttle, Trailer, Transport
+from reshard.server.transport.faults import wrap
+from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.contract import GroupView
 from reshard.server.agent.memory import keep_freed_memory
 from reshard.server.agent.store import ShardStore, TileBuffer
 
-__all__ = ["Agent", "serve_agent", "GrpcPeerLink"]
+__all__ = ["Agent", "serve_agent"]
 
 log = logging.getLogger(__name__)
 
 _PROGRESS_INTERVAL_S = 0.2
-
-
-def channel_options(config: AgentConfig) -> list[tuple[str, int]]:
-    limit = max(config.chunk_bytes, config.max_message_bytes)
-    return message_size_options(limit, limit)
-
-
-class GrpcPeerLink:
-    """Pushes to peer agents, one cached channel (and Push method) per address."""
-
-    def __init__(self, config: AgentConfig):
-        self._options = channel_options(config)
-        self._timeout = config.transfer_timeout_s
-        self._lock = threading.Lock()
-        self._channels: dict[str, tuple[grpc.Channel, object]] = {}
-
-    def _push_call(self, address: str):
-        with self._lock:
-            if address not in self._channels:
-                ch = grpc.insecure_channel(address, options=self._options)
-                # The generated stub's Push, but messages arrive already serialised (see reshard.proto.frames).
-                self._channels[address] = ch, ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
-                                                              response_deserializer=pb.PushReply.FromString)
-            return self._channels[address][1]
-
-    def push(self, host: str, address: str, header: PushHeader, items: Iterable[Item]) -> list[str]:
-        def messages() -> Iterator[bytes]:
-            yield pb.PushChunk(header=pb.PushHeader(job=header.job, plan_id=header.plan_id, transfer=header.transfer,
-                                                     hop=header.hop, from_host=header.from_host)).SerializeToString()
-            for item in items:
-                if item[0] == "piece":
-                    yield item[3] if item[3] is not None else encode_piece(item[1], item[2])
-                else:
-                    yield pb.PushChunk(trailer=pb.Trailer(nbytes=item[1], xxh3_64=item[2])).SerializeToString()
-
-        try:
-            reply = self._push_call(address)(messages(), timeout=self._timeout, wait_for_ready=False)
-        except grpc.RpcError as e:
-            raise domain_error(e, f"agent of host {host} at {address}") from None
-        return list(reply.confirmed)
-
-    def close(self) -> None:
-        with self._lock:
-            for ch, _ in self._channels.values():
-                ch.close()
-            self._channels.clear()
 
 
 def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
@@ -94,10 +51,10 @@ def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
 
 
 class AgentServicer(pb_grpc.AgentServicer):
-    def __init__(self, config: AgentConfig, store: ShardStore, executor: Executor):
+    def __init__(self, config: AgentConfig, store: ShardStore, runtime: Runtime):
         self.config = config
         self.store = store
-        self.executor = executor
+        self.runtime = runtime
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
 
     def _check_device(self, device: str) -> None:
@@ -136,34 +93,37 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def Push(self, request_iterator, context):
         h, it = _pieces(request_iterator, "Push")
-        header = PushHeader(h.job, h.plan_id, h.transfer, h.hop, h.from_host)
+        header = PushHeader(h.job, h.program_id, h.step, h.hop, h.from_host)
 
-        def items() -> Iterator[Item]:
+        def items() -> Iterator:
             for msg in it:
                 if isinstance(msg, RawPiece):
-                    yield ("piece", msg.box, msg.data, msg.frame)
+                    yield Piece(msg.box, msg.data, msg.frame)
                     continue
-                kind = msg.WhichOneof("kind")
-                if kind == "trailer":
-                    yield ("trailer", msg.trailer.nbytes, msg.trailer.xxh3_64)
-                else:
+                if msg.WhichOneof("kind") != "trailer":
                     raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
+                yield Trailer(msg.trailer.nbytes, msg.trailer.xxh3_64)
 
-        return pb.PushReply(confirmed=self.executor.receive(header, items()))
+        return pb.PushReply(confirmed=self.runtime.accept(header, items()) or ())
 
     @servicer_method
     def Prepare(self, request, context):
         self._prepare(request)
         return pb.Empty()
 
-    def _prepare(self, r: pb.PrepareRequest) -> None:
-        self.executor.prepare(r.job, r.plan_json, r.tensor, r.src_version, r.dst_version, dict(r.peers), r.transport,
-                              r.generation, r.job_seq)
+    def _prepare(self, r: pb.PrepareRequest) -> Run:
+        return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
+                                    r.transport, r.generation, r.job_seq)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
-        t = self.executor.traffic(job)
+        t = self.runtime.traffic(job)
         return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
                               local_bytes=t.local_bytes)
+
+    @staticmethod
+    def _progress(run: Run, **fields) -> pb.Progress:
+        sent, total, steps_done, steps = run.progress()
+        return pb.Progress(bytes_done=sent, bytes_total=total, steps_done=steps_done, steps_total=steps, **fields)
 
     @servicer_method
     def Execute(self, request, context):
@@ -172,36 +132,21 @@ class AgentServicer(pb_grpc.AgentServicer):
                 raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
                                            f"{request.prepare.job}")
             self._prepare(request.prepare)
-        wait_all, progress = self.executor.execute(request.job, request.plan_id, request.phase)
-        result: dict[str, BaseException | None] = {"error": None}
-        finished = threading.Event()
-
-        def waiter():
-            try:
-                wait_all()
-            except BaseException as e:  # noqa: BLE001 - reported to the caller below
-                result["error"] = e
-            finally:
-                finished.set()
-
-        threading.Thread(target=waiter, daemon=True, name=f"execute-{request.job[:8]}").start()
-        while not finished.wait(_PROGRESS_INTERVAL_S):
+        run = self.runtime.execute(request.job, request.program_id)
+        while not run.wait(_PROGRESS_INTERVAL_S, self.runtime.step_timeout_s):
             if not context.is_active():
-                self.executor.abort(request.job)
+                self.runtime.abort(request.job)
                 return
-            sent, total = progress()
-            yield pb.Progress(bytes_done=sent, bytes_total=total)
-        if result["error"] is not None:
-            raise result["error"]
-        sent, total = progress()
-        yield pb.Progress(bytes_done=sent, bytes_total=total, done=True, traffic=self._traffic(request.job))
+            yield self._progress(run)
+        run.check()
+        yield self._progress(run, done=True, traffic=self._traffic(request.job))
 
     @servicer_method
     def Commit(self, request, context):
         if request.upload_id:
             self.store.commit(request.upload_id, request.tensor, request.version, list(request.devices))
         else:
-            self.executor.commit(request.job_id)
+            self.runtime.commit(request.job_id)
         return pb.Empty()
 
     @servicer_method
@@ -209,7 +154,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         if request.upload_id:
             self.store.abort(request.upload_id)
         else:
-            self.executor.abort(request.job_id)
+            self.runtime.abort(request.job_id)
         return pb.Empty()
 
     @servicer_method
@@ -242,23 +187,27 @@ def _add_agent_servicer(servicer: "AgentServicer", server: grpc.Server) -> None:
     pb_grpc.add_AgentServicer_to_server(servicer, _PushDecoding(server))
 
 
-def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Executor]:
-    """Build and start an agent's gRPC server; returns (server, bound port, executor)."""
+def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Runtime]:
+    """Build and start an agent's gRPC server; returns (server, bound port, runtime)."""
     store = ShardStore()
-    link = GrpcPeerLink(config)
-    executor = Executor(config.host, store, link, chunk_bytes=config.chunk_bytes, workers=config.max_workers,
-                        forward_queue_chunks=config.forward_queue_chunks,
-                        transfer_timeout_s=config.transfer_timeout_s,
-                        rate_limit_bytes_per_s=config.rate_limit_bytes_per_s, fault=config.fault)
+    throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
+    transports = {"grpc": GrpcTransport(config.host, chunk_bytes=config.chunk_bytes,
+                                        timeout_s=config.transfer_timeout_s, depth=config.forward_queue_chunks,
+                                        max_message_bytes=config.max_message_bytes, throttle=throttle)}
+    collective = collective_transport(config, throttle)
+    if collective is not None:
+        transports["collective"] = collective
+    # --fault (tests only) wraps the transports; the production loops have no fault branch.
+    runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
+                      workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=config.device)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
-                         options=channel_options(config))
-    _add_agent_servicer(AgentServicer(config, store, executor), server)
-    executor.collective = collective_transport(config, executor)
+                         options=channel_options(config.chunk_bytes, config.max_message_bytes))
+    _add_agent_servicer(AgentServicer(config, store, runtime), server)
     port = start_server(server, config.listen, "reshard.v1.Agent")
-    return server, port, executor
+    return server, port, runtime
 
 
-def collective_transport(config: AgentConfig, executor: Executor):
+def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
     """The agent's collective transport, or None when it runs gRPC only.
 
     ``--transport collective`` without torch is an error naming the install; ``auto``
@@ -273,8 +222,9 @@ def collective_transport(config: AgentConfig, executor: Executor):
     bind = (config.advertise or config.listen).rsplit(":", 1)[0].strip("[]")
     member = GroupMember(config.host, config.planner.rsplit(":", 1)[0], "" if bind in ("0.0.0.0", "::", "") else bind,
                          config.backend, config.device, config.group_join_timeout_s, config.collective_timeout_s)
-    return CollectiveTransport(executor, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
-                               chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s)
+    return CollectiveTransport(config.host, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
+                               chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s,
+                               timeout_s=config.transfer_timeout_s, throttle=throttle)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:
@@ -292,7 +242,8 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         keep_freed_memory()
-        self.server, self.port, self.executor = serve_agent(config)
+        self.server, self.port, self.runtime = serve_agent(config)
+        self.collective = self.runtime.transports.get("collective")
         self.address = advertised_address(config, self.port)
         self._stop = threading.Event()
         self._channel = grpc.insecure_channel(config.planner)
@@ -323,11 +274,11 @@ class Agent:
     @property
     def transport(self) -> str:
         """What this agent registers: its --transport, or grpc when it cannot join a group."""
-        return "grpc" if self.executor.collective is None else self.config.transport
+        return "grpc" if self.collective is None else self.config.transport
 
     def _follow_group(self, info: pb.GroupInfo) -> None:
-        if self.executor.collective is not None:
-            self.executor.collective.member.update(
+        if self.collective is not None:
+            self.collective.member.update(
                 GroupView(info.store_port, info.generation, tuple(info.members), info.backend))
 
     def start(self) -> "Agent":
@@ -339,11 +290,11 @@ class Agent:
     def _heartbeat(self) -> None:
         while not self._stop.wait(self._interval):
             try:
-                joined, broken = (self.executor.collective.member.status() if self.executor.collective
+                joined, broken = (self.collective.member.status() if self.collective
                                   else (0, 0))
                 reply = self._planner.Heartbeat(pb.HeartbeatRequest(
                     host=self.config.host, address=self.address, joined_generation=joined,
-                    broken_generation=broken, uploading=self.executor.store.receiving_uploads()),
+                    broken_generation=broken, uploading=self.runtime.store.receiving_uploads()),
                     timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()
@@ -355,5 +306,5 @@ class Agent:
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
         self.server.stop(grace).wait()
-        self.executor.link.close()
+        self.runtime.close()
         self._channel.close()

@@ -1,11 +1,15 @@
-"""Reshard jobs: plan, validate, hand each agent its part, wait, commit, release.
+"""Reshard jobs: plan, validate, hand every agent the program, wait, commit, release.
 
 A job's life: ``queued`` (waiting for earlier jobs on the same tensor) ->
-``running`` -> ``succeeded`` or ``failed``. The commit point is the catalog
-swap: agents stage the new version's shards and make them visible only on
-commit, and the old version's shards are released only after every receiver
-confirmed and every agent committed, so a failed job leaves the source as it
-was. Agent calls go through an `AgentCalls` object the service layer provides.
+``running`` -> ``succeeded`` or ``failed``. Running, the planner makes the plan,
+picks the transport, hands every host of the job the plan once (its program of
+moves: ``reshard.program``) and starts it with ONE Execute per host; each agent
+then runs its steps as their dependencies allow, so the planner is no barrier
+between phases; it only collects progress and results. The commit point is the
+catalog swap: agents stage the new version's shards and make them visible only on
+commit, and the old version's shards are released only after every host finished
+and every receiver committed, so a failed job leaves the source as it was. Agent
+calls go through an `AgentCalls` object the service layer provides.
 """
 
 from __future__ import annotations
@@ -17,17 +21,18 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from reshard import box as boxes
+from reshard.cost import network_copies, sender_bytes
 from reshard.mesh import host_of
-from reshard.plan import Plan, Transfer
+from reshard.plan import Plan
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import DeadlineExceededError
 from reshard.server.common.contract import Staging
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
-from reshard.server.agent.executor import send_bytes
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
@@ -42,10 +47,14 @@ STATES = ("queued", "running", "succeeded", "failed")
 
 @dataclass(frozen=True)
 class Preparation:
-    """What an agent needs to take part in a job: the plan, the tensor's versions, its peers and transport."""
+    """What an agent needs to take part in a job: the program, the tensor's versions, its peers and transport.
+
+    A reshard's program is its plan: plan JSON is the program-of-moves form agents read
+    (``reshard.program.Program.from_json``), and the plan's id names it.
+    """
 
     job: str
-    plan_json: str
+    program_json: str
     tensor: str
     src_version: int
     dst_version: int
@@ -58,11 +67,11 @@ class Preparation:
 class AgentCalls(Protocol):
     def prepare(self, host: str, address: str, prep: Preparation, timeout: float) -> None: ...
 
-    def execute(self, host: str, address: str, job: str, plan_id: str, phase: int,
-                on_progress: Callable[[int, int], None], timeout: float,
+    def execute(self, host: str, address: str, job: str, program_id: str,
+                on_progress: Callable[[int, int, int, int], None], timeout: float,
                 prepare: Preparation | None = None) -> dict | None:
-        """Run the host's part of ``phase`` (preparing first when ``prepare`` is given); returns the host's
-        traffic for the job so far when the agent reports it (as `stats` does), else None."""
+        """Run the host's part of the whole program (preparing first when ``prepare`` is given), reporting
+        ``on_progress(bytes done, bytes to send, steps done, steps)``; returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float) -> None: ...
@@ -70,8 +79,6 @@ class AgentCalls(Protocol):
     def abort(self, host: str, address: str, staging: Staging, timeout: float) -> None: ...
 
     def release(self, host: str, address: str, tensor: str, version: int, timeout: float) -> None: ...
-
-    def stats(self, host: str, address: str, job: str, timeout: float) -> dict: ...
 
 
 @dataclass
@@ -87,7 +94,8 @@ class Job:
     started: float = 0.0
     finished: float = 0.0
     version: int = 0
-    progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [done, total]
+    progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [bytes done, bytes to send]
+    steps: dict[str, list[int]] = field(default_factory=dict)  # host -> [steps done, steps with a part there]
     traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
     transport: str = ""  # grpc or collective, once chosen
     transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
@@ -103,14 +111,14 @@ class Job:
         return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json(), "strategy": self.strategy,
                 "state": self.state, "error": self.error, "plan_id": self.plan.id if self.plan else "",
                 "created": self.created, "started": self.started, "finished": self.finished,
-                "version": self.version, "progress": self.progress, "traffic": self.traffic,
+                "version": self.version, "progress": self.progress, "steps": self.steps, "traffic": self.traffic,
                 "transport": self.transport, "transports": self.transports}
 
     @classmethod
     def from_json(cls, d: dict, plan: Plan | None) -> "Job":
         job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]), d["strategy"], d["state"], d["error"], plan,
-                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d["traffic"],
-                  d.get("transport", ""), d.get("transports", []))
+                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d.get("steps", {}),
+                  d["traffic"], d.get("transport", ""), d.get("transports", []))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -215,86 +223,92 @@ class JobRunner:
         """Run the job up to its commit; returns the tensor's record as it was, whose version is now free."""
         rec: TensorRecord = self.catalog.get(job.tensor)
         deadline = time.monotonic() + self.job_timeout_s
+        plan, plan_json = self._plan(job, rec)
+        hosts = _job_hosts(plan, job.dst)
+        peers = {h: self.registry.require_up(h).address for h in hosts}
+        job.version = rec.version + 1
+        job.progress = {h: [0, sender_bytes(plan.transfers, plan.itemsize, h)] for h in hosts}
+        transport, generation, seq = self._transport(job, plan, hosts)
+        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq)
+        with ExitStack() as turn:
+            if transport == "collective" and self.group.view().backend == "nccl":
+                # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
+                # sends and recvs in different orders on different agents would deadlock, so NCCL jobs take turns.
+                turn.enter_context(self._nccl_turn)
+            try:
+                self._run_program(job, prep, hosts, deadline)
+                self._fan_out(lambda h: self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version,
+                                                           [], self.rpc_timeout_s), sorted(job.dst.mesh.hosts),
+                              deadline)
+                self.catalog.swap(rec, bumped(rec, job.dst))
+            except BaseException as e:
+                self._undo(job, prep, hosts, e)
+                raise
+            finally:
+                if transport == "collective" and self.collective_cleanup is not None:
+                    try:
+                        self.collective_cleanup(generation, job.id, {0: hosts})
+                    except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
+                        log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
+        self.store.save_tensor(self.catalog.get(rec.name).to_json())
+        self._count_moved(job, plan)
+        return rec
+
+    def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
+        """Plan the job on the registered topology, validate the plan whole and persist it."""
         plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(), job.strategy)
         plan.validate()
         job.plan = plan
         plan_json = plan.dumps()
         self.store.save_plan(plan.id, plan_json)
-        hosts = set(job.dst.mesh.hosts) | {host_of(t.sender) for t in plan.transfers}
-        hosts |= {h for t in plan.transfers for h in t.route}
-        hosts = sorted(hosts)
-        peers = {h: self.registry.require_up(h).address for h in hosts}
-        job.version = rec.version + 1
-        job.progress = {h: [0, send_bytes(plan, h)] for h in hosts}
-        dst_hosts = sorted(job.dst.mesh.hosts)
-        timeout = self.rpc_timeout_s
-        transport, generation, seq = (self.group.choose(hosts, self.group_wait_s) if self.group
-                                      else ("grpc", 0, 0))
-        job.transport = transport
-        job.transports = [transport if _network(t) else "local" for t in plan.transfers]
-        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq)
-        phases = sorted({t.phase for t in plan.transfers})
-        traffic: dict[str, dict] = {}
-        runs = {phase: _phase_hosts(plan, phase, transport) for phase in phases}
-        # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
-        # sends and recvs in different orders on different agents would deadlock, so NCCL jobs take turns.
-        serial = transport == "collective" and self.group is not None and self.group.view().backend == "nccl"
-        if serial:
-            self._nccl_turn.acquire()
-        try:
-            # On the collective transport the first phase's hosts prepare inside their Execute call: the
-            # plan-id confirmation before any send or recv waits for every peer anyway.
-            early = set(runs[phases[0]]) if transport == "collective" and phases else set()
-            self._fan_out(lambda h: self.agents.prepare(h, peers[h], prep, timeout),
-                          [h for h in hosts if h not in early], deadline)
-            base = {h: 0 for h in hosts}
-            for phase in phases:
-                def run(h, phase=phase):
-                    def on_progress(done: int, total: int) -> None:
-                        job.progress[h][0] = base[h] + done
-                    reported = self.agents.execute(h, peers[h], job.id, plan.id, phase, on_progress,
-                                                   max(0.1, deadline - time.monotonic()),
-                                                   prep if h in early and phase == phases[0] else None)
-                    base[h] = job.progress[h][0] = base[h] + send_bytes(plan, h, phase)
-                    if transport == "collective" and reported is not None:
-                        traffic[h] = reported  # all of a host's collective traffic happens inside its Executes
+        return plan, plan_json
 
-                self._fan_out(run, runs[phase], deadline)
-            # Each host's traffic is final once the phases ran: what Execute did not report is fetched
-            # while the receivers commit.
-            stats = {self._calls_pool.submit(self.agents.stats, h, peers[h], job.id, timeout): h
-                     for h in hosts if h not in traffic}
-            self._fan_out(lambda h: self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version, [], timeout),
-                          dst_hosts, deadline)
-            self.catalog.swap(rec, bumped(rec, job.dst))
-        except BaseException as e:
-            if transport == "collective" and self.group is not None:
-                # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
-                self.group.reform(f"job {job.id[:8]} failed on generation {generation}: {str(e)[:120]}")
-            self._best_effort(lambda h: self.agents.abort(h, peers[h], Staging(job=job.id), timeout), hosts)
-            self._best_effort(lambda h: self.agents.release(h, peers[h], rec.name, job.version, timeout), dst_hosts)
-            raise
-        finally:
-            if serial:
-                self._nccl_turn.release()
-            if transport == "collective" and self.collective_cleanup is not None:
-                try:
-                    self.collective_cleanup(generation, job.id, runs)
-                except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
-                    log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
-        self.store.save_tensor(self.catalog.get(rec.name).to_json())
+    def _transport(self, job: Job, plan: Plan, hosts: list[str]) -> tuple[str, int, int]:
+        """(transport, group generation, job number) for the job; records it and what carries each transfer."""
+        transport, generation, seq = self.group.choose(hosts, self.group_wait_s) if self.group else ("grpc", 0, 0)
+        job.transport = transport
+        job.transports = [transport if network_copies(t) else "local" for t in plan.transfers]
+        return transport, generation, seq
+
+    def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float) -> None:
+        """Hand every host the program once, then run it with one Execute per host; collects progress and
+        each host's traffic. On gRPC every host is prepared before any runs, since pushes may reach a host
+        as soon as its peers start; on the collective transport each prepares inside its Execute (the plan-id
+        confirmation before any call waits for every peer anyway)."""
+        early = prep.transport == "collective"
+        if not early:
+            self._fan_out(lambda h: self.agents.prepare(h, prep.peers[h], prep, self.rpc_timeout_s), hosts,
+                          deadline)
+        job.steps = {h: [0, 0] for h in hosts}
+
+        def run(h: str) -> None:
+            def on_progress(done: int, total: int, steps_done: int, steps: int) -> None:
+                job.progress[h][0] = done
+                job.steps[h] = [steps_done, steps]
+
+            traffic = self.agents.execute(h, prep.peers[h], job.id, job.plan.id, on_progress,
+                                          max(0.1, deadline - time.monotonic()), prep if early else None)
+            if traffic is not None:
+                job.traffic[h] = traffic
+
+        self._fan_out(run, hosts, deadline)
+
+    def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException) -> None:
+        """After a failure: a fresh group for the next collective job, and nothing staged left anywhere."""
+        if prep.transport == "collective" and self.group is not None:
+            # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
+            self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
+        self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
+                          hosts)
+        self._best_effort(lambda h: self.agents.release(h, prep.peers[h], prep.tensor, job.version,
+                                                        self.rpc_timeout_s), sorted(job.dst.mesh.hosts))
+
+    def _count_moved(self, job: Job, plan: Plan) -> None:
         with self._lock:
             for t in plan.transfers:
                 n = boxes.volume(t.box) * plan.itemsize
-                self._moved[job.transport] += n * _network(t)
+                self._moved[job.transport] += n * network_copies(t)
                 self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
-        job.traffic.update(traffic)
-        for f, h in stats.items():
-            try:
-                job.traffic[h] = f.result(timeout=self.rpc_timeout_s)
-            except Exception as e:  # noqa: BLE001 - statistics are informative only
-                log.info("no traffic statistics from %s for job %s: %s", h, job.id[:8], e)
-        return rec
 
     def _best_effort(self, fn, hosts) -> None:
         futures = {self._calls_pool.submit(fn, h): h for h in hosts}
@@ -305,21 +319,10 @@ class JobRunner:
                 log.info("cleanup call to host %s failed: %s", h, e)
 
 
-def _phase_hosts(plan: Plan, phase: int, transport: str) -> list[str]:
-    """The hosts whose agents run ``phase``: its senders; on the collective transport also every host that
-    receives or relays (they post the recvs)."""
-    ts = [t for t in plan.transfers if t.phase == phase]
-    hosts = {host_of(t.sender) for t in ts}
-    if transport == "collective":
-        hosts |= {h for t in ts for h in (*map(host_of, t.receivers), *t.route)}
+def _job_hosts(plan: Plan, dst: Sharding) -> list[str]:
+    """Every host with a part in the job: the destination's hosts (they stage and commit) and every sender,
+    receiver and route hop of the plan."""
+    hosts = set(dst.mesh.hosts)
+    for t in plan.transfers:
+        hosts |= {host_of(t.sender), *map(host_of, t.receivers), *t.route}
     return sorted(hosts)
-
-
-def _network(t: Transfer) -> int:
-    """How many times a transfer's box crosses the network (0: it stays on the sender's host)."""
-    src = host_of(t.sender)
-    if t.method == "broadcast":
-        return len(t.route)
-    if t.method == "p2p":
-        return sum(host_of(r) != src for r in t.receivers)
-    return 0

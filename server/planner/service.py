@@ -23,7 +23,7 @@ __all__ = ["serve_planner", "GrpcAgentCalls"]
 
 
 def _prepare_request(p: Preparation) -> pb.PrepareRequest:
-    return pb.PrepareRequest(job=p.job, plan_json=p.plan_json, tensor=p.tensor, src_version=p.src_version,
+    return pb.PrepareRequest(job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
                              dst_version=p.dst_version, peers=p.peers, transport=p.transport,
                              generation=p.generation, job_seq=p.job_seq)
 
@@ -55,13 +55,13 @@ class GrpcAgentCalls:
     def prepare(self, host, address, prep, timeout):
         self._call(host, address, "Prepare", _prepare_request(prep), timeout)
 
-    def execute(self, host, address, job, plan_id, phase, on_progress, timeout, prepare=None):
-        request = pb.ExecuteRequest(job=job, plan_id=plan_id, phase=phase,
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
+        request = pb.ExecuteRequest(job=job, program_id=program_id,
                                     prepare=_prepare_request(prepare) if prepare is not None else None)
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
-                on_progress(msg.bytes_done, msg.bytes_total)
+                on_progress(msg.bytes_done, msg.bytes_total, msg.steps_done, msg.steps_total)
                 if msg.HasField("traffic"):
                     traffic = _traffic(msg.traffic)
         except grpc.RpcError as e:
@@ -77,9 +77,6 @@ class GrpcAgentCalls:
 
     def release(self, host, address, tensor, version, timeout):
         self._call(host, address, "Release", pb.ReleaseRequest(tensor=tensor, version=version), timeout)
-
-    def stats(self, host, address, job, timeout):
-        return _traffic(self._call(host, address, "JobStats", pb.JobStatsRequest(job=job), timeout))
 
     def close(self) -> None:
         with self._lock:

@@ -1,42 +1,37 @@
-"""The collective transport: the agents' torch.distributed process group and a plan's bytes over it.
+"""The collective transport: the agents' torch.distributed process group and a job's streams over it.
 
-Owns everything that touches torch: the planner's rendezvous store
-(`Rendezvous`), an agent's membership in the group (`GroupMember`), and the
-data plane (`CollectiveTransport`), which runs one agent's part of a phase with
-point-to-point ``send``/``recv`` on the group. The planner decides who the
-members are (`reshard.server.planner.membership`); this module only follows it.
+Owns everything of the transport that touches torch: an agent's membership in the
+group (`GroupMember`) and the data plane (`CollectiveTransport`), point-to-point
+``send``/``recv`` on the group behind the `Transport` interface, whose base class
+holds what a move, a chain hop and a reduce mean. The planner decides who the
+members are and hosts the store (`reshard.server.planner.membership`,
+``rendezvous``); this module only follows it.
 
 =============== ==============================================================================
 group           one ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) per generation,
                 formed through ``PrefixStore("reshard/g<gen>/pg/", planner store)``; rank =
                 index of the host in the members; a failed call closes gloo's pairs, so the
                 agent reports the generation broken and the planner re-forms the group
-confirm         before a phase's first send or recv, an agent writes
-                ``reshard/g<gen>/confirm/<job>/<phase>/<host> = plan id`` and waits, with a
-                deadline, for the keys of every peer it will talk to in that phase: a peer
-                on another plan or generation raises at once instead of hanging a recv;
-                the planner deletes a job's keys when the job ends (`Rendezvous.forget_job`)
-stream          one box from one host to the next: chunks (``chunk_boxes``) as raw bytes,
-                then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window`` chunks in flight
-tag             ``(job_seq mod 2^11) << 20 | stream``, stream numbered over the plan's
-                (transfer, hop) pairs: concurrent jobs and transfers never share a tag
-chain           a route host receives chunk k+1 while it forwards chunk k to the next host
-                and writes it into its own receivers (the fan-out to local devices)
-lanes           a phase's tasks (one per transfer and hop this host takes part in) run on a
-                FIFO pool of ``lanes`` threads in one order every host derives from the plan
-                (``interleaved``: round-robin over sender and destination host pairs, so the
-                tasks running at once load every NIC), so the first unfinished transfer in
-                that order always runs on all its hosts: no deadlock, concurrency up to
-                ``lanes``, memory at most ``lanes * 2 * window * chunk_bytes``. NCCL
-                ignores tags and orders calls per communicator, so it gets one lane
+confirm         before its first call with a peer in a job, an agent writes (once per job)
+                ``reshard/g<gen>/confirm/<job>/0/<host> = program id`` and waits, with a
+                deadline, for the keys of the peers its next tasks talk to: a peer on another
+                program or generation raises at once instead of hanging a recv; the planner
+                deletes a job's keys when the job ends (``Rendezvous.forget_job``)
+stream          one box from one host to the next: pieces (``chunk_boxes``) as raw bytes,
+                then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window``
+                pieces in flight each way
+tag             ``(job_seq mod 2^11) << 20 | stream``, streams numbered over the program's
+                steps (a move's hops, a reduce's ring messages): concurrent jobs and streams
+                never share a tag
+chain           a route host receives piece k+1 while it forwards piece k to the next host
+                and writes it into its own receivers (the fan-out to local devices); a piece
+                is received straight into a receiver's buffer where it is contiguous there
+lanes           receives block, so the agent's runtime dispatches a job's tasks in one order
+                every host derives from the program, depth by depth, FIFO on ``lanes``
+                threads (`reshard.server.agent.runtime` proves it cannot deadlock); memory at
+                most ``lanes * 2 * window * chunk_bytes``. NCCL ignores tags and orders calls
+                per communicator, so it gets one lane
 =============== ==============================================================================
-
-Received chunks are checked like the gRPC path's: every byte lands inside the
-transfer's box, and the byte count and XXH3-64 digest match the sender's trailer
-before the receiver's Execute returns (and so before the planner commits); a
-chain's digest is checked end to end by its last hop, which covers every hop's
-bytes because each hop forwards from the very buffer it keeps
-(`reshard.server.agent.executor.verify_arrival`).
 """
 
 from __future__ import annotations
@@ -46,27 +41,32 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from reshard import box as boxes
-from reshard.mesh import host_of
-from reshard.plan import Plan, Transfer
+from reshard.box import Box
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
-from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
-from reshard.server.agent.executor import corrupt_bit, interleaved, send_bytes, verify_arrival
+from reshard.proto.layout import chunk_boxes
 from reshard.server.common.contract import confirm_prefix
 from reshard.server.common.torch_support import require_torch, seconds_delta, torch_available
+from reshard.server.transport.base import (
+    Outgoing,
+    Piece,
+    Session,
+    StreamKey,
+    Throttle,
+    Trailer,
+    Transport,
+)
 
 if TYPE_CHECKING:
-    from reshard.server.agent.executor import Executor, _AgentJob
     from reshard.server.common.contract import GroupView
 
-__all__ = ["torch_available", "GroupMember", "CollectiveTransport", "stream_offsets"]
+__all__ = ["torch_available", "GroupMember", "CollectiveTransport"]
 
 log = logging.getLogger(__name__)
 
@@ -194,312 +194,190 @@ class GroupMember:
 # -- the data plane ---------------------------------------------------------------------------------
 
 
-def stream_offsets(plan: Plan) -> list[int]:
-    """First stream number of each transfer: p2p has one stream per receiver, broadcast one per route hop."""
-    out, n = [], 0
-    for t in plan.transfers:
-        out.append(n)
-        n += len(t.receivers) if t.method == "p2p" else len(t.route) if t.method == "broadcast" else 0
-    if n >= 1 << _STREAM_BITS:
-        raise FailedPreconditionError(
-            f"plan {plan.id[:12]} has {n} streams; the collective transport numbers at most {1 << _STREAM_BITS} "
-            f"per job: run it with --transport grpc"
-        )
-    return out
+class _Outgoing(Outgoing):
+    """A stream to one peer over the group: a ``send`` per piece, at most ``window`` unfinished, then the
+    trailer ``uint64[nbytes, xxh3_64]``."""
+
+    def __init__(self, transport: "CollectiveTransport", s: Session, group: Group, peer: str, tag: int):
+        self._transport, self._session, self._group = transport, s, group
+        self.peer, self._rank, self._tag = peer, group.rank_of(peer), tag
+        self._pending: deque = deque()
+
+    def _send(self, tensor) -> None:
+        # Counted by the caller when handed over (gloo's send work reports completion only on wait):
+        # at most ``window`` pieces ahead of the wire, and progress moves piece by piece.
+        self._pending.append(self._group.pg.send([tensor], self._rank, self._tag))
+        if len(self._pending) >= self._transport.window:
+            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
+
+    def put(self, box, data, wire=None) -> None:
+        self._send(wire if wire is not None else self._transport.tensor(data, self._group))
+
+    def end(self, nbytes: int, digest: int) -> None:
+        self._send(self._transport.tensor(np.array([nbytes, digest], dtype=np.uint64), self._group))
+
+    def wait(self, timeout: float) -> None:
+        while self._pending:
+            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
+        return None  # every receiving host reports to the planner itself
+
+    def cancel(self) -> None:
+        self._pending.clear()  # the group is re-formed after a failed job, which drops what is in flight
 
 
-@dataclass(frozen=True)
-class _Task:
-    index: int
-    transfer: Transfer
-    role: str  # "send" (sender: local copies, then its streams) or "recv" (a receiving hop)
-    hop: int = 0
-    peer: str = ""  # recv: the host sending to us
+class CollectiveTransport(Transport):
+    """Streams over the process group (see the module table); the receiver posts its receives."""
 
+    name = "collective"
+    passive = False
 
-def _tasks(plan: Plan, phase: int, host: str) -> list[_Task]:
-    out = []
-    for i, t in interleaved([(i, t) for i, t in enumerate(plan.transfers) if t.phase == phase]):
-        src = host_of(t.sender)
-        if src == host:
-            out.append(_Task(i, t, "send"))
-        if t.method == "p2p":
-            out += [_Task(i, t, "recv", hop, src) for hop, r in enumerate(t.receivers)
-                    if host_of(r) == host and src != host]
-        elif t.method == "broadcast":
-            chain = [src, *t.route]
-            out += [_Task(i, t, "recv", hop, chain[hop]) for hop, h in enumerate(t.route) if h == host]
-    return out
-
-
-def _peers(tasks: list[_Task], host: str) -> set[str]:
-    peers = set()
-    for task in tasks:
-        t = task.transfer
-        if task.role == "recv":
-            peers.add(task.peer)
-            if t.method == "broadcast" and task.hop + 1 < len(t.route):
-                peers.add(t.route[task.hop + 1])
-        elif t.method == "p2p":
-            peers |= {host_of(r) for r in t.receivers if host_of(r) != host}
-        elif t.method == "broadcast" and t.route:
-            peers.add(t.route[0])
-    return peers
-
-
-class CollectiveTransport:
-    """Runs an agent's part of a phase over the process group (see the module table)."""
-
-    def __init__(self, executor: "Executor", member: GroupMember, *, lanes: int, window: int, chunk_bytes: int,
-                 confirm_timeout_s: float):
-        self.executor = executor
-        self.chunk_bytes = chunk_bytes
+    def __init__(self, host: str, member: GroupMember, *, lanes: int, window: int, chunk_bytes: int,
+                 confirm_timeout_s: float, timeout_s: float, throttle: Throttle | None = None):
+        super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle)
         self.member = member
         self.torch = member.torch
         self.lanes = 1 if member.backend == "nccl" else lanes
         self.window = max(1, window)
         self.confirm_timeout_s = confirm_timeout_s
         self.op_timeout = seconds_delta(member.op_timeout_s)
-        # Chunks are read-only views of shards that arrived as bytes; torch only reads them.
+        self._lock = threading.Lock()
+        self._groups: dict[str, Group] = {}  # job -> the group it runs on
+        self._announced: set[str] = set()  # jobs whose plan-id key this host wrote
+        # Pieces are read-only views of shards that arrived as bytes; torch only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
-    def execute(self, state: "_AgentJob", phase: int) -> tuple[Callable[[], None], Callable[[], tuple[int, int]]]:
-        group = state.group
-        plan = state.plan
-        tasks = _tasks(plan, phase, self.executor.host)
-        offsets = stream_offsets(plan)
-        total = send_bytes(plan, self.executor.host, phase)
-        base = state.traffic.sent
-        pool = ThreadPoolExecutor(self.lanes, thread_name_prefix=f"coll-{state.id[:6]}")
-        futures = []
+    # -- jobs -------------------------------------------------------------------------------------------
 
-        def run() -> None:
-            self._confirm(state, group, phase, _peers(tasks, self.executor.host))
-            futures.extend(pool.submit(self._run_task, state, group, task, offsets) for task in tasks)
-            done, pending = wait(futures, timeout=self.executor.transfer_timeout_s, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()
-            if pending:
-                raise DeadlineExceededError(
-                    f"job {state.id}: {len(pending)} collective transfers of agent {self.executor.host} did not "
-                    f"finish in {self.executor.transfer_timeout_s:g}s"
-                )
+    def attach(self, s: Session) -> None:
+        group = self.member.require(s.generation, s.job)
+        n = s.num_streams
+        if n >= 1 << _STREAM_BITS:
+            raise FailedPreconditionError(
+                f"program {s.program_id[:12]} has {n} streams; the collective transport numbers at most "
+                f"{1 << _STREAM_BITS} per job: run it with --transport grpc"
+            )
+        with self._lock:
+            self._groups[s.job] = group
 
-        result: dict[str, BaseException | None] = {"error": None}
-        finished = threading.Event()
+    def detach(self, s: Session) -> None:
+        with self._lock:
+            self._groups.pop(s.job, None)
+            self._announced.discard(s.job)
 
-        def runner() -> None:
-            try:
-                run()
-            except BaseException as e:  # noqa: BLE001 - handed to wait_all
-                result["error"] = e
-                state.failed = state.failed or e
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
-                finished.set()
+    def _group(self, s: Session) -> Group:
+        with self._lock:
+            group = self._groups.get(s.job)
+        if group is None:
+            raise FailedPreconditionError(f"job {s.job} is not prepared for the collective transport on {self.host}")
+        return group
 
-        threading.Thread(target=runner, daemon=True, name=f"phase-{state.id[:6]}-{phase}").start()
-
-        def wait_all() -> None:
-            finished.wait()
-            if result["error"] is not None:
-                raise result["error"]
-
-        return wait_all, lambda: (state.traffic.sent - base, total)
-
-    # -- confirm ---------------------------------------------------------------------------
-
-    def _confirm(self, state: "_AgentJob", group: Group, phase: int, peers: set[str]) -> None:
-        """Publish this agent's plan id for the phase and check every peer's before any call."""
-        me = self.executor.host
-        prefix = confirm_prefix(state.generation, state.id, phase)
-        mine = state.plan.id
+    def handshake(self, s: Session, peers: set[str]) -> None:
+        """Publish this agent's plan id for the job (once) and check every new peer's before any call."""
+        me = self.host
+        group = self._group(s)
+        prefix = confirm_prefix(s.generation, s.job, 0)
+        mine = s.program_id
         try:
-            self.member.require(state.generation, state.id)
+            self.member.require(s.generation, s.job)
         except FailedPreconditionError as e:
             with group.lock:  # tell the peers at once, so none of them waits for this agent
                 group.store.set(prefix + me, f"!{e}")
             raise
-        current = group
-        with current.lock:
-            current.store.set(prefix + me, mine)
+        with self._lock:
+            announce = s.job not in self._announced
+            self._announced.add(s.job)
+        if announce:
+            with group.lock:
+                group.store.set(prefix + me, mine)
         keys = [prefix + p for p in sorted(peers)]
         start = time.monotonic()
         deadline = start + self.confirm_timeout_s
         pause = 0.0005
         while keys:
-            if state.failed is not None:
-                raise state.failed
-            with current.lock:
-                ready = current.store.check(keys)
+            s.check()
+            with group.lock:
+                ready = group.store.check(keys)
             if ready:
                 break
             if time.monotonic() > deadline:
-                with current.lock:
-                    late = [k.rsplit("/", 1)[1] for k in keys if not current.store.check([k])]
+                with group.lock:
+                    late = [k.rsplit("/", 1)[1] for k in keys if not group.store.check([k])]
                 raise DeadlineExceededError(
-                    f"job {state.id}: hosts {late} did not confirm plan {mine[:12]} for phase {phase} on process "
-                    f"group generation {state.generation} within {self.confirm_timeout_s:g}s; they may run another "
-                    f"generation or have failed, so agent {me} made no collective call"
+                    f"job {s.job}: hosts {late} did not confirm plan {mine[:12]} on process group generation "
+                    f"{s.generation} within {self.confirm_timeout_s:g}s; they may run another generation or have "
+                    f"failed, so agent {me} made no collective call"
                 )
             time.sleep(pause)
             # Peers start within a few ms of each other: poll fast at first, then back off.
             pause = 0.0005 if time.monotonic() < start + 0.1 else min(pause * 2, 0.02)
         for key in keys:
-            with current.lock:
-                theirs = current.store.get(key).decode()
+            with group.lock:
+                theirs = group.store.get(key).decode()
             if theirs.startswith("!"):
-                raise FailedPreconditionError(
-                    f"job {state.id}: host {key.rsplit('/', 1)[1]} cannot run phase {phase}: {theirs[1:]}"
-                )
+                raise FailedPreconditionError(f"job {s.job}: host {key.rsplit('/', 1)[1]} cannot run it: {theirs[1:]}")
             if theirs != mine:
                 raise FailedPreconditionError(
-                    f"job {state.id}: host {key.rsplit('/', 1)[1]} confirmed plan {theirs[:12]} for phase {phase}, "
-                    f"but agent {me} prepared plan {mine[:12]}; every agent must run the same plan, so no collective "
-                    f"call was made"
+                    f"job {s.job}: host {key.rsplit('/', 1)[1]} confirmed plan {theirs[:12]}, but agent {me} "
+                    f"prepared plan {mine[:12]}; every agent must run the same plan, so no collective call was made"
                 )
 
-    # -- streams ------------------------------------------------------------------------------
+    # -- streams ----------------------------------------------------------------------------------------
 
-    def _tag(self, state: "_AgentJob", stream: int) -> int:
-        return ((state.job_seq & _SEQ_MASK) << _STREAM_BITS) | stream
+    def _tag(self, s: Session, key: StreamKey) -> int:
+        return ((s.seq & _SEQ_MASK) << _STREAM_BITS) | s.stream(key)
 
-    def _wait(self, state: "_AgentJob", group: Group, work, what: str, peer: str) -> None:
+    def tensor(self, data, group: Group):
+        """A piece's bytes as a tensor on the group's device (a view of host bytes on CPU)."""
+        flat = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(
+            np.uint8)
+        tensor = self.torch.from_numpy(flat)
+        return tensor if group.device.type == "cpu" else tensor.to(group.device, non_blocking=False)
+
+    def finish(self, s: Session, group: Group, work, what: str, peer: str) -> None:
+        """Wait for one send or recv; a failure marks the group broken (the planner re-forms it)."""
         try:
             work.wait(self.op_timeout)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
             self.member.mark_broken(group, f"{what} failed")
             text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            where = (f"job {state.id}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
+            where = (f"job {s.job}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
                      f"generation {group.generation})")
             if "Timed out" in text or "timeout" in text.lower():
                 raise DeadlineExceededError(f"{where} did not finish in {self.op_timeout.total_seconds():g}s: "
                                             f"{text}") from None
             raise UnavailableError(f"{where} failed: {text}") from None
 
-    def _run_task(self, state: "_AgentJob", group: Group, task: _Task, offsets: list[int]) -> None:
-        if state.failed is not None:
-            raise state.failed
-        t = task.transfer
-        stream = offsets[task.index] + task.hop
-        if task.role == "recv":
-            self._receive(state, group, task, stream)
-            return
-        me = self.executor.host
-        array, origin = self.executor._source(state, t.sender, t.box)
-        view = array[boxes.to_slices(t.box, origin)]
-        nbytes = boxes.volume(t.box) * state.dtype.itemsize
-        for r in t.receivers:
-            if host_of(r) == me:
-                state.write(r, t.box, view)
-                state.traffic.add_local(nbytes)
-        if t.method == "p2p":
-            for hop, r in enumerate(t.receivers):
-                if host_of(r) != me:
-                    self._send(state, group, task.index, host_of(r), offsets[task.index] + hop, array, origin)
-        elif t.method == "broadcast" and t.route:
-            self._send(state, group, task.index, t.route[0], offsets[task.index], array, origin)
+    def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
+        return _Outgoing(self, s, self._group(s), peer, self._tag(s, key))
 
-    def _chunk_tensor(self, data: np.ndarray, group: Group):
-        flat = data.reshape(-1).view(np.uint8)
-        tensor = self.torch.from_numpy(flat)
-        return tensor if group.device.type == "cpu" else tensor.to(group.device, non_blocking=False)
-
-    def _send(self, state: "_AgentJob", group: Group, index: int, peer: str, stream: int, array: np.ndarray,
-              origin) -> None:
-        t = state.plan.transfers[index]
-        dst, tag = group.rank_of(peer), self._tag(state, stream)
-        known = state.digests.get(index)  # started at prepare (Executor._digest_sources)
-        check = Checksum(digest=known is None)
-        pending: deque = deque()
-        for sub in chunk_boxes(t.box, state.plan.dtype, self.chunk_bytes):
-            if state.failed is not None:
-                raise state.failed
-            data = np.ascontiguousarray(array[boxes.to_slices(sub, origin)])
-            if data.nbytes == 0:
-                continue
-            self.executor._throttle.wait(data.nbytes)
-            check.update(data.reshape(-1).view(np.uint8))
-            # Counted when handed to the group (gloo's send work reports completion only on wait):
-            # at most ``window`` chunks ahead of the wire, and progress moves chunk by chunk.
-            pending.append(group.pg.send([self._chunk_tensor(data, group)], dst, tag))
-            state.traffic.add_out(peer, data.nbytes, origin=True)
-            if len(pending) >= self.window:
-                self._wait(state, group, pending.popleft(), "send", peer)
-        xxh3 = known.result() if known is not None else check.xxh3_64
-        trailer = self._chunk_tensor(np.array([check.nbytes, xxh3], dtype=np.uint64), group)
-        pending.append(group.pg.send([trailer], dst, tag))
-        while pending:
-            self._wait(state, group, pending.popleft(), "send", peer)
-
-    @staticmethod
-    def _in_place(state: "_AgentJob", group: Group, local: list[str], sub) -> tuple[str, np.ndarray | None]:
-        """A receiver whose buffer holds ``sub`` contiguously, and that part of it: chunks land there directly
-        (no staging buffer, no copy); the other local receivers copy from it, and the next hop is fed from it."""
-        if group.device.type != "cpu":
-            return "", None
-        for r in local:
-            tile = state.dst_tiles.get(r)
-            if tile is not None and boxes.contains(tile, sub):
-                view = state.buffers[r][boxes.to_slices(sub, tile)]
-                if view.flags.c_contiguous:
-                    return r, view
-        return "", None
-
-    def _receive(self, state: "_AgentJob", group: Group, task: _Task, stream: int) -> None:
+    def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
+        """Post up to ``window`` receives ahead; a piece lands in a receiver's buffer when ``place`` offers one
+        (no staging buffer, no copy), else in a new tensor."""
         torch = self.torch
-        t, me = task.transfer, self.executor.host
-        src, tag = group.rank_of(task.peer), self._tag(state, stream)
-        if t.method == "broadcast":
-            local = [r for r in t.receivers if host_of(r) == me]
-            nxt = t.route[task.hop + 1] if task.hop + 1 < len(t.route) else None
-        else:
-            local, nxt = [t.receivers[task.hop]], None
-        fwd_rank, fwd_tag = (group.rank_of(nxt), self._tag(state, stream + 1)) if nxt else (0, 0)
-        size = state.dtype.itemsize
-        subs = [s for s in chunk_boxes(t.box, state.plan.dtype, self.chunk_bytes) if boxes.volume(s)]
+        group = self._group(s)
+        src, tag = group.rank_of(peer), self._tag(s, key)
+        dtype, np_dtype = s.dtype(key.step)
+        subs = iter([sub for sub in chunk_boxes(box, dtype, self.chunk_bytes) if boxes.volume(sub)])
         posted: deque = deque()
-        forwards: deque = deque()
-        nxt_sub = iter(subs)
 
         def post() -> None:
-            sub = next(nxt_sub, None)
-            if sub is not None:
-                into, view = self._in_place(state, group, local, sub)
-                buf = (torch.from_numpy(view.reshape(-1).view(np.uint8)) if into
-                       else torch.empty(boxes.volume(sub) * size, dtype=torch.uint8, device=group.device))
-                posted.append((sub, buf, into, group.pg.recv([buf], src, tag)))
+            sub = next(subs, None)
+            if sub is None:
+                return
+            into, view = (place(sub) or ("", None)) if group.device.type == "cpu" else ("", None)
+            buf = (torch.from_numpy(view.reshape(-1).view(np.uint8)) if view is not None
+                   else torch.empty(boxes.volume(sub) * np_dtype.itemsize, dtype=torch.uint8, device=group.device))
+            posted.append((sub, buf, into if view is not None else None, group.pg.recv([buf], src, tag)))
 
         for _ in range(self.window):
             post()
-        check = Checksum(digest=nxt is None)  # a forwarding hop leaves the digest to the chain's last hop
         while posted:
             sub, buf, into, work = posted.popleft()
-            self._wait(state, group, work, "recv", task.peer)
+            self.finish(s, group, work, "recv", peer)
             post()
-            if nxt and self.executor.fault == "corrupt-relay" and check.nbytes == 0 and buf.numel():
-                buf[0] ^= corrupt_bit(task.hop)
-            if nxt:
-                forwards.append(group.pg.send([buf], fwd_rank, fwd_tag))
-                state.traffic.add_out(nxt, buf.numel(), origin=False)
-                if len(forwards) > self.window:
-                    self._wait(state, group, forwards.popleft(), "send", nxt)
-            host_buf = buf if buf.device.type == "cpu" else buf.cpu()
-            raw = host_buf.numpy()
-            arr = raw.view(state.dtype).reshape(tile_shape(sub))
-            for r in local:
-                if r == into:
-                    state.mark(r, sub)
-                else:
-                    state.write(r, sub, arr)
-            check.update(raw)
-            state.traffic.add_in(task.peer, raw.nbytes)
+            raw = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
+            yield Piece(sub, raw, buf, into)
         trailer = torch.empty(16, dtype=torch.uint8, device=group.device)
-        self._wait(state, group, group.pg.recv([trailer], src, tag), "recv", task.peer)
-        if nxt:
-            forwards.append(group.pg.send([trailer], fwd_rank, fwd_tag))
+        self.finish(s, group, group.pg.recv([trailer], src, tag), "recv", peer)
         nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
-        verify_arrival(state.id, task.index, t, task.hop, check, nbytes, digest, size)
-        while forwards:
-            self._wait(state, group, forwards.popleft(), "send", nxt)
+        yield Trailer(nbytes, digest)

@@ -125,7 +125,7 @@ def _execute_both(planner, job, plans, peers):
     def run(h, plan):
         t0 = time.monotonic()
         try:
-            planner.agents.execute(h, peers[h], job, plan.id, 0, lambda *_: None, 60)
+            planner.agents.execute(h, peers[h], job, plan.id, lambda *_: None, 60)
             out[h] = (None, time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 - the test inspects it
             out[h] = (e, time.monotonic() - t0)
@@ -189,7 +189,7 @@ def test_stale_generation_fails_cleanly(shared):
         planner.agents.prepare("c0", peers["c0"], late, 10)
     t0 = time.monotonic()
     with pytest.raises(FailedPreconditionError, match=stale):
-        planner.agents.execute("c0", peers["c0"], "late", plan.id, 0, lambda *_: None, 60, late)
+        planner.agents.execute("c0", peers["c0"], "late", plan.id, lambda *_: None, 60, late)
     assert time.monotonic() - t0 < COLLECTIVE_TIMEOUT_S
     assert c.reshard("shared", DST).result(timeout=60).transport == "collective"
     assert np.array_equal(c.get("shared"), A)
@@ -257,7 +257,11 @@ def test_lanes_run_an_all_to_all_round_robin_over_host_pairs_in_one_order_on_eve
     from reshard import Topology
     from reshard.cases import n_to_m_cases
     from reshard.mesh import host_of
-    from reshard.server.transport.collective import _tasks
+    from reshard.program import Program
+    from reshard.server.agent.runtime import host_tasks
+
+    def _tasks(plan, depth, host):  # one host's tasks of one depth, in the order it runs them
+        return [task for task in host_tasks(Program.from_plan(plan), host) if task.depth == depth]
 
     hosts = [f"h{i}" for i in range(5)]
     case = next(c for c in n_to_m_cases(hosts, 2**20) if c.name == "case4")

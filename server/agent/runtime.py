@@ -1,0 +1,680 @@
+"""An agent's runtime: it runs the host's part of programs, many at once, each as a dependency graph.
+
+A program (``reshard.program``) is steps with ids and dependencies (``step.after``). On
+one host a step becomes *tasks*, one per role the host has in it:
+
+=========== ========================================================================
+send        a move's sender: copies into its receivers on this host, then the box to
+            the remote receivers or down the chain (`Transport.move`)
+recv        one hop of a move that arrives here: write, forward, verify (`Transport.take`)
+compute     a named kernel on local tiles (`KERNELS`: ``copy`` so far)
+reduce      this host's devices' part of a group reduce (`Transport.reduce`)
+=========== ========================================================================
+
+A step is *done here* when all its tasks on this host are. A send, compute or reduce
+task starts as soon as every step in its ``after`` that has tasks here is done here
+(its inputs are present, local or arrived); independent tasks overlap on a pool shared
+by all programs. A receive needs nothing: a passive transport (gRPC, memory) hands the
+pushed stream to `Runtime.accept` whenever it comes. Every running task has a deadline
+(``step_timeout_s``; a passive receive counts from Execute, ``depth + 1`` timeouts, since
+its sender may wait for earlier steps); when one passes, or any task fails, the
+program fails: queued tasks never start, running ones stop at their next piece, and
+nothing was written but the program's staged destination buffers, which only the
+planner's commit makes visible, so every source stays intact.
+
+**No deadlock on the collective transport.** There a receive is a call that blocks a
+lane until its peer sends, so tasks cannot simply start when ready. Every host orders
+its tasks by (dependency depth, then `interleaved` order within a depth, computed from
+the program alone, so every host agrees), runs a depth's tasks FIFO on ``lanes``
+threads, and starts depth ``k + 1`` only after its own depth-``k`` tasks finished: a
+barrier per host, not a global one. Take the least unfinished task in that global
+order: on each of its hosts every lower-depth task is finished (all are less than it),
+so the host is at its depth, and every task before it in that depth is finished, so it
+holds a lane or is next in the FIFO. Hence it runs on all its hosts at once and
+completes; by induction on (depth, order) every task does. Before a depth's first call a
+host confirms, through the planner's store, that its new peers run the same program on
+the same group generation (`Transport.handshake`), so a mismatch raises instead of
+hanging a receive.
+
+Shard buffers are read and written only through `reshard.server.transport.buffers`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.cost import sender_bytes
+from reshard.mesh import host_of
+from reshard.program import COMPUTE, DST, MOVE, REDUCE, SRC, Program, Step
+from reshard.proto.errors import (
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
+from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.transport import buffers
+from reshard.server.transport.base import (
+    PushHeader,
+    Session,
+    Traffic,
+    Transport,
+    first_peer,
+    hop_targets,
+    interleaved,
+    receiving_hops,
+    sending_peers,
+    stream_count,
+)
+
+__all__ = ["Runtime", "Run", "Task", "KERNELS", "host_tasks", "load_program"]
+
+log = logging.getLogger(__name__)
+
+
+# -- kernels ------------------------------------------------------------------------------------------
+
+
+def _copy(inputs: list, output, params: dict) -> None:
+    buffers.write(output, tuple((0, n) for n in output.shape), tuple((0, n) for n in output.shape), inputs[0])
+
+
+# name -> fn(input regions, output region, params): the compute steps' implementations on this agent. The
+# core's ``reshard.kernels`` holds their shape rules; einsum and elementwise kernels join both.
+KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy}
+
+
+def load_program(text: str) -> tuple[Program, str]:
+    """A program from its JSON (or plan JSON v1), and the id it goes by: the id of the document handed over
+    (a plan's id for plan JSON), which the planner's Execute and every peer name."""
+    data = json.loads(text)
+    program = Program.from_json(data)
+    return program, str(data.get("id") or program.id)
+
+
+# -- tasks ----------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Task:
+    """One role of this host in one step (see the module table)."""
+
+    step: Step
+    role: str  # send, recv, compute, reduce
+    depth: int
+    hop: int = 0
+    peer: str = ""  # recv: the host the stream comes from
+    deps: tuple[int, ...] = ()  # steps that must be done here first
+    waiting: int = 0
+    deadline: float = 0.0  # monotonic; 0 while it has not started
+    finished: bool = False
+
+    @property
+    def index(self) -> int:
+        return self.step.id
+
+    @property
+    def transfer(self):
+        return self.step.transfer
+
+    def __str__(self) -> str:
+        if self.role == "recv":
+            return f"step {self.step.id} (hop {self.hop} of {self.step}, arriving from {self.peer})"
+        return f"step {self.step.id} ({self.step})"
+
+
+def host_tasks(program: Program, host: str) -> list[Task]:
+    """``host``'s tasks of ``program`` in the order every host derives alike: by dependency depth, then
+    moves round-robin over (sender, destination) host pairs (`interleaved`), then the other steps by id."""
+    depth = program.depths
+    by_depth: dict[int, list[Step]] = defaultdict(list)
+    for s in program.steps:
+        by_depth[depth[s.id]].append(s)
+    out = []
+    for d in sorted(by_depth):
+        steps = by_depth[d]
+        moves = {s.id: s for s in steps if s.kind == MOVE}
+        ordered = [moves[i] for i, _ in interleaved([(s.id, s.transfer) for s in moves.values()])]
+        for s in ordered + [s for s in steps if s.kind != MOVE]:
+            if s.kind == MOVE:
+                t = s.transfer
+                if host_of(t.sender) == host:
+                    out.append(Task(s, "send", d))
+                out += [Task(s, "recv", d, hop, hop_targets(t, hop, host)[2]) for hop in receiving_hops(t, host)]
+            elif any(host_of(dev) == host for dev in s.participants()):
+                out.append(Task(s, s.kind, d))
+    here = {t.step.id for t in out}
+    for t in out:
+        if t.role != "recv":
+            t.deps = tuple(a for a in t.step.after if a in here)
+            t.waiting = len(t.deps)
+    return out
+
+
+def _task_peers(task: Task, host: str) -> set[str]:
+    """The hosts ``task`` calls on the collective transport."""
+    s = task.step
+    if task.role == "recv":
+        _, nxt, prev = hop_targets(s.transfer, task.hop, host)
+        return {prev} | ({nxt} if nxt else set())
+    if task.role == "send":
+        return sending_peers(s.transfer, host)
+    if task.role == REDUCE:
+        n = len(s.devices)
+        mine = [i for i, d in enumerate(s.devices) if host_of(d) == host]
+        return {host_of(s.devices[(i + k) % n]) for i in mine for k in (-1, 1)} - {host}
+    return set()
+
+
+# -- one program on this host ----------------------------------------------------------------------------
+
+
+class _Scratch:
+    """The `Sink` of a move into a tensor that is not staged for commit: buffers made as pieces arrive."""
+
+    def __init__(self, run: "Run", tensor: str, box: Box):
+        self.run, self.tensor, self.box = run, tensor, box
+
+    def write(self, device: str, box: Box, data) -> None:
+        array, origin = self.run.produce(device, self.tensor, DST, self.box)
+        buffers.write(array, box, origin, data)
+
+    def place(self, devices: list[str], box: Box):
+        return None
+
+    def mark(self, device: str, box: Box) -> None:
+        pass
+
+
+class Run(Session):
+    """One program's run on this host: its buffers, its tasks and their progress.
+
+    Buffers, by (device, tensor, role): ``src`` is the tensor's committed shard of
+    ``src_version``; ``dst`` of the tensor with a destination sharding is its tile,
+    staged under the job for the planner's commit; every other buffer (another role,
+    or ``dst`` of a tensor that is not committed) is made by the step that writes it.
+    The run is the `Sink` its transport writes the staged tiles through: every write is
+    checked to lie in a destination tile of this host and counted, so commit can tell a
+    tile that is not complete.
+    """
+
+    def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
+                 dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
+                 generation: int = 0, seq: int = 0, device: str = "cpu"):
+        streams, dtypes, n = {}, {}, 0
+        for s in program.steps:
+            streams[s.id] = n
+            n += stream_count(s.kind, s.transfer, len(s.devices))
+            dtypes[s.id] = program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
+        super().__init__(job, ident, dtypes, peers, generation=generation, seq=seq, streams=streams, num_streams=n)
+        self.program = program
+        self.names = names  # program tensor -> the agent's store name
+        self.src_version = src_version
+        self.dst_version = dst_version
+        self.host = host
+        self.store = store
+        self.transport = transport
+        self.device = device
+        self.tasks = host_tasks(program, host)
+        self.digests: dict[int, Future] = {}  # step -> XXH3-64 of its box, from a held source shard
+        self.done = threading.Event()
+        self.executing = False
+        self.started = 0.0
+        self._lock = threading.Lock()
+        self._left: dict[int, int] = defaultdict(int)  # step -> its unfinished tasks here
+        self._dependents: dict[int, list[Task]] = defaultdict(list)
+        for t in self.tasks:
+            self._left[t.step.id] += 1
+            for a in t.deps:
+                self._dependents[a].append(t)
+        self.num_left = len(self.tasks)
+        self.steps_total = len(self._left)
+        self.steps_done = 0
+        self.bytes_total = sum(
+            sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
+            if s.kind == MOVE and host_of(s.transfer.sender) == host)
+        self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
+        self._stage()
+        if not self.tasks:
+            self.done.set()
+
+    # -- buffers -----------------------------------------------------------------------------------------
+
+    def _stage(self) -> None:
+        committed = [t for t in self.program.tensors if t.dst is not None]
+        if len(committed) > 1:
+            raise FailedPreconditionError(
+                f"job {self.job}: the program ends {len(committed)} tensors in a destination sharding "
+                f"({[t.name for t in committed]}); an agent commits one tensor per job"
+            )
+        self.dst_tensor = committed[0].name if committed else ""
+        self.dst_tiles: dict[str, Box] = {}
+        self.staged: dict[str, Any] = {}
+        self.missing: dict[str, int] = {}
+        if not committed:
+            return
+        decl = committed[0]
+        src_tiles = decl.src.tiles(decl.shape) if decl.src is not None else {}
+        self.dst_tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == self.host}
+        for dev, tile in self.dst_tiles.items():
+            buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
+            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+            if held is not None:
+                src = self.store.get(self.names[decl.name], self.src_version, dev)
+                buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
+            self.staged[dev] = buf
+            self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
+            self.store.stage(self.job, dev, TileBuffer(buf, tile, decl.dtype))
+
+    def read(self, device: str, tensor: str, box: Box, role: str | None = None) -> tuple[Any, Box]:
+        """A buffer of ``device`` that holds ``box`` of ``tensor`` in ``role`` (any role when None), and the box
+        that buffer holds: the source shard, the staged tile once earlier steps delivered ``box``, or a buffer
+        an earlier step made."""
+        if role in (None, SRC):
+            shard = self.store.find(self.names.get(tensor, tensor), self.src_version, device)
+            if shard is not None and boxes.contains(shard.tile, box):
+                return shard.array, shard.tile
+        if role in (None, DST) and tensor == self.dst_tensor:
+            tile = self.dst_tiles.get(device)
+            if tile is not None and boxes.contains(tile, box):
+                return self.staged[device], tile
+        with self._lock:
+            made = [(b, a) for r in ((role,) if role else (DST, *{k[2] for k in self._made}))
+                    for b, a in self._made.get((device, tensor, r), ()) if boxes.contains(b, box)]
+        if made:
+            return made[-1][1], made[-1][0]
+        what = f"{tensor!r} in role {role!r}" if role else repr(tensor)
+        raise FailedPreconditionError(
+            f"job {self.job}: agent {self.host} holds no data of box {boxes.box_str(box)} of {what} for device "
+            f"{device}"
+        )
+
+    def produce(self, device: str, tensor: str, role: str, box: Box) -> tuple[Any, Box]:
+        """The buffer a step writes ``box`` of ``tensor`` in ``role`` into on ``device``, and the box it holds:
+        the staged tile for the committed tensor's ``dst``, else a buffer made for ``box`` (once)."""
+        if role == DST and tensor == self.dst_tensor:
+            return self.staged[device], self._tile(device, box)
+        with self._lock:
+            made = self._made[(device, tensor, role)]
+            for b, a in made:
+                if b == box:
+                    return a, b
+            array = buffers.empty(tile_shape(box), self.program.tensor(tensor).dtype, self.device)
+            made.append((box, array))
+            return array, box
+
+    def sink(self, tensor: str, box: Box):
+        """Where a move of ``box`` of ``tensor`` delivers on this host."""
+        return self if tensor == self.dst_tensor else _Scratch(self, tensor, box)
+
+    def _tile(self, device: str, box: Box) -> Box:
+        tile = self.dst_tiles.get(device)
+        if tile is None or not boxes.contains(tile, box):
+            raise InvalidArgumentError(
+                f"job {self.job}: box {boxes.box_str(box)} is not inside device {device}'s destination tile"
+            )
+        return tile
+
+    def write(self, device: str, box: Box, data) -> None:
+        buffers.write(self.staged.get(device), box, self._tile(device, box), data)
+        with self._lock:
+            self.missing[device] -= boxes.volume(box)
+
+    def place(self, devices: list[str], box: Box):
+        for r in devices:
+            tile = self.dst_tiles.get(r)
+            if tile is not None and boxes.contains(tile, box):
+                view = buffers.region(self.staged[r], box, tile)
+                if isinstance(view, np.ndarray) and view.flags.c_contiguous:
+                    return r, view
+        return None
+
+    def mark(self, device: str, box: Box) -> None:
+        self._tile(device, box)
+        with self._lock:
+            self.missing[device] -= boxes.volume(box)
+
+    def check_complete(self) -> None:
+        short = {d: n for d, n in self.missing.items() if n}
+        if short:
+            d, n = next(iter(short.items()))
+            raise FailedPreconditionError(
+                f"job {self.job}: device {d} still lacks {n} elements of its destination tile "
+                f"({len(short)} devices incomplete); a transfer did not arrive"
+            )
+
+    # -- progress -------------------------------------------------------------------------------------
+
+    def begin(self) -> list[Task]:
+        """Start executing; returns the tasks ready now (receives excepted: they come by themselves)."""
+        with self._lock:
+            if self.executing:
+                raise FailedPreconditionError(f"job {self.job} is already executing on agent {self.host}")
+            self.executing = True
+            self.started = time.monotonic()
+            return [t for t in self.tasks if t.role != "recv" and not t.waiting and not t.finished]
+
+    def finish(self, task: Task) -> list[Task]:
+        """Count ``task`` as done; returns the tasks it made ready."""
+        ready = []
+        with self._lock:
+            if task.finished:
+                return ready
+            task.finished = True
+            self.num_left -= 1
+            self._left[task.step.id] -= 1
+            if not self._left[task.step.id]:
+                self.steps_done += 1
+                for t in self._dependents.get(task.step.id, ()):
+                    t.waiting -= 1
+                    if not t.waiting and self.executing:
+                        ready.append(t)
+            if not self.num_left:
+                self.done.set()
+        return ready
+
+    def fail(self, error: BaseException) -> BaseException:
+        first = super().fail(error)
+        self.done.set()
+        return first
+
+    def progress(self) -> tuple[int, int, int, int]:
+        """(bytes sent, bytes to send, steps done, steps) on this host; bytes as ``reshard.cost.sender_bytes``."""
+        return self.traffic.sent, self.bytes_total, self.steps_done, self.steps_total
+
+    def overdue(self) -> Task | None:
+        now = time.monotonic()
+        with self._lock:
+            return next((t for t in self.tasks if not t.finished and t.deadline and now > t.deadline), None)
+
+    def wait(self, poll: float, timeout: float) -> bool:
+        """Wait up to ``poll`` seconds; True once the run finished or failed. Fails the run when a task is past
+        its deadline (``timeout`` seconds, see the module docstring)."""
+        if self.done.wait(poll):
+            return True
+        late = self.overdue()
+        if late is not None:
+            self.fail(DeadlineExceededError(
+                f"job {self.job}: {late} on host {self.host} did not finish within {timeout:g}s"
+            ))
+            return True
+        return False
+
+    def result(self, timeout: float, poll: float = 0.05) -> None:
+        """Wait for the run (failing it at a task's deadline, ``timeout`` per task); raises its failure."""
+        while not self.wait(poll, timeout):
+            pass
+        self.check()
+
+
+# -- the runtime ---------------------------------------------------------------------------------------------
+
+
+class Runtime:
+    """Runs the programs of one agent (see the module docstring); shared by all its jobs."""
+
+    def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
+                 step_timeout_s: float, device: str = "cpu"):
+        self.host = host
+        self.store = store
+        self.transports = dict(transports)
+        self.step_timeout_s = step_timeout_s
+        self.device = device  # where staged destination buffers live
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}")
+        self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
+        self._lock = threading.Lock()
+        self._runs: dict[str, Run] = {}
+        self._finished: OrderedDict[str, Traffic] = OrderedDict()
+        for t in self.transports.values():
+            t.serve(self.accept)
+
+    # -- lifecycle ----------------------------------------------------------------------------------------
+
+    def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
+                peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0) -> Run:
+        """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
+        ``program_json``; ``tensor`` is the store's name of the program's reshard tensor (the one with a source
+        and a destination sharding); its other tensors go by their own names."""
+        link = self.transports.get(transport or "grpc")
+        if link is None:
+            raise FailedPreconditionError(
+                f"job {job} asks agent {self.host} for the {transport} transport, but it runs "
+                f"--transport {'/'.join(sorted(self.transports))}"
+            )
+        program, ident = load_program(program_json)
+        names = {t.name: t.name for t in program.tensors}
+        resharded = [t.name for t in program.tensors if t.is_reshard]
+        if len(resharded) == 1:
+            names[resharded[0]] = tensor
+        with self._lock:
+            if job in self._runs:
+                raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
+        run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
+                  generation=generation, seq=seq, device=self.device)
+        link.attach(run)
+        with self._lock:
+            self._runs[job] = run
+        self._digest_sources(run)
+        return run
+
+    def _digest_sources(self, run: Run) -> None:
+        """Start digesting, in the background, every box this host will stream from a shard it already holds.
+
+        A sender's trailer needs the XXH3-64 of its box; computed from prepare on (xxhash
+        releases the GIL), it is ready by the time the last chunk leaves, instead of adding a
+        pass over the bytes to the send loop while the transfer is in flight.
+        """
+        for task in run.tasks:
+            t = task.step.transfer if task.role == "send" else None
+            if t is None or not first_peer(t):
+                continue
+            shard = self.store.find(run.names[task.step.tensor], run.src_version, t.sender)
+            if shard is not None and boxes.contains(shard.tile, t.box):
+                run.digests[task.step.id] = self._digest_pool.submit(
+                    _digest, run, run.dtype(task.step.id)[0], t.box, shard.array, shard.tile,
+                    run.transport.chunk_bytes)
+
+    def run(self, job: str) -> Run:
+        with self._lock:
+            run = self._runs.get(job)
+        if run is None:
+            raise NotFoundError(f"agent {self.host} has no prepared job {job!r}")
+        return run
+
+    def execute(self, job: str, program_id: str) -> Run:
+        """Start running ``job``'s tasks; returns its `Run` to wait on (`Run.wait`)."""
+        run = self.run(job)
+        if program_id != run.program_id:
+            raise FailedPreconditionError(
+                f"job {job}: execute names program {program_id[:12]} but agent {self.host} prepared program "
+                f"{run.program_id[:12]}; every agent must run the same program"
+            )
+        ready = run.begin()
+        if run.transport.passive:
+            for task in run.tasks:
+                if task.role == "recv":
+                    task.deadline = run.started + self.step_timeout_s * (task.depth + 1)
+            for task in ready:
+                self._submit(run, task)
+        elif run.tasks:
+            threading.Thread(target=self._in_order, args=(run,), daemon=True, name=f"run-{job[:8]}").start()
+        return run
+
+    def commit(self, job: str) -> None:
+        run = self.run(job)
+        if run.failed is not None:
+            raise FailedPreconditionError(f"job {job} failed on agent {self.host}, so it cannot commit: {run.failed}")
+        run.check_complete()
+        if run.dst_tiles:  # a host without destination tiles stages nothing
+            self.store.commit(job, run.names[run.dst_tensor], run.dst_version, list(run.dst_tiles))
+        self._retire(run)
+
+    def abort(self, job: str) -> None:
+        with self._lock:
+            run = self._runs.get(job)
+        if run is not None:
+            run.fail(FailedPreconditionError(f"job {job} was aborted"))
+            self._retire(run)
+        self.store.abort(job)
+
+    def _retire(self, run: Run) -> None:
+        run.transport.mailbox.cancel(run.job, run.failed or FailedPreconditionError(f"job {run.job} ended"))
+        run.transport.detach(run)
+        with self._lock:
+            if self._runs.pop(run.job, None) is not None:
+                self._finished[run.job] = run.traffic
+                while len(self._finished) > 256:
+                    self._finished.popitem(last=False)
+
+    def traffic(self, job: str) -> Traffic:
+        with self._lock:
+            run = self._runs.get(job)
+            if run is not None:
+                return run.traffic
+            if job in self._finished:
+                return self._finished[job]
+        raise NotFoundError(f"agent {self.host} knows no job {job!r}")
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            t.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._digest_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- running tasks --------------------------------------------------------------------------------------
+
+    def _submit(self, run: Run, task: Task) -> None:
+        self._pool.submit(self._run_task, run, task)
+
+    def _run_task(self, run: Run, task: Task) -> None:
+        if run.failed is not None:
+            return
+        task.deadline = time.monotonic() + self.step_timeout_s
+        try:
+            self._perform(run, task)
+        except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
+            run.fail(e)
+            run.transport.mailbox.cancel(run.job, run.failed)
+            return
+        ready = run.finish(task)
+        if run.transport.passive:  # active transports run every task in order (`_in_order`)
+            for t in ready:
+                self._submit(run, t)
+
+    def _perform(self, run: Run, task: Task) -> None:
+        step, link = task.step, run.transport
+        if task.role == "send":
+            t = step.transfer
+            array, origin = run.read(t.sender, step.tensor, t.box)
+            link.move(run, step.id, t, run.sink(step.tensor, t.box), array, origin, run.digests.get(step.id))
+        elif task.role == "recv":
+            link.take(run, step.id, step.transfer, task.hop, run.sink(step.tensor, step.transfer.box))
+        elif task.role == COMPUTE:
+            self._compute(run, step)
+        elif task.role == REDUCE:
+            ref, out = step.inputs[0], step.output
+
+            def read(device: str):
+                array, origin = run.read(device, ref.tensor, ref.box, ref.role)
+                return buffers.region(array, ref.box, origin)
+
+            def put(device: str, box: Box, values) -> None:
+                array, origin = run.produce(device, out.tensor, out.role, box)
+                buffers.write(array, box, origin, values)
+
+            link.reduce(run, step.id, step.devices, ref.box, step.op, step.result, step.dim, read, put)
+        else:
+            raise AssertionError(f"unknown task role {task.role!r}")
+
+    def _compute(self, run: Run, step: Step) -> None:
+        kernel = KERNELS.get(step.kernel)
+        if kernel is None:
+            raise FailedPreconditionError(
+                f"job {run.job}: step {step.id} names kernel {step.kernel!r}, which agent {self.host} does not "
+                f"implement; it has {sorted(KERNELS)}"
+            )
+        inputs = []
+        for ref in step.inputs:
+            array, origin = run.read(step.device, ref.tensor, ref.box, ref.role)
+            inputs.append(buffers.region(array, ref.box, origin))
+        out = step.output
+        array, origin = run.produce(step.device, out.tensor, out.role, out.box)
+        kernel(inputs, buffers.region(array, out.box, origin), dict(step.params))
+
+    def _in_order(self, run: Run) -> None:
+        """Active transports: this host's tasks depth by depth, each depth FIFO on the transport's lanes."""
+        link = run.transport
+        lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
+        confirmed: set[str] = set()
+        try:
+            for depth in sorted({t.depth for t in run.tasks}):
+                tasks = [t for t in run.tasks if t.depth == depth]
+                peers = set().union(*(_task_peers(t, self.host) for t in tasks)) - confirmed
+                if peers:
+                    link.handshake(run, peers)
+                    confirmed |= peers
+                pending = {lanes.submit(self._run_task, run, t) for t in tasks}
+                while pending and run.failed is None:
+                    pending = wait(pending, timeout=0.1).not_done
+                if run.failed is not None:
+                    return
+        except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
+            run.fail(e)
+        finally:
+            lanes.shutdown(wait=False, cancel_futures=True)
+
+    # -- pushes ------------------------------------------------------------------------------------------
+
+    def accept(self, header: PushHeader, items: Iterable) -> list[str] | None:
+        """A stream pushed to this host (passive transports): one hop of a move, or a reduce's message."""
+        run = self.run(header.job)
+        if header.program_id != run.program_id:
+            raise FailedPreconditionError(
+                f"job {header.job}: push from {header.from_host} carries program {header.program_id[:12]} but agent "
+                f"{self.host} prepared program {run.program_id[:12]}"
+            )
+        steps = run.program.steps
+        step = steps[header.step] if 0 <= header.step < len(steps) else None
+        if step is None:
+            raise InvalidArgumentError(f"job {header.job}: step {header.step} is not in the program")
+        if step.kind == REDUCE:
+            run.transport.mailbox.deliver(header.key, items, self.step_timeout_s)
+            return [self.host]
+        if step.kind != MOVE:
+            raise InvalidArgumentError(f"job {header.job}: step {header.step} is a {step.kind} step; nothing is "
+                                       f"pushed for it")
+        task = next((t for t in run.tasks if t.role == "recv" and t.step is step and t.hop == header.hop), None)
+        try:
+            confirmed = run.transport.take(run, step.id, step.transfer, header.hop,
+                                           run.sink(step.tensor, step.transfer.box), items)
+        except BaseException as e:
+            run.fail(e)
+            raise
+        if task is not None:
+            for ready in run.finish(task):
+                self._submit(run, ready)
+        return confirmed
+
+
+def _digest(run: Run, dtype: str, box: Box, array, origin: Box, chunk_bytes: int) -> int:
+    view = buffers.region(array, box, origin)
+    if isinstance(view, np.ndarray) and view.flags.c_contiguous:
+        return digest(view.reshape(-1).view(np.uint8))
+    check = Checksum()
+    for sub in chunk_boxes(box, dtype, chunk_bytes):
+        run.check()
+        check.update(buffers.host_bytes(buffers.region(array, sub, origin)))
+    return check.xxh3_64

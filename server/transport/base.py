@@ -1,0 +1,728 @@
+"""The transport interface, and what moving a box means, written once for every transport.
+
+A transport moves boxes of a tensor between the agents of a job's hosts. Each one
+(`grpc_link.GrpcTransport`, `collective.CollectiveTransport`, `memory.MemoryTransport`)
+provides a few primitives; the semantics live here, in `Transport`:
+
+================= ==========================================================================
+``move``          a transfer's sender part: copies into the receivers on this host, then the
+                  box to every remote receiver (p2p) or to the route's first host (broadcast)
+``take``          one receiving hop of a transfer: write the pieces into this host's
+                  receivers, forward each piece down the chain before the next arrives,
+                  check the bytes against the sender's trailer (`verify_arrival`)
+``reduce``        sum or max of one box over an ordered group of devices, ending replicated
+                  on every device or cut over them (reduce-scatter): a ring of point-to-point
+                  streams keyed (job, step, round), so every transport has it
+``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, the
+                  running XXH3-64, the trailer ``(nbytes, xxh3_64)``, byte accounting
+================= ==========================================================================
+
+and the primitives a transport implements:
+
+================= ==========================================================================
+``open``          an `Outgoing` stream of pieces to a peer host under a `StreamKey`
+``arrivals``      (active transports) post the receives of a stream and yield its pieces;
+                  passive ones (``passive = True``: gRPC, memory) have pushes arrive by
+                  themselves, and the agent hands their pieces to ``take``
+``serve``         where pushes to this host go (the agent's push handler)
+``attach``        a job starts on this host (the collective transport checks its group)
+``handshake``     before the first call with some peers (the collective transport confirms
+                  that they run the same program on the same group generation)
+================= ==========================================================================
+
+A stream is pieces (a sub-box and its bytes), then one `Trailer`. A chain hop that
+forwards hands on the very bytes it keeps, so only the chain's last hop digests
+them: its match covers every hop's copy, and a mismatch anywhere fails the job
+before any host commits. Transfers are ``reshard.plan.Transfer`` values; byte counts
+follow ``reshard.cost``. Tile buffers are touched only through
+`reshard.server.transport.buffers`.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.mesh import host_of
+from reshard.plan import Transfer
+from reshard.proto.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+)
+from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
+from reshard.server.transport.buffers import host_bytes, region
+
+__all__ = [
+    "StreamKey", "PushHeader", "Piece", "Trailer", "Session", "Traffic", "Throttle", "Sink", "Outgoing",
+    "QueuedOutgoing", "Mailbox", "Transport", "REDUCE_OPS", "REDUCE_RESULTS", "verify_arrival", "interleaved",
+    "first_peer", "hop_targets", "receiving_hops", "sending_peers", "stream_count", "in_thread",
+]
+
+REDUCE_OPS = {"sum": np.add, "max": np.maximum}
+REDUCE_RESULTS = ("replicate", "shard")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamKey:
+    """Names one stream of a job: the step it belongs to and, within it, the hop (move) or message (reduce).
+
+    Move: ``hop`` is the route index of the receiving host (broadcast) or the receiver's
+    index (p2p). Reduce: ``hop = round * group size + index of the sending device``.
+    """
+
+    job: str
+    step: int
+    hop: int
+
+
+@dataclass(frozen=True)
+class PushHeader:
+    """What opens a pushed stream (passive transports): whose job and program, which stream, from whom."""
+
+    job: str
+    program_id: str
+    step: int
+    hop: int
+    from_host: str
+
+    @property
+    def key(self) -> StreamKey:
+        return StreamKey(self.job, self.step, self.hop)
+
+
+class Piece(NamedTuple):
+    """A sub-box of a stream and its bytes (C order). ``wire`` is the transport's own form of the piece as it
+    arrived (a chain hop hands it on unchanged); ``landed`` the receiver whose buffer it was received into."""
+
+    box: Box
+    data: Any  # a C-contiguous bytes-like object
+    wire: Any = None
+    landed: str | None = None
+
+
+class Trailer(NamedTuple):
+    nbytes: int
+    digest: int  # XXH3-64 of all the stream's bytes in order
+
+
+class Traffic:
+    """Bytes a host moved for one job: over the network per peer host, and between its own devices."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes_in: dict[str, int] = defaultdict(int)
+        self.bytes_out: dict[str, int] = defaultdict(int)
+        self.local_bytes = 0
+        self.sent = 0  # as a transfer's sender: what progress reports (``reshard.cost.sender_bytes``)
+
+    def add_in(self, peer: str, n: int) -> None:
+        with self._lock:
+            self.bytes_in[peer] += n
+
+    def add_out(self, peer: str, n: int, origin: bool) -> None:
+        with self._lock:
+            self.bytes_out[peer] += n
+            if origin:
+                self.sent += n
+
+    def add_local(self, n: int, origin: bool = True) -> None:
+        with self._lock:
+            self.local_bytes += n
+            if origin:
+                self.sent += n
+
+
+class Throttle:
+    """Caps an agent's send rate (tests use it to interrupt a transfer midway); 0 means no cap."""
+
+    def __init__(self, bytes_per_s: float = 0.0):
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def wait(self, n: int) -> None:
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(now, self._next)
+            self._next = start + n / self.rate
+        time.sleep(max(0.0, start - now))
+
+
+class Session:
+    """One job on one host, as its transport sees it: ids, dtype, peers, traffic and the first failure.
+
+    ``dtypes`` gives each step's dtype (the dtype of the tensor it moves or reduces).
+    ``streams`` numbers every stream of the job (step -> its first stream number, see
+    `stream_count`; ``num_streams`` in all) for transports that tag messages. The agent's
+    runtime extends it.
+    """
+
+    def __init__(self, job: str, program_id: str, dtypes: dict[int, str], peers: dict[str, str], *,
+                 generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0):
+        self.job = job
+        self.program_id = program_id  # the id of the plan or program the agent was handed
+        self._dtypes = {step: (name, np_dtype(name)) for step, name in dtypes.items()}
+        self.peers = dict(peers)
+        self.generation = generation
+        self.seq = seq
+        self.streams = streams or {}
+        self.num_streams = num_streams
+        self.traffic = Traffic()
+        self.failed: BaseException | None = None
+        self._fail_lock = threading.Lock()
+
+    def fail(self, error: BaseException) -> BaseException:
+        """Record ``error`` unless an earlier failure was; returns the one that counts."""
+        with self._fail_lock:
+            if self.failed is None:
+                self.failed = error
+            return self.failed
+
+    def check(self) -> None:
+        """Raise the job's failure, if any: every loop calls this between pieces, which is how a job cancels."""
+        if self.failed is not None:
+            raise self.failed
+
+    def stream(self, key: StreamKey) -> int:
+        return self.streams.get(key.step, 0) + key.hop
+
+    def dtype(self, step: int) -> tuple[str, np.dtype]:
+        """Step ``step``'s dtype: its reshard name and the numpy dtype that holds its elements."""
+        return self._dtypes[step]
+
+
+class Sink(Protocol):
+    """Where received boxes land on this host: the job's destination buffers, by device."""
+
+    def write(self, device: str, box: Box, data) -> None:
+        """Copy ``data`` (shaped like ``box``) into ``device``'s buffer."""
+
+    def place(self, devices: list[str], box: Box) -> tuple[str, Any] | None:
+        """One of ``devices`` whose buffer holds ``box`` contiguously, and that region (a transport may receive
+        into it directly), or None."""
+
+    def mark(self, device: str, box: Box) -> None:
+        """Count ``box`` as arrived in ``device``'s buffer, which a transport received into in place."""
+
+
+class Outgoing(ABC):
+    """One stream to a peer: pieces, then the trailer, then wait for the far end."""
+
+    @abstractmethod
+    def put(self, box: Box, data, wire=None) -> None: ...
+
+    @abstractmethod
+    def end(self, nbytes: int, digest: int) -> None:
+        """Hand the trailer over (without waiting for the far end)."""
+
+    @abstractmethod
+    def wait(self, timeout: float) -> list[str] | None:
+        """Wait until the stream is through; the hosts that verified the box, or None where the transport does
+        not report them (every receiving host then reports to the planner itself)."""
+
+    @abstractmethod
+    def cancel(self) -> None:
+        """End the stream early, without a trailer: the far end discards it."""
+
+
+_STOP = object()
+
+
+class QueuedOutgoing(Outgoing):
+    """An `Outgoing` fed through a bounded queue to a consumer that ``start`` launches with the queue's items
+    (a gRPC call, a thread of the memory network) and that returns a future of the confirming hosts."""
+
+    def __init__(self, peer: str, depth: int, start: Callable[[Iterator], Any],
+                 error: Callable[[BaseException], BaseException] = lambda e: e):
+        self.peer = peer
+        self._queue: queue.Queue = queue.Queue(max(1, depth))
+        self._error = error
+        self._future = start(self._drain())
+
+    def _drain(self) -> Iterator:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            yield item
+            if isinstance(item, Trailer):
+                return
+
+    def _offer(self, item) -> None:
+        while True:
+            if self._future.done():
+                self.wait(0)
+                raise FailedPreconditionError(f"the stream to host {self.peer} ended early")
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def put(self, box: Box, data, wire=None) -> None:
+        self._offer(Piece(box, data, wire))
+
+    def end(self, nbytes: int, digest: int) -> None:
+        self._offer(Trailer(nbytes, digest))
+
+    def wait(self, timeout: float) -> list[str] | None:
+        try:
+            return list(self._future.result(timeout=timeout))
+        except TimeoutError:
+            raise DeadlineExceededError(f"host {self.peer} did not confirm its stream within {timeout:g}s") from None
+        except BaseException as e:  # noqa: BLE001 - mapped by the transport
+            raise self._error(e) from None
+
+    def cancel(self) -> None:
+        try:
+            self._queue.put_nowait(_STOP)
+        except queue.Full:
+            try:
+                self._queue.get_nowait()
+                self._queue.put_nowait(_STOP)
+            except (queue.Empty, queue.Full):
+                pass
+
+
+class _Slot:
+    def __init__(self):
+        self.arrived = threading.Event()
+        self.done = threading.Event()
+        self.items: Iterable | None = None
+        self.error: BaseException | None = None
+
+
+class Mailbox:
+    """Streams pushed to a passive transport that a running task receives actively (a reduce's rounds).
+
+    The push's thread leaves its pieces here (`deliver`) and waits until the task that
+    takes them (`take`) has checked them, so the sender learns the outcome.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: dict[StreamKey, _Slot] = {}
+
+    def _slot(self, key: StreamKey) -> _Slot:
+        with self._lock:
+            return self._slots.setdefault(key, _Slot())
+
+    def deliver(self, key: StreamKey, items: Iterable, timeout: float) -> None:
+        slot = self._slot(key)
+        slot.items = items
+        slot.arrived.set()
+        if not slot.done.wait(timeout):
+            raise DeadlineExceededError(f"job {key.job}: no task took stream {key.hop} of step {key.step} "
+                                        f"within {timeout:g}s")
+        if slot.error is not None:
+            raise slot.error
+
+    @contextmanager
+    def take(self, key: StreamKey, timeout: float, session: Session) -> Iterator[Iterable]:
+        slot = self._slot(key)
+        deadline = time.monotonic() + timeout
+        while not slot.arrived.wait(0.05):
+            session.check()
+            if time.monotonic() > deadline:
+                self._drop(key)
+                raise DeadlineExceededError(f"job {key.job}: stream {key.hop} of step {key.step} did not arrive "
+                                            f"within {timeout:g}s")
+        try:
+            yield slot.items
+        except BaseException as e:
+            slot.error = e
+            raise
+        finally:
+            slot.done.set()
+            self._drop(key)
+
+    def _drop(self, key: StreamKey) -> None:
+        with self._lock:
+            self._slots.pop(key, None)
+
+    def cancel(self, job: str, error: BaseException) -> None:
+        """Fail the pushes of ``job`` that wait for a task which will not come."""
+        with self._lock:
+            slots = [(k, s) for k, s in self._slots.items() if k.job == job]
+            for k, _ in slots:
+                del self._slots[k]
+        for _, s in slots:
+            s.error = error
+            s.done.set()
+
+
+# -- who talks to whom in a transfer -------------------------------------------------------------------
+
+
+def first_peer(t: Transfer) -> str:
+    """The host a transfer's sender streams to first ('' when it stays on the sender's host)."""
+    if t.method == "broadcast":
+        return t.route[0] if t.route else ""
+    sender = host_of(t.sender)
+    return next((h for h in map(host_of, t.receivers) if h != sender), "")
+
+
+def receiving_hops(t: Transfer, host: str) -> list[int]:
+    """The hops of ``t`` that deliver to ``host`` over the network."""
+    if t.method == "broadcast":
+        return [hop for hop, h in enumerate(t.route) if h == host]
+    if t.method == "p2p" and host_of(t.sender) != host:
+        return [hop for hop, r in enumerate(t.receivers) if host_of(r) == host]
+    return []
+
+
+def hop_targets(t: Transfer, hop: int, host: str) -> tuple[list[str], str | None, str] | None:
+    """For hop ``hop`` of ``t`` arriving at ``host``: (its receivers on ``host``, the host it forwards to or None,
+    the host it comes from); None when that hop does not deliver to ``host``."""
+    if t.method == "broadcast" and 0 <= hop < len(t.route) and t.route[hop] == host:
+        chain = (host_of(t.sender), *t.route)
+        nxt = t.route[hop + 1] if hop + 1 < len(t.route) else None
+        return [r for r in t.receivers if host_of(r) == host], nxt, chain[hop]
+    if t.method == "p2p" and 0 <= hop < len(t.receivers) and host_of(t.receivers[hop]) == host != host_of(t.sender):
+        return [t.receivers[hop]], None, host_of(t.sender)
+    return None
+
+
+def sending_peers(t: Transfer, host: str) -> set[str]:
+    """The hosts ``host`` streams to as the sender of ``t``."""
+    if t.method == "broadcast":
+        return {t.route[0]} if t.route else set()
+    if t.method == "p2p":
+        return {host_of(r) for r in t.receivers} - {host}
+    return set()
+
+
+def stream_count(kind: str, transfer: Transfer | None = None, group_size: int = 0) -> int:
+    """How many streams a step may open: its (transfer, hop) pairs, or a reduce's ring messages."""
+    if kind == "move":
+        return len(transfer.receivers) if transfer.method == "p2p" else len(transfer.route)
+    if kind == "reduce":
+        return 2 * group_size * (group_size - 1)
+    return 0
+
+
+def interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
+    """Round-robin over (sender host, destination host) pairs, so the transfers running at
+    once (pools are bounded) share every NIC, as the cost model assumes, instead of all
+    going to one host while the others idle. Plans list transfers grouped by destination.
+    The order depends on the transfers alone, so every host computes the same one."""
+    by_peer: dict[tuple[str, str], list[tuple[int, Transfer]]] = defaultdict(list)
+    for it in transfers:
+        by_peer[host_of(it[1].sender), first_peer(it[1])].append(it)
+    queues = list(by_peer.values())
+    out = []
+    for k in range(max(map(len, queues), default=0)):
+        out += [q[k] for q in queues if k < len(q)]
+    return out
+
+
+def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, sent_nbytes: int,
+                   sent_digest: int, itemsize: int) -> None:
+    """Check one received stream of transfer ``index`` against its sender's trailer: byte count and XXH3-64.
+
+    ``check`` counts bytes only on a hop that forwards down a chain; the last hop's
+    digest then speaks for the whole route (see the module docstring).
+    """
+    expected = boxes.volume(t.box) * itemsize
+    sender = host_of(t.sender)
+    if not check.nbytes == sent_nbytes == expected:
+        raise DataLossError(
+            f"job {job}: transfer {index} from {sender} arrived with {check.nbytes} bytes; the sender sent "
+            f"{sent_nbytes} and the box holds {expected}"
+        )
+    if check.digests and check.xxh3_64 != sent_digest:
+        if t.method == "broadcast" and hop:
+            where = f"somewhere on the chain {' -> '.join([sender, *t.route[:hop + 1]])}"
+        else:
+            where = f"between {sender} and {t.route[0] if t.method == 'broadcast' else host_of(t.receivers[hop])}"
+        raise DataLossError(
+            f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
+            f"{sent_digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
+        )
+
+
+# -- the interface -------------------------------------------------------------------------------------
+
+
+class Transport(ABC):
+    """Moves boxes between agents (see the module docstring); one instance per agent and kind."""
+
+    name = ""
+    passive = True  # pushes arrive by themselves; False: the receiver posts its receives (`arrivals`)
+    lanes = 0  # active transports: how many of a job's tasks may run at once
+
+    def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None):
+        self.host = host
+        self.chunk_bytes = chunk_bytes
+        self.timeout_s = timeout_s  # the longest one stream may take
+        self.throttle = throttle or Throttle()
+        self.mailbox = Mailbox()
+
+    # -- primitives ---------------------------------------------------------------------------------
+
+    @abstractmethod
+    def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
+        """Start a stream to ``peer``'s agent."""
+
+    def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box,
+                 place: Callable[[Box], tuple[str, Any] | None]) -> Iterator:
+        """Receive the stream ``key`` of ``box`` from ``peer``: its `Piece` items, then its `Trailer`.
+        ``place(sub)`` offers a destination region to receive a piece into directly. Passive transports take
+        the push from the mailbox, where the agent left it."""
+        raise AssertionError(f"the {self.name} transport receives passively: the agent hands pushes to take()")
+
+    def serve(self, handler: Callable[[PushHeader, Iterable], list[str] | None]) -> None:
+        """Where pushes to this host go (the agent runtime's ``accept``), for transports that deliver them
+        themselves; the gRPC transport's pushes reach the agent's servicer instead."""
+
+    def attach(self, s: Session) -> None:
+        """A job starts on this host (prepare)."""
+
+    def detach(self, s: Session) -> None:
+        """A job ended on this host (commit or abort)."""
+
+    def handshake(self, s: Session, peers: set[str]) -> None:
+        """Before the first call with ``peers`` in a job."""
+
+    def close(self) -> None:
+        """Release connections (the agent stops)."""
+
+    # -- the chunk loop -----------------------------------------------------------------------------
+
+    def send(self, s: Session, key: StreamKey, peer: str, array, origin: Box, box: Box,
+             digest: Future | None = None, origin_bytes: bool = True) -> list[str] | None:
+        """Stream ``box`` of ``array`` (which holds ``origin``) to ``peer``; returns who verified it.
+        ``digest`` is the box's XXH3-64 when it is computed elsewhere (the agent digests held shards early)."""
+        out = self.open(s, key, peer)
+        check = Checksum(digest=digest is None)
+        try:
+            for sub in chunk_boxes(box, s.dtype(key.step)[0], self.chunk_bytes):
+                s.check()
+                data = host_bytes(region(array, sub, origin))
+                if not data.nbytes:
+                    continue
+                self.throttle.wait(data.nbytes)
+                check.update(data)
+                out.put(sub, data)
+                s.traffic.add_out(peer, data.nbytes, origin_bytes)
+            out.end(check.nbytes, digest.result() if digest is not None else check.xxh3_64)
+            return out.wait(self.timeout_s)
+        except BaseException:
+            out.cancel()
+            raise
+
+    def relay(self, s: Session, key: StreamKey, peer: str, box: Box, items: Iterable, sink: Sink,
+              local: list[str], forward_to: str | None,
+              verify: Callable[[Checksum, int, int], None]) -> list[str] | None:
+        """Take one incoming stream: forward every piece to ``forward_to`` (under the next hop's key) before
+        writing it into ``local``'s buffers, then check the trailer; returns who verified the box."""
+        forward = self.open(s, StreamKey(key.job, key.step, key.hop + 1), forward_to) if forward_to else None
+        check = Checksum(digest=forward is None)  # a forwarding hop leaves the digest to the chain's last hop
+        dtype = s.dtype(key.step)[1]
+        try:
+            for item in items:
+                if isinstance(item, Trailer):
+                    if forward is not None:
+                        forward.end(item.nbytes, item.digest)
+                    verify(check, item.nbytes, item.digest)
+                    if forward is None:
+                        return [self.host]
+                    later = forward.wait(self.timeout_s)
+                    return None if later is None else [self.host, *later]
+                sub, data = item.box, item.data
+                if not boxes.contains(box, sub):
+                    raise InvalidArgumentError(
+                        f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
+                    )
+                n = memoryview(data).nbytes
+                if n != boxes.volume(sub) * dtype.itemsize:
+                    raise InvalidArgumentError(f"job {key.job}: piece {boxes.box_str(sub)} carries {n} bytes, not "
+                                               f"{boxes.volume(sub) * dtype.itemsize}")
+                if forward is not None:
+                    forward.put(sub, data, item.wire)
+                    s.traffic.add_out(forward_to, n, origin=False)
+                arr = np.frombuffer(data, dtype=dtype).reshape(tile_shape(sub))
+                for r in local:
+                    if r == item.landed:
+                        sink.mark(r, sub)
+                    else:
+                        sink.write(r, sub, arr)
+                check.update(data)
+                s.traffic.add_in(peer, n)
+            raise InvalidArgumentError(
+                f"job {key.job}: stream {key.hop} of step {key.step} from {peer} ended after {check.nbytes} bytes "
+                f"without a trailer; the sender stopped"
+            )
+        except BaseException:
+            if forward is not None:
+                forward.cancel()
+            raise
+
+    # -- moves ----------------------------------------------------------------------------------------
+
+    def move(self, s: Session, step: int, t: Transfer, sink: Sink, array, origin: Box,
+             digest: Future | None = None) -> None:
+        """The sender's part of transfer ``t`` (step ``step``), from ``array`` holding ``origin``."""
+        view = region(array, t.box, origin)
+        nbytes = boxes.volume(t.box) * s.dtype(step)[1].itemsize
+        for r in t.receivers:
+            if host_of(r) == self.host:
+                sink.write(r, t.box, view)
+                s.traffic.add_local(nbytes)
+        if t.method == "p2p":
+            for hop, r in enumerate(t.receivers):
+                if host_of(r) != self.host:
+                    self.send(s, StreamKey(s.job, step, hop), host_of(r), array, origin, t.box, digest)
+        elif t.method == "broadcast" and t.route:
+            confirmed = self.send(s, StreamKey(s.job, step, 0), t.route[0], array, origin, t.box, digest)
+            if confirmed is not None and list(confirmed) != list(t.route):
+                raise FailedPreconditionError(
+                    f"job {s.job}: broadcast {step} was confirmed by {confirmed}, expected the route {list(t.route)}"
+                )
+
+    def take(self, s: Session, step: int, t: Transfer, hop: int, sink: Sink,
+             items: Iterable | None = None) -> list[str] | None:
+        """Hop ``hop`` of transfer ``t`` arriving here: ``items`` as pushed (passive transports), or received
+        now (active ones). Returns who verified the box: this host and every later hop."""
+        targets = hop_targets(t, hop, self.host)
+        if targets is None:
+            raise InvalidArgumentError(f"job {s.job}: transfer {step} ({t}) hop {hop} does not deliver to host "
+                                       f"{self.host}")
+        local, nxt, peer = targets
+        key = StreamKey(s.job, step, hop)
+        if items is None:
+            items = self.arrivals(s, key, peer, t.box, lambda sub: sink.place(local, sub))
+
+        def verify(check: Checksum, nbytes: int, digest: int) -> None:
+            verify_arrival(s.job, step, t, hop, check, nbytes, digest, s.dtype(step)[1].itemsize)
+
+        return self.relay(s, key, peer, t.box, items, sink, local, nxt, verify)
+
+    # -- reduce ---------------------------------------------------------------------------------------
+
+    def reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str, result: str,
+               dim: int | None, read: Callable[[str], Any], put: Callable[[str, Box, np.ndarray], None]) -> None:
+        """This host's part of a ring reduce of ``box`` over the devices ``group`` (in that order).
+
+        ``read(device)`` is the device's addends, a region shaped like ``box``. With ``result``
+        ``replicate`` every device ends with the whole reduced box, with ``shard`` device ``i``
+        with chunk ``i`` of it along ``dim`` (``box.chunk``, as ``torch.chunk`` cuts); results go
+        to ``put(device, box, values)``. The ring cuts the box in ``n`` parts (those chunks, or
+        `box.split` for ``replicate``). Round ``r < n - 1`` (reduce-scatter): device ``i`` sends
+        its partial part ``(i - r - 1) % n`` to device ``i + 1``, which folds it into its own;
+        afterwards device ``i`` holds part ``i`` complete. Rounds ``n - 1 ..`` (all-gather,
+        ``replicate`` only) pass the complete parts on. Messages between devices of one host
+        are copies; the others are streams keyed ``(job, step, round * n + sender index)``.
+        """
+        fold = REDUCE_OPS[op]
+        dtype = s.dtype(step)[1]
+        n = len(group)
+        parts = boxes.chunk(box, n, dim) if result == "shard" else boxes.split(box, n)
+        mine = [i for i, d in enumerate(group) if host_of(d) == self.host]
+        acc = {i: np.frombuffer(host_bytes(read(group[i])), dtype=dtype).reshape(tile_shape(box)).copy() for i in mine}
+        rounds = (n - 1) * (2 if result == "replicate" else 1)
+        for rnd in range(rounds):
+            s.check()
+            gather = rnd >= n - 1
+            r = rnd - (n - 1) if gather else rnd
+            outgoing = [parts[(i - r - (0 if gather else 1)) % n] for i in range(n)]
+            sends = []
+            for i in mine:
+                j = (i + 1) % n
+                if host_of(group[j]) != self.host and boxes.volume(outgoing[i]):
+                    view = acc[i][boxes.to_slices(outgoing[i], box)]
+                    key = StreamKey(s.job, step, rnd * n + i)
+                    # a round sends while it receives: a ring where every member sent first would wait forever
+                    sends.append(in_thread("reduce-send", self.send, s, key, host_of(group[j]), view, outgoing[i],
+                                           outgoing[i], None, False))
+            for j in mine:
+                i = (j - 1) % n
+                part = outgoing[i]
+                if not boxes.volume(part):
+                    continue
+                if host_of(group[i]) == self.host:
+                    data = acc[i][boxes.to_slices(part, box)]
+                    s.traffic.add_local(data.nbytes, origin=False)
+                else:
+                    data = self._receive_part(s, StreamKey(s.job, step, rnd * n + i), host_of(group[i]), part)
+                target = acc[j][boxes.to_slices(part, box)]
+                if gather:
+                    target[...] = data
+                else:
+                    fold(target, data, out=target)
+            for f in sends:
+                f.result()
+        for i in mine:
+            if result == "replicate":
+                put(group[i], box, acc[i])
+            elif boxes.volume(parts[i]):
+                put(group[i], parts[i], acc[i][boxes.to_slices(parts[i], box)])
+
+    def _receive_part(self, s: Session, key: StreamKey, peer: str, part: Box) -> np.ndarray:
+        """One reduce message from ``peer``, into a new host array shaped like ``part``."""
+        out = np.empty(tile_shape(part), dtype=s.dtype(key.step)[1])
+        into = _ArraySink(out, part)
+
+        def verify(check: Checksum, nbytes: int, digest: int) -> None:
+            expected = out.nbytes
+            if not check.nbytes == nbytes == expected or check.xxh3_64 != digest:
+                raise DataLossError(
+                    f"job {s.job}: reduce step {key.step} message {key.hop} from {peer} arrived with "
+                    f"{check.nbytes} bytes and XXH3-64 {check.xxh3_64:016x}; the sender sent {nbytes} bytes with "
+                    f"{digest:016x} and the part holds {expected}"
+                )
+
+        if self.passive:
+            with self.mailbox.take(key, self.timeout_s, s) as items:
+                self.relay(s, key, peer, part, items, into, [""], None, verify)
+        else:
+            items = self.arrivals(s, key, peer, part, lambda sub: into.place([""], sub))
+            self.relay(s, key, peer, part, items, into, [""], None, verify)
+        return out
+
+
+class _ArraySink:
+    """A `Sink` of one host array (a reduce's incoming part), under the device name ''."""
+
+    def __init__(self, array: np.ndarray, origin: Box):
+        self.array, self.origin = array, origin
+
+    def write(self, device: str, box: Box, data) -> None:
+        self.array[boxes.to_slices(box, self.origin)] = data
+
+    def place(self, devices: list[str], box: Box):
+        view = self.array[boxes.to_slices(box, self.origin)]
+        return ("", view) if view.flags.c_contiguous else None
+
+    def mark(self, device: str, box: Box) -> None:
+        pass
+
+
+def in_thread(name: str, fn: Callable, *args) -> Future:
+    """Run ``fn(*args)`` on a thread of its own; its result or error comes back through the future."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name=name).start()
+    return future

@@ -1,0 +1,127 @@
+"""Fault injection as transport wrappers: tests wrap a transport, the production loops have no fault branch.
+
+==================== ===================================================================
+``CorruptRelay``     a chain hop that forwards flips bit ``1 << (hop % 8)`` of the first
+                     byte of the first piece it receives, in what it keeps and what it
+                     forwards (the agent's hidden ``--fault corrupt-relay``)
+``Stall``            every move this host sends starts ``seconds`` late; records when
+                     each one ran (unit tests measure overlap and deadlines with it)
+``Fail``             the moves of chosen steps fail on this host
+==================== ===================================================================
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator
+
+from reshard.box import Box
+from reshard.proto.errors import UnavailableError
+from reshard.server.transport.base import Piece, Session, StreamKey, Transport
+
+__all__ = ["Wrapped", "CorruptRelay", "Stall", "Fail", "corrupt_bit", "FAULTS", "wrap"]
+
+
+def corrupt_bit(hop: int) -> int:
+    """The bit of its first byte that chain hop ``hop`` flips under ``CorruptRelay`` (one per hop, so two
+    relaying hops never undo each other)."""
+    return 1 << (hop % 8)
+
+
+class Wrapped(Transport):
+    """A transport whose primitives are ``inner``'s while the semantics (the `Transport` methods) run here,
+    so a subclass changes one behaviour and keeps the rest."""
+
+    def __init__(self, inner: Transport):
+        self.inner = inner
+        self.name, self.passive, self.lanes = inner.name, inner.passive, inner.lanes
+        self.host, self.chunk_bytes, self.timeout_s = inner.host, inner.chunk_bytes, inner.timeout_s
+        self.throttle, self.mailbox = inner.throttle, inner.mailbox
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)  # what only the inner transport has (the collective's group member)
+
+    def open(self, s, key, peer):
+        return self.inner.open(s, key, peer)
+
+    def arrivals(self, s, key, peer, box, place):
+        return self.inner.arrivals(s, key, peer, box, place)
+
+    def serve(self, handler) -> None:
+        self.inner.serve(handler)
+
+    def attach(self, s) -> None:
+        self.inner.attach(s)
+
+    def detach(self, s) -> None:
+        self.inner.detach(s)
+
+    def handshake(self, s, peers) -> None:
+        self.inner.handshake(s, peers)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _corrupt_first(items: Iterable, hop: int) -> Iterator:
+    pending = True
+    for item in items:
+        if pending and isinstance(item, Piece) and memoryview(item.data).nbytes:
+            pending = False
+            view = memoryview(item.data).cast("B")
+            if view.readonly:  # bytes as received (gRPC): change a copy, kept and forwarded
+                out = bytearray(view)
+                out[0] ^= corrupt_bit(hop)
+                item = Piece(item.box, memoryview(out))
+            else:  # received in place (collective): the kept buffer is what is forwarded
+                view[0] ^= corrupt_bit(hop)
+        yield item
+
+
+class CorruptRelay(Wrapped):
+    def relay(self, s: Session, key: StreamKey, peer: str, box: Box, items: Iterable, sink, local,
+              forward_to, verify):
+        if forward_to:
+            items = _corrupt_first(items, key.hop)
+        return super().relay(s, key, peer, box, items, sink, local, forward_to, verify)
+
+
+class Stall(Wrapped):
+    """Every move sent from this host waits ``seconds`` first (giving way at once if the job fails)."""
+
+    def __init__(self, inner: Transport, seconds: float):
+        super().__init__(inner)
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self.intervals: dict[tuple[str, int], tuple[float, float]] = {}  # (job, step) -> (start, end), monotonic
+
+    def move(self, s: Session, step: int, *args, **kwargs) -> None:
+        start = time.monotonic()
+        while time.monotonic() < start + self.seconds:
+            s.check()
+            time.sleep(min(0.01, self.seconds))
+        super().move(s, step, *args, **kwargs)
+        with self._lock:
+            self.intervals[s.job, step] = (start, time.monotonic())
+
+
+class Fail(Wrapped):
+    """The moves of ``steps`` fail on this host with `UnavailableError`."""
+
+    def __init__(self, inner: Transport, steps: Iterable[int]):
+        super().__init__(inner)
+        self.steps = frozenset(steps)
+
+    def move(self, s: Session, step: int, *args, **kwargs) -> None:
+        if step in self.steps:
+            raise UnavailableError(f"job {s.job}: step {step} failed on host {self.host} (injected by the test)")
+        super().move(s, step, *args, **kwargs)
+
+
+FAULTS = {"corrupt-relay": CorruptRelay}
+
+
+def wrap(transport: Transport, fault: str) -> Transport:
+    """``transport`` under the agent's ``--fault`` (``''``: as it is)."""
+    return FAULTS[fault](transport) if fault else transport

@@ -1,0 +1,110 @@
+"""The gRPC transport: a stream between agents is one ``Agent.Push`` call.
+
+A sender opens a Push to the peer's agent, whose servicer hands the pieces to its
+runtime (pushes arrive by themselves: ``passive``); a chain hop opens the next Push
+and forwards every piece as the very message it received (`reshard.proto.frames`
+decodes pieces without copying their bytes). The reply lists the hosts that
+verified the box, so a broadcast's sender learns that its whole route did.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator
+
+import grpc
+
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
+from reshard.proto.frames import encode_piece
+from reshard.proto.status import domain_error
+from reshard.proto.wire import message_size_options
+from reshard.server.transport.base import (
+    Outgoing,
+    Piece,
+    QueuedOutgoing,
+    Session,
+    StreamKey,
+    Throttle,
+    Trailer,
+    Transport,
+)
+
+__all__ = ["GrpcTransport", "channel_options"]
+
+
+def channel_options(chunk_bytes: int, max_message_bytes: int) -> list[tuple[str, int]]:
+    """Options of every agent channel and server: room for a chunk and for the largest message a peer sends."""
+    limit = max(chunk_bytes, max_message_bytes)
+    return message_size_options(limit, limit)
+
+
+def _messages(header: bytes, items: Iterable) -> Iterator[bytes]:
+    yield header
+    for item in items:
+        if isinstance(item, Piece):
+            yield item.wire if isinstance(item.wire, bytes) else encode_piece(item.box, item.data)
+        elif isinstance(item, Trailer):
+            yield pb.PushChunk(trailer=pb.Trailer(nbytes=item.nbytes, xxh3_64=item.digest)).SerializeToString()
+
+
+class GrpcTransport(Transport):
+    name = "grpc"
+    passive = True
+
+    def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, depth: int, max_message_bytes: int,
+                 throttle: Throttle | None = None):
+        super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle)
+        self.depth = depth  # pieces queued per stream before the sender waits
+        self._options = channel_options(chunk_bytes, max_message_bytes)
+        self._lock = threading.Lock()
+        self._channels: dict[str, tuple[grpc.Channel, object]] = {}
+
+    def _push_call(self, address: str):
+        with self._lock:
+            if address not in self._channels:
+                ch = grpc.insecure_channel(address, options=self._options)
+                # The generated stub's Push, but messages leave already serialised (see reshard.proto.frames).
+                self._channels[address] = ch, ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
+                                                              response_deserializer=pb.PushReply.FromString)
+            return self._channels[address][1]
+
+    def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
+        address = s.peers.get(peer)
+        if not address:
+            raise FailedPreconditionError(f"job {s.job}: no address for host {peer}; is its agent registered?")
+        call = self._push_call(address)
+        header = pb.PushChunk(header=pb.PushHeader(job=key.job, program_id=s.program_id, step=key.step, hop=key.hop,
+                                                   from_host=self.host)).SerializeToString()
+
+        def start(items: Iterator):
+            future = call.future(_messages(header, items), timeout=self.timeout_s, wait_for_ready=False)
+            return _Confirmed(future)
+
+        def error(e: BaseException) -> BaseException:
+            if isinstance(e, grpc.RpcError):
+                return domain_error(e, f"agent of host {peer} at {address}")
+            if isinstance(e, grpc.FutureTimeoutError):
+                return DeadlineExceededError(f"agent of host {peer} at {address} did not confirm its stream in time")
+            return e
+
+        return QueuedOutgoing(peer, self.depth, start, error)
+
+    def close(self) -> None:
+        with self._lock:
+            for ch, _ in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+
+class _Confirmed:
+    """A Push call's future, answering with the hosts its reply confirms."""
+
+    def __init__(self, future):
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> list[str]:
+        return list(self._future.result(timeout=timeout).confirmed)

@@ -1,0 +1,309 @@
+"""The agent runtime over the in-memory transport: several hosts' runtimes in one process, each with its store.
+
+Real threads and queues, no gRPC: what is tested is the runtime's scheduling
+(dependencies, overlap, cancellation, deadlines, many programs at once) and the
+transport base class's moves, chains, reduces and checks.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.plan import Transfer
+from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
+from reshard.proto.errors import DeadlineExceededError, UnavailableError
+from reshard.server.agent.runtime import Runtime
+from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.transport.faults import Fail, Stall
+from reshard.server.transport.memory import MemoryNetwork, MemoryTransport
+from reshard.strategies import plan as make_plan
+
+HOSTS = ("host0", "host1", "host2", "host3")
+STEP_TIMEOUT_S = 10.0
+
+
+class Hosts:
+    """One runtime and store per host on one in-memory network; ``wrap(host, transport)`` adds faults."""
+
+    def __init__(self, hosts=HOSTS, wrap=lambda host, transport: transport, step_timeout_s=STEP_TIMEOUT_S):
+        net = MemoryNetwork()
+        self.stores = {h: ShardStore() for h in hosts}
+        self.transports = {h: wrap(h, MemoryTransport(h, net, chunk_bytes=4096, timeout_s=step_timeout_s))
+                           for h in hosts}
+        self.runtimes = {h: Runtime(h, self.stores[h], {"memory": self.transports[h]}, workers=8,
+                                    step_timeout_s=step_timeout_s) for h in hosts}
+
+    def close(self):
+        for r in self.runtimes.values():
+            r.close()
+
+    def put(self, name: str, shards: dict[str, tuple[np.ndarray, tuple]], version: int = 1) -> None:
+        """Commit ``shards`` (device -> (array, tile)) as ``name`` at ``version``."""
+        for dev, (array, tile) in shards.items():
+            host = dev.split("/")[0]
+            self.stores[host].stage("upload", dev, TileBuffer(array, tile, array.dtype.name))
+        for h, store in self.stores.items():
+            devs = [d for d in shards if d.split("/")[0] == h]
+            if devs:
+                store.commit("upload", name, version, devs)
+
+    def put_tensor(self, name: str, a: np.ndarray, sharding: Sharding) -> None:
+        tiles = sharding.tiles(a.shape)
+        self.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()})
+
+    def start(self, program_json: str, tensor: str, job: str | None = None, src_version: int = 1,
+              program_id: str | None = None) -> tuple[str, dict]:
+        """Prepare on every host, then execute on every host; returns (job, {host: run})."""
+        job = job or uuid.uuid4().hex
+        peers = {h: h for h in self.runtimes}
+        runs = {h: r.prepare(job, program_json, tensor, src_version, src_version + 1, peers, "memory")
+                for h, r in self.runtimes.items()}
+        ident = program_id or next(iter(runs.values())).program_id
+        for h, r in self.runtimes.items():
+            r.execute(job, ident)
+        return job, runs
+
+    def finish(self, job: str, runs: dict, timeout: float = STEP_TIMEOUT_S) -> None:
+        """Wait for every host, then commit everywhere (as the planner does), or abort everywhere and raise."""
+        try:
+            for run in runs.values():
+                run.result(timeout)
+        except BaseException:
+            for r in self.runtimes.values():
+                r.abort(job)
+            raise
+        for r in self.runtimes.values():
+            r.commit(job)
+
+    def get(self, name: str, sharding: Sharding, shape, version: int = 2) -> np.ndarray:
+        out = None
+        for dev, box in sharding.tiles(shape).items():
+            shard = self.stores[dev.split("/")[0]].get(name, version, dev)
+            if out is None:
+                out = np.empty(shape, dtype=shard.array.dtype)
+            out[tuple(slice(lo, hi) for lo, hi in box)] = shard.array
+        return out
+
+
+@pytest.fixture()
+def hosts():
+    h = Hosts()
+    yield h
+    h.close()
+
+
+def _sharding(axes: dict, hosts, per_host: int, spec) -> Sharding:
+    return Sharding(Mesh.from_hosts(axes, list(hosts), per_host), spec)
+
+
+def _full(shape) -> tuple:
+    return tuple((0, n) for n in shape)
+
+
+# -- moves ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["send_recv", "local_allgather", "broadcast", "auto"])
+def test_a_reshard_program_delivers_every_tile(hosts, strategy):
+    a = np.arange(37 * 11, dtype=np.int32).reshape(37, 11)
+    src = _sharding({"x": 2, "y": 2}, HOSTS[:2], 2, ("x", None))
+    dst = _sharding({"x": 2, "y": 2}, HOSTS[2:], 2, (None, ("x", "y")))
+    hosts.put_tensor("a", a, src)
+    plan = make_plan(a.shape, a.dtype, src, dst, strategy=strategy).validate()
+    job, runs = hosts.start(plan.dumps(), "a")
+    assert all(r.program_id == plan.id for r in runs.values())  # plan JSON runs under the plan's id
+    hosts.finish(job, runs)
+    assert np.array_equal(hosts.get("a", dst, a.shape), a)
+    for h, run in runs.items():
+        done, total, steps_done, steps = run.progress()
+        assert done == total and steps_done == steps, h
+
+
+def _chain_program(shape=(64, 32), dtype="float32"):
+    """Step 0: host0/0 -> host1/0; step 1 (after 0): host1/0 -> host2/0 of the box step 0 delivered;
+    step 2, independent: host3/0 -> host2/1 of another tensor... of the same tensor, from its own tile."""
+    src = Sharding(Mesh({"x": 2}, ["host0/0", "host3/0"]), (None, None))
+    dst = Sharding(Mesh({"x": 3}, ["host1/0", "host2/0", "host2/1"]), (None, None))
+    full = _full(shape)
+    steps = [
+        Step.move(0, Transfer(full, "host0/0", ("host1/0",), "p2p")),
+        Step.move(1, Transfer(full, "host1/0", ("host2/0",), "p2p"), after=[0]),
+        Step.move(2, Transfer(full, "host3/0", ("host2/1",), "p2p")),
+    ]
+    return Program((TensorDecl("tensor", shape, dtype, src, dst),), tuple(steps)).validate(), src, dst
+
+
+def test_a_step_starts_only_after_the_steps_it_depends_on():
+    stalls = {}
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)))
+    try:
+        program, src, dst = _chain_program()
+        a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
+        h.put_tensor("t", a, src)
+        job, runs = h.start(program.dumps(), "t")
+        h.finish(job, runs)
+        assert np.array_equal(h.get("t", dst, a.shape), a)
+        first, second = stalls["host0"].intervals[job, 0], stalls["host1"].intervals[job, 1]
+        # step 1's sender holds the box only once step 0, stalled 0.3 s, delivered it
+        assert second[0] >= first[0] + 0.3
+    finally:
+        h.close()
+
+
+def test_two_slow_independent_steps_overlap_in_time():
+    stalls = {}
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)))
+    try:
+        program, src, dst = _chain_program()
+        a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        h.put_tensor("t", a, src)
+        job, runs = h.start(program.dumps(), "t")
+        h.finish(job, runs)
+        (s0, e0), (s2, e2) = stalls["host0"].intervals[job, 0], stalls["host3"].intervals[job, 2]
+        assert max(s0, s2) < min(e0, e2), "steps 0 and 2 depend on nothing and must run at once"
+    finally:
+        h.close()
+
+
+def test_a_failing_step_cancels_the_rest_and_leaves_every_source_intact():
+    stalls = {}
+
+    def wrap(host, t):
+        if host == "host0":
+            return Fail(t, steps=[0])
+        return stalls.setdefault(host, Stall(t, 0.5))  # step 2 (host3) is still stalling when step 0 fails
+
+    h = Hosts(wrap=wrap)
+    try:
+        program, src, dst = _chain_program()
+        a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        h.put_tensor("t", a, src)
+        job, runs = h.start(program.dumps(), "t")
+        with pytest.raises(UnavailableError, match="step 0 failed on host host0"):
+            runs["host0"].result(STEP_TIMEOUT_S)
+        for r in h.runtimes.values():  # what the planner does when one host fails
+            r.abort(job)
+        for run in runs.values():
+            assert run.failed is not None
+        assert not any(iv for s in stalls.values() for iv in s.intervals), "no other step may complete"
+        for d in ("host1/0", "host2/0", "host2/1"):
+            assert h.stores[d.split("/")[0]].find("t", 2, d) is None, d
+        for d in ("host0/0", "host3/0"):
+            assert np.array_equal(h.stores[d.split("/")[0]].get("t", 1, d).array, a), d
+    finally:
+        h.close()
+
+
+def test_sixteen_programs_in_flight_at_once_all_complete_correct():
+    stalls = {}
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.05)))
+    try:
+        src = _sharding({"x": 2, "y": 2}, HOSTS[:2], 2, ("x", None))
+        dst = _sharding({"x": 2, "y": 2}, HOSTS[2:], 2, (None, "y"))
+        tensors = {f"t{i}": np.random.default_rng(i).integers(0, 1 << 30, (40 + i, 24), dtype=np.int64)
+                   for i in range(16)}
+        started = []
+        for name, a in tensors.items():
+            h.put_tensor(name, a, src)
+            plan = make_plan(a.shape, a.dtype, src, dst, strategy="broadcast" if len(started) % 2 else "auto")
+            started.append(h.start(plan.dumps(), name))
+        for job, runs in started:
+            h.finish(job, runs)
+        for name, a in tensors.items():
+            assert np.array_equal(h.get(name, dst, a.shape), a), name
+        spans = sorted(iv for s in stalls.values() for iv in s.intervals.values())
+        most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+        assert len({job for s in stalls.values() for job, _ in s.intervals}) == 16 and most > 4
+    finally:
+        h.close()
+
+
+def test_a_step_past_its_deadline_fails_the_program_naming_the_step_and_host():
+    h = Hosts(wrap=lambda host, t: Stall(t, 30.0) if host == "host3" else t, step_timeout_s=0.5)
+    try:
+        program, src, _ = _chain_program()
+        a = np.ones((64, 32), np.float32)
+        h.put_tensor("t", a, src)
+        job, runs = h.start(program.dumps(), "t")
+        t0 = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match=r"step 2 \(#2 move .*\) on host host3 did not finish "
+                                                        r"within 0.5s"):
+            runs["host3"].result(0.5)
+        assert time.monotonic() - t0 < 2.0
+        for r in h.runtimes.values():
+            r.abort(job)
+        assert np.array_equal(h.stores["host3"].get("t", 1, "host3/0").array, a)
+    finally:
+        h.close()
+
+
+# -- reduce and compute ---------------------------------------------------------------------------------
+
+
+GROUP = ("host0/0", "host0/1", "host1/0", "host2/0")  # two devices share host0: one ring hop is a copy
+
+
+@pytest.mark.parametrize("op, fn", [("sum", np.sum), ("max", np.max)])
+@pytest.mark.parametrize("result", ["replicate", "shard"])
+def test_reduce_gives_numpys_answer(hosts, op, fn, result):
+    shape = (13, 6)  # 13 rows over 4 members: chunks of 4, 4, 4, 1
+    mesh = Mesh({"x": len(GROUP)}, GROUP)
+    src = Sharding(mesh, (None, None))
+    dst = Sharding(mesh, ("x", None) if result == "shard" else (None, None))
+    rng = np.random.default_rng(7)
+    addends = {d: rng.integers(-1000, 1000, shape, dtype=np.int64) for d in GROUP}
+    hosts.put("r", {d: (a, _full(shape)) for d, a in addends.items()})
+    full = _full(shape)
+    step = Step.reduce(0, op, GROUP, TileRef("tensor", SRC, full), TileRef("tensor", DST, full), result=result,
+                       dim=0 if result == "shard" else None)
+    program = Program((TensorDecl("tensor", shape, "int64", src, dst),), (step,)).validate()
+    job, runs = hosts.start(program.dumps(), "r")
+    hosts.finish(job, runs)
+    want = fn(np.stack(list(addends.values())), axis=0)
+    assert np.array_equal(hosts.get("r", dst, shape), want)
+    assert runs["host3"].steps_total == 0  # not in the group: nothing to do
+
+
+def test_a_compute_copy_feeds_a_move_that_waits_for_it(hosts):
+    shape = (6, 4)
+    a = np.arange(24, dtype=np.float32).reshape(shape)
+    src = Sharding(Mesh({"x": 1}, ["host0/0"]), (None, None))
+    dst = Sharding(Mesh({"x": 1}, ["host1/0"]), (None, None))
+    full, top = _full(shape), ((0, 3), (0, 4))
+    steps = (
+        Step.compute(0, "copy", "host0/0", [TileRef("tensor", SRC, top)], TileRef("copy", "out", top)),
+        Step.move(1, Transfer(top, "host0/0", ("host2/0",), "p2p"), after=[0], tensor="copy"),
+        Step.move(2, Transfer(full, "host0/0", ("host1/0",), "p2p")),
+    )
+    program = Program((TensorDecl("tensor", shape, "float32", src, dst), TensorDecl("copy", shape, "float32")),
+                      steps).validate()
+    hosts.put_tensor("t", a, src)
+    job, runs = hosts.start(program.dumps(), "t")
+    for run in runs.values():
+        run.result(STEP_TIMEOUT_S)
+    array, origin = runs["host2"].read("host2/0", "copy", top, DST)
+    assert origin == top and np.array_equal(array, a[:3])
+    for r in hosts.runtimes.values():
+        r.commit(job)
+    assert np.array_equal(hosts.get("t", dst, shape), a)
+
+
+def test_a_push_for_an_unknown_job_or_step_is_refused(hosts):
+    from reshard.proto.errors import InvalidArgumentError, NotFoundError
+    from reshard.server.transport.base import PushHeader
+
+    with pytest.raises(NotFoundError, match="agent host1 has no prepared job 'nope'"):
+        hosts.runtimes["host1"].accept(PushHeader("nope", "x", 0, 0, "host0"), [])
+    program, src, _ = _chain_program()
+    hosts.put_tensor("t", np.ones((64, 32), np.float32), src)
+    job, runs = hosts.start(program.dumps(), "t")
+    with pytest.raises(InvalidArgumentError, match="step 7 is not in the program"):
+        hosts.runtimes["host1"].accept(PushHeader(job, runs["host1"].program_id, 7, 0, "host0"), [])
+    hosts.finish(job, runs)
+    threading.Event().wait(0)
