@@ -93,7 +93,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def Push(self, request_iterator, context):
         h, it = _pieces(request_iterator, "Push")
-        header = PushHeader(h.job, h.program_id, h.step, h.hop, h.from_host)
+        header = PushHeader(h.job, h.plan_id, h.transfer, h.hop, h.from_host)
 
         def items() -> Iterator:
             for msg in it:

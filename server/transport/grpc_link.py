@@ -74,7 +74,7 @@ class GrpcTransport(Transport):
         if not address:
             raise FailedPreconditionError(f"job {s.job}: no address for host {peer}; is its agent registered?")
         call = self._push_call(address)
-        header = pb.PushChunk(header=pb.PushHeader(job=key.job, program_id=s.program_id, step=key.step, hop=key.hop,
+        header = pb.PushChunk(header=pb.PushHeader(job=key.job, plan_id=s.program_id, transfer=key.step, hop=key.hop,
                                                    from_host=self.host)).SerializeToString()
 
         def start(items: Iterator):
