@@ -4,12 +4,21 @@ Uploads are transactions: shards are staged on their agents and the tensor
 enters the catalog only when every device's shard is there, so a client that
 dies midway leaves nothing visible (the planner drops the staged shards once the
 upload has been idle for its timeout).
+
+Tensors go in as numpy arrays or torch tensors on any device, and come back as
+they went in (numpy, or torch on the CPU) unless ``get``/``get_shard`` name a
+torch device. A CUDA tensor streams through pinned host memory, except to or
+from an agent on this machine that keeps its shards on a GPU: there it is handed
+over by CUDA IPC (``ipc="auto"``, the default; ``ipc=True`` insists, ``False``
+never tries), copied on the GPU and checked by a digest computed on the GPU at
+both ends (`reshard.client.devices`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -20,13 +29,21 @@ from typing import Any, Optional, Union
 import grpc
 import numpy as np
 
-from reshard.box import Box, to_slices
+from reshard.box import Box, to_slices, volume
+from reshard.client import devices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
 from reshard.plan import Plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
-from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, NotFoundError, UnavailableError
+from reshard.proto.errors import (
+    DataLossError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.proto.status import domain_error
 from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
@@ -35,6 +52,8 @@ from reshard.sharding import Sharding
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
 
 MiB = 2**20
+
+Ipc = Union[bool, str]  # True, False or "auto": whether CUDA tensors go by CUDA IPC to agents on this machine
 
 
 class JobFailedError(ReshardError, RuntimeError):
@@ -125,23 +144,31 @@ class Job:
         return f"Job({self.id[:12]} on {self.tensor!r})"
 
 
-def _to_numpy(array) -> tuple[np.ndarray, str, str]:
-    """(C-contiguous numpy array, dtype name, kind) of a numpy array or torch CPU tensor."""
-    mod = type(array).__module__
-    if mod.startswith("torch"):
-        import torch
-
+def _source(array, ipc: Ipc):
+    """(elements, dtype name, kind) of what the caller puts: a C-contiguous numpy array, or a CUDA tensor."""
+    if not (ipc is True or ipc is False or ipc == "auto"):
+        raise InvalidArgumentError(f"ipc must be True, False or 'auto'; got {ipc!r}")
+    if type(array).__module__.startswith("torch"):
         t = array.detach()
-        if t.device.type != "cpu":
-            raise InvalidArgumentError(f"tensor is on {t.device}; the SDK takes CPU tensors (call .cpu() first)")
-        t = t.contiguous()
-        name = dtype_name(t.dtype)
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.int16).numpy().view(np.uint16), name, "torch"
-        return t.numpy(), name, "torch"
+        if ipc is True and not devices.is_cuda(t):
+            raise InvalidArgumentError(f"ipc=True hands over CUDA tensors by CUDA IPC; this tensor is on {t.device}")
+        return (t if devices.is_cuda(t) else devices.to_host(t)), dtype_name(t.dtype), "torch"
     if isinstance(array, np.ndarray):
+        if ipc is True:
+            raise InvalidArgumentError("ipc=True hands over CUDA tensors by CUDA IPC; a numpy array is in host memory")
         return np.ascontiguousarray(array), dtype_name(array.dtype), "numpy"
-    raise InvalidArgumentError(f"expected a numpy array or a torch CPU tensor, got {type(array).__name__}")
+    raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(array).__name__}")
+
+
+def _target(device: Optional[str], ipc: Ipc) -> Optional[str]:
+    """The torch device a read returns on (None: as the tensor was put), checked in this process."""
+    if not (ipc is True or ipc is False or ipc == "auto"):
+        raise InvalidArgumentError(f"ipc must be True, False or 'auto'; got {ipc!r}")
+    to = None if device is None else devices.check_device(str(device))
+    if ipc is True and (to is None or to == "cpu"):
+        raise InvalidArgumentError(f"ipc=True reads into a CUDA tensor by CUDA IPC: name a device such as 'cuda:0' "
+                                   f"(got {device!r})")
+    return to
 
 
 def _from_numpy(arr: np.ndarray, dtype: str, kind: str):
@@ -174,6 +201,8 @@ class Client:
         self._lock = threading.Lock()
         self._agents: dict[str, grpc.Channel] = {}
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reshard-sdk")
+        self._agent_devices: dict[str, Optional[pb.AgentDevice]] = {}  # address -> what DescribeDevice said
+        self._no_ipc: dict[str, str] = {}  # address -> why CUDA IPC with that agent failed
         self.cluster = None  # set by local_cluster
 
     # -- plumbing ---------------------------------------------------------------------
@@ -193,13 +222,94 @@ class Client:
                 ch = self._agents[address] = grpc.insecure_channel(address, options=self._options)
         return pb_grpc.AgentStub(ch)
 
-    def _upload(self, upload_id: str, name: str, device: str, address: str, tile: Box, dtype: str, arr: np.ndarray) -> None:
+    def _ipc_with(self, address: str, ipc: Ipc) -> bool:
+        """Whether a CUDA tensor goes to or from the agent at ``address`` by CUDA IPC (``ipc=True``: or why not)."""
+        if ipc is False:
+            return False
+        why = self._why_no_ipc(address)
+        if why and ipc is True:
+            raise FailedPreconditionError(f"ipc=True, but {why}; pass ipc='auto' to stream the bytes instead")
+        return not why
+
+    def _why_no_ipc(self, address: str) -> str:
+        with self._lock:
+            if address in self._no_ipc:
+                return self._no_ipc[address]
+            known, info = address in self._agent_devices, self._agent_devices.get(address)
+        if not known:
+            try:
+                info = self._agent(address).DescribeDevice(pb.Empty(), timeout=self.timeout)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an agent from before CUDA IPC: never ask again
+                    with self._lock:
+                        self._agent_devices[address] = None
+                return f"the agent at {address} did not describe its device ({e.code().name})"
+            with self._lock:
+                self._agent_devices[address] = info
+        if info is None:
+            return f"the agent at {address} has no CUDA IPC hand-over"
+        if info.device == "cpu":
+            return f"the agent of host {info.host} keeps its shards in host memory (--device cpu)"
+        if not info.machine_id or info.machine_id != devices.machine_id():
+            return f"the agent of host {info.host} runs on another machine"
+        if info.pid == os.getpid():
+            return f"the agent of host {info.host} runs in this process, where CUDA cannot open its own IPC handles"
+        return ""
+
+    def _ipc_failed(self, address: str, ipc: Ipc, error: FailedPreconditionError) -> None:
+        """Under ``ipc="auto"``, remember that CUDA IPC with ``address`` does not work and stream from now on."""
+        if ipc is True:
+            raise error
+        with self._lock:
+            self._no_ipc[address] = f"CUDA IPC with the agent at {address} failed ({error})"
+
+    def _upload(self, upload_id: str, name: str, device: str, address: str, tile: Box, dtype: str, arr,
+                ipc: Ipc) -> None:
         header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype,
                                 box=box_to_pb(tile))
+        peer = f"agent at {address} (device {device})"
+        if devices.is_cuda(arr) and volume(tile) and self._ipc_with(address, ipc):
+            src = arr.contiguous()  # alive until the agent has copied it
+            request = pb.IpcPutShardRequest(header=header, source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
+                                            digest=devices.device_digest(src))
+            try:
+                self._agent(address).PutShardIpc(request, timeout=self.timeout)
+                return
+            except grpc.RpcError as e:
+                error = domain_error(e, peer)
+                if not isinstance(error, FailedPreconditionError):
+                    raise error from None
+                self._ipc_failed(address, ipc, error)
+        host = devices.to_host(arr) if devices.is_cuda(arr) else arr
         try:
-            self._agent(address).PutShard(shard_stream(arr, header, self.chunk_bytes), timeout=None)
+            self._agent(address).PutShard(shard_stream(host, header, self.chunk_bytes), timeout=None)
         except grpc.RpcError as e:
-            raise domain_error(e, f"agent at {address} (device {device})") from None
+            raise domain_error(e, peer) from None
+
+    def _fetch(self, name: str, version: int, loc: pb.TileLocation, dtype: str, to: str, ipc: Ipc):
+        """The tile ``loc`` names as a torch tensor on ``to``."""
+        tile = box_from_pb(loc.box)
+        if to != "cpu" and volume(tile) and self._ipc_with(loc.address, ipc):
+            import torch
+
+            out = torch.empty(tile_shape(tile), dtype=devices.torch_dtype(dtype), device=to)
+            request = pb.IpcGetShardRequest(shard=pb.GetShardRequest(tensor=name, version=version, device=loc.device),
+                                            destination=pb.CudaIpcTensor(**devices.share_cuda(out).fields()))
+            try:
+                reply = self._agent(loc.address).GetShardIpc(request, timeout=self.timeout)
+            except grpc.RpcError as e:
+                error = domain_error(e, f"agent at {loc.address} (device {loc.device})")
+                if not isinstance(error, FailedPreconditionError):
+                    raise error from None
+                self._ipc_failed(loc.address, ipc, error)
+            else:
+                got = devices.device_digest(out)
+                if got != reply.digest:
+                    raise DataLossError(f"CUDA IPC read of {name!r} v{version} from device {loc.device}: the digest "
+                                        f"of the bytes received {got:016x} differs from the agent's {reply.digest:016x}")
+                return out
+        arr = self._download(name, version, loc.device, loc.address).reshape(tile_shape(tile))
+        return devices.to_torch(arr, dtype, to)
 
     def _download(self, name: str, version: int, device: str, address: str) -> np.ndarray:
         try:
@@ -213,7 +323,8 @@ class Client:
     def agents(self) -> list[dict[str, Any]]:
         reply = self._planner_call("ListAgents", pb.Empty())
         return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
-                 "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group}
+                 "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group,
+                 "device": a.device or "cpu", "gpu_uuid": a.gpu_uuid, "transport_reason": a.transport_reason}
                 for a in reply.agents]
 
     def devices(self) -> list[str]:
@@ -222,16 +333,19 @@ class Client:
 
     # -- tensors ---------------------------------------------------------------------------
 
-    def put(self, name: str, array, sharding: Sharding) -> TensorInfo:
-        """Scatter a whole tensor: every device of ``sharding`` gets its tile, then the tensor appears."""
-        arr, dtype, kind = _to_numpy(array)
+    def put(self, name: str, array, sharding: Sharding, *, ipc: Ipc = "auto") -> TensorInfo:
+        """Scatter a whole tensor: every device of ``sharding`` gets its tile, then the tensor appears.
+
+        ``array`` is a numpy array or a torch tensor on any device; ``ipc`` as in `put_shard`.
+        """
+        arr, dtype, kind = _source(array, ipc)
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
         jobs = []
         for p in reply.locations:
             tile = box_from_pb(p.box)
             jobs.append(self._pool.submit(self._upload, reply.upload_id, name, p.device, p.address, tile, dtype,
-                                          arr[to_slices(tile)]))
+                                          arr[to_slices(tile)], ipc))
         for f in jobs:
             f.result()
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
@@ -239,7 +353,7 @@ class Client:
         return self.info(name)
 
     def put_shard(self, name: str, device: str, array, sharding: Sharding,
-                  shape: Optional[Sequence[int]] = None) -> bool:
+                  shape: Optional[Sequence[int]] = None, *, ipc: Ipc = "auto") -> bool:
         """Hand over one device's shard, as a training rank does.
 
         The tensor appears in the catalog once every device of ``sharding`` has
@@ -247,8 +361,13 @@ class Client:
         for the call that completed it. ``shape`` is the global shape; by default
         each sharded dim is the local size times its number of pieces, which only
         holds when the dim divides evenly: pass ``shape`` otherwise.
+
+        A CUDA tensor goes to an agent on this machine that keeps its shards on a
+        GPU by CUDA IPC under ``ipc="auto"``, and streams through pinned host memory
+        otherwise; ``ipc=True`` fails rather than stream, ``ipc=False`` always
+        streams. Either way the tensor may be freed once the call returns.
         """
-        arr, dtype, kind = _to_numpy(array)
+        arr, dtype, kind = _source(array, ipc)
         if shape is None:
             shape = [n * math.prod(sharding.mesh.axis_size(a) for a in axes)
                      for n, axes in zip(arr.shape, sharding.dim_axes(arr.ndim))]
@@ -256,7 +375,7 @@ class Client:
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
             device=device, shard_shape=arr.shape))
         placement = next(p for p in reply.locations if p.device == device)
-        self._upload(reply.upload_id, name, device, placement.address, box_from_pb(placement.box), dtype, arr)
+        self._upload(reply.upload_id, name, device, placement.address, box_from_pb(placement.box), dtype, arr, ipc)
         done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 
@@ -266,30 +385,51 @@ class Client:
     def info(self, name: str) -> TensorInfo:
         return _info(self._tensor(name))
 
-    def get(self, name: str):
-        """Gather the whole tensor (one replica of each tile); numpy or torch, as it was put."""
+    def get(self, name: str, device: Optional[str] = None, *, ipc: Ipc = "auto"):
+        """Gather the whole tensor (one replica of each tile).
+
+        By default numpy or torch on the CPU, as it was put; ``device`` (``"cpu"``,
+        ``"cuda:0"``) returns a torch tensor there, its tiles read by CUDA IPC where
+        ``ipc`` allows (see `put_shard`).
+        """
+        to = _target(device, ipc)
         t = self._tensor(name)
-        out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
         seen: dict[Box, pb.TileLocation] = {}
         for p in t.locations:
             tile = box_from_pb(p.box)
             if all(lo < hi for lo, hi in tile) and (tile not in seen or not seen[tile].address):
                 seen[tile] = p
+        if to is None:
+            out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
 
-        def fetch(tile: Box, p: pb.TileLocation) -> None:
-            out[to_slices(tile)] = self._download(name, t.version, p.device, p.address)
+            def fetch(tile: Box, p: pb.TileLocation) -> None:
+                out[to_slices(tile)] = self._download(name, t.version, p.device, p.address)
+        else:
+            import torch
+
+            out = torch.empty(tuple(t.shape), dtype=devices.torch_dtype(t.dtype), device=to)
+
+            def fetch(tile: Box, p: pb.TileLocation) -> None:
+                out[to_slices(tile)] = self._fetch(name, t.version, p, t.dtype, to, ipc)
 
         for f in [self._pool.submit(fetch, tile, p) for tile, p in seen.items()]:
             f.result()
-        return _from_numpy(out, t.dtype, t.kind)
+        return out if to is not None else _from_numpy(out, t.dtype, t.kind)
 
-    def get_shard(self, name: str, device: str):
-        """The tile ``device`` holds; numpy or torch, as the tensor was put."""
+    def get_shard(self, name: str, device: str, *, to: Optional[str] = None, ipc: Ipc = "auto"):
+        """The tile ``device`` (``host/index``) holds; numpy or torch on the CPU, as the tensor was put.
+
+        ``to`` (``"cpu"``, ``"cuda:0"``) returns a torch tensor on that torch device,
+        read by CUDA IPC where ``ipc`` allows (see `put_shard`).
+        """
+        target = _target(to, ipc)
         t = self._tensor(name)
         p = next((p for p in t.locations if p.device == device), None)
         if p is None:
             raise NotFoundError(f"tensor {name!r} has no shard on device {device!r}; its devices are "
                                 f"{[q.device for q in t.locations]}")
+        if target is not None:
+            return self._fetch(name, t.version, p, t.dtype, target, ipc)
         arr = self._download(name, t.version, device, p.address)
         return _from_numpy(arr.reshape(tile_shape(box_from_pb(p.box))), t.dtype, t.kind)
 

@@ -22,9 +22,9 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
-from reshard.proto.errors import DeadlineExceededError, UnavailableError
+from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 if TYPE_CHECKING:
     from reshard.client.client import Client
@@ -94,8 +94,15 @@ class LocalCluster:
 
     def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
                  planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
-                 startup_timeout_s: float = 60.0, dashboard: bool = False, transport: Optional[str] = None):
+                 startup_timeout_s: float = 60.0, dashboard: bool = False, transport: Optional[str] = None,
+                 device: Union[str, Sequence[str], None] = None):
         self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
+        # Where each agent keeps its shards (its --device): one for all, or one per host in order.
+        devices = [device] * len(self.host_names) if device is None or isinstance(device, str) else list(device)
+        if len(devices) != len(self.host_names):
+            raise InvalidArgumentError(f"device= gives {len(devices)} devices for {len(self.host_names)} hosts; "
+                                       f"give one for every host, or one per host")
+        self.device_by_host = dict(zip(self.host_names, devices))
         self.devices_per_host = devices_per_host
         self.planner_args = list(planner_args)
         # grpc, collective or auto (the agents' default); with collective or auto the cluster is
@@ -139,11 +146,16 @@ class LocalCluster:
             raise
         return self
 
+    def device_of(self, host: str) -> str:
+        """Where the agent of ``host`` keeps its shards (its ``--device``)."""
+        return self.device_by_host.get(host) or "cpu"
+
     def start_agent(self, host: str, wait: bool = True, extra_args: Sequence[str] = ()) -> str:
         """Start (or restart) the agent of ``host``; returns its address."""
+        device = ["--device", self.device_by_host[host]] if self.device_by_host.get(host) else []
         proc, addr = start_process(
             self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
-                      "--devices", str(self.devices_per_host), *self.agent_args, *extra_args),
+                      "--devices", str(self.devices_per_host), *device, *self.agent_args, *extra_args),
             self.log_dir / f"agent-{host}.log", self.startup_timeout_s)
         self.agents[host], self.agent_addresses[host] = proc, addr
         if wait:
@@ -213,7 +225,8 @@ class LocalCluster:
 def local_cluster(hosts: int = 2, devices_per_host: int = 4, **kwargs) -> Iterator["Client"]:
     """``with reshard.local_cluster(hosts=2, devices_per_host=4) as c:`` yields a connected client.
 
-    ``c.address`` is the planner's address and ``c.cluster`` the `LocalCluster`.
+    ``c.address`` is the planner's address and ``c.cluster`` the `LocalCluster`. ``device="cuda:0"``
+    (or one per host, ``device=["cuda:0", "cuda:1"]``) keeps the agents' shards on GPUs; see `LocalCluster`.
     """
     from reshard.client.client import Client
 

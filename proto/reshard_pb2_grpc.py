@@ -84,6 +84,21 @@ class AgentStub:
                 request_serializer=reshard__pb2.JobStatsRequest.SerializeToString,
                 response_deserializer=reshard__pb2.HostTraffic.FromString,
                 _registered_method=True)
+        self.DescribeDevice = channel.unary_unary(
+                '/reshard.v1.Agent/DescribeDevice',
+                request_serializer=reshard__pb2.Empty.SerializeToString,
+                response_deserializer=reshard__pb2.AgentDevice.FromString,
+                _registered_method=True)
+        self.PutShardIpc = channel.unary_unary(
+                '/reshard.v1.Agent/PutShardIpc',
+                request_serializer=reshard__pb2.IpcPutShardRequest.SerializeToString,
+                response_deserializer=reshard__pb2.IpcShardReply.FromString,
+                _registered_method=True)
+        self.GetShardIpc = channel.unary_unary(
+                '/reshard.v1.Agent/GetShardIpc',
+                request_serializer=reshard__pb2.IpcGetShardRequest.SerializeToString,
+                response_deserializer=reshard__pb2.IpcShardReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -149,6 +164,26 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeDevice(self, request, context):
+        """Same-host CUDA hand-over (reshard.server.agent.ipc): what the agent's shards live on, and shards
+        handed over and read back by CUDA IPC instead of streamed bytes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PutShardIpc(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardIpc(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +236,21 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.JobStats,
                     request_deserializer=reshard__pb2.JobStatsRequest.FromString,
                     response_serializer=reshard__pb2.HostTraffic.SerializeToString,
+            ),
+            'DescribeDevice': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeDevice,
+                    request_deserializer=reshard__pb2.Empty.FromString,
+                    response_serializer=reshard__pb2.AgentDevice.SerializeToString,
+            ),
+            'PutShardIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShardIpc,
+                    request_deserializer=reshard__pb2.IpcPutShardRequest.FromString,
+                    response_serializer=reshard__pb2.IpcShardReply.SerializeToString,
+            ),
+            'GetShardIpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardIpc,
+                    request_deserializer=reshard__pb2.IpcGetShardRequest.FromString,
+                    response_serializer=reshard__pb2.IpcShardReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -473,6 +523,87 @@ class Agent:
             '/reshard.v1.Agent/JobStats',
             reshard__pb2.JobStatsRequest.SerializeToString,
             reshard__pb2.HostTraffic.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeDevice(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Agent/DescribeDevice',
+            reshard__pb2.Empty.SerializeToString,
+            reshard__pb2.AgentDevice.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShardIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Agent/PutShardIpc',
+            reshard__pb2.IpcPutShardRequest.SerializeToString,
+            reshard__pb2.IpcShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardIpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Agent/GetShardIpc',
+            reshard__pb2.IpcGetShardRequest.SerializeToString,
+            reshard__pb2.IpcShardReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,10 +38,12 @@ def _add_agent_command(sub) -> None:
                    help="what carries transfers between agents: gRPC streams, the torch.distributed process group "
                         "(needs torch), or auto (the group when it is up, gRPC otherwise)")
     p.add_argument("--device", default=d.device,
-                   help="where collective chunks live: cpu (gloo) or cuda[:N] (NCCL; one agent per GPU)")
+                   help="where this host's shards live: cpu (numpy arrays; gloo) or cuda[:N] (torch tensors on that "
+                        "GPU; NCCL, one agent per GPU); checked at start")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
                    help="seconds one collective send or recv, or the plan-id confirmation, may take")
     p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
     p.set_defaults(func=_run_agent)
 
 
@@ -53,7 +55,8 @@ def _run_agent(args) -> int:
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
                          rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,
-                         collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault)
+                         collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
+                         report_gpu_uuid=args.report_gpu_uuid)
     agent = Agent(config).start()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
@@ -130,6 +133,9 @@ def _add_up_command(sub) -> None:
     p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
     p.add_argument("--transport", choices=("grpc", "collective", "auto"), default="auto",
                    help="the agents' transport (see reshard agent --help)")
+    p.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
+                   help="where the agents' shards live: cpu, cuda:N for every agent, or one per agent in host order "
+                        "(cuda:0,cuda:1); see reshard agent --help")
     p.set_defaults(func=_run_up)
 
 
@@ -137,13 +143,14 @@ def _run_up(args) -> int:
     from reshard.client.cluster import LocalCluster
 
     planner_args = ["--state", args.state] if args.state else []
+    devices = args.device.split(",")
     cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir,
-                           dashboard=True, transport=args.transport)
+                           dashboard=True, transport=args.transport, device=devices[0] if len(devices) == 1 else devices)
     with cluster:
         print(f"planner  {cluster.address}")
         print(f"admin    {cluster.dashboard_login_url}")
         for h, a in cluster.agent_addresses.items():
-            print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1}")
+            print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1} on {cluster.device_of(h)}")
         print(f"logs     {cluster.log_dir}")
         print(f"connect with: reshard.connect({cluster.address!r}); Ctrl-C stops the cluster", flush=True)
         wait_for_signal()

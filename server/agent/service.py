@@ -33,7 +33,10 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.contract import GroupView
 from reshard.server.agent.memory import keep_freed_memory
-from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.agent.store import ShardStore
+from reshard.server.agent.ipc import CudaHandover
+from reshard.client.devices import CudaIpcHandle
+from reshard.server.transport import buffers
 
 __all__ = ["Agent", "serve_agent"]
 
@@ -56,6 +59,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.store = store
         self.runtime = runtime
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
+        self.handover = CudaHandover(config.host, store)
 
     def _check_device(self, device: str) -> None:
         if device not in self.devices:
@@ -71,7 +75,9 @@ class AgentServicer(pb_grpc.AgentServicer):
                 receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
             header, shard = read_shard_stream(request_iterator, check)
-            self.store.stage(header.upload_id, header.device, TileBuffer(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+            # On a GPU agent the bytes go on to the GPU through pinned staging buffers.
+            self.store.stage(header.upload_id, header.device,
+                             self.store.adopt(shard, box_from_pb(header.box), dtype_name(header.dtype)))
         return pb.PutShardReply(nbytes=shard.nbytes)
 
     @servicer_method
@@ -79,16 +85,35 @@ class AgentServicer(pb_grpc.AgentServicer):
         shard = self.store.get(request.tensor, request.version, request.device)
         header = pb.ShardHeader(tensor=request.tensor, version=request.version, device=request.device,
                                 dtype=shard.dtype, box=box_to_pb(shard.tile))
-        yield from shard_stream(shard.array, header, self.config.chunk_bytes)
+        yield from shard_stream(buffers.host_array(shard.array), header, self.config.chunk_bytes)  # pinned for CUDA
 
     @servicer_method
     def Digest(self, request, context):
         out = {}
         for d in request.devices:
             shard = self.store.get(request.tensor, request.version, d)
-            out[d] = hashlib.blake2b(memoryview(shard.array).cast("B") if shard.array.flags.c_contiguous
-                                     else shard.array.tobytes()).hexdigest()
+            out[d] = hashlib.blake2b(buffers.host_bytes(shard.array)).hexdigest()
         return pb.DigestReply(blake2b=out)
+
+    @servicer_method
+    def DescribeDevice(self, request, context):
+        d = self.handover.describe()
+        return pb.AgentDevice(host=d.host, device=d.device, gpu_uuid=d.gpu_uuid, machine_id=d.machine_id, pid=d.pid)
+
+    @servicer_method
+    def PutShardIpc(self, request, context):
+        h = request.header
+        self._check_device(h.device)
+        nbytes, digest = self.handover.put(h.upload_id, h.device, box_from_pb(h.box), dtype_name(h.dtype),
+                                           CudaIpcHandle.from_message(request.source), request.digest)
+        return pb.IpcShardReply(nbytes=nbytes, digest=digest)
+
+    @servicer_method
+    def GetShardIpc(self, request, context):
+        r = request.shard
+        shard = self.store.get(r.tensor, r.version, r.device)
+        nbytes, digest = self.handover.get(shard, CudaIpcHandle.from_message(request.destination))
+        return pb.IpcShardReply(nbytes=nbytes, digest=digest)
 
     @servicer_method
     def Push(self, request_iterator, context):
@@ -188,8 +213,11 @@ def _add_agent_servicer(servicer: "AgentServicer", server: grpc.Server) -> None:
 
 
 def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Runtime]:
-    """Build and start an agent's gRPC server; returns (server, bound port, runtime)."""
-    store = ShardStore()
+    """Build and start an agent's gRPC server; returns (server, bound port, runtime).
+
+    Fails at once, naming the host's CUDA devices, when ``config.device`` is not here.
+    """
+    store = ShardStore(buffers.check_device(config.device))
     throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
     transports = {"grpc": GrpcTransport(config.host, chunk_bytes=config.chunk_bytes,
                                         timeout_s=config.transfer_timeout_s, depth=config.forward_queue_chunks,
@@ -199,7 +227,7 @@ def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Runtime]:
         transports["collective"] = collective
     # --fault (tests only) wraps the transports; the production loops have no fault branch.
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
-                      workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=config.device)
+                      workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config.chunk_bytes, config.max_message_bytes))
     _add_agent_servicer(AgentServicer(config, store, runtime), server)
@@ -211,13 +239,14 @@ def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport |
     """The agent's collective transport, or None when it runs gRPC only.
 
     ``--transport collective`` without torch is an error naming the install; ``auto``
-    without torch quietly stays on gRPC, and says so in the log.
+    where its backend cannot run (no torch, or no NCCL for a GPU) stays on gRPC, and
+    says why in the log and at registration.
     """
-    from reshard.server.transport.collective import CollectiveTransport, GroupMember, torch_available
+    from reshard.server.transport.collective import CollectiveTransport, GroupMember
 
-    if config.transport == "grpc" or (config.transport == "auto" and not torch_available()):
+    if config.transport == "grpc" or (config.transport == "auto" and buffers.backend_refusal(config.backend)):
         if config.transport == "auto":
-            log.info("torch is not installed: agent %s runs the gRPC transport only", config.host)
+            log.info("agent %s runs the gRPC transport only: %s", config.host, buffers.backend_refusal(config.backend))
         return None
     bind = (config.advertise or config.listen).rsplit(":", 1)[0].strip("[]")
     member = GroupMember(config.host, config.planner.rsplit(":", 1)[0], "" if bind in ("0.0.0.0", "::", "") else bind,
@@ -250,6 +279,10 @@ class Agent:
         self._planner = pb_grpc.PlannerStub(self._channel)
         self._interval = config.heartbeat_interval_s
         self._thread: threading.Thread | None = None
+        self.device = self.runtime.store.device  # checked by serve_agent
+        self.gpu_uuid = config.report_gpu_uuid or buffers.gpu_uuid(self.device)
+        self.transport_reason = (buffers.backend_refusal(config.backend)
+                                 if config.transport == "auto" and self.collective is None else "")
 
     def register(self) -> None:
         """Register with the planner, retrying until ``register_timeout_s`` runs out."""
@@ -258,7 +291,8 @@ class Agent:
             try:
                 reply = self._planner.Register(pb.RegisterRequest(
                     host=self.config.host, num_devices=self.config.num_devices, address=self.address,
-                    nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend),
+                    nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend,
+                    device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason),
                     timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval
                 self._follow_group(reply.group)

@@ -4,6 +4,11 @@ Staged shards (an upload in progress, or a reshard's destination buffers) are
 invisible to readers until their transaction commits; an aborted transaction
 leaves nothing behind. Uploads whose bytes are streaming in right now are
 listed too (`receiving`), so heartbeats can keep them from expiring.
+
+Shards live on the agent's device (``--device``): numpy arrays on a ``cpu``
+agent, torch tensors on a ``cuda:N`` agent, every device of the host on that one
+GPU. `ShardStore.adopt` brings arriving data there; everything else that touches a
+buffer's bytes goes through `reshard.server.transport.buffers`.
 """
 
 from __future__ import annotations
@@ -13,26 +18,35 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-
-import numpy as np
+from typing import Any
 
 from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, NotFoundError
+from reshard.server.transport import buffers
 
 __all__ = ["TileBuffer", "ShardStore"]
 
 
 @dataclass(frozen=True)
 class TileBuffer:
-    """One device's tile of a tensor: ``array`` holds the box ``tile`` of the global tensor."""
+    """One device's tile of a tensor: ``array`` (numpy, or a torch tensor on a GPU) holds the box ``tile``."""
 
-    array: np.ndarray
+    array: Any
     tile: Box
     dtype: str
 
+    @property
+    def nbytes(self) -> int:
+        return self.array.nbytes
+
+    @property
+    def device(self) -> str:
+        return buffers.device_of(self.array)
+
 
 class ShardStore:
-    def __init__(self):
+    def __init__(self, device: str = "cpu"):
+        self.device = device  # where every shard of this agent lives: "cpu" or "cuda:N"
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
         self._staged: dict[str, dict[str, TileBuffer]] = {}
@@ -55,7 +69,16 @@ class ShardStore:
         with self._lock:
             return sorted(self._receiving)
 
+    def empty(self, shape: tuple[int, ...], dtype: str):
+        """A new buffer on this store's device."""
+        return buffers.empty(shape, dtype, self.device)
+
+    def adopt(self, array, tile: Box, dtype: str) -> TileBuffer:
+        """``array`` (numpy, or torch on any device) as a tile buffer on this store's device: moved there if it is not."""
+        return TileBuffer(buffers.to_device(array, dtype, self.device), tile, dtype)
+
     def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
+        assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
             self._staged.setdefault(owner, {})[device] = shard
 
@@ -101,4 +124,4 @@ class ShardStore:
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(s.array.nbytes for s in self._committed.values())
+            return sum(s.nbytes for s in self._committed.values())

@@ -31,7 +31,9 @@ class AgentConfig:
     # The collective transport (reshard.server.transport.collective): grpc, collective, or auto (collective when
     # torch is installed and the process group is up, gRPC otherwise).
     transport: str = "auto"
-    device: str = "cpu"  # where collective chunks live: cpu (gloo) or cuda[:N] (NCCL, one GPU per agent)
+    # Where the agent's shards live, and so its collective backend: cpu (numpy arrays, gloo) or cuda[:N]
+    # (torch tensors on that GPU, NCCL; one agent per GPU). Checked at start-up.
+    device: str = "cpu"
     group_join_timeout_s: float = 10.0  # forming one generation of the process group
     collective_timeout_s: float = 30.0  # one send or recv, and the plan-id confirmation before a phase
     collective_lanes: int = 4  # transfers of one phase that run at once over the group
@@ -42,6 +44,9 @@ class AgentConfig:
     # Fault injection for tests of end-to-end verification: "corrupt-relay" makes a chain hop flip a
     # bit of the first chunk it receives before forwarding it (and keeping it). Never set in service.
     fault: str = ""
+    # Tests only: the GPU uuid this agent reports at registration instead of its device's, so that the
+    # planner's refusal of two agents on one GPU can be tested on machines without GPUs. Never set in service.
+    report_gpu_uuid: str = ""
 
     @property
     def collective_chunk(self) -> int:

@@ -74,12 +74,15 @@ class Planner:
     # -- registry ------------------------------------------------------------------------
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
-                 backend: str = "gloo") -> AgentRecord:
-        rec = self.registry.register(host, num_devices, address, nic_gbps)
-        self.group.register(host, transport, backend)
-        log.info("agent of host %s registered at %s with %d devices (transport %s)", host, address, num_devices,
-                 transport or "grpc")
-        return rec
+                 backend: str = "gloo", device: str = "cpu", gpu_uuid: str = "",
+                 transport_reason: str = "") -> AgentRecord:
+        """Admit an agent; the group's checks run first, so an agent they refuse never shows as up."""
+        admitted: list[AgentRecord] = []
+        self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
+            self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid)))
+        log.info("agent of host %s registered at %s with %d devices on %s (transport %s)", host, address,
+                 num_devices, device or "cpu", self.group.mode(host))
+        return admitted[0]
 
     def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
                   uploading: Iterable[str] = ()) -> bool:

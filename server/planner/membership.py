@@ -9,6 +9,14 @@ generation from their heartbeat replies, form it through the planner's store,
 and report the generation they joined; the group is *up* when every member
 joined the current generation.
 
+Two members on one GPU (agents report their GPU's uuid) would make NCCL fail
+every job ("Duplicate GPU detected"), and one group has one backend. An agent
+that would break either rule is refused at registration when it asks for
+``collective`` (the error names both hosts and the GPU) and registered as
+``grpc`` when it asks for ``auto``, with the reason, which ``ListAgents`` shows;
+so is an ``auto`` agent that found NCCL unusable itself. Every check runs before
+the registry admits the agent, so a refused agent never shows as up.
+
 A job's transport is chosen once, from the modes of its hosts:
 
 ============================ ===============================================
@@ -17,8 +25,10 @@ hosts' modes                 transport
 all ``grpc``                 gRPC
 any ``collective``           collective; error if the group is not up with
                              every host in time, or if a host is ``grpc``
-all ``auto`` (or with grpc)  collective if the group is up with every host,
+all ``auto``                 collective if the group is up with every host,
                              else gRPC
+``auto`` and ``grpc``        gRPC (an ``auto`` agent registered as ``grpc``
+                             says why in ``reason``)
 ============================ ===============================================
 
 This module knows no torch: the store itself lives in `reshard.server.planner.rendezvous`.
@@ -47,6 +57,8 @@ class GroupCoordinator:
         self._cond = threading.Condition()
         self._modes: dict[str, str] = {}
         self._backends: dict[str, str] = {}
+        self._gpus: dict[str, str] = {}  # host -> uuid of the GPU its shards live on ("" for cpu)
+        self._reasons: dict[str, str] = {}  # host -> why it runs gRPC although it asked for auto
         self._generation = 0
         self._members: tuple[str, ...] = ()
         self._joined: set[str] = set()
@@ -54,7 +66,12 @@ class GroupCoordinator:
 
     # -- membership ---------------------------------------------------------------------
 
-    def register(self, host: str, transport: str, backend: str) -> GroupView:
+    def register(self, host: str, transport: str, backend: str, gpu_uuid: str = "", reason: str = "",
+                 admit: Callable[[], object] = lambda: None) -> GroupView:
+        """Record how ``host`` takes part in the group; ``admit()`` (the registry's entry) runs after every check.
+
+        ``reason`` says why an agent that asked for ``auto`` registers ``grpc``.
+        """
         transport = transport or "grpc"
         backend = backend or "gloo"
         if transport not in TRANSPORT_MODES:
@@ -67,20 +84,38 @@ class GroupCoordinator:
                 f"(torch is not installed where it runs: pip install reshard[torch]); run the agent with --transport grpc"
             )
         if transport == "auto" and not self.store_port:
-            transport = "grpc"  # no rendezvous here: auto means gRPC
+            transport, reason = "grpc", "this planner hosts no rendezvous store (torch is not installed where it runs)"
         with self._cond:
-            others = {self._backends[h] for h in self._members if h != host}
-            if transport != "grpc" and others and backend not in others:
+            self._sync_locked()
+            conflict = self._conflict_locked(host, backend, gpu_uuid) if transport != "grpc" else ""
+            if conflict and transport == "collective":
                 raise FailedPreconditionError(
-                    f"host {host} asks for backend {backend}, but the process group's members use {sorted(others)}; "
-                    f"one group has one backend: start every agent with the same --device"
-                )
+                    f"{conflict}; or start host {host} with --transport auto (it then runs gRPC) or grpc")
+            if conflict:
+                transport, reason = "grpc", conflict
+            admit()
             self._modes[host] = transport
             self._backends[host] = backend
+            self._gpus[host] = gpu_uuid
+            self._reasons[host] = reason if transport == "grpc" else ""
             if host in self._members:
                 self._reform(f"the agent of member {host} registered again")
             self._sync_locked()
             return self._view_locked()
+
+    def _conflict_locked(self, host: str, backend: str, gpu_uuid: str) -> str:
+        """Why ``host`` cannot be a member next to the current members, or ""."""
+        others = {h: self._backends[h] for h in self._members if h != host}
+        if others and backend not in others.values():
+            return (f"host {host} asks for backend {backend}, but the process group's members use "
+                    f"{sorted(set(others.values()))}; one group has one backend: start every agent with the same "
+                    f"kind of --device")
+        same = [h for h in others if gpu_uuid and self._gpus.get(h) == gpu_uuid]
+        if same:
+            return (f"hosts {same[0]} and {host} are both on GPU {gpu_uuid}, but a process group takes one "
+                    f"member per GPU (NCCL) and host {same[0]} is a member: give each agent its own GPU "
+                    f"(--device cuda:N)")
+        return ""
 
     def heartbeat(self, host: str, joined: int, broken: int) -> GroupView:
         with self._cond:
@@ -107,8 +142,17 @@ class GroupCoordinator:
         self._cond.notify_all()
 
     def _sync_locked(self) -> None:
-        want = tuple(sorted(h for h, mode in self._modes.items() if mode != "grpc"
-                            and (rec := self.registry.get(h)) is not None and self.registry.is_up(rec)))
+        up = sorted(h for h, mode in self._modes.items() if mode != "grpc"
+                    and (rec := self.registry.get(h)) is not None and self.registry.is_up(rec))
+        # A member that was down while another agent took its GPU stays out when it comes back.
+        taken: set[str] = set()
+        kept = []
+        for h in sorted(up, key=lambda h: (h not in self._members, h)):
+            gpu = self._gpus.get(h, "")
+            if gpu not in taken:
+                kept.append(h)
+                taken.update([gpu] if gpu else [])
+        want = tuple(sorted(kept))
         if want != self._members:
             self._members = want
             if want or self._generation:
@@ -126,6 +170,11 @@ class GroupCoordinator:
     def mode(self, host: str) -> str:
         with self._cond:
             return self._modes.get(host, "grpc")
+
+    def reason(self, host: str) -> str:
+        """Why ``host`` runs gRPC only although it asked for ``auto``; "" when it did not or does not."""
+        with self._cond:
+            return self._reasons.get(host, "")
 
     def in_group(self, host: str) -> bool:
         with self._cond:

@@ -6,6 +6,7 @@ An agent is up while its heartbeats keep arriving; one silent for longer than
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,8 @@ class AgentRecord:
     num_devices: int
     nic_gbps: float
     last_seen: float
+    device: str = "cpu"  # where the agent keeps its shards: cpu or cuda:N
+    gpu_uuid: str = ""  # that GPU's uuid, "" for cpu
 
     @property
     def devices(self) -> list[str]:
@@ -38,14 +41,16 @@ class Registry:
         self._lock = threading.Lock()
         self._agents: dict[str, AgentRecord] = {}
 
-    def register(self, host: str, num_devices: int, address: str, nic_gbps: float) -> AgentRecord:
+    def register(self, host: str, num_devices: int, address: str, nic_gbps: float, device: str = "cpu",
+                 gpu_uuid: str = "") -> AgentRecord:
         if not host or "/" in host:
             raise InvalidArgumentError(f"host name {host!r} must be non-empty and contain no '/'")
         if num_devices <= 0:
             raise InvalidArgumentError(f"host {host} registers {num_devices} devices; it needs at least one")
         if not address:
             raise InvalidArgumentError(f"host {host} registers no address; agents must say where peers reach them")
-        rec = AgentRecord(host, address, num_devices, nic_gbps if nic_gbps > 0 else 10.0, self._clock())
+        rec = AgentRecord(host, address, num_devices, nic_gbps if nic_gbps > 0 else 10.0, self._clock(),
+                          device or "cpu", gpu_uuid)
         with self._lock:
             self._agents[host] = rec
         return rec
@@ -56,7 +61,7 @@ class Registry:
             rec = self._agents.get(host)
             if rec is None or rec.address != address:
                 return False
-            self._agents[host] = AgentRecord(rec.host, rec.address, rec.num_devices, rec.nic_gbps, self._clock())
+            self._agents[host] = dataclasses.replace(rec, last_seen=self._clock())
             return True
 
     def age(self, rec: AgentRecord) -> float:

@@ -115,7 +115,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     @servicer_method
     def Register(self, request, context):
         self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps,
-                              request.transport, request.backend)
+                              request.transport, request.backend, request.device, request.gpu_uuid,
+                              request.transport_reason)
         return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
                                 group=group_info(self.planner.group.view()))
 
@@ -131,7 +132,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         return pb.AgentList(agents=[
             pb.AgentInfo(host=r.host, address=r.address, num_devices=r.num_devices, up=reg.is_up(r),
                          heartbeat_age_s=reg.age(r), transport=self.planner.group.mode(r.host),
-                         in_group=self.planner.group.in_group(r.host)) for r in reg.agents()])
+                         in_group=self.planner.group.in_group(r.host), device=r.device, gpu_uuid=r.gpu_uuid,
+                         transport_reason=self.planner.group.reason(r.host)) for r in reg.agents()])
 
     @servicer_method
     def BeginUpload(self, request, context):

@@ -2,21 +2,35 @@
 
 Everything that reads or writes a tile's bytes (the shard store, the runtime, the
 transports) goes through these functions, so a CUDA-resident shard is never
-copied to the host unless a byte stream needs host memory (the gRPC path):
+copied to the host unless a byte stream needs host memory (the gRPC path), and a
+copy between two CUDA buffers is a device-to-device copy:
 
-=================== ==========================================================================
-``empty``           a buffer of ``shape`` and dtype name on a device (``"cpu"`` or ``"cuda:N"``)
-``region``          the view of ``box`` (global coordinates) in a buffer that holds ``origin``
-``write``           copy ``data`` (numpy or torch, any device) into ``box`` of a buffer
-``host_bytes``      the bytes of a view in host memory, C order, as a ``memoryview`` (a CUDA
-                    view is copied into a pinned host buffer; a contiguous numpy view is not
-                    copied)
-``device_of``       ``"cpu"`` or ``"cuda:N"``
-=================== ==========================================================================
+==================== ==========================================================================
+``empty``            a buffer of ``shape`` and dtype name on a device (``"cpu"`` or ``"cuda:N"``)
+``region``           the view of ``box`` (global coordinates) in a buffer that holds ``origin``
+``write``            copy ``data`` (numpy or torch, any device) into ``box`` of a buffer: torch
+                     to torch is a device copy, host to GPU is staged through pinned buffers
+``to_device``        an array (numpy, or torch on any device) as a buffer on a device: itself
+                     when it is already there, else a copy
+``host_array``       a view's elements as a C-contiguous numpy array in host memory (a CUDA
+                     view is copied into a pinned host buffer; a contiguous numpy view is not
+                     copied)
+``host_bytes``       the same as a ``memoryview`` of bytes
+``device_digest``    a digest of a buffer's bytes computed where it lives (on the GPU for CUDA
+                     buffers; the one the SDK computes for a CUDA IPC hand-over)
+``device_of``        ``"cpu"`` or ``"cuda:N"``
+``synchronize``      wait for the GPU work queued on a buffer
+``check_device``     an agent's device at start-up, normalised, or an error naming how many
+                     CUDA devices this host has
+``gpu_uuid``         the GPU uuid of a device ("" for cpu): what agents report at registration
+``backend_refusal``  why a collective backend cannot run in this process ("" when it can)
+==================== ==========================================================================
 
 Dtypes are reshard's names (``reshard.dtypes``); bfloat16 and the other dtypes numpy
 lacks are held by numpy as same-size unsigned integers (what ``proto.layout.np_dtype``
-maps them to), and by torch as themselves.
+maps them to), and by torch as themselves. The staging, the digest and the device
+checks are the SDK's (``reshard.client.devices``): the agent and a training rank
+must compute them alike.
 """
 
 from __future__ import annotations
@@ -27,9 +41,11 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.client.devices import check_device, copy_to_device, device_digest, gpu_uuid, to_host, to_torch
 from reshard.proto.layout import np_dtype
 
-__all__ = ["is_torch", "device_of", "empty", "region", "write", "host_bytes"]
+__all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
+           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal"]
 
 
 def is_torch(array: Any) -> bool:
@@ -64,28 +80,64 @@ def region(array, box: Box, origin: Box):
 def write(array, box: Box, origin: Box, data) -> None:
     """Copy ``data`` into the part of ``array`` that covers ``box``."""
     target = array[boxes.to_slices(box, origin)]
-    if is_torch(target):
-        if not is_torch(data):
-            import torch
+    if not is_torch(target):
+        target[...] = host_array(data).view(target.dtype).reshape(target.shape) if is_torch(data) else data
+        return
+    if is_torch(data):
+        target.copy_(data.reshape(target.shape))  # device to device where both are on GPUs
+        return
+    import torch
 
-            data = torch.from_numpy(np.ascontiguousarray(data)).view(target.dtype)
-        target.copy_(data.reshape(target.shape), non_blocking=False)
-    elif is_torch(data):
-        target[...] = data.detach().cpu().numpy().view(target.dtype).reshape(target.shape)
-    else:
-        target[...] = data
+    host = torch.from_numpy(np.ascontiguousarray(data)).view(target.dtype).reshape(target.shape)
+    if target.device.type == "cpu":
+        target.copy_(host)
+        return
+    staged = target if target.is_contiguous() else torch.empty_like(target)
+    copy_to_device(staged, host)
+    if staged is not target:
+        target.copy_(staged)
+
+
+def to_device(array, dtype: str, device: str):
+    """``array`` (numpy, or torch on any device) as a buffer on ``device``: itself when it is there already."""
+    if device == "cpu":
+        return host_array(array) if is_torch(array) else array
+    if is_torch(array):
+        return array if str(array.device) == device else array.to(device)
+    return to_torch(array, dtype, device)
+
+
+def host_array(view) -> np.ndarray:
+    """The elements of ``view`` as a C-contiguous numpy array in host memory."""
+    if is_torch(view):
+        return to_host(view)
+    return np.ascontiguousarray(view)
 
 
 def host_bytes(view) -> memoryview:
     """The bytes of ``view`` in C order, in host memory."""
-    if is_torch(view):
+    return memoryview(host_array(view)).cast("B")
+
+
+def synchronize(array) -> None:
+    """Wait for the work queued on ``array``'s GPU (its current stream); nothing for host memory."""
+    if is_torch(array) and array.device.type == "cuda":
         import torch
 
-        src = view.contiguous()
-        if src.device.type != "cpu":
-            staged = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-            staged.copy_(src)
-            src = staged
-        flat = src.reshape(-1).view(torch.uint8)
-        return memoryview(flat.numpy()).cast("B")
-    return memoryview(np.ascontiguousarray(view)).cast("B")
+        torch.cuda.current_stream(array.device).synchronize()
+
+
+def backend_refusal(backend: str) -> str:
+    """Why a ``backend`` (gloo, nccl) process group cannot run in this process, or "" when it can."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return "torch is not installed (pip install reshard[torch])"
+    if not dist.is_available():
+        return f"torch {torch.__version__} has no torch.distributed"
+    if backend == "nccl" and not torch.cuda.is_available():
+        return "this process sees no CUDA device"
+    if backend == "nccl" and not dist.is_nccl_available():
+        return f"torch {torch.__version__} is built without NCCL"
+    return ""

@@ -1,0 +1,330 @@
+"""Torch devices at both ends of the wire: host staging, the GPU digest, CUDA IPC handles.
+
+The SDK stages CUDA tensors through pinned host memory for gRPC streams and hands
+them to an agent on the same machine by CUDA IPC; the agent uses the same
+functions (through ``reshard.server.transport.buffers`` and
+``reshard.server.agent.ipc``), so the digest both sides compare and the fields of
+a handle are defined once. torch is imported inside the functions: numpy-only
+users of the SDK never load it.
+
+===================== =========================================================================
+``to_torch``          a numpy array (reshard's dtype name beside it) as a torch tensor on a
+                      device; host to GPU through two pinned buffers of ``STAGE_BYTES``, the
+                      copy into one overlapping the DMA out of the other
+``to_host``           a torch tensor as a C-contiguous numpy array in host memory (a CUDA
+                      tensor lands in one pinned buffer by DMA)
+``device_digest``     64-bit digest of a tensor's bytes in C order, computed where it lives
+``check_device``      a torch device this process has, normalised (``cuda`` -> ``cuda:0``), or
+                      an error naming how many CUDA devices there are
+``gpu_uuid``          the uuid of a CUDA device: ordinals differ between processes, uuids not
+``cuda_index``        the ordinal this process gives a GPU uuid, or None
+``machine_id``        the kernel's boot id: processes with equal ids run on one machine
+``CudaIpcHandle``     what another process needs to map a CUDA tensor (``share_cuda``); the
+                      fields are those of the protobuf message ``CudaIpcTensor``
+``open_cuda``         the tensor a handle names, mapped into this process
+===================== =========================================================================
+
+The digest (``device_digest``) reads the bytes as little-endian 16-bit words
+``w_1 .. w_m`` (an odd last byte is a word of its own) and, with ``p = 2**31 - 1``,
+returns ``(b << 32) | a`` where ``a = (nbytes + sum w_i) mod p`` and
+``b = sum (i * w_i) mod p``: a Fletcher-style sum that any single changed word, any
+change of length and any swap of two different words (less than 4 GiB apart) alter. It is not
+cryptographic; it catches a copy that went wrong (a wrong offset, stride or
+handle), in a few elementwise passes on the GPU with no new dependency.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from reshard.dtypes import DTYPE_SIZES, dtype_name
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
+from reshard.proto.layout import np_dtype
+
+__all__ = [
+    "STAGE_BYTES", "is_cuda", "torch_dtype", "to_torch", "to_host", "device_digest", "check_device", "gpu_uuid",
+    "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
+]
+
+STAGE_BYTES = 16 * 2**20  # one pinned staging buffer: large enough to run the DMA at full rate
+
+_PRIME = 2**31 - 1
+_DIGEST_WORDS = 2**23  # 16-bit words per pass: bounds each int64 temporary at 64 MiB
+
+
+def is_cuda(array: Any) -> bool:
+    return type(array).__module__.startswith("torch") and array.device.type == "cuda"
+
+
+def torch_dtype(dtype: str):
+    import torch
+
+    return getattr(torch, dtype_name(dtype))
+
+
+def _numpy_view(t) -> np.ndarray:
+    """A C-contiguous CPU tensor as numpy, sharing its memory (bfloat16 as uint16 bits, as ``np_dtype``)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
+
+
+def to_host(t) -> np.ndarray:
+    """The elements of torch tensor ``t`` as a C-contiguous numpy array in host memory.
+
+    A CPU tensor that is already contiguous is not copied; a CUDA tensor is copied
+    once into pinned memory, which the returned array keeps alive.
+    """
+    import torch
+
+    t = t.detach()
+    if t.device.type == "cpu":
+        return _numpy_view(t.contiguous())
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return _numpy_view(staged)
+
+
+def to_torch(array: np.ndarray, dtype: str, device: str = "cpu"):
+    """numpy ``array`` holding elements of ``dtype`` as a torch tensor on ``device``.
+
+    On ``cpu`` the tensor shares the array's memory. On a GPU the bytes go through
+    two pinned buffers of ``STAGE_BYTES`` in turn: the host copies into one while
+    the GPU's DMA engine reads the other, and pinned memory stays bounded however
+    large the array.
+    """
+    import torch
+
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype_name(dtype) == "bfloat16":
+        host = host.view(torch.int16).view(torch.bfloat16)
+    if torch.device(device).type == "cpu":
+        return host
+    out = torch.empty(host.shape, dtype=host.dtype, device=device)
+    copy_to_device(out, host)
+    return out
+
+
+def copy_to_device(out, host) -> None:
+    """Copy CPU tensor ``host`` into the contiguous GPU tensor ``out`` of the same size, staged (see ``to_torch``)."""
+    import torch
+
+    src = host.contiguous().reshape(-1).view(torch.uint8)
+    dst = out.reshape(-1).view(torch.uint8)
+    nbytes = src.numel()
+    if nbytes == 0:
+        return
+    if src.is_pinned():
+        dst.copy_(src)
+        return
+    stream = torch.cuda.current_stream(out.device)
+    stages = [torch.empty(min(STAGE_BYTES, nbytes), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    done: list[Optional[torch.cuda.Event]] = [None, None]
+    with torch.cuda.device(out.device):
+        for i, lo in enumerate(range(0, nbytes, STAGE_BYTES)):
+            k = i % 2
+            if done[k] is not None:
+                done[k].synchronize()  # the DMA out of this buffer has finished: refill it
+            n = min(STAGE_BYTES, nbytes - lo)
+            stages[k][:n].copy_(src[lo:lo + n])
+            dst[lo:lo + n].copy_(stages[k][:n], non_blocking=True)
+            done[k] = torch.cuda.Event()
+            done[k].record(stream)
+        stream.synchronize()
+
+
+def device_digest(t) -> int:
+    """The digest of torch tensor ``t``'s bytes in C order (see the module notes), computed on ``t``'s device."""
+    import torch
+
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.storage_offset() % 2:
+        flat = flat.clone()  # a 16-bit view needs an even start
+    nbytes = flat.numel()
+    num_words = nbytes // 2
+    words = flat[:2 * num_words].view(torch.int16) if num_words else flat.new_empty(0, dtype=torch.int16)
+    a = torch.zeros((), dtype=torch.int64, device=flat.device)
+    b = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for lo in range(0, num_words, _DIGEST_WORDS):
+        w = words[lo:lo + _DIGEST_WORDS].to(torch.int64) & 0xFFFF
+        i = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=flat.device)
+        a = (a + w.sum()) % _PRIME
+        b = (b + ((i % _PRIME) * w % _PRIME).sum()) % _PRIME
+    a, b = int(a), int(b)
+    if nbytes % 2:
+        last = int(flat[-1])
+        a += last
+        b += (num_words + 1) * last
+    return ((b % _PRIME) << 32) | ((a + nbytes) % _PRIME)
+
+
+def _torch_build() -> str:
+    import torch
+
+    return f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+
+
+def check_device(device: str) -> str:
+    """``device`` normalised (``cpu``, ``cuda:N``), once this process is known to have it.
+
+    Raises `InvalidArgumentError` for what is no device name, and
+    `FailedPreconditionError` naming the number of CUDA devices for a GPU this
+    process cannot use.
+    """
+    if device == "cpu":
+        return device
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise InvalidArgumentError(f"device {device!r} is neither cpu nor cuda[:N]")
+    try:
+        import torch
+    except ImportError:
+        raise FailedPreconditionError(f"device {device} needs torch with CUDA: pip install reshard[torch]") from None
+    count = torch.cuda.device_count()
+    ordinal = int(index) if index else 0
+    if ordinal >= count:
+        seen = (f"{count} CUDA device{'s' if count != 1 else ''}" if count
+                else f"no CUDA device (device count 0; {_torch_build()})")
+        valid = f"cpu or cuda:0..cuda:{count - 1}" if count else "cpu"
+        raise FailedPreconditionError(f"device {device} does not exist here: this process sees {seen}; use {valid}")
+    return f"cuda:{ordinal}"
+
+
+def gpu_uuid(device) -> str:
+    """The uuid of CUDA device ``device`` (``"cuda:N"``, an ordinal or a torch.device); "" for cpu."""
+    import torch
+
+    device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
+
+def cuda_index(uuid: str) -> Optional[int]:
+    """The ordinal this process gives the GPU ``uuid``, or None when it does not see that GPU."""
+    import torch
+
+    return next((i for i in range(torch.cuda.device_count()) if gpu_uuid(i) == uuid), None)
+
+
+def machine_id() -> str:
+    """This kernel's boot id; "" where there is none to read (CUDA IPC is then never assumed)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+@dataclass(frozen=True)
+class CudaIpcHandle:
+    """A CUDA tensor of one process as another process can map it (``torch.UntypedStorage._share_cuda_``).
+
+    The storage fields are torch's: the allocation's ``cudaIpcMemHandle``, the
+    storage's place in it, the shared-memory reference counter the producer's
+    allocator keeps the memory alive by, and the event the consumer waits on before
+    reading. ``offset``, ``shape`` and ``stride`` (elements) place the tensor in
+    the storage. All plain bytes and integers: no pickle.
+    """
+
+    gpu_uuid: str
+    handle: bytes
+    storage_nbytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(n) for n in self.shape))
+        object.__setattr__(self, "stride", tuple(int(s) for s in self.stride))
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if len(self.shape) != len(self.stride) or any(n < 0 for n in self.shape) or any(s < 0 for s in self.stride):
+            raise InvalidArgumentError(f"CUDA IPC tensor of shape {self.shape} and stride {self.stride}: one "
+                                       f"non-negative stride per dim is needed")
+        if self.nbytes and self.end_byte > self.storage_nbytes:
+            raise InvalidArgumentError(
+                f"CUDA IPC tensor {self.dtype}{list(self.shape)} at element offset {self.offset} with stride "
+                f"{self.stride} reaches byte {self.end_byte}, past its storage of {self.storage_nbytes} bytes"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def end_byte(self) -> int:
+        last = self.offset + sum((n - 1) * s for n, s in zip(self.shape, self.stride))
+        return (last + 1) * DTYPE_SIZES[self.dtype]
+
+    def fields(self) -> dict[str, Any]:
+        """The message fields (protobuf ``CudaIpcTensor`` has the same names)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_message(cls, msg) -> "CudaIpcHandle":
+        """From any object with these fields as attributes (a ``CudaIpcTensor`` message)."""
+        return cls(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(cls)})
+
+
+def share_cuda(t) -> CudaIpcHandle:
+    """Share CUDA tensor ``t``'s memory with other processes; keep ``t`` alive until they are done with it."""
+    if not is_cuda(t):
+        raise InvalidArgumentError(f"only CUDA tensors are shared by CUDA IPC; this one is on {t.device}")
+    if t.numel() == 0:
+        raise InvalidArgumentError("an empty tensor has no memory to share by CUDA IPC")
+    try:
+        device, handle, nbytes, offset, counter, counter_offset, event, sync = t.untyped_storage()._share_cuda_()
+    except RuntimeError as e:  # e.g. a tensor that was itself received by CUDA IPC
+        raise FailedPreconditionError(f"this CUDA tensor cannot be shared by CUDA IPC: {e}") from None
+    return CudaIpcHandle(gpu_uuid(device), handle, nbytes, offset, counter, counter_offset, event, bool(sync),
+                         t.storage_offset(), tuple(t.shape), tuple(t.stride()), dtype_name(t.dtype))
+
+
+def open_cuda(h: CudaIpcHandle):
+    """The tensor ``h`` names, mapped into this process on the GPU of its uuid.
+
+    Dropping the tensor unmaps it and releases the producer's reference, after
+    this process's work on it has finished. Raises `FailedPreconditionError` when
+    this process does not see that GPU or CUDA cannot open the handle (another
+    container, or this very process); the producer's reference is released then.
+    """
+    import torch
+
+    index = cuda_index(h.gpu_uuid) if torch.cuda.is_available() else None
+    if index is None:
+        release_cuda(h)
+        seen = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+        raise FailedPreconditionError(f"GPU {h.gpu_uuid} of the CUDA IPC handle is not visible to this process "
+                                      f"(it sees {seen or 'no GPU'})")
+    try:
+        storage = torch.UntypedStorage._new_shared_cuda(
+            index, h.handle, h.storage_nbytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,
+            h.event_handle, h.event_sync_required)
+    except RuntimeError as e:
+        release_cuda(h)
+        raise FailedPreconditionError(f"CUDA could not open the IPC handle of GPU {h.gpu_uuid}: {e}") from None
+    out = torch.empty(0, dtype=torch_dtype(h.dtype), device=f"cuda:{index}")
+    return out.set_(storage, h.offset, h.shape, h.stride)
+
+
+def release_cuda(h: CudaIpcHandle) -> None:
+    """Give back the producer's reference of a handle that will not be opened (best effort, as torch's own)."""
+    try:
+        import torch
+
+        torch.UntypedStorage._release_ipc_counter_cuda(h.ref_counter_handle, h.ref_counter_offset)
+    except (ImportError, RuntimeError):
+        pass
