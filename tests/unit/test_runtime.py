@@ -1,13 +1,16 @@
-"""The agent runtime over the in-memory transport: several hosts' runtimes in one process, each with its store.
+"""The agent runtime: several hosts' runtimes in one process, each with its own store.
 
-Real threads and queues, no gRPC: what is tested is the runtime's scheduling
-(dependencies, overlap, cancellation, deadlines, many programs at once) and the
-transport base class's moves, chains, reduces and checks.
+Over the in-memory transport (real threads and queues, no gRPC) the tests check
+the runtime's scheduling (dependencies, overlap, cancellation, deadlines, many
+programs at once) and the transport base class's moves, chains, reduces and
+checks. The tests that end well run again over the collective transport on a
+real gloo group formed in this process, where receives block and every host runs
+its tasks in the one order the runtime derives.
 """
 
 from __future__ import annotations
 
-import threading
+import itertools
 import time
 import uuid
 
@@ -20,23 +23,30 @@ from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.agent.runtime import Runtime
 from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.common.contract import GroupView
 from reshard.server.transport.faults import Fail, Stall
 from reshard.server.transport.memory import MemoryNetwork, MemoryTransport
 from reshard.strategies import plan as make_plan
 
 HOSTS = ("host0", "host1", "host2", "host3")
 STEP_TIMEOUT_S = 10.0
+_SEQ = itertools.count(1)  # collective jobs need distinct numbers: they tag the messages
 
 
 class Hosts:
-    """One runtime and store per host on one in-memory network; ``wrap(host, transport)`` adds faults."""
+    """One runtime and store per host, on one in-memory network or (``group``) on a gloo group;
+    ``wrap(host, transport)`` adds faults."""
 
-    def __init__(self, hosts=HOSTS, wrap=lambda host, transport: transport, step_timeout_s=STEP_TIMEOUT_S):
+    def __init__(self, hosts=HOSTS, wrap=lambda host, transport: transport, step_timeout_s=STEP_TIMEOUT_S,
+                 group: "Gloo | None" = None):
         net = MemoryNetwork()
+        self.group = group
+        self.kind = "collective" if group else "memory"
         self.stores = {h: ShardStore() for h in hosts}
-        self.transports = {h: wrap(h, MemoryTransport(h, net, chunk_bytes=4096, timeout_s=step_timeout_s))
+        self.transports = {h: wrap(h, group.transport(h) if group else
+                                   MemoryTransport(h, net, chunk_bytes=4096, timeout_s=step_timeout_s))
                            for h in hosts}
-        self.runtimes = {h: Runtime(h, self.stores[h], {"memory": self.transports[h]}, workers=8,
+        self.runtimes = {h: Runtime(h, self.stores[h], {self.kind: self.transports[h]}, workers=8,
                                     step_timeout_s=step_timeout_s) for h in hosts}
 
     def close(self):
@@ -62,7 +72,8 @@ class Hosts:
         """Prepare on every host, then execute on every host; returns (job, {host: run})."""
         job = job or uuid.uuid4().hex
         peers = {h: h for h in self.runtimes}
-        runs = {h: r.prepare(job, program_json, tensor, src_version, src_version + 1, peers, "memory")
+        extra = (self.group.generation, next(_SEQ)) if self.group else ()
+        runs = {h: r.prepare(job, program_json, tensor, src_version, src_version + 1, peers, self.kind, *extra)
                 for h, r in self.runtimes.items()}
         ident = program_id or next(iter(runs.values())).program_id
         for h, r in self.runtimes.items():
@@ -91,8 +102,54 @@ class Hosts:
         return out
 
 
+class Gloo:
+    """A gloo process group of ``HOSTS`` formed in this process, as the agents' `GroupMember`s form it."""
+
+    generation = 1
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        from reshard.server.transport.collective import GroupMember
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.members = {h: GroupMember(h, "127.0.0.1", "127.0.0.1", "gloo", "cpu", 30.0, STEP_TIMEOUT_S)
+                        for h in HOSTS}
+        for m in self.members.values():
+            m.update(GroupView(self.store.port, self.generation, HOSTS, "gloo"))
+        deadline = time.monotonic() + 60
+        while any(m.status()[0] != self.generation for m in self.members.values()):
+            assert time.monotonic() < deadline, "the in-process gloo group did not form"
+            time.sleep(0.05)
+
+    def transport(self, host: str):
+        from reshard.server.transport.collective import CollectiveTransport
+
+        return CollectiveTransport(host, self.members[host], lanes=4, window=4, chunk_bytes=4096,
+                                   confirm_timeout_s=STEP_TIMEOUT_S, timeout_s=STEP_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    pytest.importorskip("torch", reason="the collective transport needs torch")
+    return Gloo()
+
+
+@pytest.fixture(params=["memory", "collective"])
+def hosts(request):
+    h = Hosts(group=request.getfixturevalue("gloo") if request.param == "collective" else None)
+    yield h
+    h.close()
+
+
+@pytest.fixture(params=["memory", "collective"])
+def group(request):
+    """None for the in-memory transport, else the gloo group."""
+    return request.getfixturevalue("gloo") if request.param == "collective" else None
+
+
 @pytest.fixture()
-def hosts():
+def memory_hosts():
     h = Hosts()
     yield h
     h.close()
@@ -139,9 +196,9 @@ def _chain_program(shape=(64, 32), dtype="float32"):
     return Program((TensorDecl("tensor", shape, dtype, src, dst),), tuple(steps)).validate(), src, dst
 
 
-def test_a_step_starts_only_after_the_steps_it_depends_on():
+def test_a_step_starts_only_after_the_steps_it_depends_on(group):
     stalls = {}
-    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)))
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)), group=group)
     try:
         program, src, dst = _chain_program()
         a = np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32)
@@ -156,9 +213,9 @@ def test_a_step_starts_only_after_the_steps_it_depends_on():
         h.close()
 
 
-def test_two_slow_independent_steps_overlap_in_time():
+def test_two_slow_independent_steps_overlap_in_time(group):
     stalls = {}
-    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)))
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)), group=group)
     try:
         program, src, dst = _chain_program()
         a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
@@ -200,9 +257,9 @@ def test_a_failing_step_cancels_the_rest_and_leaves_every_source_intact():
         h.close()
 
 
-def test_sixteen_programs_in_flight_at_once_all_complete_correct():
+def test_sixteen_programs_in_flight_at_once_all_complete_correct(group):
     stalls = {}
-    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.05)))
+    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.05)), group=group)
     try:
         src = _sharding({"x": 2, "y": 2}, HOSTS[:2], 2, ("x", None))
         dst = _sharding({"x": 2, "y": 2}, HOSTS[2:], 2, (None, "y"))
@@ -294,7 +351,8 @@ def test_a_compute_copy_feeds_a_move_that_waits_for_it(hosts):
     assert np.array_equal(hosts.get("t", dst, shape), a)
 
 
-def test_a_push_for_an_unknown_job_or_step_is_refused(hosts):
+def test_a_push_for_an_unknown_job_or_step_is_refused(memory_hosts):
+    hosts = memory_hosts
     from reshard.proto.errors import InvalidArgumentError, NotFoundError
     from reshard.server.transport.base import PushHeader
 
@@ -306,4 +364,3 @@ def test_a_push_for_an_unknown_job_or_step_is_refused(hosts):
     with pytest.raises(InvalidArgumentError, match="step 7 is not in the program"):
         hosts.runtimes["host1"].accept(PushHeader(job, runs["host1"].program_id, 7, 0, "host0"), [])
     hosts.finish(job, runs)
-    threading.Event().wait(0)
