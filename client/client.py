@@ -263,28 +263,31 @@ class Client:
         with self._lock:
             self._no_ipc[address] = f"CUDA IPC with the agent at {address} failed ({error})"
 
+    def _ipc_call(self, address: str, method: str, request, what: str):
+        """A CUDA IPC call to the agent at ``address``; its refusals come back as `FailedPreconditionError`."""
+        try:
+            return getattr(self._agent(address), method)(request, timeout=self.timeout)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent at {address} ({what})") from None
+
     def _upload(self, upload_id: str, name: str, device: str, address: str, tile: Box, dtype: str, arr,
                 ipc: Ipc) -> None:
         header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype,
                                 box=box_to_pb(tile))
-        peer = f"agent at {address} (device {device})"
         if devices.is_cuda(arr) and volume(tile) and self._ipc_with(address, ipc):
             src = arr.contiguous()  # alive until the agent has copied it
-            request = pb.IpcPutShardRequest(header=header, source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
-                                            digest=devices.device_digest(src))
             try:
-                self._agent(address).PutShardIpc(request, timeout=self.timeout)
+                self._ipc_call(address, "PutShardIpc", pb.IpcPutShardRequest(
+                    header=header, source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
+                    digest=devices.device_digest(src)), f"device {device}")
                 return
-            except grpc.RpcError as e:
-                error = domain_error(e, peer)
-                if not isinstance(error, FailedPreconditionError):
-                    raise error from None
-                self._ipc_failed(address, ipc, error)
+            except FailedPreconditionError as e:
+                self._ipc_failed(address, ipc, e)
         host = devices.to_host(arr) if devices.is_cuda(arr) else arr
         try:
             self._agent(address).PutShard(shard_stream(host, header, self.chunk_bytes), timeout=None)
         except grpc.RpcError as e:
-            raise domain_error(e, peer) from None
+            raise domain_error(e, f"agent at {address} (device {device})") from None
 
     def _fetch(self, name: str, version: int, loc: pb.TileLocation, dtype: str, to: str, ipc: Ipc):
         """The tile ``loc`` names as a torch tensor on ``to``."""
@@ -293,15 +296,12 @@ class Client:
             import torch
 
             out = torch.empty(tile_shape(tile), dtype=devices.torch_dtype(dtype), device=to)
-            request = pb.IpcGetShardRequest(shard=pb.GetShardRequest(tensor=name, version=version, device=loc.device),
-                                            destination=pb.CudaIpcTensor(**devices.share_cuda(out).fields()))
             try:
-                reply = self._agent(loc.address).GetShardIpc(request, timeout=self.timeout)
-            except grpc.RpcError as e:
-                error = domain_error(e, f"agent at {loc.address} (device {loc.device})")
-                if not isinstance(error, FailedPreconditionError):
-                    raise error from None
-                self._ipc_failed(loc.address, ipc, error)
+                reply = self._ipc_call(loc.address, "GetShardIpc", pb.IpcGetShardRequest(
+                    shard=pb.GetShardRequest(tensor=name, version=version, device=loc.device),
+                    destination=pb.CudaIpcTensor(**devices.share_cuda(out).fields())), f"device {loc.device}")
+            except FailedPreconditionError as e:
+                self._ipc_failed(loc.address, ipc, e)
             else:
                 got = devices.device_digest(out)
                 if got != reply.digest:

@@ -11,6 +11,8 @@ users of the SDK never load it.
 ``to_torch``          a numpy array (reshard's dtype name beside it) as a torch tensor on a
                       device; host to GPU through two pinned buffers of ``STAGE_BYTES``, the
                       copy into one overlapping the DMA out of the other
+``copy_to_device``    the same into an existing contiguous GPU tensor
+``numpy_view``        a CPU tensor as a numpy array sharing its memory (bfloat16 as uint16)
 ``to_host``           a torch tensor as a C-contiguous numpy array in host memory (a CUDA
                       tensor lands in one pinned buffer by DMA)
 ``device_digest``     64-bit digest of a tensor's bytes in C order, computed where it lives
@@ -19,9 +21,11 @@ users of the SDK never load it.
 ``gpu_uuid``          the uuid of a CUDA device: ordinals differ between processes, uuids not
 ``cuda_index``        the ordinal this process gives a GPU uuid, or None
 ``machine_id``        the kernel's boot id: processes with equal ids run on one machine
-``CudaIpcHandle``     what another process needs to map a CUDA tensor (``share_cuda``); the
-                      fields are those of the protobuf message ``CudaIpcTensor``
-``open_cuda``         the tensor a handle names, mapped into this process
+``CudaIpcHandle``     what another process needs to map a CUDA tensor; the fields are those of
+                      the protobuf message ``CudaIpcTensor``
+``share_cuda``        a CUDA tensor's handle (the producer's side)
+``open_cuda``         the tensor a handle names, mapped into this process (the consumer's side)
+``release_cuda``      give back the producer's reference of a handle that will not be opened
 ===================== =========================================================================
 
 The digest (``device_digest``) reads the bytes as little-endian 16-bit words
@@ -36,7 +40,6 @@ handle), in a few elementwise passes on the GPU with no new dependency.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -44,10 +47,9 @@ import numpy as np
 
 from reshard.dtypes import DTYPE_SIZES, dtype_name
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
-from reshard.proto.layout import np_dtype
 
 __all__ = [
-    "STAGE_BYTES", "is_cuda", "torch_dtype", "to_torch", "to_host", "device_digest", "check_device", "gpu_uuid",
+    "STAGE_BYTES", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host", "device_digest", "check_device", "gpu_uuid",
     "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
 ]
 
@@ -67,8 +69,8 @@ def torch_dtype(dtype: str):
     return getattr(torch, dtype_name(dtype))
 
 
-def _numpy_view(t) -> np.ndarray:
-    """A C-contiguous CPU tensor as numpy, sharing its memory (bfloat16 as uint16 bits, as ``np_dtype``)."""
+def numpy_view(t) -> np.ndarray:
+    """A CPU tensor as numpy, sharing its memory and strides (bfloat16 as uint16 bits, as ``np_dtype``)."""
     import torch
 
     if t.dtype == torch.bfloat16:
@@ -86,43 +88,40 @@ def to_host(t) -> np.ndarray:
 
     t = t.detach()
     if t.device.type == "cpu":
-        return _numpy_view(t.contiguous())
+        return numpy_view(t.contiguous())
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     staged.copy_(t)
-    return _numpy_view(staged)
+    return numpy_view(staged)
 
 
 def to_torch(array: np.ndarray, dtype: str, device: str = "cpu"):
     """numpy ``array`` holding elements of ``dtype`` as a torch tensor on ``device``.
 
-    On ``cpu`` the tensor shares the array's memory. On a GPU the bytes go through
-    two pinned buffers of ``STAGE_BYTES`` in turn: the host copies into one while
-    the GPU's DMA engine reads the other, and pinned memory stays bounded however
-    large the array.
+    On ``cpu`` the tensor shares the array's memory (a read-only array is copied).
+    On a GPU the bytes go through two pinned buffers of ``STAGE_BYTES`` in turn: the
+    host copies into one while the GPU's DMA engine reads the other, and pinned
+    memory stays bounded however large the array.
     """
     import torch
 
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if dtype_name(dtype) == "bfloat16":
-        host = host.view(torch.int16).view(torch.bfloat16)
+    array = np.ascontiguousarray(array)
     if torch.device(device).type == "cpu":
-        return host
-    out = torch.empty(host.shape, dtype=host.dtype, device=device)
-    copy_to_device(out, host)
+        return torch.from_numpy(array if array.flags.writeable else array.copy()).view(torch_dtype(dtype))
+    out = torch.empty(array.shape, dtype=torch_dtype(dtype), device=device)
+    copy_to_device(out, array)
     return out
 
 
-def copy_to_device(out, host) -> None:
-    """Copy CPU tensor ``host`` into the contiguous GPU tensor ``out`` of the same size, staged (see ``to_torch``)."""
+def copy_to_device(out, host: np.ndarray) -> None:
+    """Copy the bytes of numpy ``host`` into the contiguous GPU tensor ``out`` of as many bytes, staged (``to_torch``)."""
     import torch
 
-    src = host.contiguous().reshape(-1).view(torch.uint8)
+    src = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
     dst = out.reshape(-1).view(torch.uint8)
-    nbytes = src.numel()
+    nbytes = src.size
+    if nbytes != dst.numel():
+        raise InvalidArgumentError(f"{nbytes} bytes do not fill a {out.dtype} tensor of shape {tuple(out.shape)}")
     if nbytes == 0:
-        return
-    if src.is_pinned():
-        dst.copy_(src)
         return
     stream = torch.cuda.current_stream(out.device)
     stages = [torch.empty(min(STAGE_BYTES, nbytes), dtype=torch.uint8, pin_memory=True) for _ in range(2)]
@@ -133,7 +132,7 @@ def copy_to_device(out, host) -> None:
             if done[k] is not None:
                 done[k].synchronize()  # the DMA out of this buffer has finished: refill it
             n = min(STAGE_BYTES, nbytes - lo)
-            stages[k][:n].copy_(src[lo:lo + n])
+            stages[k].numpy()[:n] = src[lo:lo + n]
             dst[lo:lo + n].copy_(stages[k][:n], non_blocking=True)
             done[k] = torch.cuda.Event()
             done[k].record(stream)
@@ -204,7 +203,7 @@ def gpu_uuid(device) -> str:
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if device.type != "cuda":
         return ""
-    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+    return f"GPU-{torch.cuda.get_device_properties(device.index or 0).uuid}"  # as nvidia-smi -L prints it
 
 
 def cuda_index(uuid: str) -> Optional[int]:
@@ -309,6 +308,7 @@ def open_cuda(h: CudaIpcHandle):
         seen = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
         raise FailedPreconditionError(f"GPU {h.gpu_uuid} of the CUDA IPC handle is not visible to this process "
                                       f"(it sees {seen or 'no GPU'})")
+    torch.cuda.init()  # the caching allocator keeps the opened handles
     try:
         storage = torch.UntypedStorage._new_shared_cuda(
             index, h.handle, h.storage_nbytes, h.storage_offset_bytes, h.ref_counter_handle, h.ref_counter_offset,

@@ -41,7 +41,15 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.client.devices import check_device, copy_to_device, device_digest, gpu_uuid, to_host, to_torch
+from reshard.client.devices import (
+    check_device,
+    copy_to_device,
+    device_digest,
+    gpu_uuid,
+    numpy_view,
+    to_host,
+    to_torch,
+)
 from reshard.proto.layout import np_dtype
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
@@ -80,21 +88,19 @@ def region(array, box: Box, origin: Box):
 def write(array, box: Box, origin: Box, data) -> None:
     """Copy ``data`` into the part of ``array`` that covers ``box``."""
     target = array[boxes.to_slices(box, origin)]
-    if not is_torch(target):
-        target[...] = host_array(data).view(target.dtype).reshape(target.shape) if is_torch(data) else data
-        return
-    if is_torch(data):
+    if is_torch(target) and is_torch(data):
         target.copy_(data.reshape(target.shape))  # device to device where both are on GPUs
         return
-    import torch
-
-    host = torch.from_numpy(np.ascontiguousarray(data)).view(target.dtype).reshape(target.shape)
-    if target.device.type == "cpu":
-        target.copy_(host)
-        return
-    staged = target if target.is_contiguous() else torch.empty_like(target)
-    copy_to_device(staged, host)
-    if staged is not target:
+    if not is_torch(target):
+        target[...] = host_array(data).view(target.dtype).reshape(target.shape) if is_torch(data) else data
+    elif target.device.type == "cpu":
+        view = numpy_view(target)
+        view[...] = np.ascontiguousarray(data).view(view.dtype).reshape(view.shape)
+    elif target.is_contiguous():
+        copy_to_device(target, data)
+    else:
+        staged = target.new_empty(target.shape)
+        copy_to_device(staged, data)
         target.copy_(staged)
 
 
