@@ -33,6 +33,7 @@ from reshard.box import Box, to_slices, volume
 from reshard.client import devices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
+from reshard.mesh import host_of
 from reshard.plan import Plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
@@ -144,10 +145,14 @@ class Job:
         return f"Job({self.id[:12]} on {self.tensor!r})"
 
 
-def _source(array, ipc: Ipc):
-    """(elements, dtype name, kind) of what the caller puts: a C-contiguous numpy array, or a CUDA tensor."""
+def _check_ipc(ipc: Ipc) -> None:
     if not (ipc is True or ipc is False or ipc == "auto"):
         raise InvalidArgumentError(f"ipc must be True, False or 'auto'; got {ipc!r}")
+
+
+def _source(array, ipc: Ipc):
+    """(elements, dtype name, kind) of what the caller puts: a C-contiguous numpy array, or a CUDA tensor."""
+    _check_ipc(ipc)
     if type(array).__module__.startswith("torch"):
         t = array.detach()
         if ipc is True and not devices.is_cuda(t):
@@ -162,8 +167,7 @@ def _source(array, ipc: Ipc):
 
 def _target(device: Optional[str], ipc: Ipc) -> Optional[str]:
     """The torch device a read returns on (None: as the tensor was put), checked in this process."""
-    if not (ipc is True or ipc is False or ipc == "auto"):
-        raise InvalidArgumentError(f"ipc must be True, False or 'auto'; got {ipc!r}")
+    _check_ipc(ipc)
     to = None if device is None else devices.check_device(str(device))
     if ipc is True and (to is None or to == "cpu"):
         raise InvalidArgumentError(f"ipc=True reads into a CUDA tensor by CUDA IPC: name a device such as 'cuda:0' "
@@ -181,10 +185,14 @@ def _from_numpy(arr: np.ndarray, dtype: str, kind: str):
     return arr
 
 
-def _sharding_json(sharding: Sharding) -> str:
+def _sharding_of(sharding) -> Sharding:
     if not isinstance(sharding, Sharding):
         raise InvalidArgumentError(f"sharding must be a reshard.Sharding, got {type(sharding).__name__}")
-    return json.dumps(sharding.to_json(), sort_keys=True)
+    return sharding
+
+
+def _sharding_json(sharding: Sharding) -> str:
+    return json.dumps(_sharding_of(sharding).to_json(), sort_keys=True)
 
 
 class Client:
@@ -256,6 +264,13 @@ class Client:
             return f"the agent of host {info.host} runs in this process, where CUDA cannot open its own IPC handles"
         return ""
 
+    def _require_ipc(self, hosts) -> None:
+        """Under ``ipc=True``, fail before an upload opens (and holds the name) when an agent of ``hosts`` cannot
+        take a CUDA IPC hand-over."""
+        addresses = {a["host"]: a["address"] for a in self.agents()}
+        for h in sorted(set(hosts) & set(addresses)):
+            self._ipc_with(addresses[h], True)
+
     def _ipc_failed(self, address: str, ipc: Ipc, error: FailedPreconditionError) -> None:
         """Under ``ipc="auto"``, remember that CUDA IPC with ``address`` does not work and stream from now on."""
         if ipc is True:
@@ -264,7 +279,7 @@ class Client:
             self._no_ipc[address] = f"CUDA IPC with the agent at {address} failed ({error})"
 
     def _ipc_call(self, address: str, method: str, request, what: str):
-        """A CUDA IPC call to the agent at ``address``; its refusals come back as `FailedPreconditionError`."""
+        """A CUDA IPC call to the agent at ``address``, raising its errors as the domain errors they stand for."""
         try:
             return getattr(self._agent(address), method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
@@ -339,6 +354,8 @@ class Client:
         ``array`` is a numpy array or a torch tensor on any device; ``ipc`` as in `put_shard`.
         """
         arr, dtype, kind = _source(array, ipc)
+        if ipc is True:
+            self._require_ipc(_sharding_of(sharding).mesh.hosts)
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
         jobs = []
@@ -368,6 +385,8 @@ class Client:
         streams. Either way the tensor may be freed once the call returns.
         """
         arr, dtype, kind = _source(array, ipc)
+        if ipc is True:
+            self._require_ipc([host_of(device)])
         if shape is None:
             shape = [n * math.prod(sharding.mesh.axis_size(a) for a in axes)
                      for n, axes in zip(arr.shape, sharding.dim_axes(arr.ndim))]
