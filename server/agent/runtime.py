@@ -8,7 +8,8 @@ send        a move's sender: copies into its receivers on this host, then the bo
             the remote receivers or down the chain (`Transport.move`)
 recv        one hop of a move that arrives here: write, forward, verify (`Transport.take`)
 compute     a named kernel on local tiles (`KERNELS`: ``copy`` so far)
-reduce      this host's devices' part of a group reduce (`Transport.reduce`)
+reduce      this host's devices' part of a group reduce (`Transport.reduce`: a ring; a step
+            that asks for the ``chain`` algorithm runs as a ring too, with the same result)
 =========== ========================================================================
 
 A step is *done here* when all its tasks on this host are. A send, compute or reduce
@@ -620,6 +621,9 @@ class Runtime:
         lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
         confirmed: set[str] = set()
         try:
+            # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
+            # host's earlier, local work.
+            link.handshake(run, set())
             for depth in sorted({t.depth for t in run.tasks}):
                 tasks = [t for t in run.tasks if t.depth == depth]
                 peers = set().union(*(_task_peers(t, self.host) for t in tasks)) - confirmed

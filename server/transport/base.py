@@ -545,6 +545,7 @@ class Transport(ABC):
                         return [self.host]
                     later = forward.wait(self.timeout_s)
                     return None if later is None else [self.host, *later]
+                s.check()  # a job that failed elsewhere (a deadline, an abort) stops taking pieces
                 sub, data = item.box, item.data
                 if not boxes.contains(box, sub):
                     raise InvalidArgumentError(

@@ -12,11 +12,11 @@ group           one ``ProcessGroupGloo`` (CPU) or ``ProcessGroupNCCL`` (CUDA) pe
                 formed through ``PrefixStore("reshard/g<gen>/pg/", planner store)``; rank =
                 index of the host in the members; a failed call closes gloo's pairs, so the
                 agent reports the generation broken and the planner re-forms the group
-confirm         before its first call with a peer in a job, an agent writes (once per job)
-                ``reshard/g<gen>/confirm/<job>/0/<host> = program id`` and waits, with a
-                deadline, for the keys of the peers its next tasks talk to: a peer on another
-                program or generation raises at once instead of hanging a recv; the planner
-                deletes a job's keys when the job ends (``Rendezvous.forget_job``)
+confirm         as it starts a job an agent writes ``reshard/g<gen>/confirm/<job>/0/<host> =
+                program id``, and before its first call with a peer it waits, with a deadline,
+                for that peer's key: a peer on another program or generation raises at once
+                instead of hanging a recv; the planner deletes a job's keys when the job ends
+                (``Rendezvous.forget_job``)
 stream          one box from one host to the next: pieces (``chunk_boxes``) as raw bytes,
                 then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window``
                 pieces in flight each way
