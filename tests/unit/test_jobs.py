@@ -1,0 +1,139 @@
+"""The planner's job runner against agents in this process: runtimes on the in-memory transport behind a fake
+`AgentCalls`, so the job's control flow (one Execute per host, commit, abort on failure) is seen call by call."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.server.planner.catalog import Catalog, TensorRecord
+from reshard.server.planner.jobs import JobRunner, Preparation
+from reshard.server.planner.registry import Registry
+from reshard.server.planner.state import StateStore
+from reshard.server.transport.faults import Fail
+
+from .test_runtime import HOSTS, Hosts
+
+SHAPE = (37, 12)
+SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS[:2]), 2), ("x", None))
+DST = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS[2:]), 2), (None, "y"))
+
+
+class RuntimeCalls:
+    """`AgentCalls` that call the hosts' runtimes directly, recording (call, host)."""
+
+    def __init__(self, hosts: Hosts):
+        self.hosts = hosts
+        self.calls: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def _record(self, call: str, host: str):
+        with self._lock:
+            self.calls.append((call, host))
+        return self.hosts.runtimes[host]
+
+    def prepare(self, host, address, prep: Preparation, timeout):
+        self._record("prepare", host).prepare(prep.job, prep.program_json, prep.tensor, prep.src_version,
+                                              prep.dst_version, prep.peers, "memory")
+
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
+        runtime = self._record("execute", host)
+        run = runtime.execute(job, program_id)
+        while not run.wait(0.02, runtime.step_timeout_s):
+            on_progress(*run.progress())
+        run.check()
+        on_progress(*run.progress())
+        t = runtime.traffic(job)
+        return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
+
+    def commit(self, host, address, staging, tensor, version, devices, timeout):
+        self._record("commit", host).commit(staging.job)
+
+    def abort(self, host, address, staging, timeout):
+        self._record("abort", host).abort(staging.job)
+
+    def release(self, host, address, tensor, version, timeout):
+        self._record("release", host)
+        self.hosts.stores[host].release(tensor, version)
+
+    def count(self, call: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for c, h in self.calls:
+            if c == call:
+                out[h] = out.get(h, 0) + 1
+        return out
+
+
+def _runner(hosts: Hosts) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]:
+    registry = Registry(heartbeat_timeout_s=60.0)
+    for h in HOSTS:
+        registry.register(h, 2, h, 10.0)
+    catalog = Catalog()
+    a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+    catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+    hosts.put_tensor("t", a, SRC)
+    calls = RuntimeCalls(hosts)
+    runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
+                       max_concurrent=2)
+    return runner, calls, catalog, a
+
+
+def test_a_job_hands_every_host_the_program_once_and_runs_it_with_one_execute_per_host():
+    hosts = Hosts()
+    try:
+        runner, calls, catalog, a = _runner(hosts)
+        dst = Sharding(DST.mesh, (None, None))
+        job = runner.submit("t", dst, "local_allgather")  # two phases: the planner used to run each apart
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert len({t.phase for t in job.plan.transfers}) == 2
+        every = {h: 1 for h in HOSTS}
+        assert calls.count("prepare") == every and calls.count("execute") == every
+        assert calls.count("commit") == {h: 1 for h in DST.mesh.hosts}
+        assert not calls.count("abort")
+        released = {h: 1 for h in SRC.mesh.hosts}  # the old version, once the job is done
+        deadline = time.monotonic() + 5
+        while calls.count("release") != released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls.count("release") == released
+        assert catalog.get("t").version == 2 and np.array_equal(hosts.get("t", dst, SHAPE), a)
+        assert set(job.traffic) == set(HOSTS)
+        assert all(done == total for done, total in job.progress.values())
+        assert all(done == total for done, total in job.steps.values())
+    finally:
+        hosts.close()
+
+
+def test_a_failed_step_fails_the_job_aborts_every_host_and_leaves_the_source():
+    hosts = Hosts(wrap=lambda host, t: Fail(t, steps=range(1000)) if host == "host1" else t)
+    try:
+        runner, calls, catalog, a = _runner(hosts)
+        job = runner.submit("t", DST, "broadcast")
+        assert job.done_event.wait(30) and job.state == "failed"
+        assert "failed on host host1 (injected by the test)" in job.error
+        assert calls.count("abort") == {h: 1 for h in HOSTS}
+        assert not calls.count("commit")
+        assert catalog.get("t").version == 1
+        for d in DST.mesh.devices:
+            assert hosts.stores[d.split("/")[0]].find("t", 2, d) is None
+        for d, box in SRC.tiles(SHAPE).items():
+            shard = hosts.stores[d.split("/")[0]].get("t", 1, d)
+            assert np.array_equal(shard.array, a[tuple(slice(lo, hi) for lo, hi in box)])
+    finally:
+        hosts.close()
+
+
+@pytest.mark.parametrize("strategy", ["send_recv", "broadcast", "auto"])
+def test_jobs_of_every_strategy_commit_what_the_plan_moves(strategy):
+    hosts = Hosts()
+    try:
+        runner, calls, catalog, a = _runner(hosts)
+        job = runner.submit("t", DST, strategy)
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert runner.bytes_moved().get("grpc", 0) == job.plan.network_bytes()
+        assert np.array_equal(hosts.get("t", DST, SHAPE), a)
+    finally:
+        hosts.close()
