@@ -196,7 +196,8 @@ def _chain_program(shape=(64, 32), dtype="float32"):
     return Program((TensorDecl("tensor", shape, dtype, src, dst),), tuple(steps)).validate(), src, dst
 
 
-def test_a_step_starts_only_after_the_steps_it_depends_on(group):
+def _stalled_chain(group) -> dict[int, tuple[float, float]]:
+    """Run `_chain_program` with every move stalled 0.3 s; returns step -> (start, end) of its move."""
     stalls = {}
     h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)), group=group)
     try:
@@ -206,26 +207,21 @@ def test_a_step_starts_only_after_the_steps_it_depends_on(group):
         job, runs = h.start(program.dumps(), "t")
         h.finish(job, runs)
         assert np.array_equal(h.get("t", dst, a.shape), a)
-        first, second = stalls["host0"].intervals[job, 0], stalls["host1"].intervals[job, 1]
-        # step 1's sender holds the box only once step 0, stalled 0.3 s, delivered it
-        assert second[0] >= first[0] + 0.3
+        return {step: iv for s in stalls.values() for (j, step), iv in s.intervals.items() if j == job}
     finally:
         h.close()
+
+
+def test_a_step_starts_only_after_the_steps_it_depends_on(group):
+    spans = _stalled_chain(group)
+    # step 1's sender holds the box only once step 0, stalled 0.3 s, delivered it
+    assert spans[1][0] >= spans[0][0] + 0.3
 
 
 def test_two_slow_independent_steps_overlap_in_time(group):
-    stalls = {}
-    h = Hosts(wrap=lambda host, t: stalls.setdefault(host, Stall(t, 0.3)), group=group)
-    try:
-        program, src, dst = _chain_program()
-        a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
-        h.put_tensor("t", a, src)
-        job, runs = h.start(program.dumps(), "t")
-        h.finish(job, runs)
-        (s0, e0), (s2, e2) = stalls["host0"].intervals[job, 0], stalls["host3"].intervals[job, 2]
-        assert max(s0, s2) < min(e0, e2), "steps 0 and 2 depend on nothing and must run at once"
-    finally:
-        h.close()
+    spans = _stalled_chain(group)
+    (s0, e0), (s2, e2) = spans[0], spans[2]
+    assert max(s0, s2) < min(e0, e2), "steps 0 and 2 depend on nothing and must run at once"
 
 
 def test_a_failing_step_cancels_the_rest_and_leaves_every_source_intact():
