@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
+from itertools import permutations
 from typing import Callable, Optional
 
 from reshard import box as boxes
@@ -41,6 +42,8 @@ STRATEGIES = (*BASELINES, "auto")
 
 # Stripe one unit task over at most this many replica hosts.
 _MAX_STRIPES = 4
+# Order a chain's forwarding hosts by trying every order up to this many of them, greedily beyond.
+_EXHAUSTIVE_ROUTE = 4
 
 
 def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[str]]:
@@ -111,12 +114,14 @@ def _broadcast(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size
 
 
 class _Loads:
-    """NIC seconds per host and direction, kept while the greedy assigns unit tasks."""
+    """NIC seconds per host and direction, and bytes per (from, to) host pair, kept while the greedy assigns
+    unit tasks."""
 
     def __init__(self, topology: Topology):
         self.topology = topology
         self.send: dict[str, float] = defaultdict(float)
         self.recv: dict[str, float] = defaultdict(float)
+        self.pairs: dict[tuple[str, str], float] = defaultdict(float)
         self.peak = 0.0
         self._bw: dict[str, float] = {}
 
@@ -145,10 +150,50 @@ class _Loads:
         self.recv[host] += secs
         self.peak = max(self.peak, self.recv[host])
 
+    def add_path(self, sender: str, route: Sequence[str], nbytes: float) -> None:
+        for a, b in zip((sender, *route), route):
+            self.pairs[a, b] += nbytes
 
-def _chain_order(remote: list[str], loads: _Loads) -> list[str]:
-    """Route order: the host with the most send load goes last, as the last host forwards nothing."""
-    return sorted(remote, key=lambda h: (loads.send[h], h))
+
+def _chain_order(sender: str, remote: list[str], loads: _Loads) -> list[str]:
+    """Route order: a host with the most send load goes last, as the last host forwards nothing; the others
+    in the order whose hops carry the fewest bytes already planned between the same two hosts.
+
+    Agents send all streams between two hosts over one connection (gloo's pair of the two ranks), and the
+    kernel shares a NIC fairly between connections, not streams: two chains that cross the same pair of hosts
+    at once get half a fair share each while the NIC's other connections take more, and a chain runs at the
+    rate of its slowest hop. Spreading the hops over distinct pairs keeps every stream at its fair share (an
+    all-gather over n hosts then uses each ordered pair once).
+    """
+    order = sorted(remote, key=lambda h: (loads.send[h], h))
+    if len(order) < 2:
+        return order
+    top = loads.send[order[-1]]
+    lasts = [h for h in order if loads.send[h] >= top * (1 - 1e-9)]
+    rank = {h: i for i, h in enumerate(order)}
+
+    def cost(route: Sequence[str]) -> float:
+        return sum(loads.pairs.get((a, b), 0.0) for a, b in zip((sender, *route), route))
+
+    best: tuple | None = None
+    for last in lasts:
+        rest = [h for h in order if h != last]
+        if len(rest) <= _EXHAUSTIVE_ROUTE:
+            tries = [list(p) for p in permutations(rest)]
+        else:
+            route, left, at = [], list(rest), sender
+            while left:
+                nxt = min(left, key=lambda h: (loads.pairs.get((at, h), 0.0), rank[h]))
+                route.append(nxt)
+                left.remove(nxt)
+                at = nxt
+            tries = [route]
+        for route in tries:
+            route = [*route, last]
+            key = (cost(route), [rank[h] for h in route])
+            if best is None or key < best[0]:
+                best = (key, route)
+    return best[1]
 
 
 def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
@@ -169,6 +214,7 @@ def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int
             else:
                 loads.add_recv(hr, loads.seconds(hr, nbytes))
                 loads.add_send({hs: loads.seconds(hs, nbytes)})
+                loads.add_path(hs, (hr,), nbytes)
                 out.append(Transfer(t.box, s, t.receivers, "p2p"))
             continue
         holders = _group_by_host(t.senders, hosts)
@@ -188,6 +234,7 @@ def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int
             # One replica host and one receiving host: nothing to choose.
             (hs, group), = holders.items()
             loads.add_send({hs: loads.seconds(hs, nbytes)})
+            loads.add_path(hs, remote, nbytes)
             out.append(_deliver(t.box, group[0], wanting[remote[0]], hosts))
             continue
         out.extend(_best_delivery(t, nbytes, holders, wanting, remote, loads, hosts))
@@ -205,51 +252,56 @@ def _best_delivery(t: UnitTask, nbytes: int, holders, wanting, remote, loads: _L
             delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
 
     for hs in candidates[:_MAX_STRIPES]:
-        route = _chain_order(remote, loads)
+        route = _chain_order(hs, remote, loads)
         delta: dict[str, float] = {}
         chain_delta(hs, route, nbytes, delta)
         options.append((loads.score(delta), lambda hs=hs, route=route, delta=delta: _emit_chain(
-            t.box, holders[hs][0], route, wanting, loads, delta)))
+            t.box, hs, holders[hs][0], route, nbytes, wanting, loads, delta)))
         if len(remote) > 1:
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), lambda hs=hs, star=star: _emit_star(
-                t.box, holders[hs][0], remote, wanting, loads, star, hosts)))
+                t.box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
     k = min(len(candidates), _MAX_STRIPES)
     pieces = boxes.split(t.box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
-        base = _chain_order(remote, loads)
+        base = sorted(remote, key=lambda h: (loads.send[h], h))
         plan_parts = []
         delta = {}
         for j, piece in enumerate(pieces):
             hs = candidates[j]
             # Rotate the chain so that each stripe ends on a different host.
             route = base[j % len(base):] + base[:j % len(base)] if len(base) > 1 else base
-            chain_delta(hs, route, boxes.volume(piece) * nbytes / t.num_elements, delta)
-            plan_parts.append((piece, holders[hs][0], route))
+            share = boxes.volume(piece) * nbytes / t.num_elements
+            chain_delta(hs, route, share, delta)
+            plan_parts.append((piece, hs, holders[hs][0], route, share))
         options.append((loads.score(delta), lambda parts=plan_parts, delta=delta: _emit_stripes(
             parts, wanting, loads, delta)))
     _, emit = min(options, key=lambda o: o[0])
     return emit()
 
 
-def _emit_chain(box, sender, route, wanting, loads: _Loads, delta) -> list[Transfer]:
+def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: _Loads, delta) -> list[Transfer]:
     loads.add_send(delta)
+    loads.add_path(hs, route, nbytes)
     receivers = tuple(r for h in route for r in wanting[h])
     if len(receivers) == 1:
         return [Transfer(box, sender, receivers, "p2p")]
     return [Transfer(box, sender, receivers, "broadcast", 0, tuple(route))]
 
 
-def _emit_star(box, sender, remote, wanting, loads: _Loads, delta, hosts) -> list[Transfer]:
+def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: _Loads, delta, hosts) -> list[Transfer]:
     loads.add_send(delta)
+    for h in remote:
+        loads.add_path(hs, (h,), nbytes)
     return [_deliver(box, sender, wanting[h], hosts) for h in remote]
 
 
 def _emit_stripes(parts, wanting, loads: _Loads, delta) -> list[Transfer]:
     loads.add_send(delta)
     out = []
-    for piece, sender, route in parts:
+    for piece, hs, sender, route, nbytes in parts:
+        loads.add_path(hs, route, nbytes)
         receivers = tuple(r for h in route for r in wanting[h])
         if len(receivers) == 1:
             out.append(Transfer(piece, sender, receivers, "p2p"))

@@ -12,7 +12,8 @@ import json
 import pytest
 
 from reshard import Mesh, Plan, PlanValidationError, Sharding, Topology, plan
-from reshard.cases import n_to_m_cases, one_to_m_cases
+from reshard.cases import n_to_m_cases, one_to_m_cases, overlap_cases
+from reshard.mesh import host_of
 
 SHAPE = (8, 6)
 SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["s0", "s1"]), ("x", None))
@@ -243,3 +244,14 @@ def test_broadcast_on_1to4x2_reaches_each_host_once():
     assert sorted(load.send.values()) == [case.nbytes] * 4
     assert len(p.transfers) == 1 and p.transfers[0].method == "broadcast"
     assert set(p.transfers[0].receivers) == set(case.dst.mesh.devices)
+
+
+def test_auto_allgather_chains_cross_each_host_pair_once():
+    # Agents stream between two hosts over one connection, and the kernel shares a NIC per connection: two
+    # chains on one pair of hosts would each get half a fair share, so auto spreads the hops over the pairs.
+    case = next(c for c in overlap_cases() if c.name == "allgather4")
+    p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, "auto").validate()
+    hops = [(a, b) for t in p.transfers for a, b in zip((host_of(t.sender), *t.route), t.route)]
+    assert [t.method for t in p.transfers] == ["broadcast"] * 4
+    assert len(hops) == len(set(hops)) == 4 * 3
+    assert p.estimate() == pytest.approx(p.lower_bound())
