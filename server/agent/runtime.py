@@ -26,16 +26,18 @@ planner's commit makes visible, so every source stays intact.
 **No deadlock on the collective transport.** There a receive is a call that blocks a
 lane until its peer sends, so tasks cannot simply start when ready. Every host orders
 its tasks by (dependency depth, then `interleaved` order within a depth, computed from
-the program alone, so every host agrees), runs a depth's tasks FIFO on ``lanes``
-threads, and starts depth ``k + 1`` only after its own depth-``k`` tasks finished: a
-barrier per host, not a global one. Take the least unfinished task in that global
-order: on each of its hosts every lower-depth task is finished (all are less than it),
-so the host is at its depth, and every task before it in that depth is finished, so it
-holds a lane or is next in the FIFO. Hence it runs on all its hosts at once and
-completes; by induction on (depth, order) every task does. Before a depth's first call a
-host confirms, through the planner's store, that its new peers run the same program on
-the same group generation (`Transport.handshake`), so a mismatch raises instead of
-hanging a receive.
+the program alone, so every host agrees), runs a depth's tasks that call peers FIFO on
+``lanes`` threads (those that call none, local copies and computes, run beside them on
+the shared pool: they cannot block a peer), and starts depth ``k + 1`` only after its own
+depth-``k`` tasks finished: a barrier per host, not a global one. The tasks beside the
+lanes finish by themselves. Take the least unfinished task in that global order that
+calls peers: on each of its hosts every lower-depth task is finished (all are less than
+it, or finish by themselves), so the host is at its depth, and every such task before it
+in that depth is finished, so it holds a lane or is next in the FIFO. Hence it runs on
+all its hosts at once and completes; by induction on (depth, order) every task does.
+Before a depth's first call a host confirms, through the planner's store, that its new
+peers run the same program on the same group generation (`Transport.handshake`), so a
+mismatch raises instead of hanging a receive.
 
 Shard buffers are read and written only through `reshard.server.transport.buffers`.
 """
@@ -241,15 +243,16 @@ class Run(Session):
             self._left[t.step.id] += 1
             for a in t.deps:
                 self._dependents[a].append(t)
-        self.num_left = len(self.tasks)
         self.steps_total = len(self._left)
         self.steps_done = 0
         self.bytes_total = sum(
             sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
             if s.kind == MOVE and host_of(s.transfer.sender) == host)
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
+        self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._stage()
-        if not self.tasks:
+        self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
+        if not self.num_left:
             self.done.set()
 
     # -- buffers -----------------------------------------------------------------------------------------
@@ -270,12 +273,19 @@ class Run(Session):
         decl = committed[0]
         src_tiles = decl.src.tiles(decl.shape) if decl.src is not None else {}
         self.dst_tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == self.host}
+        # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
+        # is a move that waits for nothing: those read only source shards, and no stream writes that part, so the
+        # copy runs beside the streams (`fill`) instead of delaying this host's first call to its peers.
+        defer = all(s.kind == MOVE and not s.after for s in self.program.steps)
         for dev, tile in self.dst_tiles.items():
             buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
             held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
             if held is not None:
                 src = self.store.get(self.names[decl.name], self.src_version, dev)
-                buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
+                if defer:
+                    self.fills.append((buf, held, tile, src))
+                else:
+                    buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
             self.staged[dev] = buf
             self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
             self.store.stage(self.job, dev, TileBuffer(buf, tile, decl.dtype))
@@ -347,6 +357,20 @@ class Run(Session):
         self._tile(device, box)
         with self._lock:
             self.missing[device] -= boxes.volume(box)
+
+    def fill(self) -> None:
+        """Copy the held parts of this host's tiles that `_stage` left for the run (counted as one task)."""
+        try:
+            for buf, held, tile, src in self.fills:
+                self.check()
+                buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
+        except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
+            self.fail(e)
+            return
+        with self._lock:
+            self.num_left -= 1
+            if not self.num_left:
+                self.done.set()
 
     def check_complete(self) -> None:
         short = {d: n for d, n in self.missing.items() if n}
@@ -504,6 +528,8 @@ class Runtime:
                 f"{run.program_id[:12]}; every agent must run the same program"
             )
         ready = run.begin()
+        if run.fills:
+            self._pool.submit(run.fill)
         if run.transport.passive:
             for task in run.tasks:
                 if task.role == "recv":
@@ -626,11 +652,15 @@ class Runtime:
             link.handshake(run, set())
             for depth in sorted({t.depth for t in run.tasks}):
                 tasks = [t for t in run.tasks if t.depth == depth]
-                peers = set().union(*(_task_peers(t, self.host) for t in tasks)) - confirmed
+                calls = [_task_peers(t, self.host) for t in tasks]
+                peers = set().union(*calls) - confirmed
                 if peers:
                     link.handshake(run, peers)
                     confirmed |= peers
-                pending = {lanes.submit(self._run_task, run, t) for t in tasks}
+                # A task that calls no peer (a local copy, a compute) never waits on another host: it runs beside
+                # the lanes, so that a stream need not wait behind it for a lane while its peer's NIC idles.
+                pending = {(lanes if called else self._pool).submit(self._run_task, run, t)
+                           for t, called in zip(tasks, calls)}
                 while pending and run.failed is None:
                     pending = wait(pending, timeout=0.1).not_done
                 if run.failed is not None:

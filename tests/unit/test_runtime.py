@@ -182,6 +182,22 @@ def test_a_reshard_program_delivers_every_tile(hosts, strategy):
         assert done == total and steps_done == steps, h
 
 
+@pytest.mark.parametrize("strategy, deferred", [("auto", True), ("broadcast", True), ("local_allgather", False)])
+def test_the_part_of_a_tile_its_own_device_held_is_copied_while_the_streams_run(hosts, strategy, deferred):
+    # An all-gather on the same hosts: every destination tile starts with the part its device held. A program of
+    # moves that wait for nothing copies that part once it executes, beside its streams; one whose steps read
+    # what earlier steps delivered (local_allgather's second phase) copies it at prepare, before any step runs.
+    a = np.arange((4 * 13 + 1) * 5, dtype=np.float32).reshape(4 * 13 + 1, 5)
+    src = _sharding({"x": 4, "y": 2}, HOSTS, 2, ("x", None))
+    dst = _sharding({"x": 4, "y": 2}, HOSTS, 2, (None, None))
+    hosts.put_tensor("a", a, src)
+    plan = make_plan(a.shape, a.dtype, src, dst, strategy=strategy).validate()
+    job, runs = hosts.start(plan.dumps(), "a")
+    assert all(bool(run.fills) == deferred for run in runs.values())
+    hosts.finish(job, runs)
+    assert np.array_equal(hosts.get("a", dst, a.shape), a)
+
+
 def _chain_program(shape=(64, 32), dtype="float32"):
     """Step 0: host0/0 -> host1/0; step 1 (after 0): host1/0 -> host2/0 of the box step 0 delivered;
     step 2, independent: host3/0 -> host2/1 of another tensor... of the same tensor, from its own tile."""
