@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from reshard.proto.errors import DeadlineExceededError, UnavailableError, error_for_status, status_name
 
-__all__ = ["servicer_method", "domain_error", "start_server"]
+__all__ = ["servicer_method", "domain_error", "start_server", "SERVER_OPTIONS"]
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,22 @@ def domain_error(err: grpc.RpcError, peer: str) -> Exception:
     return UnavailableError(f"{peer} failed: {code.name}: {details}")
 
 
+# gRPC sets SO_REUSEPORT by default, so a second server on a port already in use binds "successfully"
+# and the kernel splits new connections between the two: a misconfigured agent would silently receive
+# another agent's shards. Without it, the second bind fails and the server refuses to start.
+SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
+
+
 def start_server(server: grpc.Server, listen: str, service: str) -> int:
     """Add health checking, bind ``listen``, start, and report SERVING; returns the bound port."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as e:  # grpcio raises this where older versions returned port 0
+        raise OSError(f"{service} could not bind {listen}: is another server using the port?") from e
     if port == 0:
-        raise OSError(f"{service} could not bind {listen}")
+        raise OSError(f"{service} could not bind {listen}: is another server using the port?")
     server.start()
     for name in ("", service):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

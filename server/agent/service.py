@@ -24,7 +24,7 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk
-from reshard.proto.status import domain_error, servicer_method, start_server
+from reshard.proto.status import SERVER_OPTIONS, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.common.config import AgentConfig
 from reshard.server.agent.runtime import Run, Runtime
@@ -229,7 +229,7 @@ def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Runtime]:
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
                       workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
-                         options=channel_options(config.chunk_bytes, config.max_message_bytes))
+                         options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS)
     _add_agent_servicer(AgentServicer(config, store, runtime), server)
     port = start_server(server, config.listen, "reshard.v1.Agent")
     return server, port, runtime

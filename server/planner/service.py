@@ -10,7 +10,7 @@ import grpc
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
-from reshard.proto.status import domain_error, servicer_method, start_server
+from reshard.proto.status import SERVER_OPTIONS, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
@@ -190,7 +190,8 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     planner.rendezvous = rendezvous  # the store lives as long as the planner
     if rendezvous is not None:
         planner.jobs.collective_cleanup = rendezvous.forget_job
-    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"))
+    server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"),
+                         options=SERVER_OPTIONS)
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner")
     return server, port, planner

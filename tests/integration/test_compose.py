@@ -24,15 +24,27 @@ from reshard.client.cluster import start_process
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
+class _FreePorts:
+    """Distinct free loopback ports: every socket stays bound until all are chosen, so none repeats."""
+
+    def __init__(self):
+        self._held: list[socket.socket] = []
+
+    def __call__(self) -> int:
+        s = socket.socket()
         s.bind(("127.0.0.1", 0))
+        self._held.append(s)
         return s.getsockname()[1]
+
+    def release(self) -> None:
+        for s in self._held:
+            s.close()
 
 
 def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
     """Each service's command with compose addresses mapped to loopback ports."""
     ports: dict[tuple[str, str], int] = {}
+    _free_port = _FreePorts()
     for name in sorted(services):
         for arg in services[name]["command"]:
             for svc, port in re.findall(r"\b([a-z][\w-]*):(\d+)\b", arg):
@@ -40,6 +52,7 @@ def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
                     ports.setdefault((svc, port), _free_port())
             for port in re.findall(r"\b0\.0\.0\.0:(\d+)", arg):
                 ports.setdefault((name, port), _free_port())
+    _free_port.release()
     out = {}
     for name, svc in services.items():
         cmd = []
