@@ -11,7 +11,7 @@ torch device. A CUDA tensor streams through pinned host memory, except to or
 from an agent on this machine that keeps its shards on a GPU: there it is handed
 over by CUDA IPC (``ipc="auto"``, the default; ``ipc=True`` insists, ``False``
 never tries), copied on the GPU and checked by a digest computed on the GPU at
-both ends (`reshard.client.devices`).
+both ends (`reshard.proto.devices`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 
 from reshard.box import Box, to_slices, volume
-from reshard.client import devices
+from reshard.proto import devices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
 from reshard.mesh import host_of

@@ -1,7 +1,7 @@
 """Same-host CUDA hand-over: a training rank's CUDA shard mapped by CUDA IPC, copied on the GPU, checked by digest.
 
 A rank on the agent's machine shares its tensor's memory
-(`reshard.client.devices.share_cuda`) and sends the handle with the tensor's
+(`reshard.proto.devices.share_cuda`) and sends the handle with the tensor's
 digest, computed on its GPU. The agent maps the memory, copies it into a buffer
 of its own on its device (device to device, no host round trip), digests the
 copy on its GPU, and unmaps before it answers, so the rank may free its tensor
@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass
 
 from reshard.box import Box
-from reshard.client.devices import CudaIpcHandle, machine_id, open_cuda, release_cuda
+from reshard.proto.devices import CudaIpcHandle, machine_id, open_cuda, release_cuda
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
 from reshard.server.agent.store import ShardStore, TileBuffer

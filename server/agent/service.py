@@ -35,7 +35,7 @@ from reshard.server.common.contract import GroupView
 from reshard.server.agent.memory import keep_freed_memory
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
-from reshard.client.devices import CudaIpcHandle
+from reshard.proto.devices import CudaIpcHandle
 from reshard.server.transport import buffers
 
 __all__ = ["Agent", "serve_agent"]

@@ -29,7 +29,7 @@ copy between two CUDA buffers is a device-to-device copy:
 Dtypes are reshard's names (``reshard.dtypes``); bfloat16 and the other dtypes numpy
 lacks are held by numpy as same-size unsigned integers (what ``proto.layout.np_dtype``
 maps them to), and by torch as themselves. The staging, the digest and the device
-checks are the SDK's (``reshard.client.devices``): the agent and a training rank
+checks are the SDK's (``reshard.proto.devices``): the agent and a training rank
 must compute them alike.
 """
 
@@ -41,7 +41,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.client.devices import (
+from reshard.proto.devices import (
     check_device,
     copy_to_device,
     device_digest,

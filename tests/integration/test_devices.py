@@ -24,7 +24,7 @@ import torch
 import reshard
 from reshard import Mesh, Sharding
 from reshard.client import Client, FailedPreconditionError, InvalidArgumentError, UnavailableError
-from reshard.client import devices
+from reshard.proto import devices
 from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
