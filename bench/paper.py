@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import ROOT, write_section  # noqa: E402
 
-import reshard  # noqa: E402
 from reshard import STRATEGIES, Topology, plan  # noqa: E402
 from reshard.box import to_slices  # noqa: E402
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases, overlap_cases  # noqa: E402
@@ -171,7 +170,7 @@ def main() -> int:
                                 log_dir=Path(args.log_dir) if args.log_dir else None)
         hosts = [lab.host_name(i) for i in range(NUM_HOSTS)]
         topo = Topology(nic_gbps=args.gbps)
-        with reshard.connect(address) as client:
+        with lab.connect(address) as client:
             for case in cases_for(hosts, args.nbytes, args.one_to_m_nbytes, names):
                 for k, s in enumerate(strategies):
                     r = run_case(client, case, s, args.runs, topo, warmup=args.warmup if k == 0 else 0)

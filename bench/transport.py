@@ -125,14 +125,13 @@ def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
 
     from reshard import Mesh, Sharding
     from reshard.client.cluster import LocalCluster
-    from reshard.client.client import Client
 
     hosts = [f"host{i}" for i in range(world)]
     src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
     dst = Sharding(Mesh.from_hosts({"x": world - 1, "y": 1}, hosts[1:], 1), (None,))
     a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     best, transports = float("inf"), ()
-    with LocalCluster(world, 1, transport=transport) as cluster, Client(cluster.address) as c:
+    with LocalCluster(world, 1, transport=transport) as cluster, cluster.connect() as c:
         c.put("bench", a, src)
         for k in range(warmup + repeats):
             result = c.reshard("bench", dst, "auto").result(timeout=600)

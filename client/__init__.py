@@ -7,10 +7,14 @@ from reshard.client.client import Client, Job, JobFailedError, JobResult, Tensor
 from reshard.client.cluster import LocalCluster, local_cluster
 from reshard.proto.errors import (
     AlreadyExistsError,
+    DataLossError,
     DeadlineExceededError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 
@@ -29,4 +33,8 @@ __all__ = [
     "FailedPreconditionError",
     "UnavailableError",
     "DeadlineExceededError",
+    "DataLossError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
+    "ResourceExhaustedError",
 ]

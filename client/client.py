@@ -37,6 +37,7 @@ from reshard.mesh import host_of
 from reshard.plan import Plan
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.auth import TlsFiles, channel, resolve_token
 from reshard.proto.errors import (
     DataLossError,
     DeadlineExceededError,
@@ -47,7 +48,7 @@ from reshard.proto.errors import (
 )
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.proto.status import domain_error
-from reshard.proto.wire import box_from_pb, box_to_pb, message_size_options, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, message_size_options, read_shard_stream, shard_stream
 from reshard.sharding import Sharding
 
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
@@ -198,13 +199,19 @@ def _sharding_json(sharding: Sharding) -> str:
 class Client:
     """A connection to a reshard planner (``reshard.connect("host:port")``)."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0, chunk_bytes: int = 4 * MiB, workers: int = 8):
+    def __init__(self, address: str, *, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
+                 timeout: float = 30.0, chunk_bytes: int = 4 * MiB, workers: int = 8):
+        """``token``: the cluster token (default: ``$RESHARD_TOKEN``, or the file ``$RESHARD_TOKEN_FILE``
+        names); ``tls``: the CA (and, for mutual TLS, this client's certificate and key) when the cluster
+        serves TLS. See docs/security.md."""
         self.address = address
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
+        self._token = resolve_token(token)
+        self._tls = tls
         opts = message_size_options(chunk_bytes, 64 * MiB)  # agents send at most 64 MiB chunks
         self._options = opts
-        self._channel = grpc.insecure_channel(address, options=opts)
+        self._channel = channel(address, token=self._token, tls=tls, options=opts)
         self._planner = pb_grpc.PlannerStub(self._channel)
         self._lock = threading.Lock()
         self._agents: dict[str, grpc.Channel] = {}
@@ -227,7 +234,8 @@ class Client:
         with self._lock:
             ch = self._agents.get(address)
             if ch is None:
-                ch = self._agents[address] = grpc.insecure_channel(address, options=self._options)
+                ch = self._agents[address] = channel(address, token=self._token, tls=self._tls,
+                                                     options=self._options)
         return pb_grpc.AgentStub(ch)
 
     def _ipc_with(self, address: str, ipc: Ipc) -> bool:
@@ -285,10 +293,11 @@ class Client:
         except grpc.RpcError as e:
             raise domain_error(e, f"agent at {address} ({what})") from None
 
-    def _upload(self, upload_id: str, name: str, device: str, address: str, tile: Box, dtype: str, arr,
+    def _upload(self, upload_id: str, name: str, device: str, loc: pb.TileLocation, dtype: str, arr,
                 ipc: Ipc) -> None:
-        header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype,
-                                box=box_to_pb(tile))
+        address, tile = loc.address, box_from_pb(loc.box)
+        header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype, box=loc.box,
+                                ticket=loc.ticket)
         if devices.is_cuda(arr) and volume(tile) and self._ipc_with(address, ipc):
             src = arr.contiguous()  # alive until the agent has copied it
             try:
@@ -360,9 +369,8 @@ class Client:
             name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
         jobs = []
         for p in reply.locations:
-            tile = box_from_pb(p.box)
-            jobs.append(self._pool.submit(self._upload, reply.upload_id, name, p.device, p.address, tile, dtype,
-                                          arr[to_slices(tile)], ipc))
+            jobs.append(self._pool.submit(self._upload, reply.upload_id, name, p.device, p, dtype,
+                                          arr[to_slices(box_from_pb(p.box))], ipc))
         for f in jobs:
             f.result()
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
@@ -394,7 +402,7 @@ class Client:
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
             device=device, shard_shape=arr.shape))
         placement = next(p for p in reply.locations if p.device == device)
-        self._upload(reply.upload_id, name, device, placement.address, box_from_pb(placement.box), dtype, arr, ipc)
+        self._upload(reply.upload_id, name, device, placement, dtype, arr, ipc)
         done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 
@@ -413,10 +421,13 @@ class Client:
         """
         to = _target(device, ipc)
         t = self._tensor(name)
+        _check_not_lost(t)
         seen: dict[Box, pb.TileLocation] = {}
         for p in t.locations:
             tile = box_from_pb(p.box)
-            if all(lo < hi for lo, hi in tile) and (tile not in seen or not seen[tile].address):
+            if p.lost or not all(lo < hi for lo, hi in tile):
+                continue
+            if tile not in seen or not seen[tile].address:
                 seen[tile] = p
         if to is None:
             out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
@@ -447,6 +458,9 @@ class Client:
         if p is None:
             raise NotFoundError(f"tensor {name!r} has no shard on device {device!r}; its devices are "
                                 f"{[q.device for q in t.locations]}")
+        if p.lost:
+            raise DataLossError(f"the shard of {name!r} v{t.version} on device {device} (tile "
+                                f"{list(box_from_pb(p.box))}) was lost: the agent of host {host_of(device)} restarted")
         if target is not None:
             return self._fetch(name, t.version, p, t.dtype, target, ipc)
         arr = self._download(name, t.version, device, p.address)
@@ -512,6 +526,19 @@ class Client:
 
     def __repr__(self) -> str:
         return f"reshard.Client({self.address!r})"
+
+
+def _check_not_lost(t: pb.TensorInfo) -> None:
+    """Raise DataLossError naming every tile of ``t`` whose every copy was lost, and the devices that held them."""
+    if not t.lost:
+        return
+    held: dict[Box, list[pb.TileLocation]] = {}
+    for p in t.locations:
+        held.setdefault(box_from_pb(p.box), []).append(p)
+    gone = {tile: [p.device for p in ps] for tile, ps in held.items() if all(p.lost for p in ps)}
+    shown = "; ".join(f"tile {list(tile)} held by {devs}" for tile, devs in list(gone.items())[:8])
+    raise DataLossError(f"tensor {t.name!r} v{t.version} lost {len(gone)} of its {len(held)} tiles: every agent that "
+                        f"held them restarted ({shown}{'; ...' if len(gone) > 8 else ''}); put it again, or delete it")
 
 
 def _info(t: pb.TensorInfo) -> TensorInfo:

@@ -120,12 +120,18 @@ class LocalCluster:
         self.dashboard = dashboard
         self.dashboard_url = ""
         self.admin_token = secrets.token_urlsafe(24) if dashboard else ""
+        # The cluster token every process and client presents (docs/security.md); in a file only its owner reads.
+        self.token = secrets.token_urlsafe(32)
+        self.token_file = self.log_dir / "cluster-token"
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "reshard.server.cli", *args]
 
     def start(self) -> "LocalCluster":
         try:
+            self.token_file.touch(0o600)
+            self.token_file.chmod(0o600)
+            self.token_file.write_text(self.token)
             web_args: list[str] = []
             if self.dashboard:
                 token_file = self.log_dir / "admin-token"
@@ -134,7 +140,8 @@ class LocalCluster:
                 web_args = ["--http", "127.0.0.1:0", "--admin-token-file", str(token_file)]
             lines: list[str] = []
             self.planner, self.address = start_process(
-                self._cmd("planner", "--listen", "127.0.0.1:0", *web_args, *self.planner_args),
+                self._cmd("planner", "--listen", "127.0.0.1:0", "--token-file", str(self.token_file), *web_args,
+                          *self.planner_args),
                 self.log_dir / "planner.log", self.startup_timeout_s, lines)
             m = _DASHBOARD.search(lines[0]) if lines else None
             self.dashboard_url = m.group(1) if m else ""
@@ -155,7 +162,8 @@ class LocalCluster:
         device = ["--device", self.device_by_host[host]] if self.device_by_host.get(host) else []
         proc, addr = start_process(
             self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
-                      "--devices", str(self.devices_per_host), *device, *self.agent_args, *extra_args),
+                      "--devices", str(self.devices_per_host), "--token-file", str(self.token_file), *device,
+                      *self.agent_args, *extra_args),
             self.log_dir / f"agent-{host}.log", self.startup_timeout_s)
         self.agents[host], self.agent_addresses[host] = proc, addr
         if wait:
@@ -177,11 +185,9 @@ class LocalCluster:
 
     def wait_ready(self) -> None:
         """Block until the planner lists every live agent as up."""
-        from reshard.client.client import Client
-
         deadline = time.monotonic() + self.startup_timeout_s
         want = {h for h, p in self.agents.items() if p.poll() is None}
-        with Client(self.address) as c:
+        with self.connect() as c:
             while True:
                 try:
                     up = {a["host"] for a in c.agents() if a["up"] and a["address"] == self.agent_addresses[a["host"]]
@@ -194,6 +200,12 @@ class LocalCluster:
                     raise DeadlineExceededError(f"agents {sorted(want - up)} did not register (and join the process "
                                                 f"group) within {self.startup_timeout_s:g}s; logs in {self.log_dir}")
                 time.sleep(0.05)
+
+    def connect(self, **kwargs) -> "Client":
+        """A client of this cluster's planner, holding its token; ``kwargs`` as for `reshard.Client`."""
+        from reshard.client.client import Client
+
+        return Client(self.address, token=self.token, **kwargs)
 
     def stop(self, grace_s: float = 5.0) -> None:
         procs = [p for p in self.agents.values()] + ([self.planner] if self.planner else [])
@@ -228,9 +240,7 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 4, **kwargs) -> Iterat
     ``c.address`` is the planner's address and ``c.cluster`` the `LocalCluster`. ``device="cuda:0"``
     (or one per host, ``device=["cuda:0", "cuda:1"]``) keeps the agents' shards on GPUs; see `LocalCluster`.
     """
-    from reshard.client.client import Client
-
     with LocalCluster(hosts, devices_per_host, **kwargs) as cluster:
-        with Client(cluster.address) as c:
+        with cluster.connect() as c:
             c.cluster = cluster
             yield c

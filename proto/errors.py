@@ -15,7 +15,12 @@ AlreadyExistsError   ALREADY_EXISTS         a tensor name that is taken
 FailedPrecondition.. FAILED_PRECONDITION    a host is down, a shard set is incomplete
 UnavailableError     UNAVAILABLE            an agent that cannot be reached
 DeadlineExceeded..   DEADLINE_EXCEEDED      a job or transfer that ran out of time
-DataLossError        DATA_LOSS              bytes that arrived unlike the sender's (size, XXH3-64)
+DataLossError        DATA_LOSS              bytes that arrived unlike the sender's (size, XXH3-64), or a
+                                            tile whose every copy was lost with its agent
+PermissionDenied..   PERMISSION_DENIED      an agent call without the planner's ticket; a host name
+                                            registered by another live agent
+Unauthenticated..    UNAUTHENTICATED        a call without the cluster token, or with a wrong one
+ResourceExhausted..  RESOURCE_EXHAUSTED     over an agent's memory limit, a plan or JSON size limit
 ==================== ====================== ========================================
 """
 
@@ -31,6 +36,9 @@ __all__ = [
     "UnavailableError",
     "DeadlineExceededError",
     "DataLossError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
+    "ResourceExhaustedError",
     "status_name",
     "error_for_status",
 ]
@@ -64,6 +72,18 @@ class DataLossError(ReshardError):
     """Bytes arrived unlike what the sender sent: a short stream or a digest that does not match."""
 
 
+class PermissionDeniedError(ReshardError):
+    """The caller is known but may not make this call (an agent call without the planner's ticket)."""
+
+
+class UnauthenticatedError(ReshardError):
+    """The call carried no cluster token, or a wrong one."""
+
+
+class ResourceExhaustedError(ReshardError):
+    """The request would go over a limit: an agent's memory, the size of a plan or of a JSON field."""
+
+
 _CODES = (
     (NotFoundError, "NOT_FOUND"),
     (AlreadyExistsError, "ALREADY_EXISTS"),
@@ -71,6 +91,9 @@ _CODES = (
     (UnavailableError, "UNAVAILABLE"),
     (DeadlineExceededError, "DEADLINE_EXCEEDED"),
     (DataLossError, "DATA_LOSS"),
+    (PermissionDeniedError, "PERMISSION_DENIED"),
+    (UnauthenticatedError, "UNAUTHENTICATED"),
+    (ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
     (ValueError, "INVALID_ARGUMENT"),
 )
 

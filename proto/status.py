@@ -10,24 +10,29 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import uuid
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from reshard.proto.errors import DeadlineExceededError, UnavailableError, error_for_status, status_name
 
-__all__ = ["servicer_method", "domain_error", "start_server", "SERVER_OPTIONS"]
+__all__ = ["servicer_method", "domain_error", "start_server", "refuse", "SERVER_OPTIONS"]
 
 log = logging.getLogger(__name__)
 
 _MARK = "reshard-domain-error"
 
 
-def _abort(context: grpc.ServicerContext, error: Exception):
+def refuse(context: grpc.ServicerContext, error: Exception):
+    """End the call with the status ``error`` maps to, its message unchanged. A bug (no domain error) is
+    logged with its traceback and answers INTERNAL without the exception's text, which may hold internals."""
     name = status_name(error)
     if name is None:
-        log.exception("internal error in %s", getattr(context, "peer", lambda: "?")())
-        context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(error).__name__}: {error}")
+        incident = uuid.uuid4().hex[:12]
+        log.error("internal error %s answering %s", incident, getattr(context, "peer", lambda: "?")(),
+                  exc_info=error)
+        context.abort(grpc.StatusCode.INTERNAL, f"internal error {incident} (a bug: the server logged it)")
     context.set_trailing_metadata(((_MARK, "1"),))
     context.abort(getattr(grpc.StatusCode, name), str(error))
 
@@ -40,7 +45,7 @@ def servicer_method(fn):
             try:
                 yield from fn(self, request, context)
             except Exception as e:  # noqa: BLE001 - every error leaves as a status
-                _abort(context, e)
+                refuse(context, e)
         return stream
 
     @functools.wraps(fn)
@@ -48,7 +53,7 @@ def servicer_method(fn):
         try:
             return fn(self, request, context)
         except Exception as e:  # noqa: BLE001
-            _abort(context, e)
+            refuse(context, e)
     return unary
 
 
@@ -72,12 +77,15 @@ def domain_error(err: grpc.RpcError, peer: str) -> Exception:
 SERVER_OPTIONS = [("grpc.so_reuseport", 0)]
 
 
-def start_server(server: grpc.Server, listen: str, service: str) -> int:
-    """Add health checking, bind ``listen``, start, and report SERVING; returns the bound port."""
+def start_server(server: grpc.Server, listen: str, service: str,
+                 credentials: grpc.ServerCredentials | None = None) -> int:
+    """Add health checking, bind ``listen`` (with TLS under ``credentials``), start, and report SERVING;
+    returns the bound port."""
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = (server.add_secure_port(listen, credentials) if credentials is not None
+                else server.add_insecure_port(listen))
     except RuntimeError as e:  # grpcio raises this where older versions returned port 0
         raise OSError(f"{service} could not bind {listen}: is another server using the port?") from e
     if port == 0:

@@ -17,6 +17,23 @@ __all__ = ["main", "build_parser"]
 log = logging.getLogger(__name__)
 
 
+def _add_security_arguments(p) -> None:
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="file holding the cluster token every call must carry (default: $RESHARD_TOKEN, or the file "
+                        "$RESHARD_TOKEN_FILE names; none: loopback callers only). See docs/security.md")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="this server's TLS certificate (reshard certs)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="the CA that signed every peer's certificate: with it, callers must present one (mutual TLS)")
+
+
+def _security(args) -> dict:
+    from reshard.proto.auth import TlsFiles, resolve_token
+
+    return {"token": resolve_token(token_file=args.token_file),
+            "tls": TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)}
+
+
 def _add_agent_command(sub) -> None:
     from reshard.server.common.config import AgentConfig
 
@@ -44,6 +61,7 @@ def _add_agent_command(sub) -> None:
                    help="seconds one collective send or recv, or the plan-id confirmation, may take")
     p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
     p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
+    _add_security_arguments(p)
     p.set_defaults(func=_run_agent)
 
 
@@ -56,7 +74,7 @@ def _run_agent(args) -> int:
                          rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
-                         report_gpu_uuid=args.report_gpu_uuid)
+                         report_gpu_uuid=args.report_gpu_uuid, **_security(args))
     agent = Agent(config).start()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
@@ -86,6 +104,7 @@ def _add_planner_command(sub) -> None:
                    help="serve the admin dashboard on ADDR, e.g. 127.0.0.1:8080 (port 0: any free port)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
                    help="file holding the token every dashboard page and API call must present")
+    _add_security_arguments(p)
     p.set_defaults(func=_run_planner)
 
 
@@ -95,7 +114,7 @@ def _run_planner(args) -> int:
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                            upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
-                           group_wait_s=args.group_wait)
+                           group_wait_s=args.group_wait, **_security(args))
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token
@@ -152,7 +171,9 @@ def _run_up(args) -> int:
         for h, a in cluster.agent_addresses.items():
             print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1} on {cluster.device_of(h)}")
         print(f"logs     {cluster.log_dir}")
-        print(f"connect with: reshard.connect({cluster.address!r}); Ctrl-C stops the cluster", flush=True)
+        print(f"token    {cluster.token_file} (the cluster token: export RESHARD_TOKEN_FILE={cluster.token_file})")
+        print(f"connect with: reshard.connect({cluster.address!r}, token=open({str(cluster.token_file)!r}).read()); "
+              f"Ctrl-C stops the cluster", flush=True)
         wait_for_signal()
     return 0
 

@@ -216,13 +216,14 @@ class Run(Session):
 
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
                  dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
-                 generation: int = 0, seq: int = 0, device: str = "cpu"):
+                 generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None):
         streams, dtypes, n = {}, {}, 0
         for s in program.steps:
             streams[s.id] = n
             n += stream_count(s.kind, s.transfer, len(s.devices))
             dtypes[s.id] = program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
-        super().__init__(job, ident, dtypes, peers, generation=generation, seq=seq, streams=streams, num_streams=n)
+        super().__init__(job, ident, dtypes, peers, generation=generation, seq=seq, streams=streams, num_streams=n,
+                         push_tickets=push_tickets)
         self.program = program
         self.names = names  # program tensor -> the agent's store name
         self.src_version = src_version
@@ -469,10 +470,12 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------------------------------
 
     def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
-                peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0) -> Run:
+                peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0,
+                push_tickets: dict[str, str] | None = None) -> Run:
         """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
         ``program_json``; ``tensor`` is the store's name of the program's reshard tensor (the one with a source
-        and a destination sharding); its other tensors go by their own names."""
+        and a destination sharding); its other tensors go by their own names. ``push_tickets`` are the
+        planner's tickets for this job's pushes, by receiving host."""
         link = self.transports.get(transport or "grpc")
         if link is None:
             raise FailedPreconditionError(
@@ -488,7 +491,7 @@ class Runtime:
             if job in self._runs:
                 raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
-                  generation=generation, seq=seq, device=self.device)
+                  generation=generation, seq=seq, device=self.device, push_tickets=push_tickets)
         link.attach(run)
         with self._lock:
             self._runs[job] = run

@@ -31,7 +31,10 @@ from reshard.server.agent.runtime import Run, Runtime
 from reshard.server.transport.base import Piece, PushHeader, Throttle, Trailer, Transport
 from reshard.server.transport.faults import wrap
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
+from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
+from reshard.server.common.tickets import TicketCheck, commit_fields, new_secret, prepare_fields, put_fields, sign
+from reshard.proto.auth import channel
 from reshard.server.agent.memory import keep_freed_memory
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
@@ -54,10 +57,11 @@ def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
 
 
 class AgentServicer(pb_grpc.AgentServicer):
-    def __init__(self, config: AgentConfig, store: ShardStore, runtime: Runtime):
+    def __init__(self, config: AgentConfig, store: ShardStore, runtime: Runtime, tickets: TicketCheck):
         self.config = config
         self.store = store
         self.runtime = runtime
+        self.tickets = tickets  # calls that change what this agent holds carry the planner's ticket
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
         self.handover = CudaHandover(config.host, store)
 
@@ -67,11 +71,16 @@ class AgentServicer(pb_grpc.AgentServicer):
                 f"device {device!r} is not on host {self.config.host}; its devices are {sorted(self.devices)}"
             )
 
+    def _check_put(self, h: pb.ShardHeader, what: str) -> None:
+        self._check_device(h.device)
+        self.tickets.check(h.ticket, "put", *put_fields(h.upload_id, h.tensor, h.device, h.dtype, box_from_pb(h.box)),
+                           what=f"{what} of {h.tensor!r} for device {h.device} (upload {h.upload_id[:12]!r})")
+
     @servicer_method
     def PutShard(self, request_iterator, context):
         with ExitStack() as receiving:
             def check(h: pb.ShardHeader) -> None:
-                self._check_device(h.device)
+                self._check_put(h, "PutShard")
                 receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
             header, shard = read_shard_stream(request_iterator, check)
@@ -103,7 +112,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def PutShardIpc(self, request, context):
         h = request.header
-        self._check_device(h.device)
+        self._check_put(h, "PutShardIpc")
         nbytes, digest = self.handover.put(h.upload_id, h.device, box_from_pb(h.box), dtype_name(h.dtype),
                                            CudaIpcHandle.from_message(request.source), request.digest)
         return pb.IpcShardReply(nbytes=nbytes, digest=digest)
@@ -118,6 +127,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def Push(self, request_iterator, context):
         h, it = _pieces(request_iterator, "Push")
+        self.tickets.check(h.ticket, "push", h.job, h.plan_id, what=f"Push of job {h.job[:12]!r} from {h.from_host!r}")
         header = PushHeader(h.job, h.plan_id, h.transfer, h.hop, h.from_host)
 
         def items() -> Iterator:
@@ -137,8 +147,11 @@ class AgentServicer(pb_grpc.AgentServicer):
         return pb.Empty()
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
+        self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version,
+                                                                r.dst_version, r.transport, r.generation, r.job_seq,
+                                                                r.peers), what=f"Prepare of job {r.job[:12]!r}")
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
-                                    r.transport, r.generation, r.job_seq)
+                                    r.transport, r.generation, r.job_seq, dict(r.push_tickets))
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)
@@ -152,6 +165,8 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Execute(self, request, context):
+        self.tickets.check(request.ticket, "execute", request.job, request.program_id,
+                           what=f"Execute of job {request.job[:12]!r}")
         if request.HasField("prepare"):
             if request.prepare.job != request.job:
                 raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
@@ -168,6 +183,9 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Commit(self, request, context):
+        self.tickets.check(request.ticket, "commit", *commit_fields(request.upload_id, request.job_id, request.tensor,
+                                                                    request.version, request.devices),
+                           what=f"Commit of {request.tensor!r} v{request.version}")
         if request.upload_id:
             self.store.commit(request.upload_id, request.tensor, request.version, list(request.devices))
         else:
@@ -176,6 +194,8 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Abort(self, request, context):
+        self.tickets.check(request.ticket, "abort", request.upload_id, request.job_id,
+                           what=f"Abort of {request.upload_id[:12] or request.job_id[:12]!r}")
         if request.upload_id:
             self.store.abort(request.upload_id)
         else:
@@ -184,6 +204,8 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Release(self, request, context):
+        self.tickets.check(request.ticket, "release", request.tensor, request.version,
+                           what=f"Release of {request.tensor!r} v{request.version}")
         self.store.release(request.tensor, request.version)
         return pb.Empty()
 
@@ -212,26 +234,32 @@ def _add_agent_servicer(servicer: "AgentServicer", server: grpc.Server) -> None:
     pb_grpc.add_AgentServicer_to_server(servicer, _PushDecoding(server))
 
 
-def serve_agent(config: AgentConfig) -> tuple[grpc.Server, int, Runtime]:
+def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.Server, int, Runtime]:
     """Build and start an agent's gRPC server; returns (server, bound port, runtime).
 
-    Fails at once, naming the host's CUDA devices, when ``config.device`` is not here.
+    ``secret`` is the registration secret the planner signs this agent's tickets with (a fresh one by
+    default). Fails at once, naming the host's CUDA devices, when ``config.device`` is not here.
     """
     store = ShardStore(buffers.check_device(config.device))
     throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
     transports = {"grpc": GrpcTransport(config.host, chunk_bytes=config.chunk_bytes,
                                         timeout_s=config.transfer_timeout_s, depth=config.forward_queue_chunks,
-                                        max_message_bytes=config.max_message_bytes, throttle=throttle)}
+                                        max_message_bytes=config.max_message_bytes, throttle=throttle,
+                                        token=config.token, tls=config.tls)}
     collective = collective_transport(config, throttle)
     if collective is not None:
         transports["collective"] = collective
     # --fault (tests only) wraps the transports; the production loops have no fault branch.
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
                       workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device)
+    warn_if_open(f"the agent of host {config.host}", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
-                         options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS)
-    _add_agent_servicer(AgentServicer(config, store, runtime), server)
-    port = start_server(server, config.listen, "reshard.v1.Agent")
+                         options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS,
+                         interceptors=[Authenticator(config.token, f"the agent of host {config.host}")])
+    tickets = TicketCheck(config.host, secret or new_secret())
+    _add_agent_servicer(AgentServicer(config, store, runtime, tickets), server)
+    port = start_server(server, config.listen, "reshard.v1.Agent",
+                        config.tls.server_credentials() if config.tls else None)
     return server, port, runtime
 
 
@@ -271,11 +299,12 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         keep_freed_memory()
-        self.server, self.port, self.runtime = serve_agent(config)
+        self.secret = new_secret()
+        self.server, self.port, self.runtime = serve_agent(config, self.secret)
         self.collective = self.runtime.transports.get("collective")
         self.address = advertised_address(config, self.port)
         self._stop = threading.Event()
-        self._channel = grpc.insecure_channel(config.planner)
+        self._channel = channel(config.planner, token=config.token, tls=config.tls)
         self._planner = pb_grpc.PlannerStub(self._channel)
         self._interval = config.heartbeat_interval_s
         self._thread: threading.Thread | None = None
@@ -292,8 +321,8 @@ class Agent:
                 reply = self._planner.Register(pb.RegisterRequest(
                     host=self.config.host, num_devices=self.config.num_devices, address=self.address,
                     nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend,
-                    device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason),
-                    timeout=5.0, wait_for_ready=True)
+                    device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason,
+                    secret=self.secret), timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval
                 self._follow_group(reply.group)
                 log.info("host %s registered with planner %s as %s (transport %s)", self.config.host,
@@ -301,8 +330,12 @@ class Agent:
                 return
             except grpc.RpcError as e:
                 if time.monotonic() > deadline or e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
-                                                               grpc.StatusCode.INVALID_ARGUMENT):
+                                                               grpc.StatusCode.INVALID_ARGUMENT,
+                                                               grpc.StatusCode.UNAUTHENTICATED):
                     raise domain_error(e, f"planner at {self.config.planner}") from None
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # the name's last agent is not marked down yet
+                    log.info("waiting to register host %s: %s", self.config.host, e.details())
+                    time.sleep(0.5)
                 time.sleep(0.2)
 
     @property
@@ -328,7 +361,8 @@ class Agent:
                                   else (0, 0))
                 reply = self._planner.Heartbeat(pb.HeartbeatRequest(
                     host=self.config.host, address=self.address, joined_generation=joined,
-                    broken_generation=broken, uploading=self.runtime.store.receiving_uploads()),
+                    broken_generation=broken, uploading=self.runtime.store.receiving_uploads(),
+                    proof=sign(self.secret, "heartbeat", self.config.host, self.address)),
                     timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()

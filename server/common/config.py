@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from reshard.proto.auth import TlsFiles
+from reshard.server.common.contract import check_host_name
 
 __all__ = ["AgentConfig", "PlannerConfig", "MiB"]
 
@@ -47,6 +50,15 @@ class AgentConfig:
     # Tests only: the GPU uuid this agent reports at registration instead of its device's, so that the
     # planner's refusal of two agents on one GPU can be tested on machines without GPUs. Never set in service.
     report_gpu_uuid: str = ""
+    # Security (docs/security.md): the cluster token every call carries, and TLS files for every gRPC port.
+    # No token: the agent answers loopback callers only.
+    token: Optional[str] = field(default=None, repr=False)
+    tls: Optional[TlsFiles] = None
+    # The most shard bytes (committed and staged) the agent holds; 0: 3/4 of the machine's memory, or of
+    # the GPU's for a cuda agent. A request that would go over it is refused before anything is allocated.
+    memory_limit_bytes: int = 0
+    # A transfer stream that makes no progress this long fails its job, naming the peer.
+    stall_timeout_s: float = 10.0
 
     @property
     def collective_chunk(self) -> int:
@@ -71,8 +83,7 @@ class AgentConfig:
             raise ValueError(f"device {self.device!r} is neither cpu nor cuda[:N]")
         if self.num_devices <= 0:
             raise ValueError(f"an agent needs at least one device; got num_devices={self.num_devices}")
-        if "/" in self.host or not self.host:
-            raise ValueError(f"host name {self.host!r} must be non-empty and contain no '/'")
+        check_host_name(self.host)
         if self.chunk_bytes <= 0 or self.collective_chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be positive and collective_chunk_bytes positive or 0 (sized from "
                              f"nic_gbps); got {self.chunk_bytes} and {self.collective_chunk_bytes}")
@@ -96,3 +107,15 @@ class PlannerConfig:
     max_concurrent_jobs: int = 8
     rendezvous: bool = True  # host the agents' torch.distributed store (when torch is installed)
     group_wait_s: float = 30.0  # a job on --transport collective hosts waits this long for the group
+    # Security (docs/security.md): the cluster token every call carries, and TLS files for every gRPC port.
+    # No token: the planner answers loopback callers only.
+    token: Optional[str] = field(default=None, repr=False)
+    tls: Optional[TlsFiles] = None
+    # A running job fails this long after one of its hosts stopped answering (missed heartbeats, or no
+    # progress reported while it has work left), naming the host: at most heartbeat_timeout_s + stall_timeout_s.
+    stall_timeout_s: float = 8.0
+    # Hostile or careless input: the largest JSON field (sharding, plan) in bytes and nesting depth, and the
+    # largest plan one request may make, in unit tasks (boxes a source tile meets a destination tile in).
+    max_json_bytes: int = 4 * MiB
+    max_json_depth: int = 32
+    max_plan_tasks: int = 250_000

@@ -8,6 +8,7 @@
 ``Staging``             an upload id or a job id: who staged shards on an agent
 ``confirm_prefix``      the rendezvous keys under which a job's hosts confirm its plan id before a
                         collective phase; the planner deletes them when the job ends
+``check_host_name``     what a host name may hold: letters, digits, '.', '-', '_'
 ======================= ==========================================================================
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "confirm_prefix"]
+from reshard.proto.errors import InvalidArgumentError
+
+__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto")
 BACKENDS = ("gloo", "nccl")
@@ -52,3 +55,11 @@ class Staging:
 
 def confirm_prefix(generation: int, job: str, phase: int) -> str:
     return f"reshard/g{generation}/confirm/{job}/{phase}/"
+
+
+def check_host_name(host: str) -> str:
+    """Host names are 1 to 253 characters of letters, digits, '.', '-' and '_' (no '/', no control bytes)."""
+    if not host or len(host) > 253 or not all(c.isascii() and (c.isalnum() or c in ".-_") for c in host):
+        raise InvalidArgumentError(f"host name {host[:80]!r} must be 1 to 253 characters of letters, digits, '.', "
+                                   f"'-' and '_'")
+    return host

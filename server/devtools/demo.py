@@ -131,7 +131,7 @@ def run_demo(args) -> int:
         cluster = LocalCluster(args.hosts, args.devices_per_host).start()
         address = cluster.address
     try:
-        with Client(address) as client:
+        with (cluster.connect() if cluster else Client(address)) as client:
             agents = [a for a in client.agents() if a["up"]]
             hosts = [a["host"] for a in agents]
             per_host = min(a["num_devices"] for a in agents)

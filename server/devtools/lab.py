@@ -19,7 +19,6 @@ starts, and ``reshard lab --cleanup`` removes every lab.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -28,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Optional
 
 from reshard.plan_command import HelpFormatter
+from reshard.proto.auth import TOKEN_ENV
 from reshard.server.common.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -137,6 +138,8 @@ class Lab:
     config: LabConfig = field(default_factory=LabConfig)
     lab_id: str = field(default_factory=lambda: secrets.token_hex(3))
     processes: list[subprocess.Popen] = field(default_factory=list)
+    # The cluster token the lab's processes and clients present (they reach each other beyond loopback).
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
     _built: list[str] = field(default_factory=list)
 
     # -- names and addresses ---------------------------------------------------------
@@ -244,10 +247,18 @@ class Lab:
         log.info("lab %s: %d hosts at %g Gbit/s", self.lab_id, self.config.num_hosts, self.config.gbps)
 
     def spawn(self, ns: str, argv: list[str], **popen) -> subprocess.Popen:
-        """Start ``argv`` inside namespace ``ns``; it is killed when the lab closes."""
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], **popen)
+        """Start ``argv`` inside namespace ``ns`` with the lab's token in its environment; it is killed when
+        the lab closes."""
+        env = {**popen.pop("env", os.environ), TOKEN_ENV: self.token}
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=env, **popen)
         self.processes.append(proc)
         return proc
+
+    def connect(self, address: str, **kwargs):
+        """A client of the lab's planner at ``address``, holding the lab's token."""
+        import reshard
+
+        return reshard.connect(address, token=self.token, **kwargs)
 
     def close(self) -> None:
         for proc in self.processes:
@@ -361,8 +372,16 @@ def run_lab_command(args) -> int:
                 h = lab.host_name(i)
                 print(f"agent    {h:<8} {lab.host_ip(i)}:{AGENT_PORT}  devices {h}/0..{h}/{config.devices_per_host - 1}"
                       f"  (namespace {lab.host_ns(i)})")
-            print(f"connect with: reshard.connect({address!r}); Ctrl-C tears the lab down", flush=True)
-            wait_for_signal(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            fd, token_file = tempfile.mkstemp(prefix=f"reshard-lab-{lab.lab_id}-", suffix=".token")  # mode 0600
+            with os.fdopen(fd, "w") as f:
+                f.write(lab.token)
+            print(f"token    {token_file} (export RESHARD_TOKEN_FILE={token_file})")
+            print(f"connect with: reshard.connect({address!r}, token=open({token_file!r}).read()); Ctrl-C tears "
+                  f"the lab down", flush=True)
+            try:
+                wait_for_signal(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+            finally:
+                os.unlink(token_file)
     except KeyboardInterrupt:
         pass
     except LabError as e:

@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from reshard.box import Box
 from reshard.errors import InvalidShardingError
@@ -20,6 +21,7 @@ from reshard.strategies import plan as make_plan
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.proto.layout import tile_shape
 from reshard.server.common.contract import Staging
+from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
@@ -32,7 +34,12 @@ __all__ = ["Planner", "parse_sharding"]
 
 log = logging.getLogger(__name__)
 
-TileLocation = tuple[str, str, Box]  # device, agent address, tile
+class TileLocation(NamedTuple):
+    device: str
+    address: str  # of the agent holding the tile; "" when it is down
+    box: Box
+    ticket: str = ""  # uploads: the planner's ticket for the device's PutShard (reshard.server.common.tickets)
+    lost: bool = False  # the agent that held it restarted: the bytes are gone
 
 
 def parse_sharding(text: str, what: str) -> Sharding:
@@ -75,19 +82,33 @@ class Planner:
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
                  backend: str = "gloo", device: str = "cpu", gpu_uuid: str = "",
-                 transport_reason: str = "") -> AgentRecord:
-        """Admit an agent; the group's checks run first, so an agent they refuse never shows as up."""
+                 transport_reason: str = "", secret: bytes = b"", memory_limit_bytes: int = 0) -> AgentRecord:
+        """Admit an agent; the group's checks run first, so an agent they refuse never shows as up.
+
+        ``secret`` binds the host name to this agent while it is up (another registrant is refused) and
+        keys the tickets of the calls the planner makes to it. An agent with a new secret under a known
+        name is a new process: whatever the old one held is gone.
+        """
+        prev = self.registry.check(host, secret)
         admitted: list[AgentRecord] = []
         self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
-            self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid)))
+            self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid, secret,
+                                   memory_limit_bytes)))
+        if prev is not None and prev.secret != secret:
+            self._host_restarted(host)
         log.info("agent of host %s registered at %s with %d devices on %s (transport %s)", host, address,
                  num_devices, device or "cpu", self.group.mode(host))
         return admitted[0]
 
+    def _host_restarted(self, host: str) -> None:
+        """The agent of ``host`` is a new process: the shards the old one held are lost."""
+        log.warning("the agent of host %s restarted: shards its last process held are lost", host)
+
     def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
-                  uploading: Iterable[str] = ()) -> bool:
-        """Record an agent's heartbeat; ``uploading`` names uploads streaming into it, which are not idle."""
-        known = self.registry.heartbeat(host, address)
+                  uploading: Iterable[str] = (), proof: str = "", memory_used_bytes: int = 0) -> bool:
+        """Record an agent's heartbeat; ``uploading`` names uploads streaming into it, which are not idle.
+        ``proof`` signs the host and address with its registration secret."""
+        known = self.registry.heartbeat(host, address, proof, memory_used_bytes)
         if known:
             self.group.heartbeat(host, joined_generation, broken_generation)
             self.uploads.touch(uploading)
@@ -97,9 +118,16 @@ class Planner:
         """Bytes moved by succeeded jobs, by transport: ``grpc``, ``collective`` (network), ``local`` (within a host)."""
         return self.jobs.bytes_moved()
 
-    def _locations(self, sharding: Sharding, shape) -> list[TileLocation]:
-        tiles = sharding.tiles(shape)
-        return [(d, self.registry.require_up(host_of(d)).address, tiles[d]) for d in sharding.mesh.require_devices()]
+    def _upload_locations(self, upload: Upload) -> list[TileLocation]:
+        """Where each device's shard goes, with the ticket its PutShard must carry."""
+        rec = upload.record
+        tiles = rec.sharding.tiles(rec.shape)
+        out = []
+        for d in rec.sharding.mesh.require_devices():
+            agent = self.registry.require_up(host_of(d))
+            ticket = sign(agent.secret, "put", *put_fields(upload.id, rec.name, d, rec.dtype, tiles[d]))
+            out.append(TileLocation(d, agent.address, tiles[d], ticket))
+        return out
 
     # -- uploads -----------------------------------------------------------------------------
 
@@ -121,7 +149,7 @@ class Planner:
                     f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
                 )
         upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device))
-        return upload, self._locations(upload.record.sharding, upload.record.shape)
+        return upload, self._upload_locations(upload)
 
     def finish_upload(self, upload_id: str, devices) -> tuple[bool, int]:
         upload, complete = self.uploads.mark(upload_id, devices)
@@ -177,7 +205,7 @@ class Planner:
         for d in rec.sharding.mesh.require_devices():
             agent = self.registry.get(host_of(d))
             up = agent is not None and self.registry.is_up(agent)
-            out.append((d, agent.address if up else "", tiles[d]))
+            out.append(TileLocation(d, agent.address if up else "", tiles[d]))
         return rec, out
 
     def tensors(self) -> list[TensorRecord]:

@@ -62,6 +62,7 @@ class Preparation:
     transport: str = "grpc"
     generation: int = 0  # collective: the process group generation
     job_seq: int = 0  # collective: the job's number, for message tags
+    program_id: str = ""  # the program's id (the plan's): pushes of the job name it, and their tickets sign it
 
 
 class AgentCalls(Protocol):
@@ -229,7 +230,8 @@ class JobRunner:
         job.version = rec.version + 1
         job.progress = {h: [0, sender_bytes(plan.transfers, plan.itemsize, h)] for h in hosts}
         transport, generation, seq = self._transport(job, plan, hosts)
-        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq)
+        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq,
+                           program_id=plan.id)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their

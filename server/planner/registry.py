@@ -1,19 +1,25 @@
 """The planner's registry: which agents serve which hosts and devices, and which are up.
 
 An agent is up while its heartbeats keep arriving; one silent for longer than
-``heartbeat_timeout_s`` is down until it registers or heartbeats again.
+``heartbeat_timeout_s`` is down until it registers or heartbeats again. A host
+name stays bound to the registration secret of the agent that registered it
+while that agent is up: another registrant is refused, and heartbeats must
+prove the secret (`reshard.server.common.tickets`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from reshard.mesh import Mesh, host_of
-from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
+from reshard.server.common.contract import check_host_name
+from reshard.server.common.tickets import sign
 from reshard.topology import Topology
 
 __all__ = ["AgentRecord", "Registry"]
@@ -28,10 +34,17 @@ class AgentRecord:
     last_seen: float
     device: str = "cpu"  # where the agent keeps its shards: cpu or cuda:N
     gpu_uuid: str = ""  # that GPU's uuid, "" for cpu
+    secret: bytes = field(default=b"", repr=False)  # the agent's registration secret: keys its tickets
+    memory_limit_bytes: int = 0  # the most shard bytes the agent holds (0: not reported)
+    memory_used_bytes: int = 0  # as of its last heartbeat
 
     @property
     def devices(self) -> list[str]:
         return [f"{self.host}/{i}" for i in range(self.num_devices)]
+
+
+MIN_SECRET_BYTES = 16
+MAX_DEVICES_PER_HOST = 4096
 
 
 class Registry:
@@ -41,27 +54,51 @@ class Registry:
         self._lock = threading.Lock()
         self._agents: dict[str, AgentRecord] = {}
 
+    def check(self, host: str, secret: bytes) -> AgentRecord | None:
+        """Whether an agent with ``secret`` may register ``host``; returns the record it replaces, if any."""
+        check_host_name(host)
+        if len(secret) < MIN_SECRET_BYTES:
+            raise InvalidArgumentError(f"host {host} registers a secret of {len(secret)} bytes; agents make one of "
+                                       f"at least {MIN_SECRET_BYTES} random bytes at start")
+        with self._lock:
+            prev = self._agents.get(host)
+        if prev is not None and not hmac.compare_digest(prev.secret, secret) and self.is_up(prev):
+            raise PermissionDeniedError(
+                f"host name {host!r} is registered by another live agent (at {prev.address}, last heard "
+                f"{self.age(prev):.1f}s ago); a new agent may take it once that one is marked down "
+                f"({self.heartbeat_timeout_s:g}s without a heartbeat)")
+        return prev
+
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, device: str = "cpu",
-                 gpu_uuid: str = "") -> AgentRecord:
-        if not host or "/" in host:
-            raise InvalidArgumentError(f"host name {host!r} must be non-empty and contain no '/'")
-        if num_devices <= 0:
-            raise InvalidArgumentError(f"host {host} registers {num_devices} devices; it needs at least one")
-        if not address:
-            raise InvalidArgumentError(f"host {host} registers no address; agents must say where peers reach them")
-        rec = AgentRecord(host, address, num_devices, nic_gbps if nic_gbps > 0 else 10.0, self._clock(),
-                          device or "cpu", gpu_uuid)
+                 gpu_uuid: str = "", secret: bytes = b"", memory_limit_bytes: int = 0) -> AgentRecord:
+        self.check(host, secret)
+        if not 0 < num_devices <= MAX_DEVICES_PER_HOST:
+            raise InvalidArgumentError(f"host {host} registers {num_devices} devices; a host has 1 to "
+                                       f"{MAX_DEVICES_PER_HOST}")
+        if not address or len(address) > 300 or not address.isprintable():
+            raise InvalidArgumentError(f"host {host} registers the address {address[:80]!r}; agents must say where "
+                                       f"peers reach them, as host:port")
+        rec = AgentRecord(host, address, num_devices, nic_gbps if 0 < nic_gbps < 1e6 else 10.0, self._clock(),
+                          device or "cpu", gpu_uuid, secret, max(0, memory_limit_bytes))
         with self._lock:
             self._agents[host] = rec
         return rec
 
-    def heartbeat(self, host: str, address: str) -> bool:
-        """Record a heartbeat; False when the host is unknown or moved (it must register again)."""
+    def heartbeat(self, host: str, address: str, proof: str = "", memory_used_bytes: int = 0) -> bool:
+        """Record a heartbeat; False when the host is unknown or moved (it must register again).
+
+        ``proof`` is the heartbeat's HMAC under the host's registration secret: a heartbeat without it
+        is refused, so no one but the agent keeps a host up.
+        """
         with self._lock:
             rec = self._agents.get(host)
             if rec is None or rec.address != address:
                 return False
-            self._agents[host] = dataclasses.replace(rec, last_seen=self._clock())
+            if not hmac.compare_digest(proof.encode("ascii", "replace"),
+                                       sign(rec.secret, "heartbeat", host, address).encode()):
+                raise PermissionDeniedError(f"heartbeat for host {host!r} does not prove its registration secret")
+            self._agents[host] = dataclasses.replace(rec, last_seen=self._clock(),
+                                                     memory_used_bytes=max(0, memory_used_bytes))
             return True
 
     def age(self, rec: AgentRecord) -> float:
@@ -77,6 +114,13 @@ class Registry:
     def get(self, host: str) -> AgentRecord | None:
         with self._lock:
             return self._agents.get(host)
+
+    def secret(self, host: str) -> bytes:
+        """The registration secret of ``host``'s agent, which keys the tickets of calls to it."""
+        rec = self.get(host)
+        if rec is None:
+            raise FailedPreconditionError(f"no agent serves host {host!r}")
+        return rec.secret
 
     def require_up(self, host: str) -> AgentRecord:
         rec = self.get(host)

@@ -1,7 +1,14 @@
-"""The planner's rendezvous store: where the agents' process group forms and confirms plan ids."""
+"""The planner's rendezvous store: where the agents' process group forms and confirms plan ids.
+
+torch's TCPStore server binds every interface whatever host it is given, so the
+store listens on a socket bound here, to the planner's listen host (loopback by
+default), and handed over as ``master_listen_fd``. The store has no
+authentication of its own: docs/security.md says who must not reach it.
+"""
 
 from __future__ import annotations
 
+import socket
 import threading
 
 from reshard.server.common.contract import confirm_prefix
@@ -16,8 +23,19 @@ class Rendezvous:
     def __init__(self, listen_host: str, timeout_s: float):
         dist = require_torch()
         host = listen_host.strip("[]") or "0.0.0.0"
-        self.store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s))
-        self.port = self.store.port
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self._socket.bind((host, 0))
+            self._socket.listen(1024)
+        except OSError as e:
+            self._socket.close()
+            raise OSError(f"the rendezvous store could not bind {host}: {e.strerror or e}") from None
+        self.port = self._socket.getsockname()[1]
+        self.store = dist.TCPStore(host if host not in ("0.0.0.0", "::") else "127.0.0.1", self.port,
+                                   is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s),
+                                   master_listen_fd=self._socket.fileno())
         self._lock = threading.Lock()
 
     def forget_job(self, generation: int, job: str, hosts_by_phase: dict[int, list[str]]) -> None:

@@ -4,28 +4,28 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from concurrent import futures
 
 import grpc
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.status import SERVER_OPTIONS, domain_error, servicer_method, start_server
+from reshard.server.common.auth import Authenticator, warn_if_open
+from reshard.server.common.tickets import commit_fields, prepare_fields, sign
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import GroupView, Staging
 from reshard.server.planner.jobs import Job, Preparation
-from reshard.server.planner.control import Planner
+from reshard.server.planner.control import Planner, TileLocation
 
 __all__ = ["serve_planner", "GrpcAgentCalls"]
 
 
-def _prepare_request(p: Preparation) -> pb.PrepareRequest:
-    return pb.PrepareRequest(job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
-                             dst_version=p.dst_version, peers=p.peers, transport=p.transport,
-                             generation=p.generation, job_seq=p.job_seq)
 
 
 def _traffic(t: pb.HostTraffic) -> dict:
@@ -33,9 +33,12 @@ def _traffic(t: pb.HostTraffic) -> dict:
 
 
 class GrpcAgentCalls:
-    """`AgentCalls` over gRPC: one cached channel per agent address."""
+    """`AgentCalls` over gRPC: one cached channel per agent address, every call presenting the cluster token
+    and a ticket signed with the host's registration secret (``secret_of``)."""
 
-    def __init__(self):
+    def __init__(self, secret_of: Callable[[str], bytes], token: str | None = None, tls: TlsFiles | None = None):
+        self._secret_of = secret_of
+        self._token, self._tls = token, tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
@@ -43,8 +46,21 @@ class GrpcAgentCalls:
         with self._lock:
             ch = self._channels.get(address)
             if ch is None:
-                ch = self._channels[address] = grpc.insecure_channel(address)
+                ch = self._channels[address] = channel(address, token=self._token, tls=self._tls)
         return pb_grpc.AgentStub(ch)
+
+    def _sign(self, host: str, kind: str, *fields) -> str:
+        return sign(self._secret_of(host), kind, *fields)
+
+    def _prepare_request(self, host: str, p: Preparation) -> pb.PrepareRequest:
+        return pb.PrepareRequest(
+            job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
+            dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
+            job_seq=p.job_seq,
+            ticket=self._sign(host, "prepare", *prepare_fields(p.job, p.program_json, p.tensor, p.src_version,
+                                                               p.dst_version, p.transport, p.generation, p.job_seq,
+                                                               p.peers)),
+            push_tickets={peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers if peer != host})
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
         try:
@@ -53,11 +69,12 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
     def prepare(self, host, address, prep, timeout):
-        self._call(host, address, "Prepare", _prepare_request(prep), timeout)
+        self._call(host, address, "Prepare", self._prepare_request(host, prep), timeout)
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
         request = pb.ExecuteRequest(job=job, program_id=program_id,
-                                    prepare=_prepare_request(prepare) if prepare is not None else None)
+                                    prepare=self._prepare_request(host, prepare) if prepare is not None else None,
+                                    ticket=self._sign(host, "execute", job, program_id))
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
@@ -69,14 +86,17 @@ class GrpcAgentCalls:
         return traffic
 
     def commit(self, host, address, staging, tensor, version, devices, timeout):
+        ticket = self._sign(host, "commit", *commit_fields(staging.upload, staging.job, tensor, version, devices))
         self._call(host, address, "Commit",
-                   _staging(staging, tensor=tensor, version=version, devices=devices), timeout)
+                   _staging(staging, tensor=tensor, version=version, devices=devices, ticket=ticket), timeout)
 
     def abort(self, host, address, staging, timeout):
-        self._call(host, address, "Abort", _staging(staging), timeout)
+        self._call(host, address, "Abort",
+                   _staging(staging, ticket=self._sign(host, "abort", staging.upload, staging.job)), timeout)
 
     def release(self, host, address, tensor, version, timeout):
-        self._call(host, address, "Release", pb.ReleaseRequest(tensor=tensor, version=version), timeout)
+        self._call(host, address, "Release", pb.ReleaseRequest(
+            tensor=tensor, version=version, ticket=self._sign(host, "release", tensor, version)), timeout)
 
     def close(self) -> None:
         with self._lock:
@@ -89,8 +109,9 @@ def _staging(staging: Staging, **fields) -> pb.StagingRequest:
     return pb.StagingRequest(upload_id=staging.upload, job_id=staging.job, **fields)
 
 
-def _locations(items) -> list[pb.TileLocation]:
-    return [pb.TileLocation(device=d, address=a, box=box_to_pb(b)) for d, a, b in items]
+def _locations(items: list[TileLocation]) -> list[pb.TileLocation]:
+    return [pb.TileLocation(device=t.device, address=t.address, box=box_to_pb(t.box), ticket=t.ticket, lost=t.lost)
+            for t in items]
 
 
 def job_info(job: Job) -> pb.JobInfo:
@@ -116,14 +137,15 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     def Register(self, request, context):
         self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps,
                               request.transport, request.backend, request.device, request.gpu_uuid,
-                              request.transport_reason)
+                              request.transport_reason, request.secret, request.memory_limit_bytes)
         return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
                                 group=group_info(self.planner.group.view()))
 
     @servicer_method
     def Heartbeat(self, request, context):
         known = self.planner.heartbeat(request.host, request.address, request.joined_generation,
-                                       request.broken_generation, list(request.uploading))
+                                       request.broken_generation, list(request.uploading), request.proof,
+                                       request.memory_used_bytes)
         return pb.HeartbeatReply(known=known, group=group_info(self.planner.group.view()))
 
     @servicer_method
@@ -133,7 +155,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             pb.AgentInfo(host=r.host, address=r.address, num_devices=r.num_devices, up=reg.is_up(r),
                          heartbeat_age_s=reg.age(r), transport=self.planner.group.mode(r.host),
                          in_group=self.planner.group.in_group(r.host), device=r.device, gpu_uuid=r.gpu_uuid,
-                         transport_reason=self.planner.group.reason(r.host)) for r in reg.agents()])
+                         transport_reason=self.planner.group.reason(r.host), memory_limit_bytes=r.memory_limit_bytes,
+                         memory_used_bytes=r.memory_used_bytes) for r in reg.agents()])
 
     @servicer_method
     def BeginUpload(self, request, context):
@@ -182,16 +205,20 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
 def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
-    agents = GrpcAgentCalls()
+    made: list[Planner] = []  # the calls sign with secrets the planner's registry holds
+    agents = GrpcAgentCalls(lambda host: made[0].registry.secret(host), config.token, config.tls)
     rendezvous = None
     if config.rendezvous and torch_available():
         rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
     planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
+    made.append(planner)
     planner.rendezvous = rendezvous  # the store lives as long as the planner
     if rendezvous is not None:
         planner.jobs.collective_cleanup = rendezvous.forget_job
+    warn_if_open("the planner", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"),
-                         options=SERVER_OPTIONS)
+                         options=SERVER_OPTIONS, interceptors=[Authenticator(config.token, "the planner")])
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
-    port = start_server(server, config.listen, "reshard.v1.Planner")
+    port = start_server(server, config.listen, "reshard.v1.Planner",
+                        config.tls.server_credentials() if config.tls else None)
     return server, port, planner

@@ -174,11 +174,13 @@ class Session:
     """
 
     def __init__(self, job: str, program_id: str, dtypes: dict[int, str], peers: dict[str, str], *,
-                 generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0):
+                 generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0,
+                 push_tickets: dict[str, str] | None = None):
         self.job = job
         self.program_id = program_id  # the id of the plan or program the agent was handed
         self._dtypes = {step: (name, np_dtype(name)) for step, name in dtypes.items()}
         self.peers = dict(peers)
+        self.push_tickets = dict(push_tickets or {})  # peer host -> the planner's ticket for pushes to it
         self.generation = generation
         self.seq = seq
         self.streams = streams or {}

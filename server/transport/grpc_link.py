@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator
 import grpc
 
 from reshard.proto import reshard_pb2 as pb
+from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
 from reshard.proto.frames import encode_piece
 from reshard.proto.status import domain_error
@@ -53,17 +54,18 @@ class GrpcTransport(Transport):
     passive = True
 
     def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, depth: int, max_message_bytes: int,
-                 throttle: Throttle | None = None):
+                 throttle: Throttle | None = None, token: str | None = None, tls: TlsFiles | None = None):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle)
         self.depth = depth  # pieces queued per stream before the sender waits
         self._options = channel_options(chunk_bytes, max_message_bytes)
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, object]] = {}
+        self._token, self._tls = token, tls  # what every Push presents (reshard.proto.auth)
 
     def _push_call(self, address: str):
         with self._lock:
             if address not in self._channels:
-                ch = grpc.insecure_channel(address, options=self._options)
+                ch = channel(address, token=self._token, tls=self._tls, options=self._options)
                 # The generated stub's Push, but messages leave already serialised (see reshard.proto.frames).
                 self._channels[address] = ch, ch.stream_unary("/reshard.v1.Agent/Push", request_serializer=None,
                                                               response_deserializer=pb.PushReply.FromString)
@@ -75,7 +77,8 @@ class GrpcTransport(Transport):
             raise FailedPreconditionError(f"job {s.job}: no address for host {peer}; is its agent registered?")
         call = self._push_call(address)
         header = pb.PushChunk(header=pb.PushHeader(job=key.job, plan_id=s.program_id, transfer=key.step, hop=key.hop,
-                                                   from_host=self.host)).SerializeToString()
+                                                   from_host=self.host, ticket=s.push_tickets.get(peer, ""))
+                              ).SerializeToString()
 
         def start(items: Iterator):
             future = call.future(_messages(header, items), timeout=self.timeout_s, wait_for_ready=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from reshard.client.cluster import LocalCluster
-from reshard.client.client import Client
 
 HOSTS = 4
 DEVICES_PER_HOST = 2
@@ -24,7 +23,7 @@ def cluster(request):
 
 @pytest.fixture()
 def client(cluster):
-    with Client(cluster.address) as c:
+    with cluster.connect() as c:
         c.cluster = cluster
         yield c
 

@@ -14,7 +14,7 @@ _OWNER = textwrap.dedent("""
     from reshard.client.cluster import LocalCluster
     from reshard.client.client import Client
     cluster = LocalCluster(2, 1, transport="grpc").start()
-    with Client(cluster.address) as c:  # this process runs gRPC, as a training job using the SDK does
+    with cluster.connect() as c:  # this process runs gRPC, as a training job using the SDK does
         assert len(c.devices()) == 2
     print(cluster.planner.pid, *(p.pid for p in cluster.agents.values()), flush=True)
     time.sleep(600)
@@ -51,10 +51,9 @@ def test_starting_processes_while_grpc_is_busy_never_aborts_a_child(tmp_path):
     with a preexec_fn. start_process must take the fork-free path."""
     import threading
 
-    from reshard.client.client import Client
     from reshard.client.cluster import LocalCluster, start_process
 
-    with LocalCluster(1, 1, transport="grpc") as cluster, Client(cluster.address) as c:
+    with LocalCluster(1, 1, transport="grpc") as cluster, cluster.connect() as c:
         stop = threading.Event()
 
         def busy():

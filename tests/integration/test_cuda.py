@@ -213,7 +213,7 @@ def test_agent_on_a_missing_gpu_ordinal_fails_at_start():
 def test_second_collective_agent_on_one_gpu_is_refused_naming_both():
     uuid = devices.gpu_uuid("cuda:0")
     with LocalCluster(host_names=["g0"], devices_per_host=1, transport="collective", device="cuda:0") as cluster, \
-            Client(cluster.address) as c:
+            cluster.connect() as c:
         with pytest.raises(UnavailableError) as refused:
             cluster.start_agent("g1")
         assert f"hosts g0 and g1 are both on GPU {uuid}" in str(refused.value)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -42,7 +41,7 @@ def web(tmp_path_factory):
     state = log_dir / "state.db"
     with LocalCluster(4, 2, dashboard=True, log_dir=str(log_dir), planner_args=["--state", str(state)],
                       agent_args=GRPC) as cluster:
-        with Client(cluster.address) as c:
+        with cluster.connect() as c:
             job_id, plan_id = _reshard_broadcast(c, "weights")
             dry = c.plan("weights", Sharding(Mesh.from_hosts({"x": 2, "y": 2}, HOSTS[:2], 2), ("x", None)))
             yield {"cluster": cluster, "client": c, "job": job_id, "plan": plan_id, "dry": dry.id,
@@ -142,7 +141,7 @@ def test_history_survives_a_planner_restart(tmp_path):
     state = tmp_path / "state.db"
     with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "a"), planner_args=["--state", str(state)],
                       agent_args=GRPC) as one:
-        with Client(one.address) as c:
+        with one.connect() as c:
             job_id, plan_id = _reshard_broadcast(c, "kept")
     with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "b"), planner_args=["--state", str(state)],
                       agent_args=GRPC) as two:
@@ -209,7 +208,7 @@ def test_plan_page_in_a_real_browser(web, tmp_path):
 def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):
     slow = [*GRPC, "--rate-limit-mib-s", "8"]
     with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path), agent_args=slow) as cluster, \
-            Client(cluster.address) as c:
+            cluster.connect() as c:
         headers = {"Authorization": f"Bearer {cluster.admin_token}"}
         base = cluster.dashboard_url.rstrip("/")
         data = np.arange(4 * 2**20, dtype=np.float32)  # 16 MiB: about 2 s at 8 MiB/s
@@ -234,7 +233,7 @@ def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):
 
 def test_transport_in_use_is_shown(tmp_path):
     """Agents on the default transport join the collective group; the pages say what carried each transfer."""
-    with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path)) as cluster, Client(cluster.address) as c:
+    with LocalCluster(2, 1, dashboard=True, log_dir=str(tmp_path)) as cluster, cluster.connect() as c:
         headers = {"Authorization": f"Bearer {cluster.admin_token}"}
         base = cluster.dashboard_url.rstrip("/")
         deadline = time.monotonic() + 60

@@ -23,7 +23,7 @@ import torch
 
 import reshard
 from reshard import Mesh, Sharding
-from reshard.client import Client, FailedPreconditionError, InvalidArgumentError, UnavailableError
+from reshard.client import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from reshard.proto import devices
 from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
@@ -190,7 +190,7 @@ def test_member_that_lost_its_gpu_while_down_stays_out():
 
 def test_agent_refused_at_registration_never_shows_as_up():
     with LocalCluster(host_names=["g0"], devices_per_host=2, transport="collective",
-                      agent_args=["--report-gpu-uuid", GPU]) as cluster, Client(cluster.address) as c:
+                      agent_args=["--report-gpu-uuid", GPU]) as cluster, cluster.connect() as c:
         with pytest.raises(UnavailableError) as refused:
             cluster.start_agent("g1")
         assert "exit code 2" in str(refused.value)
@@ -200,7 +200,7 @@ def test_agent_refused_at_registration_never_shows_as_up():
 
 def test_auto_agent_on_a_taken_gpu_moves_jobs_over_grpc_and_the_planner_says_why():
     with LocalCluster(host_names=["g0", "g1"], devices_per_host=2, transport="auto",
-                      agent_args=["--report-gpu-uuid", GPU]) as cluster, Client(cluster.address) as c:
+                      agent_args=["--report-gpu-uuid", GPU]) as cluster, cluster.connect() as c:
         agents = {a["host"]: a for a in c.agents()}
         assert agents["g1"]["transport"] == "grpc" and agents["g0"]["transport_reason"] == ""
         assert f"hosts g0 and g1 are both on GPU {GPU}" in agents["g1"]["transport_reason"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from reshard.client import (
     NotFoundError,
 )
 from reshard.proto import reshard_pb2 as pb
+from reshard.proto.auth import channel
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 
 from .conftest import HEARTBEAT_TIMEOUT_S
@@ -93,8 +93,9 @@ def test_unknown_device(client, tensor):
 
 
 def test_mesh_on_a_host_that_is_down(client, tensor):
-    with grpc.insecure_channel(client.address) as ch:
-        pb_grpc.PlannerStub(ch).Register(pb.RegisterRequest(host="ghost", num_devices=2, address="127.0.0.1:9"))
+    with channel(client.address, token=client.cluster.token) as ch:
+        pb_grpc.PlannerStub(ch).Register(pb.RegisterRequest(host="ghost", num_devices=2, address="127.0.0.1:9",
+                                                            secret=bytes(32)))
     time.sleep(HEARTBEAT_TIMEOUT_S + 0.5)
     assert "ghost/0" not in client.devices()
     dst = Sharding(Mesh.from_hosts({"x": 2}, ["ghost"], 2), ("x", None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,6 @@ import pytest
 
 from reshard import Mesh, Sharding
 from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
-from reshard.client.client import Client
 from reshard.client.cluster import LocalCluster
 
 from .conftest import TRANSPORTS
@@ -27,7 +27,7 @@ def slow_cluster(request):
                                         "--collective-chunk-mib", "0.25"],
                       planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S)],
                       transport=request.param) as cluster:
-        with Client(cluster.address) as c:
+        with cluster.connect() as c:
             c.cluster = cluster
             yield c
 
@@ -86,7 +86,8 @@ _DYING_CLIENT = textwrap.dedent("""
 
 def test_client_dying_mid_upload_leaves_no_tensor(slow_cluster):
     c = slow_cluster
-    proc = subprocess.run([sys.executable, "-c", _DYING_CLIENT, c.address], timeout=60)
+    proc = subprocess.run([sys.executable, "-c", _DYING_CLIENT, c.address], timeout=60,
+                          env={**os.environ, "RESHARD_TOKEN": c.cluster.token})
     assert proc.returncode == 17
     assert "halfway" not in [t.name for t in c.tensors()]
     with pytest.raises(NotFoundError, match="no tensor named 'halfway'"):
@@ -110,7 +111,7 @@ def test_a_relay_that_corrupts_a_chunk_fails_the_job_at_the_chain_end(tmp_path, 
     a = np.random.default_rng(5).integers(0, 2**31, (1024, 1024), dtype=np.int32)
     with LocalCluster(4, 1, log_dir=str(tmp_path), transport=transport,
                       agent_args=["--fault", "corrupt-relay", "--chunk-mib", "1", "--collective-chunk-mib", "1"]
-                      ) as cluster, Client(cluster.address) as c:
+                      ) as cluster, cluster.connect() as c:
         c.put("relayed", a, src)
         plan = c.plan("relayed", dst, "broadcast")
         (t,) = plan.transfers
@@ -145,7 +146,7 @@ def test_an_upload_slower_than_the_idle_timeout_is_kept_alive_while_bytes_flow(s
     one = Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None,))
     b = np.arange(10 * 1024, dtype=np.float32).reshape(10, 1024)  # 10 chunks of 4 KiB, header and trailer
     t0 = time.monotonic()
-    with Client(c.address, chunk_bytes=4096) as slow_client:
+    with c.cluster.connect(chunk_bytes=4096) as slow_client:
         slow_client.put("long_upload", b, one)
     assert time.monotonic() - t0 > UPLOAD_TIMEOUT_S + 0.5
     assert np.array_equal(c.get("long_upload"), b)

@@ -91,7 +91,8 @@ def test_reshard_up_starts_a_cluster_and_ctrl_c_stops_it_all():
         assert len(children) == 3
         import reshard
 
-        with reshard.connect(address) as c:
+        token_file = re.search(r"token\s+(\S+)", "".join(lines)).group(1)
+        with reshard.connect(address, token=open(token_file).read()) as c:
             assert c.devices() == ["host0/0", "host0/1", "host1/0", "host1/1"]
         proc.send_signal(signal.SIGINT)
         assert proc.wait(20) == 0

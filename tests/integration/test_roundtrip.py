@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -128,8 +129,10 @@ _RANK = textwrap.dedent("""
 """)
 
 
-def _ranks(address, mode):
-    procs = [subprocess.Popen([sys.executable, "-c", _RANK, address, str(r), mode], stdout=subprocess.PIPE, text=True)
+def _ranks(client, mode):
+    env = {**os.environ, "RESHARD_TOKEN": client.cluster.token}  # as a launcher hands its ranks the token
+    procs = [subprocess.Popen([sys.executable, "-c", _RANK, client.address, str(r), mode], stdout=subprocess.PIPE,
+                              text=True, env=env)
              for r in range(4)]
     outs = [p.communicate(timeout=60)[0].strip() for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
@@ -137,13 +140,13 @@ def _ranks(address, mode):
 
 
 def test_put_shard_and_get_shard_from_rank_processes(client):
-    outs = _ranks(client.address, "put")
+    outs = _ranks(client, "put")
     assert sorted(outs) == ["False", "False", "False", "True"]  # exactly one rank completed the tensor
     full = np.arange(9 * 6, dtype=np.float64).reshape(9, 6)
     assert np.array_equal(client.get("ranks"), full)
     dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host2", "host3"], 2), ("y", None))
     client.reshard("ranks", dst).result(timeout=60)
-    assert _ranks(client.address, "get") == ["ok"] * 4
+    assert _ranks(client, "get") == ["ok"] * 4
     client.delete("ranks")
 
 

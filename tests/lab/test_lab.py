@@ -12,7 +12,6 @@ import time
 import numpy as np
 import pytest
 
-import reshard
 from reshard import Mesh, Sharding
 from reshard.server.devtools.lab import PREFIX, Lab, LabConfig, lab_available, start_cluster
 
@@ -41,7 +40,7 @@ def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_near_the_estimat
         src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
         dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, hosts[1:], 2), (None,))
         data = np.arange(NBYTES // 4, dtype=np.int32)
-        with reshard.connect(address) as c:
+        with lab.connect(address) as c:
             c.put("t", data, src)
             plan = c.plan("t", dst, "broadcast")
             # The planner's topology is the shaping: one box through each NIC at the link rate.

@@ -71,7 +71,7 @@ class RuntimeCalls:
 def _runner(hosts: Hosts) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]:
     registry = Registry(heartbeat_timeout_s=60.0)
     for h in HOSTS:
-        registry.register(h, 2, h, 10.0)
+        registry.register(h, 2, h, 10.0, secret=bytes(16))
     catalog = Catalog()
     a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
     catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))

@@ -1,0 +1,83 @@
+"""Planner-issued tickets: an agent changes what it holds only for calls the planner signed.
+
+Each agent makes a random secret at start and hands it to the planner when it
+registers; the host stays bound to that secret until it is marked down. The
+planner signs every call that changes an agent's memory or runs its work with
+HMAC-SHA256 under that host's secret, over the call's kind and the fields below;
+the agent checks the ticket before doing anything and answers PERMISSION_DENIED
+otherwise. A client holding the cluster token therefore still cannot stage,
+commit, push or free shards the planner did not ask for, and a forged ticket
+for one host is worthless on another.
+
+=========== ================================================== =======================
+kind        fields signed                                      carried by
+=========== ================================================== =======================
+put         upload, tensor, device, dtype, box                 PutShard / PutShardIpc
+                                                               header (the SDK got it
+                                                               from BeginUpload)
+prepare     job, sha256(program), tensor, versions, transport, PrepareRequest
+            generation, job number, peers
+execute     job, program id                                    ExecuteRequest
+push        job, program id (under the receiver's secret)      PushHeader
+commit      upload or job, tensor, version, devices            StagingRequest
+abort       upload or job                                      StagingRequest
+release     tensor, version                                    ReleaseRequest
+heartbeat   host, address                                      HeartbeatRequest.proof
+=========== ================================================== =======================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Iterable, Mapping
+
+from reshard.box import Box
+from reshard.proto.errors import PermissionDeniedError
+
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "SECRET_BYTES"]
+
+SECRET_BYTES = 32
+_SEP = "\x1f"
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def sign(secret: bytes, kind: str, *fields) -> str:
+    message = _SEP.join([kind, *map(str, fields)]).encode("utf-8", "surrogatepass")
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def put_fields(upload: str, tensor: str, device: str, dtype: str, box: Box) -> tuple:
+    return upload, tensor, device, dtype, ",".join(f"{lo}:{hi}" for lo, hi in box)
+
+
+def prepare_fields(job: str, program_json: str, tensor: str, src_version: int, dst_version: int, transport: str,
+                   generation: int, job_seq: int, peers: Mapping[str, str]) -> tuple:
+    program = hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
+    return (job, program, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
+            ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
+
+
+def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str]) -> tuple:
+    return upload, job, tensor, version, ",".join(devices)
+
+
+class TicketCheck:
+    """An agent's side: checks tickets against its own secret."""
+
+    def __init__(self, host: str, secret: bytes):
+        self.host = host
+        self.secret = secret
+
+    def check(self, ticket: str, kind: str, *fields, what: str) -> None:
+        """Raise PermissionDeniedError unless ``ticket`` is the planner's for ``kind`` over ``fields``."""
+        if not ticket:
+            raise PermissionDeniedError(f"{what} carries no ticket: host {self.host}'s agent acts only on calls its "
+                                        f"planner issued (reshard.server.common.tickets)")
+        if not hmac.compare_digest(ticket.encode("ascii", "replace"), sign(self.secret, kind, *fields).encode()):
+            raise PermissionDeniedError(f"{what} carries a ticket this agent's planner did not issue for it "
+                                        f"(host {self.host})")
