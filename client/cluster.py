@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
+from reshard.proto.auth import TlsFiles
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
 
 if TYPE_CHECKING:
@@ -95,7 +96,7 @@ class LocalCluster:
     def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
                  planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
                  startup_timeout_s: float = 60.0, dashboard: bool = False, transport: Optional[str] = None,
-                 device: Union[str, Sequence[str], None] = None):
+                 device: Union[str, Sequence[str], None] = None, tls: Optional[TlsFiles] = None):
         self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
         # Where each agent keeps its shards (its --device): one for all, or one per host in order.
         devices = [device] * len(self.host_names) if device is None or isinstance(device, str) else list(device)
@@ -123,6 +124,11 @@ class LocalCluster:
         # The cluster token every process and client presents (docs/security.md); in a file only its owner reads.
         self.token = secrets.token_urlsafe(32)
         self.token_file = self.log_dir / "cluster-token"
+        # TLS on every gRPC port: each process serves and dials with these files, and so do clients (mutual TLS).
+        self.tls = tls
+        self._tls_args = [] if tls is None else [
+            arg for flag, path in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--tls-ca", tls.ca)) if path
+            for arg in (flag, str(path))]
 
     def _cmd(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "reshard.server.cli", *args]
@@ -140,8 +146,8 @@ class LocalCluster:
                 web_args = ["--http", "127.0.0.1:0", "--admin-token-file", str(token_file)]
             lines: list[str] = []
             self.planner, self.address = start_process(
-                self._cmd("planner", "--listen", "127.0.0.1:0", "--token-file", str(self.token_file), *web_args,
-                          *self.planner_args),
+                self._cmd("planner", "--listen", "127.0.0.1:0", "--token-file", str(self.token_file),
+                          *self._tls_args, *web_args, *self.planner_args),
                 self.log_dir / "planner.log", self.startup_timeout_s, lines)
             m = _DASHBOARD.search(lines[0]) if lines else None
             self.dashboard_url = m.group(1) if m else ""
@@ -162,8 +168,8 @@ class LocalCluster:
         device = ["--device", self.device_by_host[host]] if self.device_by_host.get(host) else []
         proc, addr = start_process(
             self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
-                      "--devices", str(self.devices_per_host), "--token-file", str(self.token_file), *device,
-                      *self.agent_args, *extra_args),
+                      "--devices", str(self.devices_per_host), "--token-file", str(self.token_file),
+                      *self._tls_args, *device, *self.agent_args, *extra_args),
             self.log_dir / f"agent-{host}.log", self.startup_timeout_s)
         self.agents[host], self.agent_addresses[host] = proc, addr
         if wait:
@@ -205,7 +211,7 @@ class LocalCluster:
         """A client of this cluster's planner, holding its token; ``kwargs`` as for `reshard.Client`."""
         from reshard.client.client import Client
 
-        return Client(self.address, token=self.token, **kwargs)
+        return Client(self.address, **{"token": self.token, "tls": self.tls, **kwargs})
 
     def stop(self, grace_s: float = 5.0) -> None:
         procs = [p for p in self.agents.values()] + ([self.planner] if self.planner else [])

@@ -9,6 +9,7 @@ import sys
 from reshard.plan_command import HelpFormatter, add_plan_command
 from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
+from reshard.server.devtools.certs import add_certs_command
 from reshard.server.devtools.lab import add_lab_command
 from reshard.server.common.lifecycle import wait_for_signal
 
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_command(sub)
     _add_demo_command(sub)
     add_lab_command(sub)
+    add_certs_command(sub)
     return parser
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+import sys
+
 import pytest
 
 from reshard.client.cluster import LocalCluster
@@ -32,3 +36,22 @@ def client(cluster):
 def fresh_name(request):
     """A tensor name unique to the test, deleted afterwards if it exists."""
     return request.node.name.replace("[", "_").replace("]", "").replace("-", "_")
+
+
+@contextlib.contextmanager
+def reshard_up(*args: str):
+    """``reshard up ARGS`` as a user runs it; yields the process and its output up to the "Ctrl-C" line."""
+    proc = subprocess.Popen([sys.executable, "-m", "reshard.server.cli", "up", *args], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = []
+        while not any("Ctrl-C" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "reshard up exited early"
+            lines.append(line)
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

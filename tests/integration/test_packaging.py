@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import reshard_up
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -77,14 +79,7 @@ def _children(pid: int) -> list[int]:
 
 
 def test_reshard_up_starts_a_cluster_and_ctrl_c_stops_it_all():
-    proc = subprocess.Popen([sys.executable, "-m", "reshard.server.cli", "up", "--hosts", "2",
-                             "--devices-per-host", "2"], stdout=subprocess.PIPE, text=True)
-    try:
-        lines = []
-        while not any("Ctrl-C" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line, "reshard up exited early"
-            lines.append(line)
+    with reshard_up("--hosts", "2", "--devices-per-host", "2") as (proc, lines):
         address = re.search(r"planner\s+(\S+)", "".join(lines)).group(1)
         assert sum(line.startswith("agent") for line in lines) == 2
         children = _children(proc.pid)
@@ -100,10 +95,6 @@ def test_reshard_up_starts_a_cluster_and_ctrl_c_stops_it_all():
         for pid in children:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.stdout.close()
 
 
 @pytest.mark.slow
