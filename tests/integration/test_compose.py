@@ -15,10 +15,11 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import pytest
 import yaml
 
 from reshard import Mesh, Sharding
-from reshard.client import Client
+from reshard.client import Client, UnauthenticatedError
 from reshard.client.cluster import start_process
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,9 +74,13 @@ def test_compose_services_run_a_reshard(tmp_path):
     assert sorted(services) == ["agent0", "agent1", "agent2", "agent3", "planner"]
     assert all(s.get("build") == "." for s in services.values())
     assert (ROOT / "Dockerfile").exists()
-    assert services["planner"]["secrets"] == ["admin_token"] and "admin_token" in compose["secrets"]
+    assert services["planner"]["secrets"] == ["admin_token", "cluster_token"]
+    assert all(services[f"agent{i}"]["secrets"] == ["cluster_token"] for i in range(4))
+    assert {"admin_token", "cluster_token"} <= set(compose["secrets"])
     token = "compose-test-token"
     (tmp_path / "admin_token").write_text(token)
+    cluster_token = "compose-cluster-token-0123456789"
+    (tmp_path / "cluster_token").write_text(cluster_token + "\n")  # as `openssl rand -hex 24 >` writes it
     commands = translate(services, tmp_path)
     web = commands["planner"][commands["planner"].index("--http") + 1]
     procs = []
@@ -84,7 +89,7 @@ def test_compose_services_run_a_reshard(tmp_path):
         procs.append(planner)
         for name in sorted(commands):
             procs.append(start_process(commands[name], tmp_path / f"{name}.log", 60)[0])
-        with Client(address) as c:
+        with Client(address, token=cluster_token) as c:
             deadline = time.monotonic() + 30
             while len(c.devices()) < 16 and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -95,6 +100,9 @@ def test_compose_services_run_a_reshard(tmp_path):
             c.put("compose", a, src)
             c.reshard("compose", dst, "auto").result(timeout=60)
             assert np.array_equal(c.get("compose"), a)
+        with Client(address, token=None) as stranger:
+            with pytest.raises(UnauthenticatedError, match="needs the cluster token"):
+                stranger.tensors()
         assert (tmp_path / "state.db").exists()
         base = f"http://{web}"
         assert httpx.get(f"{base}/api/tensors", timeout=30).status_code == 401
