@@ -3,7 +3,7 @@ import reshard
 from reshard import Mesh, Sharding
 
 # A planner and 4 agents (hosts host0..host3, 2 devices each) as local processes.
-# Against a running cluster: c = reshard.connect("planner-host:50051").
+# Against a running cluster: c = reshard.connect("planner-host:50051", token=...) (docs/security.md).
 with reshard.local_cluster(hosts=4, devices_per_host=2) as c:
     print(c.devices())  # ['host0/0', 'host0/1', ..., 'host3/1']
 
