@@ -35,6 +35,15 @@ def _security(args) -> dict:
             "tls": TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)}
 
 
+def _size(text: str) -> int:
+    from reshard.server.common.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _add_agent_command(sub) -> None:
     from reshard.server.common.config import AgentConfig
 
@@ -60,6 +69,13 @@ def _add_agent_command(sub) -> None:
                         "GPU; NCCL, one agent per GPU); checked at start")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
                    help="seconds one collective send or recv, or the plan-id confirmation, may take")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds a gRPC push waits for a peer that takes none of its bytes (a paused or hung agent) "
+                        "before it fails its job, naming the peer")
+    p.add_argument("--memory-limit", type=_size, default=d.memory_limit_bytes, metavar="SIZE",
+                   help="most bytes of shards this agent holds, committed and staged, e.g. 4GiB, 512MiB, 4G or bytes; "
+                        "a request over it is refused before anything is allocated (0: 3/4 of the machine's memory, "
+                        "or of the GPU's for a cuda device)")
     p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
     p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
     _add_security_arguments(p)
@@ -74,8 +90,9 @@ def _run_agent(args) -> int:
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
                          rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,
+                         stall_timeout_s=args.stall_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
-                         report_gpu_uuid=args.report_gpu_uuid, **_security(args))
+                         report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
@@ -101,6 +118,13 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
     p.add_argument("--group-wait", type=float, default=d.group_wait_s,
                    help="seconds a job on --transport collective agents waits for their process group to form")
+    p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
+                   help="seconds a host may send no progress report for its part of a running job (while its "
+                        "heartbeats go on) before the job fails, naming it; a host without heartbeats for "
+                        "--heartbeat-timeout fails its jobs as soon as it is marked down")
+    p.add_argument("--max-plan-tasks", type=int, default=d.max_plan_tasks, metavar="N",
+                   help="largest plan one request may make: N unit tasks, N deliveries to devices, and for strategy "
+                        "auto 256*N chain-route steps; larger requests are refused before planning (reshard.plan_size)")
     p.add_argument("--http", default=None, metavar="ADDR",
                    help="serve the admin dashboard on ADDR, e.g. 127.0.0.1:8080 (port 0: any free port)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
@@ -115,7 +139,8 @@ def _run_planner(args) -> int:
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                            upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
-                           group_wait_s=args.group_wait, **_security(args))
+                           group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
+                           max_plan_tasks=args.max_plan_tasks, **_security(args))
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token

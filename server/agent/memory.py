@@ -1,6 +1,12 @@
-"""How an agent process holds memory: keep freed blocks for reuse instead of returning them.
+"""How an agent process holds memory: how much it may hold, and keeping freed blocks for reuse.
 
-An agent allocates large blocks all the time: a destination buffer per device per
+The limit: an agent holds at most ``--memory-limit`` bytes of shards, committed
+and staged (`reshard.server.agent.store.ShardStore` refuses before allocating);
+by default three quarters of what this process may use: the machine's memory, or
+its cgroup's limit when a container has a lower one, or the GPU's for a cuda agent.
+The rest is headroom for the process itself: message buffers, gRPC, torch.
+
+Reuse: an agent allocates large blocks all the time: a destination buffer per device per
 job, a message buffer per chunk. glibc serves every block above 32 MiB (and, by
 its dynamic threshold, often far smaller ones) with a fresh ``mmap`` and unmaps it
 on free, so every job pays again for the kernel to fault in and zero its pages;
@@ -14,11 +20,40 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import sys
 
-__all__ = ["keep_freed_memory"]
+__all__ = ["keep_freed_memory", "default_memory_limit"]
 
 log = logging.getLogger(__name__)
+
+DEFAULT_SHARE = 0.75
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
+def _host_memory_bytes() -> int:
+    """This machine's physical memory, or the cgroup's limit where it is lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in _CGROUP_LIMITS:
+        try:
+            text = open(path, encoding="ascii").read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # "max" (v2) means none; v1 says none with a huge number, which min() ignores
+            total = min(total, int(text))
+    return total
+
+
+def default_memory_limit(device: str) -> int:
+    """The memory limit of an agent whose shards live on ``device`` when none is given (see the module)."""
+    if device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    else:
+        total = _host_memory_bytes()
+    return int(total * DEFAULT_SHARE)
+
 
 # mallopt parameters of glibc's <malloc.h>.
 _M_TRIM_THRESHOLD = -1

@@ -44,7 +44,6 @@ Shard buffers are read and written only through `reshard.server.transport.buffer
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -59,6 +58,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.cost import sender_bytes
+from reshard.jsonio import loads
 from reshard.mesh import host_of
 from reshard.program import COMPUTE, DST, MOVE, REDUCE, SRC, Program, Step
 from reshard.proto.errors import (
@@ -69,6 +69,7 @@ from reshard.proto.errors import (
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
 from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.transport import buffers
 from reshard.server.transport.base import (
     PushHeader,
@@ -100,10 +101,14 @@ def _copy(inputs: list, output, params: dict) -> None:
 KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy}
 
 
-def load_program(text: str) -> tuple[Program, str]:
+def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
+                 max_depth: int = PlannerConfig.max_json_depth) -> tuple[Program, str]:
     """A program from its JSON (or plan JSON v1), and the id it goes by: the id of the document handed over
-    (a plan's id for plan JSON), which the planner's Execute and every peer name."""
-    data = json.loads(text)
+    (a plan's id for plan JSON), which the planner's Execute and every peer name.
+
+    The JSON nests no deeper than the planner reads JSON, and is no larger than the message that brings it:
+    the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB)."""
+    data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
     program = Program.from_json(data)
     return program, str(data.get("id") or program.id)
 
@@ -278,6 +283,9 @@ class Run(Session):
         # is a move that waits for nothing: those read only source shards, and no stream writes that part, so the
         # copy runs beside the streams (`fill`) instead of delaying this host's first call to its peers.
         defer = all(s.kind == MOVE and not s.after for s in self.program.steps)
+        # Refused before any buffer exists when the tiles would take the agent over its memory limit.
+        self.store.reserve(self.job, {d: boxes.volume(t) * decl.itemsize for d, t in self.dst_tiles.items()},
+                           f"job {self.job[:8]}'s destination tiles of {self.names[decl.name]!r}")
         for dev, tile in self.dst_tiles.items():
             buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
             held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None

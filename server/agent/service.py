@@ -19,12 +19,13 @@ from contextlib import ExitStack
 
 import grpc
 
-from reshard.dtypes import dtype_name
+from reshard import box as boxes
+from reshard.dtypes import dtype_name, itemsize
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk
-from reshard.proto.status import SERVER_OPTIONS, domain_error, servicer_method, start_server
+from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.common.config import AgentConfig
 from reshard.server.agent.runtime import Run, Runtime
@@ -35,7 +36,7 @@ from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
 from reshard.server.common.tickets import TicketCheck, commit_fields, new_secret, prepare_fields, put_fields, sign
 from reshard.proto.auth import channel
-from reshard.server.agent.memory import keep_freed_memory
+from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
 from reshard.proto.devices import CudaIpcHandle
@@ -76,11 +77,17 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.tickets.check(h.ticket, "put", *put_fields(h.upload_id, h.tensor, h.device, h.dtype, box_from_pb(h.box)),
                            what=f"{what} of {h.tensor!r} for device {h.device} (upload {h.upload_id[:12]!r})")
 
+    def _room(self, h: pb.ShardHeader, what: str):
+        """Reserve the shard's bytes before anything is allocated for it (see `ShardStore.reserve`)."""
+        nbytes = boxes.volume(box_from_pb(h.box)) * itemsize(h.dtype)
+        return self.store.reserving(h.upload_id, h.device, nbytes, f"{what} of {h.tensor!r} for device {h.device}")
+
     @servicer_method
     def PutShard(self, request_iterator, context):
         with ExitStack() as receiving:
             def check(h: pb.ShardHeader) -> None:
                 self._check_put(h, "PutShard")
+                receiving.enter_context(self._room(h, "PutShard"))
                 receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
             header, shard = read_shard_stream(request_iterator, check)
@@ -113,8 +120,9 @@ class AgentServicer(pb_grpc.AgentServicer):
     def PutShardIpc(self, request, context):
         h = request.header
         self._check_put(h, "PutShardIpc")
-        nbytes, digest = self.handover.put(h.upload_id, h.device, box_from_pb(h.box), dtype_name(h.dtype),
-                                           CudaIpcHandle.from_message(request.source), request.digest)
+        with self._room(h, "PutShardIpc"):
+            nbytes, digest = self.handover.put(h.upload_id, h.device, box_from_pb(h.box), dtype_name(h.dtype),
+                                               CudaIpcHandle.from_message(request.source), request.digest)
         return pb.IpcShardReply(nbytes=nbytes, digest=digest)
 
     @servicer_method
@@ -240,12 +248,13 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
     ``secret`` is the registration secret the planner signs this agent's tickets with (a fresh one by
     default). Fails at once, naming the host's CUDA devices, when ``config.device`` is not here.
     """
-    store = ShardStore(buffers.check_device(config.device))
+    device = buffers.check_device(config.device)
+    store = ShardStore(device, config.memory_limit_bytes or default_memory_limit(device), config.host)
     throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
     transports = {"grpc": GrpcTransport(config.host, chunk_bytes=config.chunk_bytes,
                                         timeout_s=config.transfer_timeout_s, depth=config.forward_queue_chunks,
                                         max_message_bytes=config.max_message_bytes, throttle=throttle,
-                                        token=config.token, tls=config.tls)}
+                                        token=config.token, tls=config.tls, stall_timeout_s=config.stall_timeout_s)}
     collective = collective_transport(config, throttle)
     if collective is not None:
         transports["collective"] = collective
@@ -255,7 +264,8 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
     warn_if_open(f"the agent of host {config.host}", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS,
-                         interceptors=[Authenticator(config.token, f"the agent of host {config.host}")])
+                         interceptors=[Authenticator(config.token, f"the agent of host {config.host}"),
+                                       RequestDecoding()])
     tickets = TicketCheck(config.host, secret or new_secret())
     _add_agent_servicer(AgentServicer(config, store, runtime, tickets), server)
     port = start_server(server, config.listen, "reshard.v1.Agent",
@@ -322,7 +332,8 @@ class Agent:
                     host=self.config.host, num_devices=self.config.num_devices, address=self.address,
                     nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend,
                     device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason,
-                    secret=self.secret), timeout=5.0, wait_for_ready=True)
+                    secret=self.secret, memory_limit_bytes=self.runtime.store.limit_bytes),
+                    timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval
                 self._follow_group(reply.group)
                 log.info("host %s registered with planner %s as %s (transport %s)", self.config.host,
@@ -362,7 +373,8 @@ class Agent:
                 reply = self._planner.Heartbeat(pb.HeartbeatRequest(
                     host=self.config.host, address=self.address, joined_generation=joined,
                     broken_generation=broken, uploading=self.runtime.store.receiving_uploads(),
-                    proof=sign(self.secret, "heartbeat", self.config.host, self.address)),
+                    proof=sign(self.secret, "heartbeat", self.config.host, self.address),
+                    memory_used_bytes=self.runtime.store.used_bytes()),
                     timeout=max(self._interval, 1.0))
                 if not reply.known:
                     self.register()

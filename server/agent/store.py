@@ -5,6 +5,12 @@ invisible to readers until their transaction commits; an aborted transaction
 leaves nothing behind. Uploads whose bytes are streaming in right now are
 listed too (`receiving`), so heartbeats can keep them from expiring.
 
+The store holds at most ``limit_bytes`` (``--memory-limit``): committed, staged
+and reserved bytes together. A buffer is reserved before it is allocated
+(`reserve`, `reserving`), so a request that would go over the limit is refused
+with `ResourceExhaustedError` before any memory is touched; staging the buffer
+turns its reservation into staged bytes, and aborting its transaction frees both.
+
 Shards live on the agent's device (``--device``): numpy arrays on a ``cpu``
 agent, torch tensors on a ``cuda:N`` agent, every device of the host on that one
 GPU. `ShardStore.adopt` brings arriving data there; everything else that touches a
@@ -15,13 +21,14 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from reshard.box import Box
-from reshard.proto.errors import FailedPreconditionError, NotFoundError
+from reshard.proto.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from reshard.server.common.sizes import format_size
 from reshard.server.transport import buffers
 
 __all__ = ["TileBuffer", "ShardStore"]
@@ -45,11 +52,14 @@ class TileBuffer:
 
 
 class ShardStore:
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", limit_bytes: int = 0, host: str = ""):
         self.device = device  # where every shard of this agent lives: "cpu" or "cuda:N"
+        self.limit_bytes = limit_bytes  # 0: no limit
+        self.host = host  # named in refusals
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
         self._staged: dict[str, dict[str, TileBuffer]] = {}
+        self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
         self._receiving: Counter[str] = Counter()  # owner -> shard streams in progress
 
     @contextmanager
@@ -69,6 +79,51 @@ class ShardStore:
         with self._lock:
             return sorted(self._receiving)
 
+    def _pending(self) -> dict[tuple[str, str], int]:
+        """Bytes staged or reserved per (owner, device); a reservation stands for the buffer it will replace."""
+        pending = {(owner, d): s.nbytes for owner, shards in self._staged.items() for d, s in shards.items()}
+        pending.update(self._reserved)
+        return pending
+
+    def _used(self, pending: Mapping[tuple[str, str], int]) -> int:
+        return sum(s.nbytes for s in self._committed.values()) + sum(pending.values())
+
+    def used_bytes(self) -> int:
+        """Committed, staged and reserved bytes: what counts against the limit."""
+        with self._lock:
+            return self._used(self._pending())
+
+    def reserve(self, owner: str, sizes: Mapping[str, int], what: str) -> None:
+        """Hold room for the buffers ``owner`` is about to stage (device -> bytes), or refuse naming the sizes.
+
+        Each reservation ends when its buffer is staged, or when ``owner`` commits or aborts.
+        """
+        need = sum(sizes.values())
+        with self._lock:
+            pending = self._pending()
+            held = self._used(pending) - sum(pending.get((owner, d), 0) for d in sizes)  # replaced buffers go
+            if self.limit_bytes and held + need > self.limit_bytes:
+                beyond = ("more than the whole limit" if need > self.limit_bytes
+                          else f"{format_size(self.limit_bytes - held)} ({self.limit_bytes - held:,} bytes) are free")
+                raise ResourceExhaustedError(
+                    f"{what} needs {format_size(need)} ({need:,} bytes), but the agent of host {self.host} holds "
+                    f"{format_size(held)} ({held:,} bytes) of its memory limit of {format_size(self.limit_bytes)} "
+                    f"({self.limit_bytes:,} bytes): {beyond}; free memory (delete tensors) or start the agent with a "
+                    f"larger --memory-limit")
+            for d, n in sizes.items():
+                self._reserved[(owner, d)] = n
+
+    @contextmanager
+    def reserving(self, owner: str, device: str, nbytes: int, what: str) -> Iterator[None]:
+        """`reserve` ``nbytes`` for ``device``'s buffer while the block allocates and stages it; a reservation
+        the block did not stage (it failed) ends with it."""
+        self.reserve(owner, {device: nbytes}, what)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reserved.pop((owner, device), None)
+
     def empty(self, shape: tuple[int, ...], dtype: str):
         """A new buffer on this store's device."""
         return buffers.empty(shape, dtype, self.device)
@@ -81,6 +136,7 @@ class ShardStore:
         assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
             self._staged.setdefault(owner, {})[device] = shard
+            self._reserved.pop((owner, device), None)
 
     def staged(self, owner: str, device: str) -> TileBuffer | None:
         with self._lock:
@@ -98,10 +154,16 @@ class ShardStore:
             for d in devices:
                 self._committed[(tensor, version, d)] = staged[d]
             del self._staged[owner]
+            self._drop_reserved(owner)
 
     def abort(self, owner: str) -> None:
         with self._lock:
             self._staged.pop(owner, None)
+            self._drop_reserved(owner)
+
+    def _drop_reserved(self, owner: str) -> None:
+        for key in [k for k in self._reserved if k[0] == owner]:
+            del self._reserved[key]
 
     def get(self, tensor: str, version: int, device: str) -> TileBuffer:
         with self._lock:

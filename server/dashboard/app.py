@@ -28,7 +28,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from reshard import Plan, Sharding, STRATEGIES, plan as make_plan
 from reshard.plan_command import parse_mesh, parse_shape, parse_spec
 from reshard.errors import ReshardError
+from reshard.server.common.sizes import format_size
 from reshard.server.dashboard.plan_view import plan_view
+from reshard.server.planner.control import check_plan_size
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +40,7 @@ COOKIE = "reshard_admin"
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 
-def _human_bytes(n) -> str:
-    n = float(n or 0)
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-TEMPLATES.env.filters["bytes"] = _human_bytes
+TEMPLATES.env.filters["bytes"] = lambda n: format_size(n or 0)
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
@@ -55,10 +48,12 @@ class DashboardSource(Protocol):
     """What the dashboard reads from the planner. Each method returns plain data."""
 
     def agents(self) -> list[dict]:
-        """host, address, num_devices, devices, up, heartbeat_age_s, bytes_held, transport"""
+        """host, address, num_devices, devices, up, heartbeat_age_s, bytes_held, transport, memory_used_bytes,
+        memory_limit_bytes (0: not reported)"""
 
     def tensors(self) -> list[dict]:
-        """name, shape, dtype, sharding (str), spec, version, nbytes, bytes_per_host"""
+        """name, shape, dtype, sharding (str), spec, version, nbytes, bytes_per_host, lost (some tile has no copy
+        left), lost_devices, lost_tiles ({tile, devices} per tile with no copy left)"""
 
     def jobs(self) -> list[dict]:
         """id, tensor, state, strategy, bytes_done, bytes_total, seconds, started, error, plan_id, transports"""
@@ -74,6 +69,9 @@ class DashboardSource(Protocol):
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes moved so far, by transport name."""
+
+    def max_plan_tasks(self) -> int:
+        """The planner's limit on plan size (``--max-plan-tasks``): what-if plans are held to it too."""
 
 
 def _auth(token: Optional[str]) -> Callable:
@@ -155,7 +153,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     @app.get("/api/whatif", dependencies=guard, tags=["api"], summary="Plans of every strategy; moves no data")
     def api_whatif(shape: str, src: str, src_spec: str, dst: str, dst_spec: str, dtype: str = "float32",
                    nic_gbps: float = 10.0) -> list[dict[str, Any]]:
-        return [p.to_json() for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps)]
+        return [p.to_json() for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps,
+                                             source.max_plan_tasks())]
 
     # -- pages ------------------------------------------------------------------------------
 
@@ -202,7 +201,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
         views, error = [], None
         if shape:
             try:
-                views = [plan_view(p) for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps)]
+                views = [plan_view(p) for p in _whatif(shape, dtype, src, src_spec, dst, dst_spec, nic_gbps,
+                                                       source.max_plan_tasks())]
             except HTTPException as e:
                 error = e.detail
         return page(request, "whatif.html", form=form, views=views, error=error)
@@ -218,14 +218,18 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     return app
 
 
-def _whatif(shape: str, dtype: str, src: str, src_spec: str, dst: str, dst_spec: str, nic_gbps: float) -> list[Plan]:
+def _whatif(shape: str, dtype: str, src: str, src_spec: str, dst: str, dst_spec: str, nic_gbps: float,
+            max_plan_tasks: int) -> list[Plan]:
     from reshard import Topology
 
     try:
         s = Sharding(parse_mesh(src, "src"), parse_spec(src_spec))
         d = Sharding(parse_mesh(dst, "dst"), parse_spec(dst_spec))
         topo = Topology(nic_gbps=nic_gbps)
-        return [make_plan(parse_shape(shape), dtype, s, d, topo, name) for name in STRATEGIES]
+        dims = parse_shape(shape)
+        for name in STRATEGIES:
+            check_plan_size(dims, s, d, name, max_plan_tasks, f"planning shape {dims} with strategy {name}")
+        return [make_plan(dims, dtype, s, d, topo, name) for name in STRATEGIES]
     except ReshardError as e:
         raise HTTPException(status_code=422, detail=str(e)) from None
 

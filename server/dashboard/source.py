@@ -18,7 +18,7 @@ from typing import Optional
 import uvicorn
 
 from reshard import Plan
-from reshard.box import volume
+from reshard.box import box_str, volume
 from reshard.dtypes import itemsize
 from reshard.mesh import host_of
 from reshard.server.dashboard.app import create_app
@@ -73,6 +73,7 @@ class PlannerSource:
             "up": registry.is_up(a), "heartbeat_age_s": registry.age(a),
             "bytes_held": held.get(a.host, 0), "nic_gbps": a.nic_gbps,
             "transport": self.planner.group.mode(a.host), "in_group": self.planner.group.in_group(a.host),
+            "memory_used_bytes": a.memory_used_bytes, "memory_limit_bytes": a.memory_limit_bytes,
         } for a in registry.agents()]
 
     def tensors(self) -> list[dict]:
@@ -80,9 +81,11 @@ class PlannerSource:
         for rec in self.planner.tensors():
             per_host = _bytes_per_host(rec)
             n = itemsize(rec.dtype) * math.prod(rec.shape)
+            gone = rec.lost_tiles()
             out.append({"name": rec.name, "shape": list(rec.shape), "dtype": rec.dtype, "sharding": str(rec.sharding),
                         "spec": [list(a) for a in rec.sharding.spec], "version": rec.version, "nbytes": n,
-                        "bytes_per_host": dict(per_host)})
+                        "bytes_per_host": dict(per_host), "lost": bool(gone), "lost_devices": sorted(rec.lost),
+                        "lost_tiles": [{"tile": box_str(t), "devices": devs} for t, devs in gone.items()]})
         return out
 
     def jobs(self) -> list[dict]:
@@ -104,6 +107,9 @@ class PlannerSource:
 
     def bytes_moved(self) -> dict[str, int]:
         return self.planner.bytes_moved()
+
+    def max_plan_tasks(self) -> int:
+        return self.planner.config.max_plan_tasks
 
 
 def read_token(path: Optional[str]) -> Optional[str]:

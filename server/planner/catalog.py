@@ -4,6 +4,12 @@ A tensor enters the catalog only when every device of its sharding holds its
 shard: an upload is a transaction that commits whole or leaves nothing. An
 upload that goes quiet for ``upload_timeout_s`` (a client that died midway) is
 expired and its staged shards dropped.
+
+A tensor also records the devices whose shards are gone (``lost``): those of a
+host whose agent restarted, as a new process holds nothing of the old one's. A
+tile whose every copy is lost makes the tensor lost: reads raise a data-loss
+error naming the tiles, and reshards are refused (see `Planner.reshard`); a
+new version (a reshard, or a delete and a new upload) starts with nothing lost.
 """
 
 from __future__ import annotations
@@ -14,7 +20,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from reshard.box import Box, volume
 from reshard.dtypes import dtype_name
+from reshard.mesh import host_of
 from reshard.proto.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
 
@@ -31,15 +39,27 @@ class TensorRecord:
     sharding: Sharding
     version: int
     kind: str = "numpy"
+    lost: frozenset[str] = frozenset()  # devices whose shard of this version is gone with their agent
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind}
+                "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
+                "lost": sorted(self.lost)}
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
         return cls(data["name"], tuple(data["shape"]), data["dtype"], Sharding.from_json(data["sharding"]),
-                   int(data["version"]), data.get("kind", "numpy"))
+                   int(data["version"]), data.get("kind", "numpy"), frozenset(data.get("lost", ())))
+
+    def lost_tiles(self) -> dict[Box, list[str]]:
+        """The non-empty tiles whose every copy is lost, with the devices that held them."""
+        if not self.lost:
+            return {}
+        holders: dict[Box, list[str]] = {}
+        for dev, tile in self.sharding.tiles(self.shape).items():
+            if volume(tile):
+                holders.setdefault(tile, []).append(dev)
+        return {tile: devs for tile, devs in holders.items() if self.lost.issuperset(devs)}
 
 
 def check_name(name: str) -> str:
@@ -89,6 +109,18 @@ class Catalog:
         if rec is None:
             raise NotFoundError(f"no tensor named {name!r} to delete")
         return rec
+
+    def mark_lost(self, host: str) -> list[TensorRecord]:
+        """Record that every device of ``host`` lost its shards; returns the tensors that had some there."""
+        out = []
+        with self._lock:
+            for rec in self._tensors.values():
+                devices = {d for d in rec.sharding.mesh.require_devices() if host_of(d) == host}
+                if devices - rec.lost:
+                    out.append(replace(rec, lost=rec.lost | devices))
+            for rec in out:
+                self._tensors[rec.name] = rec
+        return out
 
     def load(self, records) -> None:
         with self._lock:
@@ -200,4 +232,4 @@ class Uploads:
 
 
 def bumped(rec: TensorRecord, sharding: Sharding) -> TensorRecord:
-    return replace(rec, sharding=sharding, version=rec.version + 1)
+    return replace(rec, sharding=sharding, version=rec.version + 1, lost=frozenset())

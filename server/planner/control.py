@@ -6,21 +6,30 @@ The servicer turns messages into calls on `Planner`; agent calls go through the
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from reshard.box import Box
-from reshard.errors import InvalidShardingError
+from reshard.box import Box, box_str, volume
+from reshard.dtypes import dtype_name, itemsize
+from reshard.errors import InvalidMeshError, InvalidShardingError
+from reshard.jsonio import loads
 from reshard.mesh import host_of
 from reshard.plan import Plan
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, estimate_plan_size
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
-from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
+from reshard.proto.errors import (
+    DataLossError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 from reshard.proto.layout import tile_shape
 from reshard.server.common.contract import Staging
+from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads
 from reshard.server.common.config import PlannerConfig
@@ -30,7 +39,7 @@ from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 
-__all__ = ["Planner", "parse_sharding"]
+__all__ = ["Planner", "parse_sharding", "check_plan_size"]
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +51,37 @@ class TileLocation(NamedTuple):
     lost: bool = False  # the agent that held it restarted: the bytes are gone
 
 
-def parse_sharding(text: str, what: str) -> Sharding:
+def parse_sharding(text: str, what: str, max_bytes: int = PlannerConfig.max_json_bytes,
+                   max_depth: int = PlannerConfig.max_json_depth) -> Sharding:
+    """The sharding in ``text`` (`Sharding.to_json`), read within the config's limits on JSON size and depth.
+
+    Its mesh must list devices: the planner plans and places, and the chunks of an abstract mesh's axes (of any
+    size, 2**40 say) are not to be counted out one by one."""
+    if not text:
+        raise InvalidShardingError(f"{what} is empty; give the JSON of a sharding (Sharding.to_json())")
+    data = loads(text, what, max_bytes=max_bytes, max_depth=max_depth)
     try:
-        data = json.loads(text)
-    except (TypeError, ValueError):
-        raise InvalidShardingError(f"{what} is not JSON of a sharding (Sharding.to_json()): {text[:80]!r}") from None
-    return Sharding.from_json(data)
+        sharding = Sharding.from_json(data)
+        sharding.mesh.require_devices()
+    except (InvalidShardingError, InvalidMeshError) as e:
+        raise type(e)(f"{what}: {e}") from None
+    return sharding
+
+
+def check_plan_size(shape, src: Sharding, dst: Sharding, strategy: str, max_tasks: int, what: str) -> None:
+    """Refuse, before planning, a request whose plan would be larger than ``max_tasks`` allows
+    (`reshard.plan_size`), naming the count, the limit and the way out."""
+    over = estimate_plan_size(shape, src, dst).excess(max_tasks, strategy)
+    if not over:
+        return
+    figures = "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
+                        for figure, count, bound in over)
+    other_strategy = ("use strategy broadcast or send_recv, which search no chain routes, "
+                      if [f for f, _, _ in over] == ["route_steps"] else "")
+    raise ResourceExhaustedError(
+        f"{what} from {src} to {dst} would make too large a plan: {figures} (reshard planner --max-plan-tasks "
+        f"{max_tasks:,} bounds unit tasks and deliveries, and route steps at {ROUTE_STEPS_PER_TASK} times that); "
+        f"{other_strategy}reshard over fewer devices, in steps (within hosts first), or raise the limit")
 
 
 def check_strategy(strategy: str) -> str:
@@ -69,7 +103,8 @@ class Planner:
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
-                              group=self.group, group_wait_s=config.group_wait_s)
+                              group=self.group, group_wait_s=config.group_wait_s,
+                              stall_timeout_s=config.stall_timeout_s)
         self._upload_lock = threading.Lock()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="upload-reaper")
@@ -101,8 +136,14 @@ class Planner:
         return admitted[0]
 
     def _host_restarted(self, host: str) -> None:
-        """The agent of ``host`` is a new process: the shards the old one held are lost."""
-        log.warning("the agent of host %s restarted: shards its last process held are lost", host)
+        """The agent of ``host`` is a new process: the shards the old one held are lost, and the catalog says so."""
+        hit = self.catalog.mark_lost(host)
+        for rec in hit:
+            self.store.save_tensor(rec.to_json())
+            if not self.catalog.contains(rec.name):  # deleted meanwhile: keep it deleted after a restart too
+                self.store.delete_tensor(rec.name)
+        log.warning("the agent of host %s restarted: shards its last process held are lost; tensors %s lost "
+                    "every copy of some tile", host, [r.name for r in hit if r.lost_tiles()])
 
     def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
                   uploading: Iterable[str] = (), proof: str = "", memory_used_bytes: int = 0) -> bool:
@@ -117,6 +158,27 @@ class Planner:
     def bytes_moved(self) -> dict[str, int]:
         """Bytes moved by succeeded jobs, by transport: ``grpc``, ``collective`` (network), ``local`` (within a host)."""
         return self.jobs.bytes_moved()
+
+    def _check_memory(self, sharding: Sharding, shape: tuple[int, ...], dtype: str, what: str) -> None:
+        """Refuse tiles that would not fit their host's memory limit, one device's alone or the host's together,
+        before any agent is asked (the agent checks again against what it holds: `ShardStore.reserve`)."""
+        size = itemsize(dtype_name(dtype))
+        by_host: dict[str, list[tuple[int, str]]] = {}
+        for dev, tile in sharding.tiles(shape).items():
+            by_host.setdefault(host_of(dev), []).append((volume(tile) * size, dev))
+        for host, tiles in by_host.items():
+            agent = self.registry.get(host)
+            limit = agent.memory_limit_bytes if agent is not None else 0
+            largest, dev = max(tiles)
+            total = sum(n for n, _ in tiles)
+            if not limit or total <= limit:
+                continue
+            need = (f"device {dev} a tile of {format_size(largest)} ({largest:,} bytes)" if largest > limit else
+                    f"{len(tiles)} devices {format_size(total)} ({total:,} bytes) together")
+            raise ResourceExhaustedError(
+                f"{what} of shape {tuple(shape)} {dtype} on {sharding} would give host {host}'s {need}, more than its "
+                f"agent's memory limit of {format_size(limit)} ({limit:,} bytes); shard it over more devices or "
+                f"hosts, or start that agent with a larger --memory-limit")
 
     def _upload_locations(self, upload: Upload) -> list[TileLocation]:
         """Where each device's shard goes, with the ticket its PutShard must carry."""
@@ -148,6 +210,7 @@ class Planner:
                     f"shard for device {device} has shape {tuple(shard_shape)}, but {sharding.spec_str()} of shape "
                     f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
                 )
+        self._check_memory(sharding, sharding.check_shape(shape), dtype, f"tensor {name!r}")
         upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device))
         return upload, self._upload_locations(upload)
 
@@ -205,7 +268,7 @@ class Planner:
         for d in rec.sharding.mesh.require_devices():
             agent = self.registry.get(host_of(d))
             up = agent is not None and self.registry.is_up(agent)
-            out.append(TileLocation(d, agent.address if up else "", tiles[d]))
+            out.append(TileLocation(d, agent.address if up else "", tiles[d], lost=d in rec.lost))
         return rec, out
 
     def tensors(self) -> list[TensorRecord]:
@@ -227,7 +290,11 @@ class Planner:
             shape, dtype, src = rec.shape, rec.dtype, rec.sharding
         else:
             src = parse_sharding(src_json, "source sharding")
-        plan = make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), check_strategy(strategy)).validate()
+        strategy = check_strategy(strategy)
+        shape = dst.check_shape(src.check_shape(shape))
+        check_plan_size(shape, src, dst, strategy, self.config.max_plan_tasks,
+                        f"planning {name or 'a tensor'} of shape {shape}")
+        plan = make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), strategy).validate()
         # Kept so that the dashboard can show dry runs as well as jobs.
         self.store.save_plan(plan.id, plan.dumps())
         return plan
@@ -238,10 +305,35 @@ class Planner:
 
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)
+        self._check_not_lost(rec)
         dst = parse_sharding(dst_json, "destination sharding")
         dst.check_shape(rec.shape)
         self.registry.check_mesh(dst.mesh)
-        return self.jobs.submit(name, dst, check_strategy(strategy))
+        strategy = check_strategy(strategy)
+        check_plan_size(rec.shape, rec.sharding, dst, strategy, self.config.max_plan_tasks,
+                        f"resharding {name!r} of shape {rec.shape}")
+        self._check_memory(dst, rec.shape, rec.dtype, f"resharding {name!r}")
+        return self.jobs.submit(name, dst, strategy)
+
+    @staticmethod
+    def _check_not_lost(rec: TensorRecord) -> None:
+        """Refuse a reshard of a tensor that lost shards, naming them: DataLossError when some tile has no copy
+        left, FailedPreconditionError when every tile still has one. Plans are made from the sharding, which
+        counts every replica as a sender and every device as holding its tile, so none can plan around a lost
+        replica; get() can (it reads a surviving copy), so the way out is to read the tensor and put it again."""
+        if not rec.lost:
+            return
+        gone = rec.lost_tiles()
+        hosts = sorted({host_of(d) for d in rec.lost})
+        if gone:
+            shown = "; ".join(f"tile {box_str(t)} held by {devs}" for t, devs in list(gone.items())[:8])
+            raise DataLossError(
+                f"cannot reshard {rec.name!r} v{rec.version}: {len(gone)} of its tiles lost every copy when the agents "
+                f"of hosts {hosts} restarted ({shown}{'; ...' if len(gone) > 8 else ''}); delete it and put it again")
+        raise FailedPreconditionError(
+            f"cannot reshard {rec.name!r} v{rec.version}: devices {sorted(rec.lost)} lost their shards when the "
+            f"agents of hosts {hosts} restarted, and a reshard reads from every replica; every tile still has a "
+            f"copy, so get() reads it: put it again (under a new name, or after deleting this one)")
 
     def job(self, job_id: str, wait_s: float = 0.0) -> Job:
         job = self.jobs.get(job_id)

@@ -12,7 +12,7 @@ import grpc
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel
-from reshard.proto.status import SERVER_OPTIONS, domain_error, servicer_method, start_server
+from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.tickets import commit_fields, prepare_fields, sign
 from reshard.proto.wire import box_to_pb
@@ -172,7 +172,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     def _tensor_info(self, rec, locations=()) -> pb.TensorInfo:
         return pb.TensorInfo(name=rec.name, shape=rec.shape, dtype=rec.dtype, version=rec.version, kind=rec.kind,
-                             sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), locations=_locations(locations))
+                             sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), locations=_locations(locations),
+                             lost=bool(rec.lost_tiles()))
 
     @servicer_method
     def GetTensor(self, request, context):
@@ -217,7 +218,7 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
         planner.jobs.collective_cleanup = rendezvous.forget_job
     warn_if_open("the planner", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"),
-                         options=SERVER_OPTIONS, interceptors=[Authenticator(config.token, "the planner")])
+                         options=SERVER_OPTIONS, interceptors=[Authenticator(config.token, "the planner"), RequestDecoding()])
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner",
                         config.tls.server_credentials() if config.tls else None)

@@ -91,6 +91,34 @@ def test_whatif_plans_every_strategy_and_moves_nothing(web):
     assert _get(web, "/api/jobs").json() == before
 
 
+def test_whatif_refuses_a_plan_over_the_size_limit_before_planning(web):
+    """An all-gather over 4,096 devices (512 hosts of 8) would deliver 16.7M boxes: refused at once, as the
+    planner's Plan call refuses it, naming the counts and the limit."""
+    params = {"shape": "16384,64", "src": "x=512,y=8", "src_spec": "x+y,_", "dst": "x=512,y=8", "dst_spec": "_,_"}
+    for path in ("/api/whatif", "/whatif"):
+        r = _get(web, path, params=params)
+        text = r.json()["detail"] if path.startswith("/api") else r.text
+        assert "16,777,216 deliveries where the limit is 250,000" in text, text[:500]
+        assert "--max-plan-tasks 250,000" in text
+    assert _get(web, "/api/whatif", params=params).status_code == 422
+
+
+def test_memory_use_and_limits_and_tensor_state_are_shown(web):
+    deadline = time.monotonic() + 10
+    while True:  # agents report their memory with each heartbeat
+        agents = _get(web, "/api/cluster").json()
+        if all(a["memory_used_bytes"] == a["bytes_held"] for a in agents) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert all(a["memory_used_bytes"] == a["bytes_held"] and a["memory_limit_bytes"] > 2**20 for a in agents)
+    page = _get(web, "/").text
+    limits = re.findall(r'<td class="memory" data-used="(\d+)" data-limit="(\d+)">', page)
+    assert len(limits) == len(HOSTS) and all(int(limit) > 0 for _, limit in limits)
+    weights = next(t for t in _get(web, "/api/tensors").json() if t["name"] == "weights")
+    assert (weights["lost"], weights["lost_devices"], weights["lost_tiles"]) == (False, [], [])
+    assert '<td class="ok">ok</td>' in _get(web, "/tensors").text
+
+
 def test_openapi_describes_the_api(web):
     doc = _get(web, "/openapi.json").json()
     assert {"/api/cluster", "/api/tensors", "/api/jobs", "/api/jobs/{job_id}", "/api/plans/{plan_id}",

@@ -1,0 +1,168 @@
+"""Bounded resources and lost shards, unit by unit: the agent's store against its memory limit, and the
+planner's refusals (memory, plan size, lost tiles) over a fake `AgentCalls` that records every call."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.proto.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
+from reshard.server.agent.store import ShardStore
+from reshard.server.common.config import PlannerConfig
+from reshard.server.common.sizes import format_size, parse_size
+from reshard.server.planner.catalog import TensorRecord
+from reshard.server.planner.control import Planner
+
+MiB = 2**20
+
+
+def _tile(store: ShardStore, nbytes: int):
+    return store.adopt(np.zeros(nbytes, np.uint8), ((0, nbytes),), "uint8")
+
+
+def test_the_store_refuses_before_allocating_and_names_the_sizes():
+    store = ShardStore(limit_bytes=4 * MiB, host="h0")
+    store.reserve("up1", {"h0/0": 3 * MiB}, "PutShard of 'a'")
+    store.stage("up1", "h0/0", _tile(store, 3 * MiB))  # staging turns the reservation into staged bytes
+    assert store.used_bytes() == 3 * MiB
+    with pytest.raises(ResourceExhaustedError) as refused:
+        store.reserve("up2", {"h0/1": 2 * MiB}, "PutShard of 'b' for device h0/1")
+    assert str(refused.value) == (
+        "PutShard of 'b' for device h0/1 needs 2.0 MiB (2,097,152 bytes), but the agent of host h0 holds 3.0 MiB "
+        "(3,145,728 bytes) of its memory limit of 4.0 MiB (4,194,304 bytes): 1.0 MiB (1,048,576 bytes) are free; "
+        "free memory (delete tensors) or start the agent with a larger --memory-limit")
+    assert store.used_bytes() == 3 * MiB and store.staged("up2", "h0/1") is None
+    with pytest.raises(ResourceExhaustedError, match=r"needs 5\.0 MiB .* more than the whole limit"):
+        store.reserve("up2", {"h0/1": 5 * MiB}, "x")
+    # A second PutShard for the same device replaces the staged buffer, so only the difference counts.
+    store.reserve("up1", {"h0/0": 4 * MiB}, "retry")
+    store.commit("up1", "a", 1, ["h0/0"])
+    assert store.used_bytes() == 3 * MiB  # the retry's reservation ended with the commit
+    store.release("a", 1)
+    assert store.used_bytes() == 0
+
+
+def test_a_failed_put_and_an_aborted_job_free_their_reservations():
+    store = ShardStore(limit_bytes=4 * MiB, host="h0")
+    with pytest.raises(ValueError, match="stream cut"):
+        with store.reserving("up", "h0/0", 4 * MiB, "PutShard"):
+            assert store.used_bytes() == 4 * MiB
+            raise ValueError("stream cut")
+    assert store.used_bytes() == 0
+    store.reserve("job", {"h0/0": MiB, "h0/1": MiB}, "job's destination tiles")
+    store.stage("job", "h0/0", _tile(store, MiB))
+    assert store.used_bytes() == 2 * MiB
+    store.abort("job")
+    assert store.used_bytes() == 0
+    ShardStore().reserve("any", {"d": 2**80}, "no limit")  # 0: unlimited (unit tests' stores)
+
+
+@pytest.mark.parametrize("text, nbytes", [("1048576", MiB), ("512MiB", 512 * MiB), ("4GiB", 4 << 30),
+                                          ("4Gi", 4 << 30), ("4G", 4 * 10**9), ("1.5KiB", 1536), ("64mb", 64 * 10**6)])
+def test_sizes_read_as_people_write_them(text, nbytes):
+    assert parse_size(text) == nbytes
+
+
+def test_sizes_print_in_binary_units_and_bad_ones_name_the_forms():
+    assert [format_size(n) for n in (0, 17, 1536, 4 << 30, 2**82)] == ["0 B", "17 B", "1.5 KiB", "4.0 GiB",
+                                                                        "4194304.0 EiB"]
+    with pytest.raises(ValueError, match=r"size '4XB' is not a byte count like 1048576, 512MiB, 4GiB or 4G"):
+        parse_size("4XB")
+
+
+class RecordingCalls:
+    """`AgentCalls` that only record: the refusals under test come before any agent is called."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name):
+        return lambda host, *args, **kw: self.calls.append((name, host))
+
+
+HOSTS = ["h0", "h1"]
+
+
+@pytest.fixture()
+def planner():
+    p = Planner(PlannerConfig(heartbeat_timeout_s=0.05, max_plan_tasks=1000), RecordingCalls())
+    for h in HOSTS:
+        p.register(h, 2, f"{h}:1", 10.0, secret=f"{h}-first-secret-0123".encode(), memory_limit_bytes=64 * MiB)
+    yield p
+    p.close()
+
+
+def _json(sharding: Sharding) -> str:
+    import json
+
+    return json.dumps(sharding.to_json())
+
+
+MESH = Mesh.from_hosts({"x": 4}, HOSTS, 2)
+
+
+def test_the_planner_refuses_tiles_over_an_agents_limit_before_calling_it(planner):
+    huge = Sharding(MESH, ("x", None))
+    with pytest.raises(ResourceExhaustedError) as refused:
+        planner.begin_upload("huge", (2**40, 2**40), "float32", _json(huge), "numpy")
+    assert str(refused.value) == (
+        "tensor 'huge' of shape (1099511627776, 1099511627776) float32 on P('x', None) on (x=4) would give host h0's "
+        "device h0/1 a tile of 1048576.0 EiB (1,208,925,819,614,629,174,706,176 bytes), more than its agent's memory "
+        "limit of 64.0 MiB (67,108,864 bytes); shard it over more devices or hosts, or start that agent with a larger "
+        "--memory-limit")
+    with pytest.raises(ResourceExhaustedError, match=r"host h0's 2 devices 80\.0 MiB \(83,886,080 bytes\) together"):
+        planner.begin_upload("wide", (4 * 10 * MiB,), "float32", _json(Sharding(MESH, ("x",))), "numpy")
+    assert planner.agents.calls == [] and planner.tensors() == []
+
+
+def test_the_planner_refuses_a_plan_over_its_size_limit_naming_count_limit_and_flag(planner):
+    big = Mesh.from_hosts({"x": 4096}, [f"n{i}" for i in range(512)], 8)
+    with pytest.raises(ResourceExhaustedError) as refused:
+        planner.dry_plan("", (4096 * 4, 64), "float32", _json(Sharding(big, ("x", None))),
+                         _json(Sharding(big, (None, None))), "auto")
+    assert str(refused.value) == (
+        "planning a tensor of shape (16384, 64) from P('x', None) on (x=4096) to P(None, None) on (x=4096) would make "
+        "too large a plan: 4,096 unit tasks where the limit is 1,000; 16,777,216 deliveries where the limit is 1,000; "
+        "549,755,813,888 route steps where the limit is 256,000 (reshard planner --max-plan-tasks 1,000 bounds unit "
+        "tasks and deliveries, and route steps at 256 times that); reshard over fewer devices, in steps (within hosts "
+        "first), or raise the limit")
+    # An all-gather over 24 hosts: few tasks and deliveries, but auto weighs a chain over 23 hosts for each task.
+    ring = Mesh.from_hosts({"x": 24}, [f"n{i}" for i in range(24)], 1)
+    gather = (_json(Sharding(ring, ("x",))), _json(Sharding(ring, (None,))))
+    with pytest.raises(ResourceExhaustedError, match=r"too large a plan: 331,776 route steps where the limit is "
+                                                     r"256,000 .*; use strategy broadcast or send_recv"):
+        planner.dry_plan("", (24,), "float32", *gather, "auto")
+    assert planner.dry_plan("", (24,), "float32", *gather, "broadcast").strategy == "broadcast"
+    small = Sharding(MESH, ("x", None))
+    assert planner.dry_plan("", (8, 8), "float32", _json(small), _json(Sharding(MESH, (None, "x"))), "auto")
+
+
+def test_a_restarted_host_marks_its_shards_lost(planner):
+    shape = (8, 4)
+    one_copy = TensorRecord("one_copy", shape, "float32", Sharding(MESH, ("x", None)), 1)
+    two_copies = TensorRecord("two_copies", shape, "float32", Sharding(Mesh.from_hosts({"r": 2, "x": 2}, HOSTS, 2),
+                                                                         (None, "x")), 1)
+    for rec in (one_copy, two_copies):
+        planner.catalog.add(rec)
+    time.sleep(0.1)  # h1's agent is marked down; a new process registers the name with a new secret
+    planner.register("h1", 2, "h1:2", 10.0, secret=b"h1-second-secret-0123")
+
+    rec, locations = planner.tensor("one_copy")
+    assert rec.lost == {"h1/0", "h1/1"} and [t.lost for t in locations] == [False, False, True, True]
+    assert rec.lost_tiles() == {((4, 6), (0, 4)): ["h1/0"], ((6, 8), (0, 4)): ["h1/1"]}
+    with pytest.raises(DataLossError, match=r"cannot reshard 'one_copy' v1: 2 of its tiles lost every copy when the "
+                                            r"agents of hosts \['h1'\] restarted \(tile \[4:6, 0:4\] held by "
+                                            r"\['h1/0'\]; tile \[6:8, 0:4\] held by \['h1/1'\]\)"):
+        planner.reshard("one_copy", _json(Sharding(MESH, (None, "x"))), "auto")
+
+    rec, _ = planner.tensor("two_copies")  # each tile is also held on h0
+    assert rec.lost == {"h1/0", "h1/1"} and rec.lost_tiles() == {}
+    with pytest.raises(FailedPreconditionError, match=r"every tile still has a copy, so get\(\) reads it"):
+        planner.reshard("two_copies", _json(Sharding(MESH, (None, "x"))), "auto")
+    assert [d["lost"] for d in planner.store.tensors()] == [["h1/0", "h1/1"]] * 2  # persisted
+
+    planner.delete("one_copy")
+    assert [r.name for r in planner.tensors()] == ["two_copies"]
