@@ -21,12 +21,13 @@ PermissionDenied..   PERMISSION_DENIED      an agent call without the planner's 
                                             registered by another live agent
 Unauthenticated..    UNAUTHENTICATED        a call without the cluster token, or with a wrong one
 ResourceExhausted..  RESOURCE_EXHAUSTED     over an agent's memory limit, a plan or JSON size limit
+JsonLimitError       RESOURCE_EXHAUSTED     a JSON field over its size or nesting limit (reshard.jsonio)
 ==================== ====================== ========================================
 """
 
 from __future__ import annotations
 
-from reshard.errors import ReshardError
+from reshard.errors import JsonLimitError, ReshardError
 
 __all__ = [
     "InvalidArgumentError",
@@ -93,6 +94,7 @@ _CODES = (
     (DataLossError, "DATA_LOSS"),
     (PermissionDeniedError, "PERMISSION_DENIED"),
     (UnauthenticatedError, "UNAUTHENTICATED"),
+    (JsonLimitError, "RESOURCE_EXHAUSTED"),  # a ValueError, so listed before it; the SDK raises the next one
     (ResourceExhaustedError, "RESOURCE_EXHAUSTED"),
     (ValueError, "INVALID_ARGUMENT"),
 )

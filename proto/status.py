@@ -15,18 +15,39 @@ import uuid
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from reshard.proto.errors import DeadlineExceededError, UnavailableError, error_for_status, status_name
+from reshard.proto.errors import (
+    DeadlineExceededError,
+    InvalidArgumentError,
+    UnavailableError,
+    error_for_status,
+    status_name,
+)
 
-__all__ = ["servicer_method", "domain_error", "start_server", "refuse", "SERVER_OPTIONS"]
+__all__ = ["servicer_method", "domain_error", "start_server", "refuse", "RequestDecoding", "SERVER_OPTIONS"]
 
 log = logging.getLogger(__name__)
 
 _MARK = "reshard-domain-error"
+# A status message travels in trailing metadata, percent-encoded outside printable ASCII; a client refuses
+# metadata over 8 KiB (grpc.max_metadata_size) and would see RESOURCE_EXHAUSTED instead of the answer.
+_MAX_DETAILS_BYTES = 4096
+
+
+def _bounded(message: str) -> str:
+    """``message`` cut to what a status carries safely: a message that quotes a caller's huge input stays
+    readable, and the caller still gets the real status."""
+    size = 0
+    for i, ch in enumerate(message):
+        size += 1 if " " <= ch <= "~" and ch != "%" else 3 * len(ch.encode("utf-8", "surrogatepass"))
+        if size > _MAX_DETAILS_BYTES:
+            return message[:i] + " [... cut]"
+    return message
 
 
 def refuse(context: grpc.ServicerContext, error: Exception):
-    """End the call with the status ``error`` maps to, its message unchanged. A bug (no domain error) is
-    logged with its traceback and answers INTERNAL without the exception's text, which may hold internals."""
+    """End the call with the status ``error`` maps to, its message unchanged (but `_bounded`). A bug (no
+    domain error) is logged with its traceback and answers INTERNAL without the exception's text, which
+    may hold internals."""
     name = status_name(error)
     if name is None:
         incident = uuid.uuid4().hex[:12]
@@ -34,7 +55,7 @@ def refuse(context: grpc.ServicerContext, error: Exception):
                   exc_info=error)
         context.abort(grpc.StatusCode.INTERNAL, f"internal error {incident} (a bug: the server logged it)")
     context.set_trailing_metadata(((_MARK, "1"),))
-    context.abort(getattr(grpc.StatusCode, name), str(error))
+    context.abort(getattr(grpc.StatusCode, name), _bounded(str(error)))
 
 
 def servicer_method(fn):
@@ -55,6 +76,70 @@ def servicer_method(fn):
         except Exception as e:  # noqa: BLE001
             refuse(context, e)
     return unary
+
+
+class _Undecodable:
+    """What a request deserializer hands on in place of bytes it could not decode."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserializer):
+    def decode(data: bytes):
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - any decoding failure is the caller's malformed request
+            return _Undecodable(e)
+    return decode
+
+
+class RequestDecoding(grpc.ServerInterceptor):
+    """Requests whose bytes do not decode end INVALID_ARGUMENT, naming the method.
+
+    gRPC answers them INTERNAL ("Exception deserializing request!") before any
+    servicer runs, which reads as a bug of ours. Here the deserializer hands on
+    a marker instead, and the call (or, in a stream, the read of that message)
+    is refused. Install it after `Authenticator`, so a call without the token is
+    refused for that first.
+    """
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        method = details.method
+
+        def refusal(request: _Undecodable) -> InvalidArgumentError:
+            return InvalidArgumentError(f"a request message to {method} does not decode ({request.error}); "
+                                        f"send messages of reshard.proto, whole")
+
+        def check(request):
+            if isinstance(request, _Undecodable):
+                raise refusal(request)
+            return request
+
+        kind = ("stream" if handler.request_streaming else "unary") + "_" + (
+            "stream" if handler.response_streaming else "unary")
+        inner = getattr(handler, kind)
+        if handler.request_streaming:  # the servicer's own wrapper refuses, as it reads the bad message
+            def behaviour(requests, context):
+                return inner((check(r) for r in requests), context)
+        elif handler.response_streaming:
+            def behaviour(request, context):
+                if isinstance(request, _Undecodable):
+                    refuse(context, refusal(request))
+                yield from inner(request, context)
+        else:
+            def behaviour(request, context):
+                if isinstance(request, _Undecodable):
+                    refuse(context, refusal(request))
+                return inner(request, context)
+        make = getattr(grpc, f"{kind}_rpc_method_handler")
+        return make(behaviour, request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
 
 
 def domain_error(err: grpc.RpcError, peer: str) -> Exception:

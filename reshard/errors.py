@@ -32,3 +32,11 @@ class InvalidTopologyError(ReshardError, ValueError):
 
 class PlanValidationError(ReshardError, ValueError):
     """A plan that would not deliver every destination tile exactly once."""
+
+
+class InvalidJsonError(ReshardError, ValueError):
+    """A JSON document that does not parse, or is not standard JSON (NaN, Infinity)."""
+
+
+class JsonLimitError(InvalidJsonError):
+    """A JSON document over its reader's size or nesting limit; the service answers RESOURCE_EXHAUSTED."""

@@ -13,11 +13,13 @@ abstract    a mesh without devices; it can compute tiles but not plans.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
 from reshard.errors import InvalidMeshError
+from reshard.jsonio import field_of, need
 
 __all__ = ["Mesh", "host_of"]
 
@@ -85,7 +87,7 @@ class Mesh:
                     raise InvalidMeshError(f"device id {d!r} is not a string like 'node0/1'")
                 host_of(d)
             if len(set(devices)) != len(devices):
-                dup = sorted({d for d in devices if devices.count(d) > 1})
+                dup = sorted(d for d, n in Counter(devices).items() if n > 1)
                 raise InvalidMeshError(
                     f"devices {dup} appear more than once in the mesh; each device may hold one position"
                 )
@@ -201,12 +203,17 @@ class Mesh:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Mesh":
-        try:
-            axes = [tuple(a) for a in data["axes"]]
-        except (KeyError, TypeError) as e:
-            raise InvalidMeshError(f"mesh JSON needs 'axes' as [[name, size], ...]; got {data!r}") from e
-        return cls(axes, data.get("devices"))
+    def from_json(cls, data) -> "Mesh":
+        """Read what `to_json` writes: ``{"axes": [[name, size], ...], "devices": [id, ...] or null}``."""
+        need(data, "object", "mesh JSON", InvalidMeshError)
+        axes = field_of(data, "axes", "array", "mesh JSON", InvalidMeshError)
+        for i, axis in enumerate(axes):
+            need(axis, "array", f"mesh JSON axis {i} (a [name, size] pair)", InvalidMeshError)
+        devices = data.get("devices")
+        if devices is not None:
+            need(devices, "array", "mesh JSON field 'devices' (device ids, or null for an abstract mesh)",
+                 InvalidMeshError)
+        return cls([tuple(a) for a in axes], devices)
 
     def __str__(self) -> str:
         inner = ", ".join(f"{n}={s}" for n, s in self.axes)

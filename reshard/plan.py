@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, estimate_seconds, lower_bound_seconds, phase_loads
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import PlanValidationError
+from reshard.jsonio import brief, describe, field_of, loads, need
 from reshard.sharding import Box, Sharding, normalise_shape
 from reshard.tasks import decompose
 from reshard.topology import Topology
@@ -36,6 +38,8 @@ __all__ = [
     "ContentAddressed",
     "check_version",
     "check_claimed_id",
+    "box_from_json",
+    "strings",
 ]
 
 PLAN_VERSION = 1
@@ -70,20 +74,20 @@ class Transfer:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Transfer":
-        try:
-            return cls(
-                box=tuple((int(lo), int(hi)) for lo, hi in data["box"]),
-                sender=str(data["sender"]),
-                receivers=tuple(str(r) for r in data["receivers"]),
-                method=str(data["method"]),
-                phase=int(data.get("phase", 0)),
-                route=tuple(str(h) for h in data.get("route", ())),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanValidationError(
-                f"transfer JSON needs box, sender, receivers, method (and phase, route); got {data!r}"
-            ) from e
+    def from_json(cls, data, what: str = "transfer JSON") -> "Transfer":
+        """Read what `to_json` writes (``phase`` 0 and ``route`` empty when left out); ``what`` names
+        ``data`` in errors."""
+        need(data, "object", what, PlanValidationError)
+        return cls(
+            box=box_from_json(field_of(data, "box", "array", what, PlanValidationError), f"{what} field 'box'"),
+            sender=field_of(data, "sender", "string", what, PlanValidationError),
+            receivers=strings(field_of(data, "receivers", "array", what, PlanValidationError),
+                              f"{what} field 'receivers'"),
+            method=field_of(data, "method", "string", what, PlanValidationError),
+            phase=field_of(data, "phase", "integer", what, PlanValidationError, default=0),
+            route=strings(field_of(data, "route", "array", what, PlanValidationError, default=()),
+                          f"{what} field 'route'"),
+        )
 
     def __str__(self) -> str:
         via = f" via {'->'.join(self.route)}" if self.route else ""
@@ -190,21 +194,22 @@ class Plan(ContentAddressed):
 
     @classmethod
     def from_json(cls, data) -> "Plan":
-        if isinstance(data, (str, bytes)):
-            data = json.loads(data)
+        """Read what `to_json` writes, as a mapping or as JSON text (read with `reshard.jsonio.loads`'s limits)."""
+        if isinstance(data, (str, bytes, bytearray)):
+            data = loads(data, "plan JSON")
+        need(data, "object", "plan JSON", PlanValidationError)
         check_version(data, "plan", PLAN_VERSION)
-        try:
-            plan = cls(
-                shape=normalise_shape(data["shape"]),
-                dtype=dtype_name(data["dtype"]),
-                src=Sharding.from_json(data["src"]),
-                dst=Sharding.from_json(data["dst"]),
-                strategy=str(data["strategy"]),
-                transfers=tuple(Transfer.from_json(t) for t in data["transfers"]),
-                topology=Topology.from_json(data.get("topology", {})),
-            )
-        except KeyError as e:
-            raise PlanValidationError(f"plan JSON lacks the field {e.args[0]!r}") from None
+        transfers = field_of(data, "transfers", "array", "plan JSON", PlanValidationError)
+        plan = cls(
+            shape=normalise_shape(field_of(data, "shape", "array", "plan JSON", PlanValidationError)),
+            dtype=dtype_name(field_of(data, "dtype", "string", "plan JSON", PlanValidationError)),
+            src=Sharding.from_json(field_of(data, "src", "object", "plan JSON", PlanValidationError)),
+            dst=Sharding.from_json(field_of(data, "dst", "object", "plan JSON", PlanValidationError)),
+            strategy=field_of(data, "strategy", "string", "plan JSON", PlanValidationError),
+            transfers=tuple(Transfer.from_json(t, f"plan JSON transfer {i}") for i, t in enumerate(transfers)),
+            topology=Topology.from_json(field_of(data, "topology", "object", "plan JSON", PlanValidationError,
+                                              default={})),
+        )
         return check_claimed_id(data, plan, "plan")
 
     # -- validation ----------------------------------------------------------------------
@@ -283,19 +288,37 @@ def content_id(canonical: Mapping) -> str:
 
 
 def check_version(data: Mapping, what: str, version: int) -> None:
-    if data.get("version") != version:
+    found = data.get("version")
+    if isinstance(found, bool) or found != version:
         raise PlanValidationError(
-            f"{what} JSON version {data.get('version')!r} is not supported; this reshard reads version {version}"
+            f"{what} JSON version {brief(found)} is not supported; this reshard reads version {version}"
         )
 
 
 def check_claimed_id(data: Mapping, made, what: str):
     """``made``, read from ``data``, if the id ``data`` claims (if any) is ``made``'s own."""
-    if "id" in data and data["id"] != made.id:
-        raise PlanValidationError(
-            f"{what} JSON claims id {data['id']} but its content hashes to {made.id}; it was altered"
-        )
+    claimed = data.get("id", made.id)
+    if claimed != made.id:
+        shown = claimed[:80] if isinstance(claimed, str) else brief(claimed)
+        raise PlanValidationError(f"{what} JSON claims id {shown} but its content hashes to {made.id}; it was altered")
     return made
+
+
+def box_from_json(raw, what: str) -> Box:
+    """A box from JSON ``[[lo, hi], ...]`` (``raw`` already an array); ``what`` names it in errors."""
+    out = []
+    for d, bounds in enumerate(raw):
+        need(bounds, "array", f"{what} dim {d}", PlanValidationError)
+        if len(bounds) != 2:
+            raise PlanValidationError(f"{what} dim {d} must be a [lo, hi] pair; got {describe(bounds)}")
+        out.append((need(bounds[0], "integer", f"{what} dim {d} lo", PlanValidationError),
+                    need(bounds[1], "integer", f"{what} dim {d} hi", PlanValidationError)))
+    return tuple(out)
+
+
+def strings(raw, what: str) -> tuple[str, ...]:
+    """The strings of a JSON array (``raw`` already an array); ``what`` names it in errors."""
+    return tuple(need(x, "string", f"{what} item {i}", PlanValidationError) for i, x in enumerate(raw))
 
 
 def check_transfer(where, t: Transfer, shape: tuple[int, ...], hosts: HostCache) -> None:
@@ -407,6 +430,13 @@ def _coverage(tile: Box, held_tile: Optional[Box], pieces: Sequence[Box]) -> tup
     lo = np.clip(raw[:, :, 0], t[:, 0], t[:, 1])
     hi = np.clip(raw[:, :, 1], t[:, 0], t[:, 1])
     outside = int(np.prod(raw[:, :, 1] - raw[:, :, 0], axis=1).sum() - np.prod(hi - lo, axis=1).sum())
+    # A dim no piece cuts (each spans the whole tile there) multiplies every count by its width; leaving
+    # such dims out keeps the 2**ndim corners below to the dims pieces cut, not every dim of the tensor.
+    cut = [d for d in range(len(tile)) if (lo[:, d] != t[d, 0]).any() or (hi[:, d] != t[d, 1]).any()]
+    whole = math.prod(hi_ - lo_ for d, (lo_, hi_) in enumerate(tile) if d not in cut)
+    if not cut:
+        return 0, outside + (len(all_pieces) - 1) * whole
+    lo, hi, tile = lo[:, cut], hi[:, cut], tuple(tile[d] for d in cut)
     cuts = [np.unique(np.concatenate([lo[:, d], hi[:, d], tile[d]])) for d in range(len(tile))]
     lo_idx = [np.searchsorted(c, lo[:, d]) for d, c in enumerate(cuts)]
     hi_idx = [np.searchsorted(c, hi[:, d]) for d, c in enumerate(cuts)]
@@ -424,6 +454,6 @@ def _coverage(tile: Box, held_tile: Optional[Box], pieces: Sequence[Box]) -> tup
         shape = [1] * ndim
         shape[d] = len(c) - 1
         widths = widths * np.diff(c).reshape(shape)
-    missing = int(widths[counts == 0].sum())
-    excess = int((widths * np.maximum(counts - 1, 0)).sum())
+    missing = int(widths[counts == 0].sum()) * whole
+    excess = int((widths * np.maximum(counts - 1, 0)).sum()) * whole
     return missing, outside + excess

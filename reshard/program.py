@@ -53,8 +53,7 @@ over its device's memory bandwidth; a reduce its rounds on the fluid model.
 
 from __future__ import annotations
 
-import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -63,17 +62,20 @@ from typing import Optional
 from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, flow_totals, reduce_rounds, transfer_flows
 from reshard.dtypes import dtype_name, itemsize
-from reshard.errors import InvalidMeshError, PlanValidationError, ReshardError
+from reshard.errors import InvalidMeshError, PlanValidationError
+from reshard.jsonio import brief, field_of, loads, need
 from reshard.kernels import KERNELS, KernelShapeError
 from reshard.mesh import host_of
 from reshard.plan import (
     ContentAddressed,
     Plan,
     Transfer,
+    box_from_json,
     check_claimed_id,
     check_delivery,
     check_transfer,
     check_version,
+    strings,
 )
 from reshard.sharding import Box, Sharding, normalise_shape
 from reshard.topology import Topology
@@ -140,8 +142,11 @@ class TileRef:
         return {"tensor": self.tensor, "role": self.role, "box": [[lo, hi] for lo, hi in self.box]}
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "TileRef":
-        return cls(str(data["tensor"]), str(data["role"]), _box(data["box"]))
+    def from_json(cls, data, what: str = "tile JSON") -> "TileRef":
+        need(data, "object", what, PlanValidationError)
+        return cls(field_of(data, "tensor", "string", what, PlanValidationError),
+                   field_of(data, "role", "string", what, PlanValidationError),
+                   box_from_json(field_of(data, "box", "array", what, PlanValidationError), f"{what} field 'box'"))
 
     def __str__(self) -> str:
         return f"{self.tensor}:{self.role}{boxes.box_str(self.box)}"
@@ -180,13 +185,15 @@ class TensorDecl:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "TensorDecl":
+    def from_json(cls, data, what: str = "tensor JSON") -> "TensorDecl":
+        need(data, "object", what, PlanValidationError)
+        src, dst = (field_of(data, key, "object", what, PlanValidationError, default=None) for key in ("src", "dst"))
         return cls(
-            name=str(data["name"]),
-            shape=data["shape"],
-            dtype=data["dtype"],
-            src=Sharding.from_json(data["src"]) if "src" in data else None,
-            dst=Sharding.from_json(data["dst"]) if "dst" in data else None,
+            name=field_of(data, "name", "string", what, PlanValidationError),
+            shape=field_of(data, "shape", "array", what, PlanValidationError),
+            dtype=field_of(data, "dtype", "string", what, PlanValidationError),
+            src=Sharding.from_json(src) if src is not None else None,
+            dst=Sharding.from_json(dst) if dst is not None else None,
         )
 
 
@@ -298,27 +305,34 @@ class Step:
         return out
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Step":
+    def from_json(cls, data, what: str = "step JSON") -> "Step":
+        """Read what `to_json` writes; ``what`` names ``data`` in errors."""
+        E = PlanValidationError
+        need(data, "object", what, E)
         kind = data.get("kind")
         if kind not in STEP_KINDS:
-            raise PlanValidationError(f"step JSON kind {kind!r} is not one of {list(STEP_KINDS)}; got {dict(data)!r}")
-        try:
-            sid, after = int(data["id"]), tuple(int(a) for a in data.get("after", ()))
-            if kind == MOVE:
-                return cls.move(sid, Transfer.from_json(data), after, str(data["tensor"]))
-            inputs = tuple(TileRef.from_json(r) for r in data["inputs"])
-            output = TileRef.from_json(data["output"]) if data.get("output") is not None else None
-            if kind == COMPUTE:
-                return cls.compute(sid, str(data["kernel"]), str(data["device"]), inputs, output, after,
-                                   data.get("params", {}))
-            dim = data.get("dim")
-            return cls(sid, REDUCE, after, op=str(data["op"]), devices=tuple(data["devices"]), inputs=inputs,
-                       output=output, result=str(data["result"]), algorithm=str(data["algorithm"]),
-                       dim=None if dim is None else int(dim))
-        except ReshardError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanValidationError(f"step JSON lacks or mistypes a field ({e!r}); got {dict(data)!r}") from None
+            raise E(f"{what} field 'kind' is {brief(kind)}, not one of {list(STEP_KINDS)}")
+        sid = field_of(data, "id", "integer", what, E)
+        after = tuple(need(a, "integer", f"{what} field 'after' item {i}", E)
+                      for i, a in enumerate(field_of(data, "after", "array", what, E, default=())))
+        if kind == MOVE:
+            return cls.move(sid, Transfer.from_json(data, what), after, field_of(data, "tensor", "string", what, E))
+        inputs = tuple(TileRef.from_json(r, f"{what} input {i}")
+                       for i, r in enumerate(field_of(data, "inputs", "array", what, E)))
+        output = field_of(data, "output", "object", what, E, default=None)
+        output = TileRef.from_json(output, f"{what} field 'output'") if output is not None else None
+        if kind == COMPUTE:
+            params = field_of(data, "params", "object", what, E, default={})
+            for key, value in params.items():
+                need(value, "string", f"{what} param {brief(key)}", E)
+            return cls.compute(sid, field_of(data, "kernel", "string", what, E),
+                               field_of(data, "device", "string", what, E), inputs, output, after, params)
+        dim = data.get("dim")
+        return cls(sid, REDUCE, after, op=field_of(data, "op", "string", what, E),
+                   devices=strings(field_of(data, "devices", "array", what, E), f"{what} field 'devices'"),
+                   inputs=inputs, output=output, result=field_of(data, "result", "string", what, E),
+                   algorithm=field_of(data, "algorithm", "string", what, E),
+                   dim=None if dim is None else need(dim, "integer", f"{what} field 'dim'", E))
 
     def __str__(self) -> str:
         after = f" after {','.join(map(str, self.after))}" if self.after else ""
@@ -553,25 +567,24 @@ class Program(ContentAddressed):
     @classmethod
     def from_json(cls, data) -> "Program":
         """Read program JSON, or plan JSON v1 (what `Plan.to_json` writes), which becomes `from_plan` of it."""
-        if isinstance(data, (str, bytes)):
-            data = json.loads(data)
+        if isinstance(data, (str, bytes, bytearray)):
+            data = loads(data, "program JSON")
+        E = PlanValidationError
+        need(data, "object", "program JSON", E)
         if data.get("kind") != "program":
             if "transfers" in data and "steps" not in data:
                 return cls.from_plan(Plan.from_json(data))
-            raise PlanValidationError(
-                f"JSON with kind {data.get('kind')!r} and fields {sorted(data)} is neither a program (kind "
-                f"'program', with steps) nor a plan (with transfers)"
-            )
+            raise E(f"JSON with kind {brief(data.get('kind'))} and fields {brief(sorted(map(str, data)))} is neither "
+                    f"a program (kind 'program', with steps) nor a plan (with transfers)")
         check_version(data, "program", PROGRAM_VERSION)
-        try:
-            program = cls(
-                tensors=tuple(TensorDecl.from_json(t) for t in data["tensors"]),
-                steps=tuple(Step.from_json(s) for s in data["steps"]),
-                strategy=str(data.get("strategy", "")),
-                topology=Topology.from_json(data.get("topology", {})),
-            )
-        except KeyError as e:
-            raise PlanValidationError(f"program JSON lacks the field {e.args[0]!r}") from None
+        tensors = field_of(data, "tensors", "array", "program JSON", E)
+        steps = field_of(data, "steps", "array", "program JSON", E)
+        program = cls(
+            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}") for i, t in enumerate(tensors)),
+            steps=tuple(Step.from_json(s, f"program JSON step {i}") for i, s in enumerate(steps)),
+            strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
+            topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
+        )
         return check_claimed_id(data, program, "program")
 
     # -- validation ---------------------------------------------------------------------------------
@@ -705,7 +718,7 @@ class Program(ContentAddressed):
                 raise PlanValidationError(f"{where}: {name} {value!r} is not one of {list(valid)}")
         if not s.devices:
             raise PlanValidationError(f"{where}: a reduce needs a group of at least one device")
-        repeated = sorted({d for d in s.devices if s.devices.count(d) > 1})
+        repeated = sorted(d for d, n in Counter(s.devices).items() if n > 1)
         if repeated:
             raise PlanValidationError(
                 f"{where}: devices {list(s.devices)} name {repeated} more than once; each member of the group "

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 from typing import Union
 
 from reshard.errors import InvalidShapeError, InvalidShardingError
+from reshard.jsonio import brief, field_of, need
 from reshard.mesh import Mesh
 
-__all__ = ["Sharding", "Shard", "Replicate", "Box", "normalise_shape", "chunk_bounds"]
+__all__ = ["Sharding", "Shard", "Replicate", "Box", "normalise_shape", "chunk_bounds", "MAX_NDIM"]
 
 Box = tuple[tuple[int, int], ...]
 SpecEntry = Union[None, str, Sequence[str]]
@@ -47,15 +48,25 @@ class Replicate:
         return "R"
 
 
+# numpy arrays have at most 64 dims, and numpy, torch and the wire count elements in int64.
+MAX_NDIM = 64
+_MAX_SIZE = 2**63 - 1
+
+
 def normalise_shape(shape) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes, Mapping)):
+        raise InvalidShapeError(f"shape {brief(shape)} is not a sequence of sizes like (1024, 512)")
     try:
         dims = tuple(shape)
     except TypeError:
-        raise InvalidShapeError(f"shape {shape!r} is not a sequence of sizes like (1024, 512)") from None
+        raise InvalidShapeError(f"shape {brief(shape)} is not a sequence of sizes like (1024, 512)") from None
+    if len(dims) > MAX_NDIM:
+        raise InvalidShapeError(f"shape has {len(dims)} dims; a tensor has at most {MAX_NDIM} (numpy's limit)")
     for i, s in enumerate(dims):
-        if isinstance(s, bool) or not isinstance(s, int) or s <= 0:
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 < s <= _MAX_SIZE:
             raise InvalidShapeError(
-                f"dim {i} of shape {dims} has size {s!r}; every dim size must be a positive integer"
+                f"dim {i} of shape {dims} has size {s!r}; every dim size must be a positive integer "
+                f"(below 2**63)"
             )
     return tuple(int(s) for s in dims)
 
@@ -234,8 +245,8 @@ class Sharding:
     def tiles(self, shape) -> dict[str, Box]:
         """Every device's tile, by device id."""
         shape = self.check_shape(shape)
+        devices = self.mesh.require_devices()  # first: an abstract mesh's axes may be any size
         chunks = self.dim_chunks(shape)
-        devices = self.mesh.require_devices()
         return {
             dev: tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(p, len(shape))))
             for p, dev in enumerate(devices)
@@ -261,12 +272,15 @@ class Sharding:
         return {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Sharding":
-        try:
-            mesh = Mesh.from_json(data["mesh"])
-            spec = [tuple(a) if a else None for a in data["spec"]]
-        except (KeyError, TypeError) as e:
-            raise InvalidShardingError(
-                f"sharding JSON needs 'mesh' and 'spec' (per dim, a list of axes); got {data!r}"
-            ) from e
+    def from_json(cls, data) -> "Sharding":
+        """Read what `to_json` writes: ``{"mesh": <mesh JSON>, "spec": [[axis, ...] per dim]}``; a spec entry
+        may also be null or one axis name, as in ``P``."""
+        need(data, "object", "sharding JSON", InvalidShardingError)
+        mesh = Mesh.from_json(field_of(data, "mesh", "object", "sharding JSON", InvalidShardingError))
+        spec = []
+        for d, axes in enumerate(field_of(data, "spec", "array", "sharding JSON", InvalidShardingError)):
+            if axes is not None and not isinstance(axes, str):
+                axes = tuple(need(axes, "array", f"sharding JSON spec entry {d} (the axes that split dim {d})",
+                                  InvalidShardingError)) or None
+            spec.append(axes)
         return cls(mesh, spec)

@@ -10,17 +10,21 @@ set a few hundred to a few thousand.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from reshard.errors import InvalidTopologyError
+from reshard.jsonio import brief, field_of, need
 
 __all__ = ["Topology"]
 
 
 def _positive(name: str, value, unit: str = "Gbit/s") -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise InvalidTopologyError(f"{name} is {value!r}; bandwidths must be positive numbers of {unit}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidTopologyError(
+            f"{name} is {brief(value)}; bandwidths must be positive numbers of {unit}, and finite"
+        )
     return float(value)
 
 
@@ -67,7 +71,10 @@ class Topology:
         }
 
     @classmethod
-    def from_json(cls, data: Mapping) -> "Topology":
+    def from_json(cls, data) -> "Topology":
+        need(data, "object", "topology JSON", InvalidTopologyError)
+        for key in ("host_nic_gbps", "host_intra_gbps", "host_memory_gb_per_s"):
+            field_of(data, key, "object", "topology JSON", InvalidTopologyError, default={})
         return cls(
             nic_gbps=data.get("nic_gbps", 10.0),
             intra_host_gbps=data.get("intra_host_gbps", 100.0),

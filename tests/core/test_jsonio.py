@@ -1,0 +1,134 @@
+"""`reshard.jsonio`: JSON read within limits, refused before parsing when too large or too deep.
+
+The depth bound is checked against the real nesting of generated documents, and
+arbitrary text (brackets and quotes weighted in) is shown to raise nothing but
+`InvalidJsonError`: never a ``RecursionError`` from the parser.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from reshard.errors import InvalidJsonError, InvalidShardingError, JsonLimitError, ReshardError
+from reshard.jsonio import MAX_DEPTH, describe, field_of, loads, need, nesting_bound
+
+# (name, text, limits, error, message)
+CASES = [
+    ("an object", '{"a": [1, 2.5, "x", null, true]}', {}, None, None),
+    ("32 levels, the limit", "[" * 32 + "]" * 32, {}, None, None),
+    ("33 levels", "[" * 33 + "]" * 33, {}, JsonLimitError,
+     r"^doc nests arrays and objects more than 32 levels deep, the limit for a JSON document$"),
+    ("a million unclosed brackets", "[" * 1_000_000, {"max_bytes": 2**21}, JsonLimitError, r"more than 32 levels"),
+    ("unclosed brackets, then closers of the other kind", "[" * 100_000 + "}" * 100_000, {}, JsonLimitError,
+     r"more than 32 levels"),
+    ("deep objects", '{"a":' * 40 + "1" + "}" * 40, {}, JsonLimitError, r"more than 32 levels"),
+    ("brackets inside strings do not nest", json.dumps(["[" * 1000 + '\\"{' * 100]), {}, None, None),
+    ("a lower depth limit", "[[[1]]]", {"max_depth": 2}, JsonLimitError, r"more than 2 levels deep"),
+    ("over the size limit", "[" + "1," * 600 + "1]", {"max_bytes": 1000}, JsonLimitError,
+     r"^doc is 1203 bytes, over the limit of 1000 bytes for a JSON document$"),
+    ("size counts UTF-8 bytes", json.dumps("é" * 500, ensure_ascii=False), {"max_bytes": 1000}, JsonLimitError,
+     r"is 1002 bytes"),
+    ("bytes over the limit", b"[1, 2]", {"max_bytes": 5}, JsonLimitError, r"is 6 bytes, over the limit of 5"),
+    ("UTF-8 bytes", '{"é": 1}'.encode(), {}, None, None),
+    ("bytes that are not UTF-8", b'{"a": "\xff"}', {}, InvalidJsonError,
+     r"^doc is not UTF-8: invalid start byte at byte 7$"),
+    ("empty", "", {}, InvalidJsonError, r"^doc is not JSON: Expecting value at line 1 column 1$"),
+    ("cut off", '{"a": [1, 2', {}, InvalidJsonError, r"is not JSON: Expecting ',' delimiter"),
+    ("trailing data", "{} {}", {}, InvalidJsonError, r"is not JSON: Extra data at line 1 column 4"),
+    ("NaN", '{"a": NaN}', {}, InvalidJsonError, r"NaN is not a JSON value \(standard JSON has no NaN or Infinity\)"),
+    ("-Infinity", "[-Infinity]", {}, InvalidJsonError, r"-Infinity is not a JSON value"),
+    ("a number too large for a float", "[1e999]", {}, InvalidJsonError,
+     r"the number 1e999 does not fit a 64-bit float"),
+    ("an integer of 5000 digits", "9" * 5000, {}, InvalidJsonError, r"is not usable JSON: .*integer string"),
+    ("not text at all", 5, {}, InvalidJsonError, r"^doc must be JSON text \(a string\); got an integer 5$"),
+]
+
+
+@pytest.mark.parametrize("text,limits,error,message", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_loads(text, limits, error, message):
+    if error is None:
+        assert loads(text, "doc", **limits) == json.loads(text)
+        return
+    with pytest.raises(error, match=message) as e:
+        loads(text, "doc", **limits)
+    assert isinstance(e.value, ValueError) and isinstance(e.value, ReshardError)
+
+
+def _depth(value) -> int:
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
+BRACKETY = st.text(st.sampled_from('[]{}"\\,:ab '), max_size=12)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | BRACKETY,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(BRACKETY, inner, max_size=4),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(JSON, st.booleans())
+def test_the_nesting_bound_is_the_depth_of_valid_json(value, indent):
+    text = json.dumps(value, indent=1 if indent else None, ensure_ascii=indent)
+    assert nesting_bound(text) == _depth(value)
+    assert nesting_bound(text, limit=1) >= min(_depth(value), 2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(st.sampled_from('[]{}"\\:,0 a'), max_size=400) | st.text(max_size=50))
+def test_any_text_reads_or_raises_invalid_json(text):
+    try:
+        loads(text, "doc", max_depth=4)
+    except InvalidJsonError:
+        pass
+
+
+def test_the_bound_covers_what_a_parser_would_recurse_into_in_a_broken_document():
+    # Strings the parser never reaches still count, and unmatched openers count as levels.
+    assert nesting_bound('[[["]]]') == 3
+    assert nesting_bound("]]][[[") == 3
+    assert nesting_bound("[" * 10, limit=3) >= 4
+
+
+@pytest.mark.parametrize("value,kind,message", [
+    (None, "object", r"^sharding JSON field 'mesh' must be a JSON object \{\.\.\.\}; got null$"),
+    ([1, 2], "object", r"must be a JSON object \{\.\.\.\}; got an array \[1, 2\]$"),
+    ({"a": 1}, "array", r"must be a JSON array \[\.\.\.\]; got an object \{'a': 1\}$"),
+    (True, "integer", r"must be an integer; got true$"),
+    (2.0, "integer", r"must be an integer; got a number 2\.0$"),
+    (float("nan"), "number", r"must be a finite number; got a number nan$"),
+    ("x" * 1000, "integer", r"got a string 'x{30,}\.\.\.x+'$"),
+    ([[[[[1]]]]], "string", r"got an array \[\[\[\[\.\.\.\]\]\]\]$"),
+])
+def test_need_names_the_field_the_type_it_must_have_and_what_it_has(value, kind, message):
+    with pytest.raises(InvalidShardingError, match=message):
+        need(value, kind, "sharding JSON field 'mesh'", InvalidShardingError)
+
+
+def test_field_of():
+    doc = {"mesh": {}, "spec": None}
+    assert field_of(doc, "mesh", "object", "sharding JSON", InvalidShardingError) == {}
+    assert field_of(doc, "other", "array", "sharding JSON", InvalidShardingError, default=()) == ()
+    with pytest.raises(InvalidShardingError, match=r"^sharding JSON lacks the field 'x', which must be a string$"):
+        field_of(doc, "x", "string", "sharding JSON", InvalidShardingError)
+    with pytest.raises(InvalidShardingError, match=r"^sharding JSON field 'spec' must be a JSON array \[\.\.\.\]; "
+                                                   r"got null$"):
+        field_of(doc, "spec", "array", "sharding JSON", InvalidShardingError)
+
+
+def test_describe_is_short_however_large_the_value():
+    assert len(describe(list(range(10**5)))) < 100
+    assert len(describe({"k" * 10**5: "v" * 10**5})) < 300
+    assert describe(1.5) == "a number 1.5" and describe("a") == "a string 'a'" and describe(False) == "false"
+
+
+def test_the_default_depth_admits_every_document_the_core_writes():
+    assert MAX_DEPTH >= 12  # program JSON nests 8 deep: program, tensors, decl, src, mesh, axes, pair
