@@ -29,7 +29,7 @@ from typing import Any, Optional, Union
 import grpc
 import numpy as np
 
-from reshard.box import Box, to_slices, volume
+from reshard.box import Box, box_str, to_slices, volume
 from reshard.proto import devices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
@@ -74,9 +74,11 @@ class TensorInfo:
     sharding: Sharding
     version: int
     kind: str
+    lost: bool = False  # some tile has no copy left (every agent that held one restarted): get() raises DataLossError
 
     def __str__(self) -> str:
-        return f"{self.name}: {self.dtype}{list(self.shape)} {self.sharding} v{self.version}"
+        return (f"{self.name}: {self.dtype}{list(self.shape)} {self.sharding} v{self.version}"
+                + (" LOST" if self.lost else ""))
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,8 @@ class Client:
         reply = self._planner_call("ListAgents", pb.Empty())
         return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
                  "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group,
-                 "device": a.device or "cpu", "gpu_uuid": a.gpu_uuid, "transport_reason": a.transport_reason}
+                 "device": a.device or "cpu", "gpu_uuid": a.gpu_uuid, "transport_reason": a.transport_reason,
+                 "memory_used_bytes": a.memory_used_bytes, "memory_limit_bytes": a.memory_limit_bytes}
                 for a in reply.agents]
 
     def devices(self) -> list[str]:
@@ -460,7 +463,7 @@ class Client:
                                 f"{[q.device for q in t.locations]}")
         if p.lost:
             raise DataLossError(f"the shard of {name!r} v{t.version} on device {device} (tile "
-                                f"{list(box_from_pb(p.box))}) was lost: the agent of host {host_of(device)} restarted")
+                                f"{box_str(box_from_pb(p.box))}) was lost: the agent of host {host_of(device)} restarted")
         if target is not None:
             return self._fetch(name, t.version, p, t.dtype, target, ipc)
         arr = self._download(name, t.version, device, p.address)
@@ -536,14 +539,14 @@ def _check_not_lost(t: pb.TensorInfo) -> None:
     for p in t.locations:
         held.setdefault(box_from_pb(p.box), []).append(p)
     gone = {tile: [p.device for p in ps] for tile, ps in held.items() if all(p.lost for p in ps)}
-    shown = "; ".join(f"tile {list(tile)} held by {devs}" for tile, devs in list(gone.items())[:8])
+    shown = "; ".join(f"tile {box_str(tile)} held by {', '.join(devs)}" for tile, devs in list(gone.items())[:8])
     raise DataLossError(f"tensor {t.name!r} v{t.version} lost {len(gone)} of its {len(held)} tiles: every agent that "
                         f"held them restarted ({shown}{'; ...' if len(gone) > 8 else ''}); put it again, or delete it")
 
 
 def _info(t: pb.TensorInfo) -> TensorInfo:
     return TensorInfo(t.name, tuple(t.shape), t.dtype, Sharding.from_json(json.loads(t.sharding_json)), t.version,
-                      t.kind)
+                      t.kind, t.lost)
 
 
 def connect(address: str, **kwargs) -> Client:

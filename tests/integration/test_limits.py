@@ -241,13 +241,15 @@ def test_a_tensor_whose_only_copy_died_is_lost_everywhere(cluster, client):
     cluster.start_agent("host3")  # a new process: registers once the planner marked the old one down
 
     with pytest.raises(DataLossError, match=r"tensor 'solo' v1 lost 2 of its 2 tiles: every agent that held them "
-                                            r"restarted \(tile \[\(0, 131072\)\] held by \['host3/0'\]; tile "
-                                            r"\[\(131072, 262144\)\] held by \['host3/1'\]\)"):
+                                            r"restarted \(tile \[0:131072\] held by host3/0; tile "
+                                            r"\[131072:262144\] held by host3/1\)"):
         client.get("solo")
     with pytest.raises(DataLossError, match=r"device host3/1 .* was lost: the agent of host host3 restarted"):
         client.get_shard("solo", "host3/1")
     listed = {t.name: t for t in _planner(cluster).ListTensors(pb.Empty(), timeout=10).tensors}
     assert listed["solo"].lost and not listed["mirrored"].lost
+    sdk = {t.name: t for t in client.tensors()}
+    assert sdk["solo"].lost and not sdk["mirrored"].lost and str(sdk["solo"]).endswith("LOST")
     one = _planner(cluster).GetTensor(pb.TensorRequest(name="mirrored"), timeout=10)
     assert [(p.device, p.lost) for p in one.locations] == [("host2/0", False), ("host2/1", False),
                                                            ("host3/0", True), ("host3/1", True)]
