@@ -53,6 +53,8 @@ def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
     while True:
         if i >= len(buf):
             raise InvalidArgumentError("a push message ends inside a varint; it was cut off")
+        if shift > 63:  # else a frame of continuation bytes costs time quadratic in its length, before any check
+            raise InvalidArgumentError("a push message holds a varint longer than 10 bytes; protobuf writes at most 10")
         b = buf[i]
         i += 1
         n |= (b & 0x7F) << shift

@@ -136,13 +136,16 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a JSON value (standard JSON has no NaN or Infinity)")
 
 
-def loads(text, what: str, *, max_bytes: int = MAX_BYTES, max_depth: int = MAX_DEPTH):
+def loads(text, what: str, *, max_bytes: int | None = MAX_BYTES, max_depth: int = MAX_DEPTH):
     """The value of the JSON document ``text`` (str, or UTF-8 bytes), read as ``what`` (e.g. "sharding_json").
 
-    Raises `JsonLimitError` for a document over ``max_bytes`` bytes or nested
-    deeper than ``max_depth``, and `InvalidJsonError` for one that is not
-    standard JSON; both name ``what``.
+    Raises `JsonLimitError` for a document over ``max_bytes`` bytes (None: any
+    size, for text already trusted to be as large as it is) or nested deeper
+    than ``max_depth``, and `InvalidJsonError` for one that is not standard
+    JSON; both name ``what``.
     """
+    if max_bytes is None:
+        max_bytes = math.inf
     if isinstance(text, (bytes, bytearray, memoryview)):
         size = len(text)
         if size > max_bytes:

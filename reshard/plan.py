@@ -194,9 +194,10 @@ class Plan(ContentAddressed):
 
     @classmethod
     def from_json(cls, data) -> "Plan":
-        """Read what `to_json` writes, as a mapping or as JSON text (read with `reshard.jsonio.loads`'s limits)."""
+        """Read what `to_json` writes, as a mapping or as JSON text. Text is read at any size (a service reading
+        untrusted text decodes it first, with `reshard.jsonio.loads` and its limits), within the depth limit."""
         if isinstance(data, (str, bytes, bytearray)):
-            data = loads(data, "plan JSON")
+            data = loads(data, "plan JSON", max_bytes=None)
         need(data, "object", "plan JSON", PlanValidationError)
         check_version(data, "plan", PLAN_VERSION)
         transfers = field_of(data, "transfers", "array", "plan JSON", PlanValidationError)

@@ -566,9 +566,10 @@ class Program(ContentAddressed):
 
     @classmethod
     def from_json(cls, data) -> "Program":
-        """Read program JSON, or plan JSON v1 (what `Plan.to_json` writes), which becomes `from_plan` of it."""
+        """Read program JSON, or plan JSON v1 (what `Plan.to_json` writes), which becomes `from_plan` of it; text
+        as `Plan.from_json` reads it."""
         if isinstance(data, (str, bytes, bytearray)):
-            data = loads(data, "program JSON")
+            data = loads(data, "program JSON", max_bytes=None)
         E = PlanValidationError
         need(data, "object", "program JSON", E)
         if data.get("kind") != "program":

@@ -167,6 +167,15 @@ def test_the_documents_the_core_writes_read_back():
     assert Program.from_json(PLAN).to_json() == PROGRAM
 
 
+def test_text_of_any_size_reads_but_not_of_any_depth():
+    # A planner's plan of 256 devices is some 10 MiB: trusted text (a reply, a stored plan) has no size limit.
+    padded = json.dumps(PLAN) + " " * (5 * 2**20)
+    assert Plan.from_json(padded).to_json() == PLAN
+    assert Program.from_json(padded.encode()).to_json() == PROGRAM
+    with pytest.raises(InvalidJsonError, match=r"^program JSON nests arrays and objects more than 32 levels"):
+        Program.from_json("[" * 10**6)
+
+
 # -- any value, and valid documents with one node changed --------------------------------------------------------
 
 NAMES = st.sampled_from(["x", "y", "a/0", "a/1", "b/0", "b", "float32", "p2p", "local", "src", "g", "t", "sum",

@@ -466,6 +466,9 @@ HOSTILE = [
     ("a name that is not UTF-8", "Planner", "GetTensor", bytes([1 << 3 | 2, 1, 0xFF]), C.INVALID_ARGUMENT,
      r"GetTensor does not decode"),
     ("a push frame cut short", "Agent", "Push", [bytes([2 << 3 | 2, 0x80])], C.INVALID_ARGUMENT, r"does not decode"),
+    # Read a bit at a time, 4 MiB of one varint took CPU time quadratic in its length, before the token check.
+    ("a push frame of one endless varint", "Agent", "Push", [bytes([2 << 3 | 2]) + b"\xff" * 2**22],
+     C.INVALID_ARGUMENT, r"varint longer than 10 bytes"),
 ]
 
 
