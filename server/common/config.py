@@ -57,7 +57,11 @@ class AgentConfig:
     # The most shard bytes (committed and staged) the agent holds; 0: 3/4 of the machine's memory, or of
     # the GPU's for a cuda agent. A request that would go over it is refused before anything is allocated.
     memory_limit_bytes: int = 0
-    # A transfer stream that makes no progress this long fails its job, naming the peer.
+    # A gRPC push whose peer takes none of its pieces this long (a paused, hung or cut-off agent) is cancelled
+    # and fails its job, naming the peer; collective sends and receives give up after collective_timeout_s
+    # (a receive may wait that long for its sender to reach it). Either way the agent is free again, and
+    # the planner has usually failed the job sooner (PlannerConfig.stall_timeout_s). Keep it well above one
+    # chunk's time on the link (chunk_bytes / rate_limit_bytes_per_s included).
     stall_timeout_s: float = 10.0
 
     @property
@@ -111,8 +115,12 @@ class PlannerConfig:
     # No token: the planner answers loopback callers only.
     token: Optional[str] = field(default=None, repr=False)
     tls: Optional[TlsFiles] = None
-    # A running job fails this long after one of its hosts stopped answering (missed heartbeats, or no
-    # progress reported while it has work left), naming the host: at most heartbeat_timeout_s + stall_timeout_s.
+    # A running job fails as soon as one of its hosts stopped answering, naming the host, on either
+    # transport: when its agent is marked down (heartbeat_timeout_s without a heartbeat: a paused, hung or
+    # unreachable process), or when it sent no progress report for its part of the job for stall_timeout_s
+    # while its heartbeats go on. The bound: a job fails at most max(heartbeat_timeout_s, stall_timeout_s)
+    # + 0.2 s (jobs.WATCH_INTERVAL_S) after its host stopped answering: 8.2 s by default, about 5 s for a
+    # paused agent. The other hosts are aborted and the source stays as it was.
     stall_timeout_s: float = 8.0
     # Hostile or careless input: the largest JSON field (sharding, plan) in bytes and nesting depth, and the
     # largest plan one request may make, in unit tasks (boxes a source tile meets a destination tile in).

@@ -10,6 +10,13 @@ catalog swap: agents stage the new version's shards and make them visible only o
 commit, and the old version's shards are released only after every host finished
 and every receiver committed, so a failed job leaves the source as it was. Agent
 calls go through an `AgentCalls` object the service layer provides.
+
+While agents are called, the runner watches the job's hosts every `WATCH_INTERVAL_S`: a host
+whose agent is marked down (no heartbeat for ``heartbeat_timeout_s``) or was replaced, or whose
+Execute stream sent no progress report for ``stall_timeout_s`` while its part runs, *stopped
+answering*, and the job fails at once naming it, instead of waiting for the transports' own
+timeouts. The other hosts are aborted first and the failure is published; the calls to the host
+that stopped answering finish last, still under the tensor's lock, so a retry starts after them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from reshard.cost import network_copies, sender_bytes
 from reshard.mesh import host_of
 from reshard.plan import Plan
 from reshard.strategies import plan as make_plan
-from reshard.proto.errors import DeadlineExceededError
+from reshard.proto.errors import DeadlineExceededError, UnavailableError
+from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import Staging
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
 from reshard.server.planner.membership import GroupCoordinator
@@ -38,11 +46,20 @@ from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 
-__all__ = ["Job", "JobRunner", "AgentCalls", "Preparation", "STATES"]
+__all__ = ["Job", "JobRunner", "AgentCalls", "Preparation", "STATES", "WATCH_INTERVAL_S"]
 
 log = logging.getLogger(__name__)
 
 STATES = ("queued", "running", "succeeded", "failed")
+WATCH_INTERVAL_S = 0.2  # how often the hosts of a job are checked while agent calls are out
+
+
+class _NotAnswering(UnavailableError):
+    """A host of a running job stopped answering (see the module docstring)."""
+
+    def __init__(self, host: str, why: str):
+        super().__init__(f"host {host} stopped answering: {why}")
+        self.host = host
 
 
 @dataclass(frozen=True)
@@ -129,7 +146,8 @@ class Job:
 class JobRunner:
     def __init__(self, registry: Registry, catalog: Catalog, store: StateStore, agents: AgentCalls, *,
                  job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int,
-                 group: GroupCoordinator | None = None, group_wait_s: float = 0.0):
+                 group: GroupCoordinator | None = None, group_wait_s: float = 0.0,
+                 stall_timeout_s: float = PlannerConfig.stall_timeout_s):
         self.registry = registry
         self.group = group
         self.group_wait_s = group_wait_s
@@ -139,6 +157,7 @@ class JobRunner:
         self.agents = agents
         self.job_timeout_s = job_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self.stall_timeout_s = stall_timeout_s  # a host silent on its Execute stream this long stopped answering
         # (generation, job id, hosts by phase) -> None: drops a collective job's keys from the rendezvous store
         self.collective_cleanup: Callable[[int, str, dict[int, list[str]]], None] | None = None
         self._nccl_turn = threading.Lock()  # one collective job at a time on an NCCL group
@@ -188,19 +207,29 @@ class JobRunner:
             superseded = None
             try:
                 superseded = self._reshard(job)
-                job.state = "succeeded"
             except Exception as e:  # noqa: BLE001 - every failure is recorded on the job
-                job.state = "failed"
-                job.error = f"reshard of {job.tensor!r} to {job.dst.spec_str()} failed: {e}"
-                log.warning("job %s failed: %s", job.id[:8], job.error)
-            finally:
-                job.finished = time.time()
-                self.store.save_job(job.to_json())
-                job.done_event.set()
+                self._finish(job, e)
+            else:
+                self._finish(job)
             if superseded is not None:
                 # The new version is committed and the caller has it; freeing the old one is housekeeping,
                 # still under the tensor's lock so the next job on this tensor starts after it.
                 self.release(superseded)
+
+    def _finish(self, job: Job, error: BaseException | None = None) -> None:
+        """Record the job's outcome and wake its waiters (once: a failure may be published before the cleanup
+        that follows it ends)."""
+        if job.done_event.is_set():
+            return
+        if error is None:
+            job.state = "succeeded"
+        else:
+            job.state = "failed"
+            job.error = f"reshard of {job.tensor!r} to {job.dst.spec_str()} failed: {error}"
+            log.warning("job %s failed: %s", job.id[:8], job.error)
+        job.finished = time.time()
+        self.store.save_job(job.to_json())
+        job.done_event.set()
 
     def release(self, rec: TensorRecord) -> None:
         """Free ``rec``'s version on every host of its mesh that is registered, at once; failures are logged."""
@@ -208,17 +237,47 @@ class JobRunner:
         self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version,
                                                         self.rpc_timeout_s), sorted(src_agents))
 
-    def _fan_out(self, fn, hosts, deadline: float) -> None:
-        """Call ``fn(host)`` for every host at once; raise the first error, naming its host."""
+    def _fan_out(self, fn, hosts, deadline: float, watch: Callable[[list[str]], None] | None = None) -> None:
+        """Call ``fn(host)`` for every host at once; raise the first error, naming its host. While calls are
+        out, ``watch(hosts whose call is out)`` runs every `WATCH_INTERVAL_S` and fails the fan-out by raising."""
         futures = {self._calls_pool.submit(fn, h): h for h in hosts}
-        done, pending = wait(futures, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_EXCEPTION)
-        for f in done:
-            if f.exception() is not None:
-                raise f.exception()
-        if pending:
+        pending = set(futures)
+        while True:
+            left = deadline - time.monotonic()
+            done, pending = wait(pending, timeout=max(0.0, min(left, WATCH_INTERVAL_S)), return_when=FIRST_EXCEPTION)
+            for f in done:
+                if f.exception() is not None:
+                    raise f.exception()
+            if not pending:
+                return
             late = sorted(futures[f] for f in pending)
-            raise DeadlineExceededError(f"agents of hosts {late} did not finish within the job timeout "
-                                        f"({self.job_timeout_s:g}s)")
+            if left <= WATCH_INTERVAL_S:
+                raise DeadlineExceededError(f"agents of hosts {late} did not finish within the job timeout "
+                                            f"({self.job_timeout_s:g}s)")
+            if watch is not None:
+                watch(late)
+
+    def _watch(self, peers: dict[str, str], reported: dict[str, float]) -> Callable[[list[str]], None]:
+        """A ``watch`` for `_fan_out`: raises `_NotAnswering` for the first of the given hosts that is marked
+        down, whose agent was replaced, or whose last progress report (``reported``: host -> monotonic time,
+        kept by the caller) is older than ``stall_timeout_s``."""
+
+        def watch(hosts: list[str]) -> None:
+            now = time.monotonic()
+            for h in hosts:
+                rec = self.registry.get(h)
+                if rec is None or rec.address != peers[h]:
+                    raise _NotAnswering(h, f"its agent at {peers[h]} was replaced"
+                                           + (f" by one at {rec.address}" if rec is not None else ""))
+                if not self.registry.is_up(rec):
+                    raise _NotAnswering(h, f"no heartbeat for {self.registry.age(rec):.1f}s (agents are down after "
+                                           f"{self.registry.heartbeat_timeout_s:g}s without one)")
+                last = reported.get(h)
+                if last is not None and now - last > self.stall_timeout_s:
+                    raise _NotAnswering(h, f"no progress report for {now - last:.1f}s while its part of the job runs "
+                                           f"(the planner's --stall-timeout is {self.stall_timeout_s:g}s)")
+
+        return watch
 
     def _reshard(self, job: Job) -> TensorRecord:
         """Run the job up to its commit; returns the tensor's record as it was, whose version is now free."""
@@ -241,7 +300,7 @@ class JobRunner:
                 self._run_program(job, prep, hosts, deadline)
                 self._fan_out(lambda h: self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version,
                                                            [], self.rpc_timeout_s), sorted(job.dst.mesh.hosts),
-                              deadline)
+                              deadline, self._watch(peers, {}))
                 self.catalog.swap(rec, bumped(rec, job.dst))
             except BaseException as e:
                 self._undo(job, prep, hosts, e)
@@ -280,11 +339,15 @@ class JobRunner:
         early = prep.transport == "collective"
         if not early:
             self._fan_out(lambda h: self.agents.prepare(h, prep.peers[h], prep, self.rpc_timeout_s), hosts,
-                          deadline)
+                          deadline, self._watch(prep.peers, {}))
         job.steps = {h: [0, 0] for h in hosts}
+        reported: dict[str, float] = {}  # host -> when its Execute stream last reported (from its first report)
 
         def run(h: str) -> None:
             def on_progress(done: int, total: int, steps_done: int, steps: int) -> None:
+                reported[h] = time.monotonic()
+                if job.done_event.is_set():
+                    return  # a host that answers again after the job failed
                 job.progress[h][0] = done
                 job.steps[h] = [steps_done, steps]
 
@@ -293,17 +356,30 @@ class JobRunner:
             if traffic is not None:
                 job.traffic[h] = traffic
 
-        self._fan_out(run, hosts, deadline)
+        self._fan_out(run, hosts, deadline, self._watch(prep.peers, reported))
 
     def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException) -> None:
-        """After a failure: a fresh group for the next collective job, and nothing staged left anywhere."""
+        """After a failure: a fresh group for the next collective job, and nothing staged left anywhere.
+
+        A host that stopped answering is cleaned up last: its calls may wait out ``rpc_timeout_s`` (they
+        finish as soon as it answers again), so the job's failure is published before them.
+        """
         if prep.transport == "collective" and self.group is not None:
             # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
             self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
+        gone = [error.host] if isinstance(error, _NotAnswering) else []
+        self._drop_staged(job, prep, [h for h in hosts if h not in gone])
+        if gone:
+            self._finish(job, error)
+            self._drop_staged(job, prep, gone)
+
+    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str]) -> None:
+        """Abort the job on ``hosts``, then release what those of the destination committed of its version."""
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
                           hosts)
         self._best_effort(lambda h: self.agents.release(h, prep.peers[h], prep.tensor, job.version,
-                                                        self.rpc_timeout_s), sorted(job.dst.mesh.hosts))
+                                                        self.rpc_timeout_s),
+                          sorted(set(hosts) & set(job.dst.mesh.hosts)))
 
     def _count_moved(self, job: Job, plan: Plan) -> None:
         with self._lock:

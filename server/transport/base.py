@@ -248,13 +248,23 @@ _STOP = object()
 
 class QueuedOutgoing(Outgoing):
     """An `Outgoing` fed through a bounded queue to a consumer that ``start`` launches with the queue's items
-    (a gRPC call, a thread of the memory network) and that returns a future of the confirming hosts."""
+    (a gRPC call, a thread of the memory network) and that returns a future of the confirming hosts.
+
+    A stream gives up on a peer that stopped taking its pieces: when the queue accepts none for
+    ``stall_s`` seconds (None: no limit but the consumer's own deadline), the call is cancelled and the
+    stream fails naming the peer. ``check`` raises the job's failure: a job that failed elsewhere (the
+    planner aborted it) stops waiting for a peer at once, and cancels the call rather than leave it open
+    to a peer that may never read it.
+    """
 
     def __init__(self, peer: str, depth: int, start: Callable[[Iterator], Any],
-                 error: Callable[[BaseException], BaseException] = lambda e: e):
+                 error: Callable[[BaseException], BaseException] = lambda e: e, *,
+                 stall_s: float | None = None, check: Callable[[], None] = lambda: None):
         self.peer = peer
         self._queue: queue.Queue = queue.Queue(max(1, depth))
         self._error = error
+        self._stall_s = stall_s
+        self._check = check
         self._future = start(self._drain())
 
     def _drain(self) -> Iterator:
@@ -267,6 +277,7 @@ class QueuedOutgoing(Outgoing):
                 return
 
     def _offer(self, item) -> None:
+        since = time.monotonic()
         while True:
             if self._future.done():
                 self.wait(0)
@@ -275,7 +286,21 @@ class QueuedOutgoing(Outgoing):
                 self._queue.put(item, timeout=0.1)
                 return
             except queue.Full:
-                continue
+                pass
+            self._check_job()
+            if self._stall_s is not None and time.monotonic() - since > self._stall_s:
+                self._future.cancel()
+                raise DeadlineExceededError(
+                    f"host {self.peer} took no bytes of a stream for {self._stall_s:g}s: its agent stopped reading "
+                    f"(paused, hung or cut off), so the stream gives up (agent --stall-timeout)")
+
+    def _check_job(self) -> None:
+        """Raise the job's failure, if any, cancelling the call (see the class docstring)."""
+        try:
+            self._check()
+        except BaseException:
+            self._future.cancel()
+            raise
 
     def put(self, box: Box, data, wire=None) -> None:
         self._offer(Piece(box, data, wire))
@@ -284,12 +309,21 @@ class QueuedOutgoing(Outgoing):
         self._offer(Trailer(nbytes, digest))
 
     def wait(self, timeout: float) -> list[str] | None:
-        try:
-            return list(self._future.result(timeout=timeout))
-        except TimeoutError:
-            raise DeadlineExceededError(f"host {self.peer} did not confirm its stream within {timeout:g}s") from None
-        except BaseException as e:  # noqa: BLE001 - mapped by the transport
-            raise self._error(e) from None
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._future.done():
+                try:
+                    return list(self._future.result())
+                except BaseException as e:  # noqa: BLE001 - mapped by the transport
+                    raise self._error(e) from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise DeadlineExceededError(f"host {self.peer} did not confirm its stream within {timeout:g}s")
+            self._check_job()
+            try:
+                self._future.result(timeout=min(0.1, left))
+            except BaseException:  # noqa: BLE001 - this wait's timeout, or the stream's error: the next turn sees it
+                pass
 
     def cancel(self) -> None:
         try:
@@ -469,10 +503,12 @@ class Transport(ABC):
     passive = True  # pushes arrive by themselves; False: the receiver posts its receives (`arrivals`)
     lanes = 0  # active transports: how many of a job's tasks may run at once
 
-    def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None):
+    def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None,
+                 stall_timeout_s: float | None = None):
         self.host = host
         self.chunk_bytes = chunk_bytes
         self.timeout_s = timeout_s  # the longest one stream may take
+        self.stall_timeout_s = stall_timeout_s  # the longest a stream may wait for its peer to take a piece
         self.throttle = throttle or Throttle()
         self.mailbox = Mailbox()
 

@@ -187,7 +187,11 @@ class GroupMember:
     def mark_broken(self, group: Group, why: str) -> None:
         with self._lock:
             if self._group is group:
-                self._group, self._target, self._broken = None, None, group.generation
+                self._group, self._broken = None, group.generation
+                # A newer generation may be forming already (a call on the old one failed late, say after the
+                # agent was paused): forming it goes on.
+                if self._target is not None and self._target[1] == group.generation:
+                    self._target = None
                 log.warning("host %s drops process group generation %d: %s", self.host, group.generation, why)
 
 

@@ -4,7 +4,9 @@ A sender opens a Push to the peer's agent, whose servicer hands the pieces to it
 runtime (pushes arrive by themselves: ``passive``); a chain hop opens the next Push
 and forwards every piece as the very message it received (`reshard.proto.frames`
 decodes pieces without copying their bytes). The reply lists the hosts that
-verified the box, so a broadcast's sender learns that its whole route did.
+verified the box, so a broadcast's sender learns that its whole route did. A push
+whose peer takes no piece for ``stall_timeout_s`` (a paused or hung agent) is
+cancelled and fails its job naming the peer, instead of waiting out its deadline.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import grpc
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.auth import TlsFiles, channel
-from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
+from reshard.proto.errors import FailedPreconditionError
 from reshard.proto.frames import encode_piece
 from reshard.proto.status import domain_error
 from reshard.proto.wire import message_size_options
@@ -54,8 +56,10 @@ class GrpcTransport(Transport):
     passive = True
 
     def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, depth: int, max_message_bytes: int,
-                 throttle: Throttle | None = None, token: str | None = None, tls: TlsFiles | None = None):
-        super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle)
+                 throttle: Throttle | None = None, token: str | None = None, tls: TlsFiles | None = None,
+                 stall_timeout_s: float | None = None):
+        super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
+                         stall_timeout_s=stall_timeout_s)
         self.depth = depth  # pieces queued per stream before the sender waits
         self._options = channel_options(chunk_bytes, max_message_bytes)
         self._lock = threading.Lock()
@@ -87,11 +91,9 @@ class GrpcTransport(Transport):
         def error(e: BaseException) -> BaseException:
             if isinstance(e, grpc.RpcError):
                 return domain_error(e, f"agent of host {peer} at {address}")
-            if isinstance(e, grpc.FutureTimeoutError):
-                return DeadlineExceededError(f"agent of host {peer} at {address} did not confirm its stream in time")
             return e
 
-        return QueuedOutgoing(peer, self.depth, start, error)
+        return QueuedOutgoing(peer, self.depth, start, error, stall_s=self.stall_timeout_s, check=s.check)
 
     def close(self) -> None:
         with self._lock:
@@ -111,3 +113,6 @@ class _Confirmed:
 
     def result(self, timeout: float | None = None) -> list[str]:
         return list(self._future.result(timeout=timeout).confirmed)
+
+    def cancel(self) -> bool:
+        return self._future.cancel()

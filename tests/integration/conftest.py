@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -55,3 +56,16 @@ def reshard_up(*args: str):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+def reshard_in_flight(c, name: str, array, src, dst, strategy: str):
+    """Put ``array`` as ``name`` in ``src`` and start its reshard to ``dst``; returns the job once bytes flow,
+    with bytes still to send (the agents must be rate-limited), so that a fault injected next lands mid-transfer."""
+    c.put(name, array, src)
+    job = c.reshard(name, dst, strategy)
+    deadline = time.monotonic() + 30
+    while job.progress()[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    done, total = job.progress()
+    assert 0 < done < total, f"the fault must land mid-transfer; {done} of {total} bytes were sent"
+    return job

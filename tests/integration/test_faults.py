@@ -15,7 +15,7 @@ from reshard import Mesh, Sharding
 from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
 from reshard.client.cluster import LocalCluster
 
-from .conftest import TRANSPORTS
+from .conftest import TRANSPORTS, reshard_in_flight
 
 RATE_MIB_S = 8  # every agent sends at most this fast, so a kill lands mid-transfer
 UPLOAD_TIMEOUT_S = 2.0
@@ -39,13 +39,7 @@ DST = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host2", "host3"], 2), (None, 
 def test_killed_agent_fails_the_job_and_leaves_the_source(slow_cluster):
     c = slow_cluster
     a = np.random.default_rng(2).standard_normal((2048, 1024)).astype(np.float32)  # 8 MiB: about 1 s per sender
-    c.put("victim", a, SRC)
-    job = c.reshard("victim", DST, "broadcast")
-    deadline = time.monotonic() + 20
-    while job.progress()[0] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    done, total = job.progress()
-    assert 0 < done < total, "the kill must land mid-transfer"
+    job = reshard_in_flight(c, "victim", a, SRC, DST, "broadcast")
     t0 = time.monotonic()
     c.cluster.kill_agent("host3")
     with pytest.raises(JobFailedError, match=r"host3") as err:

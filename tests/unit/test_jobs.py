@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -136,4 +137,68 @@ def test_jobs_of_every_strategy_commit_what_the_plan_moves(strategy):
         assert runner.bytes_moved().get("grpc", 0) == job.plan.network_bytes()
         assert np.array_equal(hosts.get("t", DST, SHAPE), a)
     finally:
+        hosts.close()
+
+
+class Unanswering(RuntimeCalls):
+    """`RuntimeCalls` where ``host`` stops answering once its part started: its Execute reports once and then
+    stays silent, and its Abort waits until ``resume`` is set, as calls to a paused agent do."""
+
+    def __init__(self, hosts: Hosts, host: str, on_pause=lambda: None):
+        super().__init__(hosts)
+        self.host = host
+        self.on_pause = on_pause
+        self.resume = threading.Event()
+
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
+        if host != self.host:
+            return super().execute(host, address, job, program_id, on_progress, timeout, prepare)
+        self._record("execute", host).execute(job, program_id)
+        on_progress(0, 0, 0, 1)
+        self.on_pause()
+        self.resume.wait(timeout)
+        return None
+
+    def abort(self, host, address, staging, timeout):
+        if host == self.host:
+            self.resume.wait(timeout)
+        super().abort(host, address, staging, timeout)
+
+
+@pytest.mark.parametrize("how", ["heartbeats", "progress reports"])
+def test_a_host_that_stops_answering_fails_the_job_naming_it_before_its_own_cleanup_ends(how):
+    now = [0.0]
+    registry = Registry(heartbeat_timeout_s=60.0, clock=lambda: now[0])
+    for h in HOSTS:
+        registry.register(h, 2, h, 10.0, secret=bytes(16))
+
+    def stop_heartbeats() -> None:  # host3's last heartbeat is 100 s old; the others' are fresh
+        now[0] = 100.0
+        for h in HOSTS[:3]:
+            registry.register(h, 2, h, 10.0, secret=bytes(16))
+
+    hosts = Hosts()
+    calls = Unanswering(hosts, "host3", stop_heartbeats if how == "heartbeats" else lambda: None)
+    try:
+        catalog = Catalog()
+        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+        catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+        hosts.put_tensor("t", a, SRC)
+        runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=60.0, rpc_timeout_s=30.0,
+                           max_concurrent=2, stall_timeout_s=60.0 if how == "heartbeats" else 0.5)
+        job = runner.submit("t", DST, "send_recv")
+        assert job.done_event.wait(20) and job.state == "failed"
+        why = "no heartbeat for 100.0s" if how == "heartbeats" else r"no progress report for [\d.]+s"
+        assert re.search(rf"failed: host host3 stopped answering: {why}", job.error), job.error
+        # the failure is published once the hosts that answer are clean; the paused host's calls come last
+        assert calls.count("abort") == {h: 1 for h in HOSTS[:3]}
+        retry = runner.submit("t", DST, "send_recv")  # waits behind the paused host's cleanup
+        calls.host = ""
+        registry.register("host3", 2, "host3", 10.0, secret=bytes(16))  # it answers again
+        calls.resume.set()
+        assert retry.done_event.wait(20) and retry.state == "succeeded", retry.error
+        assert calls.count("abort") == {h: 1 for h in HOSTS}
+        assert np.array_equal(hosts.get("t", DST, SHAPE), a)
+    finally:
+        calls.resume.set()
         hosts.close()
