@@ -1,13 +1,14 @@
 """The emulated cluster: a chain broadcast over shaped links, and nothing left behind.
 
-Needs root and network namespaces; skips with the reason otherwise.
+Needs root and network namespaces; skips with the reason otherwise. These tests check what moved and
+where, never how fast: a loaded machine makes any time ratio flaky, so the measured-to-estimated ratio
+is reported by ``bench/paper.py`` instead.
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -33,7 +34,7 @@ def lab_namespaces(lab_id: str) -> list[str]:
     return [line.split()[0] for line in out.splitlines() if line.startswith(f"{PREFIX}{lab_id}-")]
 
 
-def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_near_the_estimate():
+def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_crosses_each_link_once():
     with Lab(LabConfig(num_hosts=3, devices_per_host=2, gbps=GBPS)) as lab:
         address = start_cluster(lab)
         hosts = [lab.host_name(i) for i in range(3)]
@@ -46,17 +47,16 @@ def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_near_the_estimat
             # The planner's topology is the shaping: one box through each NIC at the link rate.
             assert plan.estimate_seconds == pytest.approx(NBYTES * 8 / (GBPS * 1e9), rel=1e-6)
             assert [t.method for t in plan.transfers] == ["broadcast"]
-            t0 = time.perf_counter()
             result = c.reshard("t", dst, "broadcast").result(timeout=60)
-            seconds = time.perf_counter() - t0
             for dev in dst.mesh.devices:
                 assert np.array_equal(c.get_shard("t", dev), data)
         assert lab_namespaces(lab.lab_id)
-    # Each receiving host got the box once over the network: the chain, not a copy per device.
+    # Each receiving host got the box once over the network: the chain, not a copy per device; and the sender
+    # put it on its own link once.
     assert result.network_bytes == 2 * NBYTES
-    assert seconds <= 2 * plan.estimate_seconds, (
-        f"broadcast of {NBYTES / 2**20:.0f} MiB to 2 hosts at {GBPS:g} Gbit/s took {seconds:.2f}s; "
-        f"the estimate is {plan.estimate_seconds:.2f}s")
+    assert {h: sum(t["bytes_in"].values()) for h, t in result.traffic.items()} == {
+        hosts[0]: 0, hosts[1]: NBYTES, hosts[2]: NBYTES}
+    assert sum(result.traffic[hosts[0]]["bytes_out"].values()) == NBYTES
     assert lab_namespaces(lab.lab_id) == []
 
 
