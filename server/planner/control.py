@@ -113,6 +113,9 @@ class Planner:
     def close(self) -> None:
         self._stop.set()
 
+    def _sharding(self, text: str, what: str) -> Sharding:
+        return parse_sharding(text, what, self.config.max_json_bytes, self.config.max_json_depth)
+
     # -- registry ------------------------------------------------------------------------
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
@@ -195,7 +198,7 @@ class Planner:
 
     def begin_upload(self, name: str, shape, dtype: str, sharding_json: str, kind: str,
                      device: str = "", shard_shape=()) -> tuple[Upload, list[TileLocation]]:
-        sharding = parse_sharding(sharding_json, "sharding")
+        sharding = self._sharding(sharding_json, "sharding")
         sharding.check_shape(shape)
         self.registry.check_mesh(sharding.mesh)
         if device:
@@ -284,12 +287,12 @@ class Planner:
     # -- planning and jobs -------------------------------------------------------------------------
 
     def dry_plan(self, name: str, shape, dtype: str, src_json: str, dst_json: str, strategy: str) -> Plan:
-        dst = parse_sharding(dst_json, "destination sharding")
+        dst = self._sharding(dst_json, "destination sharding")
         if name:
             rec = self.catalog.get(name)
             shape, dtype, src = rec.shape, rec.dtype, rec.sharding
         else:
-            src = parse_sharding(src_json, "source sharding")
+            src = self._sharding(src_json, "source sharding")
         strategy = check_strategy(strategy)
         shape = dst.check_shape(src.check_shape(shape))
         check_plan_size(shape, src, dst, strategy, self.config.max_plan_tasks,
@@ -306,7 +309,7 @@ class Planner:
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)
         self._check_not_lost(rec)
-        dst = parse_sharding(dst_json, "destination sharding")
+        dst = self._sharding(dst_json, "destination sharding")
         dst.check_shape(rec.shape)
         self.registry.check_mesh(dst.mesh)
         strategy = check_strategy(strategy)

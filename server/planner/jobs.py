@@ -296,14 +296,18 @@ class JobRunner:
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
                 # sends and recvs in different orders on different agents would deadlock, so NCCL jobs take turns.
                 turn.enter_context(self._nccl_turn)
+            committing: set[str] = set()  # hosts asked to commit: only they may hold the new version
+
+            def commit(h: str) -> None:
+                committing.add(h)
+                self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version, [], self.rpc_timeout_s)
+
             try:
                 self._run_program(job, prep, hosts, deadline)
-                self._fan_out(lambda h: self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version,
-                                                           [], self.rpc_timeout_s), sorted(job.dst.mesh.hosts),
-                              deadline, self._watch(peers, {}))
+                self._fan_out(commit, sorted(job.dst.mesh.hosts), deadline, self._watch(peers, {}))
                 self.catalog.swap(rec, bumped(rec, job.dst))
             except BaseException as e:
-                self._undo(job, prep, hosts, e)
+                self._undo(job, prep, hosts, e, committing)
                 raise
             finally:
                 if transport == "collective" and self.collective_cleanup is not None:
@@ -358,7 +362,8 @@ class JobRunner:
 
         self._fan_out(run, hosts, deadline, self._watch(prep.peers, reported))
 
-    def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException) -> None:
+    def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException,
+              committing: set[str] = frozenset()) -> None:
         """After a failure: a fresh group for the next collective job, and nothing staged left anywhere.
 
         A host that stopped answering is cleaned up last: its calls may wait out ``rpc_timeout_s`` (they
@@ -368,18 +373,22 @@ class JobRunner:
             # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
             self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
         gone = [error.host] if isinstance(error, _NotAnswering) else []
-        self._drop_staged(job, prep, [h for h in hosts if h not in gone])
+        self._drop_staged(job, prep, [h for h in hosts if h not in gone], committing)
         if gone:
             self._finish(job, error)
-            self._drop_staged(job, prep, gone)
+            self._drop_staged(job, prep, gone, committing)
 
-    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str]) -> None:
-        """Abort the job on ``hosts``, then release what those of the destination committed of its version."""
+    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str], committing: set[str]) -> None:
+        """Abort the job on ``hosts``, then release its version on those that were asked to commit it.
+
+        Only those: a release is keyed by tensor and version, so one that reached a paused host late would
+        free the same version committed there by a retry. A host never asked to commit holds nothing to free.
+        """
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
                           hosts)
         self._best_effort(lambda h: self.agents.release(h, prep.peers[h], prep.tensor, job.version,
                                                         self.rpc_timeout_s),
-                          sorted(set(hosts) & set(job.dst.mesh.hosts)))
+                          sorted(set(hosts) & committing))
 
     def _count_moved(self, job: Job, plan: Plan) -> None:
         with self._lock:

@@ -32,6 +32,7 @@ from reshard.server.common.config import AgentConfig
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
 from reshard.server.agent.service import serve_agent
+from reshard.server.common.tickets import new_secret, put_fields, sign
 from reshard.server.transport import buffers
 
 GPU = "GPU-00000000-1111-2222-3333-444444444444"  # a uuid no real GPU here has
@@ -152,7 +153,7 @@ def _group():
 
 def _register(registry, group, host, transport, backend="nccl", gpu=GPU):
     return group.register(host, transport, backend, gpu,
-                          admit=lambda: registry.register(host, 1, f"{host}:1", 10.0, "cuda:0", gpu))
+                          admit=lambda: registry.register(host, 1, f"{host}:1", 10.0, "cuda:0", gpu, secret=bytes(16)))
 
 
 def test_second_collective_agent_on_one_gpu_is_refused_and_never_admitted():
@@ -182,7 +183,7 @@ def test_member_that_lost_its_gpu_while_down_stays_out():
     _register(registry, group, "a", "collective")
     clock.now = 10.0  # a is down
     _register(registry, group, "b", "collective")  # b may have the GPU now
-    registry.heartbeat("a", "a:1")  # a comes back without registering
+    registry.heartbeat("a", "a:1", sign(bytes(16), "heartbeat", "a", "a:1"))  # a comes back without registering
     assert group.view().members == ("b",)
 
 
@@ -220,7 +221,8 @@ def test_agent_on_a_missing_gpu_fails_at_start_naming_the_device_count():
 
 
 def test_cpu_agent_refuses_a_cuda_ipc_hand_over_and_says_what_to_do():
-    server, port, _ = serve_agent(AgentConfig("h0", 1, "127.0.0.1:1", transport="grpc"))
+    secret = new_secret()  # the planner's side: it signs the upload's ticket with the agent's secret
+    server, port, _ = serve_agent(AgentConfig("h0", 1, "127.0.0.1:1", transport="grpc"), secret)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
             stub = pb_grpc.AgentStub(ch)
@@ -228,8 +230,9 @@ def test_cpu_agent_refuses_a_cuda_ipc_hand_over_and_says_what_to_do():
             assert (info.host, info.device, info.gpu_uuid) == ("h0", "cpu", "")
             assert info.machine_id == devices.machine_id() != ""
             h = _handle(shape=(4, 5), stride=(5, 1), offset=0)
+            ticket = sign(secret, "put", *put_fields("u", "t", "h0/0", "float32", ((0, 4), (0, 5))))
             header = pb.ShardHeader(upload_id="u", tensor="t", device="h0/0", dtype="float32",
-                                    box=pb.Box(lo=[0, 0], hi=[4, 5]))
+                                    box=pb.Box(lo=[0, 0], hi=[4, 5]), ticket=ticket)
             with pytest.raises(grpc.RpcError) as refused:
                 stub.PutShardIpc(pb.IpcPutShardRequest(header=header, source=pb.CudaIpcTensor(**h.fields()),
                                                        digest=0))
@@ -282,7 +285,8 @@ def test_reshard_up_takes_a_device():
     try:
         printed = "".join(_lines_until(up.stdout, "Ctrl-C"))
         assert re.findall(r"^agent\s+(host\d).* on (\S+)$", printed, re.MULTILINE) == [("host0", "cpu"), ("host1", "cpu")]
-        with reshard.connect(re.search(r"planner\s+(\S+)", printed).group(1)) as c:
+        token = open(re.search(r"token\s+(\S+)", printed).group(1)).read()
+        with reshard.connect(re.search(r"planner\s+(\S+)", printed).group(1), token=token) as c:
             assert [(a["host"], a["device"]) for a in c.agents()] == [("host0", "cpu"), ("host1", "cpu")]
         up.send_signal(signal.SIGINT)
         assert up.wait(20) == 0

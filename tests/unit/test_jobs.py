@@ -117,6 +117,8 @@ def test_a_failed_step_fails_the_job_aborts_every_host_and_leaves_the_source():
         assert "failed on host host1 (injected by the test)" in job.error
         assert calls.count("abort") == {h: 1 for h in HOSTS}
         assert not calls.count("commit")
+        # Nothing was committed, so nothing is released: a late release could free a retry's same version.
+        assert not calls.count("release")
         assert catalog.get("t").version == 1
         for d in DST.mesh.devices:
             assert hosts.stores[d.split("/")[0]].find("t", 2, d) is None
