@@ -22,6 +22,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/plan_quality.py
 	$(PY) bench/transport.py
+	$(PY) bench/stall.py
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
 
 clean:

@@ -54,8 +54,8 @@ from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
 
-EXAMPLES = 50
-RAW_EXAMPLES = 15
+EXAMPLES = 30
+RAW_EXAMPLES = 10
 SLOW_EXAMPLES = 400
 CALL_TIMEOUT_S = 20.0
 
