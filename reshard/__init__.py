@@ -28,7 +28,7 @@ from reshard.program import (
     TileRef,
 )
 from reshard.strategies import BASELINES, STRATEGIES, plan
-from reshard.sharding import Replicate, Shard, Sharding
+from reshard.sharding import Partial, Replicate, Shard, Sharding
 from reshard.topology import Topology
 
 __version__ = "0.1.0"
@@ -40,6 +40,7 @@ __all__ = [
     "Sharding",
     "Shard",
     "Replicate",
+    "Partial",
     "Topology",
     "Plan",
     "Transfer",

@@ -5,7 +5,12 @@ Notation
 spec        one entry per tensor dim: ``None`` (not split), an axis name, or a tuple of
             axis names (the first is major), as in JAX's ``PartitionSpec``. Printed
             ``P('x', None, ('y', 'z'))``. Axes named nowhere replicate the tensor.
-placements  DTensor's per-mesh-axis view: ``Shard(d)`` or ``Replicate()``, short ``S(0)R``.
+partial     mesh axes along which devices hold *addends*: the tensor is the sum over those
+            axes of what the devices hold (DTensor's ``Partial()``, JAX's ``unreduced``).
+            A partial axis splits no dim; every device along it holds a full tile of
+            addends. Printed ``P('x', None) + partial(y)``.
+placements  DTensor's per-mesh-axis view: ``Shard(d)``, ``Replicate()`` or ``Partial()``,
+            short ``S(0)RP``.
 tile        the box ``((lo, hi), ...)`` of the global tensor a device holds. A dim split
             over axes ``(a1, a2, ...)`` is cut by ``a1`` first, then each piece by ``a2``;
             a piece of length ``m`` cut ``k`` ways has chunks of ``ceil(m / k)``, so
@@ -16,7 +21,7 @@ tile        the box ``((lo, hi), ...)`` of the global tensor a device holds. A d
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Union
 
@@ -24,7 +29,7 @@ from reshard.errors import InvalidShapeError, InvalidShardingError
 from reshard.jsonio import brief, field_of, need
 from reshard.mesh import Mesh
 
-__all__ = ["Sharding", "Shard", "Replicate", "Box", "normalise_shape", "chunk_bounds", "MAX_NDIM"]
+__all__ = ["Sharding", "Shard", "Replicate", "Partial", "Box", "normalise_shape", "chunk_bounds", "MAX_NDIM"]
 
 Box = tuple[tuple[int, int], ...]
 SpecEntry = Union[None, str, Sequence[str]]
@@ -46,6 +51,20 @@ class Replicate:
 
     def __str__(self) -> str:
         return "R"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """DTensor placement: devices along this mesh axis hold addends; the tensor is their sum."""
+
+    def __repr__(self) -> str:
+        return "Partial()"
+
+    def __str__(self) -> str:
+        return "P"
+
+
+Placement = Union[Shard, Replicate, Partial]
 
 
 # numpy arrays have at most 64 dims, and numpy, torch and the wire count elements in int64.
@@ -113,6 +132,38 @@ def _normalise_spec(mesh: Mesh, spec) -> tuple[tuple[str, ...], ...]:
     return tuple(out)
 
 
+def _normalise_partial(mesh: Mesh, spec: tuple[tuple[str, ...], ...], partial) -> tuple[str, ...]:
+    """The partial axes in mesh order (their order means nothing: a sum is a sum)."""
+    if isinstance(partial, str):
+        partial = (partial,)
+    if (isinstance(partial, bytes) or not isinstance(partial, (Sequence, AbstractSet))
+            or not all(isinstance(a, str) for a in partial)):
+        raise InvalidShardingError(
+            f"partial {partial!r} must be a tuple of mesh axis names, e.g. ('y',); the mesh's axes are "
+            f"{list(mesh.axis_names)}"
+        )
+    partial = tuple(partial)
+    names = mesh.axis_names
+    splitting = {a: d for d, axes in enumerate(spec) for a in axes}
+    for a in partial:
+        if a not in names:
+            raise InvalidShardingError(
+                f"partial axis {a!r} is not an axis of the mesh; the mesh's axes are {list(names)}"
+            )
+        if partial.count(a) > 1:
+            raise InvalidShardingError(
+                f"partial axes {partial} name {a!r} {partial.count(a)} times; a tensor is summed over each "
+                f"mesh axis at most once, so list each axis once"
+            )
+        if a in splitting:
+            raise InvalidShardingError(
+                f"axis {a!r} is partial but also splits dim {splitting[a]}; devices along a partial axis hold "
+                f"whole tiles of addends, so an axis is either partial or splits a dim (drop {a!r} from the "
+                f"spec or from partial)"
+            )
+    return tuple(sorted(partial, key=names.index))
+
+
 def _entry_str(axes: tuple[str, ...]) -> str:
     if not axes:
         return "None"
@@ -123,16 +174,28 @@ def _entry_str(axes: tuple[str, ...]) -> str:
 
 @dataclass(frozen=True)
 class Sharding:
-    """A tensor laid out on a mesh: ``Sharding(mesh, ('x', None))``."""
+    """A tensor laid out on a mesh: ``Sharding(mesh, ('x', None))``; with ``partial=('y',)`` the tensor is the
+    sum over mesh axis ``y`` of what the devices hold."""
 
     mesh: Mesh
     spec: tuple[tuple[str, ...], ...]
+    partial: tuple[str, ...] = ()
 
-    def __init__(self, mesh: Mesh, spec: Sequence[SpecEntry]):
+    def __init__(self, mesh: Mesh, spec: Sequence[SpecEntry], partial: Sequence[str] = ()):
         if not isinstance(mesh, Mesh):
             raise InvalidShardingError(f"mesh must be a reshard.Mesh, got {type(mesh).__name__}")
         object.__setattr__(self, "mesh", mesh)
         object.__setattr__(self, "spec", _normalise_spec(mesh, spec))
+        object.__setattr__(self, "partial", _normalise_partial(mesh, self.spec, partial))
+
+    @property
+    def is_partial(self) -> bool:
+        """Whether devices hold addends along some axis (the value is pending a sum)."""
+        return bool(self.partial)
+
+    def without_partial(self) -> "Sharding":
+        """The same layout holding the summed tensor: the partial axes become replicas."""
+        return Sharding(self.mesh, self.spec)
 
     # -- other vocabularies ------------------------------------------------------
 
@@ -149,33 +212,36 @@ class Sharding:
         return cls(mesh, [rules.get(n) for n in dim_names])
 
     @classmethod
-    def from_placements(cls, mesh: Mesh, placements: Sequence[Union[Shard, Replicate]], ndim: int | None = None) -> "Sharding":
-        """DTensor placements, one per mesh axis: ``[Shard(0), Replicate()]``."""
+    def from_placements(cls, mesh: Mesh, placements: Sequence[Placement], ndim: int | None = None) -> "Sharding":
+        """DTensor placements, one per mesh axis: ``[Shard(0), Replicate()]``; ``Partial()`` marks a partial axis."""
         placements = list(placements)
         if len(placements) != len(mesh.axes):
             raise InvalidShardingError(
                 f"{len(placements)} placements given for a mesh with {len(mesh.axes)} axes "
-                f"{list(mesh.axis_names)}; give one Shard(d) or Replicate() per mesh axis"
+                f"{list(mesh.axis_names)}; give one Shard(d), Replicate() or Partial() per mesh axis"
             )
         dims: dict[int, list[str]] = {}
+        partial = []
         for (name, _), p in zip(mesh.axes, placements):
             if isinstance(p, Shard):
                 if p.dim < 0:
                     raise InvalidShardingError(f"Shard({p.dim}) on axis {name!r}: dims must be >= 0")
                 dims.setdefault(p.dim, []).append(name)
+            elif isinstance(p, Partial):
+                partial.append(name)
             elif not isinstance(p, Replicate):
                 raise InvalidShardingError(
-                    f"placement {p!r} on axis {name!r} is not Shard(d) or Replicate()"
+                    f"placement {p!r} on axis {name!r} is not Shard(d), Replicate() or Partial()"
                 )
         needed = max(dims, default=-1) + 1
         if ndim is None:
             ndim = needed
         elif ndim < needed:
             raise InvalidShardingError(f"placements shard dim {needed - 1} but ndim is {ndim}")
-        return cls(mesh, [tuple(dims.get(d, ())) or None for d in range(ndim)])
+        return cls(mesh, [tuple(dims.get(d, ())) or None for d in range(ndim)], partial)
 
     @property
-    def placements(self) -> tuple[Union[Shard, Replicate], ...]:
+    def placements(self) -> tuple[Placement, ...]:
         """DTensor placements, one per mesh axis.
 
         DTensor cuts a dim split over several mesh axes in mesh-axis order, so a
@@ -190,7 +256,8 @@ class Sharding:
                     f"(list the dim's axes in mesh order, or use the spec {self.spec_str()} directly)"
                 )
         by_axis = {a: d for d, axes in enumerate(self.spec) for a in axes}
-        return tuple(Shard(by_axis[n]) if n in by_axis else Replicate() for n in self.mesh.axis_names)
+        return tuple(Shard(by_axis[n]) if n in by_axis else Partial() if n in self.partial else Replicate()
+                     for n in self.mesh.axis_names)
 
     # -- tiles ---------------------------------------------------------------------
 
@@ -259,7 +326,9 @@ class Sharding:
     # -- notation and serialisation ----------------------------------------------
 
     def spec_str(self) -> str:
-        return "P(" + ", ".join(_entry_str(a) for a in self.spec) + ")"
+        """``P('x', None)``, with `` + partial(y)`` when the tensor is a pending sum."""
+        text = "P(" + ", ".join(_entry_str(a) for a in self.spec) + ")"
+        return f"{text} + partial({', '.join(self.partial)})" if self.partial else text
 
     def placements_str(self) -> str:
         return "".join(str(p) for p in self.placements)
@@ -269,12 +338,15 @@ class Sharding:
         return f"{self.spec_str()} on ({axes})"
 
     def to_json(self) -> dict:
-        return {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
+        out = {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
+        if self.partial:  # only then: the JSON of every other sharding, and so every plan id, stays as it was
+            out["partial"] = list(self.partial)
+        return out
 
     @classmethod
     def from_json(cls, data) -> "Sharding":
-        """Read what `to_json` writes: ``{"mesh": <mesh JSON>, "spec": [[axis, ...] per dim]}``; a spec entry
-        may also be null or one axis name, as in ``P``."""
+        """Read what `to_json` writes: ``{"mesh": <mesh JSON>, "spec": [[axis, ...] per dim]}``, and
+        ``"partial": [axis, ...]`` for a pending sum; a spec entry may also be null or one axis name, as in ``P``."""
         need(data, "object", "sharding JSON", InvalidShardingError)
         mesh = Mesh.from_json(field_of(data, "mesh", "object", "sharding JSON", InvalidShardingError))
         spec = []
@@ -283,4 +355,8 @@ class Sharding:
                 axes = tuple(need(axes, "array", f"sharding JSON spec entry {d} (the axes that split dim {d})",
                                   InvalidShardingError)) or None
             spec.append(axes)
-        return cls(mesh, spec)
+        partial = field_of(data, "partial", "array", "sharding JSON", InvalidShardingError, default=[])
+        for i, axis in enumerate(partial):
+            need(axis, "string", f"sharding JSON field 'partial' item {i} (a mesh axis the tensor is summed over)",
+                 InvalidShardingError)
+        return cls(mesh, spec, partial)

@@ -337,6 +337,12 @@ def plan(
         if not isinstance(s, Sharding):
             raise InvalidShardingError(f"{name} must be a reshard.Sharding, got {type(s).__name__}")
         s.mesh.require_devices()
+        if s.is_partial:
+            raise InvalidShardingError(
+                f"{name} {s.spec_str()} is a pending sum over axes {list(s.partial)}, but a plan only moves values, "
+                f"so it would copy addends as if they were the tensor; use reshard.reshard_program, which adds the "
+                f"reduce steps"
+            )
     shape = dst.check_shape(src.check_shape(shape))
     dtype = dtype_name(dtype)
     topology = topology or Topology()

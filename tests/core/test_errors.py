@@ -111,11 +111,12 @@ BAD_INPUT = [
      r"dim 0 is split over unknown axis 'rows'; the mesh's axes are \['x', 'y'\]"),
     # DTensor placements
     ("too few placements", lambda: Sharding.from_placements(MESH, [Shard(0)]), InvalidShardingError,
-     r"1 placements given for a mesh with 2 axes \['x', 'y'\]; give one Shard\(d\) or Replicate\(\) per mesh axis"),
+     r"1 placements given for a mesh with 2 axes \['x', 'y'\]; give one Shard\(d\), Replicate\(\) or Partial\(\) "
+     r"per mesh axis"),
     ("negative Shard dim", lambda: Sharding.from_placements(MESH, [Shard(-1), Replicate()]), InvalidShardingError,
      r"Shard\(-1\) on axis 'x': dims must be >= 0"),
     ("placement of the wrong type", lambda: Sharding.from_placements(MESH, ["S0", Replicate()]), InvalidShardingError,
-     r"placement 'S0' on axis 'x' is not Shard\(d\) or Replicate\(\)"),
+     r"placement 'S0' on axis 'x' is not Shard\(d\), Replicate\(\) or Partial\(\)"),
     ("placements sharding a dim past ndim",
      lambda: Sharding.from_placements(MESH, [Replicate(), Shard(1)], ndim=1), InvalidShardingError,
      r"placements shard dim 1 but ndim is 1"),
