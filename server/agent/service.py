@@ -332,7 +332,8 @@ class Agent:
                     host=self.config.host, num_devices=self.config.num_devices, address=self.address,
                     nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend,
                     device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason,
-                    secret=self.secret, memory_limit_bytes=self.runtime.store.limit_bytes),
+                    secret=self.secret, memory_limit_bytes=self.runtime.store.limit_bytes,
+                    held=[pb.TensorVersion(tensor=t, version=v) for t, v in self.runtime.store.held()]),
                     timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval
                 self._follow_group(reply.group)
@@ -377,11 +378,22 @@ class Agent:
                     memory_used_bytes=self.runtime.store.used_bytes()),
                     timeout=max(self._interval, 1.0))
                 if not reply.known:
-                    self.register()
+                    self._register_again("the planner does not know this agent")
                 else:
                     self._follow_group(reply.group)
             except grpc.RpcError as e:
                 log.warning("heartbeat to planner %s failed: %s", self.config.planner, e.code().name)
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # another registrant holds the name now
+                    self._register_again(e.details())
+
+    def _register_again(self, why: str) -> None:
+        """Register again from the heartbeat loop; a failure is logged and retried at the next beat, so the loop
+        never dies (it is what brings the agent back after the planner or another registrant forgot it)."""
+        log.info("host %s registers again: %s", self.config.host, why)
+        try:
+            self.register()
+        except Exception as e:  # noqa: BLE001 - the next heartbeat tries again
+            log.warning("host %s could not register again: %s", self.config.host, e)
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()

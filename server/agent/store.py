@@ -20,7 +20,7 @@ buffer's bytes goes through `reshard.server.transport.buffers`.
 from __future__ import annotations
 
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -32,6 +32,8 @@ from reshard.server.common.sizes import format_size
 from reshard.server.transport import buffers
 
 __all__ = ["TileBuffer", "ShardStore"]
+
+_ENDED_KEPT = 4096  # ended transactions remembered; each is an id string
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class ShardStore:
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
         self._staged: dict[str, dict[str, TileBuffer]] = {}
         self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
+        # Owners (uploads, jobs) that committed or aborted, newest last: nothing is staged for them again, so a
+        # replayed ticket or a stream that outlived its abort cannot leave an orphan behind.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._receiving: Counter[str] = Counter()  # owner -> shard streams in progress
 
     @contextmanager
@@ -100,6 +105,11 @@ class ShardStore:
         """
         need = sum(sizes.values())
         with self._lock:
+            self._check_open_locked(owner, what)
+            busy = sorted(d for d in sizes if (owner, d) in self._reserved)
+            if busy:
+                raise FailedPreconditionError(f"{what}: a buffer of transaction {owner[:12]} for devices {busy} is "
+                                              f"already being staged on host {self.host}; one stream per device")
             pending = self._pending()
             held = self._used(pending) - sum(pending.get((owner, d), 0) for d in sizes)  # replaced buffers go
             if self.limit_bytes and held + need > self.limit_bytes:
@@ -132,9 +142,31 @@ class ShardStore:
         """``array`` (numpy, or torch on any device) as a tile buffer on this store's device: moved there if it is not."""
         return TileBuffer(buffers.to_device(array, dtype, self.device), tile, dtype)
 
+    def _check_open_locked(self, owner: str, what: str) -> None:
+        if owner in self._ended:
+            raise FailedPreconditionError(f"{what}: transaction {owner[:12]} has already ended (committed or aborted) "
+                                          f"on host {self.host}; nothing more is staged for it")
+
+    def ended(self, owner: str) -> bool:
+        """Whether ``owner`` committed or aborted here (recently: the record keeps the last few thousand)."""
+        with self._lock:
+            return owner in self._ended
+
+    def end(self, owner: str) -> None:
+        """Record that ``owner`` ended with nothing staged here (a job's host without destination tiles)."""
+        with self._lock:
+            self._end_locked(owner)
+
+    def _end_locked(self, owner: str) -> None:
+        self._ended[owner] = None
+        self._ended.move_to_end(owner)
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
+
     def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
         assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
+            self._check_open_locked(owner, f"staging device {device}'s buffer")
             self._staged.setdefault(owner, {})[device] = shard
             self._reserved.pop((owner, device), None)
 
@@ -155,11 +187,13 @@ class ShardStore:
                 self._committed[(tensor, version, d)] = staged[d]
             del self._staged[owner]
             self._drop_reserved(owner)
+            self._end_locked(owner)
 
     def abort(self, owner: str) -> None:
         with self._lock:
             self._staged.pop(owner, None)
             self._drop_reserved(owner)
+            self._end_locked(owner)
 
     def _drop_reserved(self, owner: str) -> None:
         for key in [k for k in self._reserved if k[0] == owner]:
@@ -183,6 +217,11 @@ class ShardStore:
             for k in keys:
                 del self._committed[k]
         return len(keys)
+
+    def held(self) -> list[tuple[str, int]]:
+        """Every (tensor, version) this store holds committed shards of."""
+        with self._lock:
+            return sorted({(t, v) for t, v, _ in self._committed})
 
     def nbytes(self) -> int:
         with self._lock:

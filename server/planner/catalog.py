@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from reshard.box import Box, volume
@@ -110,14 +110,18 @@ class Catalog:
             raise NotFoundError(f"no tensor named {name!r} to delete")
         return rec
 
-    def mark_lost(self, host: str) -> list[TensorRecord]:
-        """Record that every device of ``host`` lost its shards; returns the tensors that had some there."""
+    def reconcile(self, host: str, held: Collection[tuple[str, int]]) -> list[TensorRecord]:
+        """What the agent of ``host`` says it holds (tensor, version): every catalogued version it does not hold
+        has lost its shards on ``host``'s devices, and every one it does hold has them back (an agent that came
+        back after another registrant took its name for a while). Returns the records that changed."""
+        held = set(held)
         out = []
         with self._lock:
             for rec in self._tensors.values():
                 devices = {d for d in rec.sharding.mesh.require_devices() if host_of(d) == host}
-                if devices - rec.lost:
-                    out.append(replace(rec, lost=rec.lost | devices))
+                lost = (rec.lost - devices) if (rec.name, rec.version) in held else (rec.lost | devices)
+                if lost != rec.lost:
+                    out.append(replace(rec, lost=frozenset(lost)))
             for rec in out:
                 self._tensors[rec.name] = rec
         return out

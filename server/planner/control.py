@@ -120,33 +120,37 @@ class Planner:
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
                  backend: str = "gloo", device: str = "cpu", gpu_uuid: str = "",
-                 transport_reason: str = "", secret: bytes = b"", memory_limit_bytes: int = 0) -> AgentRecord:
+                 transport_reason: str = "", secret: bytes = b"", memory_limit_bytes: int = 0,
+                 held: Iterable[tuple[str, int]] = ()) -> AgentRecord:
         """Admit an agent; the group's checks run first, so an agent they refuse never shows as up.
 
         ``secret`` binds the host name to this agent while it is up (another registrant is refused) and
-        keys the tickets of the calls the planner makes to it. An agent with a new secret under a known
-        name is a new process: whatever the old one held is gone.
+        keys the tickets of the calls the planner makes to it. ``held`` lists the tensor versions the agent
+        holds: the host's shards of every other catalogued version are lost (a restarted agent holds none,
+        also one that restarted while the planner was down), and those it holds are not.
         """
-        prev = self.registry.check(host, secret)
+        self.registry.check(host, secret)
         admitted: list[AgentRecord] = []
         self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
             self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid, secret,
                                    memory_limit_bytes)))
-        if prev is not None and prev.secret != secret:
-            self._host_restarted(host)
+        self._reconcile(host, held)
         log.info("agent of host %s registered at %s with %d devices on %s (transport %s)", host, address,
                  num_devices, device or "cpu", self.group.mode(host))
         return admitted[0]
 
-    def _host_restarted(self, host: str) -> None:
-        """The agent of ``host`` is a new process: the shards the old one held are lost, and the catalog says so."""
-        hit = self.catalog.mark_lost(host)
-        for rec in hit:
+    def _reconcile(self, host: str, held: Iterable[tuple[str, int]]) -> None:
+        """Mark lost the shards of ``host`` its agent no longer holds (and found the ones it holds again)."""
+        changed = self.catalog.reconcile(host, set(held))
+        for rec in changed:
             self.store.save_tensor(rec.to_json())
             if not self.catalog.contains(rec.name):  # deleted meanwhile: keep it deleted after a restart too
                 self.store.delete_tensor(rec.name)
-        log.warning("the agent of host %s restarted: shards its last process held are lost; tensors %s lost "
-                    "every copy of some tile", host, [r.name for r in hit if r.lost_tiles()])
+        lost = [r.name for r in changed if host in {d.split("/")[0] for d in r.lost}]
+        if lost:
+            log.warning("the agent of host %s does not hold its shards of %s (it restarted): they are lost; "
+                        "tensors %s lost every copy of some tile", host, lost, [r.name for r in changed
+                                                                              if r.lost_tiles()])
 
     def heartbeat(self, host: str, address: str, joined_generation: int = 0, broken_generation: int = 0,
                   uploading: Iterable[str] = (), proof: str = "", memory_used_bytes: int = 0) -> bool:

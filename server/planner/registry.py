@@ -61,7 +61,10 @@ class Registry:
             raise InvalidArgumentError(f"host {host} registers a secret of {len(secret)} bytes; agents make one of "
                                        f"at least {MIN_SECRET_BYTES} random bytes at start")
         with self._lock:
-            prev = self._agents.get(host)
+            return self._check_locked(host, secret)
+
+    def _check_locked(self, host: str, secret: bytes) -> AgentRecord | None:
+        prev = self._agents.get(host)
         if prev is not None and not hmac.compare_digest(prev.secret, secret) and self.is_up(prev):
             raise PermissionDeniedError(
                 f"host name {host!r} is registered by another live agent (at {prev.address}, last heard "
@@ -81,6 +84,7 @@ class Registry:
         rec = AgentRecord(host, address, num_devices, nic_gbps if 0 < nic_gbps < 1e6 else 10.0, self._clock(),
                           device or "cpu", gpu_uuid, secret, max(0, memory_limit_bytes))
         with self._lock:
+            self._check_locked(host, secret)  # again, with the write: two registrants of a free name race here
             self._agents[host] = rec
         return rec
 

@@ -137,7 +137,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     def Register(self, request, context):
         self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps,
                               request.transport, request.backend, request.device, request.gpu_uuid,
-                              request.transport_reason, request.secret, request.memory_limit_bytes)
+                              request.transport_reason, request.secret, request.memory_limit_bytes,
+                              [(h.tensor, h.version) for h in request.held])
         return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
                                 group=group_info(self.planner.group.view()))
 

@@ -10,8 +10,10 @@ every refusal the stored tensor is bit-exact and at its version.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import numpy as np
@@ -191,6 +193,31 @@ def test_a_live_hosts_name_cannot_be_registered_again(cluster, client):
     assert client.info("kept").version == 3
     client.delete("kept")
     client.put("kept", KEPT, SRC)  # the fixture's check expects version 1
+
+
+def test_a_name_taken_while_its_agent_was_paused_goes_back_to_it_with_its_data(cluster, client):
+    """A registrant takes host1's name while its agent is paused (it is down): the catalog marks host1's shards
+    lost, since the registrant holds none. Resumed, the real agent is refused at its next heartbeat, registers
+    again once the registrant is down in turn, says what it holds, and its shards are found again."""
+    agent = cluster.agents["host1"]
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        _wait(lambda: not {a["host"]: a for a in client.agents()}["host1"]["up"], "host1 to be marked down")
+        planner = pb_grpc.PlannerStub(channel(cluster.address, token=cluster.token))
+        planner.Register(pb.RegisterRequest(host="host1", num_devices=2, address=cluster.agent_addresses["host1"],
+                                            secret=new_secret()), timeout=10)
+        assert client.info("kept").lost
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    _wait(lambda: not client.info("kept").lost, "host1's agent to register again with what it holds")
+    cluster.wait_ready()
+
+
+def _wait(condition, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
 
 
 def test_mutual_tls_with_reshard_certs(tmp_path):

@@ -45,6 +45,26 @@ def test_the_store_refuses_before_allocating_and_names_the_sizes():
     assert store.used_bytes() == 0
 
 
+def test_one_stream_per_device_and_nothing_staged_for_an_ended_transaction():
+    """Concurrent streams of one upload's device each reserved its own bytes under one key, so together they went
+    over the limit; a ticket replayed after its upload ended, or a stream its abort overtook, staged an orphan."""
+    store = ShardStore(limit_bytes=8 * MiB, host="h0")
+    with store.reserving("up1", "h0/0", 6 * MiB, "PutShard of 'a'"):
+        with pytest.raises(FailedPreconditionError, match=r"already being staged on host h0; one stream per device"):
+            store.reserve("up1", {"h0/0": 6 * MiB}, "PutShard of 'a'")
+        assert store.used_bytes() == 6 * MiB
+        store.stage("up1", "h0/0", _tile(store, 6 * MiB))
+    store.commit("up1", "a", 1, ["h0/0"])
+    for late in (lambda: store.reserve("up1", {"h0/0": MiB}, "PutShard of 'a'"),
+                 lambda: store.stage("up1", "h0/0", _tile(store, MiB))):
+        with pytest.raises(FailedPreconditionError, match=r"transaction up1 has already ended"):
+            late()
+    store.abort("up2")  # an abort that overtook its upload's stream
+    with pytest.raises(FailedPreconditionError, match=r"transaction up2 has already ended"):
+        store.stage("up2", "h0/0", _tile(store, MiB))
+    assert store.used_bytes() == 6 * MiB and store.ended("up1") and store.ended("up2") and not store.ended("up3")
+
+
 def test_a_failed_put_and_an_aborted_job_free_their_reservations():
     store = ShardStore(limit_bytes=4 * MiB, host="h0")
     with pytest.raises(ValueError, match="stream cut"):

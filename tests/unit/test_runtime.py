@@ -55,13 +55,14 @@ class Hosts:
 
     def put(self, name: str, shards: dict[str, tuple[np.ndarray, tuple]], version: int = 1) -> None:
         """Commit ``shards`` (device -> (array, tile)) as ``name`` at ``version``."""
+        upload = f"upload-{name}-{version}"  # one transaction per put: an ended one takes nothing more
         for dev, (array, tile) in shards.items():
             host = dev.split("/")[0]
-            self.stores[host].stage("upload", dev, TileBuffer(array, tile, array.dtype.name))
+            self.stores[host].stage(upload, dev, TileBuffer(array, tile, array.dtype.name))
         for h, store in self.stores.items():
             devs = [d for d in shards if d.split("/")[0] == h]
             if devs:
-                store.commit("upload", name, version, devs)
+                store.commit(upload, name, version, devs)
 
     def put_tensor(self, name: str, a: np.ndarray, sharding: Sharding) -> None:
         tiles = sharding.tiles(a.shape)
