@@ -484,6 +484,8 @@ class Runtime:
         ``program_json``; ``tensor`` is the store's name of the program's reshard tensor (the one with a source
         and a destination sharding); its other tensors go by their own names. ``push_tickets`` are the
         planner's tickets for this job's pushes, by receiving host."""
+        if self.store.ended(job):  # an abort overtook this prepare (a paused agent), or a replayed prepare
+            raise FailedPreconditionError(f"job {job} has already ended on agent {self.host}")
         link = self.transports.get(transport or "grpc")
         if link is None:
             raise FailedPreconditionError(
@@ -558,6 +560,8 @@ class Runtime:
         run.check_complete()
         if run.dst_tiles:  # a host without destination tiles stages nothing
             self.store.commit(job, run.names[run.dst_tensor], run.dst_version, list(run.dst_tiles))
+        else:
+            self.store.end(job)
         self._retire(run)
 
     def abort(self, job: str) -> None:

@@ -377,3 +377,23 @@ def test_a_push_for_an_unknown_job_or_step_is_refused(memory_hosts):
     with pytest.raises(InvalidArgumentError, match="step 7 is not in the program"):
         hosts.runtimes["host1"].accept(PushHeader(job, runs["host1"].program_id, 7, 0, "host0"), [])
     hosts.finish(job, runs)
+
+
+def test_a_prepare_that_arrives_after_its_jobs_abort_or_end_is_refused(memory_hosts):
+    """A paused agent can get its job's abort and its prepare in either order when it resumes; a prepare after
+    the abort (or a replayed one after the job ended) would stage buffers no one ever frees."""
+    from reshard.proto.errors import FailedPreconditionError
+
+    hosts = memory_hosts
+    program, src, _ = _chain_program()
+    hosts.put_tensor("t", np.ones((64, 32), np.float32), src)
+    runtime = hosts.runtimes["host1"]
+    runtime.abort("overtaken")
+    with pytest.raises(FailedPreconditionError, match="job overtaken has already ended on agent host1"):
+        runtime.prepare("overtaken", program.dumps(), "t", 1, 2, {h: h for h in hosts.runtimes}, hosts.kind)
+    job, runs = hosts.start(program.dumps(), "t")
+    hosts.finish(job, runs)
+    used = runtime.store.used_bytes()
+    with pytest.raises(FailedPreconditionError, match=f"job {job} has already ended on agent host1"):
+        runtime.prepare(job, program.dumps(), "t", 1, 2, {h: h for h in hosts.runtimes}, hosts.kind)
+    assert runtime.store.used_bytes() == used
