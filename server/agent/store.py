@@ -185,7 +185,7 @@ class ShardStore:
                 )
             for d in devices:
                 self._committed[(tensor, version, d)] = staged[d]
-            del self._staged[owner]
+            self._staged.pop(owner, None)  # a commit of no devices may name a transaction that staged nothing
             self._drop_reserved(owner)
             self._end_locked(owner)
 

@@ -28,7 +28,10 @@ answering), DATA_LOSS (stored bytes damaged), or DEADLINE_EXCEEDED elsewhere (a 
 OUT_OF_RANGE, ABORTED and CANCELLED are answers no servicer gives.
 
 The default run makes `EXAMPLES` generated calls per method and `RAW_EXAMPLES` of random bytes
-(derandomized: the same calls every run); ``-m slow`` runs `SLOW_EXAMPLES` of each.
+(derandomized: the same calls every run); ``-m slow`` runs `SLOW_EXAMPLES` of each. The agent calls that
+need the planner's ticket are fuzzed twice: refused without it, and, against an agent in this process whose
+secret the test knows, with valid tickets signed over the generated fields, so the code behind the check is
+reached too.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.auth import METADATA_KEY
 from reshard.proto.layout import Checksum
+from reshard.server.agent.service import Agent
+from reshard.server.common.config import AgentConfig
+from reshard.server.common.tickets import commit_fields, prepare_fields, put_fields, sign
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
@@ -501,3 +507,83 @@ def test_uploads_with_a_real_ticket_and_hostile_pieces(fuzzed):
     ipc = messages(pb.CudaIpcTensor.DESCRIPTOR, "PutShardIpc").map(
         lambda source: pb.IpcPutShardRequest(header=header.header, source=source))
     _fuzz(fuzzed, "Agent", "PutShardIpc", ipc, EXAMPLES // 2)
+
+
+# -- past the ticket check --------------------------------------------------------------------------------------
+
+TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShard", "PutShardIpc")
+
+
+def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
+    r.ticket = sign(secret, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version, r.dst_version,
+                                                       r.transport, r.generation, r.job_seq, r.peers))
+
+
+def signed(secret: bytes, method: str, request):
+    """``request`` with the ticket the planner would have issued for exactly its fields."""
+    first = request[0] if isinstance(request, list) and request else request
+    if method == "Prepare":
+        _sign_prepare(secret, request)
+    elif method == "Execute":
+        request.ticket = sign(secret, "execute", request.job, request.program_id)
+        if request.HasField("prepare"):
+            _sign_prepare(secret, request.prepare)
+    elif method == "Commit":
+        request.ticket = sign(secret, "commit", *commit_fields(request.upload_id, request.job_id, request.tensor,
+                                                               request.version, request.devices))
+    elif method == "Abort":
+        request.ticket = sign(secret, "abort", request.upload_id, request.job_id)
+    elif method == "Release":
+        request.ticket = sign(secret, "release", request.tensor, request.version)
+    elif method == "Push" and isinstance(first, pb.PushChunk) and first.HasField("header"):
+        first.header.ticket = sign(secret, "push", first.header.job, first.header.plan_id)
+    elif method in ("PutShard", "PutShardIpc"):
+        h = first.header if method == "PutShardIpc" else (first.header if isinstance(first, pb.ShardChunk)
+                                                           and first.HasField("header") else None)
+        if h is not None and len(h.box.lo) == len(h.box.hi):
+            h.ticket = sign(secret, "put", *put_fields(h.upload_id, h.tensor, h.device, h.dtype,
+                                                       tuple(zip(h.box.lo, h.box.hi))))
+    return request
+
+
+@pytest.fixture(scope="module")
+def ticketed_agent():
+    """A cluster whose agent "fz" runs in this process, so the test knows its registration secret and can sign
+    what the planner would: the agent calls get past the ticket check to the code behind it."""
+    with LocalCluster(1, 1, host_names=["host0"], transport="grpc") as cluster:
+        agent = Agent(AgentConfig("fz", DEVICES_PER_HOST, cluster.address, transport="grpc", token=cluster.token))
+        agent.start()
+        try:
+            caller = Caller(cluster)
+            caller.channels["Agent"] = grpc.insecure_channel(agent.address)
+            yield cluster, caller, agent
+            caller.close()
+        finally:
+            agent.stop()
+
+
+@pytest.mark.parametrize("method", TICKETED)
+def test_agent_calls_with_valid_tickets(ticketed_agent, method):
+    _fuzz_ticketed(ticketed_agent, method, EXAMPLES)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", TICKETED)
+def test_agent_calls_with_valid_tickets_long(ticketed_agent, method):
+    _fuzz_ticketed(ticketed_agent, method, SLOW_EXAMPLES)
+
+
+def _fuzz_ticketed(ticketed_agent, method: str, examples: int) -> None:
+    cluster, caller, agent = ticketed_agent
+
+    @settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(request=requests("Agent", method).map(lambda r: Shown(signed(agent.secret, method, r))))
+    def run(request):
+        check_answer(caller, "Agent", method, request.request, "right")
+
+    run()
+    health = health_pb2_grpc.HealthStub(caller.channels["Agent"]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with cluster.connect() as c:
+        assert {a["host"]: a["up"] for a in c.agents()}["fz"]
