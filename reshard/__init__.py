@@ -14,6 +14,7 @@ from reshard.errors import (
     ReshardError,
     UnknownDtypeError,
 )
+from reshard.einsum import plan_einsum
 from reshard.mesh import Mesh, host_of
 from reshard.plan import Plan, Transfer
 from reshard.program import (
@@ -54,6 +55,7 @@ __all__ = [
     "REDUCE",
     "STEP_KINDS",
     "plan",
+    "plan_einsum",
     "host_of",
     "STRATEGIES",
     "BASELINES",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["volume", "intersect", "contains", "to_slices", "chunk", "split", "box_str"]
+__all__ = ["volume", "intersect", "contains", "uncovered", "to_slices", "chunk", "split", "box_str"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -27,6 +27,28 @@ def intersect(a: Box, b: Box) -> Optional[Box]:
 
 def contains(outer: Box, inner: Box) -> bool:
     return all(o0 <= i0 and i1 <= o1 for (o0, o1), (i0, i1) in zip(outer, inner))
+
+
+def uncovered(box: Box, pieces) -> list[Box]:
+    """The parts of ``box`` that no box of ``pieces`` covers, as disjoint non-empty boxes."""
+    left = [box] if volume(box) else []
+    for p in pieces:
+        rest = []
+        for b in left:
+            if intersect(b, p) is None:
+                rest.append(b)
+                continue
+            # Peel off the slabs of b below and above p, dim by dim; what remains lies inside p.
+            core = list(b)
+            for d, ((lo, hi), (plo, phi)) in enumerate(zip(b, p)):
+                for a, z in ((lo, plo), (phi, hi)):
+                    if a < z:
+                        rest.append(tuple(core[:d]) + ((max(a, lo), min(z, hi)),) + tuple(core[d + 1:]))
+                core[d] = (max(lo, plo), min(hi, phi))
+        left = rest
+        if not left:
+            break
+    return left
 
 
 def to_slices(box: Box, origin: Optional[Box] = None) -> tuple[slice, ...]:

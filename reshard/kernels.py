@@ -2,20 +2,55 @@
 
 A kernel is known to the core by its name, how many input tiles it reads and
 the rule that gives its output shape from the input shapes and its parameters.
-The core checks programs with these rules; agents own the implementations.
-Only ``copy`` exists so far; einsum and elementwise kernels join `KERNELS`
-with their own rules (an einsum's rule parses its ``equation`` parameter).
+The core checks programs with these rules; agents own the implementations
+(``reshard.server.agent.runtime``). Parameters are strings, as a step carries
+them. Shapes below are tile shapes: a kernel sees one device's tiles, never the
+sharding; the planner lines tiles up before a kernel runs.
+
+=================== ========== ================================ ===============================================
+kernel              inputs     params                           output tile
+=================== ========== ================================ ===============================================
+``copy``            x          none                             x
+``einsum``          x0, x1...  ``equation`` (numpy notation,    numpy.einsum of the inputs; a letter names one
+                    (1 or      e.g. ``"bij,bjk->bik"``)         dim of one size in every input; an empty
+                    more)                                       summed dim sums to zeros
+``add``             a, b       none                             a + b (same shapes)
+``sub``             a, b       none                             a - b
+``mul``             a, b       none                             a * b
+``scale``           x          ``factor``                       factor * x
+``relu``            x          none                             max(x, 0)
+``relu_grad``       x, g       none                             g where x > 0, else 0 (x: relu's input,
+                                                                g: the gradient of its output)
+``axpy``            w, g       ``alpha``                        w - alpha * g (an SGD step: w - lr * g)
+``sum``             x          ``dims`` (``"0,2"``)             x summed over those dims, which are dropped;
+                                                                an empty tile sums to 0
+``max``             x          ``dims``                         the maximum over those dims, dropped; an empty
+                                                                tile gives -inf (the least integer for ints)
+``softmax_xent``    logits, t  ``axis`` (default the last)      per-row loss -sum(t * log_softmax(logits)) over
+                                                                ``axis`` (dropped); ``t`` holds target
+                                                                probabilities (one-hot labels), logits' shape
+``softmax_xent_grad`` logits,  ``axis``, ``scale`` (default 1)  scale * (softmax(logits) - t): the gradient of
+                    t                                           the loss summed over rows, times ``scale``
+                                                                (``1/batch`` for the mean); logits' shape
+=================== ========== ================================ ===============================================
+
+``sum`` and ``max`` over a dim the tile holds only part of give a partial
+result; the planner completes it with a reduce step (op ``sum`` or ``max``).
+The softmax kernels need the whole ``axis`` in every tile.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Optional
 
 from reshard.errors import ReshardError
 
-__all__ = ["Kernel", "KERNELS", "KernelShapeError"]
+__all__ = ["Kernel", "KERNELS", "KernelShapeError", "parse_equation", "letter_sizes", "float_param", "dims_param",
+           "axis_param"]
 
 Shape = tuple[int, ...]
 
@@ -26,21 +61,208 @@ class KernelShapeError(ReshardError, ValueError):
 
 @dataclass(frozen=True)
 class Kernel:
-    """A named compute kernel: ``num_inputs`` tiles in, one tile out, shaped by ``output_shape``."""
+    """A named compute kernel: ``num_inputs`` tiles in (or more when ``variadic``), one tile out, shaped by
+    ``output_shape``."""
 
     name: str
     num_inputs: int
     output_shape: Callable[[tuple[Shape, ...], Mapping[str, str]], Shape]
     doc: str
+    variadic: bool = False
+
+    def takes(self, num_inputs: int) -> bool:
+        return num_inputs >= self.num_inputs if self.variadic else num_inputs == self.num_inputs
+
+    @property
+    def arity(self) -> str:
+        return f"{self.num_inputs} or more" if self.variadic else str(self.num_inputs)
 
     def __str__(self) -> str:
-        return f"{self.name}/{self.num_inputs}"
+        return f"{self.name}/{self.arity.replace(' or more', '+')}"
+
+
+# -- parameters ---------------------------------------------------------------------------------------------
+
+
+def _params(kernel: str, params: Mapping[str, str], required: tuple[str, ...] = (),
+            optional: tuple[str, ...] = ()) -> None:
+    """Refuse unknown and missing parameters, naming the ones the kernel takes."""
+    allowed = (*required, *optional)
+    stray = sorted(set(params) - set(allowed))
+    if stray and not allowed:
+        raise KernelShapeError(f"{kernel} takes no parameters; got {stray}")
+    if stray:
+        raise KernelShapeError(f"{kernel} takes parameters {list(allowed)}; got unknown {stray}")
+    missing = [p for p in required if p not in params]
+    if missing:
+        raise KernelShapeError(f"{kernel} needs parameter(s) {missing}; got {sorted(params)}")
+
+
+def float_param(kernel: str, params: Mapping[str, str], name: str, default: Optional[float] = None) -> float:
+    """Parameter ``name`` as a finite float (``default`` when absent and a default exists)."""
+    raw = params.get(name)
+    if raw is None:
+        assert default is not None, f"{kernel}: parameter {name} is required; _params checks that"
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise KernelShapeError(f"{kernel} parameter {name}={raw!r} is not a finite number such as '0.01'")
+    return value
+
+
+def dims_param(kernel: str, params: Mapping[str, str], ndim: int) -> tuple[int, ...]:
+    """``dims`` as sorted distinct dim indices of a tile of ``ndim`` dims (negative ones count from the end)."""
+    raw = params["dims"]
+    try:
+        dims = [int(d) for d in raw.split(",")]
+    except ValueError:
+        raise KernelShapeError(
+            f"{kernel} parameter dims={raw!r} is not a comma-separated list of dim indices such as '0,2'"
+        ) from None
+    out = []
+    for d in dims:
+        if not -ndim <= d < ndim:
+            raise KernelShapeError(f"{kernel} over dims {raw!r}: dim {d} is not a dim of a {ndim}-dim tile "
+                                   f"(0..{ndim - 1}, or -{ndim}..-1)")
+        out.append(d % ndim)
+    if len(set(out)) != len(out):
+        raise KernelShapeError(f"{kernel} over dims {raw!r} names a dim twice")
+    return tuple(sorted(out))
+
+
+def axis_param(kernel: str, params: Mapping[str, str], ndim: int) -> int:
+    """``axis`` (default the last dim) as a dim index of a tile of ``ndim`` dims."""
+    if ndim == 0:
+        raise KernelShapeError(f"{kernel} needs tiles with at least one dim (the class dim); got a scalar")
+    return dims_param(kernel, {"dims": params.get("axis", "-1")}, ndim)[0]
+
+
+# -- einsum notation ----------------------------------------------------------------------------------------
+
+
+def parse_equation(equation: str, error: type[ValueError] = KernelShapeError) -> tuple[tuple[str, ...], str]:
+    """The operands' letters and the output's letters of a numpy einsum equation.
+
+    Letters are ``a-z`` and ``A-Z``; spaces are ignored. Without ``->`` the output
+    is numpy's implicit one: the letters that appear once, sorted. A letter may
+    appear once per operand (no diagonals) and once in the output, and every
+    output letter must appear in an operand. Raises ``error`` saying which rule
+    the equation breaks.
+    """
+    if not isinstance(equation, str):
+        raise error(f"an einsum equation is a string such as 'ij,jk->ik'; got {type(equation).__name__}")
+    eq = equation.replace(" ", "")
+    if "..." in eq:
+        raise error(f"einsum {equation!r}: ellipsis ('...') is not supported; name every dim with a letter")
+    lhs, arrow, rhs = eq.partition("->")
+    if "->" in rhs:
+        raise error(f"einsum {equation!r} has more than one '->'; write inputs->output once")
+    operands = tuple(lhs.split(","))
+    for text in (*operands, rhs):
+        bad = sorted({c for c in text if not (c.isascii() and c.isalpha())})
+        if bad:
+            raise error(f"einsum {equation!r}: {bad} are not dim letters; use a-z and A-Z, commas between "
+                        f"inputs and one '->' before the output")
+    for i, letters in enumerate(operands):
+        twice = sorted({c for c in letters if letters.count(c) > 1})
+        if twice:
+            raise error(f"einsum {equation!r}: input {i} ({letters!r}) repeats letter(s) {twice}; a letter may name "
+                        f"one dim of each input (diagonals are not supported)")
+    seen = "".join(operands)
+    if not arrow:
+        return operands, "".join(sorted(c for c in set(seen) if seen.count(c) == 1))
+    twice = sorted({c for c in rhs if rhs.count(c) > 1})
+    if twice:
+        raise error(f"einsum {equation!r}: the output ({rhs!r}) repeats letter(s) {twice}; each output dim needs its "
+                    f"own letter")
+    unknown = [c for c in rhs if c not in seen]
+    if unknown:
+        raise error(f"einsum {equation!r}: output letter(s) {unknown} appear in no input; every output dim must be "
+                    f"a dim of some input")
+    return operands, rhs
+
+
+def letter_sizes(equation: str, operands: tuple[str, ...], shapes: tuple[Shape, ...],
+                 error: type[ValueError] = KernelShapeError, labels: Optional[Sequence[str]] = None) -> dict[str, int]:
+    """Each letter's size, checked: one letter per dim of each shape, one size per letter. ``labels`` name the
+    operands in messages (default ``input 0``, ``input 1``, ...)."""
+    if len(shapes) != len(operands):
+        raise error(f"einsum {equation!r} has {len(operands)} inputs but {len(shapes)} are given")
+    labels = list(labels) if labels is not None else [f"input {i}" for i in range(len(shapes))]
+    sizes: dict[str, tuple[int, int]] = {}
+    for i, (letters, shape) in enumerate(zip(operands, shapes)):
+        if len(letters) != len(shape):
+            raise error(f"einsum {equation!r}: {labels[i]} has shape {tuple(shape)} ({len(shape)} dims) but its "
+                        f"subscripts {letters!r} name {len(letters)}; give one letter per dim")
+        for c, n in zip(letters, shape):
+            first = sizes.setdefault(c, (n, i))
+            if first[0] != n:
+                j = first[1]
+                raise error(f"einsum {equation!r}: dim letter {c!r} has size {first[0]} in {labels[j]} (shape "
+                            f"{tuple(shapes[j])}) but {n} in {labels[i]} (shape {tuple(shape)}); a letter names one "
+                            f"dim, of one size everywhere")
+    return {c: n for c, (n, _) in sizes.items()}
+
+
+# -- shape rules ----------------------------------------------------------------------------------------------
 
 
 def _copy_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
-    if params:
-        raise KernelShapeError(f"copy takes no parameters; got {sorted(params)}")
+    _params("copy", params)
     return inputs[0]
+
+
+def _einsum_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    _params("einsum", params, required=("equation",))
+    operands, out = parse_equation(params["equation"])
+    sizes = letter_sizes(params["equation"], operands, inputs)
+    return tuple(sizes[c] for c in out)
+
+
+def _same_shapes(name: str, inputs: tuple[Shape, ...], names: tuple[str, ...]) -> Shape:
+    first = inputs[0]
+    for n, shape in zip(names[1:], inputs[1:]):
+        if tuple(shape) != tuple(first):
+            raise KernelShapeError(f"{name}: {names[0]} has shape {tuple(first)} but {n} has shape {tuple(shape)}; "
+                                   f"{name} works element by element on tiles of one shape")
+    return tuple(first)
+
+
+def _elementwise(name: str, names: tuple[str, ...], required: tuple[str, ...] = ()):
+    def rule(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+        _params(name, params, required=required)
+        for p in required:
+            float_param(name, params, p)
+        return _same_shapes(name, inputs, names)
+
+    return rule
+
+
+def _reduction(name: str):
+    def rule(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+        _params(name, params, required=("dims",))
+        dims = dims_param(name, params, len(inputs[0]))
+        return tuple(n for d, n in enumerate(inputs[0]) if d not in dims)
+
+    return rule
+
+
+def _xent_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    _params("softmax_xent", params, optional=("axis",))
+    shape = _same_shapes("softmax_xent", inputs, ("logits", "targets"))
+    axis = axis_param("softmax_xent", params, len(shape))
+    return shape[:axis] + shape[axis + 1:]
+
+
+def _xent_grad_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    _params("softmax_xent_grad", params, optional=("axis", "scale"))
+    shape = _same_shapes("softmax_xent_grad", inputs, ("logits", "targets"))
+    axis_param("softmax_xent_grad", params, len(shape))
+    float_param("softmax_xent_grad", params, "scale", 1.0)
+    return shape
 
 
 # Read-only, so no caller can add a kernel the agents do not implement.
@@ -48,5 +270,19 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
     k.name: k
     for k in (
         Kernel("copy", 1, _copy_shape, "the output tile is a copy of the input tile; same shape"),
+        Kernel("einsum", 1, _einsum_shape, "numpy.einsum of the input tiles by the equation parameter",
+               variadic=True),
+        Kernel("add", 2, _elementwise("add", ("a", "b")), "a + b"),
+        Kernel("sub", 2, _elementwise("sub", ("a", "b")), "a - b"),
+        Kernel("mul", 2, _elementwise("mul", ("a", "b")), "a * b"),
+        Kernel("scale", 1, _elementwise("scale", ("x",), ("factor",)), "factor * x"),
+        Kernel("relu", 1, _elementwise("relu", ("x",)), "max(x, 0)"),
+        Kernel("relu_grad", 2, _elementwise("relu_grad", ("x", "g")), "g where x > 0, else 0"),
+        Kernel("axpy", 2, _elementwise("axpy", ("w", "g"), ("alpha",)), "w - alpha * g"),
+        Kernel("sum", 1, _reduction("sum"), "the sum over the dims parameter, which are dropped"),
+        Kernel("max", 1, _reduction("max"), "the maximum over the dims parameter, which are dropped"),
+        Kernel("softmax_xent", 2, _xent_shape, "per-row softmax cross-entropy of logits against target "
+                                               "probabilities over axis, which is dropped"),
+        Kernel("softmax_xent_grad", 2, _xent_grad_shape, "scale * (softmax(logits) - targets) over axis"),
     )
 })

@@ -24,9 +24,9 @@ role               which buffer of a tensor on a device: ``"src"`` is the tile
                    steps may name others (``"partial"``, ``"out"``)
 `TileRef`          (tensor, role, box): one buffer's box on the step's device
 holds              a device holds a box in a role when the step starts if its
-                   ``src`` tile contains it (role ``"src"``), or one ancestor
-                   produced a box that contains it there; a move's sender may
-                   read any role
+                   ``src`` tile (role ``"src"``) and the boxes its ancestors
+                   produced there in that role together cover it; a move's
+                   sender may read any role
 *move*             ``transfer`` (a `Transfer`: box, sender, receivers, method,
                    route) of ``tensor``; receivers write into ``"dst"``; the
                    transfer's phase is unused (0): ``after`` orders the moves
@@ -614,8 +614,12 @@ class Program(ContentAddressed):
             tile = src_tiles.get(tensor, {}).get(device)
             if role in (None, SRC) and tile is not None and boxes.contains(tile, box):
                 return True
-            return any(ancestors[i] >> j & 1 and role in (None, r) and boxes.contains(b, box)
-                       for j, r, b in produced.get((device, tensor), ()))
+            pieces = [b for j, r, b in produced.get((device, tensor), ())
+                      if ancestors[i] >> j & 1 and role in (None, r)]
+            if any(boxes.contains(b, box) for b in pieces):
+                return True
+            # Several boxes together (the moved pieces of a tile): the runtime assembles them.
+            return not boxes.uncovered(box, pieces + ([tile] if role in (None, SRC) and tile is not None else []))
 
         for s in self.steps:
             where = _StepWhere(s)
@@ -669,8 +673,8 @@ class Program(ContentAddressed):
         if not holds(s.id, device, ref.tensor, None if any_role else ref.role, ref.box):
             what = f"box {boxes.box_str(ref.box)} of {ref.tensor!r}" if any_role else str(ref)
             raise PlanValidationError(
-                f"{where}: device {device} does not hold {what} {_when(s)}; it must lie in the device's source "
-                f"tile (role 'src') or in one box that a step it depends on, directly or not, writes there"
+                f"{where}: device {device} does not hold {what} {_when(s)}; its source tile (role 'src') and the "
+                f"boxes that steps it depends on, directly or not, write there must together cover it"
             )
 
     def _check_free_move(self, where, s: Step, decl: TensorDecl, hosts: HostCache, holds) -> None:
@@ -689,9 +693,9 @@ class Program(ContentAddressed):
                 f"reshard.kernels.KERNELS with its shape rule"
             )
         self._check_device(where, s.device)
-        if len(s.inputs) != kernel.num_inputs or s.output is None:
+        if not kernel.takes(len(s.inputs)) or s.output is None:
             raise PlanValidationError(
-                f"{where}: kernel {kernel.name!r} reads {kernel.num_inputs} input tile(s) and writes one output; "
+                f"{where}: kernel {kernel.name!r} reads {kernel.arity} input tile(s) and writes one output; "
                 f"the step names {len(s.inputs)} input(s) and {'an' if s.output is not None else 'no'} output"
             )
         for ref in s.inputs:

@@ -7,7 +7,7 @@ one host a step becomes *tasks*, one per role the host has in it:
 send        a move's sender: copies into its receivers on this host, then the box to
             the remote receivers or down the chain (`Transport.move`)
 recv        one hop of a move that arrives here: write, forward, verify (`Transport.take`)
-compute     a named kernel on local tiles (`KERNELS`: ``copy`` so far)
+compute     a named kernel on local tiles (`KERNELS`: those of ``reshard.kernels``)
 reduce      this host's devices' part of a group reduce (`Transport.reduce`: a ring; a step
             that asks for the ``chain`` algorithm runs as a ring too, with the same result)
 =========== ========================================================================
@@ -59,6 +59,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.cost import sender_bytes
 from reshard.jsonio import loads
+from reshard.kernels import axis_param, dims_param, float_param
 from reshard.mesh import host_of
 from reshard.program import COMPUTE, DST, MOVE, REDUCE, SRC, Program, Step
 from reshard.proto.errors import (
@@ -90,15 +91,157 @@ log = logging.getLogger(__name__)
 
 
 # -- kernels ------------------------------------------------------------------------------------------
+#
+# The math of every kernel is written once, over a backend: numpy on CPU agents, torch on the GPU of a CUDA agent
+# (the output buffer says which). numpy holds bfloat16 as uint16 bits (`buffers`), so a CPU agent computes on
+# those tiles in float32 and rounds back. Integer einsums run in numpy wherever the tiles live: CUDA has no
+# integer matmul. Shapes and params were checked against `reshard.kernels` when the program was validated.
+
+
+class _Numpy:
+    @staticmethod
+    def operand(x):
+        x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+        if x.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
+            return (x.astype(np.uint32) << 16).view(np.float32)
+        return x
+
+    @staticmethod
+    def result(values, output):
+        values = np.asarray(values)
+        if output.dtype == np.uint16 and values.dtype != np.uint16:  # round to nearest even bfloat16
+            bits = values.astype(np.float32).view(np.uint32)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return values
+
+    einsum = staticmethod(lambda eq, *xs: np.einsum(eq, *xs, optimize=len(xs) > 2))
+    relu = staticmethod(lambda x: np.maximum(x, np.zeros((), x.dtype)))
+    relu_grad = staticmethod(lambda x, g: np.where(x > 0, g, np.zeros((), g.dtype)))
+    exp = staticmethod(np.exp)
+    log = staticmethod(np.log)
+
+    @staticmethod
+    def sum(x, dims, keep=False):
+        return np.sum(x, axis=dims, keepdims=keep)
+
+    @staticmethod
+    def max(x, dims, keep=False):
+        info = np.finfo if np.issubdtype(x.dtype, np.floating) else np.iinfo
+        least = -np.inf if info is np.finfo else (False if x.dtype == bool else info(x.dtype).min)
+        return np.max(x, axis=dims, keepdims=keep, initial=least)
+
+
+class _Torch:
+    @staticmethod
+    def operand(x, device):
+        if buffers.is_torch(x):
+            return x.to(device)
+        x = np.asarray(x)
+        return buffers.to_device(x, "bfloat16" if x.dtype == np.uint16 else x.dtype.name, str(device))
+
+    @staticmethod
+    def result(values, output):
+        return values
+
+    @staticmethod
+    def einsum(eq, *xs):
+        import torch
+
+        if not all(x.is_floating_point() or x.is_complex() for x in xs):  # no integer matmul on CUDA
+            values = np.einsum(eq, *(buffers.host_array(x) for x in xs), optimize=len(xs) > 2)
+            return torch.from_numpy(np.ascontiguousarray(values)).to(xs[0].device)
+        return torch.einsum(eq, *xs)
+
+    @staticmethod
+    def relu(x):
+        import torch
+
+        return torch.clamp_min(x, 0)
+
+    @staticmethod
+    def relu_grad(x, g):
+        import torch
+
+        return torch.where(x > 0, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+    exp = staticmethod(lambda x: x.exp())
+    log = staticmethod(lambda x: x.log())
+
+    @staticmethod
+    def sum(x, dims, keep=False):
+        return x.sum(dim=dims, keepdim=keep)
+
+    @staticmethod
+    def max(x, dims, keep=False):
+        import torch
+
+        if x.numel() == 0 or any(x.shape[d] == 0 for d in dims):
+            shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape)) if keep else \
+                tuple(n for d, n in enumerate(x.shape) if d not in dims)
+            least = float("-inf") if x.is_floating_point() else (False if x.dtype == torch.bool
+                                                                 else torch.iinfo(x.dtype).min)
+            return torch.full(shape, least, dtype=x.dtype, device=x.device)
+        return x.amax(dim=dims, keepdim=keep)
+
+
+def _log_softmax(xp, logits, axis: int):
+    top = xp.max(logits, (axis,), keep=True)
+    shifted = logits - top
+    return shifted - xp.log(xp.sum(xp.exp(shifted), (axis,), keep=True))
+
+
+def _xent(xp, xs, params):
+    logits, targets = xs
+    axis = axis_param("softmax_xent", params, logits.ndim)
+    return -xp.sum(targets * _log_softmax(xp, logits, axis), (axis,))
+
+
+def _xent_grad(xp, xs, params):
+    logits, targets = xs
+    axis = axis_param("softmax_xent_grad", params, logits.ndim)
+    scale = float_param("softmax_xent_grad", params, "scale", 1.0)
+    return (xp.exp(_log_softmax(xp, logits, axis)) - targets) * scale
+
+
+# name -> fn(backend, input tiles as the backend's arrays, params) -> the output tile's values
+_MATH: dict[str, Callable[[Any, list, dict], Any]] = {
+    "einsum": lambda xp, xs, p: xp.einsum(p["equation"].replace(" ", ""), *xs),
+    "add": lambda xp, xs, p: xs[0] + xs[1],
+    "sub": lambda xp, xs, p: xs[0] - xs[1],
+    "mul": lambda xp, xs, p: xs[0] * xs[1],
+    "scale": lambda xp, xs, p: xs[0] * float_param("scale", p, "factor"),
+    "relu": lambda xp, xs, p: xp.relu(xs[0]),
+    "relu_grad": lambda xp, xs, p: xp.relu_grad(xs[0], xs[1]),
+    "axpy": lambda xp, xs, p: xs[0] - float_param("axpy", p, "alpha") * xs[1],
+    "sum": lambda xp, xs, p: xp.sum(xs[0], dims_param("sum", p, xs[0].ndim)),
+    "max": lambda xp, xs, p: xp.max(xs[0], dims_param("max", p, xs[0].ndim)),
+    "softmax_xent": _xent,
+    "softmax_xent_grad": _xent_grad,
+}
+
+
+def _kernel(math: Callable[[Any, list, dict], Any]) -> Callable[[list, Any, dict], None]:
+    def run(inputs: list, output, params: dict) -> None:
+        whole = tuple((0, n) for n in output.shape)
+        if buffers.is_torch(output):
+            xs = [_Torch.operand(x, output.device) for x in inputs]
+            values = math(_Torch, xs, params)
+        else:
+            values = _Numpy.result(math(_Numpy, [_Numpy.operand(x) for x in inputs], params), output)
+        buffers.write(output, whole, whole, values)
+
+    return run
 
 
 def _copy(inputs: list, output, params: dict) -> None:
-    buffers.write(output, tuple((0, n) for n in output.shape), tuple((0, n) for n in output.shape), inputs[0])
+    whole = tuple((0, n) for n in output.shape)
+    buffers.write(output, whole, whole, inputs[0])  # bytes as they are, whatever the dtype
 
 
-# name -> fn(input regions, output region, params): the compute steps' implementations on this agent. The
-# core's ``reshard.kernels`` holds their shape rules; einsum and elementwise kernels join both.
-KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy}
+# name -> fn(input regions, output region, params): the compute steps' implementations on this agent; the
+# core's ``reshard.kernels`` holds their shape rules, for the same names.
+KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
+                                                         **{name: _kernel(m) for name, m in _MATH.items()}}
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
@@ -303,6 +446,7 @@ class Run(Session):
         """A buffer of ``device`` that holds ``box`` of ``tensor`` in ``role`` (any role when None), and the box
         that buffer holds: the source shard, the staged tile once earlier steps delivered ``box``, or a buffer
         an earlier step made."""
+        shard = None
         if role in (None, SRC):
             shard = self.store.find(self.names.get(tensor, tensor), self.src_version, device)
             if shard is not None and boxes.contains(shard.tile, box):
@@ -312,21 +456,41 @@ class Run(Session):
             if tile is not None and boxes.contains(tile, box):
                 return self.staged[device], tile
         with self._lock:
-            made = [(b, a) for r in ((role,) if role else (DST, *{k[2] for k in self._made}))
-                    for b, a in self._made.get((device, tensor, r), ()) if boxes.contains(b, box)]
+            held = [(b, a) for r in ((role,) if role else (DST, *{k[2] for k in self._made}))
+                    for b, a in self._made.get((device, tensor, r), ())]
+        made = [(b, a) for b, a in held if boxes.contains(b, box)]
         if made:
             return made[-1][1], made[-1][0]
+        if role in (None, SRC) and shard is not None:
+            held.append((shard.tile, shard.array))
+        if not boxes.uncovered(box, [b for b, _ in held]):
+            return self._assemble(box, held, self.program.tensor(tensor).dtype), box
         what = f"{tensor!r} in role {role!r}" if role else repr(tensor)
         raise FailedPreconditionError(
             f"job {self.job}: agent {self.host} holds no data of box {boxes.box_str(box)} of {what} for device "
             f"{device}"
         )
 
+    def _assemble(self, box: Box, pieces: list[tuple[Box, Any]], dtype: str):
+        """A new buffer of ``box``, copied from the buffers ``pieces`` (held box, buffer) that cover it together:
+        a tile that moves delivered in several boxes, read whole by a compute step."""
+        out = buffers.empty(tile_shape(box), dtype, self.device)
+        for held, array in pieces:
+            part = boxes.intersect(held, box)
+            if part is not None:
+                buffers.write(out, part, box, buffers.region(array, part, held))
+        return out
+
     def produce(self, device: str, tensor: str, role: str, box: Box) -> tuple[Any, Box]:
         """The buffer a step writes ``box`` of ``tensor`` in ``role`` into on ``device``, and the box it holds:
         the staged tile for the committed tensor's ``dst``, else a buffer made for ``box`` (once)."""
         if role == DST and tensor == self.dst_tensor:
-            return self.staged[device], self._tile(device, box)
+            tile = self._tile(device, box)
+            if self.program.tensor(tensor).src is None:
+                # A tensor the program makes (an einsum's output): its steps write every element, each once.
+                with self._lock:
+                    self.missing[device] -= boxes.volume(box)
+            return self.staged[device], tile
         with self._lock:
             made = self._made[(device, tensor, role)]
             for b, a in made:

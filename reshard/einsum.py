@@ -1,0 +1,496 @@
+"""Split einsum: the program that runs an einsum on the devices that hold its inputs' tiles.
+
+Mesh-TensorFlow's rule: a *layout* gives each dim letter of the equation the mesh axes
+that split it, on one compute mesh, and every tensor of the op is cut by the same
+layout. Each device then runs the local einsum on its tiles, and a summed letter split
+over mesh axes leaves partial sums that a reduce over those axes completes.
+
+================== ================================================================
+letter             a dim letter of the equation (``"ij,jk->ik"``): one size everywhere
+layout             letter -> the mesh axes (major first) that split it, on the compute
+                   mesh; valid when no mesh axis splits two letters (validity is per
+                   axis on the union of the op's dims, so ``x[a,b]·y[b,c]`` with ``a``
+                   and ``c`` both on axis ``r`` is invalid: a device would hold a
+                   "diagonal" pair of blocks)
+lines up           an input lines up with a layout when it already lies on the compute
+                   mesh in the tiles the layout gives it: it needs no move
+reduced axes       the axes (of size > 1) that split a summed letter: each device holds
+                   addends of its output tile, summed over the devices that differ only
+                   in those axes
+candidate          a layout the planner prices: on each mesh an input or the output
+                   lives on, every choice per letter among "whole" and the axes an input
+                   (or ``out_sharding``) splits it over
+================== ================================================================
+
+The program (`plan_einsum`), in step order:
+
+1. moves of each input that does not line up into its tiles of the layout (a
+   `reshard.strategies.plan`; receivers write role ``"dst"``), and a ``copy`` of the
+   part of its new tile a device already held (so that role ``"dst"`` covers the tile);
+2. one ``einsum`` compute step per device with a non-empty output tile, on its tiles;
+   it writes the output's ``"dst"`` when nothing follows, else its partial sums into
+   the tensor ``<out>~partial`` (a tensor of their own: a move reads whichever buffer
+   of its sender holds its box, so the output's buffers hold only complete values);
+3. reduce steps (ring) over each group of devices that differ only in reduced axes:
+   a reduce-scatter per reduced axis that ``out_sharding`` puts on an output dim, then
+   one all-reduce over the reduced axes it replicates; axes it keeps Partial are left;
+4. when ``out_sharding`` is no such completion of the layout (another mesh, another
+   layout), the result (role ``"result"``, replicated over the reduced axes) is
+   resharded into it: moves, and copies of the part a device already holds.
+
+The output is declared with its final sharding as ``dst``, so the service commits it.
+The layout is the inputs' own when they line up and ``out_sharding`` is None (no data
+moves); otherwise the candidate whose whole program has the lowest `Program.estimate`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from reshard import box as boxes
+from reshard.errors import ReshardError
+from reshard.kernels import letter_sizes, parse_equation
+from reshard.mesh import Mesh
+from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
+from reshard.sharding import Box, Sharding
+from reshard.strategies import STRATEGIES, plan
+from reshard.topology import Topology
+
+__all__ = ["plan_einsum", "EinsumError", "Layout", "PARTIAL", "RESULT"]
+
+PARTIAL, RESULT = "partial", "result"
+# Price every candidate layout up to this many; beyond, each source's layout, their greedy union and "all whole".
+_MAX_CANDIDATES = 512
+
+
+class EinsumError(ReshardError, ValueError):
+    """An einsum the planner cannot run as asked; the message names the rule, the letters and the sizes."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The op's layout: ``axes[i]`` splits letter ``letters[i]`` on ``mesh``; prints ``{i: x, k: (x, y)}``."""
+
+    mesh: Mesh
+    letters: str
+    axes: tuple[tuple[str, ...], ...]
+
+    def of(self, letter: str) -> tuple[str, ...]:
+        return self.axes[self.letters.index(letter)]
+
+    def sharding(self, letters: str) -> Sharding:
+        """How a tensor with dims ``letters`` is cut by this layout."""
+        return Sharding(self.mesh, [self.of(c) or None for c in letters])
+
+    def interval(self, letter: str, size: int, device: str) -> tuple[int, int]:
+        return Sharding(self.mesh, [self.of(letter) or None]).tile((size,), device)[0]
+
+    def __str__(self) -> str:
+        parts = [f"{c}: {a[0] if len(a) == 1 else '(' + ', '.join(a) + ')'}" for c, a in zip(self.letters, self.axes)
+                 if a]
+        mesh = ", ".join(f"{n}={s}" for n, s in self.mesh.axes)
+        return "{" + ", ".join(parts) + "} on (" + mesh + ")"
+
+
+InputLike = Union[TensorDecl, tuple]
+
+
+def _decl(i: int, x: InputLike) -> TensorDecl:
+    if isinstance(x, TensorDecl):
+        decl = x
+    else:
+        try:
+            name, shape, dtype, sharding = x
+        except (TypeError, ValueError):
+            raise EinsumError(f"einsum input {i} is {x!r}; give a TensorDecl or a (name, shape, dtype, sharding) "
+                              f"record") from None
+        decl = TensorDecl(name, shape, dtype, src=sharding)
+    if decl.src is None:
+        raise EinsumError(f"einsum input {i} ({decl.name!r}) has no sharding (TensorDecl.src); the planner needs "
+                          f"to know where its tiles are")
+    return decl
+
+
+@dataclass
+class _Problem:
+    equation: str  # with an explicit output
+    operands: tuple[str, ...]
+    out: str
+    sizes: dict[str, int]
+    inputs: tuple[TensorDecl, ...]  # per operand (a tensor used twice appears twice)
+    out_name: str
+    dtype: str
+    out_sharding: Optional[Sharding]
+    topology: Topology
+    strategy: str
+
+    @property
+    def letters(self) -> str:
+        return "".join(dict.fromkeys("".join(self.operands)))
+
+    @property
+    def out_shape(self) -> tuple[int, ...]:
+        return tuple(self.sizes[c] for c in self.out)
+
+    @property
+    def summed(self) -> str:
+        return "".join(c for c in self.letters if c not in self.out)
+
+
+def _problem(equation, inputs, out_name, out_sharding, topology, strategy) -> _Problem:
+    operands, out = parse_equation(equation, EinsumError)
+    decls = tuple(_decl(i, x) for i, x in enumerate(inputs))
+    if len(decls) != len(operands):
+        raise EinsumError(f"einsum {equation!r} has {len(operands)} inputs but {len(decls)} tensors are given")
+    sizes = letter_sizes(equation, operands, tuple(d.shape for d in decls), EinsumError,
+                         labels=[f"input {i} ({d.name!r})" for i, d in enumerate(decls)])
+    by_name: dict[str, TensorDecl] = {}
+    for d in decls:
+        if by_name.setdefault(d.name, d) != d:
+            raise EinsumError(f"two inputs are named {d.name!r} but differ ({by_name[d.name]} and {d}); an input "
+                              f"used twice must be the same tensor")
+    if not isinstance(out_name, str) or not out_name:
+        raise EinsumError(f"out_name {out_name!r} is not a tensor name; give the output a non-empty name")
+    for name in (out_name, f"{out_name}~{PARTIAL}"):
+        if name in by_name:
+            raise EinsumError(f"input {name!r} has the name the program gives the output (or its partial sums, "
+                              f"'{out_name}~{PARTIAL}'); give the output another name")
+    dtypes = sorted({d.dtype for d in decls})
+    if len(dtypes) > 1:
+        raise EinsumError(f"einsum inputs have dtypes {dtypes}; the local einsum needs one dtype, so cast the "
+                          f"inputs to one first")
+    if not out:
+        raise EinsumError(f"einsum {equation!r} sums every dim to a scalar; an output needs at least one dim "
+                          f"(keep one letter, e.g. {operands[0][:1]!r}, and sum it afterwards)")
+    if strategy not in STRATEGIES:
+        raise EinsumError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    for d in decls:
+        d.src.mesh.require_devices()
+        if d.src.partial:
+            raise EinsumError(f"input {d.name!r} is Partial over {list(d.src.partial)}; reshard it to a "
+                              f"complete sharding first (its sum)")
+    p = _Problem(f"{','.join(operands)}->{out}", operands, out, sizes, decls, out_name, dtypes[0], out_sharding,
+                 topology or Topology(), strategy)
+    if out_sharding is not None:
+        if not isinstance(out_sharding, Sharding):
+            raise EinsumError(f"out_sharding must be a reshard.Sharding or None, got {type(out_sharding).__name__}")
+        out_sharding.mesh.require_devices()
+        out_sharding.check_shape(p.out_shape)
+    return p
+
+
+# -- candidate layouts -------------------------------------------------------------------------------------
+
+
+def _sources(p: _Problem, mesh: Mesh) -> list[dict[str, tuple[str, ...]]]:
+    """Letter -> axes assignments on ``mesh`` that the inputs and ``out_sharding`` suggest."""
+    names = set(mesh.axis_names)
+    found = []
+    tensors = [(letters, d.src) for letters, d in zip(p.operands, p.inputs)]
+    if p.out_sharding is not None:
+        tensors.append((p.out, p.out_sharding))
+    for letters, s in tensors:
+        got = {c: axes for c, axes in zip(letters, s.dim_axes(len(letters))) if axes}
+        if all(set(a) <= names for a in got.values()):
+            found.append(got)
+    if p.out_sharding is not None:
+        # An axis the output is Partial over is one that splits a summed letter.
+        found += [{c: (a,)} for a in p.out_sharding.partial if a in names for c in p.summed]
+    return found
+
+
+def _valid(axes: Sequence[tuple[str, ...]]) -> bool:
+    used = [a for group in axes for a in group]
+    return len(used) == len(set(used))
+
+
+def _candidates(p: _Problem, mesh: Mesh) -> list[Layout]:
+    letters = p.letters
+    sources = _sources(p, mesh)
+    options = [list(dict.fromkeys([(), *(s[c] for s in sources if c in s)])) for c in letters]
+    if math.prod(len(o) for o in options) <= _MAX_CANDIDATES:
+        choices = list(itertools.product(*options))
+    else:
+        choices = [tuple(s.get(c, ()) for c in letters) for s in sources]
+        merged: dict[str, tuple[str, ...]] = {}
+        for s in sources:
+            for c, axes in s.items():
+                if c not in merged and _valid([*merged.values(), axes]):
+                    merged[c] = axes
+        choices += [tuple(merged.get(c, ()) for c in letters), tuple(() for _ in letters)]
+    out = []
+    for axes in dict.fromkeys(choices):
+        if not _valid(axes):
+            continue
+        layout = Layout(mesh, letters, tuple(axes))
+        # A tensor used twice is one set of buffers: both uses need the same tiles.
+        targets: dict[str, Sharding] = {}
+        if all(targets.setdefault(d.name, layout.sharding(ls)) == layout.sharding(ls)
+               for ls, d in zip(p.operands, p.inputs)):
+            out.append(layout)
+    return out
+
+
+def _lined_up(p: _Problem) -> Optional[Layout]:
+    """The inputs' common layout, when they all live on one mesh and agree on every letter, else None."""
+    mesh = p.inputs[0].src.mesh
+    if any(d.src.mesh != mesh for d in p.inputs):
+        return None
+    assign: dict[str, tuple[str, ...]] = {}
+    for letters, d in zip(p.operands, p.inputs):
+        for c, axes in zip(letters, d.src.dim_axes(len(letters))):
+            if assign.setdefault(c, axes) != axes:
+                return None
+    layout = Layout(mesh, p.letters, tuple(assign[c] for c in p.letters))
+    return layout if _valid(layout.axes) else None
+
+
+# -- building the program -----------------------------------------------------------------------------------
+
+
+class _Builder:
+    """The steps of one layout's program, appended in an order where every step follows what it waits for."""
+
+    def __init__(self, p: _Problem, layout: Layout, plans: dict):
+        self.p, self.layout, self.plans = p, layout, plans
+        self.steps: list[Step] = []
+        self.devices = layout.mesh.require_devices()
+
+    def add(self, make, after: Iterable[int] = (), **kw) -> int:
+        self.steps.append(make(len(self.steps), after=sorted(set(after)), **kw))
+        return len(self.steps) - 1
+
+    def _plan(self, shape, src: Sharding, dst: Sharding):
+        key = (shape, src, dst)
+        if key not in self.plans:
+            self.plans[key] = plan(shape, self.p.dtype, src, dst, self.p.topology, self.p.strategy)
+        return self.plans[key]
+
+    def reshard(self, name: str, shape, src: Sharding, dst: Sharding, held_role: str,
+                producers: Mapping[str, list[int]], whole: bool = False) -> dict[str, tuple[str, list[int]]]:
+        """Moves (and copies of held parts) that lay ``name`` out in ``dst`` tiles, role ``"dst"``.
+
+        ``held_role`` is where a device holds its ``src`` tile, made by the steps ``producers[device]``. A tile
+        a device holds already is read where it is, unless ``whole`` asks for every tile in role ``"dst"``.
+        Returns, per device of ``dst``, the role its tile is read from and the steps to wait for.
+        """
+        src_tiles, dst_tiles = src.tiles(shape), dst.tiles(shape)
+        out: dict[str, tuple[str, list[int]]] = {}
+        copies: dict[str, list[int]] = {}
+        for dev, tile in dst_tiles.items():
+            own = src_tiles.get(dev)
+            if not whole and own is not None and boxes.contains(own, tile):
+                out[dev] = (held_role, list(producers.get(dev, ())))
+                continue
+            held = boxes.intersect(own, tile) if own is not None else None
+            copies[dev] = [] if held is None else [
+                self.add(Step.compute, producers.get(dev, ()), kernel="copy", device=dev,
+                         inputs=[TileRef(name, held_role, held)], output=TileRef(name, DST, held))]
+            out[dev] = (DST, list(copies[dev]))
+        transfers = sorted(self._plan(shape, src, dst).transfers, key=lambda t: t.phase) if src != dst else []
+        delivered: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)  # device -> (step, phase, box)
+        for t in transfers:
+            # A sender reads the box from whichever of its buffers holds it: its "dst" must be written by then.
+            after = [*producers.get(t.sender, ()), *copies.get(t.sender, ())]
+            after += [j for j, phase, b in delivered.get(t.sender, ())
+                      if phase < t.phase and boxes.intersect(b, t.box) is not None]
+            i = self.add(Step.move, after, transfer=replace(t, phase=0), tensor=name)
+            for r in t.receivers:
+                delivered[r].append((i, t.phase, t.box))
+                out[r][1].append(i)
+        return out
+
+    def build(self) -> Program:
+        p, layout = self.p, self.layout
+        # 1. inputs into the layout's tiles
+        reads: dict[str, dict[str, tuple[str, list[int]]]] = {}
+        for letters, d in zip(p.operands, p.inputs):
+            if d.name not in reads:
+                reads[d.name] = self.reshard(d.name, d.shape, d.src, layout.sharding(letters), SRC, {})
+        # 2. the local einsums
+        iv = {c: {dev: layout.interval(c, p.sizes[c], dev) for dev in self.devices} for c in p.letters}
+        reduced = [a for c in p.summed for a in layout.of(c) if layout.mesh.axis_size(a) > 1]
+        direct = self._completion(reduced)
+        stages = direct if direct is not None else ([("replicate", tuple(reduced), None)] if reduced else [])
+        # Where each stage writes: partial sums in a tensor of their own, so that the output's buffers are all
+        # complete values (a move reads whichever buffer of its sender holds its box).
+        partials = f"{p.out_name}~{PARTIAL}"
+        last = (p.out_name, DST if direct is not None else RESULT)
+        writes = [(partials, f"{PARTIAL}{k}") for k in range(len(stages))] + [last]
+        cur: dict[str, Box] = {}
+        made: dict[str, list[int]] = {}
+        for dev in self.devices:
+            box = tuple(iv[c][dev] for c in p.out)
+            cur[dev] = box
+            if not boxes.volume(box):
+                continue
+            refs, waits = [], []
+            for letters, d in zip(p.operands, p.inputs):
+                r, w = reads[d.name][dev]
+                refs.append(TileRef(d.name, r, tuple(iv[c][dev] for c in letters)))
+                waits += w
+            made[dev] = [self.add(Step.compute, waits, kernel="einsum", device=dev, inputs=refs,
+                                  output=TileRef(*writes[0], box), params={"equation": p.equation})]
+        # 3. reductions
+        for k, (result, axes, dim) in enumerate(stages):
+            made = self._reduce(result, axes, dim, writes[k], writes[k + 1], cur, made)
+        # 4. into another layout or mesh
+        if direct is not None:
+            final = p.out_sharding or layout.sharding(p.out)
+        else:
+            final = p.out_sharding
+            if final.partial:
+                raise EinsumError(
+                    f"out_sharding {final} is Partial over {list(final.partial)}, but layout {layout} does "
+                    f"not leave the sum of {p.summed!r} pending over those axes there"
+                )
+            # after the all-reduce each device holds its tile of the layout's output sharding, role "result"
+            self.reshard(p.out_name, p.out_shape, layout.sharding(p.out), final, RESULT, made, whole=True)
+        out = TensorDecl(p.out_name, p.out_shape, p.dtype, dst=final)
+        tensors = tuple(dict.fromkeys(p.inputs)) + (out,)
+        if stages:
+            tensors += (TensorDecl(partials, p.out_shape, p.dtype),)
+        return Program(tensors, tuple(self.steps), p.strategy, p.topology)
+
+    def _completion(self, reduced: list[str]) -> Optional[list[tuple[str, tuple[str, ...], Optional[int]]]]:
+        """The reduce stages that leave the local results in ``out_sharding`` on the compute mesh: a reduce-scatter
+        per reduced axis it appends to an output dim's axes, an all-reduce over those it replicates; None when
+        ``out_sharding`` is no such completion of the layout."""
+        p, layout = self.p, self.layout
+        if p.out_sharding is None:
+            return [("replicate", tuple(reduced), None)] if reduced else []
+        o = p.out_sharding
+        if o.mesh != layout.mesh:
+            return None
+        partial = {a for a in o.partial if o.mesh.axis_size(a) > 1}
+        if not partial <= set(reduced):
+            return None
+        stages = []
+        for dim, (c, axes) in enumerate(zip(p.out, o.dim_axes(len(p.out)))):
+            mine = layout.of(c)
+            extra = axes[len(mine):]
+            if axes[:len(mine)] != mine or not set(extra) <= set(reduced):
+                return None
+            stages += [("shard", (a,), dim) for a in extra]
+        scattered = {a for _, (a,), _ in stages}
+        rest = tuple(a for a in reduced if a not in scattered and a not in partial)
+        return stages + ([("replicate", rest, None)] if rest else [])
+
+    def _reduce(self, result: str, axes: tuple[str, ...], dim: Optional[int], src: tuple[str, str],
+                dst: tuple[str, str], cur: dict[str, Box], made: dict[str, list[int]]) -> dict[str, list[int]]:
+        """One reduce stage over every group of devices that differ only in ``axes``, from the (tensor, role)
+        ``src`` into ``dst``; ``cur`` is the box each device holds, ``made`` the steps that wrote it."""
+        mesh = self.layout.mesh
+        index = [mesh.axis_index(a) for a in axes]
+        groups: dict[tuple, list[tuple[tuple, str]]] = defaultdict(list)
+        for pos, dev in enumerate(self.devices):
+            coords = mesh.coords(pos)
+            key = tuple(x for i, x in enumerate(coords) if i not in index)
+            groups[key].append((tuple(coords[i] for i in index), dev))
+        after: dict[str, list[int]] = {}
+        for members in groups.values():
+            group = [dev for _, dev in sorted(members)]
+            box = cur[group[0]]
+            assert all(cur[d] == box for d in group), "members of a reduce group hold one box"
+            if not boxes.volume(box):
+                continue
+            i = self.add(Step.reduce, [j for d in group for j in made.get(d, ())], op="sum", devices=group,
+                         input=TileRef(*src, box), output=TileRef(*dst, box), result=result, dim=dim)
+            pieces = boxes.chunk(box, len(group), dim) if result == "shard" else [box] * len(group)
+            for d, piece in zip(group, pieces):
+                cur[d] = piece
+                after[d] = [i]
+        return after
+
+
+def _moved_bytes(program: Program) -> int:
+    return sum(sum(row.values()) for row in program.host_bytes().values())
+
+
+def _pinned(p: _Problem, layout: Union[Layout, Mapping[str, object]]) -> Layout:
+    """A layout the caller asks for: a `Layout`, or Mesh-TensorFlow rules (letter -> axis, axes or None) on the
+    mesh of ``out_sharding``, else of the first input; checked against the einsum's letters and the rule."""
+    if isinstance(layout, Layout):
+        mesh, rules = layout.mesh, dict(zip(layout.letters, layout.axes))
+    elif isinstance(layout, Mapping):
+        mesh = (p.out_sharding or p.inputs[0].src).mesh
+        rules = {c: (() if a is None else (a,) if isinstance(a, str) else tuple(a)) for c, a in layout.items()}
+    else:
+        raise EinsumError(f"layout must be a reshard.einsum.Layout or a mapping of letters to mesh axes such as "
+                          f"{{'i': 'x'}}; got {type(layout).__name__}")
+    unknown = sorted(set(rules) - set(p.letters))
+    if unknown:
+        raise EinsumError(f"layout names letter(s) {unknown}, which einsum {p.equation!r} does not have; its letters "
+                          f"are {list(p.letters)}")
+    for c, axes in rules.items():
+        for a in axes:
+            if a not in mesh.axis_names:
+                raise EinsumError(f"layout splits letter {c!r} over {a!r}, which is not an axis of the compute mesh "
+                                  f"{mesh}; its axes are {list(mesh.axis_names)}")
+    seen: dict[str, str] = {}
+    for c in p.letters:
+        for a in rules.get(c, ()):
+            if a in seen:
+                both = [ls for ls in (*p.operands, p.out) if seen[a] in ls and c in ls]
+                which = f"; tensor {both[0]!r} would have two dims on axis {a!r}" if both else ""
+                raise EinsumError(
+                    f"layout splits letters {seen[a]!r} (size {p.sizes[seen[a]]}) and {c!r} (size {p.sizes[c]}) "
+                    f"over axis {a!r}{which}; a mesh axis may split at most one dim of the op, or a device would hold "
+                    f"a 'diagonal' pair of blocks"
+                )
+            seen[a] = c
+    pinned = Layout(mesh, p.letters, tuple(rules.get(c, ()) for c in p.letters))
+    for ls, d in zip(p.operands, p.inputs):
+        for ls2, d2 in zip(p.operands, p.inputs):
+            if d.name == d2.name and pinned.sharding(ls) != pinned.sharding(ls2):
+                raise EinsumError(f"input {d.name!r} is used as {ls!r} and as {ls2!r}, which layout {pinned} cuts "
+                                  f"differently; a tensor used twice needs one layout for both uses")
+    return pinned
+
+
+def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_sharding: Optional[Sharding] = None,
+                topology: Optional[Topology] = None, strategy: str = "auto",
+                layout: Union[Layout, Mapping[str, object], None] = None) -> Program:
+    """The program that computes ``numpy.einsum(equation, *inputs)`` where the inputs' tiles are, into ``out_name``.
+
+    ``inputs`` are `TensorDecl` records (name, shape, dtype, and ``src``: the sharding the tensor is held in) or
+    ``(name, shape, dtype, sharding)`` tuples, one per operand of the equation. ``out_sharding`` None keeps the
+    layout's splits of the output dims and all-reduces the summed ones; a sharding on the compute mesh may keep
+    reduced axes Partial or reduce-scatter them onto output dims; any other is reached by a reshard after the
+    reduction. ``strategy`` plans the moves (`reshard.strategies.plan`). ``layout`` pins the op's layout (a
+    `Layout`, or Mesh-TensorFlow rules such as ``{"b": "rows", "h": "cols"}`` on the mesh of ``out_sharding``, else
+    of the first input) instead of the cheapest. See the module docstring for the steps.
+
+    The chosen `Layout` is ``program.einsum_layout``. Raises `EinsumError` (a ``ValueError``) naming the rule,
+    the letters and sizes for an einsum it cannot run.
+    """
+    p = _problem(equation, inputs, out_name, out_sharding, topology, strategy)
+    plans: dict = {}
+    lined = _pinned(p, layout) if layout is not None else _lined_up(p) if out_sharding is None else None
+    if lined is not None:
+        best = _Builder(p, lined, plans).build()
+        layout = lined
+    else:
+        meshes = list(dict.fromkeys([d.src.mesh for d in p.inputs] + ([out_sharding.mesh] if out_sharding else [])))
+        best, layout, key, refused = None, None, None, None
+        for mesh in meshes:
+            for candidate in _candidates(p, mesh):
+                try:
+                    program = _Builder(p, candidate, plans).build()
+                except EinsumError as e:  # only a Partial out_sharding this layout cannot leave pending
+                    refused = refused or e
+                    continue
+                k = (program.estimate_seconds, _moved_bytes(program))
+                if key is None or k < key:
+                    best, layout, key = program, candidate, k
+        if best is None:
+            raise EinsumError(f"no layout of einsum {p.equation!r} on the meshes of its inputs and output can give "
+                              f"out_sharding as asked: {refused}")
+    best.validate()
+    best.__dict__["einsum_layout"] = layout
+    return best
