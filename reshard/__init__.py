@@ -16,6 +16,7 @@ from reshard.errors import (
 )
 from reshard.einsum import plan_einsum
 from reshard.mesh import Mesh, host_of
+from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
 from reshard.program import (
     COMPUTE,
@@ -56,6 +57,7 @@ __all__ = [
     "STEP_KINDS",
     "plan",
     "plan_einsum",
+    "reshard_program",
     "host_of",
     "STRATEGIES",
     "BASELINES",
