@@ -14,9 +14,9 @@ layout             letter -> the mesh axes (major first) that split it, on the c
                    "diagonal" pair of blocks)
 lines up           an input lines up with a layout when it already lies on the compute
                    mesh in the tiles the layout gives it: it needs no move
-reduced axes       the axes (of size > 1) that split a summed letter: each device holds
-                   addends of its output tile, summed over the devices that differ only
-                   in those axes
+reduced axes       the axes (of size > 1) that split a summed letter, or that a Partial
+                   input carried through is summed over: each device holds addends of
+                   its output tile, summed over the devices that differ only in them
 candidate          a layout the planner prices: on each mesh an input or the output
                    lives on, every choice per letter among "whole" and the axes an input
                    (or ``out_sharding``) splits it over
@@ -24,6 +24,10 @@ candidate          a layout the planner prices: on each mesh an input or the out
 
 The program (`plan_einsum`), in step order:
 
+0. a Partial input is all-reduced over its partial axes into a tensor ``<name>~sum``,
+   unless its addends may go through the local einsum as they are (it lines up, and
+   no letter is split and no other input is Partial along those axes): then its
+   partial axes join the reduced axes. The planner prices both;
 1. moves of each input that does not line up into its tiles of the layout (a
    `reshard.strategies.plan`; receivers write role ``"dst"``), and a ``copy`` of the
    part of its new tile a device already held (so that role ``"dst"`` covers the tile);
@@ -63,7 +67,7 @@ from reshard.topology import Topology
 
 __all__ = ["plan_einsum", "EinsumError", "Layout", "PARTIAL", "RESULT"]
 
-PARTIAL, RESULT = "partial", "result"
+PARTIAL, RESULT, SUM = "partial", "result", "sum"
 # Price every candidate layout up to this many; beyond, each source's layout, their greedy union and "all whole".
 _MAX_CANDIDATES = 512
 
@@ -156,10 +160,11 @@ def _problem(equation, inputs, out_name, out_sharding, topology, strategy) -> _P
                               f"used twice must be the same tensor")
     if not isinstance(out_name, str) or not out_name:
         raise EinsumError(f"out_name {out_name!r} is not a tensor name; give the output a non-empty name")
-    for name in (out_name, f"{out_name}~{PARTIAL}"):
+    made = {out_name: "the output", f"{out_name}~{PARTIAL}": "the output's partial sums"}
+    made.update((f"{d.name}~{SUM}", f"the sum of Partial input {d.name!r}") for d in decls if d.src.partial)
+    for name, what in made.items():
         if name in by_name:
-            raise EinsumError(f"input {name!r} has the name the program gives the output (or its partial sums, "
-                              f"'{out_name}~{PARTIAL}'); give the output another name")
+            raise EinsumError(f"input {name!r} has the name the program gives {what}; give the output another name")
     dtypes = sorted({d.dtype for d in decls})
     if len(dtypes) > 1:
         raise EinsumError(f"einsum inputs have dtypes {dtypes}; the local einsum needs one dtype, so cast the "
@@ -171,9 +176,6 @@ def _problem(equation, inputs, out_name, out_sharding, topology, strategy) -> _P
         raise EinsumError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     for d in decls:
         d.src.mesh.require_devices()
-        if d.src.partial:
-            raise EinsumError(f"input {d.name!r} is Partial over {list(d.src.partial)}; reshard it to a "
-                              f"complete sharding first (its sum)")
     p = _Problem(f"{','.join(operands)}->{out}", operands, out, sizes, decls, out_name, dtypes[0], out_sharding,
                  topology or Topology(), strategy)
     if out_sharding is not None:
@@ -256,10 +258,11 @@ def _lined_up(p: _Problem) -> Optional[Layout]:
 class _Builder:
     """The steps of one layout's program, appended in an order where every step follows what it waits for."""
 
-    def __init__(self, p: _Problem, layout: Layout, plans: dict):
-        self.p, self.layout, self.plans = p, layout, plans
+    def __init__(self, p: _Problem, layout: Layout, plans: dict, fold: bool = True):
+        self.p, self.layout, self.plans, self.fold = p, layout, plans, fold
         self.steps: list[Step] = []
         self.devices = layout.mesh.require_devices()
+        self.made: list[TensorDecl] = []  # the tensors the program adds: partial sums, completed inputs
 
     def add(self, make, after: Iterable[int] = (), **kw) -> int:
         self.steps.append(make(len(self.steps), after=sorted(set(after)), **kw))
@@ -292,7 +295,8 @@ class _Builder:
                 self.add(Step.compute, producers.get(dev, ()), kernel="copy", device=dev,
                          inputs=[TileRef(name, held_role, held)], output=TileRef(name, DST, held))]
             out[dev] = (DST, list(copies[dev]))
-        transfers = sorted(self._plan(shape, src, dst).transfers, key=lambda t: t.phase) if src != dst else []
+        transfers = [] if _same_tiles(src, dst, len(shape)) else \
+            sorted(self._plan(shape, src, dst).transfers, key=lambda t: t.phase)
         delivered: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)  # device -> (step, phase, box)
         for t in transfers:
             # A sender reads the box from whichever of its buffers holds it: its "dst" must be written by then.
@@ -307,14 +311,26 @@ class _Builder:
 
     def build(self) -> Program:
         p, layout = self.p, self.layout
-        # 1. inputs into the layout's tiles
-        reads: dict[str, dict[str, tuple[str, list[int]]]] = {}
+        # 1. inputs into the layout's tiles; a Partial input's sum is completed first, unless it is folded into
+        # the output's reduction
+        reads: dict[str, tuple[str, dict[str, tuple[str, list[int]]]]] = {}
+        folded: list[str] = []
         for letters, d in zip(p.operands, p.inputs):
-            if d.name not in reads:
-                reads[d.name] = self.reshard(d.name, d.shape, d.src, layout.sharding(letters), SRC, {})
+            if d.name in reads:
+                continue
+            target = layout.sharding(letters)
+            if d.src.partial and self.fold and self._foldable(d, target):
+                folded += [a for a in d.src.partial if a not in folded]
+                reads[d.name] = (d.name, {dev: (SRC, []) for dev in self.devices})
+            elif d.src.partial:
+                name, producers = self._complete(d)
+                reads[d.name] = (name, self.reshard(name, d.shape, d.src.without_partial(), target, SUM, producers))
+            else:
+                reads[d.name] = (d.name, self.reshard(d.name, d.shape, d.src, target, SRC, {}))
         # 2. the local einsums
         iv = {c: {dev: layout.interval(c, p.sizes[c], dev) for dev in self.devices} for c in p.letters}
-        reduced = [a for c in p.summed for a in layout.of(c) if layout.mesh.axis_size(a) > 1]
+        reduced = [a for a in layout.mesh.axis_names if layout.mesh.axis_size(a) > 1 and
+                   (a in folded or any(a in layout.of(c) for c in p.summed))]
         direct = self._completion(reduced)
         stages = direct if direct is not None else ([("replicate", tuple(reduced), None)] if reduced else [])
         # Where each stage writes: partial sums in a tensor of their own, so that the output's buffers are all
@@ -331,8 +347,9 @@ class _Builder:
                 continue
             refs, waits = [], []
             for letters, d in zip(p.operands, p.inputs):
-                r, w = reads[d.name][dev]
-                refs.append(TileRef(d.name, r, tuple(iv[c][dev] for c in letters)))
+                name, roles = reads[d.name]
+                r, w = roles[dev]
+                refs.append(TileRef(name, r, tuple(iv[c][dev] for c in letters)))
                 waits += w
             made[dev] = [self.add(Step.compute, waits, kernel="einsum", device=dev, inputs=refs,
                                   output=TileRef(*writes[0], box), params={"equation": p.equation})]
@@ -347,15 +364,41 @@ class _Builder:
             if final.partial:
                 raise EinsumError(
                     f"out_sharding {final} is Partial over {list(final.partial)}, but layout {layout} does "
-                    f"not leave the sum of {p.summed!r} pending over those axes there"
+                    f"not leave a sum pending over those axes there (a summed letter {p.summed!r} split over them, "
+                    f"or a Partial input over them)"
                 )
             # after the all-reduce each device holds its tile of the layout's output sharding, role "result"
             self.reshard(p.out_name, p.out_shape, layout.sharding(p.out), final, RESULT, made, whole=True)
         out = TensorDecl(p.out_name, p.out_shape, p.dtype, dst=final)
-        tensors = tuple(dict.fromkeys(p.inputs)) + (out,)
+        tensors = tuple(dict.fromkeys(p.inputs)) + (out, *self.made)
         if stages:
             tensors += (TensorDecl(partials, p.out_shape, p.dtype),)
         return Program(tensors, tuple(self.steps), p.strategy, p.topology)
+
+    def _foldable(self, d: TensorDecl, target: Sharding) -> bool:
+        """Whether Partial input ``d`` can stay a pending sum through the local einsum: it lines up, and along its
+        partial axes every other operand is the same on every device (no letter split there, no other addends)."""
+        p = self.p
+        if [x.name for x in p.inputs].count(d.name) > 1 or not _same_tiles(d.src, target, len(d.shape)):
+            return False
+        used = {a for axes in self.layout.axes for a in axes}
+        others = {a for x in p.inputs if x.name != d.name for a in x.src.partial}
+        return not (set(d.src.partial) & (used | others))
+
+    def _complete(self, d: TensorDecl) -> tuple[str, dict[str, list[int]]]:
+        """All-reduce Partial input ``d`` over its partial axes into tensor ``<name>~sum`` (role ``"sum"``), on
+        its own mesh; returns that name and, per device, the step that wrote its tile."""
+        name = f"{d.name}~{SUM}"
+        self.made.append(TensorDecl(name, d.shape, d.dtype))
+        tiles = d.src.tiles(d.shape)
+        producers: dict[str, list[int]] = {}
+        for group in _groups(d.src.mesh, d.src.partial):
+            box = tiles[group[0]]
+            if boxes.volume(box):
+                i = self.add(Step.reduce, op="sum", devices=group, input=TileRef(d.name, SRC, box),
+                             output=TileRef(name, SUM, box))
+                producers.update((dev, [i]) for dev in group)
+        return name, producers
 
     def _completion(self, reduced: list[str]) -> Optional[list[tuple[str, tuple[str, ...], Optional[int]]]]:
         """The reduce stages that leave the local results in ``out_sharding`` on the compute mesh: a reduce-scatter
@@ -385,16 +428,8 @@ class _Builder:
                 dst: tuple[str, str], cur: dict[str, Box], made: dict[str, list[int]]) -> dict[str, list[int]]:
         """One reduce stage over every group of devices that differ only in ``axes``, from the (tensor, role)
         ``src`` into ``dst``; ``cur`` is the box each device holds, ``made`` the steps that wrote it."""
-        mesh = self.layout.mesh
-        index = [mesh.axis_index(a) for a in axes]
-        groups: dict[tuple, list[tuple[tuple, str]]] = defaultdict(list)
-        for pos, dev in enumerate(self.devices):
-            coords = mesh.coords(pos)
-            key = tuple(x for i, x in enumerate(coords) if i not in index)
-            groups[key].append((tuple(coords[i] for i in index), dev))
         after: dict[str, list[int]] = {}
-        for members in groups.values():
-            group = [dev for _, dev in sorted(members)]
+        for group in _groups(self.layout.mesh, axes):
             box = cur[group[0]]
             assert all(cur[d] == box for d in group), "members of a reduce group hold one box"
             if not boxes.volume(box):
@@ -406,6 +441,21 @@ class _Builder:
                 cur[d] = piece
                 after[d] = [i]
         return after
+
+
+def _groups(mesh: Mesh, axes: Sequence[str]) -> list[list[str]]:
+    """The devices of ``mesh`` that differ only in ``axes``, each group in row-major order over ``axes``."""
+    index = [mesh.axis_index(a) for a in axes]
+    groups: dict[tuple, list[tuple[tuple, str]]] = defaultdict(list)
+    for pos, dev in enumerate(mesh.require_devices()):
+        coords = mesh.coords(pos)
+        groups[tuple(x for i, x in enumerate(coords) if i not in index)].append((tuple(coords[i] for i in index), dev))
+    return [[dev for _, dev in sorted(members)] for members in groups.values()]
+
+
+def _same_tiles(a: Sharding, b: Sharding, ndim: int) -> bool:
+    """The same layout of a tensor's values (partial axes aside)."""
+    return a.mesh == b.mesh and a.dim_axes(ndim) == b.dim_axes(ndim)
 
 
 def _moved_bytes(program: Program) -> int:
@@ -473,24 +523,26 @@ def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_s
     plans: dict = {}
     lined = _pinned(p, layout) if layout is not None else _lined_up(p) if out_sharding is None else None
     if lined is not None:
-        best = _Builder(p, lined, plans).build()
-        layout = lined
+        candidates = [lined]
     else:
         meshes = list(dict.fromkeys([d.src.mesh for d in p.inputs] + ([out_sharding.mesh] if out_sharding else [])))
-        best, layout, key, refused = None, None, None, None
-        for mesh in meshes:
-            for candidate in _candidates(p, mesh):
-                try:
-                    program = _Builder(p, candidate, plans).build()
-                except EinsumError as e:  # only a Partial out_sharding this layout cannot leave pending
-                    refused = refused or e
-                    continue
-                k = (program.estimate_seconds, _moved_bytes(program))
-                if key is None or k < key:
-                    best, layout, key = program, candidate, k
-        if best is None:
-            raise EinsumError(f"no layout of einsum {p.equation!r} on the meshes of its inputs and output can give "
-                              f"out_sharding as asked: {refused}")
-    best.validate()
-    best.__dict__["einsum_layout"] = layout
-    return best
+        candidates = [c for mesh in meshes for c in _candidates(p, mesh)]
+    # A Partial input is either summed first or, where it may, carried into the output's reduction: price both.
+    folds = (True, False) if any(d.src.partial for d in p.inputs) else (True,)
+    best, key, refused = None, None, None
+    for candidate, fold in itertools.product(candidates, folds):
+        try:
+            program = _Builder(p, candidate, plans, fold).build()
+        except EinsumError as e:  # only a Partial out_sharding this layout cannot leave pending
+            refused = refused or e
+            continue
+        k = (program.estimate_seconds, _moved_bytes(program))
+        if key is None or k < key:
+            best, key = program, k
+            best.__dict__["einsum_layout"] = candidate
+    if best is None:
+        if lined is not None:
+            raise refused
+        raise EinsumError(f"no layout of einsum {p.equation!r} on the meshes of its inputs and output can give "
+                          f"out_sharding as asked: {refused}")
+    return best.validate()

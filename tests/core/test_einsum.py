@@ -205,8 +205,8 @@ B = decl("b", (6, 5), (None, "y"))
     (lambda: plan_einsum("ij,jk->ik", [A, B], "a"), EinsumError, r"input 'a' has the name the program gives the output"),
     (lambda: plan_einsum("ij,ij->", [A, A], "c"), EinsumError, r"sums every dim to a scalar; an output needs at least "),
     (lambda: plan_einsum("ij,jk->ik", [A, B], "c", strategy="fastest"), EinsumError, r"unknown strategy 'fastest'"),
-    (lambda: plan_einsum("ij,jk->ik", [A, decl("b", (6, 5), (None, None), partial=("y",))], "c"), EinsumError,
-     r"input 'b' is Partial over \['y'\]"),
+    (lambda: plan_einsum("ij,jk->ik", [decl("a", (4, 6), ("x", None), partial=("y",)), decl("a~sum", (6, 5), ())],
+                         "c"), EinsumError, r"input 'a~sum' has the name the program gives the sum of Partial input 'a'"),
     (lambda: plan_einsum("ij,jk->ik", [A, B], "c", Sharding(MESH, (None, None, "x"))), InvalidShardingError,
      r"spec P\(None, None, 'x'\) has 3 entries but the tensor has 2 dims \(4, 5\)"),
     (lambda: Sharding(MESH, ("x", "x")), InvalidShardingError,
@@ -230,6 +230,37 @@ B = decl("b", (6, 5), (None, "y"))
 def test_errors_name_the_rule_the_letter_and_the_sizes(call, error, message):
     with pytest.raises(error, match=message):
         call()
+
+
+@pytest.mark.parametrize("k, steps, reduced", [
+    # the output is small: the addends of a go through the einsum and the output is all-reduced over y
+    (4, {"compute einsum": 4, "reduce replicate": 2}, "c~partial"),
+    # the output is large: a is summed first (over y, its Partial axis), then the einsum needs no reduction
+    (4096, {"reduce replicate": 2, "compute einsum": 4}, "a"),
+])
+def test_a_partial_input_is_summed_first_or_carried_into_the_output_whichever_is_cheaper(k, steps, reduced):
+    a = decl("a", (64, 64), ("x", None), partial=("y",))
+    b = decl("b", (64, k), (None, None))
+    program = plan_einsum("ij,jk->ik", [a, b], "c", topology=TOPOLOGY)
+    assert kinds(program) == steps and not moved(program)
+    assert {s.inputs[0].tensor for s in program.steps if s.kind == REDUCE} == {reduced}
+    assert program.tensor("c").dst.spec_str() == "P('x', None)"
+
+
+def test_a_partial_input_and_a_partial_output_over_one_axis_need_no_reduction():
+    a = decl("a", (64, 64), ("x", None), partial=("y",))
+    b = decl("b", (64, 8), (None, None))
+    program = plan_einsum("ij,jk->ik", [a, b], "c", Sharding(MESH, ("x", None), partial=("y",)), topology=TOPOLOGY)
+    assert kinds(program) == {"compute einsum": 4} and not moved(program)
+
+
+def test_a_partial_input_whose_axis_splits_a_letter_is_summed_first():
+    a = decl("a", (8, 6), ("x", None), partial=("y",))
+    b = decl("b", (6, 5), ("y", None))
+    program = plan_einsum("ij,jk->ik", [a, b], "c", topology=TOPOLOGY, layout={"i": "x", "j": "y"})
+    first = program.steps[0]
+    assert (first.kind, first.inputs[0].tensor, first.output.tensor) == (REDUCE, "a", "a~sum")
+    assert all(r.tensor != "a" for s in program.steps if s.kernel == "einsum" for r in s.inputs)
 
 
 def test_an_input_used_twice_is_laid_out_once():
