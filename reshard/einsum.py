@@ -359,6 +359,9 @@ class _Builder:
         # 4. into another layout or mesh
         if direct is not None:
             final = p.out_sharding or layout.sharding(p.out)
+            tiles = final.tiles(p.out_shape)
+            assert all(cur[d] == tiles[d] or not (boxes.volume(cur[d]) or boxes.volume(tiles[d])) for d in tiles), \
+                "the reduce stages leave every device its tile of the output sharding"
         else:
             final = p.out_sharding
             if final.partial:
@@ -432,14 +435,13 @@ class _Builder:
         for group in _groups(self.layout.mesh, axes):
             box = cur[group[0]]
             assert all(cur[d] == box for d in group), "members of a reduce group hold one box"
-            if not boxes.volume(box):
-                continue
-            i = self.add(Step.reduce, [j for d in group for j in made.get(d, ())], op="sum", devices=group,
-                         input=TileRef(*src, box), output=TileRef(*dst, box), result=result, dim=dim)
             pieces = boxes.chunk(box, len(group), dim) if result == "shard" else [box] * len(group)
             for d, piece in zip(group, pieces):
                 cur[d] = piece
-                after[d] = [i]
+            if boxes.volume(box):
+                i = self.add(Step.reduce, [j for d in group for j in made.get(d, ())], op="sum", devices=group,
+                             input=TileRef(*src, box), output=TileRef(*dst, box), result=result, dim=dim)
+                after.update((d, [i]) for d in group)
         return after
 
 

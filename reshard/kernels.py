@@ -7,32 +7,35 @@ The core checks programs with these rules; agents own the implementations
 them. Shapes below are tile shapes: a kernel sees one device's tiles, never the
 sharding; the planner lines tiles up before a kernel runs.
 
-=================== ========== ================================ ===============================================
-kernel              inputs     params                           output tile
-=================== ========== ================================ ===============================================
-``copy``            x          none                             x
-``einsum``          x0, x1...  ``equation`` (numpy notation,    numpy.einsum of the inputs; a letter names one
-                    (1 or      e.g. ``"bij,bjk->bik"``)         dim of one size in every input; an empty
-                    more)                                       summed dim sums to zeros
-``add``             a, b       none                             a + b (same shapes)
-``sub``             a, b       none                             a - b
-``mul``             a, b       none                             a * b
-``scale``           x          ``factor``                       factor * x
-``relu``            x          none                             max(x, 0)
-``relu_grad``       x, g       none                             g where x > 0, else 0 (x: relu's input,
-                                                                g: the gradient of its output)
-``axpy``            w, g       ``alpha``                        w - alpha * g (an SGD step: w - lr * g)
-``sum``             x          ``dims`` (``"0,2"``)             x summed over those dims, which are dropped;
-                                                                an empty tile sums to 0
-``max``             x          ``dims``                         the maximum over those dims, dropped; an empty
-                                                                tile gives -inf (the least integer for ints)
-``softmax_xent``    logits, t  ``axis`` (default the last)      per-row loss -sum(t * log_softmax(logits)) over
-                                                                ``axis`` (dropped); ``t`` holds target
-                                                                probabilities (one-hot labels), logits' shape
-``softmax_xent_grad`` logits,  ``axis``, ``scale`` (default 1)  scale * (softmax(logits) - t): the gradient of
-                    t                                           the loss summed over rows, times ``scale``
-                                                                (``1/batch`` for the mean); logits' shape
-=================== ========== ================================ ===============================================
+======================= ========== ============================== ============================================
+kernel                  inputs     params                         output tile
+======================= ========== ============================== ============================================
+``copy``                x          none                           x
+``einsum``              x0, x1...  ``equation`` (numpy notation,  numpy.einsum of the inputs; a letter names
+                        (1 or      e.g. ``"bij,bjk->bik"``)       one dim of one size in every input; an
+                        more)                                     empty summed dim sums to zeros
+``add``                 a, b       none                           a + b (same shapes)
+``sub``                 a, b       none                           a - b
+``mul``                 a, b       none                           a * b
+``scale``               x          ``factor``                     factor * x
+``relu``                x          none                           max(x, 0)
+``relu_grad``           x, g       none                           g where x > 0, else 0 (x: relu's input,
+                                                                  g: the gradient of its output)
+``axpy``                w, g       ``alpha``                      w - alpha * g (an SGD step: w - lr * g)
+``sum``                 x          ``dims`` (``"0,2"``)           x summed over those dims, which are
+                                                                  dropped; an empty tile sums to 0
+``max``                 x          ``dims``                       the maximum over those dims, dropped; an
+                                                                  empty tile gives -inf (the least integer
+                                                                  for ints)
+``softmax_xent``        logits, t  ``axis`` (default the last)    per-row loss -sum(t * log_softmax(logits))
+                                                                  over ``axis`` (dropped); ``t`` holds
+                                                                  target probabilities (one-hot labels),
+                                                                  logits' shape
+``softmax_xent_grad``   logits, t  ``axis``, ``scale`` (default   scale * (softmax(logits) - t): the gradient
+                                   1)                             of the loss summed over rows, times
+                                                                  ``scale`` (``1/batch`` for the mean);
+                                                                  logits' shape
+======================= ========== ============================== ============================================
 
 ``sum`` and ``max`` over a dim the tile holds only part of give a partial
 result; the planner completes it with a reduce step (op ``sum`` or ``max``).

@@ -121,6 +121,11 @@ def _values(shape, rng) -> np.ndarray:
     return rng.integers(-4, 5, shape).astype(np.float64)
 
 
+def _operands(eq: str, sizes: dict[str, int], seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [_values(tuple(sizes[c] for c in ls), rng) for ls in eq.split("->")[0].split(",")]
+
+
 def run_einsum(cluster: Hosts, eq: str, arrays: list[np.ndarray], shardings: list[Sharding], out_sharding=None,
                **kw):
     """Put the inputs, plan, run and commit; returns (program, {host: run}, the output read back)."""
@@ -204,13 +209,23 @@ def test_any_two_input_einsum_on_any_layouts_equals_numpy(memory_hosts, problem,
 ])
 def test_fixed_cases_on_both_transports(hosts, eq, specs_, out_spec):
     mesh = Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS[:2]), 2)
-    operands = eq.split("->")[0].split(",")
-    sizes = {"b": 3, "i": 5, "j": 7, "k": 6}
-    rng = np.random.default_rng(1)
-    arrays = [_values(tuple(sizes[c] for c in ls), rng) for ls in operands]
+    arrays = _operands(eq, {"b": 3, "i": 5, "j": 7, "k": 6}, 1)
     out = Sharding(mesh, out_spec) if out_spec else None
     _, _, got = run_einsum(hosts, eq, arrays, [Sharding(mesh, s) for s in specs_], out)
     assert np.array_equal(got, np.einsum(eq, *arrays))
+
+
+@pytest.mark.parametrize("eq, specs_", [
+    ("ij->j", [("x", "y")]),  # one input: a sum over a split dim is a reduce
+    ("ij->ji", [("x", "y")]),  # a transpose moves nothing
+    ("ij,jk,kl->il", [("x", None), (None, "y"), ("y", None)]),  # three inputs: one local einsum each
+])
+def test_one_and_three_input_einsums(memory_hosts, eq, specs_):
+    mesh = Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS), 1)
+    arrays = _operands(eq, {"i": 7, "j": 5, "k": 6, "l": 3}, 8)
+    program, _, got = run_einsum(memory_hosts, eq, arrays, [Sharding(mesh, s) for s in specs_])
+    assert np.array_equal(got, np.einsum(eq, *arrays))
+    assert not [s for s in program.steps if s.kind == MOVE]
 
 
 def test_float32_small_integers_are_exact_and_an_empty_tile_contributes_nothing(memory_hosts):
@@ -278,10 +293,7 @@ def test_a_reduction_inside_a_host_stays_off_the_network(memory_hosts):
 ])
 def test_nothing_moves_when_the_layouts_line_up(memory_hosts, eq, specs_):
     mesh = Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS), 1)
-    operands = eq.split("->")[0].split(",")
-    sizes = {"b": 3, "i": 5, "j": 4, "k": 7}
-    rng = np.random.default_rng(3)
-    arrays = [_values(tuple(sizes[c] for c in ls), rng) for ls in operands]
+    arrays = _operands(eq, {"b": 3, "i": 5, "j": 4, "k": 7}, 3)
     program, runs, got = run_einsum(memory_hosts, eq, arrays, [Sharding(mesh, s) for s in specs_])
     assert np.array_equal(got, np.einsum(eq, *arrays))
     assert {s.kind for s in program.steps} == {"compute"}
