@@ -39,8 +39,9 @@ The program (`plan_einsum`), in step order:
    a reduce-scatter per reduced axis that ``out_sharding`` puts on an output dim, then
    one all-reduce over the reduced axes it replicates; axes it keeps Partial are left;
 4. when ``out_sharding`` is no such completion of the layout (another mesh, another
-   layout), the result (role ``"result"``, replicated over the reduced axes) is
-   resharded into it: moves, and copies of the part a device already holds.
+   layout), the result (role ``"result"``: all-reduced, or reduce-scattered onto one
+   output dim, whichever the cost model prefers) is resharded into it: moves, and
+   copies of the part a device already holds.
 
 The output is declared with its final sharding as ``dst``, so the service commits it.
 The layout is the inputs' own when they line up and ``out_sharding`` is None (no data
@@ -258,8 +259,9 @@ def _lined_up(p: _Problem) -> Optional[Layout]:
 class _Builder:
     """The steps of one layout's program, appended in an order where every step follows what it waits for."""
 
-    def __init__(self, p: _Problem, layout: Layout, plans: dict, fold: bool = True):
-        self.p, self.layout, self.plans, self.fold = p, layout, plans, fold
+    def __init__(self, p: _Problem, layout: Layout, plans: dict, fold: bool = True, scatter: Optional[int] = None):
+        self.p, self.layout, self.plans, self.fold, self.scatter = p, layout, plans, fold, scatter
+        self.scatterable = False  # set by build: the result is reduced, then moved (scatter may then apply)
         self.steps: list[Step] = []
         self.devices = layout.mesh.require_devices()
         self.made: list[TensorDecl] = []  # the tensors the program adds: partial sums, completed inputs
@@ -332,7 +334,23 @@ class _Builder:
         reduced = [a for a in layout.mesh.axis_names if layout.mesh.axis_size(a) > 1 and
                    (a in folded or any(a in layout.of(c) for c in p.summed))]
         direct = self._completion(reduced)
-        stages = direct if direct is not None else ([("replicate", tuple(reduced), None)] if reduced else [])
+        held = layout.sharding(p.out)
+        if direct is not None:
+            stages = direct
+        elif p.out_sharding.partial:
+            raise EinsumError(
+                f"out_sharding {p.out_sharding} is Partial over {list(p.out_sharding.partial)}, but layout {layout} "
+                f"does not leave a sum pending over those axes there (a summed letter {p.summed!r} split over them, "
+                f"or a Partial input over them)"
+            )
+        elif self.scatter is None or not reduced:
+            stages = [("replicate", tuple(reduced), None)] if reduced else []
+        else:
+            # reduce-scatter onto one output dim, as its minor axes: the moves then read the pieces
+            stages = [("shard", (a,), self.scatter) for a in reduced]
+            held = Sharding(layout.mesh, [layout.of(c) + (tuple(reduced) if i == self.scatter else ()) or None
+                                          for i, c in enumerate(p.out)])
+        self.scatterable = direct is None and bool(reduced)
         # Where each stage writes: partial sums in a tensor of their own, so that the output's buffers are all
         # complete values (a move reads whichever buffer of its sender holds its box).
         partials = f"{p.out_name}~{PARTIAL}"
@@ -357,21 +375,13 @@ class _Builder:
         for k, (result, axes, dim) in enumerate(stages):
             made = self._reduce(result, axes, dim, writes[k], writes[k + 1], cur, made)
         # 4. into another layout or mesh
-        if direct is not None:
-            final = p.out_sharding or layout.sharding(p.out)
-            tiles = final.tiles(p.out_shape)
-            assert all(cur[d] == tiles[d] or not (boxes.volume(cur[d]) or boxes.volume(tiles[d])) for d in tiles), \
-                "the reduce stages leave every device its tile of the output sharding"
-        else:
+        final = (p.out_sharding or held) if direct is not None else held
+        tiles = final.tiles(p.out_shape)
+        assert all(cur[d] == tiles[d] or not (boxes.volume(cur[d]) or boxes.volume(tiles[d])) for d in tiles), \
+            "the reduce stages leave every device its tile of the sharding they promise"
+        if direct is None:
             final = p.out_sharding
-            if final.partial:
-                raise EinsumError(
-                    f"out_sharding {final} is Partial over {list(final.partial)}, but layout {layout} does "
-                    f"not leave a sum pending over those axes there (a summed letter {p.summed!r} split over them, "
-                    f"or a Partial input over them)"
-                )
-            # after the all-reduce each device holds its tile of the layout's output sharding, role "result"
-            self.reshard(p.out_name, p.out_shape, layout.sharding(p.out), final, RESULT, made, whole=True)
+            self.reshard(p.out_name, p.out_shape, held, final, RESULT, made, whole=True)
         out = TensorDecl(p.out_name, p.out_shape, p.dtype, dst=final)
         tensors = tuple(dict.fromkeys(p.inputs)) + (out, *self.made)
         if stages:
@@ -529,19 +539,25 @@ def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_s
     else:
         meshes = list(dict.fromkeys([d.src.mesh for d in p.inputs] + ([out_sharding.mesh] if out_sharding else [])))
         candidates = [c for mesh in meshes for c in _candidates(p, mesh)]
-    # A Partial input is either summed first or, where it may, carried into the output's reduction: price both.
+    # A Partial input is either summed first or, where it may, carried into the output's reduction; a result that
+    # moves after its reduction is all-reduced or reduce-scattered onto one of its dims: price each.
     folds = (True, False) if any(d.src.partial for d in p.inputs) else (True,)
     best, key, refused = None, None, None
     for candidate, fold in itertools.product(candidates, folds):
-        try:
-            program = _Builder(p, candidate, plans, fold).build()
-        except EinsumError as e:  # only a Partial out_sharding this layout cannot leave pending
-            refused = refused or e
-            continue
-        k = (program.estimate_seconds, _moved_bytes(program))
-        if key is None or k < key:
-            best, key = program, k
-            best.__dict__["einsum_layout"] = candidate
+        scatters: list[Optional[int]] = [None]
+        while scatters:
+            builder = _Builder(p, candidate, plans, fold, scatters.pop(0))
+            try:
+                program = builder.build()
+            except EinsumError as e:  # only a Partial out_sharding this layout cannot leave pending
+                refused = refused or e
+                break
+            if builder.scatterable and builder.scatter is None:
+                scatters = list(range(len(p.out)))
+            k = (program.estimate_seconds, _moved_bytes(program))
+            if key is None or k < key:
+                best, key = program, k
+                best.__dict__["einsum_layout"] = candidate
     if best is None:
         if lined is not None:
             raise refused

@@ -67,10 +67,10 @@ CASES = {
         "ij,jk->ik", [decl("a", (64, 64), ("x", "y")), decl("b", (64, 64), ("y", None))],
         Sharding(MESH, ("x", None), partial=("y",)),
         "{i: x, j: y} on (x=2, y=2)", set(), {"compute einsum": 4}, "P('x', None) + partial(y)"),
-    "output on another mesh: reduce, then move": (
+    "output on another mesh: reduce-scatter, then move the pieces": (
         "ij,jk->ik", [decl("a", (64, 64), ("x", "y")), decl("b", (64, 64), ("y", None))],
         Sharding(OTHER, ("z", None)),
-        "{i: x, j: y} on (x=2, y=2)", {"c"}, None, "P('z', None)"),
+        "{i: x, j: y} on (x=2, y=2)", {"c"}, {"compute einsum": 4, "reduce shard": 2, "move": 4}, "P('z', None)"),
     "inputs on two meshes": (
         "ij,jk->ik", [decl("a", (256, 64), ("x", None)), decl("b", (64, 16), (None, None), OTHER)], None,
         "{i: x} on (x=2, y=2)", {"b"}, None, "P('x', None)"),
