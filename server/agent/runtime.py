@@ -447,7 +447,9 @@ class Run(Session):
         that buffer holds: the source shard, the staged tile once earlier steps delivered ``box``, or a buffer
         an earlier step made."""
         shard = None
-        if role in (None, SRC):
+        # A tensor the program declares without ``src`` is made by its steps: a stored tensor of the same name (an
+        # output that replaces an older version) is none of its data.
+        if role in (None, SRC) and self.program.tensor(tensor).src is not None:
             shard = self.store.find(self.names.get(tensor, tensor), self.src_version, device)
             if shard is not None and boxes.contains(shard.tile, box):
                 return shard.array, shard.tile
@@ -681,7 +683,7 @@ class Runtime:
         """
         for task in run.tasks:
             t = task.step.transfer if task.role == "send" else None
-            if t is None or not first_peer(t):
+            if t is None or not first_peer(t) or run.program.tensor(task.step.tensor).src is None:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.src_version, t.sender)
             if shard is not None and boxes.contains(shard.tile, t.box):

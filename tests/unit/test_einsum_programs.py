@@ -315,6 +315,24 @@ def test_an_input_on_another_mesh_moves_and_only_it(memory_hosts):
     assert program.tensor(program.tensors[-1].name).dst.mesh == mesh
 
 
+def test_an_output_that_replaces_a_stored_tensor_of_its_name_is_made_from_the_inputs_only(memory_hosts):
+    """w = einsum(...) over an older w: the moves of the result read what the steps made, never the stored w."""
+    mesh = Mesh.from_hosts({"x": 2}, list(HOSTS[:2]), 1)
+    far = Mesh.from_hosts({"x": 2}, list(HOSTS[2:]), 1)
+    a, b = _operands("ij,jk->ik", {"i": 6, "j": 4, "k": 5}, 9)
+    k = next(_NAMES)
+    inputs = [TensorDecl(f"a{k}", a.shape, "float64", Sharding(mesh, ("x", None))),
+              TensorDecl(f"b{k}", b.shape, "float64", Sharding(mesh, (None, None)))]
+    for x, d in zip((a, b), inputs):
+        memory_hosts.put_tensor(d.name, x, d.src)
+    memory_hosts.put_tensor(f"w{k}", np.full((6, 5), 99.0), Sharding(mesh, ("x", None)))  # the older w
+    program = plan_einsum("ij,jk->ik", inputs, f"w{k}", Sharding(far, (None, "x")))
+    assert any(s.kind == MOVE and s.tensor == f"w{k}" for s in program.steps)
+    job, runs = memory_hosts.start(program.dumps(), f"w{k}")
+    memory_hosts.finish(job, runs)
+    assert np.array_equal(read_back(memory_hosts, f"w{k}", program.tensor(f"w{k}").dst, (6, 5)), a @ b)
+
+
 def test_steps_wait_for_what_they_read():
     """A compute step waits for every move into its tiles; a reduce for every member's compute."""
     mesh = Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS[:2]), 2)
