@@ -18,16 +18,17 @@ in place         when every destination tile lies in its own device's source til
 moved            otherwise every group reduces its tile into role ``reduced``, by an all-reduce
                  or by a reduce-scatter along a dim (when its chunks are the tiles of the source
                  spec with the summed axes added to that dim as minor axes); then the moves of
-                 `reshard.plan` from that layout to ``dst``, each after its sender's reduce; a
+                 `reshard.plan` from that layout to ``dst``, each after its sender's reduce, reading
+                 role ``reduced`` (or ``dst``, where the plan forwards a box delivered earlier); a
                  destination device that also held addends copies the part of its tile that its
                  source tile covers. The cost model (`Program.estimate`) picks the all-reduce or
                  the dim of the reduce-scatter
 ================ ==============================================================================
 
 Roles of the one tensor: ``src`` holds addends, ``reduced`` what a reduce completed,
-``dst`` the destination tile. A move of a tensor whose source is Partial carries
-completed sums: it reads what the steps it depends on wrote (its sender's reduce
-and copy), never the source tile, which holds addends.
+``dst`` the destination tile. A move after a reduce carries completed sums: it names
+the role it reads (``reduced``, or ``dst`` to forward), never ``src``, which holds
+addends; only where ``dst`` keeps every partial axis do the addends move, from ``src``.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from reshard import box as boxes
 from reshard.dtypes import dtype_name
 from reshard.errors import InvalidShardingError
 from reshard.mesh import Mesh
+from reshard.plan import Transfer
 from reshard.program import DST, RESHARD_TENSOR, SRC, Program, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
 from reshard.strategies import STRATEGIES, plan
@@ -230,8 +232,16 @@ def _reduce_then_move(shape, dtype, src: Sharding, dst: Sharding, dim: Optional[
             # must complete all of that part itself; after this reduce-scatter it completed less.
             return None
         out.copy(dev, held)
-    out.moves = _moves(shape, dtype, values, dst, topology, strategy).moves
+    out.moves = [replace(s, role=_read_role(s.transfer, done))
+                 for s in _moves(shape, dtype, values, dst, topology, strategy).moves]
     return out
+
+
+def _read_role(t: Transfer, done: dict[str, Box]) -> str:
+    """What the sender of a move after the reduces reads: the sums its reduce left it, else (a relay: the plan
+    forwards a box delivered earlier) its destination tile."""
+    mine = done.get(t.sender)
+    return REDUCED if mine is not None and boxes.contains(mine, t.box) else DST
 
 
 def _moves(shape, dtype, src: Sharding, dst: Sharding, topology: Topology, strategy: str) -> _Steps:

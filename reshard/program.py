@@ -25,11 +25,18 @@ role               which buffer of a tensor on a device: ``"src"`` is the tile
 `TileRef`          (tensor, role, box): one buffer's box on the step's device
 holds              a device holds a box in a role when the step starts if its
                    ``src`` tile (role ``"src"``) and the boxes its ancestors
-                   produced there in that role together cover it; a move's
-                   sender may read any role
+                   produced there in that role together cover it
 *move*             ``transfer`` (a `Transfer`: box, sender, receivers, method,
-                   route) of ``tensor``; receivers write into ``"dst"``; the
-                   transfer's phase is unused (0): ``after`` orders the moves
+                   route) of ``tensor``; the sender reads ``role``, receivers
+                   write into ``"dst"``; the transfer's phase is unused (0):
+                   ``after`` orders the moves
+move ``role``      ``"src"`` (the default; JSON leaves it out) reads as a plan's
+                   transfer does: the source tile, or what earlier steps left
+                   on the sender in any role (a relay). Any other role reads
+                   only what the sender holds in that role (``"reduced"``: what
+                   a reduce completed). A Partial tensor's ``"src"`` holds
+                   addends, so a move reads it only into a destination partial
+                   over the same axes, at the same coordinates along them
 *compute*          ``kernel`` (one of `reshard.kernels.KERNELS`) on ``device``
                    reads ``inputs`` and writes ``output``, shaped by the
                    kernel's rule, with string ``params``
@@ -111,11 +118,11 @@ RESHARD_TENSOR = "tensor"
 
 # The fields each kind of step uses; a step leaves the others at their defaults.
 _KIND_FIELDS = {
-    MOVE: ("transfer", "tensor"),
+    MOVE: ("transfer", "tensor", "role"),
     COMPUTE: ("kernel", "device", "inputs", "output", "params"),
     REDUCE: ("op", "devices", "inputs", "output", "result", "algorithm", "dim"),
 }
-_DEFAULTS = {"transfer": None, "tensor": "", "kernel": "", "device": "", "inputs": (), "output": None,
+_DEFAULTS = {"transfer": None, "tensor": "", "role": SRC, "kernel": "", "device": "", "inputs": (), "output": None,
              "params": (), "op": "", "devices": (), "result": "", "algorithm": "", "dim": None}
 
 
@@ -209,6 +216,7 @@ class Step:
     after: tuple[int, ...] = ()
     transfer: Optional[Transfer] = None
     tensor: str = ""
+    role: str = SRC
     kernel: str = ""
     device: str = ""
     inputs: tuple[TileRef, ...] = ()
@@ -238,8 +246,9 @@ class Step:
     # -- builders ---------------------------------------------------------------------------
 
     @classmethod
-    def move(cls, id: int, transfer: Transfer, after: Iterable[int] = (), tensor: str = RESHARD_TENSOR) -> "Step":
-        return cls(id, MOVE, tuple(after), transfer=transfer, tensor=tensor)
+    def move(cls, id: int, transfer: Transfer, after: Iterable[int] = (), tensor: str = RESHARD_TENSOR,
+             role: str = SRC) -> "Step":
+        return cls(id, MOVE, tuple(after), transfer=transfer, tensor=tensor, role=role)
 
     @classmethod
     def compute(cls, id: int, kernel: str, device: str, inputs: Iterable[TileRef], output: TileRef,
@@ -291,6 +300,8 @@ class Step:
         out: dict = {"id": self.id, "kind": self.kind, "after": list(self.after)}
         if self.kind == MOVE:
             out["tensor"] = self.tensor
+            if self.role != SRC:  # so that a program of plain moves keeps the JSON, and the id, it always had
+                out["role"] = self.role
             out.update(self.transfer.to_json())
             del out["phase"]
         elif self.kind == COMPUTE:
@@ -316,7 +327,8 @@ class Step:
         after = tuple(need(a, "integer", f"{what} field 'after' item {i}", E)
                       for i, a in enumerate(field_of(data, "after", "array", what, E, default=())))
         if kind == MOVE:
-            return cls.move(sid, Transfer.from_json(data, what), after, field_of(data, "tensor", "string", what, E))
+            return cls.move(sid, Transfer.from_json(data, what), after, field_of(data, "tensor", "string", what, E),
+                            field_of(data, "role", "string", what, E, default=SRC))
         inputs = tuple(TileRef.from_json(r, f"{what} input {i}")
                        for i, r in enumerate(field_of(data, "inputs", "array", what, E)))
         output = field_of(data, "output", "object", what, E, default=None)
@@ -339,7 +351,8 @@ class Step:
         if self.kind == MOVE:
             t = self.transfer
             via = f" via {'->'.join(t.route)}" if t.route else ""
-            body = (f"{self.tensor} {t.method} {boxes.box_str(t.box)} {t.sender} -> "
+            role = f":{self.role}" if self.role != SRC else ""
+            body = (f"{self.tensor}{role} {t.method} {boxes.box_str(t.box)} {t.sender} -> "
                     f"{','.join(t.receivers)}{via}")
         elif self.kind == COMPUTE:
             body = f"{self.kernel} on {self.device}: {', '.join(map(str, self.inputs))} -> {self.output}"
@@ -595,8 +608,11 @@ class Program(ContentAddressed):
 
         The graph: ids are positions, dependencies are earlier steps, no cycle.
         Moves: the rules of `Plan.validate`, where a sender must hold its box
-        from its source tile or from an ancestor; a reshard tensor's moves give
-        every destination tile exactly its elements. Compute: a known kernel,
+        from its source tile or from an ancestor, in the role it reads; a
+        reshard tensor's moves give every destination tile exactly its
+        elements; addends move only into the same pending sum, and the part of
+        a destination tile that a device held as addends is written by a step
+        with completed sums. Compute: a known kernel,
         boxes inside their tensors, shapes by the kernel's rule, inputs held.
         Reduce: a known op, result and algorithm, distinct devices, a non-empty
         box that every member holds. Raises `PlanValidationError` naming the
@@ -607,6 +623,7 @@ class Program(ContentAddressed):
         produced: dict[tuple[str, str], list[tuple[int, str, Box]]] = defaultdict(list)
         src_tiles = {t.name: t.src.tiles(t.shape) for t in self.tensors if t.src is not None}
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+        addend_coords: dict[str, dict[str, tuple[int, ...]]] = {}
 
         def holds(i: int, device: str, tensor: str, role: Optional[str], box: Box) -> bool:
             if not boxes.volume(box):
@@ -629,6 +646,7 @@ class Program(ContentAddressed):
                     reshard_moves[decl.name].append((s.id, s.transfer))
                 else:
                     self._check_free_move(where, s, decl, hosts, holds)
+                self._check_addends(where, s, decl, addend_coords)
             elif s.kind == COMPUTE:
                 self._check_compute(where, s, hosts, holds)
             else:
@@ -643,6 +661,13 @@ class Program(ContentAddressed):
                     where=lambda i, t: _StepWhere(self.steps[i]),
                     when=lambda i, t: _when(self.steps[i]),
                 )
+                self._check_summed_tiles(decl, produced)
+        for s in self.steps:
+            # A reshard tensor's senders were checked as a plan's, from the source tile or deliveries; one that
+            # reads another role must hold the box in that role.
+            if s.kind == MOVE and s.role != SRC and self.tensor(s.tensor).is_reshard:
+                self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box),
+                                 holds)
         return self
 
     def _declared(self, where, name: str) -> TensorDecl:
@@ -683,7 +708,56 @@ class Program(ContentAddressed):
         check_transfer(where, t, decl.shape, hosts)
         for d in (t.sender, *t.receivers):
             self._check_device(where, d)
-        self._check_held(where, s, t.sender, TileRef(decl.name, SRC, t.box), holds, any_role=True)
+        self._check_held(where, s, t.sender, TileRef(decl.name, s.role, t.box), holds, any_role=s.role == SRC)
+
+    @staticmethod
+    def _check_addends(where, s: Step, decl: TensorDecl, coords: dict[str, dict[str, tuple[int, ...]]]) -> None:
+        """A move that reads a Partial tensor's ``src`` moves addends: only into the same pending sum (a
+        destination partial over the same axes of the same mesh), between devices at the same coordinates along
+        those axes, whose addends add up to one value."""
+        src, dst, t = decl.src, decl.dst, s.transfer
+        if s.role != SRC or src is None or not src.is_partial:
+            return
+        if dst is None or dst.mesh != src.mesh or set(dst.partial) != set(src.partial):
+            into = f"its destination {dst} is not that pending sum" if dst is not None else \
+                "the tensor has no destination sharding"
+            raise PlanValidationError(
+                f"{where}: it reads role 'src' of {decl.name!r}, which holds addends of {src}, but {into}; addends "
+                f"move as they are only into a destination partial over {list(src.partial)} on the same mesh, so "
+                f"reduce them first and move the role the reduce writes (Step.move(..., role='reduced'))"
+            )
+        at = coords.get(decl.name)
+        if at is None:
+            index = [src.mesh.axis_index(a) for a in src.partial]
+            at = coords[decl.name] = {dev: tuple(src.mesh.coords(p)[i] for i in index)
+                                      for p, dev in enumerate(src.mesh.require_devices())}
+        apart = [r for r in t.receivers if r in at and t.sender in at and at[r] != at[t.sender]]
+        if apart:
+            raise PlanValidationError(
+                f"{where}: it moves addends of {src} from {t.sender} (at {at[t.sender]} along "
+                f"{list(src.partial)}) to {apart[0]} (at {at[apart[0]]}); each coordinate along the partial axes "
+                f"sums its own addends, so a move of them stays at its sender's coordinate"
+            )
+
+    @staticmethod
+    def _check_summed_tiles(decl: TensorDecl, produced) -> None:
+        """A reshard that sums a Partial source: the part of a destination tile that its device's source tile
+        holds starts as addends (the runtime stages it so), so steps must write it with completed sums."""
+        src, dst = decl.src, decl.dst
+        if not src.is_partial or set(dst.partial) == set(src.partial):
+            return
+        src_tiles = src.tiles(decl.shape)
+        for dev, tile in dst.tiles(decl.shape).items():
+            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+            if held is None:
+                continue
+            left = boxes.uncovered(held, [b for _, r, b in produced.get((dev, decl.name), ()) if r == DST])
+            if left:
+                raise PlanValidationError(
+                    f"destination device {dev} (tile {boxes.box_str(tile)}) holds {boxes.box_str(held)} of it as "
+                    f"addends of {src}, and no step writes {boxes.box_str(left[0])} of that part with the sum; "
+                    f"reduce into role 'dst' there, or copy the reduced box into it"
+                )
 
     def _check_compute(self, where, s: Step, hosts: HostCache, holds) -> None:
         kernel = KERNELS.get(s.kernel)

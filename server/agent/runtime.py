@@ -443,9 +443,10 @@ class Run(Session):
             self.store.stage(self.job, dev, TileBuffer(buf, tile, decl.dtype))
 
     def read(self, device: str, tensor: str, box: Box, role: str | None = None) -> tuple[Any, Box]:
-        """A buffer of ``device`` that holds ``box`` of ``tensor`` in ``role`` (any role when None), and the box
-        that buffer holds: the source shard, the staged tile once earlier steps delivered ``box``, or a buffer
-        an earlier step made."""
+        """A buffer of ``device`` that holds ``box`` of ``tensor`` in ``role``, and the box that buffer holds:
+        the source shard, the staged tile once earlier steps delivered ``box``, or a buffer an earlier step made.
+        ``role`` None is what a move of role ``"src"`` reads, as a plan's transfer does: the source shard, else
+        any buffer that holds the box (``"dst"`` first, then the other roles by name)."""
         shard = None
         # A tensor the program declares without ``src`` is made by its steps: a stored tensor of the same name (an
         # output that replaces an older version) is none of its data.
@@ -458,7 +459,7 @@ class Run(Session):
             if tile is not None and boxes.contains(tile, box):
                 return self.staged[device], tile
         with self._lock:
-            held = [(b, a) for r in ((role,) if role else (DST, *{k[2] for k in self._made}))
+            held = [(b, a) for r in ((role,) if role else (DST, *sorted({k[2] for k in self._made} - {DST})))
                     for b, a in self._made.get((device, tensor, r), ())]
         made = [(b, a) for b, a in held if boxes.contains(b, box)]
         if made:
@@ -683,7 +684,10 @@ class Runtime:
         """
         for task in run.tasks:
             t = task.step.transfer if task.role == "send" else None
-            if t is None or not first_peer(t) or run.program.tensor(task.step.tensor).src is None:
+            # Only a move of role "src" reads the source shard (`Run.read`); one that reads another role, such as
+            # the sums a reduce left, is digested as it is sent.
+            if t is None or task.step.role != SRC or not first_peer(t) or \
+                    run.program.tensor(task.step.tensor).src is None:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.src_version, t.sender)
             if shard is not None and boxes.contains(shard.tile, t.box):
@@ -786,7 +790,7 @@ class Runtime:
         step, link = task.step, run.transport
         if task.role == "send":
             t = step.transfer
-            array, origin = run.read(t.sender, step.tensor, t.box)
+            array, origin = run.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
             link.move(run, step.id, t, run.sink(step.tensor, t.box), array, origin, run.digests.get(step.id))
         elif task.role == "recv":
             link.take(run, step.id, step.transfer, task.hop, run.sink(step.tensor, step.transfer.box))

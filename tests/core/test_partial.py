@@ -11,6 +11,7 @@ destination tile equal to the summed tensor's tile.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter, defaultdict
@@ -26,6 +27,7 @@ from reshard import (
     InvalidShardingError,
     Mesh,
     Partial,
+    PlanValidationError,
     Program,
     Replicate,
     Shard,
@@ -228,7 +230,9 @@ def run_on_numpy(program: Program, tiles: dict[str, np.ndarray], rng) -> dict[st
     A step reads only what the source tiles hold or what steps it depends on (``after``, transitively) wrote:
     a missing dependency fails here, whatever order the steps ran in. A destination tile starts with what its
     device's source tile holds of it when ``dst`` keeps every partial axis (addends still), else NaN: a device
-    must then write every element itself. A move reads a source tile only in the first case.
+    must then write every element itself. A move reads the role it names, and role ``"src"`` as the agents do:
+    the source tile first, else whatever its device holds (so a move of addends where sums belong gives wrong
+    values here).
     """
     decl = program.tensors[0]
     src_tiles, dst_tiles = decl.src.tiles(decl.shape), decl.dst.tiles(decl.shape)
@@ -248,7 +252,7 @@ def run_on_numpy(program: Program, tiles: dict[str, np.ndarray], rng) -> dict[st
         ancestors.append(set(s.after).union(*(ancestors[a] for a in s.after)))
 
     def read(s, dev: str, role, box) -> np.ndarray:
-        if role == SRC or (role is None and not summing):
+        if role in (None, SRC):
             tile = src_tiles.get(dev)
             if tile is not None and boxes.contains(tile, box):
                 return tiles[dev][to_slices(box, tile)]
@@ -277,7 +281,7 @@ def run_on_numpy(program: Program, tiles: dict[str, np.ndarray], rng) -> dict[st
         for deps in waiting.values():
             deps.discard(s.id)
         if s.kind == MOVE:
-            values = read(s, s.transfer.sender, None, s.transfer.box)
+            values = read(s, s.transfer.sender, None if s.role == SRC else s.role, s.transfer.box)
             for r in s.transfer.receivers:
                 write(s, r, DST, s.transfer.box, values)
         elif s.kind == COMPUTE:
@@ -347,6 +351,57 @@ def test_partial_reshard_programs(name, shape, src, dst, kinds, results, network
 def test_a_program_that_is_not_partial_is_the_plans():
     src, dst = Sharding(M22, ("x", None)), Sharding(M22_OTHER, (None, "y"))
     assert reshard_program((8, 6), "float32", src, dst) == Program.from_plan(plan((8, 6), "float32", src, dst))
+
+
+def _edit(program: Program, index: int, **changes) -> Program:
+    steps = list(program.steps)
+    steps[index] = dataclasses.replace(steps[index], **changes)
+    return dataclasses.replace(program, steps=tuple(steps))
+
+
+def test_moves_after_a_reduce_read_the_sums_and_forward_what_they_received():
+    far = Mesh.from_hosts({"x": 2, "y": 2}, ["h4", "h5"], 2)
+    src, dst = Sharding(M4, (None, None), ("x",)), Sharding(far, ("x", None))
+    program = reshard_program((8, 6), "float32", src, dst, strategy="local_allgather").validate()
+    moves = [s for s in program.steps if s.kind == MOVE]
+    # Phase 0 of the plan sends each reduced quarter's rows to one receiver; phase 1 forwards them inside the host.
+    assert Counter(s.role for s in moves) == {"reduced": 8, DST: 8}
+    assert all(s.transfer.method == "local" for s in moves if s.role == DST)
+    again = Program.from_json(program.dumps())
+    assert again == program and again.id == program.id
+    rng = np.random.default_rng(1)
+    tiles, whole = addends(src, (8, 6), rng)
+    got = run_on_numpy(program, tiles, rng)
+    for dev, want in expected(src, dst, (8, 6), whole).items():
+        assert np.array_equal(got[dev], want), dev
+
+
+def test_validation_refuses_addends_where_sums_belong():
+    summed = reshard_program((8, 6), "float32", Sharding(M4, (None, None), ("x",)), Sharding(M4_OTHER, (None, None)))
+    move = next(s for s in summed.steps if s.kind == MOVE)
+    with pytest.raises(PlanValidationError, match=(
+            rf"^step #{move.id} move tensor broadcast .*: it reads role 'src' of 'tensor', which holds addends of "
+            r"P\(None, None\) \+ partial\(x\) on \(x=4\), but its destination P\(None, None\) on \(x=4\) is not that "
+            r"pending sum; addends move as they are only into a destination partial over \['x'\] on the same mesh, so "
+            r"reduce them first and move the role the reduce writes")):
+        _edit(summed, move.id, role=SRC).validate()
+    # Kept partial: addends move, but only between devices at one coordinate along the partial axes.
+    kept = reshard_program((8, 6), "float32", Sharding(M22, ("x", None), ("y",)), Sharding(M22, (None, "x"), ("y",)))
+    move = next(s for s in kept.steps if s.transfer.sender == "h1/0")
+    with pytest.raises(PlanValidationError, match=r"it moves addends of .* from h1/0 \(at \(0,\) along \['y'\]\) to "
+                                                  r"h0/1 \(at \(1,\)\); each coordinate along the partial axes sums its "
+                                                  r"own addends"):
+        _edit(kept, move.id, transfer=dataclasses.replace(move.transfer, receivers=("h0/1",))).validate()
+    # A device that held addends of its destination tile must have them overwritten with the sums.
+    copying = reshard_program((5, 6), "float32", Sharding(M22, (None, None), ("x",)),
+                              Sharding(M22, (("x", "y"), None)))
+    copy = next(s for s in copying.steps if s.kind == COMPUTE and s.device == "h0/0")
+    part = ((0, 1), (0, 6))
+    with pytest.raises(PlanValidationError, match=(
+            r"^destination device h0/0 \(tile \[0:2, 0:6\]\) holds \[0:2, 0:6\] of it as addends of .*, and no step "
+            r"writes \[1:2, 0:6\] of that part with the sum; reduce into role 'dst' there, or copy the reduced box")):
+        _edit(copying, copy.id, inputs=(dataclasses.replace(copy.inputs[0], box=part),),
+              output=dataclasses.replace(copy.output, box=part)).validate()
 
 
 REFUSED = [

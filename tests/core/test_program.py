@@ -180,7 +180,7 @@ def test_moves_must_still_cover_every_destination_tile():
 
 def test_a_step_sets_only_the_fields_of_its_kind():
     t = Transfer(((0, 1),), "a/0", ("a/1",), "local")
-    with pytest.raises(PlanValidationError, match=r"step 3: a move step uses only \['transfer', 'tensor'\], "
+    with pytest.raises(PlanValidationError, match=r"step 3: a move step uses only \['transfer', 'tensor', 'role'\], "
                                                   r"but sets \['kernel'\]"):
         Step(3, "move", transfer=t, tensor="x", kernel="copy")
     with pytest.raises(PlanValidationError, match="kind 'send' is not one of"):
@@ -319,6 +319,32 @@ def test_a_free_move_needs_its_box_held_and_a_move_only_program_of_one_reshard_t
                                                )).to_plan()
     with pytest.raises(PlanValidationError, match=r"name the one tensor of a reshard program.*\['grad', 'total'\]"):
         _general().shape
+
+
+def test_a_move_reads_the_role_it_names():
+    reduce = Step.reduce(0, "sum", ["h0/0", "h1/0"], GRAD, TOTAL)
+    half = ((0, 4), (0, 16))
+    move = Step.move(1, Transfer(half, "h1/0", ("h1/1",), "local"), after=[0], tensor="total", role="reduced")
+    prog = _general(reduce, move).validate()
+    data = prog.to_json()
+    assert data["steps"][1]["role"] == "reduced" and "role" not in _program().to_json()["steps"][0]
+    again = Program.from_json(prog.dumps())
+    assert again == prog and again.id == prog.id and again.steps[1].role == "reduced"
+    assert str(move).startswith("#1 move total:reduced local [0:4, 0:16] h1/0 -> h1/1")
+    # Role "src", the default, reads whatever the sender holds; any other role only that role's buffers.
+    _general(reduce, dataclasses.replace(move, role=SRC)).validate()
+    with pytest.raises(PlanValidationError, match=r"step #1 move total:max .*: device h1/0 does not hold "
+                                                  r"total:max\[0:4, 0:16\] when its dependencies \[0\] are done"):
+        _general(reduce, dataclasses.replace(move, role="max")).validate()
+    # A reshard tensor's sender is checked in the role it names too, beside the plan's rules: a phase-1 gather
+    # forwards from its destination tile what phase 0 delivered there, which a phase-0 sender has not.
+    prog = _program()
+    gather = next(s for s in prog.steps if s.after)
+    _edit(prog, gather.id, role=DST).validate()
+    first = prog.steps[0]
+    with pytest.raises(PlanValidationError, match=rf"step #0 move tensor:dst .*: device {first.transfer.sender} "
+                                                  r"does not hold tensor:dst\[.*\] at the start"):
+        _edit(prog, 0, role=DST).validate()
 
 
 def test_topology_json_without_memory_bandwidth_reads_with_the_default():

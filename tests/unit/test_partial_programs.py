@@ -32,10 +32,10 @@ def agents():
     h.close()
 
 
-def _run(hosts: Hosts, shape, src: Sharding, dst: Sharding, seed: int = 0):
+def _run(hosts: Hosts, shape, src: Sharding, dst: Sharding, seed: int = 0, strategy: str = "auto"):
     """Put random addends under a fresh name, run the program, and check every destination tile; returns the
     program and each host's traffic."""
-    program = reshard_program(shape, "float32", src, dst).validate()
+    program = reshard_program(shape, "float32", src, dst, strategy=strategy).validate()
     rng = np.random.default_rng(seed)
     tiles, whole = addends(src, shape, rng)
     name = f"t{next(_NAMES)}"
@@ -103,15 +103,24 @@ def test_partial_examples_complete_the_sum(hosts, name, shape, src, dst):
     _run(hosts, shape, src, dst)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the runtime sends the source shard: Run.read(role=None) returns it before what the sender's reduce wrote, and "
-    "Runtime._digest_sources digests it for the trailer; a move of a tensor whose src is Partial and whose dst sums "
-    "it must read neither"))
-def test_reduce_then_move_to_another_mesh(agents):
+def test_reduce_then_move_to_another_mesh(hosts):
+    """The moves read the sums their senders' reduce left (role "reduced"), not the source shards' addends, and
+    the trailer's digest is of what they sent: a wrong one would fail the job."""
     mesh = Mesh.from_hosts({"x": 2}, list(HOSTS[:2]), 1)
     other = Mesh.from_hosts({"x": 2}, list(HOSTS[2:]), 1)
-    program, _ = _run(agents, (4, 3), Sharding(mesh, (None, None), ("x",)), Sharding(other, ("x", None)))
-    assert any(s.kind == MOVE for s in program.steps)
+    program, _ = _run(hosts, (4, 3), Sharding(mesh, (None, None), ("x",)), Sharding(other, ("x", None)))
+    moves = [s for s in program.steps if s.kind == MOVE]
+    assert moves and all(s.role == "reduced" for s in moves)
+
+
+def test_reduce_then_forward_inside_the_receiving_hosts(agents):
+    """local_allgather's second phase forwards, from the destination tiles, the sums the first phase delivered."""
+    mesh = Mesh.from_hosts({"x": 2}, list(HOSTS[:2]), 1)
+    other = Mesh.from_hosts({"x": 2, "y": 2}, list(HOSTS[2:]), 2)
+    src, dst = Sharding(mesh, (None, None), ("x",)), Sharding(other, ("x", None))
+    program = reshard_program((8, 3), "float32", src, dst, strategy="local_allgather")
+    assert {s.role for s in program.steps if s.kind == MOVE} == {"reduced", "dst"}
+    _run(agents, (8, 3), src, dst, strategy="local_allgather")
 
 
 # -- random problems ----------------------------------------------------------------------------------------
