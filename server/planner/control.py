@@ -291,6 +291,13 @@ class Planner:
     # -- planning and jobs -------------------------------------------------------------------------
 
     def dry_plan(self, name: str, shape, dtype: str, src_json: str, dst_json: str, strategy: str) -> Plan:
+        """The plan a reshard would run (saved, so the dashboard shows dry runs as well as jobs)."""
+        return self.dry_plan_json(name, shape, dtype, src_json, dst_json, strategy)[0]
+
+    def dry_plan_json(self, name: str, shape, dtype: str, src_json: str, dst_json: str,
+                      strategy: str) -> tuple[Plan, str]:
+        """`dry_plan` and the plan's JSON, serialised once for the store and the reply: a large plan takes
+        seconds to serialise."""
         dst = self._sharding(dst_json, "destination sharding")
         if name:
             rec = self.catalog.get(name)
@@ -303,8 +310,9 @@ class Planner:
                         f"planning {name or 'a tensor'} of shape {shape}")
         plan = make_plan(tuple(shape), dtype, src, dst, self.registry.topology(), strategy).validate()
         # Kept so that the dashboard can show dry runs as well as jobs.
-        self.store.save_plan(plan.id, plan.dumps())
-        return plan
+        text = plan.dumps()
+        self.store.save_plan(plan.id, text)
+        return plan, text
 
     def stored_plan(self, plan_id: str) -> Plan | None:
         doc = self.store.plan(plan_id)

@@ -26,8 +26,6 @@ from reshard.server.planner.control import Planner, TileLocation
 __all__ = ["serve_planner", "GrpcAgentCalls"]
 
 
-
-
 def _traffic(t: pb.HostTraffic) -> dict:
     return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
 
@@ -192,9 +190,9 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def Plan(self, request, context):
-        plan = self.planner.dry_plan(request.name, tuple(request.shape), request.dtype, request.src_json,
-                                     request.dst_json, request.strategy)
-        return pb.PlanReply(plan_json=plan.dumps())
+        _, text = self.planner.dry_plan_json(request.name, tuple(request.shape), request.dtype, request.src_json,
+                                             request.dst_json, request.strategy)
+        return pb.PlanReply(plan_json=text)
 
     @servicer_method
     def Reshard(self, request, context):
