@@ -24,18 +24,26 @@ class Rendezvous:
         dist = require_torch()
         host = listen_host.strip("[]") or "0.0.0.0"
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._socket = socket.socket(family, socket.SOCK_STREAM)
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            self._socket.bind((host, 0))
-            self._socket.listen(1024)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, 0))
+            listener.listen(1024)
         except OSError as e:
-            self._socket.close()
+            listener.close()
             raise OSError(f"the rendezvous store could not bind {host}: {e.strerror or e}") from None
-        self.port = self._socket.getsockname()[1]
-        self.store = dist.TCPStore(host if host not in ("0.0.0.0", "::") else "127.0.0.1", self.port,
-                                   is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s),
-                                   master_listen_fd=self._socket.fileno())
+        self.port = listener.getsockname()[1]
+        try:
+            self.store = dist.TCPStore(host if host not in ("0.0.0.0", "::") else "127.0.0.1", self.port,
+                                       is_master=True, wait_for_workers=False, timeout=seconds_delta(timeout_s),
+                                       master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        # The store owns the descriptor now and closes it when it goes: a socket object left holding it
+        # would close it a second time when collected, by then under whatever opened that number next
+        # (a gRPC channel's socket died of "Bad file descriptor" that way).
+        listener.detach()
         self._lock = threading.Lock()
 
     def forget_job(self, generation: int, job: str, hosts_by_phase: dict[int, list[str]]) -> None:
