@@ -35,6 +35,7 @@ from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
 from reshard.mesh import host_of
 from reshard.plan import Plan
+from reshard.program import Program
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel, resolve_token
@@ -112,7 +113,7 @@ def _result(info: pb.JobInfo) -> JobResult:
 
 
 class Job:
-    """A reshard in flight. Many may run at once; jobs on one tensor run in submission order."""
+    """A reshard or compute job in flight. Many may run at once; jobs on one tensor run in submission order."""
 
     def __init__(self, client: "Client", info: pb.JobInfo):
         self._client = client
@@ -425,27 +426,43 @@ class Client:
         to = _target(device, ipc)
         t = self._tensor(name)
         _check_not_lost(t)
-        seen: dict[Box, pb.TileLocation] = {}
+        # One copy of each tile; of a Partial tensor, one of each tile's addends, which are summed.
+        addend = _addend_of(Sharding.from_json(json.loads(t.sharding_json)))
+        seen: dict[tuple, pb.TileLocation] = {}
         for p in t.locations:
             tile = box_from_pb(p.box)
             if p.lost or not all(lo < hi for lo, hi in tile):
                 continue
-            if tile not in seen or not seen[tile].address:
-                seen[tile] = p
+            key = (tile, addend(p.device))
+            if key not in seen or not seen[key].address:
+                seen[key] = p
+        partial = any(k[1] for k in seen)
+        lock = threading.Lock()
         if to is None:
-            out = np.empty(tuple(t.shape), dtype=np_dtype(t.dtype))
+            out = (np.zeros if partial else np.empty)(tuple(t.shape), dtype=np_dtype(t.dtype))
 
             def fetch(tile: Box, p: pb.TileLocation) -> None:
-                out[to_slices(tile)] = self._download(name, t.version, p.device, p.address)
+                values = self._download(name, t.version, p.device, p.address).reshape(tile_shape(tile))
+                with lock:
+                    if partial:
+                        out[to_slices(tile)] += values
+                    else:
+                        out[to_slices(tile)] = values
         else:
             import torch
 
-            out = torch.empty(tuple(t.shape), dtype=devices.torch_dtype(t.dtype), device=to)
+            out = (torch.zeros if partial else torch.empty)(tuple(t.shape), dtype=devices.torch_dtype(t.dtype),
+                                                            device=to)
 
             def fetch(tile: Box, p: pb.TileLocation) -> None:
-                out[to_slices(tile)] = self._fetch(name, t.version, p, t.dtype, to, ipc)
+                values = self._fetch(name, t.version, p, t.dtype, to, ipc).reshape(tile_shape(tile))
+                with lock:
+                    if partial:
+                        out[to_slices(tile)] += values
+                    else:
+                        out[to_slices(tile)] = values
 
-        for f in [self._pool.submit(fetch, tile, p) for tile, p in seen.items()]:
+        for f in [self._pool.submit(fetch, tile, p) for (tile, _), p in seen.items()]:
             f.result()
         return out if to is not None else _from_numpy(out, t.dtype, t.kind)
 
@@ -511,6 +528,61 @@ class Client:
                                  dst_json=_sharding_json(dst), strategy=strategy)
         return Plan.from_json(self._planner_call("Plan", req).plan_json)
 
+    # -- compute on the agents --------------------------------------------------------------------
+
+    def _compute_request(self, op: str, inputs: Sequence[str], out: str, out_sharding: Optional[Sharding],
+                         strategy: str, params: dict) -> pb.ComputeRequest:
+        if not isinstance(out, str) or not out:
+            raise InvalidArgumentError(f"out={out!r}: give the output tensor a name")
+        bad = [x for x in inputs if not isinstance(x, str)]
+        if bad:
+            raise InvalidArgumentError(f"inputs are tensor names in the catalog; got {type(bad[0]).__name__} "
+                                       f"(put arrays first with put)")
+        return pb.ComputeRequest(op=op, inputs=list(inputs), out=out, strategy=strategy,
+                                 out_sharding_json=_sharding_json(out_sharding) if out_sharding is not None else "",
+                                 params={k: _param_text(k, v) for k, v in params.items()})
+
+    def einsum(self, equation: str, *inputs: str, out: str, out_sharding: Optional[Sharding] = None,
+               strategy: str = "auto") -> Job:
+        """Run ``numpy.einsum(equation, *inputs)`` on the agents, where the inputs' shards are; the result is
+        tensor ``out`` (a new version of it when it exists). Returns a `Job` at once.
+
+        Mesh-TensorFlow's rule: each device runs the einsum on its tiles and a summed dim split over mesh axes is
+        all-reduced over them. ``out_sharding`` None keeps the layout's splits of the output dims (replicated over
+        the reduced axes); a Partial one leaves the sum pending, one that adds a reduced axis to an output dim
+        reduce-scatters onto it, any other layout or mesh is reached by a reshard. Inputs whose layouts conflict
+        are moved first, into the layout the cost model prices lowest (`plan_einsum` shows the program).
+        """
+        return Job(self, self._planner_call("Compute", self._compute_request(
+            "einsum", inputs, out, out_sharding, strategy, {"equation": equation})))
+
+    def plan_einsum(self, equation: str, *inputs: str, out: str, out_sharding: Optional[Sharding] = None,
+                    strategy: str = "auto") -> Program:
+        """Dry run of `einsum`: the program it would run now (its steps, ``estimate_seconds``, ``host_bytes()``,
+        ``summary()``, and the chosen ``einsum_layout``); moves no data."""
+        return _program(self._planner_call("PlanCompute", self._compute_request(
+            "einsum", inputs, out, out_sharding, strategy, {"equation": equation})))
+
+    def apply(self, op: str, *inputs: str, out: str, out_sharding: Optional[Sharding] = None, strategy: str = "auto",
+              **params) -> Job:
+        """Run kernel ``op`` on the agents' shards of ``inputs`` into tensor ``out``; returns a `Job` at once.
+
+        ``op``: ``add``, ``sub``, ``mul`` (inputs of one shape), ``scale`` (``factor=``), ``relu``, ``relu_grad``
+        (x, g), ``axpy`` (w, g, ``alpha=``: w - alpha * g), ``sum`` / ``max`` (``dims=[...]``, dropped; a sum over
+        every dim gives a scalar), ``softmax_xent`` (logits, targets, ``axis=``: the per-row loss),
+        ``softmax_xent_grad`` (``axis=``, ``scale=``). Inputs in different layouts are moved to a common one
+        first (the cost model picks it); ``out`` may name an input (``apply("axpy", "w", "g", out="w", alpha=lr)``
+        gives ``w`` a new version).
+        """
+        return Job(self, self._planner_call("Compute", self._compute_request(op, inputs, out, out_sharding, strategy,
+                                                                             params)))
+
+    def plan_apply(self, op: str, *inputs: str, out: str, out_sharding: Optional[Sharding] = None,
+                   strategy: str = "auto", **params) -> Program:
+        """Dry run of `apply`: the program it would run now; moves no data."""
+        return _program(self._planner_call("PlanCompute", self._compute_request(op, inputs, out, out_sharding,
+                                                                                strategy, params)))
+
     # -- lifetime -------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -529,6 +601,31 @@ class Client:
 
     def __repr__(self) -> str:
         return f"reshard.Client({self.address!r})"
+
+
+def _param_text(name: str, value) -> str:
+    """A kernel parameter as the wire carries it: numbers as text, dims as ``"0,2"``."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(int(v)) for v in value)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise InvalidArgumentError(f"parameter {name}={value!r}: give a number, a string or a list of dims")
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def _program(reply: pb.ProgramReply) -> Program:
+    program = Program.from_json(reply.program_json)
+    program.__dict__["einsum_layout_text"] = reply.layout
+    return program
+
+
+def _addend_of(sharding: Sharding):
+    """device -> its coordinates along the sharding's partial axes (empty when it is not Partial)."""
+    if not sharding.partial:
+        return lambda device: ()
+    mesh = sharding.mesh
+    index = [mesh.axis_index(a) for a in sharding.partial]
+    position = {d: i for i, d in enumerate(mesh.require_devices())}
+    return lambda device: tuple(mesh.coords(position[device])[i] for i in index)
 
 
 def _check_not_lost(t: pb.TensorInfo) -> None:

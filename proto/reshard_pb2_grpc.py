@@ -679,6 +679,16 @@ class PlannerStub:
                 request_serializer=reshard__pb2.JobRequest.SerializeToString,
                 response_deserializer=reshard__pb2.JobInfo.FromString,
                 _registered_method=True)
+        self.Compute = channel.unary_unary(
+                '/reshard.v1.Planner/Compute',
+                request_serializer=reshard__pb2.ComputeRequest.SerializeToString,
+                response_deserializer=reshard__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.PlanCompute = channel.unary_unary(
+                '/reshard.v1.Planner/PlanCompute',
+                request_serializer=reshard__pb2.ComputeRequest.SerializeToString,
+                response_deserializer=reshard__pb2.ProgramReply.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -750,6 +760,18 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Compute(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanCompute(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -807,6 +829,16 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.GetJob,
                     request_deserializer=reshard__pb2.JobRequest.FromString,
                     response_serializer=reshard__pb2.JobInfo.SerializeToString,
+            ),
+            'Compute': grpc.unary_unary_rpc_method_handler(
+                    servicer.Compute,
+                    request_deserializer=reshard__pb2.ComputeRequest.FromString,
+                    response_serializer=reshard__pb2.JobInfo.SerializeToString,
+            ),
+            'PlanCompute': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanCompute,
+                    request_deserializer=reshard__pb2.ComputeRequest.FromString,
+                    response_serializer=reshard__pb2.ProgramReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1106,6 +1138,60 @@ class Planner:
             '/reshard.v1.Planner/GetJob',
             reshard__pb2.JobRequest.SerializeToString,
             reshard__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Compute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/Compute',
+            reshard__pb2.ComputeRequest.SerializeToString,
+            reshard__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanCompute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/PlanCompute',
+            reshard__pb2.ComputeRequest.SerializeToString,
+            reshard__pb2.ProgramReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -14,7 +14,7 @@ from reshard.errors import (
     ReshardError,
     UnknownDtypeError,
 )
-from reshard.einsum import plan_einsum
+from reshard.einsum import plan_apply, plan_einsum
 from reshard.mesh import Mesh, host_of
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
@@ -57,6 +57,7 @@ __all__ = [
     "STEP_KINDS",
     "plan",
     "plan_einsum",
+    "plan_apply",
     "reshard_program",
     "host_of",
     "STRATEGIES",

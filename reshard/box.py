@@ -51,8 +51,11 @@ def uncovered(box: Box, pieces) -> list[Box]:
     return left
 
 
-def to_slices(box: Box, origin: Optional[Box] = None) -> tuple[slice, ...]:
-    """numpy slices selecting ``box``, relative to ``origin``'s corner when given."""
+def to_slices(box: Box, origin: Optional[Box] = None) -> tuple:
+    """numpy slices selecting ``box``, relative to ``origin``'s corner when given. A scalar's box ``()`` selects
+    with ``...``, which gives a view of a 0-d array where ``()`` would give its value."""
+    if not box:
+        return (Ellipsis,)
     if origin is None:
         return tuple(slice(lo, hi) for lo, hi in box)
     return tuple(slice(lo - o0, hi - o0) for (lo, hi), (o0, _) in zip(box, origin))

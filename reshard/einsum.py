@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import string
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -59,14 +60,14 @@ from typing import Optional, Union
 
 from reshard import box as boxes
 from reshard.errors import ReshardError
-from reshard.kernels import letter_sizes, parse_equation
+from reshard.kernels import KERNELS, KernelShapeError, axis_param, dims_param, letter_sizes, parse_equation
 from reshard.mesh import Mesh
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
 from reshard.strategies import STRATEGIES, plan
 from reshard.topology import Topology
 
-__all__ = ["plan_einsum", "EinsumError", "Layout", "PARTIAL", "RESULT"]
+__all__ = ["plan_einsum", "plan_apply", "APPLY_OPS", "EinsumError", "Layout", "PARTIAL", "RESULT"]
 
 PARTIAL, RESULT, SUM = "partial", "result", "sum"
 # Price every candidate layout up to this many; beyond, each source's layout, their greedy union and "all whole".
@@ -133,6 +134,15 @@ class _Problem:
     out_sharding: Optional[Sharding]
     topology: Topology
     strategy: str
+    kernel: str = "einsum"  # what each device's compute step runs (`reshard.kernels`)
+    params: Optional[dict] = None  # its parameters; None: the einsum's equation
+    reduce_op: str = "sum"  # what completes a letter the kernel sums (or takes the maximum of) over a split
+    whole: str = ""  # letters the kernel needs whole on every device (softmax's class dim)
+    foldable: bool = True  # whether a Partial input may pass through the kernel as addends (it is linear in each)
+
+    @property
+    def step_params(self) -> dict:
+        return {"equation": self.equation} if self.params is None else self.params
 
     @property
     def letters(self) -> str:
@@ -170,9 +180,6 @@ def _problem(equation, inputs, out_name, out_sharding, topology, strategy) -> _P
     if len(dtypes) > 1:
         raise EinsumError(f"einsum inputs have dtypes {dtypes}; the local einsum needs one dtype, so cast the "
                           f"inputs to one first")
-    if not out:
-        raise EinsumError(f"einsum {equation!r} sums every dim to a scalar; an output needs at least one dim "
-                          f"(keep one letter, e.g. {operands[0][:1]!r}, and sum it afterwards)")
     if strategy not in STRATEGIES:
         raise EinsumError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     for d in decls:
@@ -228,7 +235,7 @@ def _candidates(p: _Problem, mesh: Mesh) -> list[Layout]:
         choices += [tuple(merged.get(c, ()) for c in letters), tuple(() for _ in letters)]
     out = []
     for axes in dict.fromkeys(choices):
-        if not _valid(axes):
+        if not _valid(axes) or any(a for c, a in zip(letters, axes) if c in p.whole):
             continue
         layout = Layout(mesh, letters, tuple(axes))
         # A tensor used twice is one set of buffers: both uses need the same tiles.
@@ -250,7 +257,7 @@ def _lined_up(p: _Problem) -> Optional[Layout]:
             if assign.setdefault(c, axes) != axes:
                 return None
     layout = Layout(mesh, p.letters, tuple(assign[c] for c in p.letters))
-    return layout if _valid(layout.axes) else None
+    return layout if _valid(layout.axes) and not any(layout.of(c) for c in p.whole) else None
 
 
 # -- building the program -----------------------------------------------------------------------------------
@@ -369,8 +376,8 @@ class _Builder:
                 r, w = roles[dev]
                 refs.append(TileRef(name, r, tuple(iv[c][dev] for c in letters)))
                 waits += w
-            made[dev] = [self.add(Step.compute, waits, kernel="einsum", device=dev, inputs=refs,
-                                  output=TileRef(*writes[0], box), params={"equation": p.equation})]
+            made[dev] = [self.add(Step.compute, waits, kernel=p.kernel, device=dev, inputs=refs,
+                                  output=TileRef(*writes[0], box), params=p.step_params)]
         # 3. reductions
         for k, (result, axes, dim) in enumerate(stages):
             made = self._reduce(result, axes, dim, writes[k], writes[k + 1], cur, made)
@@ -392,7 +399,8 @@ class _Builder:
         """Whether Partial input ``d`` can stay a pending sum through the local einsum: it lines up, and along its
         partial axes every other operand is the same on every device (no letter split there, no other addends)."""
         p = self.p
-        if [x.name for x in p.inputs].count(d.name) > 1 or not _same_tiles(d.src, target, len(d.shape)):
+        if not p.foldable or [x.name for x in p.inputs].count(d.name) > 1 or \
+                not _same_tiles(d.src, target, len(d.shape)):
             return False
         used = {a for axes in self.layout.axes for a in axes}
         others = {a for x in p.inputs if x.name != d.name for a in x.src.partial}
@@ -449,7 +457,7 @@ class _Builder:
             for d, piece in zip(group, pieces):
                 cur[d] = piece
             if boxes.volume(box):
-                i = self.add(Step.reduce, [j for d in group for j in made.get(d, ())], op="sum", devices=group,
+                i = self.add(Step.reduce, [j for d in group for j in made.get(d, ())], op=self.p.reduce_op, devices=group,
                              input=TileRef(*src, box), output=TileRef(*dst, box), result=result, dim=dim)
                 after.update((d, [i]) for d in group)
         return after
@@ -506,6 +514,10 @@ def _pinned(p: _Problem, layout: Union[Layout, Mapping[str, object]]) -> Layout:
                     f"a 'diagonal' pair of blocks"
                 )
             seen[a] = c
+    for c in p.whole:
+        if rules.get(c):
+            raise EinsumError(f"layout splits letter {c!r} (size {p.sizes[c]}) over {list(rules[c])}, but kernel "
+                              f"{p.kernel!r} needs that dim whole on every device")
     pinned = Layout(mesh, p.letters, tuple(rules.get(c, ()) for c in p.letters))
     for ls, d in zip(p.operands, p.inputs):
         for ls2, d2 in zip(p.operands, p.inputs):
@@ -531,7 +543,12 @@ def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_s
     The chosen `Layout` is ``program.einsum_layout``. Raises `EinsumError` (a ``ValueError``) naming the rule,
     the letters and sizes for an einsum it cannot run.
     """
-    p = _problem(equation, inputs, out_name, out_sharding, topology, strategy)
+    return _cheapest(_problem(equation, inputs, out_name, out_sharding, topology, strategy), layout)
+
+
+def _cheapest(p: _Problem, layout: Union[Layout, Mapping[str, object], None]) -> Program:
+    """The validated program of the candidate layout (or the pinned one) with the lowest estimate."""
+    out_sharding = p.out_sharding
     plans: dict = {}
     lined = _pinned(p, layout) if layout is not None else _lined_up(p) if out_sharding is None else None
     if lined is not None:
@@ -561,6 +578,69 @@ def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_s
     if best is None:
         if lined is not None:
             raise refused
-        raise EinsumError(f"no layout of einsum {p.equation!r} on the meshes of its inputs and output can give "
+        raise EinsumError(f"no layout of {p.kernel} {p.equation!r} on the meshes of its inputs and output can give "
                           f"out_sharding as asked: {refused}")
     return best.validate()
+
+
+# op -> (input letters from the dims, output letters, whole letters, reduce op, foldable), by kernel kind
+_ELEMENTWISE = ("add", "sub", "mul", "scale", "relu", "relu_grad", "axpy")
+_LINEAR = ("mul", "scale", "sum")  # a Partial input may pass through as addends (see `_Builder._foldable`)
+APPLY_OPS = (*_ELEMENTWISE, "sum", "max", "softmax_xent", "softmax_xent_grad")
+
+
+def _param_text(value) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(int(v)) for v in value)
+    if isinstance(value, bool):
+        raise EinsumError(f"parameter value {value!r} is a bool; give a number")
+    return str(value)
+
+
+def plan_apply(op: str, inputs: Sequence[InputLike], out_name: str, params: Optional[Mapping[str, object]] = None,
+               out_sharding: Optional[Sharding] = None, topology: Optional[Topology] = None, strategy: str = "auto",
+               layout: Union[Layout, Mapping[str, object], None] = None) -> Program:
+    """The program that runs kernel ``op`` (`APPLY_OPS`) on every device's tiles of ``inputs``, into ``out_name``.
+
+    Built as an einsum is, with the kernel in place of the local einsum: the dims of the inputs are letters
+    ``a``, ``b``, ... in order (``layout`` names them so), every input of an elementwise op has the same shape
+    and letters, ``sum`` and ``max`` drop the ``dims`` they reduce (``params["dims"]``: a list of ints) and
+    complete them over the mesh axes that split them (a sum or a max), and the softmax kernels keep their
+    ``axis`` whole on every device. Inputs whose layouts differ are moved into the common layout the cost model
+    prices lowest; ``out_sharding`` as for `plan_einsum` (Partial only for a sum). Raises `EinsumError`.
+    """
+    if op not in APPLY_OPS:
+        raise EinsumError(f"unknown op {op!r}; apply runs one of {list(APPLY_OPS)} (einsum has its own call)")
+    kernel = KERNELS[op]
+    decls = [_decl(i, x) for i, x in enumerate(inputs)]
+    if not kernel.takes(len(decls)):
+        raise EinsumError(f"{op} takes {kernel.arity} input(s) ({kernel.doc}); {len(decls)} given")
+    text = {str(k): _param_text(v) for k, v in (params or {}).items()}
+    ndim = len(decls[0].shape)
+    if ndim > len(string.ascii_lowercase):
+        raise EinsumError(f"{op}: input {decls[0].name!r} has {ndim} dims; apply names at most 26")
+    letters = string.ascii_lowercase[:ndim]
+    for d in decls[1:]:
+        if len(d.shape) != ndim:
+            raise EinsumError(f"{op}: input {decls[0].name!r} has shape {decls[0].shape} but "
+                              f"{d.name!r} has shape {d.shape}; {op} works element by element on one shape")
+    try:
+        kernel.output_shape(tuple(d.shape for d in decls), text)
+    except KernelShapeError as e:
+        raise EinsumError(str(e)) from None
+    out, whole, reduce_op = letters, "", "sum"
+    if op in ("sum", "max"):
+        dims = dims_param(op, text, ndim)
+        out = "".join(c for i, c in enumerate(letters) if i not in dims)
+        reduce_op = op
+    elif op.startswith("softmax_xent"):
+        whole = letters[axis_param(op, text, ndim)]
+        if op == "softmax_xent":
+            out = letters.replace(whole, "")
+    if reduce_op == "max" and out_sharding is not None and out_sharding.partial:
+        raise EinsumError(f"out_sharding {out_sharding} is Partial, a pending sum; a max over dims cannot be left "
+                          f"pending as a sum, so give a sharding without partial axes")
+    equation = ",".join([letters] * len(decls)) + "->" + out
+    p = _problem(equation, decls, out_name, out_sharding, topology, strategy)
+    p.kernel, p.params, p.reduce_op, p.whole, p.foldable = op, text, reduce_op, whole, op in _LINEAR
+    return _cheapest(p, layout)

@@ -364,7 +364,8 @@ class Run(Session):
 
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
                  dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
-                 generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None):
+                 generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None,
+                 versions: dict[str, int] | None = None):
         streams, dtypes, n = {}, {}, 0
         for s in program.steps:
             streams[s.id] = n
@@ -375,6 +376,7 @@ class Run(Session):
         self.program = program
         self.names = names  # program tensor -> the agent's store name
         self.src_version = src_version
+        self.versions = versions or {}  # program tensor -> the stored version it reads, where not src_version
         self.dst_version = dst_version
         self.host = host
         self.store = store
@@ -433,7 +435,7 @@ class Run(Session):
             buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
             held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
             if held is not None:
-                src = self.store.get(self.names[decl.name], self.src_version, dev)
+                src = self.store.get(self.names[decl.name], self.version(decl.name), dev)
                 if defer:
                     self.fills.append((buf, held, tile, src))
                 else:
@@ -441,6 +443,10 @@ class Run(Session):
             self.staged[dev] = buf
             self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
             self.store.stage(self.job, dev, TileBuffer(buf, tile, decl.dtype))
+
+    def version(self, tensor: str) -> int:
+        """The stored version of program tensor ``tensor`` that its ``src`` tiles are."""
+        return self.versions.get(tensor, self.src_version)
 
     def read(self, device: str, tensor: str, box: Box, role: str | None = None) -> tuple[Any, Box]:
         """A buffer of ``device`` that holds ``box`` of ``tensor`` in ``role``, and the box that buffer holds:
@@ -451,7 +457,7 @@ class Run(Session):
         # A tensor the program declares without ``src`` is made by its steps: a stored tensor of the same name (an
         # output that replaces an older version) is none of its data.
         if role in (None, SRC) and self.program.tensor(tensor).src is not None:
-            shard = self.store.find(self.names.get(tensor, tensor), self.src_version, device)
+            shard = self.store.find(self.names.get(tensor, tensor), self.version(tensor), device)
             if shard is not None and boxes.contains(shard.tile, box):
                 return shard.array, shard.tile
         if role in (None, DST) and tensor == self.dst_tensor:
@@ -646,11 +652,13 @@ class Runtime:
 
     def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
                 peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0,
-                push_tickets: dict[str, str] | None = None) -> Run:
+                push_tickets: dict[str, str] | None = None, reads: dict[str, tuple[str, int]] | None = None) -> Run:
         """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
         ``program_json``; ``tensor`` is the store's name of the program's reshard tensor (the one with a source
-        and a destination sharding); its other tensors go by their own names. ``push_tickets`` are the
-        planner's tickets for this job's pushes, by receiving host."""
+        and a destination sharding); its other tensors go by their own names. ``reads`` (a compute program)
+        gives program tensors their stored name and version instead: the inputs' versions to read, and the
+        name the output commits as. ``push_tickets`` are the planner's tickets for this job's pushes, by
+        receiving host."""
         if self.store.ended(job):  # an abort overtook this prepare (a paused agent), or a replayed prepare
             raise FailedPreconditionError(f"job {job} has already ended on agent {self.host}")
         link = self.transports.get(transport or "grpc")
@@ -664,11 +672,16 @@ class Runtime:
         resharded = [t.name for t in program.tensors if t.is_reshard]
         if len(resharded) == 1:
             names[resharded[0]] = tensor
+        unknown = sorted(set(reads or ()) - set(names))
+        if unknown:
+            raise InvalidArgumentError(f"job {job}: reads name tensors {unknown[:5]} that its program does not have")
+        names.update((t, name) for t, (name, _) in (reads or {}).items())
         with self._lock:
             if job in self._runs:
                 raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
-                  generation=generation, seq=seq, device=self.device, push_tickets=push_tickets)
+                  generation=generation, seq=seq, device=self.device, push_tickets=push_tickets,
+                  versions={t: v for t, (_, v) in (reads or {}).items()})
         link.attach(run)
         with self._lock:
             self._runs[job] = run
@@ -689,7 +702,7 @@ class Runtime:
             if t is None or task.step.role != SRC or not first_peer(t) or \
                     run.program.tensor(task.step.tensor).src is None:
                 continue
-            shard = self.store.find(run.names[task.step.tensor], run.src_version, t.sender)
+            shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
             if shard is not None and boxes.contains(shard.tile, t.box):
                 run.digests[task.step.id] = self._digest_pool.submit(
                     _digest, run, run.dtype(task.step.id)[0], t.box, shard.array, shard.tile,

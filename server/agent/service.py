@@ -155,11 +155,12 @@ class AgentServicer(pb_grpc.AgentServicer):
         return pb.Empty()
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
+        reads = {t: (x.name, x.version) for t, x in r.reads.items()}
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
-                                                                r.peers), what=f"Prepare of job {r.job[:12]!r}")
+                                                                r.peers, reads), what=f"Prepare of job {r.job[:12]!r}")
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
-                                    r.transport, r.generation, r.job_seq, dict(r.push_tickets))
+                                    r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)

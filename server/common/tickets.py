@@ -56,10 +56,14 @@ def put_fields(upload: str, tensor: str, device: str, dtype: str, box: Box) -> t
 
 
 def prepare_fields(job: str, program_json: str, tensor: str, src_version: int, dst_version: int, transport: str,
-                   generation: int, job_seq: int, peers: Mapping[str, str]) -> tuple:
+                   generation: int, job_seq: int, peers: Mapping[str, str],
+                   reads: Mapping[str, tuple[str, int]] | None = None) -> tuple:
     program = hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
-    return (job, program, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
-            ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
+    fields = (job, program, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
+              ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
+    if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
+        fields += (";".join(f"{t}={n}@{v}" for t, (n, v) in sorted(reads.items())),)
+    return fields
 
 
 def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str]) -> tuple:

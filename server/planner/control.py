@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 from reshard.box import Box, box_str, volume
@@ -16,7 +16,10 @@ from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, InvalidShardingError
 from reshard.jsonio import loads
 from reshard.mesh import host_of
+from reshard.einsum import APPLY_OPS, plan_apply, plan_einsum
+from reshard.partial_plan import reshard_program
 from reshard.plan import Plan
+from reshard.program import Program, TensorDecl
 from reshard.plan_size import ROUTE_STEPS_PER_TASK, estimate_plan_size
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
@@ -31,13 +34,14 @@ from reshard.proto.layout import tile_shape
 from reshard.server.common.contract import Staging
 from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import put_fields, sign
-from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads
+from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.jobs import AgentCalls, Job, JobRunner
 from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
+from reshard.topology import Topology
 
 __all__ = ["Planner", "parse_sharding", "check_plan_size"]
 
@@ -205,6 +209,11 @@ class Planner:
         sharding = self._sharding(sharding_json, "sharding")
         sharding.check_shape(shape)
         self.registry.check_mesh(sharding.mesh)
+        if sharding.is_partial and not device:
+            raise InvalidArgumentError(
+                f"sharding {sharding} is Partial: its devices hold addends that sum to the value, and put hands over "
+                f"the value itself; put it in {sharding.without_partial()}, or hand each device its addends with "
+                f"put_shard")
         if device:
             tiles = sharding.tiles(tuple(shape))
             if device not in tiles:
@@ -318,6 +327,73 @@ class Planner:
         doc = self.store.plan(plan_id)
         return Plan.from_json(doc) if doc else None
 
+    def stored_program(self, program_id: str) -> Program | None:
+        """The saved plan or program of that id, as a program (a plan is a program of moves)."""
+        doc = self.store.plan(program_id)
+        return Program.from_json(doc) if doc else None
+
+    # -- compute ---------------------------------------------------------------------------------
+
+    def _compute_planner(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
+                         params: dict[str, str]) -> Callable[[dict[str, TensorRecord], Topology], Program]:
+        """Check a compute request and return what plans it from the inputs' records (the same records give the
+        same program, planned once)."""
+        if not inputs:
+            raise InvalidArgumentError(f"{op or 'compute'} needs input tensors; none given")
+        if op == "einsum":
+            if not params.get("equation"):
+                raise InvalidArgumentError("einsum needs params['equation'], in numpy notation such as 'ij,jk->ik'")
+            if len(inputs) < 2:
+                raise InvalidArgumentError(f"einsum takes two or more inputs; {len(inputs)} given (a kernel of one "
+                                           f"input runs through apply: {list(APPLY_OPS)})")
+        elif op not in APPLY_OPS:
+            raise InvalidArgumentError(f"unknown op {op!r}; compute runs 'einsum' or one of {list(APPLY_OPS)}")
+        check_name(out)
+        out_sharding = self._sharding(out_sharding_json, "out_sharding") if out_sharding_json else None
+        if out_sharding is not None:
+            self.registry.check_mesh(out_sharding.mesh)
+        strategy = check_strategy(strategy)
+        # The program names the output apart from an input of the same name: the input's version is read, and the
+        # output commits as that tensor's next version.
+        program_out = out if out not in inputs else f"{out}~new"
+        cache: dict[tuple, Program] = {}
+
+        def make(records: dict[str, TensorRecord], topology: Topology) -> Program:
+            key = (tuple((r.name, r.version, r.sharding) for r in records.values()), topology)
+            if key not in cache:
+                decls = [TensorDecl(n, records[n].shape, records[n].dtype, records[n].sharding) for n in inputs]
+                if op == "einsum":
+                    cache[key] = plan_einsum(params["equation"], decls, program_out, out_sharding, topology, strategy)
+                else:
+                    cache[key] = plan_apply(op, decls, program_out, params, out_sharding, topology, strategy)
+            return cache[key]
+
+        return make
+
+    def _compute_inputs(self, inputs: list[str]) -> dict[str, TensorRecord]:
+        records = {n: self.catalog.get(n) for n in dict.fromkeys(inputs)}
+        for rec in records.values():
+            self._check_not_lost(rec)
+        return records
+
+    def plan_compute(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
+                     params: dict[str, str]) -> tuple[Program, str]:
+        """The program a compute job would run now, and its JSON (saved, so the dashboard shows dry runs)."""
+        make = self._compute_planner(op, inputs, out, out_sharding_json, strategy, params)
+        program = make(self._compute_inputs(inputs), self.registry.topology())
+        text = program.dumps()
+        self.store.save_plan(program.id, text)
+        return program, text
+
+    def compute(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
+                params: dict[str, str]) -> Job:
+        """Queue a compute job; planned here first, so a request the planner cannot run is refused at once."""
+        make = self._compute_planner(op, inputs, out, out_sharding_json, strategy, params)
+        program = make(self._compute_inputs(inputs), self.registry.topology())
+        result = next(t for t in program.tensors if t.dst is not None)
+        self._check_memory(result.dst, result.shape, result.dtype, f"the output {out!r} of {op}")
+        return self.jobs.submit_compute(op, list(inputs), out, check_strategy(strategy), make)
+
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)
         self._check_not_lost(rec)
@@ -325,8 +401,10 @@ class Planner:
         dst.check_shape(rec.shape)
         self.registry.check_mesh(dst.mesh)
         strategy = check_strategy(strategy)
-        check_plan_size(rec.shape, rec.sharding, dst, strategy, self.config.max_plan_tasks,
-                        f"resharding {name!r} of shape {rec.shape}")
+        check_plan_size(rec.shape, rec.sharding.without_partial(), dst.without_partial(), strategy,
+                        self.config.max_plan_tasks, f"resharding {name!r} of shape {rec.shape}")
+        if dst.is_partial or rec.sharding.is_partial:
+            reshard_program(rec.shape, rec.dtype, rec.sharding, dst, self.registry.topology(), strategy)
         self._check_memory(dst, rec.shape, rec.dtype, f"resharding {name!r}")
         return self.jobs.submit(name, dst, strategy)
 

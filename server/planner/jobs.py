@@ -35,8 +35,12 @@ from typing import Protocol
 from reshard import box as boxes
 from reshard.cost import network_copies, sender_bytes
 from reshard.mesh import host_of
-from reshard.plan import Plan
+from reshard.jsonio import loads
+from reshard.partial_plan import reshard_program
+from reshard.plan import Plan, Transfer
+from reshard.program import MOVE, Program
 from reshard.strategies import plan as make_plan
+from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import Staging
@@ -80,6 +84,8 @@ class Preparation:
     generation: int = 0  # collective: the process group generation
     job_seq: int = 0  # collective: the job's number, for message tags
     program_id: str = ""  # the program's id (the plan's): pushes of the job name it, and their tickets sign it
+    # a compute program: program tensor -> (stored name, version) it reads, or the name its output commits as
+    reads: dict[str, tuple[str, int]] = field(default_factory=dict)
 
 
 class AgentCalls(Protocol):
@@ -101,9 +107,13 @@ class AgentCalls(Protocol):
 
 @dataclass
 class Job:
+    """A reshard of ``tensor`` into ``dst``, or (``kind`` not "reshard") a compute job: a program that reads
+    ``inputs`` and commits its output as ``tensor``, made by ``make_program`` from the inputs' records (their
+    versions as the job starts) and the topology; ``dst`` is then the output's sharding, known once planned."""
+
     id: str
     tensor: str
-    dst: Sharding
+    dst: Sharding | None
     strategy: str
     state: str = "queued"
     error: str = ""
@@ -117,7 +127,21 @@ class Job:
     traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
     transport: str = ""  # grpc or collective, once chosen
     transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
+    kind: str = "reshard"  # or "einsum", or the kernel of an apply
+    inputs: list[str] = field(default_factory=list)
+    program: Program | None = None  # what ran where it is no plan of moves: a compute job, a Partial tensor's reshard
+    make_program: Callable[[dict[str, TensorRecord], Topology], Program] | None = field(default=None, repr=False)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
+
+    @property
+    def ran(self) -> Plan | Program | None:
+        return self.program if self.program is not None else self.plan
+
+    @property
+    def what(self) -> str:
+        if self.kind == "reshard":
+            return f"reshard of {self.tensor!r}" + (f" to {self.dst.spec_str()}" if self.dst is not None else "")
+        return f"{self.kind} of {self.inputs} into {self.tensor!r}"
 
     @property
     def seconds(self) -> float:
@@ -126,17 +150,21 @@ class Job:
         return (self.finished or time.time()) - self.started
 
     def to_json(self) -> dict:
-        return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json(), "strategy": self.strategy,
-                "state": self.state, "error": self.error, "plan_id": self.plan.id if self.plan else "",
-                "created": self.created, "started": self.started, "finished": self.finished,
-                "version": self.version, "progress": self.progress, "steps": self.steps, "traffic": self.traffic,
-                "transport": self.transport, "transports": self.transports}
+        ran = self.ran
+        return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json() if self.dst is not None else None,
+                "strategy": self.strategy, "state": self.state, "error": self.error,
+                "plan_id": ran.id if ran is not None else "", "created": self.created, "started": self.started,
+                "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
+                "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
+                "kind": self.kind, "inputs": self.inputs}
 
     @classmethod
-    def from_json(cls, d: dict, plan: Plan | None) -> "Job":
-        job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]), d["strategy"], d["state"], d["error"], plan,
-                  d["created"], d["started"], d["finished"], d["version"], d["progress"], d.get("steps", {}),
-                  d["traffic"], d.get("transport", ""), d.get("transports", []))
+    def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
+        plan, program = (ran, None) if isinstance(ran, Plan) else (None, ran)
+        job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]) if d.get("dst") else None, d["strategy"],
+                  d["state"], d["error"], plan, d["created"], d["started"], d["finished"], d["version"],
+                  d["progress"], d.get("steps", {}), d["traffic"], d.get("transport", ""), d.get("transports", []),
+                  d.get("kind", "reshard"), d.get("inputs", []), program)
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -168,16 +196,26 @@ class JobRunner:
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
-            job = Job.from_json(doc, Plan.from_json(plan_doc) if plan_doc else None)
+            job = Job.from_json(doc, _ran_from_json(plan_doc) if plan_doc else None)
             self._jobs[job.id] = job
 
     def submit(self, tensor: str, dst: Sharding, strategy: str) -> Job:
-        job = Job(uuid.uuid4().hex, tensor, dst, strategy)
+        return self._submit(Job(uuid.uuid4().hex, tensor, dst, strategy))
+
+    def submit_compute(self, kind: str, inputs: list[str], out: str, strategy: str,
+                       make_program: Callable[[dict[str, TensorRecord], Topology], Program]) -> Job:
+        """Queue a compute job: it waits for the jobs before it on any of its tensors, then plans with the inputs'
+        records as they are then (`Job`)."""
+        return self._submit(Job(uuid.uuid4().hex, out, None, strategy, kind=kind, inputs=list(inputs),
+                                make_program=make_program))
+
+    def _submit(self, job: Job) -> Job:
         with self._lock:
             self._jobs[job.id] = job
-            lock = self._tensor_locks.setdefault(tensor, threading.Lock())
+            # Taken in name order by every job, so two jobs that share tensors cannot wait for each other.
+            locks = [self._tensor_locks.setdefault(n, threading.Lock()) for n in sorted({job.tensor, *job.inputs})]
         self.store.save_job(job.to_json())
-        self._jobs_pool.submit(self._run, job, lock)
+        self._jobs_pool.submit(self._run, job, locks)
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -196,12 +234,15 @@ class JobRunner:
 
     def busy(self, tensor: str) -> bool:
         with self._lock:
-            return any(j.tensor == tensor and j.state in ("queued", "running") for j in self._jobs.values())
+            return any(tensor in (j.tensor, *j.inputs) and j.state in ("queued", "running")
+                       for j in self._jobs.values())
 
     # -- running ------------------------------------------------------------------------
 
-    def _run(self, job: Job, lock: threading.Lock) -> None:
-        with lock:
+    def _run(self, job: Job, locks: list[threading.Lock]) -> None:
+        with ExitStack() as held:
+            for lock in locks:
+                held.enter_context(lock)
             job.state, job.started = "running", time.time()
             self.store.save_job(job.to_json())
             superseded = None
@@ -225,7 +266,7 @@ class JobRunner:
             job.state = "succeeded"
         else:
             job.state = "failed"
-            job.error = f"reshard of {job.tensor!r} to {job.dst.spec_str()} failed: {error}"
+            job.error = f"{job.what} failed: {error}"
             log.warning("job %s failed: %s", job.id[:8], job.error)
         job.finished = time.time()
         self.store.save_job(job.to_json())
@@ -279,18 +320,17 @@ class JobRunner:
 
         return watch
 
-    def _reshard(self, job: Job) -> TensorRecord:
-        """Run the job up to its commit; returns the tensor's record as it was, whose version is now free."""
-        rec: TensorRecord = self.catalog.get(job.tensor)
+    def _reshard(self, job: Job) -> TensorRecord | None:
+        """Run the job up to its commit; returns the output's record as it was, whose version is now free (None
+        when the job made a new tensor)."""
         deadline = time.monotonic() + self.job_timeout_s
-        plan, plan_json = self._plan(job, rec)
-        hosts = _job_hosts(plan, job.dst)
+        work = self._work(job)
+        hosts = work.hosts
         peers = {h: self.registry.require_up(h).address for h in hosts}
-        job.version = rec.version + 1
-        job.progress = {h: [0, sender_bytes(plan.transfers, plan.itemsize, h)] for h in hosts}
-        transport, generation, seq = self._transport(job, plan, hosts)
-        prep = Preparation(job.id, plan_json, rec.name, rec.version, job.version, peers, transport, generation, seq,
-                           program_id=plan.id)
+        job.progress = {h: [0, sum(sender_bytes([t], n, h) for t, n in work.moves)] for h in hosts}
+        transport, generation, seq = self._transport(job, [t for t, _ in work.moves], hosts)
+        prep = Preparation(job.id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
+                           generation, seq, program_id=work.program_id, reads=work.reads)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -300,12 +340,15 @@ class JobRunner:
 
             def commit(h: str) -> None:
                 committing.add(h)
-                self.agents.commit(h, peers[h], Staging(job=job.id), rec.name, job.version, [], self.rpc_timeout_s)
+                self.agents.commit(h, peers[h], Staging(job=job.id), job.tensor, job.version, [], self.rpc_timeout_s)
 
             try:
                 self._run_program(job, prep, hosts, deadline)
                 self._fan_out(commit, sorted(job.dst.mesh.hosts), deadline, self._watch(peers, {}))
-                self.catalog.swap(rec, bumped(rec, job.dst))
+                if work.old is None:
+                    self.catalog.add(work.new)
+                else:
+                    self.catalog.swap(work.old, work.new)
             except BaseException as e:
                 self._undo(job, prep, hosts, e, committing)
                 raise
@@ -315,9 +358,46 @@ class JobRunner:
                         self.collective_cleanup(generation, job.id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
-        self.store.save_tensor(self.catalog.get(rec.name).to_json())
-        self._count_moved(job, plan)
-        return rec
+        self.store.save_tensor(self.catalog.get(job.tensor).to_json())
+        self._count_moved(job, work.moves)
+        return work.old
+
+    def _work(self, job: Job) -> "_Work":
+        """What the job runs, planned now: a plan of moves for a reshard between value shardings, else a program
+        (a Partial tensor's reshard: `reshard_program`; a compute job: its ``make_program``)."""
+        if job.kind == "reshard":
+            rec: TensorRecord = self.catalog.get(job.tensor)
+            job.version = rec.version + 1
+            if not (rec.sharding.is_partial or job.dst.is_partial):
+                plan, plan_json = self._plan(job, rec)
+                return _Work(plan_json, plan.id, [(t, plan.itemsize) for t in plan.transfers],
+                             _job_hosts(plan, job.dst), rec.version, {}, rec, bumped(rec, job.dst))
+            program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(),
+                                      job.strategy).validate()
+            return self._program_work(job, program, rec.version, {}, rec, bumped(rec, job.dst))
+        inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
+        program = job.make_program(inputs, self.registry.topology()).validate()
+        out = next(t for t in program.tensors if t.dst is not None)
+        job.dst = out.dst
+        old = self.catalog.get(job.tensor) if self.catalog.contains(job.tensor) else None
+        job.version = old.version + 1 if old is not None else 1
+        reads = {n: (n, r.version) for n, r in inputs.items()}
+        reads[out.name] = (job.tensor, job.version)
+        new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
+        return self._program_work(job, program, 0, reads, old, new)
+
+    def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
+                      old: TensorRecord | None, new: TensorRecord) -> "_Work":
+        job.program = program
+        text = program.dumps()
+        self.store.save_plan(program.id, text)
+        moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
+        hosts = set(new.sharding.mesh.hosts)
+        for s in program.steps:
+            hosts |= {host_of(d) for d in s.participants()}
+            if s.kind == MOVE:
+                hosts |= set(s.transfer.route)
+        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, old, new)
 
     def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
         """Plan the job on the registered topology, validate the plan whole and persist it."""
@@ -328,11 +408,11 @@ class JobRunner:
         self.store.save_plan(plan.id, plan_json)
         return plan, plan_json
 
-    def _transport(self, job: Job, plan: Plan, hosts: list[str]) -> tuple[str, int, int]:
+    def _transport(self, job: Job, transfers: list[Transfer], hosts: list[str]) -> tuple[str, int, int]:
         """(transport, group generation, job number) for the job; records it and what carries each transfer."""
         transport, generation, seq = self.group.choose(hosts, self.group_wait_s) if self.group else ("grpc", 0, 0)
         job.transport = transport
-        job.transports = [transport if network_copies(t) else "local" for t in plan.transfers]
+        job.transports = [transport if network_copies(t) else "local" for t in transfers]
         return transport, generation, seq
 
     def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float) -> None:
@@ -355,7 +435,7 @@ class JobRunner:
                 job.progress[h][0] = done
                 job.steps[h] = [steps_done, steps]
 
-            traffic = self.agents.execute(h, prep.peers[h], job.id, job.plan.id, on_progress,
+            traffic = self.agents.execute(h, prep.peers[h], job.id, prep.program_id, on_progress,
                                           max(0.1, deadline - time.monotonic()), prep if early else None)
             if traffic is not None:
                 job.traffic[h] = traffic
@@ -390,10 +470,10 @@ class JobRunner:
                                                         self.rpc_timeout_s),
                           sorted(set(hosts) & committing))
 
-    def _count_moved(self, job: Job, plan: Plan) -> None:
+    def _count_moved(self, job: Job, moves: list[tuple[Transfer, int]]) -> None:
         with self._lock:
-            for t in plan.transfers:
-                n = boxes.volume(t.box) * plan.itemsize
+            for t, itemsize in moves:
+                n = boxes.volume(t.box) * itemsize
                 self._moved[job.transport] += n * network_copies(t)
                 self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
 
@@ -404,6 +484,27 @@ class JobRunner:
                 f.result(timeout=self.rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
                 log.info("cleanup call to host %s failed: %s", h, e)
+
+
+@dataclass(frozen=True)
+class _Work:
+    """A job's program as planned: its JSON and id, its moves (each with its tensor's item size), its hosts, the
+    versions it reads, and the output's record before and after."""
+
+    program_json: str
+    program_id: str
+    moves: list[tuple[Transfer, int]]
+    hosts: list[str]
+    src_version: int
+    reads: dict[str, tuple[str, int]]
+    old: TensorRecord | None
+    new: TensorRecord
+
+
+def _ran_from_json(doc) -> Plan | Program:
+    """A stored job's plan, or its program where it ran one."""
+    data = loads(doc, "a stored plan", max_bytes=None) if isinstance(doc, (str, bytes)) else doc
+    return Program.from_json(data) if isinstance(data, dict) and data.get("kind") == "program" else Plan.from_json(data)
 
 
 def _job_hosts(plan: Plan, dst: Sharding) -> list[str]:

@@ -54,10 +54,10 @@ class GrpcAgentCalls:
         return pb.PrepareRequest(
             job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
             dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
-            job_seq=p.job_seq,
+            job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
             ticket=self._sign(host, "prepare", *prepare_fields(p.job, p.program_json, p.tensor, p.src_version,
                                                                p.dst_version, p.transport, p.generation, p.job_seq,
-                                                               p.peers)),
+                                                               p.peers, p.reads)),
             push_tickets={peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers if peer != host})
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
@@ -119,7 +119,8 @@ def job_info(job: Job) -> pb.JobInfo:
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
                  for h, t in sorted(job.traffic.items())],
-        seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports)
+        seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
+        kind=job.kind, inputs=job.inputs)
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:
@@ -201,6 +202,21 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     @servicer_method
     def GetJob(self, request, context):
         return job_info(self.planner.job(request.job, request.wait_s))
+
+    @staticmethod
+    def _compute_args(r: pb.ComputeRequest) -> tuple:
+        return r.op, list(r.inputs), r.out, r.out_sharding_json, r.strategy, dict(r.params)
+
+    @servicer_method
+    def Compute(self, request, context):
+        return job_info(self.planner.compute(*self._compute_args(request)))
+
+    @servicer_method
+    def PlanCompute(self, request, context):
+        program, text = self.planner.plan_compute(*self._compute_args(request))
+        layout = program.__dict__.get("einsum_layout")
+        return pb.ProgramReply(program_json=text, summary=program.summary(), estimate_s=program.estimate_seconds,
+                               layout=str(layout) if layout is not None else "")
 
 
 def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:

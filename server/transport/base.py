@@ -64,7 +64,7 @@ from reshard.proto.errors import (
     InvalidArgumentError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
-from reshard.server.transport.buffers import host_bytes, region
+from reshard.server.transport.buffers import host_array, host_bytes, region
 
 __all__ = [
     "StreamKey", "PushHeader", "Piece", "Trailer", "Session", "Traffic", "Throttle", "Sink", "Outgoing",
@@ -669,6 +669,11 @@ class Transport(ABC):
         ``replicate`` only) pass the complete parts on. Messages between devices of one host
         are copies; the others are streams keyed ``(job, step, round * n + sender index)``.
         """
+        if not box:  # a scalar: the ring runs on its one element as a vector of one
+            self.reduce(s, step, group, ((0, 1),), op, result, 0 if dim is not None else None,
+                        lambda d: np.reshape(host_array(read(d)), (1,)),
+                        lambda d, b, values: put(d, (), np.reshape(values, ())))
+            return
         fold = REDUCE_OPS[op]
         dtype = s.dtype(step)[1]
         n = len(group)

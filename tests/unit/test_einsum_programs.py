@@ -129,13 +129,18 @@ def _operands(eq: str, sizes: dict[str, int], seed: int) -> list[np.ndarray]:
 def run_einsum(cluster: Hosts, eq: str, arrays: list[np.ndarray], shardings: list[Sharding], out_sharding=None,
                **kw):
     """Put the inputs, plan, run and commit; returns (program, {host: run}, the output read back)."""
+    return run_planned(cluster, arrays, shardings, lambda decls, out: plan_einsum(eq, decls, out, out_sharding, **kw))
+
+
+def run_planned(cluster: Hosts, arrays: list[np.ndarray], shardings: list[Sharding], make):
+    """Put the inputs, plan with ``make(input decls, output name)``, run and commit; as `run_einsum`."""
     k = next(_NAMES)
     decls = []
     for i, (a, s) in enumerate(zip(arrays, shardings)):
         name = f"in{k}_{i}"
         put_addends(cluster, name, a, s, np.random.default_rng(k))
         decls.append(TensorDecl(name, a.shape, "float64", s))
-    program = plan_einsum(eq, decls, f"out{k}", out_sharding, **kw)
+    program = make(decls, f"out{k}")
     job, runs = cluster.start(program.dumps(), f"out{k}")
     cluster.finish(job, runs)
     decl = program.tensor(f"out{k}")
