@@ -621,9 +621,11 @@ def plan_apply(op: str, inputs: Sequence[InputLike], out_name: str, params: Opti
         raise EinsumError(f"{op}: input {decls[0].name!r} has {ndim} dims; apply names at most 26")
     letters = string.ascii_lowercase[:ndim]
     for d in decls[1:]:
-        if len(d.shape) != ndim:
-            raise EinsumError(f"{op}: input {decls[0].name!r} has shape {decls[0].shape} but "
-                              f"{d.name!r} has shape {d.shape}; {op} works element by element on one shape")
+        if tuple(d.shape) != tuple(decls[0].shape):
+            dim = next((i for i, (m, n) in enumerate(zip(decls[0].shape, d.shape)) if m != n), None)
+            where = f" (dim {dim}: {decls[0].shape[dim]} vs {d.shape[dim]})" if dim is not None else ""
+            raise EinsumError(f"{op}: input {decls[0].name!r} has shape {tuple(decls[0].shape)} but {d.name!r} has "
+                              f"shape {tuple(d.shape)}{where}; {op} works element by element on one shape")
     try:
         kernel.output_shape(tuple(d.shape for d in decls), text)
     except KernelShapeError as e:

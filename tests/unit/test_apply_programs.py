@@ -97,7 +97,7 @@ def test_scalar_einsum(memory_hosts):
 
 
 @pytest.mark.parametrize("op,shapes,params,message", [
-    ("add", [(6, 5), (6, 4)], {}, r"letter 'b'.*5.*4|5.*4"),
+    ("add", [(6, 5), (6, 4)], {}, r"add: input 't0' has shape \(6, 5\) but 't1' has shape \(6, 4\) \(dim 1: 5 vs 4\)"),
     ("add", [(6, 5), (6, 5, 1)], {}, r"shape"),
     ("sum", [(6, 5)], {"dims": [2]}, r"dims"),
     ("nosuch", [(6, 5)], {}, r"unknown op 'nosuch'"),
