@@ -1,4 +1,4 @@
-"""The admin dashboard: cluster, tensors, jobs and transfer plans, as pages and as JSON.
+"""The admin dashboard: cluster, tensors, jobs, transfer plans and programs, as pages and as JSON.
 
 Served by the planner process (``reshard planner --http ADDR``). Pages are rendered
 on the server (Jinja2, inline SVG); the JSON under ``/api`` is described by the
@@ -26,10 +26,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from reshard import Plan, Sharding, STRATEGIES, plan as make_plan
+from reshard.program import Program
 from reshard.plan_command import parse_mesh, parse_shape, parse_spec
 from reshard.errors import ReshardError
 from reshard.server.common.sizes import format_size
 from reshard.server.dashboard.plan_view import plan_view
+from reshard.server.dashboard.program_view import program_view
 from reshard.server.planner.control import check_plan_size
 
 log = logging.getLogger(__name__)
@@ -56,13 +58,18 @@ class DashboardSource(Protocol):
         left), lost_devices, lost_tiles ({tile, devices} per tile with no copy left)"""
 
     def jobs(self) -> list[dict]:
-        """id, tensor, state, strategy, bytes_done, bytes_total, seconds, started, error, plan_id, transports"""
+        """id, tensor, state, strategy, bytes_done, bytes_total, seconds, started, error, plan_id, transports, kind
+        ("reshard", "einsum" or an apply's kernel), inputs, program_id (the program the job runs, once planned, where
+        that is no plan of moves: a compute job, a Partial tensor's reshard; else None)"""
 
     def job(self, job_id: str) -> Optional[dict]:
         ...
 
     def plan(self, plan_id: str) -> Optional[Plan]:
-        ...
+        """None also where the id names a program."""
+
+    def program(self, program_id: str) -> Optional[Program]:
+        """A job's program or a dry run's; None also where the id names a plan."""
 
     def job_transfer_transports(self, job_id: str) -> list[str]:
         """Per transfer of the job's plan, the transport that carried it (grpc, collective or local)."""
@@ -147,8 +154,17 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     def api_plan(plan_id: str) -> dict[str, Any]:
         p = source.plan(plan_id)
         if p is None:
-            raise HTTPException(404, f"no plan {plan_id!r}")
+            also = f"; it is a program: /api/programs/{plan_id}" if source.program(plan_id) is not None else ""
+            raise HTTPException(404, f"no plan {plan_id!r}{also}")
         return p.to_json()
+
+    @app.get("/api/programs/{program_id}", dependencies=guard, tags=["api"],
+             summary="A program as JSON, with its stages, step estimates and bytes per host")
+    def api_program(program_id: str) -> dict[str, Any]:
+        p = source.program(program_id)
+        if p is None:
+            raise HTTPException(404, f"no program {program_id!r}")
+        return program_view(p).to_json()
 
     @app.get("/api/whatif", dependencies=guard, tags=["api"], summary="Plans of every strategy; moves no data")
     def api_whatif(shape: str, src: str, src_spec: str, dst: str, dst_spec: str, dtype: str = "float32",
@@ -182,6 +198,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
         job = source.job(job_id)
         if job is None:
             raise HTTPException(404, f"no job {job_id!r}")
+        if job.get("program_id"):
+            return page(request, "plan.html", job=_job_view(job), view=None, program=source.program(job["program_id"]))
         p = source.plan(job["plan_id"]) if job.get("plan_id") else None
         measured = job.get("seconds") if job.get("state") == "succeeded" else None
         return page(request, "plan.html", job=_job_view(job), view=plan_view(p, measured) if p else None,
@@ -191,8 +209,17 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     def plan_page(request: Request, plan_id: str):
         p = source.plan(plan_id)
         if p is None:
+            if source.program(plan_id) is not None:
+                return RedirectResponse(f"/programs/{plan_id}", status_code=303)
             raise HTTPException(404, f"no plan {plan_id!r}")
         return page(request, "plan.html", job=None, view=plan_view(p))
+
+    @app.get("/programs/{program_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
+    def program_page(request: Request, program_id: str):
+        p = source.program(program_id)
+        if p is None:
+            raise HTTPException(404, f"no program {program_id!r}")
+        return page(request, "program.html", view=program_view(p))
 
     @app.get("/whatif", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def whatif_page(request: Request, shape: str = "", src: str = "", src_spec: str = "", dst: str = "",

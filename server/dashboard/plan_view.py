@@ -7,8 +7,6 @@ send and receive time against the lower bound, and the broadcast chains.
 
 from __future__ import annotations
 
-import colorsys
-import hashlib
 from collections import defaultdict
 from dataclasses import dataclass
 from html import escape
@@ -18,6 +16,7 @@ from reshard import Plan, Sharding
 from reshard.box import box_str
 from reshard.cost import NIC, HostCache, phase_loads, transfer_flows
 from reshard.mesh import host_of
+from reshard.server.dashboard.svg import arrow_marker, colour, shorten
 
 __all__ = ["PlanView", "plan_view"]
 
@@ -80,12 +79,6 @@ def plan_view(plan: Plan, measured_seconds: Optional[float] = None) -> PlanView:
 # -- drawing helpers ----------------------------------------------------------------------
 
 
-def _colour(key: str) -> str:
-    h = int(hashlib.sha256(key.encode()).hexdigest()[:6], 16) / 0xFFFFFF
-    r, g, b = colorsys.hls_to_rgb(h, 0.72, 0.55)
-    return f"#{int(r * 255):02x}{int(g * 255):02x}{int(b * 255):02x}"
-
-
 def _mesh_svg(sharding: Sharding, shape, which: str) -> str:
     """Devices as a grid (last axis across, the others down), coloured by tile."""
     mesh = sharding.mesh
@@ -102,17 +95,13 @@ def _mesh_svg(sharding: Sharding, shape, which: str) -> str:
             f'<g class="device" data-device="{escape(dev)}" data-tile="{escape(tile)}">'
             f'<title>{escape(dev)} holds {escape(tile)}</title>'
             f'<rect x="{c * cw + 1}" y="{r * ch + 1}" width="{cw - 4}" height="{ch - 4}" rx="4" '
-            f'fill="{_colour(tile)}" stroke="#333"/>'
+            f'fill="{colour(tile)}" stroke="#333"/>'
             f'<text x="{c * cw + cw / 2 - 1}" y="{r * ch + 17}" text-anchor="middle" font-size="11">{escape(dev)}</text>'
-            f'<text x="{c * cw + cw / 2 - 1}" y="{r * ch + 30}" text-anchor="middle" font-size="9">{escape(_short(tile))}</text>'
+            f'<text x="{c * cw + cw / 2 - 1}" y="{r * ch + 30}" text-anchor="middle" font-size="9">{escape(shorten(tile))}</text>'
             f'</g>'
         )
     parts.append("</svg>")
     return "".join(parts)
-
-
-def _short(text: str, limit: int = 16) -> str:
-    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _heatmap_svg(hosts: list[str], matrix: dict[tuple[str, str], int]) -> str:
@@ -147,10 +136,10 @@ def _nic_svg(hosts: list[str], send: dict[str, float], recv: dict[str, float], b
     for i, h in enumerate(hosts):
         y = i * row + 4
         parts.append(f'<text x="{label - 6}" y="{y + 15}" text-anchor="end" font-size="11">{escape(h)}</text>')
-        for k, (what, val, colour) in enumerate((("send", send.get(h, 0.0), "#e08a3c"), ("recv", recv.get(h, 0.0), "#3c8ae0"))):
+        for k, (what, val, fill) in enumerate((("send", send.get(h, 0.0), "#e08a3c"), ("recv", recv.get(h, 0.0), "#3c8ae0"))):
             parts.append(
                 f'<rect class="nic-bar" data-host="{escape(h)}" data-direction="{what}" data-seconds="{val:.6g}" '
-                f'x="{label}" y="{y + k * 11}" width="{max(val * scale, 0.5):.1f}" height="10" fill="{colour}">'
+                f'x="{label}" y="{y + k * 11}" width="{max(val * scale, 0.5):.1f}" height="10" fill="{fill}">'
                 f'<title>{escape(h)} {what}: {val:.4g} s</title></rect>'
             )
     x = label + bound * scale
@@ -167,8 +156,7 @@ def _chains_svg(chains: list[tuple[str, tuple[str, ...], int]]) -> str:
     longest = max((len(route) for _, route, _ in chains), default=0) + 1
     parts = [f'<svg class="chains" xmlns="http://www.w3.org/2000/svg" width="{longest * step + 20}" '
              f'height="{len(chains) * row + 8}">',
-             '<defs><marker id="arrow" markerWidth="8" markerHeight="8" refX="7" refY="3" orient="auto">'
-             '<path d="M0,0 L7,3 L0,6 z" fill="#555"/></marker></defs>']
+             arrow_marker("arrow")]
     for i, (sender, route, n) in enumerate(chains):
         hops = [host_of(sender), *route]
         y = i * row + 16
@@ -177,8 +165,8 @@ def _chains_svg(chains: list[tuple[str, tuple[str, ...], int]]) -> str:
             x = 10 + k * step
             if k:
                 parts.append(f'<line x1="{x - step + 70}" y1="{y - 4}" x2="{x - 4}" y2="{y - 4}" stroke="#555" marker-end="url(#arrow)"/>')
-            parts.append(f'<rect x="{x}" y="{y - 14}" width="70" height="18" rx="3" fill="{_colour(h)}" stroke="#333"/>'
-                         f'<text x="{x + 35}" y="{y}" text-anchor="middle" font-size="10">{escape(_short(h, 11))}</text>')
+            parts.append(f'<rect x="{x}" y="{y - 14}" width="70" height="18" rx="3" fill="{colour(h)}" stroke="#333"/>'
+                         f'<text x="{x + 35}" y="{y}" text-anchor="middle" font-size="10">{escape(shorten(h, 11))}</text>')
         parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts)

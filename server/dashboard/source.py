@@ -2,7 +2,7 @@
 
 `PlannerSource` reads the planner's registry, catalog and jobs and hands the
 dashboard plain data; it never changes them. `serve_dashboard` runs the app on
-its own thread inside the planner process.
+its own thread inside the planner process (`serve_app` any app, as tests do).
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from collections import defaultdict
 from typing import Optional
 
 import uvicorn
+from fastapi import FastAPI
 
 from reshard import Plan
+from reshard.errors import PlanValidationError
+from reshard.program import Program
 from reshard.box import box_str, volume
 from reshard.dtypes import itemsize
 from reshard.mesh import host_of
@@ -27,19 +30,23 @@ from reshard.server.planner.control import Planner
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PlannerSource", "serve_dashboard", "read_token"]
+__all__ = ["PlannerSource", "serve_dashboard", "serve_app", "read_token"]
 
 
 def _job_doc(job: Job) -> dict:
     total = sum(t for _, t in job.progress.values())
     done = sum(d for d, _ in job.progress.values())
     transports = sorted(set(job.transports)) or ([job.transport] if job.transport else [])
+    # A compute job, or a reshard of a Partial tensor, runs a program where a plain reshard runs a plan.
+    ran = job.ran
     return {
-        "id": job.id, "tensor": job.tensor, "state": job.state, "strategy": job.strategy,
-        "destination": job.dst.spec_str(), "bytes_done": done, "bytes_total": total,
+        "id": job.id, "tensor": job.tensor, "state": job.state, "strategy": job.strategy, "kind": job.kind,
+        "inputs": list(job.inputs),
+        "destination": job.dst.spec_str() if job.dst is not None else None, "bytes_done": done, "bytes_total": total,
         "seconds": job.seconds if job.started else None, "started": job.started, "finished": job.finished,
-        "error": job.error or None, "plan_id": job.plan.id if job.plan else None, "transports": transports,
-        "estimate_seconds": job.plan.estimate_seconds if job.plan else None,
+        "error": job.error or None, "plan_id": ran.id if ran is not None else None,
+        "program_id": job.program.id if job.program is not None else None,
+        "transports": transports, "estimate_seconds": ran.estimate_seconds if ran is not None else None,
     }
 
 
@@ -103,7 +110,29 @@ class PlannerSource:
         for job in self.planner.jobs.list():
             if job.plan is not None and job.plan.id == plan_id:
                 return job.plan
-        return self.planner.stored_plan(plan_id)
+        if self._job_program(plan_id) is not None:
+            return None
+        try:
+            return self.planner.stored_plan(plan_id)
+        except PlanValidationError:
+            # Dry runs of programs are kept beside plans, under their own ids; the program page shows them.
+            if self.program(plan_id) is not None:
+                return None
+            raise
+
+    def program(self, program_id: str) -> Optional[Program]:
+        program = self._job_program(program_id)
+        if program is not None:
+            return program
+        stored = self.planner.stored_program(program_id)
+        # A plan reads back as the program of its moves, under another id: the plan page shows it.
+        return stored if stored is not None and stored.id == program_id else None
+
+    def _job_program(self, program_id: str) -> Optional[Program]:
+        for job in self.planner.jobs.list():
+            if job.program is not None and job.program.id == program_id:
+                return job.program
+        return None
 
     def bytes_moved(self) -> dict[str, int]:
         return self.planner.bytes_moved()
@@ -128,13 +157,18 @@ class _Server(uvicorn.Server):
 
 def serve_dashboard(planner: Planner, listen: str, token: Optional[str]) -> tuple[_Server, int]:
     """Serve the dashboard for ``planner`` on ``listen`` (port 0: any free port); returns (server, port)."""
+    return serve_app(create_app(PlannerSource(planner), token), listen)
+
+
+def serve_app(app: FastAPI, listen: str) -> tuple[_Server, int]:
+    """Serve ``app`` on its own thread on ``listen`` (port 0: any free port); returns (server, port). Setting the
+    server's ``should_exit`` stops it."""
     host, _, port = listen.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, int(port or 0)))
     bound = sock.getsockname()[1]
-    app = create_app(PlannerSource(planner), token)
     server = _Server(uvicorn.Config(app, log_level="warning", access_log=False))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name="dashboard")
     thread.start()
