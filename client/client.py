@@ -559,7 +559,7 @@ class Client:
     def plan_einsum(self, equation: str, *inputs: str, out: str, out_sharding: Optional[Sharding] = None,
                     strategy: str = "auto") -> Program:
         """Dry run of `einsum`: the program it would run now (its steps, ``estimate_seconds``, ``host_bytes()``,
-        ``summary()``, and the chosen ``einsum_layout``); moves no data."""
+        ``summary()``, and the chosen layout as text, ``einsum_layout_text``); moves no data."""
         return _program(self._planner_call("PlanCompute", self._compute_request(
             "einsum", inputs, out, out_sharding, strategy, {"equation": equation})))
 

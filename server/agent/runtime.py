@@ -114,7 +114,7 @@ class _Numpy:
             return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
         return values
 
-    einsum = staticmethod(lambda eq, *xs: np.einsum(eq, *xs, optimize=len(xs) > 2))
+    einsum = staticmethod(lambda eq, *xs: np.einsum(eq, *xs, optimize=True))  # BLAS for contractions
     relu = staticmethod(lambda x: np.maximum(x, np.zeros((), x.dtype)))
     relu_grad = staticmethod(lambda x, g: np.where(x > 0, g, np.zeros((), g.dtype)))
     exp = staticmethod(np.exp)
@@ -148,7 +148,7 @@ class _Torch:
         import torch
 
         if not all(x.is_floating_point() or x.is_complex() for x in xs):  # no integer matmul on CUDA
-            values = np.einsum(eq, *(buffers.host_array(x) for x in xs), optimize=len(xs) > 2)
+            values = np.einsum(eq, *(buffers.host_array(x) for x in xs), optimize=True)
             return torch.from_numpy(np.ascontiguousarray(values)).to(xs[0].device)
         return torch.einsum(eq, *xs)
 
@@ -416,12 +416,16 @@ class Run(Session):
                 f"({[t.name for t in committed]}); an agent commits one tensor per job"
             )
         self.dst_tensor = committed[0].name if committed else ""
+        self.made_whole = False
         self.dst_tiles: dict[str, Box] = {}
         self.staged: dict[str, Any] = {}
         self.missing: dict[str, int] = {}
         if not committed:
             return
         decl = committed[0]
+        # A tensor the program makes (an einsum's output), or the sum of a Partial one (whose source holds addends,
+        # not values): its steps write every element of the staged tiles, each once, and nothing is copied in.
+        self.made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
         src_tiles = decl.src.tiles(decl.shape) if decl.src is not None else {}
         self.dst_tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == self.host}
         # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
@@ -433,7 +437,7 @@ class Run(Session):
                            f"job {self.job[:8]}'s destination tiles of {self.names[decl.name]!r}")
         for dev, tile in self.dst_tiles.items():
             buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
-            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles and not self.made_whole else None
             if held is not None:
                 src = self.store.get(self.names[decl.name], self.version(decl.name), dev)
                 if defer:
@@ -495,8 +499,7 @@ class Run(Session):
         the staged tile for the committed tensor's ``dst``, else a buffer made for ``box`` (once)."""
         if role == DST and tensor == self.dst_tensor:
             tile = self._tile(device, box)
-            if self.program.tensor(tensor).src is None:
-                # A tensor the program makes (an einsum's output): its steps write every element, each once.
+            if self.made_whole:
                 with self._lock:
                     self.missing[device] -= boxes.volume(box)
             return self.staged[device], tile

@@ -47,6 +47,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
 
 from reshard import Mesh, Sharding
 from reshard.client.cluster import LocalCluster
@@ -124,8 +125,11 @@ POOLS = {
     "backend": ["gloo", "nccl", "", "mpi"],
     "kind": ["numpy", "torch", "", "pickle"],
     "secret": [b"s" * 32, b"t" * 16, b"", b"\x00" * 15],
+    "inputs": NAMES, "out": [n for n in NAMES if n != KEPT],  # a compute job may replace any tensor but the kept one
+    "op": ["einsum", "add", "sum", "max", "softmax_xent", "axpy", "relu", "", "frobnicate"],
     **{f: IDS for f in ("job", "job_id", "upload_id", "program_id", "plan_id", "id", "ticket", "proof")},
-    **{f: HOSTILE_JSON for f in ("sharding_json", "src_json", "dst_json", "program_json", "plan_json")},
+    **{f: HOSTILE_JSON for f in ("sharding_json", "src_json", "dst_json", "program_json", "plan_json",
+                                 "out_sharding_json")},
 }
 SHAPES = [[8, 7], [4, 7], [], [0], [-1], [2**40, 2**40], [2**62, 2**62], [2**63 - 1], [1] * 65, [2] * 30, [3, -3]]
 SHAPE_FIELDS = ("shape", "shard_shape", "lo", "hi", "stride")
@@ -176,7 +180,9 @@ def _value(field: FieldDescriptor, method: str, depth: int) -> st.SearchStrategy
     """A value for one field: a scalar, a list, a dict for a map, a message."""
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
         key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
-        return st.dictionaries(_scalar(key, method), _scalar(value, method), max_size=3)
+        values = messages(value.message_type, method, depth + 1) if value.message_type is not None else \
+            _scalar(value, method)
+        return st.dictionaries(_scalar(key, method), values, max_size=3)
     if field.message_type is not None:
         inner = messages(field.message_type, method, depth + 1)
         return st.lists(inner, max_size=3) if field.is_repeated else inner
@@ -187,7 +193,11 @@ def _assign(msg, field: FieldDescriptor, value) -> None:
     msg.ClearField(field.name)
     target = getattr(msg, field.name)
     if isinstance(value, dict):
-        target.update(value)
+        for k, v in value.items():
+            if isinstance(v, Message):  # a map of messages is filled entry by entry
+                target[k].CopyFrom(v)
+            else:
+                target[k] = v
     elif field.is_repeated:
         target.extend(value)
     elif field.message_type is not None:
@@ -516,7 +526,8 @@ TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShar
 
 def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
     r.ticket = sign(secret, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version, r.dst_version,
-                                                       r.transport, r.generation, r.job_seq, r.peers))
+                                                       r.transport, r.generation, r.job_seq, r.peers,
+                                                       {t: (x.name, x.version) for t, x in r.reads.items()}))
 
 
 def signed(secret: bytes, method: str, request):
