@@ -23,6 +23,7 @@ bench: $(STAMP)
 	$(PY) bench/plan_quality.py
 	$(PY) bench/transport.py
 	$(PY) bench/stall.py
+	$(PY) bench/einsum.py  # (c) on emulated hosts needs root, else prints why it skipped
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
 
 clean:
