@@ -155,17 +155,23 @@ def _check_ipc(ipc: Ipc) -> None:
 
 
 def _source(array, ipc: Ipc):
-    """(elements, dtype name, kind) of what the caller puts: a C-contiguous numpy array, or a CUDA tensor."""
+    """(elements, dtype name, kind) of what the caller puts: a C-contiguous numpy array, or a CUDA tensor.
+
+    bfloat16 and float8 elements, from torch or from an ml_dtypes array alike, come as numpy bits of their width
+    (`np_dtype`); a plain uint16 or uint8 array is stored as what it is, integers.
+    """
     _check_ipc(ipc)
     if type(array).__module__.startswith("torch"):
         t = array.detach()
+        dtype = dtype_name(t.dtype)  # first: a dtype reshard lacks is named before any copy is made
         if ipc is True and not devices.is_cuda(t):
             raise InvalidArgumentError(f"ipc=True hands over CUDA tensors by CUDA IPC; this tensor is on {t.device}")
-        return (t if devices.is_cuda(t) else devices.to_host(t)), dtype_name(t.dtype), "torch"
+        return (t if devices.is_cuda(t) else devices.to_host(t)), dtype, "torch"
     if isinstance(array, np.ndarray):
         if ipc is True:
             raise InvalidArgumentError("ipc=True hands over CUDA tensors by CUDA IPC; a numpy array is in host memory")
-        return np.ascontiguousarray(array), dtype_name(array.dtype), "numpy"
+        dtype = dtype_name(array.dtype)
+        return np.ascontiguousarray(array).view(np_dtype(dtype)), dtype, "numpy"
     raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(array).__name__}")
 
 
@@ -180,13 +186,26 @@ def _target(device: Optional[str], ipc: Ipc) -> Optional[str]:
 
 
 def _from_numpy(arr: np.ndarray, dtype: str, kind: str):
-    if kind == "torch" or dtype == "bfloat16":
-        import torch
+    """What a read returns on the host: numpy, or torch for a tensor put from torch.
 
-        if dtype == "bfloat16":
-            return torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(arr)
-    return arr
+    bfloat16 and float8 arrive as numpy bits (`np_dtype`): as an ml_dtypes array when the tensor was not put from
+    torch and ml_dtypes is importable here (JAX brings it), else as a torch tensor.
+    """
+    bits = np_dtype(dtype).name != dtype
+    if bits and kind != "torch":
+        try:
+            import ml_dtypes
+        except ImportError:
+            pass
+        else:
+            return arr.view(getattr(ml_dtypes, dtype))
+    if kind != "torch" and not bits:
+        return arr
+    try:
+        return devices.to_torch(arr, dtype)
+    except ImportError:
+        raise FailedPreconditionError(f"the tensor is {dtype}, which numpy lacks; reading it needs ml_dtypes or "
+                                      f"torch here: pip install ml_dtypes, or reshard[torch]") from None
 
 
 def _sharding_of(sharding) -> Sharding:

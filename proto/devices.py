@@ -12,7 +12,8 @@ users of the SDK never load it.
                       device; host to GPU through two pinned buffers of ``STAGE_BYTES``, the
                       copy into one overlapping the DMA out of the other
 ``copy_to_device``    the same into an existing contiguous GPU tensor
-``numpy_view``        a CPU tensor as a numpy array sharing its memory (bfloat16 as uint16)
+``numpy_view``        a CPU tensor as a numpy array sharing its memory (bfloat16 and float8 as
+                      unsigned integers of their bits)
 ``to_host``           a torch tensor as a C-contiguous numpy array in host memory (a CUDA
                       tensor lands in one pinned buffer by DMA)
 ``device_digest``     64-bit digest of a tensor's bytes in C order, computed where it lives
@@ -45,8 +46,9 @@ from typing import Any, Optional
 
 import numpy as np
 
-from reshard.dtypes import DTYPE_SIZES, dtype_name
+from reshard.dtypes import BITS_DTYPES, DTYPE_SIZES, dtype_name
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
+from reshard.proto.layout import np_dtype
 
 __all__ = [
     "STAGE_BYTES", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host", "device_digest", "check_device", "gpu_uuid",
@@ -70,11 +72,12 @@ def torch_dtype(dtype: str):
 
 
 def numpy_view(t) -> np.ndarray:
-    """A CPU tensor as numpy, sharing its memory and strides (bfloat16 as uint16 bits, as ``np_dtype``)."""
+    """A CPU tensor as numpy, sharing its memory and strides (bfloat16 and float8 as unsigned bits, as ``np_dtype``)."""
     import torch
 
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
+    bits = BITS_DTYPES.get(str(t.dtype).removeprefix("torch."))
+    if bits is not None:  # torch's .numpy() refuses the dtypes numpy lacks, not a same-width view of their bits
+        return t.view(getattr(torch, bits)).numpy()
     return t.numpy()
 
 
@@ -104,7 +107,7 @@ def to_torch(array: np.ndarray, dtype: str, device: str = "cpu"):
     """
     import torch
 
-    array = np.ascontiguousarray(array)
+    array = np.ascontiguousarray(array).view(np_dtype(dtype))  # an ml_dtypes array as the bits torch.from_numpy takes
     if torch.device(device).type == "cpu":
         return torch.from_numpy(array if array.flags.writeable else array.copy()).view(torch_dtype(dtype))
     out = torch.empty(array.shape, dtype=torch_dtype(dtype), device=device)

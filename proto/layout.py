@@ -5,7 +5,9 @@ travels as a sequence of sub-boxes in C order, each at most ``chunk_bytes``
 long, followed by the total byte count and an XXH3-64 digest of all the bytes in
 order (the ``xxhash`` package: about 6x the speed of zlib's CRC-32, so the check
 every receiver runs before commit costs little next to the bytes' own copy).
-numpy has no bfloat16: those elements are held as ``uint16`` of the same bits.
+numpy has no bfloat16 or float8: their elements are held as unsigned integers of
+the same bits (``uint16``, ``uint8``; `reshard.dtypes.BITS_DTYPES`), which is all a
+byte stream and its digest need.
 """
 
 from __future__ import annotations
@@ -16,15 +18,14 @@ import numpy as np
 import xxhash
 
 from reshard.box import Box, volume
-from reshard.dtypes import dtype_name, itemsize
+from reshard.dtypes import holder_name, itemsize
 
 __all__ = ["np_dtype", "chunk_boxes", "Checksum", "digest", "tile_shape"]
 
 
 def np_dtype(dtype) -> np.dtype:
-    """The numpy dtype that holds elements of ``dtype`` (bfloat16 as uint16 bits)."""
-    name = dtype_name(dtype)
-    return np.dtype("uint16") if name == "bfloat16" else np.dtype(name)
+    """The numpy dtype that holds elements of ``dtype`` (bfloat16 as uint16 bits, float8 as uint8 bits)."""
+    return np.dtype(holder_name(dtype))
 
 
 def tile_shape(box: Box) -> tuple[int, ...]:

@@ -6,6 +6,7 @@ use, so planning-only users never load gRPC.
 """
 
 from reshard.errors import (
+    DtypeComputeError,
     InvalidMeshError,
     InvalidShapeError,
     InvalidShardingError,
@@ -68,6 +69,7 @@ __all__ = [
     "InvalidShapeError",
     "InvalidTopologyError",
     "UnknownDtypeError",
+    "DtypeComputeError",
     "PlanValidationError",
     *_SDK,
 ]

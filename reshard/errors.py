@@ -40,3 +40,7 @@ class InvalidJsonError(ReshardError, ValueError):
 
 class JsonLimitError(InvalidJsonError):
     """A JSON document over its reader's size or nesting limit; the service answers RESOURCE_EXHAUSTED."""
+
+
+class DtypeComputeError(ReshardError, ValueError):
+    """An op that needs arithmetic on a dtype reshard only stores and moves (float8); the message says how to cast."""

@@ -26,11 +26,12 @@ copy between two CUDA buffers is a device-to-device copy:
 ``backend_refusal``  why a collective backend cannot run in this process ("" when it can)
 ==================== ==========================================================================
 
-Dtypes are reshard's names (``reshard.dtypes``); bfloat16 and the other dtypes numpy
-lacks are held by numpy as same-size unsigned integers (what ``proto.layout.np_dtype``
-maps them to), and by torch as themselves. The staging, the digest and the device
-checks are the SDK's (``reshard.proto.devices``): the agent and a training rank
-must compute them alike.
+Dtypes are reshard's names (``reshard.dtypes``); bfloat16 and float8, which numpy
+lacks, are held by numpy as same-size unsigned integers of their bits (what
+``proto.layout.np_dtype`` maps them to), and by torch as themselves, so a CPU and a
+CUDA agent hold the same bytes. The staging, the digest and the device checks are
+the SDK's (``reshard.proto.devices``): the agent and a training rank must compute
+them alike.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from reshard.proto.devices import (
     numpy_view,
     to_host,
     to_torch,
+    torch_dtype,
 )
 from reshard.proto.layout import np_dtype
 
@@ -66,18 +68,12 @@ def device_of(array: Any) -> str:
     return "cpu"
 
 
-def _torch_dtype(dtype: str):
-    import torch
-
-    return getattr(torch, dtype)
-
-
 def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
     if device == "cpu":
         return np.empty(shape, dtype=np_dtype(dtype))
     import torch
 
-    return torch.empty(shape, dtype=_torch_dtype(dtype), device=device)
+    return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
 
 
 def region(array, box: Box, origin: Box):
