@@ -436,7 +436,7 @@ class Run(Session):
         self.store.reserve(self.job, {d: boxes.volume(t) * decl.itemsize for d, t in self.dst_tiles.items()},
                            f"job {self.job[:8]}'s destination tiles of {self.names[decl.name]!r}")
         for dev, tile in self.dst_tiles.items():
-            buf = buffers.empty(tile_shape(tile), decl.dtype, self.device)
+            buf = self.empty(tile_shape(tile), decl.dtype)
             held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles and not self.made_whole else None
             if held is not None:
                 src = self.store.get(self.names[decl.name], self.version(decl.name), dev)
@@ -487,12 +487,26 @@ class Run(Session):
     def _assemble(self, box: Box, pieces: list[tuple[Box, Any]], dtype: str):
         """A new buffer of ``box``, copied from the buffers ``pieces`` (held box, buffer) that cover it together:
         a tile that moves delivered in several boxes, read whole by a compute step."""
-        out = buffers.empty(tile_shape(box), dtype, self.device)
+        out = self.empty(tile_shape(box), dtype)
         for held, array in pieces:
             part = boxes.intersect(held, box)
             if part is not None:
                 buffers.write(out, part, box, buffers.region(array, part, held))
         return out
+
+    def empty(self, shape: tuple[int, ...], dtype: str):
+        """A new buffer on this run's device, recycled by the store when it can be."""
+        if self.device == self.store.device:
+            return self.store.empty(shape, dtype)
+        return buffers.empty(shape, dtype, self.device)
+
+    def recycle(self) -> None:
+        """The run has ended: the buffers its steps made go back to the store for reuse."""
+        with self._lock:
+            made = [a for arrays in self._made.values() for _, a in arrays]
+            self._made.clear()
+        for array in made:
+            self.store.recycle(array)
 
     def produce(self, device: str, tensor: str, role: str, box: Box) -> tuple[Any, Box]:
         """The buffer a step writes ``box`` of ``tensor`` in ``role`` into on ``device``, and the box it holds:
@@ -508,7 +522,7 @@ class Run(Session):
             for b, a in made:
                 if b == box:
                     return a, b
-            array = buffers.empty(tile_shape(box), self.program.tensor(tensor).dtype, self.device)
+            array = self.empty(tile_shape(box), self.program.tensor(tensor).dtype)
             made.append((box, array))
             return array, box
 
@@ -761,6 +775,7 @@ class Runtime:
     def _retire(self, run: Run) -> None:
         run.transport.mailbox.cancel(run.job, run.failed or FailedPreconditionError(f"job {run.job} ended"))
         run.transport.detach(run)
+        run.recycle()
         with self._lock:
             if self._runs.pop(run.job, None) is not None:
                 self._finished[run.job] = run.traffic
@@ -819,11 +834,10 @@ class Runtime:
                 array, origin = run.read(device, ref.tensor, ref.box, ref.role)
                 return buffers.region(array, ref.box, origin)
 
-            def put(device: str, box: Box, values) -> None:
-                array, origin = run.produce(device, out.tensor, out.role, box)
-                buffers.write(array, box, origin, values)
+            def produce(device: str, box: Box):
+                return run.produce(device, out.tensor, out.role, box)
 
-            link.reduce(run, step.id, step.devices, ref.box, step.op, step.result, step.dim, read, put)
+            link.reduce(run, step.id, step.devices, ref.box, step.op, step.result, step.dim, read, produce)
         else:
             raise AssertionError(f"unknown task role {task.role!r}")
 

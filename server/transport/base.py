@@ -64,7 +64,7 @@ from reshard.proto.errors import (
     InvalidArgumentError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
-from reshard.server.transport.buffers import host_array, host_bytes, region
+from reshard.server.transport.buffers import host_array, host_bytes, region, write
 
 __all__ = [
     "StreamKey", "PushHeader", "Piece", "Trailer", "Session", "Traffic", "Throttle", "Sink", "Outgoing",
@@ -656,41 +656,66 @@ class Transport(ABC):
     # -- reduce ---------------------------------------------------------------------------------------
 
     def reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str, result: str,
-               dim: int | None, read: Callable[[str], Any], put: Callable[[str, Box, np.ndarray], None]) -> None:
+               dim: int | None, read: Callable[[str], Any], produce: Callable[[str, Box], tuple[Any, Box]]) -> None:
         """This host's part of a ring reduce of ``box`` over the devices ``group`` (in that order).
 
         ``read(device)`` is the device's addends, a region shaped like ``box``. With ``result``
         ``replicate`` every device ends with the whole reduced box, with ``shard`` device ``i``
-        with chunk ``i`` of it along ``dim`` (``box.chunk``, as ``torch.chunk`` cuts); results go
-        to ``put(device, box, values)``. The ring cuts the box in ``n`` parts (those chunks, or
-        `box.split` for ``replicate``). Round ``r < n - 1`` (reduce-scatter): device ``i`` sends
-        its partial part ``(i - r - 1) % n`` to device ``i + 1``, which folds it into its own;
-        afterwards device ``i`` holds part ``i`` complete. Rounds ``n - 1 ..`` (all-gather,
-        ``replicate`` only) pass the complete parts on. Messages between devices of one host
-        are copies; the others are streams keyed ``(job, step, round * n + sender index)``.
+        with chunk ``i`` of it along ``dim`` (``box.chunk``, as ``torch.chunk`` cuts).
+        ``produce(device, box)`` is the buffer a device's result goes into and the box it
+        holds. The ring cuts the box in ``n`` parts (those chunks, or `box.split` for
+        ``replicate``). Round ``r < n - 1`` (reduce-scatter): device ``i`` sends its partial
+        part ``(i - r - 1) % n`` to device ``i + 1``, which folds it into its own; afterwards
+        device ``i`` holds part ``i`` complete. Rounds ``n - 1 ..`` (all-gather, ``replicate``
+        only) pass the complete parts on. Messages between devices of one host are copies; the
+        others are streams keyed ``(job, step, round * n + sender index)``.
+
+        Bytes are touched as few times as the ring allows: the first round sends addends as
+        they are; a replicated result accumulates in the device's result buffer itself when
+        that is host memory, each part written first by the fold of this device's addends
+        with the incoming partial part (the old version stays intact, and nothing is copied
+        in beforehand); incoming partial parts land in one scratch array reused every round,
+        and all-gather parts are received straight into place.
         """
         if not box:  # a scalar: the ring runs on its one element as a vector of one
+            def produce_one(device: str, _box: Box):
+                array, origin = produce(device, ())
+                return region(array, (), origin).reshape((1,)), ((0, 1),)
+
             self.reduce(s, step, group, ((0, 1),), op, result, 0 if dim is not None else None,
-                        lambda d: np.reshape(host_array(read(d)), (1,)),
-                        lambda d, b, values: put(d, (), np.reshape(values, ())))
+                        lambda d: np.reshape(host_array(read(d)), (1,)), produce_one)
             return
         fold = REDUCE_OPS[op]
         dtype = s.dtype(step)[1]
         n = len(group)
+        shape = tile_shape(box)
         parts = boxes.chunk(box, n, dim) if result == "shard" else boxes.split(box, n)
         mine = [i for i, d in enumerate(group) if host_of(d) == self.host]
-        acc = {i: np.frombuffer(host_bytes(read(group[i])), dtype=dtype).reshape(tile_shape(box)).copy() for i in mine}
+        addends = {i: np.frombuffer(host_bytes(read(group[i])), dtype=dtype).reshape(shape) for i in mine}
+        outs = {i: produce(group[i], box) for i in mine} if result == "replicate" else {}
+        acc: dict[int, np.ndarray] = {}
+        in_place: set[int] = set()  # devices whose result buffer is the accumulator
+        for i in mine:
+            view = region(outs[i][0], box, outs[i][1]) if i in outs else None
+            if isinstance(view, np.ndarray) and view.dtype == dtype and view.flags.writeable:
+                in_place.add(i)
+            acc[i] = view if i in in_place else np.empty(shape, dtype=dtype)
+            if n == 1:
+                acc[i][...] = addends[i]
+        scratch = np.empty(max(boxes.volume(p) for p in parts), dtype=dtype) if n > 1 else None
         rounds = (n - 1) * (2 if result == "replicate" else 1)
         for rnd in range(rounds):
             s.check()
             gather = rnd >= n - 1
             r = rnd - (n - 1) if gather else rnd
             outgoing = [parts[(i - r - (0 if gather else 1)) % n] for i in range(n)]
+            # the first round sends addends as they are; later ones what the previous rounds made
+            sent = addends if rnd == 0 else acc
             sends = []
             for i in mine:
                 j = (i + 1) % n
                 if host_of(group[j]) != self.host and boxes.volume(outgoing[i]):
-                    view = acc[i][boxes.to_slices(outgoing[i], box)]
+                    view = sent[i][boxes.to_slices(outgoing[i], box)]
                     key = StreamKey(s.job, step, rnd * n + i)
                     # a round sends while it receives: a ring where every member sent first would wait forever
                     sends.append(in_thread("reduce-send", self.send, s, key, host_of(group[j]), view, outgoing[i],
@@ -700,27 +725,31 @@ class Transport(ABC):
                 part = outgoing[i]
                 if not boxes.volume(part):
                     continue
+                where = boxes.to_slices(part, box)
                 if host_of(group[i]) == self.host:
-                    data = acc[i][boxes.to_slices(part, box)]
+                    data = sent[i][where]
                     s.traffic.add_local(data.nbytes, origin=False)
+                    if gather:
+                        acc[j][where] = data
+                elif gather:  # straight into place
+                    self._receive_part(s, StreamKey(s.job, step, rnd * n + i), host_of(group[i]), part, acc[j][where])
                 else:
-                    data = self._receive_part(s, StreamKey(s.job, step, rnd * n + i), host_of(group[i]), part)
-                target = acc[j][boxes.to_slices(part, box)]
-                if gather:
-                    target[...] = data
-                else:
-                    fold(target, data, out=target)
+                    data = scratch[:boxes.volume(part)].reshape(tile_shape(part))
+                    self._receive_part(s, StreamKey(s.job, step, rnd * n + i), host_of(group[i]), part, data)
+                if not gather:  # a part's first write: this device's addends folded with what came in
+                    fold(addends[j][where], data, out=acc[j][where])
             for f in sends:
                 f.result()
         for i in mine:
-            if result == "replicate":
-                put(group[i], box, acc[i])
+            if i in outs:
+                if i not in in_place:
+                    write(outs[i][0], box, outs[i][1], acc[i])
             elif boxes.volume(parts[i]):
-                put(group[i], parts[i], acc[i][boxes.to_slices(parts[i], box)])
+                array, origin = produce(group[i], parts[i])
+                write(array, parts[i], origin, acc[i][boxes.to_slices(parts[i], box)])
 
-    def _receive_part(self, s: Session, key: StreamKey, peer: str, part: Box) -> np.ndarray:
-        """One reduce message from ``peer``, into a new host array shaped like ``part``."""
-        out = np.empty(tile_shape(part), dtype=s.dtype(key.step)[1])
+    def _receive_part(self, s: Session, key: StreamKey, peer: str, part: Box, out: np.ndarray) -> None:
+        """One reduce message from ``peer`` into ``out``, a host array (or view) shaped like ``part``."""
         into = _ArraySink(out, part)
 
         def verify(check: Checksum, nbytes: int, digest: int) -> None:
@@ -738,7 +767,6 @@ class Transport(ABC):
         else:
             items = self.arrivals(s, key, peer, part, lambda sub: into.place([""], sub))
             self.relay(s, key, peer, part, items, into, [""], None, verify)
-        return out
 
 
 class _ArraySink:

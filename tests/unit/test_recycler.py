@@ -1,0 +1,95 @@
+"""The store's buffer recycler: released host buffers come back for new tiles, never while anything holds them."""
+
+import numpy as np
+
+from reshard.server.agent.store import Recycler, ShardStore, TileBuffer
+
+MiB = 1 << 20
+
+
+def _address(array: np.ndarray) -> int:
+    return array.__array_interface__["data"][0]
+
+
+def _commit(store: ShardStore, name: str, version: int, array: np.ndarray) -> None:
+    store.stage(f"put-{name}-{version}", "h0/0", TileBuffer(array, tuple((0, n) for n in array.shape), "float32"))
+    store.commit(f"put-{name}-{version}", name, version, ["h0/0"])
+
+
+def test_a_released_version_s_buffer_makes_the_next_tile_of_its_size():
+    store = ShardStore(host="h0")
+    first = store.empty((256, 1024), "float32")
+    _commit(store, "w", 1, first)
+    address = _address(first)
+    del first  # nothing but the store holds it now
+    assert store.release("w", 1) == 1
+    again = store.empty((1024, 256), "float32")  # same bytes, another shape
+    assert _address(again) == address and again.shape == (1024, 256)
+    assert store.recycler.reused == 1
+    assert store.empty((3, 7), "float64").shape == (3, 7)  # too small to keep: plain malloc
+    assert store.recycler.reused == 1
+
+
+def test_a_buffer_someone_still_reads_is_never_handed_out():
+    store = ShardStore(host="h0")
+    _commit(store, "w", 1, store.empty((256, 1024), "float32"))
+    reader = store.get("w", 1, "h0/0").array[10:20]  # a stream of the old version still running
+    store.release("w", 1)
+    fresh = store.empty((256, 1024), "float32")
+    assert not np.shares_memory(fresh, reader)
+    assert store.recycler.reused == 0
+
+
+def test_an_aborted_transaction_s_staged_tiles_are_recycled():
+    store = ShardStore(host="h0")
+    store.stage("job", "h0/0", TileBuffer(store.empty((128, 1024), "float32"), ((0, 128), (0, 1024)), "float32"))
+    store.abort("job")
+    assert store.recycler.nbytes == 128 * 1024 * 4
+    store.empty((128, 1024), "float32")
+    assert store.recycler.nbytes == 0 and store.recycler.reused == 1
+
+
+def test_the_recycler_keeps_at_most_its_cap_dropping_the_oldest():
+    recycler = Recycler(3 * MiB)
+    arrays = [np.empty(MiB, np.uint8) for _ in range(4)]
+    for a in arrays:
+        recycler.put(a)
+    assert recycler.nbytes == 3 * MiB
+    del arrays
+    assert recycler.take(MiB) is not None
+    assert recycler.take(2 * MiB) is None  # no buffer of that size
+    Recycler(MiB).put(np.empty(2 * MiB, np.uint8))  # larger than the cap: not kept, no error
+
+
+def test_views_and_foreign_memory_are_not_kept():
+    recycler = Recycler(16 * MiB)
+    whole = np.empty(4 * MiB, np.uint8)
+    recycler.put(whole[: MiB])  # part of a buffer: its owner still uses the rest
+    recycler.put(np.frombuffer(bytearray(MiB), np.uint8))  # memory numpy does not own
+    assert recycler.nbytes == 0
+
+
+def test_a_repeated_all_reduce_writes_into_the_last_result_s_memory():
+    """The weight-sync pattern: each step's result replaces the last; after the first, no fresh memory is touched."""
+    from reshard import Mesh, Sharding, reshard_program
+    from tests.unit.test_runtime import HOSTS, Hosts
+
+    hosts = Hosts()
+    try:
+        mesh = Mesh.from_hosts({"x": len(HOSTS)}, list(HOSTS), 1)
+        shape = (256, 128)  # 128 KiB of float32 per device
+        addends = {f"{h}/0": np.full(shape, i + 1, np.float32) for i, h in enumerate(HOSTS)}
+        hosts.put("g", {d: (a, ((0, 256), (0, 128))) for d, a in addends.items()})
+        text = reshard_program(shape, "float32", Sharding(mesh, (None, None), partial=("x",)),
+                               Sharding(mesh, (None, None))).validate().dumps()
+        for _ in range(3):
+            job, runs = hosts.start(text, "g")
+            hosts.finish(job, runs)
+            del runs
+            assert np.array_equal(hosts.get("g", Sharding(mesh, (None, None)), shape), np.full(shape, 10, np.float32))
+            for store in hosts.stores.values():
+                store.release("g", 2)
+        assert all(store.recycler.reused == 2 for store in hosts.stores.values()), \
+            [store.recycler.reused for store in hosts.stores.values()]
+    finally:
+        hosts.close()
