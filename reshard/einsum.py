@@ -59,6 +59,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Union
 
 from reshard import box as boxes
+from reshard.dtypes import check_computable
 from reshard.errors import ReshardError
 from reshard.kernels import KERNELS, KernelShapeError, axis_param, dims_param, letter_sizes, parse_equation
 from reshard.mesh import Mesh
@@ -180,6 +181,7 @@ def _problem(equation, inputs, out_name, out_sharding, topology, strategy) -> _P
     if len(dtypes) > 1:
         raise EinsumError(f"einsum inputs have dtypes {dtypes}; the local einsum needs one dtype, so cast the "
                           f"inputs to one first")
+    check_computable(dtypes[0], f"the kernel of {equation!r} on {[d.name for d in decls]}")
     if strategy not in STRATEGIES:
         raise EinsumError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
     for d in decls:

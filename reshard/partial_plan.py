@@ -39,7 +39,7 @@ from dataclasses import replace
 from typing import Optional
 
 from reshard import box as boxes
-from reshard.dtypes import dtype_name
+from reshard.dtypes import check_computable, dtype_name
 from reshard.errors import InvalidShardingError
 from reshard.mesh import Mesh
 from reshard.plan import Transfer
@@ -82,6 +82,8 @@ def reshard_program(shape, dtype, src: Sharding, dst: Sharding, topology: Option
     topology = topology or Topology()
     kept = _kept_axes(src, dst)
     summed = tuple(a for a in src.partial if a not in kept)
+    if summed:
+        check_computable(dtype, f"completing the sum of a Partial tensor over axes {list(summed)}")
     parts = [(Sharding(mesh, src.spec, summed), Sharding(mesh if kept else dst.mesh, dst.spec))
              for mesh in _coordinates(src.mesh, kept)]
     decl = TensorDecl(RESHARD_TENSOR, shape, dtype, src, dst)

@@ -55,6 +55,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.mesh import host_of
 from reshard.plan import Transfer
 from reshard.proto.errors import (
@@ -685,7 +686,7 @@ class Transport(ABC):
             self.reduce(s, step, group, ((0, 1),), op, result, 0 if dim is not None else None,
                         lambda d: np.reshape(host_array(read(d)), (1,)), produce_one)
             return
-        fold = REDUCE_OPS[op]
+        fold = _bfloat16_fold(REDUCE_OPS[op]) if s.dtype(step)[0] == "bfloat16" else REDUCE_OPS[op]
         dtype = s.dtype(step)[1]
         n = len(group)
         shape = tile_shape(box)
@@ -767,6 +768,15 @@ class Transport(ABC):
         else:
             items = self.arrivals(s, key, peer, part, lambda sub: into.place([""], sub))
             self.relay(s, key, peer, part, items, into, [""], None, verify)
+
+
+def _bfloat16_fold(op):
+    """``op`` on bfloat16 elements held as uint16 bits: through float32, rounded back (adding the bits is wrong)."""
+
+    def fold(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        out[...] = float32_to_bfloat16(op(bfloat16_to_float32(a), bfloat16_to_float32(b)))
+
+    return fold
 
 
 class _ArraySink:

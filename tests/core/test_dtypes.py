@@ -127,8 +127,6 @@ def _fp8(name: str) -> TensorDecl:
     return TensorDecl(name, (4, 4), "float8_e4m3fn", src=Sharding(_MESH, ("x", None)))
 
 
-@pytest.mark.xfail(strict=True, reason="reshard/einsum.py's _problem and partial_plan.reshard_program do not call "
-                                       "reshard.dtypes.check_computable yet; the agents compute float8 bits as uint8")
 @pytest.mark.parametrize("op", ["einsum", "apply", "partial"])
 def test_the_planner_refuses_to_compute_on_float8(op):
     with pytest.raises(DtypeComputeError, match=r"computes on float8_e4m3fn elements, .* Convert first"):

@@ -108,8 +108,6 @@ def test_ml_dtypes_arrays_in_ml_dtypes_arrays_out(client, fresh_name):
             client.delete(fresh_name)
 
 
-@pytest.mark.xfail(strict=True, reason="the planner does not yet call reshard.dtypes.check_computable "
-                                       "(reshard/einsum.py _problem): the agents add float8 bits as uint8")
 def test_compute_on_float8_is_refused_and_changes_nothing(client, fresh_name):
     t = torch.tensor([[1.0, 2.0], [3.0, -4.0]]).to(torch.float8_e4m3fn)
     one_host = Sharding(_mesh(["host0", "host1"]), (None, None))
