@@ -40,6 +40,14 @@ kernel                  inputs     params                         output tile
 ``sum`` and ``max`` over a dim the tile holds only part of give a partial
 result; the planner completes it with a reduce step (op ``sum`` or ``max``).
 The softmax kernels need the whole ``axis`` in every tile.
+
+Each kernel also counts its floating-point operations (``Kernel.flops``), which the
+cost model prices with the device's rate: an einsum of two operands does a multiply
+and an add for every combination of its letters (2 x the product of their sizes, as
+a matmul's 2mnk), one of one operand an add per combination; more operands are
+counted by contracting them pairwise left to right. Elementwise kernels count a few
+operations per output element, reductions one per input element, the softmax
+kernels about ten per logit (exp, log, the sums).
 """
 
 from __future__ import annotations
@@ -72,6 +80,15 @@ class Kernel:
     output_shape: Callable[[tuple[Shape, ...], Mapping[str, str]], Shape]
     doc: str
     variadic: bool = False
+    # floating-point operations on tiles of these shapes: per output element, or a rule of its own
+    flops_per_element: float = 1.0
+    count_flops: Optional[Callable[[tuple[Shape, ...], Mapping[str, str]], float]] = None
+
+    def flops(self, inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
+        """Floating-point operations one run on tiles shaped ``inputs`` does (see the module docstring)."""
+        if self.count_flops is not None:
+            return self.count_flops(inputs, params)
+        return self.flops_per_element * math.prod(self.output_shape(inputs, params))
 
     def takes(self, num_inputs: int) -> bool:
         return num_inputs >= self.num_inputs if self.variadic else num_inputs == self.num_inputs
@@ -268,24 +285,49 @@ def _xent_grad_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Sh
     return shape
 
 
+def _einsum_flops(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
+    operands, out = parse_equation(params["equation"])
+    sizes = letter_sizes(params["equation"], operands, inputs)
+    if len(operands) == 1:
+        return float(math.prod(sizes[c] for c in set(operands[0])))
+    total, held = 0.0, set(operands[0])
+    for i, letters in enumerate(operands[1:], 1):
+        both = held | set(letters)
+        total += 2.0 * math.prod(sizes[c] for c in both)
+        later = set(out).union(*map(set, operands[i + 1:]))
+        held = both & later  # what the pairwise product keeps: letters still needed
+    return total
+
+
+def _input_flops(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
+    return float(math.prod(inputs[0]))
+
+
+def _xent_flops(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
+    return 10.0 * math.prod(inputs[0])
+
+
 # Read-only, so no caller can add a kernel the agents do not implement.
 KERNELS: Mapping[str, Kernel] = MappingProxyType({
     k.name: k
     for k in (
-        Kernel("copy", 1, _copy_shape, "the output tile is a copy of the input tile; same shape"),
+        Kernel("copy", 1, _copy_shape, "the output tile is a copy of the input tile; same shape", flops_per_element=0),
         Kernel("einsum", 1, _einsum_shape, "numpy.einsum of the input tiles by the equation parameter",
-               variadic=True),
+               variadic=True, count_flops=_einsum_flops),
         Kernel("add", 2, _elementwise("add", ("a", "b")), "a + b"),
         Kernel("sub", 2, _elementwise("sub", ("a", "b")), "a - b"),
         Kernel("mul", 2, _elementwise("mul", ("a", "b")), "a * b"),
         Kernel("scale", 1, _elementwise("scale", ("x",), ("factor",)), "factor * x"),
         Kernel("relu", 1, _elementwise("relu", ("x",)), "max(x, 0)"),
         Kernel("relu_grad", 2, _elementwise("relu_grad", ("x", "g")), "g where x > 0, else 0"),
-        Kernel("axpy", 2, _elementwise("axpy", ("w", "g"), ("alpha",)), "w - alpha * g"),
-        Kernel("sum", 1, _reduction("sum"), "the sum over the dims parameter, which are dropped"),
-        Kernel("max", 1, _reduction("max"), "the maximum over the dims parameter, which are dropped"),
+        Kernel("axpy", 2, _elementwise("axpy", ("w", "g"), ("alpha",)), "w - alpha * g", flops_per_element=2),
+        Kernel("sum", 1, _reduction("sum"), "the sum over the dims parameter, which are dropped",
+               count_flops=_input_flops),
+        Kernel("max", 1, _reduction("max"), "the maximum over the dims parameter, which are dropped",
+               count_flops=_input_flops),
         Kernel("softmax_xent", 2, _xent_shape, "per-row softmax cross-entropy of logits against target "
-                                               "probabilities over axis, which is dropped"),
-        Kernel("softmax_xent_grad", 2, _xent_grad_shape, "scale * (softmax(logits) - targets) over axis"),
+                                               "probabilities over axis, which is dropped", count_flops=_xent_flops),
+        Kernel("softmax_xent_grad", 2, _xent_grad_shape, "scale * (softmax(logits) - targets) over axis",
+               count_flops=_xent_flops),
     )
 })

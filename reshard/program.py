@@ -879,9 +879,15 @@ class Program(ContentAddressed):
         return out
 
     def _seconds(self, s: Step, topo: Topology, hosts: HostCache) -> tuple[float, str]:
-        if s.kind == COMPUTE:
+        if s.kind == COMPUTE:  # a roofline: memory traffic or arithmetic, whichever takes longer
+            host = hosts[s.device]
             nbytes = sum(boxes.volume(r.box) * self.tensor(r.tensor).itemsize for r in (*s.inputs, s.output))
-            return nbytes / topo.memory_bytes_per_s(hosts[s.device]), f"memory of {s.device}"
+            memory = nbytes / topo.memory_bytes_per_s(host)
+            flops = KERNELS[s.kernel].flops(tuple(_shape(r.box) for r in s.inputs), dict(s.params))
+            arithmetic = flops / topo.flops_per_s(host)
+            if arithmetic > memory:
+                return arithmetic, f"arithmetic of {s.device}"
+            return memory, f"memory of {s.device}"
         total, what = 0.0, "nothing moves"
         for i, flows in enumerate(self._reduce_rounds(s, hosts)):
             load = PhaseLoad(i)

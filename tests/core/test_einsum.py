@@ -167,7 +167,8 @@ def test_a_reduce_scatter_sends_half_what_an_all_reduce_does():
 def test_a_partial_output_costs_only_the_local_einsum():
     inputs = [decl("a", (64, 64), ("x", "y")), decl("b", (64, 64), ("y", None))]
     program = plan_einsum("ij,jk->ik", inputs, "c", Sharding(MESH, ("x", None), partial=("y",)), topology=TOPOLOGY)
-    assert program.estimate() == pytest.approx((32 * 32 + 32 * 64 + 32 * 64) * 4 / 4e9)
+    memory, arithmetic = (32 * 32 + 32 * 64 + 32 * 64) * 4 / 4e9, 2 * 32 * 32 * 64 / TOPOLOGY.flops_per_s("h0")
+    assert program.estimate() == pytest.approx(max(memory, arithmetic))  # the roofline of the one kernel
     assert all(r["bytes_out"] == 0 for r in program.host_bytes().values())
 
 
