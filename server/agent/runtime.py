@@ -233,6 +233,16 @@ def _kernel(math: Callable[[Any, list, dict], Any]) -> Callable[[list, Any, dict
     return run
 
 
+def _einsum(inputs: list, output, params: dict) -> None:
+    """``einsum``, written straight into the output tile where numpy can (a matmul's ``out``): no result array
+    to allocate and copy over, which on fresh memory costs as much as a mid-size matmul."""
+    if (not buffers.is_torch(output) and output.dtype != np.uint16 and output.flags.writeable
+            and all(not buffers.is_torch(x) and np.asarray(x).dtype == output.dtype for x in inputs)):
+        np.einsum(params["equation"].replace(" ", ""), *inputs, out=output, optimize=True)
+        return
+    _kernel(_MATH["einsum"])(inputs, output, params)
+
+
 def _copy(inputs: list, output, params: dict) -> None:
     whole = tuple((0, n) for n in output.shape)
     buffers.write(output, whole, whole, inputs[0])  # bytes as they are, whatever the dtype
@@ -241,7 +251,8 @@ def _copy(inputs: list, output, params: dict) -> None:
 # name -> fn(input regions, output region, params): the compute steps' implementations on this agent; the
 # core's ``reshard.kernels`` holds their shape rules, for the same names.
 KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
-                                                         **{name: _kernel(m) for name, m in _MATH.items()}}
+                                                         **{name: _kernel(m) for name, m in _MATH.items()},
+                                                         "einsum": _einsum}
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
