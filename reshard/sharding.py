@@ -10,12 +10,17 @@ partial     mesh axes along which devices hold *addends*: the tensor is the sum 
             A partial axis splits no dim; every device along it holds a full tile of
             addends. Printed ``P('x', None) + partial(y)``.
 placements  DTensor's per-mesh-axis view: ``Shard(d)``, ``Replicate()`` or ``Partial()``,
-            short ``S(0)RP``.
+            short ``S(0)RP``; torch's own placement objects are read as these.
 tile        the box ``((lo, hi), ...)`` of the global tensor a device holds. A dim split
             over axes ``(a1, a2, ...)`` is cut by ``a1`` first, then each piece by ``a2``;
             a piece of length ``m`` cut ``k`` ways has chunks of ``ceil(m / k)``, so
             trailing chunks may be smaller or empty (``torch.chunk`` semantics). This
-            is exactly DTensor's local shard.
+            is exactly DTensor's local shard, and JAX's shard (JAX splits evenly only).
+frameworks  ``from_device_mesh`` (a torch ``DeviceMesh`` and placements) and
+            ``from_named_sharding`` (a JAX ``NamedSharding``) read a framework's layout,
+            given ``devices``: the reshard device of each framework device, by global
+            rank or JAX device id. torch and JAX objects are read by their attributes and
+            class names, never imported: the core loads numpy only.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Union
 
-from reshard.errors import InvalidShapeError, InvalidShardingError
+from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError
 from reshard.jsonio import brief, field_of, need
 from reshard.mesh import Mesh
 
@@ -164,6 +169,53 @@ def _normalise_partial(mesh: Mesh, spec: tuple[tuple[str, ...], ...], partial) -
     return tuple(sorted(partial, key=names.index))
 
 
+def _own_placement(p, axis: str) -> Placement:
+    """reshard's placement for ``p``: reshard's own, or torch.distributed.tensor's ``Shard``, ``Replicate`` or
+    ``Partial``, recognised by class name (a caller holding one has torch loaded; the core never imports it)."""
+    if isinstance(p, (Shard, Replicate, Partial)):
+        return p
+    kind = type(p)
+    if not kind.__module__.startswith("torch.distributed"):
+        raise InvalidShardingError(
+            f"placement {p!r} on axis {axis!r} is not Shard(d), Replicate() or Partial() (reshard's or "
+            f"torch.distributed.tensor's)"
+        )
+    if kind.__name__ == "Shard":
+        return Shard(int(p.dim))
+    if kind.__name__ == "Replicate":
+        return Replicate()
+    if kind.__name__ == "Partial":
+        if p.reduce_op != "sum":
+            raise InvalidShardingError(
+                f"placement {p!r} on axis {axis!r} reduces by {p.reduce_op!r}, but reshard completes a Partial "
+                f"tensor by summing its addends; redistribute it to Replicate() or Partial('sum') first"
+            )
+        return Partial()
+    raise InvalidShardingError(
+        f"placement {p!r} on axis {axis!r} is torch's {kind.__name__}, not Shard(d), Replicate() or Partial(); "
+        f"reshard lays out torch.chunk tiles only, so redistribute the DTensor to those placements first"
+    )
+
+
+def _devices_of(devices, keys: list[int], what: str) -> list[str]:
+    """The reshard device of each framework device in ``keys`` (global ranks, JAX device ids), by ``devices[key]``."""
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Sequence, Mapping)):
+        raise InvalidMeshError(
+            f"devices must map each {what} to a reshard device: a list indexed by {what} or a dict "
+            f"{{{what}: 'host/index'}}; got {type(devices).__name__}"
+        )
+    out = []
+    for key in keys:
+        try:
+            out.append(devices[key])
+        except (KeyError, IndexError):
+            raise InvalidMeshError(
+                f"devices has no entry for {what} {key}, which the mesh holds (its {what}s are {keys}); give "
+                f"devices as a list indexed by {what} or a dict {{{what}: 'host/index'}} covering every one"
+            ) from None
+    return out
+
+
 def _entry_str(axes: tuple[str, ...]) -> str:
     if not axes:
         return "None"
@@ -213,7 +265,11 @@ class Sharding:
 
     @classmethod
     def from_placements(cls, mesh: Mesh, placements: Sequence[Placement], ndim: int | None = None) -> "Sharding":
-        """DTensor placements, one per mesh axis: ``[Shard(0), Replicate()]``; ``Partial()`` marks a partial axis."""
+        """DTensor placements, one per mesh axis: ``[Shard(0), Replicate()]``; ``Partial()`` marks a partial axis.
+
+        torch's own ``Shard``, ``Replicate`` and ``Partial()`` (a sum) are read as reshard's. With ``ndim``, a
+        negative ``Shard`` dim counts from the last dim, as in torch.
+        """
         placements = list(placements)
         if len(placements) != len(mesh.axes):
             raise InvalidShardingError(
@@ -223,22 +279,79 @@ class Sharding:
         dims: dict[int, list[str]] = {}
         partial = []
         for (name, _), p in zip(mesh.axes, placements):
+            p = _own_placement(p, name)
             if isinstance(p, Shard):
-                if p.dim < 0:
-                    raise InvalidShardingError(f"Shard({p.dim}) on axis {name!r}: dims must be >= 0")
-                dims.setdefault(p.dim, []).append(name)
+                dim = p.dim + ndim if ndim is not None and -ndim <= p.dim < 0 else p.dim
+                if dim < 0:
+                    raise InvalidShardingError(
+                        f"Shard({p.dim}) on axis {name!r}: dims must be >= 0"
+                        + (f" (or at least -{ndim} for a tensor of {ndim} dims)" if ndim is not None else
+                           "; a negative dim counts from the last only when ndim is given")
+                    )
+                dims.setdefault(dim, []).append(name)
             elif isinstance(p, Partial):
                 partial.append(name)
-            elif not isinstance(p, Replicate):
-                raise InvalidShardingError(
-                    f"placement {p!r} on axis {name!r} is not Shard(d), Replicate() or Partial()"
-                )
         needed = max(dims, default=-1) + 1
         if ndim is None:
             ndim = needed
         elif ndim < needed:
             raise InvalidShardingError(f"placements shard dim {needed - 1} but ndim is {ndim}")
         return cls(mesh, [tuple(dims.get(d, ())) or None for d in range(ndim)], partial)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh, placements: Sequence, devices, ndim: int | None = None) -> "Sharding":
+        """A DTensor's layout: a torch ``DeviceMesh`` and one placement per mesh dim.
+
+        Mesh axes take the ``DeviceMesh``'s ``mesh_dim_names`` (``dim0``, ``dim1``, ... when it has none) and
+        sizes. ``devices[r]`` is the reshard device (``"host/index"``) of global rank ``r``: a list indexed by
+        rank or a dict ``{rank: device}``, so one table serves every mesh of a job; the reshard mesh lists them
+        in row-major order of ``device_mesh.mesh``.
+        """
+        ranks = getattr(device_mesh, "mesh", None)
+        if not (hasattr(ranks, "shape") and hasattr(ranks, "flatten")):
+            raise InvalidMeshError(
+                f"device_mesh must be a torch.distributed DeviceMesh (its .mesh holds the ranks), got "
+                f"{type(device_mesh).__name__}"
+            )
+        sizes = tuple(int(s) for s in ranks.shape)
+        names = device_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(sizes)))
+        mesh = Mesh(list(zip(names, sizes)), _devices_of(devices, [int(r) for r in ranks.flatten().tolist()], "rank"))
+        return cls.from_placements(mesh, placements, ndim)
+
+    @classmethod
+    def from_named_sharding(cls, named_sharding, devices) -> "Sharding":
+        """JAX's layout: a ``NamedSharding``, its mesh and ``PartitionSpec`` (``unreduced`` axes are partial).
+
+        ``devices[i]`` is the reshard device (``"host/index"``) of the JAX device whose ``id`` is ``i``: a list
+        indexed by id, or a dict keyed by id or by JAX device; the reshard mesh lists them in row-major order of
+        the JAX mesh's devices.
+        """
+        jax_mesh, spec = getattr(named_sharding, "mesh", None), getattr(named_sharding, "spec", None)
+        jax_devices = getattr(jax_mesh, "devices", None)
+        if spec is None or not (hasattr(jax_devices, "flat") and hasattr(jax_devices, "shape")):
+            raise InvalidShardingError(
+                f"{named_sharding!r} is not a jax NamedSharding over a concrete Mesh; give "
+                f"NamedSharding(Mesh(devices, axis_names), PartitionSpec(...))"
+            )
+        if getattr(spec, "reduced", None):
+            raise InvalidShardingError(
+                f"PartitionSpec {spec} has reduced axes {sorted(spec.reduced)}, which reshard does not lay out; "
+                f"give a spec without reduced="
+            )
+        entries = []
+        for dim, entry in enumerate(getattr(spec, "partitions", spec)):
+            if not (entry is None or isinstance(entry, str)
+                    or isinstance(entry, tuple) and all(isinstance(a, str) for a in entry)):
+                raise InvalidShardingError(
+                    f"PartitionSpec entry {entry!r} for dim {dim} of {spec} is not None, an axis name or a tuple of "
+                    f"axis names; reshard needs the layout itself (P.UNCONSTRAINED leaves it to the compiler)"
+                )
+            entries.append(entry)
+        if isinstance(devices, Mapping):
+            devices = {getattr(k, "id", k): v for k, v in devices.items()}
+        ids = [int(d.id) for d in jax_devices.flat]
+        mesh = Mesh(list(zip(jax_mesh.axis_names, jax_devices.shape)), _devices_of(devices, ids, "JAX device id"))
+        return cls(mesh, entries, tuple(getattr(spec, "unreduced", None) or ()))
 
     @property
     def placements(self) -> tuple[Placement, ...]:
