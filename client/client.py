@@ -30,6 +30,7 @@ import grpc
 import numpy as np
 
 from reshard.box import Box, box_str, to_slices, volume
+from reshard.client.frameworks import FrameworkAdapters
 from reshard.proto import devices
 from reshard.dtypes import dtype_name
 from reshard.errors import ReshardError
@@ -218,7 +219,7 @@ def _sharding_json(sharding: Sharding) -> str:
     return json.dumps(_sharding_of(sharding).to_json(), sort_keys=True)
 
 
-class Client:
+class Client(FrameworkAdapters):
     """A connection to a reshard planner (``reshard.connect("host:port")``)."""
 
     def __init__(self, address: str, *, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
@@ -406,9 +407,10 @@ class Client:
 
         The tensor appears in the catalog once every device of ``sharding`` has
         put its shard (all with the same shape, dtype and sharding); returns True
-        for the call that completed it. ``shape`` is the global shape; by default
-        each sharded dim is the local size times its number of pieces, which only
-        holds when the dim divides evenly: pass ``shape`` otherwise.
+        for the call that completed it. ``shape`` is the global shape, required
+        when ``sharding`` splits a dim: one shard cannot tell how long a split dim
+        is (``torch.chunk`` cuts 13 and 16 rows over 4 devices alike into shards
+        of 4, but the last of 13 has 1), so it is never guessed.
 
         A CUDA tensor goes to an agent on this machine that keeps its shards on a
         GPU by CUDA IPC under ``ipc="auto"``, and streams through pinned host memory
@@ -419,8 +421,15 @@ class Client:
         if ipc is True:
             self._require_ipc([host_of(device)])
         if shape is None:
-            shape = [n * math.prod(sharding.mesh.axis_size(a) for a in axes)
-                     for n, axes in zip(arr.shape, sharding.dim_axes(arr.ndim))]
+            for d, (n, axes) in enumerate(zip(arr.shape, _sharding_of(sharding).dim_axes(arr.ndim))):
+                ways = math.prod(sharding.mesh.axis_size(a) for a in axes)
+                if ways > 1:
+                    raise InvalidArgumentError(
+                        f"put_shard of {name!r} on device {device} needs shape=, the global shape: {sharding.spec_str()} "
+                        f"splits dim {d} {ways} ways, and a shard {n} long does not tell how long the dim is "
+                        f"(torch.chunk cuts 13 rows over 4 devices as 4, 4, 4, 1 and 16 rows as 4, 4, 4, 4); pass "
+                        f"shape= (a DTensor's .shape), or hand DTensors over with put_dtensor")
+            shape = arr.shape
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
             device=device, shard_shape=arr.shape))
