@@ -259,7 +259,7 @@ def test_local_cluster_on_cpu_takes_and_returns_torch_cpu_tensors():
         assert isinstance(c.get("a"), np.ndarray) and np.array_equal(c.get("a"), a)  # numpy in, numpy out
         got = c.get("a", device="cpu")  # a device asks for torch
         assert isinstance(got, torch.Tensor) and np.array_equal(got.numpy(), a)
-        assert c.put_shard("s", "host0/0", torch.ones(5, 6), Sharding(mesh, ("x", None)), ipc=False) is False
+        assert c.put_shard("s", "host0/0", torch.ones(5, 6), Sharding(mesh, ("x", None)), ipc=False, shape=(10, 6)) is False
         with pytest.raises(InvalidArgumentError, match="ipc=True hands over CUDA tensors"):
             c.put("n", a, Sharding(mesh, ("x", None)), ipc=True)
         with pytest.raises(InvalidArgumentError, match="ipc=True reads into a CUDA tensor"):

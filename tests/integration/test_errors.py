@@ -60,9 +60,9 @@ def test_shard_of_wrong_shape(client, tensor):
 
 
 def test_shard_of_wrong_dtype(client):
-    client.put_shard("mixed", "host0/0", A[:4], SRC)
+    client.put_shard("mixed", "host0/0", A[:4], SRC, shape=A.shape)
     with pytest.raises(InvalidArgumentError, match="gives dtype float64 but earlier shards gave float32"):
-        client.put_shard("mixed", "host0/1", A[:4].astype(np.float64), SRC)
+        client.put_shard("mixed", "host0/1", A[:4].astype(np.float64), SRC, shape=A.shape)
     assert "mixed" not in [t.name for t in client.tensors()]
 
 
