@@ -372,7 +372,8 @@ class Client(FrameworkAdapters):
         return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
                  "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group,
                  "device": a.device or "cpu", "gpu_uuid": a.gpu_uuid, "transport_reason": a.transport_reason,
-                 "memory_used_bytes": a.memory_used_bytes, "memory_limit_bytes": a.memory_limit_bytes}
+                 "memory_used_bytes": a.memory_used_bytes, "memory_limit_bytes": a.memory_limit_bytes,
+                 "device_gflops": a.device_gflops, "memory_gb_per_s": a.memory_gb_per_s}
                 for a in reply.agents]
 
     def devices(self) -> list[str]:

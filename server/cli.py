@@ -59,6 +59,10 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--collective-chunk-mib", type=float, default=0.0,
                    help="collective transport chunk size (0: about 3 ms at --nic-gbps, 2 to 16 MiB)")
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
+    p.add_argument("--device-gflops", type=float, default=d.device_gflops,
+                   help="one device's float32 GFLOP/s reported to the planner (0: measure at start)")
+    p.add_argument("--memory-gbps", type=float, default=d.memory_gb_per_s,
+                   help="one device's memory GB/s, read plus write, reported to the planner (0: measure at start)")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
     p.add_argument("--transport", choices=("grpc", "collective", "auto"), default=d.transport,
@@ -88,6 +92,7 @@ def _run_agent(args) -> int:
 
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
+                         device_gflops=args.device_gflops, memory_gb_per_s=args.memory_gbps,
                          rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,
                          stall_timeout_s=args.stall_timeout,

@@ -37,6 +37,7 @@ from reshard.server.common.contract import GroupView
 from reshard.server.common.tickets import TicketCheck, commit_fields, new_secret, prepare_fields, put_fields, sign
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
+from reshard.server.agent.probe import DeviceRates, probe
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
 from reshard.proto.devices import CudaIpcHandle
@@ -323,6 +324,15 @@ class Agent:
         self.gpu_uuid = config.report_gpu_uuid or buffers.gpu_uuid(self.device)
         self.transport_reason = (buffers.backend_refusal(config.backend)
                                  if config.transport == "auto" and self.collective is None else "")
+        self.rates = self._rates(config)
+
+    def _rates(self, config: AgentConfig) -> DeviceRates:
+        """What the cost model prices this agent's compute with: the configured figures, the rest measured."""
+        if config.device_gflops > 0 and config.memory_gb_per_s > 0:
+            return DeviceRates(config.device_gflops, config.memory_gb_per_s)
+        measured = probe(self.device)
+        return DeviceRates(config.device_gflops or measured.gflops,
+                           config.memory_gb_per_s or measured.memory_gb_per_s)
 
     def register(self) -> None:
         """Register with the planner, retrying until ``register_timeout_s`` runs out."""
@@ -334,6 +344,7 @@ class Agent:
                     nic_gbps=self.config.nic_gbps, transport=self.transport, backend=self.config.backend,
                     device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason,
                     secret=self.secret, memory_limit_bytes=self.runtime.store.limit_bytes,
+                    device_gflops=self.rates.gflops, memory_gb_per_s=self.rates.memory_gb_per_s,
                     held=[pb.TensorVersion(tensor=t, version=v) for t, v in self.runtime.store.held()]),
                     timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self._interval

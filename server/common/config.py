@@ -26,6 +26,10 @@ class AgentConfig:
     max_message_bytes: int = 64 * MiB  # largest chunk a peer or client may send us
     max_workers: int = 16  # gRPC server threads; concurrent transfers use the same bound
     nic_gbps: float = 10.0  # reported to the planner's cost model
+    # One device's float32 GFLOP/s and memory GB/s, reported to the cost model; 0: measured at start
+    # (reshard.server.agent.probe, a fraction of a second).
+    device_gflops: float = 0.0
+    memory_gb_per_s: float = 0.0
     heartbeat_interval_s: float = 1.0
     register_timeout_s: float = 30.0
     transfer_timeout_s: float = 300.0

@@ -125,7 +125,8 @@ class Planner:
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, transport: str = "grpc",
                  backend: str = "gloo", device: str = "cpu", gpu_uuid: str = "",
                  transport_reason: str = "", secret: bytes = b"", memory_limit_bytes: int = 0,
-                 held: Iterable[tuple[str, int]] = ()) -> AgentRecord:
+                 held: Iterable[tuple[str, int]] = (), device_gflops: float = 0.0,
+                 memory_gb_per_s: float = 0.0) -> AgentRecord:
         """Admit an agent; the group's checks run first, so an agent they refuse never shows as up.
 
         ``secret`` binds the host name to this agent while it is up (another registrant is refused) and
@@ -137,7 +138,7 @@ class Planner:
         admitted: list[AgentRecord] = []
         self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
             self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid, secret,
-                                   memory_limit_bytes)))
+                                   memory_limit_bytes, device_gflops, memory_gb_per_s)))
         self._reconcile(host, held)
         log.info("agent of host %s registered at %s with %d devices on %s (transport %s)", host, address,
                  num_devices, device or "cpu", self.group.mode(host))

@@ -37,6 +37,8 @@ class AgentRecord:
     secret: bytes = field(default=b"", repr=False)  # the agent's registration secret: keys its tickets
     memory_limit_bytes: int = 0  # the most shard bytes the agent holds (0: not reported)
     memory_used_bytes: int = 0  # as of its last heartbeat
+    device_gflops: float = 0.0  # one device's compute and memory rates, as registered (0: not known)
+    memory_gb_per_s: float = 0.0
 
     @property
     def devices(self) -> list[str]:
@@ -44,6 +46,11 @@ class AgentRecord:
 
 
 MIN_SECRET_BYTES = 16
+
+
+def _rate(value: float) -> float:
+    """A reported rate, or 0 (not known: the cost model's default) when it is not a sane positive number."""
+    return float(value) if 0 < value < 1e9 else 0.0
 MAX_DEVICES_PER_HOST = 4096
 
 
@@ -73,7 +80,8 @@ class Registry:
         return prev
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, device: str = "cpu",
-                 gpu_uuid: str = "", secret: bytes = b"", memory_limit_bytes: int = 0) -> AgentRecord:
+                 gpu_uuid: str = "", secret: bytes = b"", memory_limit_bytes: int = 0,
+                 device_gflops: float = 0.0, memory_gb_per_s: float = 0.0) -> AgentRecord:
         self.check(host, secret)
         if not 0 < num_devices <= MAX_DEVICES_PER_HOST:
             raise InvalidArgumentError(f"host {host} registers {num_devices} devices; a host has 1 to "
@@ -82,7 +90,8 @@ class Registry:
             raise InvalidArgumentError(f"host {host} registers the address {address[:80]!r}; agents must say where "
                                        f"peers reach them, as host:port")
         rec = AgentRecord(host, address, num_devices, nic_gbps if 0 < nic_gbps < 1e6 else 10.0, self._clock(),
-                          device or "cpu", gpu_uuid, secret, max(0, memory_limit_bytes))
+                          device or "cpu", gpu_uuid, secret, max(0, memory_limit_bytes),
+                          device_gflops=_rate(device_gflops), memory_gb_per_s=_rate(memory_gb_per_s))
         with self._lock:
             self._check_locked(host, secret)  # again, with the write: two registrants of a free name race here
             self._agents[host] = rec
@@ -158,4 +167,9 @@ class Registry:
         return [d for r in self.agents() if self.is_up(r) for d in r.devices]
 
     def topology(self) -> Topology:
-        return Topology(host_nic_gbps={r.host: r.nic_gbps for r in self.agents()})
+        """The cost model's view of the agents: each host's NIC and, where its agent measured them, its
+        devices' compute and memory rates (the others get the defaults)."""
+        agents = self.agents()
+        return Topology(host_nic_gbps={r.host: r.nic_gbps for r in agents},
+                        host_device_gflops={r.host: r.device_gflops for r in agents if r.device_gflops},
+                        host_memory_gb_per_s={r.host: r.memory_gb_per_s for r in agents if r.memory_gb_per_s})

@@ -137,7 +137,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         self.planner.register(request.host, request.num_devices, request.address, request.nic_gbps,
                               request.transport, request.backend, request.device, request.gpu_uuid,
                               request.transport_reason, request.secret, request.memory_limit_bytes,
-                              [(h.tensor, h.version) for h in request.held])
+                              [(h.tensor, h.version) for h in request.held], request.device_gflops,
+                              request.memory_gb_per_s)
         return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
                                 group=group_info(self.planner.group.view()))
 
@@ -156,7 +157,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
                          heartbeat_age_s=reg.age(r), transport=self.planner.group.mode(r.host),
                          in_group=self.planner.group.in_group(r.host), device=r.device, gpu_uuid=r.gpu_uuid,
                          transport_reason=self.planner.group.reason(r.host), memory_limit_bytes=r.memory_limit_bytes,
-                         memory_used_bytes=r.memory_used_bytes) for r in reg.agents()])
+                         memory_used_bytes=r.memory_used_bytes, device_gflops=r.device_gflops,
+                         memory_gb_per_s=r.memory_gb_per_s) for r in reg.agents()])
 
     @servicer_method
     def BeginUpload(self, request, context):
