@@ -288,6 +288,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
                 if time.monotonic() > deadline:
                     raise RuntimeError("the lab's agents did not form their process group within 60 s")
                 time.sleep(0.1)
+            rates = {a["host"]: (a["device_gflops"], a["memory_gb_per_s"]) for a in c.agents()}
             mesh = Mesh.from_hosts({"x": NUM_DEVICES}, hosts, 1)
             pending, whole = Sharding(mesh, (None, None), partial=("x",)), Sharding(mesh, (None, None))
             c.put("x", x, Sharding(mesh, (None, "x")))  # the contracting dim h split over the hosts
@@ -322,7 +323,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
                 c.delete("yp")
     return {"estimate_s": estimates, "wall_s": {name: statistics.median(v) for name, v in walls.items()},
             "job_s": statistics.median(job_s), "transports": sorted(transports),
-            "sent_bytes": max(row["bytes_out"] for row in program.host_bytes().values()),
+            "sent_bytes": max(row["bytes_out"] for row in program.host_bytes().values()), "rates": rates,
             "summary": program.summary()}
 
 
@@ -412,7 +413,11 @@ def main(argv=None) -> int:
             f"seconds {c['job_s']:.4f}). The two parts run as jobs of their own, interleaved with the whole: the "
             f"same einsum with `out_sharding` Partial (no reduce; estimated by `Client.plan_einsum`), and the "
             f"reshard of its result to replicated (`reshard_program` on the planner's topology). A compute step's "
-            f"estimate is the bytes it reads and writes over memory bandwidth.")
+            f"estimate is a roofline, the longer of its bytes over the device's memory bandwidth and its "
+            f"floating-point operations over the device's rate, both measured by each agent as it starts "
+            f"({'; '.join(f'{h}: {g:.0f} GFLOP/s, {m:.1f} GB/s' for h, (g, m) in sorted(c['rates'].items()))}); "
+            f"the {NUM_DEVICES} emulated hosts share this machine's {os.cpu_count()} cores, which each measured "
+            f"alone.")
     lines += [
         "",
         "| measurement | agents | seconds | baseline | seconds | ratio | goal | met |",

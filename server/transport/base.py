@@ -705,6 +705,9 @@ class Transport(ABC):
                 acc[i][...] = addends[i]
         scratch = np.empty(max(boxes.volume(p) for p in parts), dtype=dtype) if n > 1 else None
         rounds = (n - 1) * (2 if result == "replicate" else 1)
+        if n > 1 and len(mine) == 1 and len({host_of(d) for d in group}) == n:
+            self._pipelined_ring(s, step, group, box, parts, mine[0], rounds, acc, addends, fold, scratch)
+            rounds = 0  # done
         for rnd in range(rounds):
             s.check()
             gather = rnd >= n - 1
@@ -748,6 +751,141 @@ class Transport(ABC):
             elif boxes.volume(parts[i]):
                 array, origin = produce(group[i], parts[i])
                 write(array, parts[i], origin, acc[i][boxes.to_slices(parts[i], box)])
+
+    def _pipelined_ring(self, s: Session, step: int, group: tuple[str, ...], box: Box, parts: list[Box], i: int,
+                        rounds: int, acc: dict, addends: dict, fold, scratch: np.ndarray) -> None:
+        """The ring of `reduce` where every member is on a host of its own (this one holds member ``i``), pipelined
+        piece by piece across rounds: the part a device receives in round ``r`` is the part it sends in round
+        ``r + 1`` (folded with its addends while reducing, as it came while gathering), so each piece goes on to
+        the next host as soon as it is folded, and no round waits for the previous one to end.
+
+        One thread sends every round's stream in turn (the first round's straight from the addends), each piece
+        as the receiving loop hands its box over; the receiving loop never waits for a send. A receive that
+        waited for its forward would wait for the next host to take the next round, which that host does only
+        after its own receive ends: every host's wait would chain around the ring."""
+        n = len(group)
+        to, frm = host_of(group[(i + 1) % n]), host_of(group[(i - 1) % n])
+        dtype = s.dtype(step)[1]
+        # round -> (what it sends: its part, the array holding it, the boxes ready to go); None ends a round
+        sending: list[tuple[int, Box, np.ndarray, queue.Queue]] = []
+        first = parts[(i - 1) % n]
+        if boxes.volume(first):
+            ready: queue.Queue = queue.Queue()
+            for sub in chunk_boxes(first, s.dtype(step)[0], self.chunk_bytes):
+                if boxes.volume(sub):
+                    ready.put(sub)
+            ready.put(None)
+            sending.append((0, first, addends[i], ready))
+        plan = []
+        for rnd in range(rounds):
+            gather = rnd >= n - 1
+            r = rnd - (n - 1) if gather else rnd
+            part = parts[(i - 1 - r - (0 if gather else 1)) % n]  # what member i - 1 sends this round
+            if not boxes.volume(part):
+                continue  # nor is it sent on: member i's next round sends this same part
+            handoff: queue.Queue | None = None
+            if rnd + 1 < rounds:
+                handoff = queue.Queue()
+                sending.append((rnd + 1, part, acc[i], handoff))
+            plan.append((rnd, gather, part, handoff))
+        sender = in_thread("reduce-send", self._send_rounds, s, step, n, i, to, box, sending)
+        try:
+            for rnd, gather, part, handoff in plan:
+                s.check()
+                landing = (acc[i][boxes.to_slices(part, box)] if gather
+                           else scratch[:boxes.volume(part)].reshape(tile_shape(part)))
+                self._ring_hop(s, StreamKey(s.job, step, rnd * n + (i - 1) % n), frm, part, box, landing, acc[i],
+                               None if gather else addends[i], fold, handoff, dtype)
+        except BaseException as e:
+            for _, _, _, ready in sending:
+                ready.put(e)  # the sender stops at once
+            raise
+        sender.result()
+
+    def _send_rounds(self, s: Session, step: int, n: int, i: int, to: str, box: Box, sending: list) -> None:
+        """Member ``i``'s streams of a pipelined ring, round after round: each piece as soon as its box is handed
+        over (see `_pipelined_ring`); waits for the peer's confirmations only after the last."""
+        opened: list[Outgoing] = []
+        try:
+            for rnd, part, source, ready in sending:
+                out = self.open(s, StreamKey(s.job, step, rnd * n + i), to)
+                opened.append(out)
+                check = Checksum()
+                while True:
+                    try:
+                        sub = ready.get(timeout=0.1)
+                    except queue.Empty:
+                        s.check()
+                        continue
+                    if isinstance(sub, BaseException):
+                        raise sub
+                    if sub is None:
+                        break
+                    data = host_bytes(source[boxes.to_slices(sub, box)])
+                    self.throttle.wait(data.nbytes)
+                    check.update(data)
+                    out.put(sub, data)
+                    s.traffic.add_out(to, data.nbytes, origin=False)
+                out.end(check.nbytes, check.xxh3_64)
+            for out in opened:
+                out.wait(self.timeout_s)
+        except BaseException:
+            for out in opened:
+                out.cancel()
+            raise
+
+    def _ring_hop(self, s: Session, key: StreamKey, peer: str, part: Box, box: Box, landing: np.ndarray,
+                  acc: np.ndarray, addends: np.ndarray | None, fold, handoff: queue.Queue | None, dtype) -> None:
+        """Take ring message ``key`` (``part`` of ``box``) from ``peer`` into ``landing``: fold each piece with
+        ``addends`` into ``acc`` (reduce-scatter) or keep it as it came (all-gather, ``landing`` is in ``acc``),
+        then hand its box to the next round's sender (``handoff``); check the message against its trailer."""
+        incoming = Checksum()
+
+        def place(sub: Box):
+            view = landing[boxes.to_slices(sub, part)]
+            return ("", view) if view.flags.c_contiguous else None
+
+        with self._incoming(s, key, peer, part, place) as items:
+            for item in items:
+                if isinstance(item, Trailer):
+                    expected = boxes.volume(part) * dtype.itemsize
+                    if not incoming.nbytes == item.nbytes == expected or incoming.xxh3_64 != item.digest:
+                        raise DataLossError(
+                            f"job {s.job}: reduce step {key.step} message {key.hop} from {peer} arrived with "
+                            f"{incoming.nbytes} bytes and XXH3-64 {incoming.xxh3_64:016x}; the sender sent "
+                            f"{item.nbytes} bytes with {item.digest:016x} and the part holds {expected}")
+                    if handoff is not None:
+                        handoff.put(None)
+                    return
+                s.check()
+                sub, data = item.box, item.data
+                nbytes = memoryview(data).nbytes
+                if not boxes.contains(part, sub) or nbytes != boxes.volume(sub) * dtype.itemsize:
+                    raise InvalidArgumentError(f"job {s.job}: reduce message {key.hop} of step {key.step} brought "
+                                               f"{nbytes} bytes for {boxes.box_str(sub)}, which is not a piece of "
+                                               f"{boxes.box_str(part)}")
+                incoming.update(data)
+                s.traffic.add_in(peer, nbytes)
+                here = landing[boxes.to_slices(sub, part)]
+                if item.landed != "":  # not received into place
+                    here[...] = np.frombuffer(data, dtype=dtype).reshape(tile_shape(sub))
+                if addends is not None:
+                    where = boxes.to_slices(sub, box)
+                    fold(addends[where], here, out=acc[where])
+                if handoff is not None:
+                    handoff.put(sub)
+        raise InvalidArgumentError(f"job {s.job}: reduce message {key.hop} of step {key.step} from {peer} ended "
+                                   f"after {incoming.nbytes} bytes without a trailer; the sender stopped")
+
+    @contextmanager
+    def _incoming(self, s: Session, key: StreamKey, peer: str, part: Box, place) -> Iterator[Iterable]:
+        """The pieces, then the trailer, of stream ``key``: from the mailbox (passive transports) or received now
+        (active ones, into ``place`` where it offers room)."""
+        if self.passive:
+            with self.mailbox.take(key, self.timeout_s, s) as items:
+                yield items
+        else:
+            yield self.arrivals(s, key, peer, part, place)
 
     def _receive_part(self, s: Session, key: StreamKey, peer: str, part: Box, out: np.ndarray) -> None:
         """One reduce message from ``peer`` into ``out``, a host array (or view) shaped like ``part``."""
