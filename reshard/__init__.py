@@ -16,6 +16,7 @@ from reshard.errors import (
     UnknownDtypeError,
 )
 from reshard.einsum import plan_apply, plan_einsum
+from reshard.many import ManyProgram, plan_many
 from reshard.mesh import Mesh, host_of
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
@@ -60,6 +61,8 @@ __all__ = [
     "plan_einsum",
     "plan_apply",
     "reshard_program",
+    "plan_many",
+    "ManyProgram",
     "host_of",
     "STRATEGIES",
     "BASELINES",

@@ -44,3 +44,8 @@ class JsonLimitError(InvalidJsonError):
 
 class DtypeComputeError(ReshardError, ValueError):
     """An op that needs arithmetic on a dtype reshard only stores and moves (float8); the message says how to cast."""
+
+
+class ScaleLayoutError(InvalidShardingError):
+    """A block-scale tensor that cannot follow its weight: shapes that are not a weight and its blocks, or weight
+    tiles that do not start on block boundaries."""

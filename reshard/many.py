@@ -1,0 +1,455 @@
+"""Many tensors in one program: a state dict moved together, small moves packed into buckets, block scales that
+follow their weights.
+
+`plan_many` plans every tensor's reshard into one `ManyProgram`, which agents run as one job:
+
+================ ==================================================================================
+load balance     each tensor is planned as `reshard.plan` plans it; then, over all tensors at once,
+                 every network transfer that reads a replicated source tile is given again the
+                 replica host (and, for a chain, the host that ends the chain and so forwards
+                 nothing) that keeps the busiest NIC lowest, largest transfers first: one view of
+                 every host's sending load for the whole state dict, where planning each tensor
+                 alone picks the same least-loaded replica for all of them. Kept only when the
+                 busiest NIC ends no busier than without it
+bucket           move steps that wait for nothing and go between the same sender device and the
+                 same receivers the same way (method, route), each of fewer than ``bucket_bytes``
+                 bytes, packed in step order into groups of at least ``bucket_bytes`` (the last
+                 group of each such pair may be smaller); an agent sends a bucket as one stream of
+                 its members' bytes, one box after the other in C order, instead of one stream per
+                 box. ``bucket_bytes`` 0 packs nothing
+block scale      a weight's scale tensor (``scales={"w": "w_scale"}``, or ``{"w": ("w_scale", 128)}``
+                 naming the block) has one entry per block of ``b`` elements of each weight dim: a
+                 dim of ``n`` has ``ceil(n / b)`` of them. It is laid out like its weight (same mesh,
+                 the same axes per dim, `scale_sharding`), which gives every device exactly the
+                 scales of its weight tile when every weight tile starts on a block boundary
+================ ==================================================================================
+
+A `ManyProgram` is a `Program` with its ``buckets`` (groups of step ids): they are part of its JSON and
+of its id, and `ManyProgram.validate` checks them with the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from reshard import box as boxes
+from reshard.cost import HostCache
+from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
+from reshard.jsonio import brief, field_of, loads, need
+from reshard.plan import Plan, Transfer, check_claimed_id, check_version
+from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl
+from reshard.sharding import Sharding
+from reshard.strategies import STRATEGIES, plan
+from reshard.topology import Topology
+
+__all__ = ["ManyProgram", "plan_many", "scale_sharding", "scale_pairs", "follow_scales", "program_from_json",
+           "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES"]
+
+MiB = 2**20
+# Measured with bench/buckets.py (reshard_many of 500 tensors on 4+4 local agents): see BENCHMARKS.md.
+DEFAULT_BUCKET_BYTES = 4 * MiB
+MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; larger ones gain nothing
+# Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
+# measured, the way Alpa runs them.
+_BALANCED = ("auto", "broadcast")
+
+
+@dataclass(frozen=True)
+class ManyProgram(Program):
+    """A program over many tensors whose ``buckets`` (tuples of move step ids) each travel as one stream."""
+
+    buckets: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Iterable):
+            raise PlanValidationError(f"buckets {brief(self.buckets)} must be a sequence of step id sequences")
+        object.__setattr__(self, "buckets", tuple(tuple(int(i) for i in b) for b in self.buckets))
+
+    def _canonical(self) -> dict:
+        out = super()._canonical()
+        out["buckets"] = [list(b) for b in self.buckets]
+        return out
+
+    @classmethod
+    def from_json(cls, data) -> "ManyProgram":
+        """Read what `to_json` writes (text as `Program.from_json` reads it)."""
+        if isinstance(data, (str, bytes, bytearray)):
+            data = loads(data, "program JSON", max_bytes=None)
+        need(data, "object", "program JSON", PlanValidationError)
+        raw = field_of(data, "buckets", "array", "program JSON", PlanValidationError)
+        buckets = []
+        for i, group in enumerate(raw):
+            need(group, "array", f"program JSON bucket {i}", PlanValidationError)
+            buckets.append(tuple(need(s, "integer", f"program JSON bucket {i} item {j}", PlanValidationError)
+                                 for j, s in enumerate(group)))
+        # Read here rather than through Program.from_json, which would hash the program without its buckets too.
+        E = PlanValidationError
+        if data.get("kind") != "program":
+            raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
+        check_version(data, "program", PROGRAM_VERSION)
+        made = cls(
+            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}")
+                          for i, t in enumerate(field_of(data, "tensors", "array", "program JSON", E))),
+            steps=tuple(Step.from_json(t, f"program JSON step {i}")
+                        for i, t in enumerate(field_of(data, "steps", "array", "program JSON", E))),
+            strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
+            topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
+            buckets=tuple(buckets))
+        return check_claimed_id(data, made, "program")
+
+    def validate(self) -> "ManyProgram":
+        """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,
+        every member waiting for nothing, reading its source tile (role ``src``), between the same sender and
+        receivers by the same method and route."""
+        super().validate()
+        seen: dict[int, int] = {}
+        for k, group in enumerate(self.buckets):
+            where = f"bucket {k} (steps {list(group)[:8]}{' ...' if len(group) > 8 else ''})"
+            if len(group) < 2:
+                raise PlanValidationError(f"{where}: a bucket packs two or more moves; leave a lone move out")
+            first = None
+            for i in group:
+                if not 0 <= i < len(self.steps):
+                    raise PlanValidationError(f"{where}: step {i} is not a step of this program (ids 0.."
+                                              f"{len(self.steps) - 1})")
+                if i in seen:
+                    raise PlanValidationError(f"{where}: step {i} is already in bucket {seen[i]}; a move travels "
+                                              f"in one stream")
+                seen[i] = k
+                s = self.steps[i]
+                if s.kind != MOVE or s.after or s.role != SRC:
+                    raise PlanValidationError(
+                        f"{where}: step {s} is not a move that waits for nothing and reads its source tile; a "
+                        f"bucket is sent at once from the tiles its sender holds when the program starts")
+                t = s.transfer
+                shape = (t.sender, t.receivers, t.method, t.route)
+                if first is None:
+                    first = (s, shape)
+                elif shape != first[1]:
+                    raise PlanValidationError(
+                        f"{where}: step {s} goes {t.sender} -> {list(t.receivers)} by {t.method}, but step "
+                        f"{first[0]} goes {first[1][0]} -> {list(first[1][1])} by {first[1][2]}; a bucket is one "
+                        f"stream, so its moves share sender, receivers, method and route")
+        return self
+
+    def __str__(self) -> str:
+        nbytes = sum(math.prod(t.shape) * t.itemsize for t in self.tensors)
+        packed = sum(len(b) for b in self.buckets)
+        return (f"Program {self.id[:12]} {self.strategy or 'custom'}: {len(self.tensors)} tensors, "
+                f"{nbytes / MiB:.1f} MiB, {len(self.steps)} steps ({packed} packed in {len(self.buckets)} "
+                f"buckets), estimate {self.estimate_seconds:.4g}s")
+
+
+def program_from_json(data) -> Program:
+    """A program from its JSON: a `ManyProgram` when it has buckets, else what `Program.from_json` reads."""
+    if isinstance(data, (str, bytes, bytearray)):
+        data = loads(data, "program JSON", max_bytes=None)
+    if isinstance(data, Mapping) and "buckets" in data:
+        return ManyProgram.from_json(data)
+    return Program.from_json(data)
+
+
+# -- block scales -----------------------------------------------------------------------------------------------
+
+
+Block = Union[int, Sequence[int], None]  # elements a scale entry covers, for every dim or per dim; None: from the shapes
+
+
+def scale_pairs(scales: Mapping[str, object]) -> dict[str, tuple[str, Block]]:
+    """``scales`` as weight -> (scale name, block sizes or None): a value is the scale's name, or (name, block),
+    the block an int for every dim or one per dim."""
+    out = {}
+    for w, value in dict(scales).items():
+        block = None
+        if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[0], str):
+            value, block = value
+            block = (block,) if isinstance(block, int) else block
+            if block is not None and (not isinstance(block, Sequence) or isinstance(block, str) or not block or not all(
+                    isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+                raise ScaleLayoutError(f"block of scale {value!r} for weight {w!r} is {block!r}: give a positive "
+                                       f"number of elements, one for every dim or one per dim")
+            block = tuple(block) if block is not None else None
+        if not isinstance(w, str) or not isinstance(value, str):
+            raise ScaleLayoutError(f"scales maps a weight's name to its scale's name, or to (name, block); got "
+                                   f"{w!r}: {value!r}")
+        out[w] = (value, block)
+    return out
+
+
+def scale_sharding(weight_shape, weight: Sharding, scale_shape, weight_name: str = "weight",
+                   scale_name: str = "scale", block: Block = None) -> Sharding:
+    """The sharding of a block-scale tensor of ``scale_shape`` that follows its weight of ``weight_shape`` laid out
+    as ``weight``: the same mesh and axes per dim.
+
+    ``block`` gives the elements one scale entry covers along each dim (one int for every dim). None takes
+    ``n / s`` for a dim of ``n`` elements with ``s`` entries where ``s`` divides ``n``, the convention (1024 rows
+    with 8 scale rows are blocks of 128); where it does not, several sizes make ``s`` blocks (1023 rows are 8
+    blocks of anything from 128 to 146), so a dim that the layout splits needs ``block``. Name it too when the
+    quantizer's block is not ``n / s`` (1000 rows in blocks of 128 have 8 scale rows as well). Raises
+    `ScaleLayoutError` when the shapes are not a weight and its block scales, or when a weight tile does not start
+    on a block boundary (its scales could not follow it)."""
+    w_shape = weight.check_shape(weight_shape)
+    s_shape = tuple(scale_shape)
+    what = f"scale {scale_name!r} of shape {s_shape} for weight {weight_name!r} of shape {w_shape}"
+    if len(s_shape) != len(w_shape):
+        raise ScaleLayoutError(
+            f"{what}: a block scale has one dim per weight dim (the number of blocks along it), but it has "
+            f"{len(s_shape)} dims and the weight {len(w_shape)}")
+    if weight.is_partial:
+        raise ScaleLayoutError(f"{what}: the weight's layout {weight.spec_str()} is a pending sum; block scales "
+                               f"follow values, so complete the sum first")
+    if block is not None:
+        block = (block,) if isinstance(block, int) else tuple(block)
+        block = block * (len(w_shape) if len(block) == 1 else 1)
+        if len(block) != len(w_shape):
+            raise ScaleLayoutError(f"{what}: block {block} gives {len(block)} sizes for {len(w_shape)} dims; give one "
+                                   f"for every dim, or one per dim")
+    split = [bool(axes) for axes in weight.dim_axes(len(w_shape))]
+    blocks = []
+    for d, (n, s) in enumerate(zip(w_shape, s_shape)):
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 < s <= n:
+            raise ScaleLayoutError(f"{what}: dim {d} has {s!r} scale entries for {n} weight elements; a dim has "
+                                   f"1 to {n} blocks")
+        b = block[d] if block is not None else -(-n // s)
+        if -(-n // b) != s:
+            raise ScaleLayoutError(
+                f"{what}: {s} blocks along dim {d} would be {b} elements each, but {n} elements make "
+                f"{-(-n // b)} blocks of {b}" + ("" if block is not None else
+                                                 f"; no block size gives {s} blocks of a dim of {n}"))
+        if block is None and n % s and split[d]:
+            top = -(-n // (s - 1)) - 1 if s > 1 else n
+            raise ScaleLayoutError(
+                f"{what}: dim {d} of {n} elements has {s} scale entries, which blocks of {b} to {top} elements all "
+                f"make, and {weight.spec_str()} splits that dim, so where its tiles may start depends on which; "
+                f"name the block size: scales={{{weight_name!r}: ({scale_name!r}, block)}}")
+        blocks.append(b)
+    out = Sharding(weight.mesh, weight.spec)
+    s_tiles = out.tiles(s_shape)
+    for dev, tile in weight.tiles(w_shape).items():
+        for d, ((lo, hi), b) in enumerate(zip(tile, blocks)):
+            if lo < hi and lo % b:
+                raise ScaleLayoutError(
+                    f"{what}: device {dev}'s tile of the weight, {boxes.box_str(tile)} in {weight.spec_str()}, "
+                    f"starts at {lo} along dim {d}, inside a block of {b} elements, so its scales could not "
+                    f"follow it; lay the weight out so every tile along dim {d} is whole blocks (dim {d} of "
+                    f"{w_shape[d]} cut into pieces of a multiple of {b}), or reshard it without its scales")
+        want = tuple((lo // b, -(-hi // b)) if lo < hi else None for (lo, hi), b in zip(tile, blocks))
+        got = s_tiles[dev]
+        if any(w is not None and w != g for w, g in zip(want, got)) or (None in want and boxes.volume(got)):
+            raise ScaleLayoutError(
+                f"{what}: in {weight.spec_str()} device {dev} holds weight tile {boxes.box_str(tile)} but would "
+                f"hold scale tile {boxes.box_str(got)}, not the blocks of its weight; choose a layout whose tiles "
+                f"are whole blocks along every split dim")
+    return out
+
+
+def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -> list[TensorDecl]:
+    """``tensors`` with each scale's destination derived from its weight's (`scale_sharding`); ``scales`` as
+    `scale_pairs` reads it. A scale given a destination already must be given that one; every weight and scale
+    must be among ``tensors``."""
+    decls = list(tensors)
+    by_name = {t.name: t for t in decls}
+    pairs = scale_pairs(scales)
+    scale_of: dict[str, str] = {}
+    for w, (s, _) in pairs.items():
+        for role, name in (("weight", w), ("scale", s)):
+            if name not in by_name:
+                raise ScaleLayoutError(f"{role} {name!r} of the pair {w!r} -> {s!r} is not among the tensors "
+                                       f"{sorted(by_name)[:10]}; name tensors that are moved together")
+        if s == w or s in pairs:
+            raise ScaleLayoutError(f"scale {s!r} of weight {w!r} is itself a weight here; a scale follows one "
+                                   f"weight and has none of its own")
+        if s in scale_of:
+            raise ScaleLayoutError(f"scale {s!r} follows both {scale_of[s]!r} and {w!r}; give each weight its "
+                                   f"own scale tensor")
+        scale_of[s] = w
+    out = []
+    for t in decls:
+        w = scale_of.get(t.name)
+        if w is not None:
+            weight = by_name[w]
+            if weight.dst is None:
+                raise ScaleLayoutError(f"weight {w!r} has no destination sharding for its scale {t.name!r} to "
+                                       f"follow")
+            derived = scale_sharding(weight.shape, weight.dst, t.shape, w, t.name, pairs[w][1])
+            if t.dst is not None and t.dst != derived:
+                raise ScaleLayoutError(
+                    f"scale {t.name!r} is given destination {t.dst} but follows weight {w!r} into {derived}; "
+                    f"leave the scale's destination out, or give it that one")
+            t = replace(t, dst=derived)
+        out.append(t)
+    return out
+
+
+# -- planning ------------------------------------------------------------------------------------------------------
+
+
+def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None, strategy: str = "auto",
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, scales: Optional[Mapping[str, object]] = None) -> ManyProgram:
+    """One program that moves every tensor (a `TensorDecl` with ``src`` and ``dst``) to its destination.
+
+    Tensors are planned one by one with ``strategy`` (as `reshard.plan`), then balanced together and small moves
+    packed into buckets of ``bucket_bytes`` (see the module docstring). ``scales`` maps a weight's name to its
+    block-scale tensor's (or to (name, block), `scale_sharding`), whose destination may be left None: it follows
+    the weight's.
+    """
+    if strategy not in STRATEGIES:
+        raise InvalidShardingError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 0 <= bucket_bytes <= MAX_BUCKET_BYTES:
+        raise InvalidShardingError(f"bucket_bytes {bucket_bytes!r} must be an integer from 0 (no buckets) to "
+                                   f"{MAX_BUCKET_BYTES} ({MAX_BUCKET_BYTES // MiB} MiB)")
+    decls = list(tensors)
+    if not decls:
+        raise InvalidShardingError("plan_many needs at least one tensor; got none")
+    for t in decls:
+        if not isinstance(t, TensorDecl):
+            raise InvalidShardingError(f"plan_many takes reshard.TensorDecl values (name, shape, dtype, src, dst); "
+                                       f"got {type(t).__name__}")
+    if scales:
+        decls = follow_scales(decls, scales)
+    for t in decls:
+        if t.src is None or t.dst is None:
+            raise InvalidShardingError(f"tensor {t.name!r} needs both src and dst shardings to be moved; it has "
+                                       f"src {t.src} and dst {t.dst}")
+    topology = topology or Topology()
+    # Largest first, as each plan's own greedy goes: the joint pass then settles the large transfers first.
+    order = sorted(range(len(decls)), key=lambda i: -math.prod(decls[i].shape) * decls[i].itemsize)
+    plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, topology, strategy) for i in order}
+    transfers = {i: list(p.transfers) for i, p in plans.items()}
+    if strategy in _BALANCED:
+        _balance([(decls[i], transfers[i]) for i in order], topology)
+    steps = []
+    for i in order:
+        p = plans[i]
+        part = Program.from_plan(Plan(p.shape, p.dtype, p.src, p.dst, p.strategy, tuple(transfers[i]), topology))
+        first = len(steps)
+        steps += [replace(s, id=first + s.id, after=tuple(first + a for a in s.after), tensor=decls[i].name)
+                  for s in part.steps]
+    program_tensors = tuple(decls[i] for i in order)
+    return ManyProgram(program_tensors, tuple(steps), strategy, topology,
+                       _buckets(steps, {t.name: t.itemsize for t in decls}, bucket_bytes))
+
+
+def _buckets(steps, itemsizes: dict[str, int], bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """Pack the small moves that wait for nothing, per (sender, receivers, method, route), in step order."""
+    if not bucket_bytes:
+        return ()
+    open_: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (step ids, [bytes so far])
+    out: list[list[int]] = []
+    for s in steps:
+        if s.kind != MOVE or s.after or s.role != SRC:
+            continue
+        t = s.transfer
+        nbytes = boxes.volume(t.box) * itemsizes[s.tensor]
+        if nbytes >= bucket_bytes:
+            continue
+        key = (t.sender, t.receivers, t.method, t.route)
+        ids, size = open_.setdefault(key, ([], [0]))
+        ids.append(s.id)
+        size[0] += nbytes
+        if size[0] >= bucket_bytes:
+            out.append(ids)
+            del open_[key]
+    out += [ids for ids, _ in open_.values()]
+    return tuple(tuple(b) for b in sorted(out) if len(b) > 1)
+
+
+def _balance(tensors: list[tuple[TensorDecl, list[Transfer]]], topology: Topology) -> None:
+    """Reassign, in place, the replica host (and the chain's last host) of every movable network transfer over
+    all tensors together, largest first, each to the choice that keeps the busiest NIC's sending lowest; undone
+    when the busiest NIC would end busier than the tensors' own plans left it (see the module docstring)."""
+    hosts = HostCache()
+    bw: dict[str, float] = {}
+
+    def secs(h: str, nbytes: int) -> float:
+        if h not in bw:
+            bw[h] = topology.nic_bytes_per_s(h)
+        return nbytes / bw[h]
+
+    movable: list[tuple[int, int, list[Transfer], list[str], int]] = []  # (bytes, order, list, candidates, index)
+    base: dict[str, float] = defaultdict(float)
+    before: dict[str, float] = defaultdict(float)
+    for decl, ts in tensors:
+        holders: dict = {}
+        src_tiles = None
+        for k, t in enumerate(ts):
+            if t.phase:
+                continue
+            nbytes = boxes.volume(t.box) * decl.itemsize
+            hs = hosts[t.sender]
+            sends = _sends(t, hosts)
+            for h in sends:
+                before[h] += secs(h, nbytes)
+            receiving = {hosts[r] for r in t.receivers}
+            if t.method not in ("p2p", "broadcast") or hs in receiving or not receiving:
+                for h in sends:
+                    base[h] += secs(h, nbytes)
+                continue
+            if src_tiles is None:
+                src_tiles = decl.src.tiles(decl.shape)
+                for dev, tile in src_tiles.items():
+                    holders.setdefault(tile, {}).setdefault(hosts[dev], dev)  # one device per host, mesh order
+            candidates = [d for h, d in holders[src_tiles[t.sender]].items() if h not in receiving]
+            if len(candidates) < 2 and (t.method != "broadcast" or len(t.route) < 2):
+                for h in sends:
+                    base[h] += secs(h, nbytes)
+                continue
+            movable.append((nbytes, len(movable), ts, candidates, k))
+    if not movable:
+        return
+    loads = defaultdict(float, base)
+    peak = max(loads.values(), default=0.0)
+    chosen: list[tuple[list[Transfer], int, str, tuple[str, ...]]] = []
+    for nbytes, _, ts, candidates, k in sorted(movable, key=lambda m: (-m[0], m[1])):
+        t = ts[k]
+        best = None
+        for sender, route in _options(t, candidates, hosts):
+            delta: dict[str, float] = defaultdict(float)
+            for h in _sends(t, hosts, hosts[sender], route):
+                delta[h] += secs(h, nbytes)
+            top, sq = peak, 0.0
+            for h, d in delta.items():
+                new = loads[h] + d
+                top = max(top, new)
+                sq += new * new - loads[h] * loads[h]
+            if best is None or (top, sq) < best[0]:
+                best = ((top, sq), sender, route, delta)
+        _, sender, route, delta = best
+        for h, d in delta.items():
+            loads[h] += d
+            peak = max(peak, loads[h])
+        chosen.append((ts, k, sender, route))
+    if peak <= max(before.values(), default=0.0) * (1 + 1e-9):
+        for ts, k, sender, route in chosen:
+            t = ts[k]
+            if (sender, route) != (t.sender, t.route):
+                # a chain delivers host by host along its route: its receivers follow the route's order
+                receivers = t.receivers if route == t.route else \
+                    tuple(r for h in route for r in t.receivers if hosts[r] == h)
+                ts[k] = replace(t, sender=sender, route=route, receivers=receivers)
+
+
+def _sends(t: Transfer, hosts: HostCache, sender_host: str | None = None,
+           route: tuple[str, ...] | None = None) -> list[str]:
+    """The hosts whose NIC sends ``t``'s box (once each): the sender's and every chain hop that forwards; with
+    ``sender_host`` and ``route``, as if ``t`` went from there along that route."""
+    hs = hosts[t.sender] if sender_host is None else sender_host
+    route = t.route if route is None else route
+    if t.method == "broadcast":
+        return [hs, *route[:-1]] if route else []
+    if t.method == "p2p":
+        return [hs] * sum(hosts[r] != hs for r in t.receivers)
+    return []
+
+
+def _options(t: Transfer, candidates: list[str], hosts: HostCache) -> list[tuple[str, tuple[str, ...]]]:
+    """(sender, route) of ``t`` from each candidate sender and, for a chain, with each of its hosts last: the
+    current form first, so that ties keep it."""
+    routes = [t.route] if t.method != "broadcast" else [t.route[i:] + t.route[:i] for i in range(len(t.route))]
+    senders = [t.sender] + [d for d in candidates if hosts[d] != hosts[t.sender]]
+    return [(s, route) for s in senders for route in routes]
