@@ -60,6 +60,7 @@ from reshard.box import Box
 from reshard.cost import sender_bytes
 from reshard.jsonio import loads
 from reshard.kernels import axis_param, dims_param, float_param
+from reshard.many import program_from_json
 from reshard.mesh import host_of
 from reshard.program import COMPUTE, DST, MOVE, REDUCE, SRC, Program, Step
 from reshard.proto.errors import (
@@ -69,7 +70,9 @@ from reshard.proto.errors import (
     NotFoundError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
-from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.agent.buckets import BYTES, Bucket, bucket_moves
+from reshard.server.agent.staging import StagedTiles, staged_bytes, staging_owner
+from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.transport import buffers
 from reshard.server.transport.base import (
@@ -263,7 +266,7 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
     The JSON nests no deeper than the planner reads JSON, and is no larger than the message that brings it:
     the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB)."""
     data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
-    program = Program.from_json(data)
+    program = program_from_json(data)  # a program of many tensors carries its buckets
     return program, str(data.get("id") or program.id)
 
 
@@ -298,13 +301,18 @@ class Task:
         return f"step {self.step.id} ({self.step})"
 
 
-def host_tasks(program: Program, host: str) -> list[Task]:
+def host_tasks(program: Program, host: str, buckets: dict[int, Bucket] | None = None) -> list[Task]:
     """``host``'s tasks of ``program`` in the order every host derives alike: by dependency depth, then
-    moves round-robin over (sender, destination) host pairs (`interleaved`), then the other steps by id."""
+    moves round-robin over (sender, destination) host pairs (`interleaved`), then the other steps by id.
+    A bucket (``buckets``: by the id of its first step) is one move, its first step's; a step that waits for
+    a member of a bucket waits for that move."""
+    buckets = bucket_moves(program) if buckets is None else buckets
+    lead = {i: first for first, b in buckets.items() for i in b.ids}
     depth = program.depths
     by_depth: dict[int, list[Step]] = defaultdict(list)
     for s in program.steps:
-        by_depth[depth[s.id]].append(s)
+        if lead.get(s.id, s.id) == s.id:
+            by_depth[depth[s.id]].append(buckets[s.id].step if s.id in buckets else s)
     out = []
     for d in sorted(by_depth):
         steps = by_depth[d]
@@ -321,7 +329,7 @@ def host_tasks(program: Program, host: str) -> list[Task]:
     here = {t.step.id for t in out}
     for t in out:
         if t.role != "recv":
-            t.deps = tuple(a for a in t.step.after if a in here)
+            t.deps = tuple(sorted({lead.get(a, a) for a in t.step.after} & here))
             t.waiting = len(t.deps)
     return out
 
@@ -365,12 +373,11 @@ class Run(Session):
     """One program's run on this host: its buffers, its tasks and their progress.
 
     Buffers, by (device, tensor, role): ``src`` is the tensor's committed shard of
-    ``src_version``; ``dst`` of the tensor with a destination sharding is its tile,
-    staged under the job for the planner's commit; every other buffer (another role,
-    or ``dst`` of a tensor that is not committed) is made by the step that writes it.
-    The run is the `Sink` its transport writes the staged tiles through: every write is
-    checked to lie in a destination tile of this host and counted, so commit can tell a
-    tile that is not complete.
+    ``src_version``; ``dst`` of a tensor with a destination sharding is its tile, staged
+    for the planner's commit (`staging.StagedTiles`, also the `Sink` its moves deliver
+    through); every other buffer (another role, or ``dst`` of a tensor that is not
+    committed) is made by the step that writes it. A bucket of moves (`buckets.Bucket`)
+    runs as its first step: one stream of its members' packed bytes.
     """
 
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
@@ -378,10 +385,12 @@ class Run(Session):
                  generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None,
                  versions: dict[str, int] | None = None):
         streams, dtypes, n = {}, {}, 0
+        self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
         for s in program.steps:
             streams[s.id] = n
             n += stream_count(s.kind, s.transfer, len(s.devices))
-            dtypes[s.id] = program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
+            dtypes[s.id] = BYTES if s.id in self.buckets else \
+                program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
         super().__init__(job, ident, dtypes, peers, generation=generation, seq=seq, streams=streams, num_streams=n,
                          push_tickets=push_tickets)
         self.program = program
@@ -393,7 +402,7 @@ class Run(Session):
         self.store = store
         self.transport = transport
         self.device = device
-        self.tasks = host_tasks(program, host)
+        self.tasks = host_tasks(program, host, self.buckets)
         self.digests: dict[int, Future] = {}  # step -> XXH3-64 of its box, from a held source shard
         self.done = threading.Event()
         self.executing = False
@@ -421,43 +430,46 @@ class Run(Session):
 
     def _stage(self) -> None:
         committed = [t for t in self.program.tensors if t.dst is not None]
-        if len(committed) > 1:
+        if len(committed) > 1 and not all(t.is_reshard for t in committed):
             raise FailedPreconditionError(
                 f"job {self.job}: the program ends {len(committed)} tensors in a destination sharding "
-                f"({[t.name for t in committed]}); an agent commits one tensor per job"
+                f"({[t.name for t in committed]}); an agent commits several tensors in one job only when each is "
+                f"resharded (reshard_many), and one tensor per job otherwise"
             )
-        self.dst_tensor = committed[0].name if committed else ""
-        self.made_whole = False
-        self.dst_tiles: dict[str, Box] = {}
-        self.staged: dict[str, Any] = {}
-        self.missing: dict[str, int] = {}
-        if not committed:
-            return
-        decl = committed[0]
-        # A tensor the program makes (an einsum's output), or the sum of a Partial one (whose source holds addends,
-        # not values): its steps write every element of the staged tiles, each once, and nothing is copied in.
-        self.made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
-        src_tiles = decl.src.tiles(decl.shape) if decl.src is not None else {}
-        self.dst_tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == self.host}
         # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
         # is a move that waits for nothing: those read only source shards, and no stream writes that part, so the
         # copy runs beside the streams (`fill`) instead of delaying this host's first call to its peers.
         defer = all(s.kind == MOVE and not s.after for s in self.program.steps)
-        # Refused before any buffer exists when the tiles would take the agent over its memory limit.
-        self.store.reserve(self.job, {d: boxes.volume(t) * decl.itemsize for d, t in self.dst_tiles.items()},
-                           f"job {self.job[:8]}'s destination tiles of {self.names[decl.name]!r}")
-        for dev, tile in self.dst_tiles.items():
-            buf = self.empty(tile_shape(tile), decl.dtype)
-            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles and not self.made_whole else None
-            if held is not None:
-                src = self.store.get(self.names[decl.name], self.version(decl.name), dev)
-                if defer:
-                    self.fills.append((buf, held, tile, src))
-                else:
-                    buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
-            self.staged[dev] = buf
-            self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
-            self.store.stage(self.job, dev, TileBuffer(buf, tile, decl.dtype))
+        self.staging: dict[str, StagedTiles] = {}  # program tensor -> its tiles staged on this host
+        owners = []
+        # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
+        # would each pass over everything the store holds.
+        together = staging_owner(self.job, "", 2) if len(committed) > 1 else None
+        try:
+            if together is not None:
+                owners.append(together)
+                self.store.reserve(together, staged_bytes(committed, self.host),
+                                   f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
+            for decl in committed:
+                owners.append(staging_owner(self.job, decl.name, len(committed)))
+                tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.host, self.store,
+                                    self.version(decl.name), self.empty, defer, reserve=together is None)
+                self.staging[decl.name] = tiles
+                self.fills += tiles.fills
+        except BaseException:
+            if len(committed) > 1:  # the job's own transaction is the planner's to abort; these are the run's
+                for owner in owners:
+                    self.store.abort(owner)
+            raise
+        if together is not None:
+            self.store.abort(together)  # every tile is staged now, and counts as staged
+
+    def commit_version(self, tensor: str) -> int:
+        """The version program tensor ``tensor`` commits as: ``dst_version``, except in a reshard of several
+        tensors, each read at a version of its own (``versions``), where each commits as the version after it."""
+        if len(self.staging) > 1 and tensor in self.versions:
+            return self.versions[tensor] + 1
+        return self.dst_version
 
     def version(self, tensor: str) -> int:
         """The stored version of program tensor ``tensor`` that its ``src`` tiles are."""
@@ -475,10 +487,10 @@ class Run(Session):
             shard = self.store.find(self.names.get(tensor, tensor), self.version(tensor), device)
             if shard is not None and boxes.contains(shard.tile, box):
                 return shard.array, shard.tile
-        if role in (None, DST) and tensor == self.dst_tensor:
-            tile = self.dst_tiles.get(device)
-            if tile is not None and boxes.contains(tile, box):
-                return self.staged[device], tile
+        staged = self.staging.get(tensor) if role in (None, DST) else None
+        held = staged.holding(device, box) if staged is not None else None
+        if held is not None:
+            return held
         with self._lock:
             held = [(b, a) for r in ((role,) if role else (DST, *sorted({k[2] for k in self._made} - {DST})))
                     for b, a in self._made.get((device, tensor, r), ())]
@@ -522,12 +534,8 @@ class Run(Session):
     def produce(self, device: str, tensor: str, role: str, box: Box) -> tuple[Any, Box]:
         """The buffer a step writes ``box`` of ``tensor`` in ``role`` into on ``device``, and the box it holds:
         the staged tile for the committed tensor's ``dst``, else a buffer made for ``box`` (once)."""
-        if role == DST and tensor == self.dst_tensor:
-            tile = self._tile(device, box)
-            if self.made_whole:
-                with self._lock:
-                    self.missing[device] -= boxes.volume(box)
-            return self.staged[device], tile
+        if role == DST and tensor in self.staging:
+            return self.staging[tensor].produce(device, box)
         with self._lock:
             made = self._made[(device, tensor, role)]
             for b, a in made:
@@ -539,34 +547,28 @@ class Run(Session):
 
     def sink(self, tensor: str, box: Box):
         """Where a move of ``box`` of ``tensor`` delivers on this host."""
-        return self if tensor == self.dst_tensor else _Scratch(self, tensor, box)
+        staged = self.staging.get(tensor)
+        return staged if staged is not None else _Scratch(self, tensor, box)
 
-    def _tile(self, device: str, box: Box) -> Box:
-        tile = self.dst_tiles.get(device)
-        if tile is None or not boxes.contains(tile, box):
-            raise InvalidArgumentError(
-                f"job {self.job}: box {boxes.box_str(box)} is not inside device {device}'s destination tile"
-            )
-        return tile
+    def executed(self, index: int) -> Step:
+        """Step ``index`` as this host runs it: a bucket's first step is the move of the whole bucket."""
+        bucket = self.buckets.get(index)
+        return bucket.step if bucket is not None else self.program.steps[index]
 
-    def write(self, device: str, box: Box, data) -> None:
-        buffers.write(self.staged.get(device), box, self._tile(device, box), data)
-        with self._lock:
-            self.missing[device] -= boxes.volume(box)
+    def source(self, step: Step) -> tuple[Any, Box]:
+        """What the sender of move ``step`` (as `executed` gives it) reads, and the box that buffer holds."""
+        bucket = self.buckets.get(step.id)
+        if bucket is not None:
+            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box))
+        t = step.transfer
+        return self.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
 
-    def place(self, devices: list[str], box: Box):
-        for r in devices:
-            tile = self.dst_tiles.get(r)
-            if tile is not None and boxes.contains(tile, box):
-                view = buffers.region(self.staged[r], box, tile)
-                if isinstance(view, np.ndarray) and view.flags.c_contiguous:
-                    return r, view
-        return None
-
-    def mark(self, device: str, box: Box) -> None:
-        self._tile(device, box)
-        with self._lock:
-            self.missing[device] -= boxes.volume(box)
+    def destination(self, step: Step):
+        """Where move ``step`` (as `executed` gives it) delivers on this host."""
+        bucket = self.buckets.get(step.id)
+        if bucket is not None:
+            return bucket.sink(self.sink)
+        return self.sink(step.tensor, step.transfer.box)
 
     def fill(self) -> None:
         """Copy the held parts of this host's tiles that `_stage` left for the run (counted as one task)."""
@@ -583,12 +585,12 @@ class Run(Session):
                 self.done.set()
 
     def check_complete(self) -> None:
-        short = {d: n for d, n in self.missing.items() if n}
+        short = [(name, d, n) for name, staged in self.staging.items() for d, n in staged.short().items()]
         if short:
-            d, n = next(iter(short.items()))
+            name, d, n = short[0]
             raise FailedPreconditionError(
-                f"job {self.job}: device {d} still lacks {n} elements of its destination tile "
-                f"({len(short)} devices incomplete); a transfer did not arrive"
+                f"job {self.job}: device {d} still lacks {n} elements of its destination tile of "
+                f"{self.names[name]!r} ({len(short)} tiles incomplete); a transfer did not arrive"
             )
 
     # -- progress -------------------------------------------------------------------------------------
@@ -727,7 +729,7 @@ class Runtime:
             t = task.step.transfer if task.role == "send" else None
             # Only a move of role "src" reads the source shard (`Run.read`); one that reads another role, such as
             # the sums a reduce left, is digested as it is sent.
-            if t is None or task.step.role != SRC or not first_peer(t) or \
+            if t is None or task.step.role != SRC or not first_peer(t) or task.step.id in run.buckets or \
                     run.program.tensor(task.step.tensor).src is None:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
@@ -769,10 +771,10 @@ class Runtime:
         if run.failed is not None:
             raise FailedPreconditionError(f"job {job} failed on agent {self.host}, so it cannot commit: {run.failed}")
         run.check_complete()
-        if run.dst_tiles:  # a host without destination tiles stages nothing
-            self.store.commit(job, run.names[run.dst_tensor], run.dst_version, list(run.dst_tiles))
-        else:
-            self.store.end(job)
+        for name, staged in run.staging.items():
+            if staged.tiles:  # a host without destination tiles of a tensor stages nothing for it
+                self.store.commit(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
+        self.store.end(job)
         self._retire(run)
 
     def abort(self, job: str) -> None:
@@ -781,6 +783,8 @@ class Runtime:
         if run is not None:
             run.fail(FailedPreconditionError(f"job {job} was aborted"))
             self._retire(run)
+            for staged in run.staging.values():
+                self.store.abort(staged.owner)
         self.store.abort(job)
 
     def _retire(self, run: Run) -> None:
@@ -831,11 +835,10 @@ class Runtime:
     def _perform(self, run: Run, task: Task) -> None:
         step, link = task.step, run.transport
         if task.role == "send":
-            t = step.transfer
-            array, origin = run.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
-            link.move(run, step.id, t, run.sink(step.tensor, t.box), array, origin, run.digests.get(step.id))
+            array, origin = run.source(step)
+            link.move(run, step.id, step.transfer, run.destination(step), array, origin, run.digests.get(step.id))
         elif task.role == "recv":
-            link.take(run, step.id, step.transfer, task.hop, run.sink(step.tensor, step.transfer.box))
+            link.take(run, step.id, step.transfer, task.hop, run.destination(step))
         elif task.role == COMPUTE:
             self._compute(run, step)
         elif task.role == REDUCE:
@@ -907,7 +910,7 @@ class Runtime:
                 f"{self.host} prepared program {run.program_id[:12]}"
             )
         steps = run.program.steps
-        step = steps[header.step] if 0 <= header.step < len(steps) else None
+        step = run.executed(header.step) if 0 <= header.step < len(steps) else None
         if step is None:
             raise InvalidArgumentError(f"job {header.job}: step {header.step} is not in the program")
         if step.kind == REDUCE:
@@ -918,8 +921,7 @@ class Runtime:
                                        f"pushed for it")
         task = next((t for t in run.tasks if t.role == "recv" and t.step is step and t.hop == header.hop), None)
         try:
-            confirmed = run.transport.take(run, step.id, step.transfer, header.hop,
-                                           run.sink(step.tensor, step.transfer.box), items)
+            confirmed = run.transport.take(run, step.id, step.transfer, header.hop, run.destination(step), items)
         except BaseException as e:
             run.fail(e)
             raise

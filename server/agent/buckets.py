@@ -1,0 +1,120 @@
+"""Buckets on an agent: move steps that travel as one stream (`reshard.many.ManyProgram.buckets`).
+
+A bucket runs as one move of a one-dim box of bytes, under its first step's id (its stream key, its dtype
+``uint8`` for the transport): the sender packs its members' boxes, in step order and each in C order, into one
+buffer (`Bucket.pack`); every host it reaches writes the bytes into a buffer per receiving device and, once a
+device has them all, unpacks each member into that device's destination (`Bucket.sink`). A chain forwards the
+packed bytes as they are, and its last hop's digest covers them as it covers any box, so a bucket is checked
+exactly as one transfer is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.plan import Transfer
+from reshard.program import Program, Step
+from reshard.proto.layout import np_dtype, tile_shape
+from reshard.server.transport import buffers
+
+__all__ = ["Bucket", "bucket_moves", "BYTES"]
+
+BYTES = "uint8"  # the dtype a bucket's stream carries
+
+
+class Bucket:
+    """Move steps ``members`` of ``program`` sent as one stream; ``step`` is the move that stands for them."""
+
+    def __init__(self, program: Program, members: list[Step]):
+        self.members = members
+        self.offsets: list[int] = []
+        n = 0
+        for s in members:
+            self.offsets.append(n)
+            n += boxes.volume(s.transfer.box) * program.tensor(s.tensor).itemsize
+        self.nbytes = n
+        self.dtypes = [program.tensor(s.tensor).dtype for s in members]
+        t = members[0].transfer
+        self.step = Step.move(members[0].id, Transfer(((0, n),), t.sender, t.receivers, t.method, 0, t.route),
+                              tensor=members[0].tensor)
+
+    @property
+    def ids(self) -> list[int]:
+        return [s.id for s in self.members]
+
+    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]]) -> tuple[np.ndarray, Box]:
+        """The members' bytes in one host buffer, and the byte box it holds; ``read(device, tensor, box)`` is the
+        sender's buffer holding a member's box and the box that buffer holds."""
+        out = np.empty(self.nbytes, dtype=np.uint8)
+        sender = self.step.transfer.sender
+        for s, at in zip(self.members, self.offsets):
+            box = s.transfer.box
+            array, origin = read(sender, s.tensor, box)
+            data = np.frombuffer(buffers.host_bytes(buffers.region(array, box, origin)), dtype=np.uint8)
+            out[at:at + data.size] = data
+        return out, self.step.transfer.box
+
+    def sink(self, destination: Callable[[str, Box], Any]) -> "_Unpack":
+        """Where the bucket's bytes land on this host; ``destination(tensor, box)`` is the `Sink` of a member."""
+        return _Unpack(self, destination)
+
+
+class _Unpack:
+    """The `Sink` of a bucket's byte box: a buffer per receiving device, unpacked into the members' destinations
+    once the device has every byte."""
+
+    def __init__(self, bucket: Bucket, destination: Callable[[str, Box], Any]):
+        self.bucket = bucket
+        self.destination = destination
+        self._lock = threading.Lock()
+        self._bytes: dict[str, np.ndarray] = {}
+        self._got: dict[str, int] = {}
+
+    def _buffer(self, device: str) -> np.ndarray:
+        with self._lock:
+            buf = self._bytes.get(device)
+            if buf is None:
+                buf = self._bytes[device] = np.empty(self.bucket.nbytes, dtype=np.uint8)
+            return buf
+
+    def write(self, device: str, box: Box, data) -> None:
+        (lo, hi), = box
+        self._buffer(device)[lo:hi] = np.frombuffer(buffers.host_bytes(data), dtype=np.uint8)
+        self._arrived(device, hi - lo)
+
+    def place(self, devices: list[str], box: Box):
+        (lo, hi), = box
+        return devices[0], self._buffer(devices[0])[lo:hi]
+
+    def mark(self, device: str, box: Box) -> None:
+        (lo, hi), = box
+        self._arrived(device, hi - lo)
+
+    def _arrived(self, device: str, n: int) -> None:
+        with self._lock:
+            self._got[device] = self._got.get(device, 0) + n
+            whole = self._got[device] == self.bucket.nbytes
+            buf = self._bytes.get(device)
+        if whole:
+            self._unpack(device, buf)
+
+    def _unpack(self, device: str, buf: np.ndarray) -> None:
+        b = self.bucket
+        for s, at, dtype in zip(b.members, b.offsets, b.dtypes):
+            box = s.transfer.box
+            kind = np_dtype(dtype)
+            values = buf[at:at + boxes.volume(box) * kind.itemsize].view(kind).reshape(tile_shape(box))
+            self.destination(s.tensor, box).write(device, box, values)
+
+
+def bucket_moves(program: Program) -> dict[int, Bucket]:
+    """The program's buckets by the id of the step that stands for each (its first); none for a program
+    without buckets."""
+    groups = getattr(program, "buckets", ())
+    return {g[0]: Bucket(program, [program.steps[i] for i in g]) for g in groups}

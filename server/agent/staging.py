@@ -1,0 +1,130 @@
+"""The destination tiles a job stages on this host, per tensor it commits: buffers, what is still missing, and the
+`Sink` that moves deliver through.
+
+A job commits one tensor, or several at once (`reshard.many`: a state dict in one program). Each tensor's tiles
+are staged in the store under a transaction of their own (the job's id, or ``job/tensor`` when the job commits
+several: the store keeps one buffer per device and transaction), invisible to readers until the planner's
+commit, and dropped by an abort. Every write is checked to lie in a destination tile of this host and counted,
+so commit can tell a tile that is not complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.mesh import host_of
+from reshard.program import TensorDecl
+from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.layout import tile_shape
+from reshard.server.agent.store import ShardStore, TileBuffer
+from reshard.server.transport import buffers
+
+__all__ = ["StagedTiles", "staging_owner"]
+
+
+def staging_owner(job: str, tensor: str, num_committed: int) -> str:
+    """The store transaction a job's tiles of ``tensor`` are staged under (see the module docstring)."""
+    return job if num_committed == 1 else f"{job}/{tensor}"
+
+
+def staged_bytes(tensors: list[TensorDecl], host: str) -> dict[str, int]:
+    """Bytes the destination tiles of ``tensors`` take on each device of ``host``."""
+    out: dict[str, int] = {}
+    for decl in tensors:
+        for dev, tile in decl.dst.tiles(decl.shape).items():
+            if host_of(dev) == host:
+                out[dev] = out.get(dev, 0) + boxes.volume(tile) * decl.itemsize
+    return out
+
+
+class StagedTiles:
+    """This host's destination tiles of one tensor a job commits (``decl``, stored as ``name``).
+
+    The part of a tile that the device's own source shard holds (``src_version``) is copied in at once, or,
+    with ``defer``, listed in ``fills`` for the run to copy beside its streams. The room for the tiles is reserved
+    in the store first, unless ``reserve`` is False (the caller reserved it). A tensor the program makes (an
+    einsum's output), or the sum of a Partial one (whose source holds addends, not values), is ``made_whole``:
+    its steps write every element of the staged tiles, each once, and nothing is copied in.
+    """
+
+    def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, host: str, store: ShardStore,
+                 src_version: int, empty, defer: bool, reserve: bool = True):
+        self.job, self.decl, self.name, self.owner = job, decl, name, owner
+        self.made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
+        self.tiles: dict[str, Box] = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
+        self.buffers: dict[str, Any] = {}
+        self.missing: dict[str, int] = {}
+        self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
+        self._lock = threading.Lock()
+        src_tiles = decl.src.tiles(decl.shape) if decl.src is not None and not self.made_whole else {}
+        if reserve:  # else the caller reserved the room: refused before any buffer exists when over the limit
+            store.reserve(owner, {d: boxes.volume(t) * decl.itemsize for d, t in self.tiles.items()},
+                          f"job {job[:8]}'s destination tiles of {name!r}")
+        for dev, tile in self.tiles.items():
+            buf = empty(tile_shape(tile), decl.dtype)
+            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+            if held is not None:
+                src = store.get(name, src_version, dev)
+                if defer:
+                    self.fills.append((buf, held, tile, src))
+                else:
+                    buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
+            self.buffers[dev] = buf
+            self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
+            store.stage(owner, dev, TileBuffer(buf, tile, decl.dtype))
+
+    def holding(self, device: str, box: Box) -> tuple[Any, Box] | None:
+        """``device``'s staged buffer and its tile, if that tile holds ``box``."""
+        tile = self.tiles.get(device)
+        if tile is not None and boxes.contains(tile, box):
+            return self.buffers[device], tile
+        return None
+
+    def produce(self, device: str, box: Box) -> tuple[Any, Box]:
+        """The staged buffer a step writes ``box`` into on ``device``, and its tile; a made-whole tensor counts
+        the box as written."""
+        tile = self.tile(device, box)
+        if self.made_whole:
+            with self._lock:
+                self.missing[device] -= boxes.volume(box)
+        return self.buffers[device], tile
+
+    def tile(self, device: str, box: Box) -> Box:
+        tile = self.tiles.get(device)
+        if tile is None or not boxes.contains(tile, box):
+            raise InvalidArgumentError(
+                f"job {self.job}: box {boxes.box_str(box)} is not inside device {device}'s destination tile of "
+                f"{self.name!r}"
+            )
+        return tile
+
+    # -- the Sink moves deliver through -----------------------------------------------------------------
+
+    def write(self, device: str, box: Box, data) -> None:
+        buffers.write(self.buffers.get(device), box, self.tile(device, box), data)
+        with self._lock:
+            self.missing[device] -= boxes.volume(box)
+
+    def place(self, devices: list[str], box: Box):
+        for r in devices:
+            tile = self.tiles.get(r)
+            if tile is not None and boxes.contains(tile, box):
+                view = buffers.region(self.buffers[r], box, tile)
+                if isinstance(view, np.ndarray) and view.flags.c_contiguous:
+                    return r, view
+        return None
+
+    def mark(self, device: str, box: Box) -> None:
+        self.tile(device, box)
+        with self._lock:
+            self.missing[device] -= boxes.volume(box)
+
+    def short(self) -> dict[str, int]:
+        """Devices whose tile still lacks elements, and how many."""
+        with self._lock:
+            return {d: n for d, n in self.missing.items() if n}

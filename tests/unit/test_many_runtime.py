@@ -1,0 +1,113 @@
+"""Programs of many tensors on the agents' runtimes (four hosts in one process, over the in-memory transport and
+a real gloo group): each bucket travels as one stream, every tensor commits at the version after the one it was
+read at, and a failure anywhere commits none of them."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding, TensorDecl
+from reshard.cost import network_copies
+from reshard.many import plan_many
+from reshard.program import MOVE
+from reshard.proto.errors import UnavailableError
+from reshard.server.transport.faults import Fail
+from tests.unit.test_runtime import _SEQ, HOSTS, STEP_TIMEOUT_S, Gloo, Hosts
+
+TRAIN = Mesh.from_hosts({"tp": 4}, HOSTS[:2], 2)
+INFER = Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[2:], 2)
+
+
+@pytest.fixture(scope="module")
+def gloo_group():
+    pytest.importorskip("torch", reason="the collective transport needs torch")
+    return Gloo()
+
+
+def _state_dict(rng) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
+    """name -> (values, declaration, stored version): small tensors of four dtypes, uneven sizes, two large."""
+    out = {}
+    dtypes = [np.float32, np.int64, np.float16, np.uint8]
+    for i in range(24):
+        shape = (4 * int(rng.integers(1, 9)) + i % 3, int(rng.integers(1, 6)))
+        a = (rng.standard_normal(shape) * 100).astype(dtypes[i % 4])
+        src, dst = (("tp", None), (None, "tp")) if i % 2 else ((None,), ("tp",))
+        out[f"small{i}"] = (a, TensorDecl(f"small{i}", shape, a.dtype.name, Sharding(TRAIN, src),
+                                          Sharding(INFER, dst)), 1 + i % 3)
+    for i in range(2):
+        a = rng.standard_normal((257, 96)).astype(np.float32)
+        out[f"large{i}"] = (a, TensorDecl(f"large{i}", a.shape, "float32", Sharding(TRAIN, ("tp", None)),
+                                          Sharding(INFER, (None, "tp"))), 2)
+    return out
+
+
+def _start(hosts: Hosts, program, versions: dict[str, int]):
+    job = uuid.uuid4().hex
+    extra = (hosts.group.generation, next(_SEQ)) if hosts.group else (0, 0)
+    reads = {n: (n, v) for n, v in versions.items()}
+    runs = {h: r.prepare(job, program.dumps(), "", 0, 0, {h: h for h in hosts.runtimes}, hosts.kind, *extra,
+                         reads=reads) for h, r in hosts.runtimes.items()}
+    for r in hosts.runtimes.values():
+        r.execute(job, program.id)
+    return job, runs
+
+
+@pytest.mark.parametrize("transport", ["memory", "collective"])
+def test_a_state_dict_moves_in_one_program_bucket_by_bucket(transport, request):
+    hosts = Hosts(group=request.getfixturevalue("gloo_group") if transport == "collective" else None)
+    try:
+        _move_bucket_by_bucket(hosts)
+    finally:
+        hosts.close()
+
+
+def _move_bucket_by_bucket(hosts: Hosts) -> None:
+    tensors = _state_dict(np.random.default_rng(3))
+    for name, (a, decl, version) in tensors.items():
+        tiles = decl.src.tiles(a.shape)
+        hosts.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()}, version)
+    program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=2048).validate()
+    assert program.buckets and any(s.id not in {i for b in program.buckets for i in b} for s in program.steps)
+    job, runs = _start(hosts, program, {n: v for n, (_, _, v) in tensors.items()})
+    hosts.finish(job, runs)
+    for name, (a, decl, version) in tensors.items():
+        assert np.array_equal(hosts.get(name, decl.dst, a.shape, version + 1), a), name
+    # one stream per bucket: a host sends one task per bucket and per move outside the buckets
+    packed = {i: b for b in program.buckets for i in b}
+    for h, run in runs.items():
+        moves = [s for s in program.steps if s.kind == MOVE and s.transfer.sender.split("/")[0] == h]
+        heads = {packed[s.id][0] if s.id in packed else s.id for s in moves}
+        assert sorted(t.step.id for t in run.tasks if t.role == "send") == sorted(heads), h
+    # and every byte crossed the network once per copy the plan makes
+    size = {t.name: t.itemsize for t in program.tensors}
+    want = sum(np.prod([hi - lo for lo, hi in s.transfer.box]) * size[s.tensor] * network_copies(s.transfer)
+               for s in program.steps)
+    assert sum(sum(run.traffic.bytes_in.values()) for run in runs.values()) == want
+
+
+def test_a_failure_commits_none_of_the_tensors():
+    tensors = _state_dict(np.random.default_rng(4))
+    program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=2048).validate()
+    sender = program.steps[0].transfer.sender.split("/")[0]  # its move (a bucket's, or its own) fails there
+    h = Hosts(wrap=lambda host, t: Fail(t, steps=[0]) if host == sender else t)
+    try:
+        for name, (a, decl, version) in tensors.items():
+            tiles = decl.src.tiles(a.shape)
+            h.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()}, version)
+        used = {host: store.used_bytes() for host, store in h.stores.items()}
+        job, runs = _start(h, program, {n: v for n, (_, _, v) in tensors.items()})
+        with pytest.raises(UnavailableError, match=f"step 0 failed on host {sender}"):
+            runs[sender].result(STEP_TIMEOUT_S)
+        for r in h.runtimes.values():  # what the planner does when one host fails
+            r.abort(job)
+        for name, (a, decl, version) in tensors.items():
+            for dev in decl.dst.mesh.require_devices():
+                assert h.stores[dev.split("/")[0]].find(name, version + 1, dev) is None, (name, dev)
+            assert np.array_equal(h.get(name, decl.src, a.shape, version), a), name
+        assert {host: store.used_bytes() for host, store in h.stores.items()} == used  # nothing staged is left
+    finally:
+        h.close()
+
