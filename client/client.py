@@ -16,14 +16,15 @@ both ends (`reshard.proto.devices`).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import grpc
@@ -33,7 +34,8 @@ from reshard.box import Box, box_str, to_slices, volume
 from reshard.client.frameworks import FrameworkAdapters
 from reshard.proto import devices
 from reshard.dtypes import dtype_name
-from reshard.errors import ReshardError
+from reshard.errors import ReshardError, ScaleLayoutError
+from reshard.many import scale_pairs, scale_sharding
 from reshard.mesh import host_of
 from reshard.plan import Plan
 from reshard.program import Program
@@ -97,6 +99,7 @@ class JobResult:
     error: str = ""
     transport: str = ""  # what carried the network transfers: "grpc" or "collective"
     transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", or "local" (stayed on a host)
+    versions: dict[str, int] = field(default_factory=dict)  # reshard_many: tensor -> the version it committed as
 
     @property
     def network_bytes(self) -> int:
@@ -110,7 +113,7 @@ def _result(info: pb.JobInfo) -> JobResult:
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
         traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
                  for t in info.traffic},
-        error=info.error, transport=info.transport, transports=tuple(info.transports))
+        error=info.error, transport=info.transport, transports=tuple(info.transports), versions=dict(info.versions))
 
 
 class Job:
@@ -453,7 +456,15 @@ class Client(FrameworkAdapters):
         ``ipc`` allows (see `put_shard`).
         """
         to = _target(device, ipc)
-        t = self._tensor(name)
+        finish, fetches = self._gather(self._tensor(name), to, ipc)
+        for f in [self._pool.submit(fetch) for fetch in fetches]:
+            f.result()
+        return finish()
+
+    def _gather(self, t: pb.TensorInfo, to: Optional[str], ipc: Ipc) -> tuple[Callable[[], Any], list[Callable]]:
+        """How to read tensor ``t`` whole: the calls that fetch its tiles (to run at once, on the pool), and what
+        returns the tensor once they ran."""
+        name = t.name
         _check_not_lost(t)
         # One copy of each tile; of a Partial tensor, one of each tile's addends, which are summed.
         addend = _addend_of(Sharding.from_json(json.loads(t.sharding_json)))
@@ -491,9 +502,79 @@ class Client(FrameworkAdapters):
                     else:
                         out[to_slices(tile)] = values
 
-        for f in [self._pool.submit(fetch, tile, p) for (tile, _), p in seen.items()]:
+        fetches = [functools.partial(fetch, tile, p) for (tile, _), p in seen.items()]
+        return (lambda: out if to is not None else _from_numpy(out, t.dtype, t.kind)), fetches
+
+    # -- many tensors at once -------------------------------------------------------------------
+
+    def put_many(self, tensors: Mapping[str, Any], *, scales: Optional[Mapping[str, str]] = None,
+                 ipc: Ipc = "auto") -> dict[str, TensorInfo]:
+        """Scatter several whole tensors in one transaction: ``{name: (array, sharding)}``. They enter the catalog
+        together, or none does (a failure, or a client that dies midway, leaves no tensor of them).
+
+        ``scales`` maps a weight's name to its block-scale tensor's, or to (name, block) where the block is not
+        the weight's dim over the scale's: the scale's value may be the array alone, and takes the layout that
+        follows its weight block for block (`reshard.many.scale_sharding`); given with a sharding, it must be
+        that one. Arrays are numpy arrays or torch tensors, as `put` takes them. Returns
+        every tensor's `TensorInfo`.
+        """
+        if not isinstance(tensors, Mapping) or not tensors:
+            raise InvalidArgumentError(f"put_many takes a non-empty dict {{name: (array, sharding)}}; got "
+                                       f"{type(tensors).__name__} {'(empty)' if not tensors else ''}")
+        follows = {s: (w, block) for w, (s, block) in scale_pairs(scales or {}).items()}
+        arrays: dict[str, tuple[Any, str, str]] = {}
+        shardings: dict[str, Optional[Sharding]] = {}
+        for name, value in tensors.items():
+            if isinstance(value, tuple) and len(value) == 2:
+                array, sharding = value
+                shardings[name] = _sharding_of(sharding)
+            elif name in follows:
+                array, shardings[name] = value, None
+            else:
+                raise InvalidArgumentError(
+                    f"put_many value of {name!r} must be (array, sharding); got {type(value).__name__} (only a "
+                    f"scale named in scales= may be the array alone: it takes its weight's layout)")
+            arrays[name] = _source(array, ipc)
+        for scale, (weight, block) in follows.items():
+            if weight not in tensors or scale not in tensors:
+                raise InvalidArgumentError(f"scales pairs {weight!r} with {scale!r}, but put_many puts "
+                                           f"{sorted(tensors)[:10]}; put a weight and its scale together")
+            if shardings[weight] is None:
+                raise InvalidArgumentError(f"weight {weight!r} needs a sharding for its scale {scale!r} to follow")
+            derived = scale_sharding(arrays[weight][0].shape, shardings[weight], arrays[scale][0].shape, weight,
+                                     scale, block)
+            if shardings[scale] is not None and shardings[scale] != derived:
+                raise ScaleLayoutError(f"scale {scale!r} is given {shardings[scale]} but follows weight {weight!r} "
+                                       f"into {derived}; give it that layout, or the array alone")
+            shardings[scale] = derived
+        if ipc is True:
+            self._require_ipc({h for s in shardings.values() for h in s.mesh.hosts})
+        reply = self._planner_call("BeginUploads", pb.BeginUploadsRequest(tensors=[
+            pb.BeginUploadRequest(name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(shardings[name]),
+                                  kind=kind) for name, (arr, dtype, kind) in arrays.items()]))
+        jobs = []
+        for name, opened in zip(arrays, reply.uploads):
+            arr, dtype, _ = arrays[name]
+            for p in opened.locations:
+                jobs.append(self._pool.submit(self._upload, opened.upload_id, name, p.device, p, dtype,
+                                              arr[to_slices(box_from_pb(p.box))], ipc))
+        for f in jobs:
             f.result()
-        return out if to is not None else _from_numpy(out, t.dtype, t.kind)
+        self._planner_call("FinishUploads", pb.FinishUploadsRequest(group_id=reply.group_id))
+        infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(arrays))).tensors
+        return {t.name: _info(t) for t in infos}
+
+    def get_many(self, names: Sequence[str], device: Optional[str] = None, *, ipc: Ipc = "auto") -> dict[str, Any]:
+        """Gather several whole tensors, as the catalog holds them at one instant: each at the version a
+        `reshard_many` committed them together, never some old and some new. ``device`` and ``ipc`` as in `get`."""
+        if isinstance(names, str):
+            raise InvalidArgumentError(f"get_many takes a list of tensor names; got the string {names!r} (use get)")
+        to = _target(device, ipc)
+        infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(names))).tensors
+        plans = {t.name: self._gather(t, to, ipc) for t in infos}
+        for f in [self._pool.submit(fetch) for _, fetches in plans.values() for fetch in fetches]:
+            f.result()
+        return {name: finish() for name, (finish, _) in plans.items()}
 
     def get_shard(self, name: str, device: str, *, to: Optional[str] = None, ipc: Ipc = "auto"):
         """The tile ``device`` (``host/index``) holds; numpy or torch on the CPU, as the tensor was put.
@@ -544,6 +625,31 @@ class Client(FrameworkAdapters):
         info = self._planner_call("Reshard", pb.ReshardRequest(name=name, dst_json=_sharding_json(sharding),
                                                                strategy=strategy))
         return Job(self, info)
+
+    def reshard_many(self, shardings: Mapping[str, Sharding], strategy: str = "auto",
+                     bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None) -> Job:
+        """Start moving every tensor of ``shardings`` (``{name: sharding}``) to its sharding in one job; returns a
+        `Job` at once.
+
+        One program for all of them, planned together (`reshard.many.plan_many`): senders balanced over every
+        tensor, moves smaller than ``bucket_mib`` packed into streams of at least that (None: the planner's
+        default, 0: none). One commit: every tensor's new version becomes visible together, or, if the job fails,
+        none does and each stays readable at its old one (``JobResult.versions`` has the new ones). ``scales``
+        maps a weight to its block-scale tensor (or to (name, block), as in `put_many`), which follows the
+        weight's new layout block for block: leave the scale out of ``shardings``.
+        """
+        if not isinstance(shardings, Mapping):
+            raise InvalidArgumentError(f"reshard_many takes a dict {{name: sharding}}; got {type(shardings).__name__}")
+        request = pb.ReshardManyRequest(
+            targets=[pb.TensorTarget(name=n, dst_json=_sharding_json(s)) for n, s in shardings.items()],
+            strategy=strategy, scales=[pb.ScalePair(weight=w, scale=s, block=block or ())
+                                       for w, (s, block) in scale_pairs(scales or {}).items()])
+        if bucket_mib is not None:
+            if isinstance(bucket_mib, bool) or not isinstance(bucket_mib, (int, float)) or not bucket_mib >= 0:
+                raise InvalidArgumentError(f"bucket_mib={bucket_mib!r}: give a size in MiB, 0 for no buckets, or None "
+                                           f"for the planner's default")
+            request.bucket_bytes = int(bucket_mib * MiB)
+        return Job(self, self._planner_call("ReshardMany", request))
 
     def plan(self, tensor: Union[str, Sequence[int]], dst: Sharding, strategy: str = "auto", *,
              dtype: Optional[str] = None, src: Optional[Sharding] = None) -> Plan:

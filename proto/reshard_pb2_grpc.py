@@ -689,6 +689,26 @@ class PlannerStub:
                 request_serializer=reshard__pb2.ComputeRequest.SerializeToString,
                 response_deserializer=reshard__pb2.ProgramReply.FromString,
                 _registered_method=True)
+        self.ReshardMany = channel.unary_unary(
+                '/reshard.v1.Planner/ReshardMany',
+                request_serializer=reshard__pb2.ReshardManyRequest.SerializeToString,
+                response_deserializer=reshard__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.BeginUploads = channel.unary_unary(
+                '/reshard.v1.Planner/BeginUploads',
+                request_serializer=reshard__pb2.BeginUploadsRequest.SerializeToString,
+                response_deserializer=reshard__pb2.BeginUploadsReply.FromString,
+                _registered_method=True)
+        self.FinishUploads = channel.unary_unary(
+                '/reshard.v1.Planner/FinishUploads',
+                request_serializer=reshard__pb2.FinishUploadsRequest.SerializeToString,
+                response_deserializer=reshard__pb2.FinishUploadReply.FromString,
+                _registered_method=True)
+        self.GetTensors = channel.unary_unary(
+                '/reshard.v1.Planner/GetTensors',
+                request_serializer=reshard__pb2.TensorsRequest.SerializeToString,
+                response_deserializer=reshard__pb2.TensorList.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -772,6 +792,31 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReshardMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginUploads(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FinishUploads(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTensors(self, request, context):
+        """Several tensors as the catalog holds them at one instant (get_many).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -839,6 +884,26 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.PlanCompute,
                     request_deserializer=reshard__pb2.ComputeRequest.FromString,
                     response_serializer=reshard__pb2.ProgramReply.SerializeToString,
+            ),
+            'ReshardMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReshardMany,
+                    request_deserializer=reshard__pb2.ReshardManyRequest.FromString,
+                    response_serializer=reshard__pb2.JobInfo.SerializeToString,
+            ),
+            'BeginUploads': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginUploads,
+                    request_deserializer=reshard__pb2.BeginUploadsRequest.FromString,
+                    response_serializer=reshard__pb2.BeginUploadsReply.SerializeToString,
+            ),
+            'FinishUploads': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishUploads,
+                    request_deserializer=reshard__pb2.FinishUploadsRequest.FromString,
+                    response_serializer=reshard__pb2.FinishUploadReply.SerializeToString,
+            ),
+            'GetTensors': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTensors,
+                    request_deserializer=reshard__pb2.TensorsRequest.FromString,
+                    response_serializer=reshard__pb2.TensorList.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1192,6 +1257,114 @@ class Planner:
             '/reshard.v1.Planner/PlanCompute',
             reshard__pb2.ComputeRequest.SerializeToString,
             reshard__pb2.ProgramReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReshardMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/ReshardMany',
+            reshard__pb2.ReshardManyRequest.SerializeToString,
+            reshard__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginUploads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/BeginUploads',
+            reshard__pb2.BeginUploadsRequest.SerializeToString,
+            reshard__pb2.BeginUploadsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishUploads(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/FinishUploads',
+            reshard__pb2.FinishUploadsRequest.SerializeToString,
+            reshard__pb2.FinishUploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/GetTensors',
+            reshard__pb2.TensorsRequest.SerializeToString,
+            reshard__pb2.TensorList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,9 @@
 A tensor enters the catalog only when every device of its sharding holds its
 shard: an upload is a transaction that commits whole or leaves nothing. An
 upload that goes quiet for ``upload_timeout_s`` (a client that died midway) is
-expired and its staged shards dropped.
+expired and its staged shards dropped. Uploads opened as a group (put_many)
+commit together, entering the catalog in one step (`Catalog.commit`), and
+expire together, once no member has been active for the timeout.
 
 A tensor also records the devices whose shards are gone (``lost``): those of a
 host whose agent restarted, as a new process holds nothing of the old one's. A
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from reshard.box import Box, volume
 from reshard.dtypes import dtype_name
 from reshard.mesh import host_of
-from reshard.proto.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError
+from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
 
 __all__ = ["TensorRecord", "Catalog", "Upload", "Uploads"]
@@ -91,17 +93,40 @@ class Catalog:
             return sorted(self._tensors.values(), key=lambda r: r.name)
 
     def add(self, rec: TensorRecord) -> None:
-        with self._lock:
-            if rec.name in self._tensors:
-                raise AlreadyExistsError(f"tensor name {rec.name!r} is taken; delete it first or pick another name")
-            self._tensors[rec.name] = rec
+        self.commit([(None, rec)])
 
     def swap(self, old: TensorRecord, new: TensorRecord) -> None:
         """Replace ``old`` by ``new`` if ``old`` is still current (the commit point of a reshard)."""
+        self.commit([(old, new)])
+
+    def commit(self, changes: list[tuple[TensorRecord | None, TensorRecord]]) -> None:
+        """Make every new record current at once, or none: the commit point of a job (one tensor, or many in a
+        reshard_many) and of an upload (one tensor, or a put_many). Each old record must still be current, and
+        a name without one must be free."""
         with self._lock:
-            if self._tensors.get(old.name) != old:
-                raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the reshard")
-            self._tensors[old.name] = new
+            for old, new in changes:
+                current = self._tensors.get(new.name)
+                if old is None and current is not None:
+                    raise AlreadyExistsError(f"tensor name {new.name!r} is taken; delete it first or pick another "
+                                             f"name")
+                if old is not None and current != old:
+                    raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the "
+                                        f"reshard")
+            for _, new in changes:
+                self._tensors[new.name] = new
+
+    def snapshot(self, names) -> list[TensorRecord]:
+        """The records of ``names`` as they are at one instant (no commit between two of them)."""
+        with self._lock:
+            records = [self._tensors.get(n) for n in names]
+            missing = [n for n, r in zip(names, records) if r is None]
+            held = sorted(self._tensors) if missing else []
+        if missing:
+            shown = held[:10] + (["..."] if len(held) > 10 else [])
+            raise NotFoundError(f"no tensor named {missing[0]!r}"
+                                f"{f' (nor {len(missing) - 1} more of those asked for)' if len(missing) > 1 else ''}; "
+                                f"the catalog holds {shown}")
+        return records
 
     def remove(self, name: str) -> TensorRecord:
         with self._lock:
@@ -139,6 +164,7 @@ class Upload:
     per_shard: bool
     done: set[str] = field(default_factory=set)
     last_activity: float = 0.0
+    group: str = ""  # the put_many transaction it belongs to, if any
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -153,31 +179,78 @@ class Uploads:
         self._lock = threading.Lock()
         self._by_id: dict[str, Upload] = {}
         self._by_name: dict[str, Upload] = {}
+        self._groups: dict[str, list[Upload]] = {}
 
-    def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool) -> Upload:
+    @staticmethod
+    def _record(name: str, shape, dtype: str, sharding: Sharding, kind: str) -> TensorRecord:
         check_name(name)
         shape = sharding.check_shape(normalise_shape(shape))
         dtype = dtype_name(dtype)
         if kind not in KINDS:
             raise InvalidArgumentError(f"kind {kind!r} must be one of {list(KINDS)}")
-        rec = TensorRecord(name, shape, dtype, sharding, 1, kind)
+        return TensorRecord(name, shape, dtype, sharding, 1, kind)
+
+    def _check_free_locked(self, name: str) -> Upload | None:
+        """Raise if ``name`` is catalogued; returns the upload of that name in progress, if any."""
+        if self._catalog.contains(name):
+            raise AlreadyExistsError(f"tensor name {name!r} is taken; delete it first or pick another name")
+        return self._by_name.get(name)
+
+    def _busy(self, pending: Upload) -> AlreadyExistsError:
+        return AlreadyExistsError(
+            f"tensor {pending.record.name!r} is being uploaded (transaction {pending.id[:8]}); wait for it to finish "
+            f"or for it to expire {self._timeout:g}s after its last activity"
+        )
+
+    def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool) -> Upload:
+        rec = self._record(name, shape, dtype, sharding, kind)
         with self._lock:
-            if self._catalog.contains(name):
-                raise AlreadyExistsError(f"tensor name {name!r} is taken; delete it first or pick another name")
-            pending = self._by_name.get(name)
+            pending = self._check_free_locked(name)
             if pending is not None:
                 if per_shard and pending.per_shard:
                     self._check_same(pending.record, rec)
                     pending.last_activity = self._clock()
                     return pending
-                raise AlreadyExistsError(
-                    f"tensor {name!r} is being uploaded (transaction {pending.id[:8]}); wait for it to finish or "
-                    f"for it to expire {self._timeout:g}s after its last activity"
-                )
+                raise self._busy(pending)
             up = Upload(uuid.uuid4().hex, rec, per_shard, last_activity=self._clock())
             self._by_id[up.id] = up
             self._by_name[name] = up
             return up
+
+    def begin_group(self, tensors: list[tuple[str, tuple, str, Sharding, str]]) -> tuple[str, list[Upload]]:
+        """Open an upload of every (name, shape, dtype, sharding, kind) as one group (put_many): they commit
+        together (`group`, then `Catalog.commit`) and expire together. Returns the group's id and its uploads."""
+        records = [self._record(*t) for t in tensors]
+        names = [r.name for r in records]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise InvalidArgumentError(f"put_many names tensors {repeated[:5]} more than once; each tensor once")
+        with self._lock:
+            for name in names:
+                pending = self._check_free_locked(name)
+                if pending is not None:
+                    raise self._busy(pending)
+            group = uuid.uuid4().hex
+            now = self._clock()
+            ups = [Upload(uuid.uuid4().hex, r, False, last_activity=now, group=group) for r in records]
+            for up in ups:
+                self._by_id[up.id] = up
+                self._by_name[up.record.name] = up
+            self._groups[group] = ups
+            return group, ups
+
+    def group(self, group: str) -> list[Upload]:
+        with self._lock:
+            ups = self._groups.get(group)
+        if ups is None:
+            raise NotFoundError(f"no put_many transaction {group!r}; it finished, failed or expired")
+        return ups
+
+    def close_group(self, group: str) -> None:
+        with self._lock:
+            ups = self._groups.pop(group, [])
+        for up in ups:
+            self.close(up.id)
 
     @staticmethod
     def _check_same(old: TensorRecord, new: TensorRecord) -> None:
@@ -199,6 +272,10 @@ class Uploads:
     def mark(self, id: str, devices) -> tuple[Upload, bool]:
         """Record uploaded devices; returns the upload and whether every device now has its shard."""
         up = self.get(id)
+        if up.group:
+            raise FailedPreconditionError(
+                f"upload {id[:8]} of {up.record.name!r} belongs to put_many transaction {up.group[:8]}, whose tensors "
+                f"enter the catalog together: finish them with FinishUploads, not one by one")
         devices = list(devices)
         unknown = [d for d in devices if d not in up.devices]
         if unknown:
@@ -227,9 +304,14 @@ class Uploads:
                 del self._by_name[up.record.name]
 
     def expired(self) -> list[Upload]:
+        """Uploads idle for the timeout, closed; a group's members count as active while any of them is."""
         now = self._clock()
         with self._lock:
-            out = [u for u in self._by_id.values() if now - u.last_activity > self._timeout]
+            latest = {g: max(u.last_activity for u in ups) for g, ups in self._groups.items()}
+            out = [u for u in self._by_id.values()
+                   if now - (latest.get(u.group, 0.0) if u.group else u.last_activity) > self._timeout]
+            for g in {u.group for u in out if u.group}:
+                del self._groups[g]
         for u in out:
             self.close(u.id)
         return out

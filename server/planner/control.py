@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 from reshard.box import Box, box_str, volume
@@ -20,7 +21,8 @@ from reshard.einsum import APPLY_OPS, plan_apply, plan_einsum
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan
 from reshard.program import Program, TensorDecl
-from reshard.plan_size import ROUTE_STEPS_PER_TASK, estimate_plan_size
+from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import (
@@ -110,12 +112,14 @@ class Planner:
                               group=self.group, group_wait_s=config.group_wait_s,
                               stall_timeout_s=config.stall_timeout_s)
         self._upload_lock = threading.Lock()
+        self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="upload-reaper")
         self._reaper.start()
 
     def close(self) -> None:
         self._stop.set()
+        self._commit_pool.shutdown(wait=False)
 
     def _sharding(self, text: str, what: str) -> Sharding:
         return parse_sharding(text, what, self.config.max_json_bytes, self.config.max_json_depth)
@@ -237,24 +241,75 @@ class Planner:
             return False, len(upload.devices) - len(upload.done)
         with self._upload_lock:
             self.uploads.get(upload_id)  # still open: not expired meanwhile
-            rec = upload.record
-            by_host: dict[str, list[str]] = {}
-            for d in upload.devices:
-                by_host.setdefault(host_of(d), []).append(d)
-            committed = []
             try:
-                for h, devs in by_host.items():
-                    self.agents.commit(h, self.registry.require_up(h).address, Staging(upload=upload_id), rec.name, rec.version, devs,
-                                       self.config.agent_rpc_timeout_s)
-                    committed.append(h)
-                self.catalog.add(rec)
-            except BaseException:
-                self._drop_upload(upload, committed)
-                raise
+                self._commit_uploads([upload])
             finally:
                 self.uploads.close(upload_id)
-            self.store.save_tensor(rec.to_json())
         return True, 0
+
+    def begin_uploads(self, tensors: list[tuple[str, tuple, str, str, str]]
+                      ) -> tuple[str, list[tuple[Upload, list[TileLocation]]]]:
+        """Open a put_many: an upload of every (name, shape, dtype, sharding JSON, kind), all committed at once by
+        `finish_uploads`."""
+        if not tensors:
+            raise InvalidArgumentError("put_many needs at least one tensor; got none")
+        if len(tensors) > self.config.max_plan_tasks:
+            raise ResourceExhaustedError(f"put_many of {len(tensors):,} tensors is more than the planner takes in one "
+                                         f"transaction ({self.config.max_plan_tasks:,}, --max-plan-tasks); split it")
+        parsed = []
+        for name, shape, dtype, sharding_json, kind in tensors:
+            sharding = self._sharding(sharding_json, f"sharding of {name!r}")
+            shape = sharding.check_shape(shape)
+            self.registry.check_mesh(sharding.mesh)
+            if sharding.is_partial:
+                raise InvalidArgumentError(
+                    f"sharding of {name!r} {sharding} is Partial: its devices hold addends that sum to the value, and "
+                    f"put_many hands over values; put it in {sharding.without_partial()}")
+            parsed.append((name, shape, dtype, sharding, kind or "numpy"))
+        self._check_memory_together([(sharding, shape, dtype, f"tensor {name!r}") for name, shape, dtype, sharding, _
+                                     in parsed], f"put_many of {len(parsed)} tensors")
+        group, uploads = self.uploads.begin_group(parsed)
+        return group, [(up, self._upload_locations(up)) for up in uploads]
+
+    def finish_uploads(self, group: str) -> None:
+        """Commit every upload of put_many ``group``: all its tensors enter the catalog together, or none does."""
+        with self._upload_lock:
+            uploads = self.uploads.group(group)
+            try:
+                self._commit_uploads(uploads)
+            finally:
+                self.uploads.close_group(group)
+
+    def _commit_uploads(self, uploads: list[Upload]) -> None:
+        """Commit the uploads' staged shards on their agents (hosts at once), then add every tensor to the catalog
+        in one step; on any failure nothing stays: committed shards are released and staged ones dropped."""
+        by_host: dict[str, list[tuple[Upload, list[str]]]] = {}
+        for up in uploads:
+            devices: dict[str, list[str]] = {}
+            for d in up.devices:
+                devices.setdefault(host_of(d), []).append(d)
+            for h, devs in devices.items():
+                by_host.setdefault(h, []).append((up, devs))
+        committed: dict[str, set[str]] = {up.id: set() for up in uploads}  # upload -> hosts that committed it
+
+        def commit(h: str) -> None:
+            address = self.registry.require_up(h).address
+            for up, devs in by_host[h]:
+                rec = up.record
+                self.agents.commit(h, address, Staging(upload=up.id), rec.name, rec.version, devs,
+                                   self.config.agent_rpc_timeout_s)
+                committed[up.id].add(h)
+
+        try:
+            for f in [self._commit_pool.submit(commit, h) for h in by_host]:
+                f.result()
+            self.catalog.commit([(None, up.record) for up in uploads])
+        except BaseException:
+            for up in uploads:
+                self._drop_upload(up, committed[up.id])
+            raise
+        for up in uploads:
+            self.store.save_tensor(up.record.to_json())
 
     def _drop_upload(self, upload: Upload, committed_hosts=()) -> None:
         rec = upload.record
@@ -279,7 +334,13 @@ class Planner:
     # -- catalog ---------------------------------------------------------------------------------
 
     def tensor(self, name: str) -> tuple[TensorRecord, list[TileLocation]]:
-        rec = self.catalog.get(name)
+        return self._located(self.catalog.get(name))
+
+    def tensors_at_once(self, names: list[str]) -> list[tuple[TensorRecord, list[TileLocation]]]:
+        """Several tensors as the catalog holds them at one instant (`Catalog.snapshot`), each with its tiles."""
+        return [self._located(rec) for rec in self.catalog.snapshot(list(dict.fromkeys(names)))]
+
+    def _located(self, rec: TensorRecord) -> tuple[TensorRecord, list[TileLocation]]:
         tiles = rec.sharding.tiles(rec.shape)
         out = []
         for d in rec.sharding.mesh.require_devices():
@@ -331,7 +392,7 @@ class Planner:
     def stored_program(self, program_id: str) -> Program | None:
         """The saved plan or program of that id, as a program (a plan is a program of moves)."""
         doc = self.store.plan(program_id)
-        return Program.from_json(doc) if doc else None
+        return program_from_json(doc) if doc else None
 
     # -- compute ---------------------------------------------------------------------------------
 
@@ -408,6 +469,83 @@ class Planner:
             reshard_program(rec.shape, rec.dtype, rec.sharding, dst, self.registry.topology(), strategy)
         self._check_memory(dst, rec.shape, rec.dtype, f"resharding {name!r}")
         return self.jobs.submit(name, dst, strategy)
+
+    def reshard_many(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
+                     scales: list[tuple[str, str, tuple[int, ...] | None]]) -> Job:
+        """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
+        commits them together (`reshard.many`). ``scales`` pairs a weight with its block-scale tensor and block
+        (None: from the shapes), which follows the weight's destination (its own may be left empty, or out of
+        ``targets``). ``bucket_bytes`` None is the default bucket size, 0 packs nothing."""
+        if not targets:
+            raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
+        names = [n for n, _ in targets]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise InvalidArgumentError(f"reshard_many names tensors {repeated[:5]} more than once; give each "
+                                       f"tensor one destination")
+        strategy = check_strategy(strategy)
+        bucket = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        if not 0 <= bucket <= MAX_BUCKET_BYTES:
+            raise InvalidArgumentError(f"bucket_bytes {bucket} must be 0 (no buckets) to {MAX_BUCKET_BYTES:,} "
+                                       f"({MAX_BUCKET_BYTES // 2**20} MiB), or unset for the default "
+                                       f"({DEFAULT_BUCKET_BYTES // 2**20} MiB)")
+        pairs = scale_pairs({w: (s, block) for w, s, block in scales})
+        if len(pairs) != len(scales):
+            raise InvalidArgumentError(f"reshard_many pairs a weight with more than one scale tensor "
+                                       f"({[w for w, _, _ in scales][:5]}); give each weight one")
+        names += [s for s, _ in pairs.values() if s not in names]
+        records = {n: self.catalog.get(n) for n in names}
+        for rec in records.values():
+            self._check_not_lost(rec)
+        followers = {s for s, _ in pairs.values()}
+        dsts: dict[str, Sharding] = {}
+        for name, text in targets:
+            if not text and name in followers:
+                continue  # follows its weight
+            rec = records[name]
+            dst = self._sharding(text, f"destination sharding of {name!r}")
+            dst.check_shape(rec.shape)
+            self.registry.check_mesh(dst.mesh)
+            dsts[name] = dst
+        decls = follow_scales([TensorDecl(n, r.shape, r.dtype, r.sharding, dsts.get(n)) for n, r in records.items()],
+                              pairs)
+        for d in decls:
+            if d.dst.is_partial or d.src.is_partial:
+                raise InvalidArgumentError(
+                    f"tensor {d.name!r} goes from {d.src} to {d.dst}, a pending sum on one side; reshard_many moves "
+                    f"values, so reshard that tensor on its own (reshard completes or keeps a sum)")
+        size = [estimate_plan_size(d.shape, d.src, d.dst) for d in decls]
+        total = PlanSize(*(sum(getattr(p, f) for p in size) for f in ("unit_tasks", "deliveries", "route_steps")))
+        over = total.excess(self.config.max_plan_tasks, strategy)
+        if over:
+            figures = "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
+                                for figure, count, bound in over)
+            raise ResourceExhaustedError(
+                f"reshard_many of {len(decls)} tensors would make too large a program: {figures} (reshard planner "
+                f"--max-plan-tasks {self.config.max_plan_tasks:,}); move the tensors in several reshard_many jobs, "
+                f"or raise the limit")
+        self._check_memory_together([(d.dst, d.shape, d.dtype, f"resharding {d.name!r}") for d in decls],
+                                    f"reshard_many of {len(decls)} tensors")
+        return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
+                                     {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()})
+
+    def _check_memory_together(self, items: list[tuple[Sharding, tuple[int, ...], str, str]], what: str) -> None:
+        """`_check_memory` of each (sharding, shape, dtype, what), then of all of them together on every host."""
+        size_of = {}
+        total: dict[str, int] = {}
+        for sharding, shape, dtype, one in items:
+            self._check_memory(sharding, shape, dtype, one)
+            n = size_of.setdefault(dtype, itemsize(dtype_name(dtype)))
+            for dev, tile in sharding.tiles(shape).items():
+                total[host_of(dev)] = total.get(host_of(dev), 0) + volume(tile) * n
+        for host, nbytes in sorted(total.items()):
+            agent = self.registry.get(host)
+            limit = agent.memory_limit_bytes if agent is not None else 0
+            if limit and nbytes > limit:
+                raise ResourceExhaustedError(
+                    f"{what} would give host {host}'s devices {format_size(nbytes)} ({nbytes:,} bytes) together, "
+                    f"more than its agent's memory limit of {format_size(limit)} ({limit:,} bytes); move fewer "
+                    f"tensors at once, shard them over more hosts, or start that agent with a larger --memory-limit")
 
     @staticmethod
     def _check_not_lost(rec: TensorRecord) -> None:

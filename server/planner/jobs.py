@@ -1,5 +1,9 @@
 """Reshard jobs: plan, validate, hand every agent the program, wait, commit, release.
 
+A job reshards one tensor, runs a compute program, or (kind ``reshard_many``) reshards many tensors in one
+program (`reshard.many`): it locks them all, runs once, and commits every tensor's new version in one catalog
+step, so a reader sees all of them old or all of them new, and a failure leaves every one at its old version.
+
 A job's life: ``queued`` (waiting for earlier jobs on the same tensor) ->
 ``running`` -> ``succeeded`` or ``failed``. Running, the planner makes the plan,
 picks the transport, hands every host of the job the plan once (its program of
@@ -36,9 +40,10 @@ from reshard import box as boxes
 from reshard.cost import network_copies, sender_bytes
 from reshard.mesh import host_of
 from reshard.jsonio import loads
+from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
-from reshard.program import MOVE, Program
+from reshard.program import MOVE, Program, TensorDecl
 from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
@@ -127,10 +132,14 @@ class Job:
     traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
     transport: str = ""  # grpc or collective, once chosen
     transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
-    kind: str = "reshard"  # or "einsum", or the kernel of an apply
-    inputs: list[str] = field(default_factory=list)
+    kind: str = "reshard"  # or "reshard_many", "einsum", or the kernel of an apply
+    inputs: list[str] = field(default_factory=list)  # a compute job's inputs; every tensor of a reshard_many
     program: Program | None = None  # what ran where it is no plan of moves: a compute job, a Partial tensor's reshard
     make_program: Callable[[dict[str, TensorRecord], Topology], Program] | None = field(default=None, repr=False)
+    dsts: dict[str, Sharding] = field(default_factory=dict)  # reshard_many: tensor -> destination
+    scales: dict[str, list] = field(default_factory=dict)  # reshard_many: weight -> [its scale tensor, block or None]
+    bucket_bytes: int = 0  # reshard_many: moves smaller than this are packed into buckets of at least this
+    versions: dict[str, int] = field(default_factory=dict)  # reshard_many: tensor -> the version it commits as
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -141,6 +150,9 @@ class Job:
     def what(self) -> str:
         if self.kind == "reshard":
             return f"reshard of {self.tensor!r}" + (f" to {self.dst.spec_str()}" if self.dst is not None else "")
+        if self.kind == "reshard_many":
+            shown = ", ".join(map(repr, self.inputs[:3])) + (", ..." if len(self.inputs) > 3 else "")
+            return f"reshard_many of {len(self.inputs)} tensors ({shown})"
         return f"{self.kind} of {self.inputs} into {self.tensor!r}"
 
     @property
@@ -156,7 +168,8 @@ class Job:
                 "plan_id": ran.id if ran is not None else "", "created": self.created, "started": self.started,
                 "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
-                "kind": self.kind, "inputs": self.inputs}
+                "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
+                "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -164,7 +177,9 @@ class Job:
         job = cls(d["id"], d["tensor"], Sharding.from_json(d["dst"]) if d.get("dst") else None, d["strategy"],
                   d["state"], d["error"], plan, d["created"], d["started"], d["finished"], d["version"],
                   d["progress"], d.get("steps", {}), d["traffic"], d.get("transport", ""), d.get("transports", []),
-                  d.get("kind", "reshard"), d.get("inputs", []), program)
+                  d.get("kind", "reshard"), d.get("inputs", []), program,
+                  dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
+                  bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -209,6 +224,13 @@ class JobRunner:
         return self._submit(Job(uuid.uuid4().hex, out, None, strategy, kind=kind, inputs=list(inputs),
                                 make_program=make_program))
 
+    def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
+                    scales: dict[str, list]) -> Job:
+        """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit."""
+        names = sorted(dsts)
+        return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
+                                dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes))
+
     def _submit(self, job: Job) -> Job:
         with self._lock:
             self._jobs[job.id] = job
@@ -245,17 +267,17 @@ class JobRunner:
                 held.enter_context(lock)
             job.state, job.started = "running", time.time()
             self.store.save_job(job.to_json())
-            superseded = None
+            superseded = []
             try:
                 superseded = self._reshard(job)
             except Exception as e:  # noqa: BLE001 - every failure is recorded on the job
                 self._finish(job, e)
             else:
                 self._finish(job)
-            if superseded is not None:
-                # The new version is committed and the caller has it; freeing the old one is housekeeping,
-                # still under the tensor's lock so the next job on this tensor starts after it.
-                self.release(superseded)
+            if superseded:
+                # The new versions are committed and the caller has them; freeing the old ones is housekeeping,
+                # still under the tensors' locks so the next job on them starts after it.
+                self.release(*superseded)
 
     def _finish(self, job: Job, error: BaseException | None = None) -> None:
         """Record the job's outcome and wake its waiters (once: a failure may be published before the cleanup
@@ -272,11 +294,20 @@ class JobRunner:
         self.store.save_job(job.to_json())
         job.done_event.set()
 
-    def release(self, rec: TensorRecord) -> None:
-        """Free ``rec``'s version on every host of its mesh that is registered, at once; failures are logged."""
-        src_agents = {h: a for h in rec.sharding.mesh.hosts if (a := self.registry.get(h)) is not None}
-        self._best_effort(lambda h: self.agents.release(h, src_agents[h].address, rec.name, rec.version,
-                                                        self.rpc_timeout_s), sorted(src_agents))
+    def release(self, *records: TensorRecord) -> None:
+        """Free each record's version on every host of its mesh that is registered, hosts at once (each host's in
+        turn); failures are logged."""
+        by_host: dict[str, list[TensorRecord]] = defaultdict(list)
+        for rec in records:
+            for h in rec.sharding.mesh.hosts:
+                by_host[h].append(rec)
+        src_agents = {h: a for h in by_host if (a := self.registry.get(h)) is not None}
+
+        def free(h: str) -> None:
+            for rec in by_host[h]:  # the first call that fails ends this host's: its agent does not answer
+                self.agents.release(h, src_agents[h].address, rec.name, rec.version, self.rpc_timeout_s)
+
+        self._best_effort(free, sorted(src_agents))
 
     def _fan_out(self, fn, hosts, deadline: float, watch: Callable[[list[str]], None] | None = None) -> None:
         """Call ``fn(host)`` for every host at once; raise the first error, naming its host. While calls are
@@ -320,9 +351,9 @@ class JobRunner:
 
         return watch
 
-    def _reshard(self, job: Job) -> TensorRecord | None:
-        """Run the job up to its commit; returns the output's record as it was, whose version is now free (None
-        when the job made a new tensor)."""
+    def _reshard(self, job: Job) -> list[TensorRecord]:
+        """Run the job up to its commit; returns the records it replaced, whose versions are now free (none when
+        the job made a new tensor)."""
         deadline = time.monotonic() + self.job_timeout_s
         work = self._work(job)
         hosts = work.hosts
@@ -344,13 +375,11 @@ class JobRunner:
 
             try:
                 self._run_program(job, prep, hosts, deadline)
-                self._fan_out(commit, sorted(job.dst.mesh.hosts), deadline, self._watch(peers, {}))
-                if work.old is None:
-                    self.catalog.add(work.new)
-                else:
-                    self.catalog.swap(work.old, work.new)
+                staging = sorted({h for _, new in work.commits for h in new.sharding.mesh.hosts})
+                self._fan_out(commit, staging, deadline, self._watch(peers, {}))
+                self.catalog.commit(work.commits)
             except BaseException as e:
-                self._undo(job, prep, hosts, e, committing)
+                self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
                 raise
             finally:
                 if transport == "collective" and self.collective_cleanup is not None:
@@ -358,9 +387,10 @@ class JobRunner:
                         self.collective_cleanup(generation, job.id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
-        self.store.save_tensor(self.catalog.get(job.tensor).to_json())
+        for _, new in work.commits:
+            self.store.save_tensor(new.to_json())
         self._count_moved(job, work.moves)
-        return work.old
+        return [old for old, _ in work.commits if old is not None]
 
     def _work(self, job: Job) -> "_Work":
         """What the job runs, planned now: a plan of moves for a reshard between value shardings, else a program
@@ -371,10 +401,22 @@ class JobRunner:
             if not (rec.sharding.is_partial or job.dst.is_partial):
                 plan, plan_json = self._plan(job, rec)
                 return _Work(plan_json, plan.id, [(t, plan.itemsize) for t in plan.transfers],
-                             _job_hosts(plan, job.dst), rec.version, {}, rec, bumped(rec, job.dst))
+                             _job_hosts(plan, job.dst), rec.version, {}, [(rec, bumped(rec, job.dst))])
             program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(),
                                       job.strategy).validate()
-            return self._program_work(job, program, rec.version, {}, rec, bumped(rec, job.dst))
+            return self._program_work(job, program, rec.version, {}, [(rec, bumped(rec, job.dst))])
+        if job.kind == "reshard_many":
+            records = {n: self.catalog.get(n) for n in job.inputs}
+            decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()]
+            program = plan_many(decls, self.registry.topology(), job.strategy, job.bucket_bytes,
+                                job.scales).validate()
+            job.versions = {n: r.version + 1 for n, r in records.items()}
+            job.version = job.versions[job.tensor]
+            # Each tensor is read at its own version and commits as the next (the agents' rule for a program
+            # that commits several tensors).
+            reads = {n: (n, r.version) for n, r in records.items()}
+            commits = [(r, bumped(r, job.dsts[n])) for n, r in records.items()]
+            return self._program_work(job, program, records[job.tensor].version, reads, commits)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         program = job.make_program(inputs, self.registry.topology()).validate()
         out = next(t for t in program.tensors if t.dst is not None)
@@ -384,20 +426,20 @@ class JobRunner:
         reads = {n: (n, r.version) for n, r in inputs.items()}
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
-        return self._program_work(job, program, 0, reads, old, new)
+        return self._program_work(job, program, 0, reads, [(old, new)])
 
     def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
-                      old: TensorRecord | None, new: TensorRecord) -> "_Work":
+                      commits: list[tuple[TensorRecord | None, TensorRecord]]) -> "_Work":
         job.program = program
         text = program.dumps()
         self.store.save_plan(program.id, text)
         moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
-        hosts = set(new.sharding.mesh.hosts)
+        hosts = {h for _, new in commits for h in new.sharding.mesh.hosts}
         for s in program.steps:
             hosts |= {host_of(d) for d in s.participants()}
             if s.kind == MOVE:
                 hosts |= set(s.transfer.route)
-        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, old, new)
+        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits)
 
     def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
         """Plan the job on the registered topology, validate the plan whole and persist it."""
@@ -443,7 +485,7 @@ class JobRunner:
         self._fan_out(run, hosts, deadline, self._watch(prep.peers, reported))
 
     def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException,
-              committing: set[str] = frozenset()) -> None:
+              news: list[TensorRecord], committing: set[str] = frozenset()) -> None:
         """After a failure: a fresh group for the next collective job, and nothing staged left anywhere.
 
         A host that stopped answering is cleaned up last: its calls may wait out ``rpc_timeout_s`` (they
@@ -453,22 +495,25 @@ class JobRunner:
             # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
             self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
         gone = [error.host] if isinstance(error, _NotAnswering) else []
-        self._drop_staged(job, prep, [h for h in hosts if h not in gone], committing)
+        self._drop_staged(job, prep, [h for h in hosts if h not in gone], news, committing)
         if gone:
             self._finish(job, error)
-            self._drop_staged(job, prep, gone, committing)
+            self._drop_staged(job, prep, gone, news, committing)
 
-    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str], committing: set[str]) -> None:
-        """Abort the job on ``hosts``, then release its version on those that were asked to commit it.
+    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str], news: list[TensorRecord],
+                     committing: set[str]) -> None:
+        """Abort the job on ``hosts``, then release its new versions (``news``) on those that were asked to commit.
 
         Only those: a release is keyed by tensor and version, so one that reached a paused host late would
         free the same version committed there by a retry. A host never asked to commit holds nothing to free.
         """
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
                           hosts)
-        self._best_effort(lambda h: self.agents.release(h, prep.peers[h], prep.tensor, job.version,
-                                                        self.rpc_timeout_s),
-                          sorted(set(hosts) & committing))
+        def release(h: str) -> None:
+            for new in news:  # the first call that fails ends this host's: its agent does not answer
+                self.agents.release(h, prep.peers[h], new.name, new.version, self.rpc_timeout_s)
+
+        self._best_effort(release, sorted(set(hosts) & committing))
 
     def _count_moved(self, job: Job, moves: list[tuple[Transfer, int]]) -> None:
         with self._lock:
@@ -489,7 +534,7 @@ class JobRunner:
 @dataclass(frozen=True)
 class _Work:
     """A job's program as planned: its JSON and id, its moves (each with its tensor's item size), its hosts, the
-    versions it reads, and the output's record before and after."""
+    versions it reads, and each record it commits, as it was (None: a new tensor) and as it will be."""
 
     program_json: str
     program_id: str
@@ -497,14 +542,13 @@ class _Work:
     hosts: list[str]
     src_version: int
     reads: dict[str, tuple[str, int]]
-    old: TensorRecord | None
-    new: TensorRecord
+    commits: list[tuple[TensorRecord | None, TensorRecord]]
 
 
 def _ran_from_json(doc) -> Plan | Program:
     """A stored job's plan, or its program where it ran one."""
     data = loads(doc, "a stored plan", max_bytes=None) if isinstance(doc, (str, bytes)) else doc
-    return Program.from_json(data) if isinstance(data, dict) and data.get("kind") == "program" else Plan.from_json(data)
+    return program_from_json(data) if isinstance(data, dict) and data.get("kind") == "program" else Plan.from_json(data)
 
 
 def _job_hosts(plan: Plan, dst: Sharding) -> list[str]:

@@ -12,6 +12,7 @@ import grpc
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel
+from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.tickets import commit_fields, prepare_fields, sign
@@ -120,7 +121,7 @@ def job_info(job: Job) -> pb.JobInfo:
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
                  for h, t in sorted(job.traffic.items())],
         seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
-        kind=job.kind, inputs=job.inputs)
+        kind=job.kind, inputs=job.inputs, versions=job.versions)
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:
@@ -200,6 +201,34 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     @servicer_method
     def Reshard(self, request, context):
         return job_info(self.planner.reshard(request.name, request.dst_json, request.strategy))
+
+    @servicer_method
+    def ReshardMany(self, request, context):
+        return job_info(self.planner.reshard_many(
+            [(t.name, t.dst_json) for t in request.targets], request.strategy,
+            request.bucket_bytes if request.HasField("bucket_bytes") else None,
+            [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales]))
+
+    @servicer_method
+    def BeginUploads(self, request, context):
+        if any(t.device or t.shard_shape for t in request.tensors):
+            raise InvalidArgumentError("BeginUploads opens uploads of whole tensors; a device and a shard shape "
+                                       "belong to BeginUpload (put_shard)")
+        group, opened = self.planner.begin_uploads(
+            [(t.name, tuple(t.shape), t.dtype, t.sharding_json, t.kind) for t in request.tensors])
+        return pb.BeginUploadsReply(group_id=group, uploads=[
+            pb.BeginUploadReply(upload_id=up.id, version=up.record.version, locations=_locations(locations))
+            for up, locations in opened])
+
+    @servicer_method
+    def FinishUploads(self, request, context):
+        self.planner.finish_uploads(request.group_id)
+        return pb.FinishUploadReply(complete=True)
+
+    @servicer_method
+    def GetTensors(self, request, context):
+        return pb.TensorList(tensors=[self._tensor_info(rec, locations)
+                                      for rec, locations in self.planner.tensors_at_once(list(request.names))])
 
     @servicer_method
     def GetJob(self, request, context):

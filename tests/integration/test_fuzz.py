@@ -80,7 +80,7 @@ MESH = Mesh.from_hosts({"x": 2, "y": 2}, HOSTS, DEVICES_PER_HOST)
 KEPT = "fuzz_kept"  # stored before the run; no call may change it
 VICTIM = "fuzz_victim"  # calls may reshard or delete it, to reach the code behind a known name
 KEPT_ARRAY = np.arange(56, dtype=np.float32).reshape(8, 7) / 7
-CHANGES_A_TENSOR = {"DeleteTensor", "Reshard"}  # the planner methods that would change KEPT by its name
+CHANGES_A_TENSOR = {"DeleteTensor", "Reshard", "ReshardMany"}  # the planner methods that would change KEPT by its name
 
 SERVICES = {name: pb.DESCRIPTOR.services_by_name[name] for name in ("Planner", "Agent")}
 METHODS = [(service, method) for service, d in SERVICES.items() for method in d.methods_by_name]
@@ -126,13 +126,16 @@ POOLS = {
     "kind": ["numpy", "torch", "", "pickle"],
     "secret": [b"s" * 32, b"t" * 16, b"", b"\x00" * 15],
     "inputs": NAMES, "out": [n for n in NAMES if n != KEPT],  # a compute job may replace any tensor but the kept one
+    "names": NAMES,
+    # reshard_many's scale pairs: a scale follows its weight to a new version, so neither may be the kept tensor
+    "weight": [n for n in NAMES if n != KEPT], "scale": [n for n in NAMES if n != KEPT],
     "op": ["einsum", "add", "sum", "max", "softmax_xent", "axpy", "relu", "", "frobnicate"],
-    **{f: IDS for f in ("job", "job_id", "upload_id", "program_id", "plan_id", "id", "ticket", "proof")},
+    **{f: IDS for f in ("job", "job_id", "upload_id", "group_id", "program_id", "plan_id", "id", "ticket", "proof")},
     **{f: HOSTILE_JSON for f in ("sharding_json", "src_json", "dst_json", "program_json", "plan_json",
                                  "out_sharding_json")},
 }
 SHAPES = [[8, 7], [4, 7], [], [0], [-1], [2**40, 2**40], [2**62, 2**62], [2**63 - 1], [1] * 65, [2] * 30, [3, -3]]
-SHAPE_FIELDS = ("shape", "shard_shape", "lo", "hi", "stride")
+SHAPE_FIELDS = ("shape", "shard_shape", "lo", "hi", "stride", "block")
 
 _INT_RANGES = {
     FieldDescriptor.CPPTYPE_INT32: (-2**31, 2**31 - 1), FieldDescriptor.CPPTYPE_INT64: (-2**63, 2**63 - 1),

@@ -111,3 +111,17 @@ def test_a_failure_commits_none_of_the_tensors():
     finally:
         h.close()
 
+
+def test_a_reshard_many_job_reads_back_from_the_document_the_planner_saves():
+    """A planner that restarts reads every job it saved; a reshard_many keeps its destinations, scales and
+    versions (and, in flight when the planner stopped, is failed saying so)."""
+    from reshard.server.planner.jobs import Job
+
+    dsts = {"w": Sharding(INFER, ("tp", None)), "w_scale": Sharding(INFER, ("tp", None))}
+    job = Job("j" * 32, "w", None, "auto", kind="reshard_many", inputs=["w", "w_scale"], dsts=dsts,
+              scales={"w": ["w_scale", [128, 64]]}, bucket_bytes=2**20, versions={"w": 3, "w_scale": 2})
+    back = Job.from_json(job.to_json(), None)
+    assert (back.kind, back.inputs, back.dsts, back.scales, back.bucket_bytes, back.versions) == \
+        ("reshard_many", ["w", "w_scale"], dsts, {"w": ["w_scale", [128, 64]]}, 2**20, {"w": 3, "w_scale": 2})
+    assert back.state == "failed" and "restarted" in back.error and back.what == "reshard_many of 2 tensors ('w', " \
+                                                                                  "'w_scale')"
