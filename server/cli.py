@@ -11,7 +11,7 @@ from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
 from reshard.server.devtools.certs import add_certs_command
 from reshard.server.devtools.lab import add_lab_command
-from reshard.server.common.lifecycle import wait_for_signal
+from reshard.server.common.lifecycle import on_signal
 
 __all__ = ["main", "build_parser"]
 
@@ -99,10 +99,11 @@ def _run_agent(args) -> int:
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
+    stopped = on_signal()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     try:
-        wait_for_signal()
+        stopped()
     finally:
         agent.stop()
     return 0
@@ -163,9 +164,10 @@ def _run_planner(args) -> int:
 
         web, http_port = serve_dashboard(planner, args.http, token)
         dashboard = f" (dashboard http://{args.http.rpartition(':')[0] or '127.0.0.1'}:{http_port}/)"
+    stopped = on_signal()
     print(f"reshard planner listening on {host}:{port}{dashboard}", flush=True)
     try:
-        wait_for_signal()
+        stopped()
     finally:
         if web is not None:
             web.should_exit = True
@@ -197,6 +199,7 @@ def _run_up(args) -> int:
     cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir,
                            dashboard=True, transport=args.transport, device=devices[0] if len(devices) == 1 else devices)
     with cluster:
+        stopped = on_signal()
         print(f"planner  {cluster.address}")
         print(f"admin    {cluster.dashboard_login_url}")
         for h, a in cluster.agent_addresses.items():
@@ -205,7 +208,7 @@ def _run_up(args) -> int:
         print(f"token    {cluster.token_file} (the cluster token: export RESHARD_TOKEN_FILE={cluster.token_file})")
         print(f"connect with: reshard.connect({cluster.address!r}, token=open({str(cluster.token_file)!r}).read()); "
               f"Ctrl-C stops the cluster", flush=True)
-        wait_for_signal()
+        stopped()
     return 0
 
 

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 
-__all__ = ["wait_for_signal"]
+__all__ = ["on_signal", "wait_for_signal"]
 
 
-def wait_for_signal(*signals: int) -> int:
-    """Block until one of ``signals`` (default SIGINT, SIGTERM) arrives; returns it.
+def on_signal(*signals: int) -> Callable[[], int]:
+    """Catch ``signals`` (default SIGINT, SIGTERM) from now on; returns the wait for the first of them.
 
-    A signal may arrive several times at once: a parent-death signal is re-sent
-    each time the dying parent's threads exit one by one. Python runs a handler
-    nested inside the previous one, and ``Event.set`` from a nested handler would
-    deadlock on the lock the outer one holds, so only the first delivery sets
-    the event.
+    Install before printing the line that tells a user (or a test) to send one: a
+    signal that came while that line was still being written would otherwise
+    interrupt the print itself. A signal may arrive several times at once: a
+    parent-death signal is re-sent each time the dying parent's threads exit one
+    by one. Python runs a handler nested inside the previous one, and ``Event.set``
+    from a nested handler would deadlock on the lock the outer one holds, so only
+    the first delivery sets the event.
     """
     stop = threading.Event()
     received: list[int] = []
@@ -27,6 +30,15 @@ def wait_for_signal(*signals: int) -> int:
 
     for sig in signals or (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
-    while not stop.wait(3600):
-        pass
-    return received[0]
+
+    def wait() -> int:
+        while not stop.wait(3600):
+            pass
+        return received[0]
+
+    return wait
+
+
+def wait_for_signal(*signals: int) -> int:
+    """Block until one of ``signals`` (default SIGINT, SIGTERM) arrives; returns it (see `on_signal`)."""
+    return on_signal(*signals)()

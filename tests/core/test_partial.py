@@ -59,7 +59,8 @@ BAD = [
     ("partial a number", lambda: Sharding(MESH, (None,), partial=1),
      r"^partial 1 must be a tuple of mesh axis names"),
     ("placement of another kind", lambda: Sharding.from_placements(MESH, [Shard(0), "P"]),
-     r"^placement 'P' on axis 'y' is not Shard\(d\), Replicate\(\) or Partial\(\)$"),
+     r"^placement 'P' on axis 'y' is not Shard\(d\), Replicate\(\) or Partial\(\) \(reshard's or "
+     r"torch\.distributed\.tensor's\)$"),
     ("too few placements", lambda: Sharding.from_placements(MESH, [Partial()]),
      r"^1 placements given for a mesh with 2 axes \['x', 'y'\]; give one Shard\(d\), Replicate\(\) or Partial\(\) "
      r"per mesh axis$"),
