@@ -5,13 +5,26 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-__all__ = ["volume", "intersect", "contains", "uncovered", "to_slices", "chunk", "split", "box_str"]
+import numpy as np
+
+__all__ = ["volume", "volumes", "intersect", "contains", "uncovered", "to_slices", "chunk", "split", "box_str"]
 
 Box = tuple[tuple[int, int], ...]
 
 
 def volume(box: Box) -> int:
     return math.prod(hi - lo for lo, hi in box)
+
+
+def volumes(lo: np.ndarray, hi: np.ndarray, itemsize: int = 1) -> np.ndarray:
+    """Per row, the element count of the box ``lo:hi`` (arrays of rows of bounds) times ``itemsize``: int64, or
+    Python ints in an object array where a product could pass 2**62 (Python counts exactly; so must columns)."""
+    if not len(lo):
+        return np.zeros(0, dtype=np.int64)
+    widest = math.prod(int(w) for w in (hi - lo).max(axis=0)) * itemsize
+    if widest < 2**62:
+        return np.prod(hi - lo, axis=1, dtype=np.int64) * itemsize
+    return np.prod((hi - lo).astype(object), axis=1) * itemsize
 
 
 def intersect(a: Box, b: Box) -> Optional[Box]:

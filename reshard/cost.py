@@ -32,7 +32,10 @@ A hop between devices of one host uses the intra-host link, between hosts the NI
 
 The move table is written once, as code, in `transfer_flows`: the cost model here,
 the agents' progress accounting (`sender_bytes`), the planner's statistics
-(`network_copies`, `host_traffic`) and the dashboard all read it.
+(`network_copies`, `host_traffic`) and the dashboard all read it. Plans of many
+transfers keep them as columns (`reshard.plan.TransferTable`); `table_phase_loads`
+adds up the same flows on the columns with numpy, and `lower_bound_seconds` reads
+columnar unit tasks (`reshard.tasks.UnitTasks`) the same way.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from reshard import box as boxes
 from reshard.mesh import host_of
+from reshard.tasks import UnitTasks
 from reshard.topology import Topology
 
 __all__ = [
@@ -55,11 +62,21 @@ __all__ = [
     "reduce_rounds",
     "PhaseLoad",
     "phase_loads",
+    "table_phase_loads",
+    "phase_seconds",
     "estimate_seconds",
     "lower_bound_seconds",
+    "COLUMNS_FROM",
 ]
 
 NIC, INTRA = "nic", "intra"
+
+# From this many transfers or unit tasks, figures are computed on columns; below, the fixed cost of the numpy
+# calls is more than the per-item loop they save.
+COLUMNS_FROM = 2048
+
+# Method codes of `reshard.plan.TransferTable`: positions in `reshard.plan.METHODS`.
+_P2P, _BROADCAST, _LOCAL = range(3)
 
 
 class HostCache(dict):
@@ -83,14 +100,23 @@ class PhaseLoad:
     def seconds(self, topology: Topology, hosts: HostCache) -> tuple[float, str]:
         """Duration of the phase and a description of its busiest link."""
         best, what = 0.0, "nothing moves"
+        nic: dict[str, float] = {}
         for direction, loads in (("send", self.send), ("receive", self.recv)):
             for h, b in loads.items():
-                t = b / topology.nic_bytes_per_s(h)
+                bw = nic.get(h)
+                if bw is None:
+                    bw = nic[h] = topology.nic_bytes_per_s(h)
+                t = b / bw
                 if t > best:
                     best, what = t, f"NIC {direction} of {h}"
+        intra: dict[str, float] = {}
         for direction, loads in (("in", self.dev_in), ("out", self.dev_out)):
             for d, b in loads.items():
-                t = b / topology.intra_bytes_per_s(hosts[d])
+                h = hosts[d]
+                bw = intra.get(h)
+                if bw is None:
+                    bw = intra[h] = topology.intra_bytes_per_s(h)
+                t = b / bw
                 if t > best:
                     best, what = t, f"intra-host link {direction} of {d}"
         return best, what
@@ -274,12 +300,133 @@ def phase_loads(transfers: Iterable, itemsize: int, hosts: HostCache | None = No
     return [phases[p] for p in sorted(phases)]
 
 
-def estimate_seconds(transfers: Iterable, itemsize: int, topology: Topology) -> float:
-    hosts = HostCache()
+def _sums(index: np.ndarray, weights: np.ndarray, size: int) -> np.ndarray:
+    """Per index, the sum of its weights, exactly: in int64 where the weights are int64 and their total fits a
+    double's 53-bit mantissa (as bincount adds them), else added one by one (Python ints in an object array)."""
+    if weights.dtype != object and (not len(weights) or float(weights.sum(dtype=float)) < 2**53):
+        return np.bincount(index, weights, minlength=size).astype(np.int64)
+    out = np.zeros(size, dtype=object)
+    np.add.at(out, index, weights.astype(object))
+    return out
+
+
+def table_phase_loads(table, itemsize: int) -> list[PhaseLoad]:
+    """`phase_loads` of a `reshard.plan.TransferTable`, added up on its columns: the flows of `transfer_flows`,
+    for any table (a route that misses a receiver's host, or names one twice, counts as `transfer_flows` counts
+    it). A flow is numbered by the link end it loads: host ``h``'s NIC is ``h``, device ``d``'s intra-host link
+    is ``num_hosts + d``."""
+    n = len(table)
+    host = table.space.device_host
+    num_hosts, num_devices = len(table.space.hosts), len(table.space.devices)
+    nbytes = boxes.volumes(table.lo, table.hi, itemsize)
+    route_len = np.diff(table.route_ptr)
+    if n and nbytes.dtype != object:
+        flows = np.diff(table.recv_ptr) + route_len + 1
+        if float(nbytes.astype(float) @ flows) * (int(route_len.max()) + 1) >= 2**53:
+            nbytes = nbytes.astype(object)  # sums that could pass a double's mantissa are kept as Python ints
+    one_each = len(table.recv) == n and bool((np.diff(table.recv_ptr) == 1).all())
+    t_of = np.arange(n) if one_each else np.repeat(np.arange(n), np.diff(table.recv_ptr))
+    r, s = table.recv, table.sender
+    ts = s if one_each else s[t_of]
+    rh, ths = host[r], host[ts]
+    m = table.method if one_each else table.method[t_of]
+    parts = []  # (transfer, out link, in link, bytes)
+
+    # p2p: one copy per receiver, over the NICs or inside the host; local: a chain sender -> r1 -> r2 ...
+    plain = m != _BROADCAST
+    nic = (m == _P2P) & (rh != ths)
+    prev = ts
+    if not one_each and (m == _LOCAL).any():
+        e = np.arange(len(r))
+        chained = (m == _LOCAL) & (e != table.recv_ptr[t_of])
+        prev = np.where(chained, r[np.maximum(e - 1, 0)], ts)
+    out_link = np.where(nic, ths, num_hosts + prev)
+    in_link = np.where(nic, rh, num_hosts + r)
+    weight = nbytes if one_each else nbytes[t_of]
+    if plain.all():
+        parts.append((t_of, out_link, in_link, weight))
+    else:
+        parts.append((t_of[plain], out_link[plain], in_link[plain], weight[plain]))
+        parts.extend(_broadcast_flows(table, t_of, m, rh, ths, nbytes, num_hosts))
+
+    t = np.concatenate([p[0] for p in parts])
+    out_link = np.concatenate([p[1] for p in parts])
+    in_link = np.concatenate([p[2] for p in parts])
+    weight = np.concatenate([p[3] for p in parts])
+    links = num_hosts + num_devices
+    if n and table.phase.min() == table.phase.max():
+        phases = table.phase[:1].tolist()
+    else:
+        phases, phase_of = np.unique(table.phase, return_inverse=True)
+        phases = phases.tolist()
+        out_link = out_link + phase_of.reshape(-1)[t] * links
+        in_link = in_link + phase_of.reshape(-1)[t] * links
+    size = len(phases) * links
+    sent, received = _sums(out_link, weight, size), _sums(in_link, weight, size)
+    sending, receiving = np.bincount(out_link, minlength=size), np.bincount(in_link, minlength=size)
+    hosts, devices = table.space.hosts, table.space.devices
+    out = []
+    for i, phase in enumerate(phases):
+        load = PhaseLoad(phase)
+        for values, present, nic_side, intra_side in ((sent, sending, load.send, load.dev_out),
+                                                       (received, receiving, load.recv, load.dev_in)):
+            base = i * links
+            for j in np.flatnonzero(present[base:base + links]).tolist():
+                if j < num_hosts:
+                    nic_side[hosts[j]] = int(values[base + j])
+                else:
+                    intra_side[devices[j - num_hosts]] = int(values[base + j])
+        out.append(load)
+    return out
+
+
+def _broadcast_flows(table, t_of, m, rh, ths, nbytes, num_hosts) -> list[tuple]:
+    """The flows of the broadcasts of a table, as `table_phase_loads` numbers them: each host's receivers chained
+    in their order (the sender first on its own host), once for the sender's host and once per time the route
+    names the host; the route hop by hop over the NICs."""
+    n = len(table)
+    r = table.recv
+    q_of = np.repeat(np.arange(n), np.diff(table.route_ptr))
+    hop = np.flatnonzero(table.method[q_of] == _BROADCAST)
+    codes, times = np.unique(q_of[hop] * num_hosts + table.route[hop], return_counts=True)
+    e = np.flatnonzero(m == _BROADCAST)
+    key = t_of[e] * num_hosts + rh[e]
+    order = np.argsort(key, kind="stable")
+    e, key = e[order], key[order]
+    first = np.ones(len(e), dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    routed = np.zeros(len(e), dtype=np.int64)
+    if len(codes):
+        at = np.minimum(np.searchsorted(codes, key), len(codes) - 1)
+        hit = codes[at] == key
+        routed[hit] = times[at[hit]]
+    home = rh[e] == ths[e]
+    times_chained = routed + home
+    link = ~first & (times_chained > 0)
+    prev = np.empty(len(e), dtype=np.int64)
+    prev[1:] = r[e[:-1]]
+    start = first & home
+    hs = table.space.device_host[table.sender]
+    from_host = np.where(hop == table.route_ptr[q_of[hop]], hs[q_of[hop]], table.route[np.maximum(hop - 1, 0)])
+    return [
+        (t_of[e[link]], num_hosts + prev[link], num_hosts + r[e[link]], nbytes[t_of[e[link]]] * times_chained[link]),
+        (t_of[e[start]], num_hosts + table.sender[t_of[e[start]]], num_hosts + r[e[start]], nbytes[t_of[e[start]]]),
+        (q_of[hop], from_host, table.route[hop], nbytes[q_of[hop]]),
+    ]
+
+
+def phase_seconds(loads: Iterable[PhaseLoad], topology: Topology, hosts: HostCache | None = None) -> float:
+    """Seconds on the fluid model of the given phase loads: per phase the busiest link, phases added."""
+    hosts = hosts if hosts is not None else HostCache()
+    return sum(p.seconds(topology, hosts)[0] for p in loads)
+
+
+def estimate_seconds(transfers: Iterable, itemsize: int, topology: Topology, hosts: HostCache | None = None) -> float:
+    hosts = hosts if hosts is not None else HostCache()
     return sum(p.seconds(topology, hosts)[0] for p in phase_loads(transfers, itemsize, hosts))
 
 
-def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology) -> float:
+def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology, hosts: HostCache | None = None) -> float:
     """What no plan can beat.
 
     A host must receive every byte its devices need and no device of it holds;
@@ -287,15 +434,15 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology) -> f
     other host needs it; and all needed bytes together must leave their holders
     through the holders' NICs combined.
     """
-    hosts = HostCache()
+    if isinstance(tasks, UnitTasks) and len(tasks) >= COLUMNS_FROM:
+        return _columns_lower_bound(tasks, itemsize, topology)
+    hosts = hosts if hosts is not None else HostCache()
     need: dict[str, int] = defaultdict(int)
     sole: dict[str, int] = defaultdict(int)
     leaving = 0
     sources: set[str] = set()
-    for task in tasks:
-        n = task.num_elements * itemsize
-        holders = {hosts[d] for d in task.senders}
-        wanting = {hosts[d] for d in task.receivers} - holders
+    for n, holders, wanting in _host_sets(tasks, hosts):
+        n *= itemsize
         for h in wanting:
             need[h] += n
         if wanting:
@@ -304,11 +451,75 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology) -> f
             if len(holders) == 1:
                 sole[next(iter(holders))] += n
     best = 0.0
+    rate: dict[str, float] = {}
     for loads in (need, sole):
         for h, b in loads.items():
-            best = max(best, b / topology.nic_bytes_per_s(h))
+            if h not in rate:
+                rate[h] = topology.nic_bytes_per_s(h)
+            best = max(best, b / rate[h])
     if sources:
         # Every needed byte leaves one of its holders at least once, and all holders together
         # send no faster than their NICs added up.
-        best = max(best, leaving / sum(topology.nic_bytes_per_s(h) for h in sources))
+        best = max(best, leaving / sum(rate.get(h) or topology.nic_bytes_per_s(h) for h in sources))
+    return best
+
+
+def _host_sets(tasks: Iterable, hosts: HostCache):
+    """Per task: its element count, the hosts holding its box, the other hosts wanting it. Columnar tasks name
+    a few groups of devices many times; their host sets are made once per group."""
+    if not isinstance(tasks, UnitTasks):
+        for task in tasks:
+            holders = {hosts[d] for d in task.senders}
+            yield task.num_elements, holders, {hosts[d] for d in task.receivers} - holders
+        return
+    holder_sets = [{hosts[d] for d in g} for g in tasks.senders]
+    wanted_sets = [{hosts[d] for d in g} for g in tasks.receivers]
+    wanting: dict[tuple[int, int], set[str]] = {}
+    for n, g, q in zip(tasks.num_elements.tolist(), tasks.sender_group.tolist(), tasks.receiver_group.tolist()):
+        w = wanting.get((g, q))
+        if w is None:
+            w = wanting[g, q] = wanted_sets[q] - holder_sets[g]
+        yield n, holder_sets[g], w
+
+
+def _columns_lower_bound(tasks: UnitTasks, itemsize: int, topology: Topology) -> float:
+    """`lower_bound_seconds` on columns: a task's holder hosts are its sender group's, its wanting hosts its
+    receiver group's hosts less those."""
+    host_ids: dict[str, int] = {}
+    holder_hosts = [{host_ids.setdefault(host_of(d), len(host_ids)) for d in group} for group in tasks.senders]
+    wanted = [list(dict.fromkeys(host_ids.setdefault(host_of(d), len(host_ids)) for d in group))
+              for group in tasks.receivers]
+    num_hosts = len(host_ids)
+    holds = np.zeros((len(holder_hosts), num_hosts), dtype=bool)
+    for g, hs in enumerate(holder_hosts):
+        holds[g, list(hs)] = True
+    per_group = np.array([len(w) for w in wanted], dtype=np.int64)
+    group_start = np.zeros(len(wanted), dtype=np.int64)
+    np.cumsum(per_group[:-1], out=group_start[1:])
+    flat = np.array([h for w in wanted for h in w], dtype=np.int64)
+    q, g = tasks.receiver_group, tasks.sender_group
+    count = per_group[q]
+    t_of = np.repeat(np.arange(len(tasks)), count)
+    offset = np.arange(len(t_of)) - np.repeat(np.cumsum(count) - count, count)
+    h = flat[group_start[q][t_of] + offset]
+    wanting = ~holds[g[t_of], h]
+    nbytes = tasks.num_elements * itemsize
+    if nbytes.dtype != object and float(nbytes.astype(float) @ count) >= 2**61:
+        nbytes = nbytes.astype(object)
+    need = _sums(h[wanting], nbytes[t_of[wanting]], num_hosts)
+    leaves = np.zeros(len(tasks), dtype=bool)
+    leaves[t_of[wanting]] = True
+    sole_host = np.where(holds.sum(axis=1) == 1, holds.argmax(axis=1), -1)[g]
+    alone = leaves & (sole_host >= 0)
+    sole = _sums(sole_host[alone], nbytes[alone], num_hosts)
+    names = list(host_ids)
+    bw = [topology.nic_bytes_per_s(name) for name in names]
+    best = 0.0
+    for loads in (need, sole):
+        for i in np.flatnonzero(loads).tolist():
+            best = max(best, int(loads[i]) / bw[i])
+    if leaves.any():
+        sources = holds[np.unique(g[leaves])].any(axis=0)
+        leaving = int(nbytes[leaves].sum()) if nbytes.dtype != object else sum(nbytes[leaves].tolist())
+        best = max(best, leaving / sum(bw[i] for i in np.flatnonzero(sources).tolist()))
     return best

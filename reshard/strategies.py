@@ -17,25 +17,45 @@ auto              ours, the default: local copies where a receiver's host holds 
                   idle as possible, point-to-point where a broadcast buys nothing;
                   and never worse on the cost model than any other strategy
 ================= ==============================================================
+
+Unit tasks come as columns (`reshard.tasks.UnitTasks`). `auto` assigns them one by
+one, largest first, except the run of tasks at the end of that order that have one
+sender and one receiver each: nothing is chosen for those, so they become transfer
+columns in one numpy pass (the all-to-all of a large reshard is all such tasks).
+
+`Loads` is the greedy's record of what the transfers chosen so far put on each
+NIC. `plan(..., loads=...)` plans against a given record and adds to it, so that
+the reshards of a whole state dict planned one after another balance each other.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
-from itertools import permutations
-from typing import Callable, Optional
+from functools import lru_cache
+from itertools import chain, permutations
+from typing import Callable, Optional, Union
+
+import numpy as np
 
 from reshard import box as boxes
-from reshard.cost import HostCache, estimate_seconds, lower_bound_seconds
+from reshard.cost import (
+    COLUMNS_FROM,
+    HostCache,
+    estimate_seconds,
+    lower_bound_seconds,
+    phase_seconds,
+    table_phase_loads,
+)
 from reshard.dtypes import dtype_name, itemsize
-from reshard.errors import InvalidShardingError
-from reshard.plan import Plan, Transfer
+from reshard.errors import InvalidShardingError, InvalidTopologyError
+from reshard.plan import LOCAL, P2P, DeviceSpace, Plan, Transfer, TransferTable, device_space
 from reshard.sharding import Sharding
-from reshard.tasks import UnitTask, decompose
+from reshard.tasks import UnitTask, UnitTasks, decompose
 from reshard.topology import Topology
 
-__all__ = ["plan", "STRATEGIES", "BASELINES"]
+__all__ = ["plan", "Loads", "STRATEGIES", "BASELINES"]
 
 BASELINES = ("send_recv", "local_allgather", "broadcast")
 STRATEGIES = (*BASELINES, "auto")
@@ -44,6 +64,13 @@ STRATEGIES = (*BASELINES, "auto")
 _MAX_STRIPES = 4
 # Order a chain's forwarding hosts by trying every order up to this many of them, greedily beyond.
 _EXHAUSTIVE_ROUTE = 4
+# Chains over more than this many hosts are routed by `_long_routes`, in time linear in their hosts: the search of
+# `_chain_order` grows with the cube of them (a nearest-neighbour walk for each host tied for last).
+_GREEDY_ROUTE = 16
+# `_long_routes` tries this many strides.
+_STRIDES = 4
+# A shorter run of one-to-one tasks at the end of auto's order is cheaper in the loop than in numpy.
+_BULK_FROM = 256
 
 
 def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[str]]:
@@ -51,6 +78,13 @@ def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[s
     for d in devices:
         out[hosts[d]].append(d)
     return out
+
+
+@lru_cache(maxsize=4096)
+def _by_host(devices: tuple[str, ...]) -> dict[str, list[str]]:
+    """`_group_by_host` of a tile group, kept: the reshards of a state dict name the same groups again and again.
+    Callers must not change the result."""
+    return dict(_group_by_host(devices, HostCache()))
 
 
 def _deliver(box, sender: str, receivers: list[str], hosts: HostCache, phase: int = 0) -> Transfer:
@@ -113,17 +147,26 @@ def _broadcast(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size
 # -- auto ---------------------------------------------------------------------------------
 
 
-class _Loads:
-    """NIC seconds per host and direction, and bytes per (from, to) host pair, kept while the greedy assigns
-    unit tasks."""
+class Loads:
+    """NIC seconds per host and direction, bytes per (from, to) host pair and bytes each device sends as local
+    copies, kept while the greedy assigns unit tasks. Give one to `plan` (``loads=``) of many reshards on the same
+    ``topology`` to balance them against each other."""
 
     def __init__(self, topology: Topology):
         self.topology = topology
         self.send: dict[str, float] = defaultdict(float)
         self.recv: dict[str, float] = defaultdict(float)
         self.pairs: dict[tuple[str, str], float] = defaultdict(float)
+        self.next_hops: dict[str, set[str]] = defaultdict(set)  # the hosts each host has a pair (bytes) to
+        self.local_out: dict[str, int] = defaultdict(int)
         self.peak = 0.0
         self._bw: dict[str, float] = {}
+
+    def bandwidth(self, host: str) -> float:
+        bw = self._bw.get(host)
+        if bw is None:
+            bw = self._bw[host] = self.topology.nic_bytes_per_s(host)
+        return bw
 
     def seconds(self, host: str, nbytes: float) -> float:
         bw = self._bw.get(host)
@@ -153,11 +196,50 @@ class _Loads:
     def add_path(self, sender: str, route: Sequence[str], nbytes: float) -> None:
         for a, b in zip((sender, *route), route):
             self.pairs[a, b] += nbytes
+            self.next_hops[a].add(b)
+
+    def add_columns(self, space: DeviceSpace, sender: np.ndarray, receiver: np.ndarray, nbytes: np.ndarray) -> None:
+        """Add one-to-one transfers, device numbers of ``space``, in order: a local copy where both are on one host,
+        else a point-to-point send. Each figure ends as one call per transfer would leave it: NIC seconds get the
+        same float additions in the same order (``np.add.at`` adds in order), and byte counts are exact sums."""
+        hs, hr = space.device_host[sender], space.device_host[receiver]
+        local = hs == hr
+        devices, names = space.devices, space.hosts
+        out = np.bincount(sender[local], minlength=len(devices))
+        for d, b in zip(np.flatnonzero(out).tolist(), _exact_sums(sender[local], nbytes[local], len(devices))):
+            self.local_out[devices[d]] += b
+        hs, hr, nbytes = hs[~local], hr[~local], nbytes[~local]
+        bw = np.array([self.topology.nic_bytes_per_s(h) for h in names])
+        for figure, host in ((self.send, hs), (self.recv, hr)):
+            totals = np.array([figure.get(h, 0.0) for h in names])
+            np.add.at(totals, host, nbytes.astype(float) / bw[host])
+            touched = np.flatnonzero(np.bincount(host, minlength=len(names))).tolist()
+            for h in touched:
+                figure[names[h]] = float(totals[h])
+            if touched:
+                self.peak = max(self.peak, float(totals[touched].max()))
+        pair = hs * len(names) + hr
+        used, at = np.unique(pair, return_inverse=True)
+        for p, b in zip(used.tolist(), _exact_sums(at.reshape(-1), nbytes, len(used))):
+            a, z = names[p // len(names)], names[p % len(names)]
+            self.pairs[a, z] += b
+            self.next_hops[a].add(z)
 
 
-def _chain_order(sender: str, remote: list[str], loads: _Loads) -> list[str]:
-    """Route order: a host with the most send load goes last, as the last host forwards nothing; the others
-    in the order whose hops carry the fewest bytes already planned between the same two hosts.
+def _exact_sums(index: np.ndarray, values: np.ndarray, size: int) -> list[int]:
+    """Per index that occurs, in index order, the exact sum of its values (integers)."""
+    present = np.flatnonzero(np.bincount(index, minlength=size))
+    if values.dtype != object and (not len(values) or float(values.sum(dtype=float)) < 2**53):
+        return np.bincount(index, values, minlength=size)[present].astype(np.int64).tolist()
+    out = np.zeros(size, dtype=object)
+    np.add.at(out, index, values.astype(object))
+    return out[present].tolist()
+
+
+def _chain_order(sender: str, order: list[str], loads: Loads) -> list[str]:
+    """Route order of the hosts ``order`` (sorted by send load, then name): a host with the most send load goes
+    last, as the last host forwards nothing; the others in the order whose hops carry the fewest bytes already
+    planned between the same two hosts.
 
     Agents send all streams between two hosts over one connection (gloo's pair of the two ranks), and the
     kernel shares a NIC fairly between connections, not streams: two chains that cross the same pair of hosts
@@ -165,8 +247,12 @@ def _chain_order(sender: str, remote: list[str], loads: _Loads) -> list[str]:
     rate of its slowest hop. Spreading the hops over distinct pairs keeps every stream at its fair share (an
     all-gather over n hosts then uses each ordered pair once).
     """
-    order = sorted(remote, key=lambda h: (loads.send[h], h))
     if len(order) < 2:
+        return order
+    # No bytes planned yet over any hop this chain could take: every order costs nothing, and the first in load
+    # order (the search's answer) is the load order itself.
+    within = set(order)
+    if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in (sender, *order)):
         return order
     top = loads.send[order[-1]]
     lasts = [h for h in order if loads.send[h] >= top * (1 - 1e-9)]
@@ -196,35 +282,111 @@ def _chain_order(sender: str, remote: list[str], loads: _Loads) -> list[str]:
     return best[1]
 
 
-def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int) -> list[Transfer]:
-    loads = _Loads(topology)
-    local_out: dict[str, int] = defaultdict(int)
+def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]]:
+    """Routes for a chain over more than `_GREEDY_ROUTE` hosts (``order``: sorted by send load, then name), each
+    with the bytes planned so far over its hops: the most loaded host last, as `_chain_order` puts it, and the
+    others in load order taken at a stride, for the first `_STRIDES` strides coprime to their number. Routes of
+    coprime strides share no hop, so chains over the same hosts spread over distinct pairs, as `_chain_order`
+    seeks, in time linear in the hosts where its search grows with their cube."""
+    *rest, last = order
+    n = len(rest)
+    pairs = loads.pairs
+    within = set(order)
+    if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in order):
+        # No bytes planned between these hosts: every stride's hops cost nothing, and all start at rest[0].
+        return [(0.0, order)]
+    out = []
+    for stride in range(1, n + 1):
+        if len(out) == _STRIDES:
+            break
+        if math.gcd(stride, n) != 1:
+            continue
+        route = [rest[i * stride % n] for i in range(n)]
+        route.append(last)
+        cost = 0.0
+        for a, b in zip(route, route[1:]):
+            cost += pairs.get((a, b), 0.0)
+        out.append((cost, route))
+    return out
+
+
+def _long_route(sender: str, routes: list[tuple[float, list[str]]], loads: Loads) -> list[str]:
+    """Of `_long_routes`, the one whose hops from ``sender`` on carry the fewest bytes (the first on a tie)."""
+    pairs = loads.pairs
+    return min(routes, key=lambda r: pairs.get((sender, r[1][0]), 0.0) + r[0])[1]
+
+
+def _auto(tasks: UnitTasks, hosts: HostCache, topology: Topology, size: int,
+          space: Optional[DeviceSpace] = None, loads: Optional[Loads] = None) -> Union[list[Transfer], TransferTable]:
+    """Auto's transfers, planned against ``loads`` (new ones if None); columns where a run of one-to-one tasks
+    ends the order and ``space`` numbers the devices."""
+    loads = loads if loads is not None else Loads(topology)
+    order = np.argsort(-tasks.num_elements, kind="stable")
+    one_sender = np.array([len(g) == 1 for g in tasks.senders], dtype=bool)
+    one_receiver = np.array([len(g) == 1 for g in tasks.receivers], dtype=bool)
+    chosen = np.flatnonzero(~(one_sender[tasks.sender_group] & one_receiver[tasks.receiver_group])[order])
+    # The one-to-one tasks after the last task with a choice affect no choice of this plan: columns for them.
+    cut = int(chosen[-1]) + 1 if len(chosen) else 0
+    if len(order) - cut < _BULK_FROM or space is None:
+        return _auto_loop(tasks, order, hosts, size, loads)
+    head = _auto_loop(tasks, order[:cut], hosts, size, loads)
+    tail = _one_to_one(tasks, order[cut:], space, size, loads)
+    return TransferTable.concat(TransferTable.from_transfers(head, tasks.lo.shape[1], space), tail) if head else tail
+
+
+def _one_to_one(tasks: UnitTasks, order: np.ndarray, space: DeviceSpace, size: int, loads: Loads) -> TransferTable:
+    """The transfers of tasks of one sender and one receiver each, taken in ``order``, as columns."""
+    position = space.position
+    first_sender = np.array([position[g[0]] for g in tasks.senders], dtype=np.int64)
+    first_receiver = np.array([position[g[0]] for g in tasks.receivers], dtype=np.int64)
+    sender = first_sender[tasks.sender_group[order]]
+    receiver = first_receiver[tasks.receiver_group[order]]
+    loads.add_columns(space, sender, receiver, tasks.num_elements[order] * size)
+    local = space.device_host[sender] == space.device_host[receiver]
+    n = len(order)
+    return TransferTable(space, tasks.lo[order], tasks.hi[order], sender,
+                         np.where(local, LOCAL, P2P).astype(np.int8), np.zeros(n, dtype=np.int64),
+                         np.arange(n + 1, dtype=np.int64), receiver, np.zeros(n + 1, dtype=np.int64),
+                         np.zeros(0, dtype=np.int64))
+
+
+def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int, loads: Loads) -> list[Transfer]:
+    """Auto's greedy over the tasks ``order`` names, one by one."""
+    local_out = loads.local_out
     out: list[Transfer] = []
-    order = sorted(range(len(tasks)), key=lambda i: -tasks[i].num_elements)
-    for i in order:
-        t = tasks[i]
-        nbytes = t.num_elements * size
-        if len(t.senders) == 1 and len(t.receivers) == 1:
+    holders_of: dict[int, dict[str, list[str]]] = {}
+    wanting_of: dict[int, dict[str, list[str]]] = {}
+    for lo, hi, num, g, q in zip(tasks.lo[order].tolist(), tasks.hi[order].tolist(),
+                                 tasks.num_elements[order].tolist(), tasks.sender_group[order].tolist(),
+                                 tasks.receiver_group[order].tolist()):
+        box = tuple(zip(lo, hi))
+        senders, receivers = tasks.senders[g], tasks.receivers[q]
+        nbytes = num * size
+        if len(senders) == 1 and len(receivers) == 1:
             # The all-to-all shape of most large reshards: nothing to choose.
-            s, r = t.senders[0], t.receivers[0]
+            s, r = senders[0], receivers[0]
             hs, hr = hosts[s], hosts[r]
             if hs == hr:
                 local_out[s] += nbytes
-                out.append(Transfer(t.box, s, t.receivers, "local"))
+                out.append(Transfer(box, s, receivers, "local"))
             else:
                 loads.add_recv(hr, loads.seconds(hr, nbytes))
                 loads.add_send({hs: loads.seconds(hs, nbytes)})
                 loads.add_path(hs, (hr,), nbytes)
-                out.append(Transfer(t.box, s, t.receivers, "p2p"))
+                out.append(Transfer(box, s, receivers, "p2p"))
             continue
-        holders = _group_by_host(t.senders, hosts)
-        wanting = _group_by_host(t.receivers, hosts)
+        holders = holders_of.get(g)
+        if holders is None:
+            holders = holders_of[g] = _by_host(senders)
+        wanting = wanting_of.get(q)
+        if wanting is None:
+            wanting = wanting_of[q] = _by_host(receivers)
         # A receiver whose host holds a replica copies it locally: no NIC involved.
         for h, group in wanting.items():
             if h in holders:
                 s = min(holders[h], key=lambda d: local_out[d])
                 local_out[s] += nbytes
-                out.append(Transfer(t.box, s, tuple(group), "local"))
+                out.append(Transfer(box, s, tuple(group), "local"))
         remote = [h for h in wanting if h not in holders]
         if not remote:
             continue
@@ -235,16 +397,21 @@ def _auto(tasks: list[UnitTask], hosts: HostCache, topology: Topology, size: int
             (hs, group), = holders.items()
             loads.add_send({hs: loads.seconds(hs, nbytes)})
             loads.add_path(hs, remote, nbytes)
-            out.append(_deliver(t.box, group[0], wanting[remote[0]], hosts))
+            out.append(_deliver(box, group[0], wanting[remote[0]], hosts))
             continue
-        out.extend(_best_delivery(t, nbytes, holders, wanting, remote, loads, hosts))
+        out.extend(_best_delivery(box, num, nbytes, holders, wanting, remote, loads, hosts))
     return out
 
 
-def _best_delivery(t: UnitTask, nbytes: int, holders, wanting, remote, loads: _Loads, hosts) -> list[Transfer]:
+def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
+                   hosts) -> list[Transfer]:
     """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest."""
+    if len(remote) > _GREEDY_ROUTE:
+        return _best_long_delivery(box, num_elements, nbytes, holders, wanting, remote, loads, hosts)
     candidates = sorted(holders, key=lambda h: (loads.send[h], h))
+    order = sorted(remote, key=lambda h: (loads.send[h], h))
     options: list[tuple[tuple[float, float], Callable[[], list[Transfer]]]] = []
+    whole = {h: loads.seconds(h, nbytes) for h in order}
 
     def chain_delta(hs: str, route: list[str], share: float, delta: dict[str, float]) -> None:
         delta[hs] = delta.get(hs, 0.0) + loads.seconds(hs, share)
@@ -252,27 +419,29 @@ def _best_delivery(t: UnitTask, nbytes: int, holders, wanting, remote, loads: _L
             delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
 
     for hs in candidates[:_MAX_STRIPES]:
-        route = _chain_order(hs, remote, loads)
-        delta: dict[str, float] = {}
-        chain_delta(hs, route, nbytes, delta)
+        route = _chain_order(hs, order, loads)
+        # As chain_delta(hs, route, nbytes, {}), with the route hosts' seconds worked out once for all senders.
+        delta: dict[str, float] = {hs: loads.seconds(hs, nbytes)}
+        for h in route[:-1]:
+            delta[h] = whole[h]
         options.append((loads.score(delta), lambda hs=hs, route=route, delta=delta: _emit_chain(
-            t.box, hs, holders[hs][0], route, nbytes, wanting, loads, delta)))
+            box, hs, holders[hs][0], route, nbytes, wanting, loads, delta)))
         if len(remote) > 1:
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), lambda hs=hs, star=star: _emit_star(
-                t.box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
+                box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
     k = min(len(candidates), _MAX_STRIPES)
-    pieces = boxes.split(t.box, k) if k > 1 else []
+    pieces = boxes.split(box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
-        base = sorted(remote, key=lambda h: (loads.send[h], h))
+        base = order
         plan_parts = []
         delta = {}
         for j, piece in enumerate(pieces):
             hs = candidates[j]
             # Rotate the chain so that each stripe ends on a different host.
             route = base[j % len(base):] + base[:j % len(base)] if len(base) > 1 else base
-            share = boxes.volume(piece) * nbytes / t.num_elements
+            share = boxes.volume(piece) * nbytes / num_elements
             chain_delta(hs, route, share, delta)
             plan_parts.append((piece, hs, holders[hs][0], route, share))
         options.append((loads.score(delta), lambda parts=plan_parts, delta=delta: _emit_stripes(
@@ -281,28 +450,94 @@ def _best_delivery(t: UnitTask, nbytes: int, holders, wanting, remote, loads: _L
     return emit()
 
 
-def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: _Loads, delta) -> list[Transfer]:
+def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
+                        hosts) -> list[Transfer]:
+    """`_best_delivery` for more than `_GREEDY_ROUTE` receiving hosts: the same options, routes from
+    `_long_routes`, scored over all hosts at once with numpy. Every such route makes all receiving hosts but the
+    most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
+    send = loads.send
+    candidates = sorted(holders, key=lambda h: (send[h], h))
+    order = sorted(remote, key=lambda h: (send[h], h))
+    routes = _long_routes(order, loads)
+    bw = np.array([loads.bandwidth(h) for h in order])
+    old = np.array([send[h] for h in order])
+    whole = nbytes / bw
+    forward = old[:-1] + whole[:-1]
+    forward_peak = float(forward.max())
+    forward_sq = float(np.sum(forward * forward - old[:-1] * old[:-1]))
+    options: list[tuple[tuple[float, float], int, Callable[[], list[Transfer]]]] = []
+
+    def option(score, emit) -> None:
+        options.append((score, len(options), emit))
+
+    for hs in candidates[:_MAX_STRIPES]:
+        mine, was = loads.seconds(hs, nbytes), send[hs]
+        new = was + mine
+        route = _long_route(hs, routes, loads)
+        option((max(loads.peak, new, forward_peak), new * new - was * was + forward_sq),
+               lambda hs=hs, route=route, mine=mine: _emit_chain(
+                   box, hs, holders[hs][0], route, nbytes, wanting, loads,
+                   {hs: mine, **{h: float(x) for h, x in zip(order[:-1], whole[:-1].tolist())}}))
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        new = was + star[hs]
+        option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
+            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts))
+    k = min(len(candidates), _MAX_STRIPES)
+    pieces = [p for p in (boxes.split(box, k) if k > 1 else []) if boxes.volume(p)]
+    if len(pieces) > 1:
+        n = len(order)
+        added = np.zeros(n)
+        parts, delta = [], {}
+        for j, piece in enumerate(pieces):
+            hs = candidates[j]
+            # Rotate the chain so that each stripe ends on a different host, as _best_delivery does.
+            route = order[j % n:] + order[:j % n]
+            share = boxes.volume(piece) * nbytes / num_elements
+            stripe = share / bw
+            stripe[(j - 1) % n] = 0.0  # the stripe's last host forwards nothing
+            added += stripe
+            delta[hs] = loads.seconds(hs, share)
+            parts.append((piece, hs, holders[hs][0], route, share))
+        new_hosts = np.array([send[h] for h in delta]) + np.array(list(delta.values()))
+        old_hosts = np.array([send[h] for h in delta])
+        new_order = old + added
+        score = (max(loads.peak, float(new_order.max()), float(new_hosts.max())),
+                 float(np.sum(new_hosts * new_hosts - old_hosts * old_hosts))
+                 + float(np.sum(new_order * new_order - old * old)))
+        delta.update((h, float(x)) for h, x in zip(order, added.tolist()) if x)
+        option(score, lambda parts=parts, delta=delta: _emit_stripes(parts, wanting, loads, delta))
+    return min(options, key=lambda o: o[:2])[2]()
+
+
+def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) -> list[Transfer]:
     loads.add_send(delta)
     loads.add_path(hs, route, nbytes)
-    receivers = tuple(r for h in route for r in wanting[h])
+    receivers = tuple(chain.from_iterable(wanting[h] for h in route))
     if len(receivers) == 1:
         return [Transfer(box, sender, receivers, "p2p")]
     return [Transfer(box, sender, receivers, "broadcast", 0, tuple(route))]
 
 
-def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: _Loads, delta, hosts) -> list[Transfer]:
+def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> list[Transfer]:
     loads.add_send(delta)
+    pairs, next_hops = loads.pairs, loads.next_hops[hs]
+    out = []
     for h in remote:
-        loads.add_path(hs, (h,), nbytes)
-    return [_deliver(box, sender, wanting[h], hosts) for h in remote]
+        pairs[hs, h] += nbytes
+        next_hops.add(h)
+        # As _deliver(box, sender, wanting[h], hosts): every receiver is on h, another host than the sender's.
+        group = tuple(wanting[h])
+        out.append(Transfer(box, sender, group, "p2p") if len(group) == 1
+                   else Transfer(box, sender, group, "broadcast", 0, (h,)))
+    return out
 
 
-def _emit_stripes(parts, wanting, loads: _Loads, delta) -> list[Transfer]:
+def _emit_stripes(parts, wanting, loads: Loads, delta) -> list[Transfer]:
     loads.add_send(delta)
     out = []
     for piece, hs, sender, route, nbytes in parts:
         loads.add_path(hs, route, nbytes)
-        receivers = tuple(r for h in route for r in wanting[h])
+        receivers = tuple(chain.from_iterable(wanting[h] for h in route))
         if len(receivers) == 1:
             out.append(Transfer(piece, sender, receivers, "p2p"))
         else:
@@ -325,11 +560,17 @@ def plan(
     dst: Sharding,
     topology: Optional[Topology] = None,
     strategy: str = "auto",
+    loads: Optional[Loads] = None,
 ) -> Plan:
     """Plan moving a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``.
 
     ``strategy`` is one of ``send_recv``, ``local_allgather``, ``broadcast`` or
     ``auto`` (the default, never worse than the others on the cost model).
+
+    ``loads`` (strategy ``auto``): the NIC loads of transfers planned before, on the
+    same topology (``topology`` may then be left out). The greedy balances this
+    plan's transfers against them and adds them in; as the plan is one part of a
+    larger whole, it is not swapped for a baseline that would be cheaper alone.
     """
     if strategy not in _BUILDERS:
         raise InvalidShardingError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
@@ -343,28 +584,55 @@ def plan(
                 f"so it would copy addends as if they were the tensor; use reshard.reshard_program, which adds the "
                 f"reduce steps"
             )
+    if loads is not None:
+        if strategy != "auto":
+            raise InvalidShardingError(
+                f"loads= balances the plans of strategy 'auto' against each other; strategy {strategy!r} takes no "
+                f"loads (leave loads out, or use strategy 'auto')")
+        if topology is not None and topology != loads.topology:
+            raise InvalidTopologyError(
+                f"the loads were added up on {loads.topology}, but this plan is for {topology}; plan on the "
+                f"loads' topology (leave topology out) or start new Loads(topology)")
+        topology = loads.topology
     shape = dst.check_shape(src.check_shape(shape))
     dtype = dtype_name(dtype)
     topology = topology or Topology()
     size = itemsize(dtype)
     tasks = decompose(shape, src, dst)
-    hosts = HostCache()
-    transfers = _BUILDERS[strategy](tasks, hosts, topology, size)
+    space = device_space(src.mesh, dst.mesh)
+    hosts = space.host_of
     if strategy == "auto":
-        transfers = _never_worse(transfers, tasks, hosts, topology, size)
-    result = Plan(shape, dtype, src, dst, strategy, tuple(transfers), topology)
-    result.__dict__["unit_tasks"] = tasks
+        transfers = _auto(tasks, hosts, topology, size, space, loads)
+    else:
+        transfers = _BUILDERS[strategy](tasks, hosts, topology, size)
+    figures = {}
+    if strategy == "auto" and loads is None:
+        transfers, figures = _never_worse(transfers, tasks, hosts, topology, size, space)
+    result = Plan(shape, dtype, src, dst, strategy,
+                  transfers if isinstance(transfers, TransferTable) else tuple(transfers), topology)
+    result.__dict__.update(figures, unit_tasks=tasks)
     return result
 
 
-def _never_worse(transfers, tasks, hosts, topology, size) -> list[Transfer]:
-    """Keep auto's own plan unless a baseline is cheaper on the cost model."""
-    best = estimate_seconds(transfers, size, topology)
-    if best <= lower_bound_seconds(tasks, size, topology) * (1 + 1e-9):
-        return transfers
-    for name in BASELINES:
-        other = _BUILDERS[name](tasks, hosts, topology, size)
-        cost = estimate_seconds(other, size, topology)
-        if cost < best * (1 - 1e-9):
-            best, transfers = cost, other
-    return transfers
+def _estimate(transfers: Union[list[Transfer], TransferTable], size: int, topology: Topology, hosts: HostCache,
+              space: DeviceSpace, ndim: int) -> float:
+    """`Plan.estimate` of ``transfers``: on columns when they deliver to many devices (a flow per receiver)."""
+    if not isinstance(transfers, TransferTable) and sum(len(t.receivers) for t in transfers) >= COLUMNS_FROM:
+        transfers = TransferTable.from_transfers(transfers, ndim, space)
+    if isinstance(transfers, TransferTable):
+        return phase_seconds(table_phase_loads(transfers, size), topology, hosts)
+    return estimate_seconds(transfers, size, topology, hosts)
+
+
+def _never_worse(transfers, tasks, hosts, topology, size, space) -> tuple[Union[list[Transfer], TransferTable], dict]:
+    """Keep auto's own plan unless a baseline is cheaper on the cost model; with the plan, its estimate and lower
+    bound (`Plan.estimate_seconds`, `Plan.lower_bound_seconds`), figured out on the way."""
+    best = _estimate(transfers, size, topology, hosts, space, tasks.lo.shape[1])
+    bound = lower_bound_seconds(tasks, size, topology, hosts)
+    if best > bound * (1 + 1e-9):
+        for name in BASELINES:
+            other = _BUILDERS[name](tasks, hosts, topology, size)
+            cost = _estimate(other, size, topology, hosts, space, tasks.lo.shape[1])
+            if cost < best * (1 - 1e-9):
+                best, transfers = cost, other
+    return transfers, {"estimate_seconds": best, "lower_bound_seconds": bound}
