@@ -33,7 +33,7 @@ import numpy as np
 from reshard.box import Box, box_str, to_slices, volume
 from reshard.client.frameworks import FrameworkAdapters
 from reshard.proto import devices
-from reshard.dtypes import dtype_name
+from reshard.dtypes import bfloat16_to_float32, dtype_name, float32_to_bfloat16
 from reshard.errors import ReshardError, ScaleLayoutError
 from reshard.many import scale_pairs, scale_sharding
 from reshard.mesh import host_of
@@ -478,14 +478,16 @@ class Client(FrameworkAdapters):
                 seen[key] = p
         partial = any(k[1] for k in seen)
         lock = threading.Lock()
+        # numpy holds bfloat16 as its bits: addends are summed as float32 numbers and rounded once at the end
+        bits16 = partial and t.dtype == "bfloat16"
         if to is None:
-            out = (np.zeros if partial else np.empty)(tuple(t.shape), dtype=np_dtype(t.dtype))
+            out = (np.zeros if partial else np.empty)(tuple(t.shape), dtype=np.float32 if bits16 else np_dtype(t.dtype))
 
             def fetch(tile: Box, p: pb.TileLocation) -> None:
                 values = self._download(name, t.version, p.device, p.address).reshape(tile_shape(tile))
                 with lock:
                     if partial:
-                        out[to_slices(tile)] += values
+                        out[to_slices(tile)] += bfloat16_to_float32(values) if bits16 else values
                     else:
                         out[to_slices(tile)] = values
         else:
@@ -503,6 +505,8 @@ class Client(FrameworkAdapters):
                         out[to_slices(tile)] = values
 
         fetches = [functools.partial(fetch, tile, p) for (tile, _), p in seen.items()]
+        if to is None and bits16:
+            return (lambda: _from_numpy(float32_to_bfloat16(out), t.dtype, t.kind)), fetches
         return (lambda: out if to is not None else _from_numpy(out, t.dtype, t.kind)), fetches
 
     # -- many tensors at once -------------------------------------------------------------------

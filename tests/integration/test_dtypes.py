@@ -127,8 +127,6 @@ def test_compute_on_float8_is_refused_and_changes_nothing(client, fresh_name):
                 pass
 
 
-@pytest.mark.xfail(strict=True, reason="a Partial bfloat16 tensor's addends are summed as their uint16 bits: by "
-                                       "c.get (client.py) and by the agents' ring reduce (transport/base.py)")
 def test_partial_bfloat16_addends_sum_as_numbers(client, fresh_name):
     mesh = _mesh(["host0", "host1"])
     partial = Sharding(mesh, ("x", None), partial=("y",))
