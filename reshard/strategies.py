@@ -81,10 +81,10 @@ def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[s
 
 
 @lru_cache(maxsize=4096)
-def _by_host(devices: tuple[str, ...]) -> dict[str, list[str]]:
-    """`_group_by_host` of a tile group, kept: the reshards of a state dict name the same groups again and again.
-    Callers must not change the result."""
-    return dict(_group_by_host(devices, HostCache()))
+def _by_host(devices: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """`_group_by_host` of a tile group, as tuples, kept: the reshards of a state dict name the same groups again
+    and again. Callers must not change the result."""
+    return {h: tuple(group) for h, group in _group_by_host(devices, HostCache()).items()}
 
 
 def _deliver(box, sender: str, receivers: list[str], hosts: HostCache, phase: int = 0) -> Transfer:
@@ -160,18 +160,18 @@ class Loads:
         self.next_hops: dict[str, set[str]] = defaultdict(set)  # the hosts each host has a pair (bytes) to
         self.local_out: dict[str, int] = defaultdict(int)
         self.peak = 0.0
-        self._bw: dict[str, float] = {}
+        self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
 
     def bandwidth(self, host: str) -> float:
-        bw = self._bw.get(host)
+        bw = self.bandwidths.get(host)
         if bw is None:
-            bw = self._bw[host] = self.topology.nic_bytes_per_s(host)
+            bw = self.bandwidths[host] = self.topology.nic_bytes_per_s(host)
         return bw
 
     def seconds(self, host: str, nbytes: float) -> float:
-        bw = self._bw.get(host)
+        bw = self.bandwidths.get(host)
         if bw is None:
-            bw = self._bw[host] = self.topology.nic_bytes_per_s(host)
+            bw = self.bandwidths[host] = self.topology.nic_bytes_per_s(host)
         return nbytes / bw
 
     def score(self, delta: dict[str, float]) -> tuple[float, float]:
@@ -192,6 +192,14 @@ class Loads:
     def add_recv(self, host: str, secs: float) -> None:
         self.recv[host] += secs
         self.peak = max(self.peak, self.recv[host])
+
+    def add_recv_all(self, hosts: Sequence[str], nbytes: float) -> None:
+        """``add_recv`` of ``nbytes`` on each of ``hosts`` (distinct), in one numpy pass: the same additions."""
+        recv, rates = self.recv, self.bandwidths
+        new = np.array([recv[h] for h in hosts]) + nbytes / np.array(
+            [rates[h] if h in rates else self.bandwidth(h) for h in hosts])
+        recv.update(zip(hosts, new.tolist()))
+        self.peak = max(self.peak, float(new.max()))
 
     def add_path(self, sender: str, route: Sequence[str], nbytes: float) -> None:
         for a, b in zip((sender, *route), route):
@@ -297,7 +305,8 @@ def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]
         return [(0.0, order)]
     out = []
     for stride in range(1, n + 1):
-        if len(out) == _STRIDES:
+        if len(out) == _STRIDES or out and out[0][0] == 0.0:
+            # Every route starts at rest[0], so the cheapest hops win, the smaller stride on a tie: none beats 0.
             break
         if math.gcd(stride, n) != 1:
             continue
@@ -390,8 +399,11 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
         remote = [h for h in wanting if h not in holders]
         if not remote:
             continue
-        for h in remote:
-            loads.add_recv(h, loads.seconds(h, nbytes))
+        if len(remote) > _GREEDY_ROUTE:
+            loads.add_recv_all(remote, nbytes)
+        else:
+            for h in remote:
+                loads.add_recv(h, loads.seconds(h, nbytes))
         if len(holders) == 1 and len(remote) == 1:
             # One replica host and one receiving host: nothing to choose.
             (hs, group), = holders.items()
@@ -456,10 +468,13 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     `_long_routes`, scored over all hosts at once with numpy. Every such route makes all receiving hosts but the
     most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
     send = loads.send
-    candidates = sorted(holders, key=lambda h: (send[h], h))
-    order = sorted(remote, key=lambda h: (send[h], h))
+    # Sorted by name, then stably by load: ordered by (load, name) as _best_delivery orders them, without a key
+    # tuple per host.
+    candidates = sorted(sorted(holders), key=send.__getitem__)
+    order = sorted(sorted(remote), key=send.__getitem__)
     routes = _long_routes(order, loads)
-    bw = np.array([loads.bandwidth(h) for h in order])
+    rates = loads.bandwidths
+    bw = np.array([rates[h] if h in rates else loads.bandwidth(h) for h in order])
     old = np.array([send[h] for h in order])
     whole = nbytes / bw
     forward = old[:-1] + whole[:-1]
