@@ -20,10 +20,12 @@ test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
 bench: $(STAMP)
+	$(PY) -m pytest -m slow -q  # the suites too long for make test
 	$(PY) bench/plan_quality.py
 	$(PY) bench/transport.py
 	$(PY) bench/stall.py
 	$(PY) bench/einsum.py  # (c) on emulated hosts needs root, else prints why it skipped
+	$(PY) bench/buckets.py
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
 
 clean:

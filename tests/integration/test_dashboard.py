@@ -165,6 +165,7 @@ def test_login_sets_a_cookie_and_the_token_is_never_logged(web):
         assert web["token"] not in log.read_text(errors="replace"), log
 
 
+@pytest.mark.slow  # 19 s of make test's 10 minutes: runs from make bench
 def test_history_survives_a_planner_restart(tmp_path):
     state = tmp_path / "state.db"
     with LocalCluster(4, 2, dashboard=True, log_dir=str(tmp_path / "a"), planner_args=["--state", str(state)],

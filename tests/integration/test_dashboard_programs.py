@@ -28,7 +28,9 @@ def einsum_job(tmp_path_factory):
     """``c = a @ b`` where a splits the contracted dim j over x and b splits it over y: the layouts conflict, so
     one input moves, every device multiplies its tiles, and ring groups sum the partial products."""
     log_dir = tmp_path_factory.mktemp("dash-programs")
-    with LocalCluster(2, 2, dashboard=True, log_dir=str(log_dir), agent_args=GRPC) as cluster, \
+    # the device rates are fixed: the layout the planner picks must not depend on what this machine measures
+    rates = ["--device-gflops", "20", "--memory-gbps", "20"]
+    with LocalCluster(2, 2, dashboard=True, log_dir=str(log_dir), agent_args=[*GRPC, *rates]) as cluster, \
             cluster.connect() as c:
         a = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
         b = np.arange(6 * 4, dtype=np.float32).reshape(6, 4) - 10

@@ -106,6 +106,7 @@ def test_demo_verifies_every_row():
     assert "rows verified bit for bit" in proc.stdout
 
 
+@pytest.mark.slow  # make demo runs the same command; 12 s of make test's 10 minutes
 def test_demo_small_case_set():
     proc = subprocess.run([sys.executable, "-m", "reshard.server.cli", "demo", "--nbytes-mib", "1", "--hosts", "3",
                            "--devices-per-host", "2", "--cases", "1to1x2,1to2x2"],

@@ -70,6 +70,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # 26 s of make test's 10 minutes: runs from make bench
 @pytest.mark.parametrize("how", ["next lab", "reshard lab --cleanup"])
 def test_a_lab_whose_owner_was_killed_is_removed(how):
     owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True)
