@@ -58,6 +58,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.cost import sender_bytes
+from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.jsonio import loads
 from reshard.kernels import axis_param, dims_param, float_param
 from reshard.many import program_from_json
@@ -106,15 +107,14 @@ class _Numpy:
     def operand(x):
         x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
         if x.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
-            return (x.astype(np.uint32) << 16).view(np.float32)
+            return bfloat16_to_float32(x)
         return x
 
     @staticmethod
     def result(values, output):
         values = np.asarray(values)
         if output.dtype == np.uint16 and values.dtype != np.uint16:  # round to nearest even bfloat16
-            bits = values.astype(np.float32).view(np.uint32)
-            return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            return float32_to_bfloat16(values)
         return values
 
     einsum = staticmethod(lambda eq, *xs: np.einsum(eq, *xs, optimize=True))  # BLAS for contractions
