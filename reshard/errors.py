@@ -49,3 +49,8 @@ class DtypeComputeError(ReshardError, ValueError):
 class ScaleLayoutError(InvalidShardingError):
     """A block-scale tensor that cannot follow its weight: shapes that are not a weight and its blocks, or weight
     tiles that do not start on block boundaries."""
+
+
+class InvalidScheduleError(ReshardError, ValueError):
+    """A pipeline schedule asked for with an unknown kind, a count that is not a positive integer, or times
+    that are not finite seconds."""
