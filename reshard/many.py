@@ -4,13 +4,15 @@ follow their weights.
 `plan_many` plans every tensor's reshard into one `ManyProgram`, which agents run as one job:
 
 ================ ==================================================================================
-load balance     each tensor is planned as `reshard.plan` plans it; then, over all tensors at once,
-                 every network transfer that reads a replicated source tile is given again the
+load balance     strategy ``auto``: every tensor is planned by `reshard.plan` against one `Loads`
+                 shared by all of them, largest first, so each plan's greedy sees the NIC loads of
+                 the tensors before it and spreads replicated tiles over their replicas' hosts,
+                 where planning each tensor alone picks the same least-loaded replica for all of
+                 them. Strategy ``broadcast`` plans each tensor alone, then, over all tensors at
+                 once, gives every network transfer that reads a replicated source tile again the
                  replica host (and, for a chain, the host that ends the chain and so forwards
-                 nothing) that keeps the busiest NIC lowest, largest transfers first: one view of
-                 every host's sending load for the whole state dict, where planning each tensor
-                 alone picks the same least-loaded replica for all of them. Kept only when the
-                 busiest NIC ends no busier than without it
+                 nothing) that keeps the busiest NIC lowest, largest transfers first; kept only
+                 when the busiest NIC ends no busier than without it
 bucket           move steps that wait for nothing and go between the same sender device and the
                  same receivers the same way (method, route), each of fewer than ``bucket_bytes``
                  bytes, packed in step order into groups of at least ``bucket_bytes`` (the last
@@ -40,10 +42,10 @@ from reshard import box as boxes
 from reshard.cost import HostCache
 from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
-from reshard.plan import Plan, Transfer, check_claimed_id, check_version
-from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl
+from reshard.plan import Transfer, check_claimed_id, check_version
+from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
 from reshard.sharding import Sharding
-from reshard.strategies import STRATEGIES, plan
+from reshard.strategies import STRATEGIES, Loads, plan
 from reshard.topology import Topology
 
 __all__ = ["ManyProgram", "plan_many", "scale_sharding", "scale_pairs", "follow_scales", "program_from_json",
@@ -55,7 +57,7 @@ DEFAULT_BUCKET_BYTES = 4 * MiB
 MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; larger ones gain nothing
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
-_BALANCED = ("auto", "broadcast")
+_BALANCED = ("broadcast",)  # auto balances as it plans, against one Loads
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,7 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, scales: Optional[Mapping[str, object]] = None) -> ManyProgram:
     """One program that moves every tensor (a `TensorDecl` with ``src`` and ``dst``) to its destination.
 
-    Tensors are planned one by one with ``strategy`` (as `reshard.plan`), then balanced together and small moves
+    Tensors are planned one by one with ``strategy`` (as `reshard.plan`), balanced together, and small moves
     packed into buckets of ``bucket_bytes`` (see the module docstring). ``scales`` maps a weight's name to its
     block-scale tensor's (or to (name, block), `scale_sharding`), whose destination may be left None: it follows
     the weight's.
@@ -319,17 +321,19 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
     topology = topology or Topology()
     # Largest first, as each plan's own greedy goes: the joint pass then settles the large transfers first.
     order = sorted(range(len(decls)), key=lambda i: -math.prod(decls[i].shape) * decls[i].itemsize)
-    plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, topology, strategy) for i in order}
+    if strategy == "auto":
+        # One record of the NICs' loads for all the tensors: each plan's greedy balances against the ones before.
+        nics = Loads(topology)
+        plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, loads=nics) for i in order}
+    else:
+        plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, topology, strategy)
+                 for i in order}
     transfers = {i: list(p.transfers) for i, p in plans.items()}
     if strategy in _BALANCED:
         _balance([(decls[i], transfers[i]) for i in order], topology)
     steps = []
     for i in order:
-        p = plans[i]
-        part = Program.from_plan(Plan(p.shape, p.dtype, p.src, p.dst, p.strategy, tuple(transfers[i]), topology))
-        first = len(steps)
-        steps += [replace(s, id=first + s.id, after=tuple(first + a for a in s.after), tensor=decls[i].name)
-                  for s in part.steps]
+        steps += move_steps(transfers[i], len(steps), decls[i].name)
     program_tensors = tuple(decls[i] for i in order)
     return ManyProgram(program_tensors, tuple(steps), strategy, topology,
                        _buckets(steps, {t.name: t.itemsize for t in decls}, bucket_bytes))

@@ -61,7 +61,7 @@ over its device's memory bandwidth; a reduce its rounds on the fluid model.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Optional
@@ -363,6 +363,38 @@ class Step:
         return f"#{self.id} {self.kind} {body}{after}"
 
 
+def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESHARD_TENSOR) -> list[Step]:
+    """One move step of ``tensor`` per transfer, ids from ``first`` on in the transfers' order (`Program.from_plan`).
+
+    A step waits for the steps of earlier phases that deliver part of its box to its sender: the dependency graph
+    replaces the phase barrier. Built without `Step`'s checks, which these fields pass by construction: a state
+    dict's program has hundreds of thousands of them.
+    """
+    delivered: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
+    if any(t.phase for t in transfers):
+        for j, t in enumerate(transfers):
+            for r in t.receivers:
+                delivered[r].append((j, t.phase, t.box))
+    steps = []
+    fields = dict(_DEFAULTS, kind=MOVE, role=SRC, tensor=tensor)
+    for i, t in enumerate(transfers):
+        after = ()
+        if t.phase:
+            feeds = [j for j, phase, b in delivered.get(t.sender, ())
+                     if phase < t.phase and boxes.intersect(b, t.box) is not None]
+            if any(j > i for j in feeds):
+                raise PlanValidationError(
+                    f"transfer {i} ({t}) comes before a transfer of an earlier phase that feeds it; a program's "
+                    f"steps depend on earlier steps only, so list the plan's transfers by phase"
+                )
+            after = tuple(sorted({first + j for j in feeds}))
+            t = replace(t, phase=0)
+        step = object.__new__(Step)
+        step.__dict__.update(fields, id=first + i, after=after, transfer=t)
+        steps.append(step)
+    return steps
+
+
 @dataclass(frozen=True, slots=True)
 class StepEstimate:
     """When a step runs on the cost model: seconds, start and finish, and what limits it."""
@@ -536,22 +568,8 @@ class Program(ContentAddressed):
         A step waits for the steps of earlier phases that deliver part of its box
         to its sender: the dependency graph replaces the phase barrier.
         """
-        delivered: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
-        for j, t in enumerate(plan.transfers):
-            for r in t.receivers:
-                delivered[r].append((j, t.phase, t.box))
-        steps = []
-        for i, t in enumerate(plan.transfers):
-            after = [j for j, phase, b in delivered.get(t.sender, ())
-                     if phase < t.phase and boxes.intersect(b, t.box) is not None]
-            if any(j > i for j in after):
-                raise PlanValidationError(
-                    f"transfer {i} ({t}) comes before a transfer of an earlier phase that feeds it; a program's "
-                    f"steps depend on earlier steps only, so list the plan's transfers by phase"
-                )
-            steps.append(Step.move(i, replace(t, phase=0), after))
         decl = TensorDecl(RESHARD_TENSOR, plan.shape, plan.dtype, plan.src, plan.dst)
-        return cls((decl,), tuple(steps), plan.strategy, plan.topology)
+        return cls((decl,), tuple(move_steps(plan.transfers)), plan.strategy, plan.topology)
 
     def to_plan(self) -> Plan:
         """The plan of a move-only reshard program; a transfer's phase is its step's depth."""

@@ -472,7 +472,6 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     # tuple per host.
     candidates = sorted(sorted(holders), key=send.__getitem__)
     order = sorted(sorted(remote), key=send.__getitem__)
-    routes = _long_routes(order, loads)
     rates = loads.bandwidths
     bw = np.array([rates[h] if h in rates else loads.bandwidth(h) for h in order])
     old = np.array([send[h] for h in order])
@@ -488,10 +487,10 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     for hs in candidates[:_MAX_STRIPES]:
         mine, was = loads.seconds(hs, nbytes), send[hs]
         new = was + mine
-        route = _long_route(hs, routes, loads)
+        # The route does not change the score (every route makes the same hosts forward): found if chosen.
         option((max(loads.peak, new, forward_peak), new * new - was * was + forward_sq),
-               lambda hs=hs, route=route, mine=mine: _emit_chain(
-                   box, hs, holders[hs][0], route, nbytes, wanting, loads,
+               lambda hs=hs, mine=mine: _emit_chain(
+                   box, hs, holders[hs][0], _long_route(hs, _long_routes(order, loads), loads), nbytes, wanting, loads,
                    {hs: mine, **{h: float(x) for h, x in zip(order[:-1], whole[:-1].tolist())}}))
         star = {hs: loads.seconds(hs, nbytes * len(remote))}
         new = was + star[hs]
