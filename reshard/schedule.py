@@ -27,8 +27,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reshard.errors import InvalidScheduleError
+from reshard.jsonio import field_of, need
 
-__all__ = ["KINDS", "FORWARD", "BACKWARD", "build", "simulate", "peak_activations", "Span", "Simulation"]
+__all__ = ["KINDS", "FORWARD", "BACKWARD", "build", "simulate", "peak_activations", "Span", "Timeline"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -78,10 +79,15 @@ def peak_activations(ops: Sequence[tuple[str, int]]) -> int:
     return peak
 
 
+SPAN_OPS = (FORWARD, BACKWARD, "update", "wait", "send F", "send B")
+
+
 @dataclass(frozen=True)
 class Span:
-    """One interval of a simulated step: a stage's op (``"F"``/``"B"``) or a transfer it sends
-    (``"send F"``: an activation to stage+1, ``"send B"``: a gradient to stage-1)."""
+    """One interval of a step on one stage: an op it runs (``"F"``, ``"B"``, ``"update"``: the SGD step after
+    its last backward), time it waits for a transfer (``"wait"``), or a transfer it sent, from issue to arrival
+    (``"send F"``: an activation to stage+1, ``"send B"``: a gradient to stage-1). ``microbatch`` is -1 for
+    ``"update"``."""
 
     stage: int
     op: str
@@ -94,8 +100,9 @@ class Span:
 
 
 @dataclass(frozen=True)
-class Simulation:
-    """What ``simulate`` predicts for one training step."""
+class Timeline:
+    """One training step under a schedule, as ``simulate`` predicts it or as a pipeline runtime measured it:
+    how long it took, the most microbatches' activations each stage held at once, and every span."""
 
     kind: str
     stages: int
@@ -109,6 +116,40 @@ class Simulation:
         return (f"{self.kind} n={self.stages} m={self.microbatches}: {self.iteration_s:.4g} s per step, "
                 f"peak activations per stage ({peaks})")
 
+    def seconds(self, stage: int, op: str) -> float:
+        """Total length of ``stage``'s spans of ``op``."""
+        return sum(s.end_s - s.start_s for s in self.spans if s.stage == stage and s.op == op)
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "stages": self.stages, "microbatches": self.microbatches,
+                "iteration_s": self.iteration_s, "peak_activations": list(self.peak_activations),
+                "spans": [[s.stage, s.op, s.microbatch, s.start_s, s.end_s] for s in self.spans]}
+
+    @classmethod
+    def from_json(cls, data) -> "Timeline":
+        err = InvalidScheduleError
+        need(data, "object", "timeline", err)
+        kind = _kind(field_of(data, "kind", "string", "timeline", err))
+        n = _count("stages", field_of(data, "stages", "integer", "timeline", err))
+        m = _count("microbatches", field_of(data, "microbatches", "integer", "timeline", err))
+        spans = []
+        for i, row in enumerate(field_of(data, "spans", "array", "timeline", err)):
+            what = f"timeline span {i}"
+            if not (isinstance(row, (list, tuple)) and len(row) == 5):
+                raise err(f"{what} is {row!r}; a span is [stage, op, microbatch, start_s, end_s]")
+            stage, op, k = need(row[0], "integer", what, err), need(row[1], "string", what, err), need(
+                row[2], "integer", what, err)
+            start, end = need(row[3], "number", what, err), need(row[4], "number", what, err)
+            if not 0 <= stage < n or op not in SPAN_OPS or not -1 <= k < m or end < start:
+                raise err(f"{what} is {row!r}; it needs 0 <= stage < {n}, op in {SPAN_OPS}, "
+                          f"-1 <= microbatch < {m} and start_s <= end_s")
+            spans.append(Span(stage, op, k, float(start), float(end)))
+        peaks = field_of(data, "peak_activations", "array", "timeline", err)
+        if len(peaks) != n:
+            raise err(f"timeline peak_activations has {len(peaks)} values for {n} stages")
+        return cls(kind, n, m, float(field_of(data, "iteration_s", "number", "timeline", err)),
+                   tuple(need(p, "integer", "timeline peak_activations", err) for p in peaks), tuple(spans))
+
 
 def _per(name: str, value, count: int, what: str) -> tuple[float, ...]:
     values = list(value) if isinstance(value, Sequence) and not isinstance(value, str) else [value] * count
@@ -120,7 +161,7 @@ def _per(name: str, value, count: int, what: str) -> tuple[float, ...]:
     return tuple(float(v) for v in values)
 
 
-def simulate(kind: str, stages: int, microbatches: int, forward_s, backward_s, transfer_s) -> Simulation:
+def simulate(kind: str, stages: int, microbatches: int, forward_s, backward_s, transfer_s) -> Timeline:
     """Event simulation of one step of ``build(kind, stages, microbatches)``.
 
     ``forward_s`` and ``backward_s`` are one number or one per stage; ``transfer_s`` one number or one per
@@ -171,5 +212,5 @@ def simulate(kind: str, stages: int, microbatches: int, forward_s, backward_s, t
                     send(BACKWARD, i, k, end)
     stuck = [f"stage {i} at {schedule[i][position[i]]}" for i in range(n) if position[i] < len(schedule[i])]
     assert not stuck, f"{kind} deadlocks: {', '.join(stuck)}"
-    return Simulation(kind, n, microbatches, max(stage_free),
+    return Timeline(kind, n, microbatches, max(stage_free),
                       tuple(peak_activations(ops) for ops in schedule), tuple(spans))

@@ -4,6 +4,7 @@ simulated step times of issue 14's must-show 2."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 
@@ -147,3 +148,14 @@ def test_simulate_refuses_bad_times(times, message):
 def test_simulation_prints_a_summary():
     sim = schedule.simulate("eager-1f1b", 4, 16, 1.0, 2.0, 1.0)
     assert str(sim) == "eager-1f1b n=4 m=16: 63 s per step, peak activations per stage (7, 5, 3, 1)"
+
+
+def test_a_timeline_round_trips_through_json_and_refuses_a_bad_span():
+    sim = schedule.simulate("eager-1f1b", 3, 4, 1.0, 2.0, 0.5)
+    assert schedule.Timeline.from_json(json.loads(json.dumps(sim.to_json()))) == sim
+    assert sim.seconds(0, "F") == 4.0 and sim.seconds(2, "B") == 8.0
+    bad = sim.to_json() | {"spans": [[3, "F", 0, 0.0, 1.0]]}
+    with pytest.raises(InvalidScheduleError, match=r"timeline span 0 is \[3, 'F', 0, 0.0, 1.0\]; it needs 0 <= stage < 3"):
+        schedule.Timeline.from_json(bad)
+    with pytest.raises(InvalidScheduleError, match="timeline lacks the field 'kind'"):
+        schedule.Timeline.from_json({})
