@@ -36,6 +36,10 @@ class TlsFiles:
     cert: Optional[str] = None
     key: Optional[str] = None
     ca: Optional[str] = None
+    # The name every server's certificate is checked against, whatever address is dialled: where peers are
+    # dialled by addresses no certificate can name in advance (Kubernetes pod IPs), one certificate for a
+    # shared name serves them all. None: the dialled host name.
+    server_name: Optional[str] = None
 
     def __post_init__(self):
         if bool(self.cert) != bool(self.key):
@@ -48,9 +52,12 @@ class TlsFiles:
                 raise InvalidArgumentError(f"TLS {what} file {path!r} does not exist")
 
     @classmethod
-    def from_args(cls, cert: Optional[str], key: Optional[str], ca: Optional[str]) -> Optional["TlsFiles"]:
+    def from_args(cls, cert: Optional[str], key: Optional[str], ca: Optional[str],
+                  server_name: Optional[str] = None) -> Optional["TlsFiles"]:
         """None when no file is named (plain TCP)."""
-        return cls(cert, key, ca) if (cert or key or ca) else None
+        if server_name and not (cert or key or ca):
+            raise InvalidArgumentError(f"a TLS server name ({server_name!r}) needs TLS files: --tls-ca at least")
+        return cls(cert, key, ca, server_name or None) if (cert or key or ca) else None
 
     def _read(self, path: Optional[str]) -> Optional[bytes]:
         return Path(path).read_bytes() if path else None
@@ -130,6 +137,8 @@ def channel(address: str, *, token: Optional[str] = None, tls: Optional[TlsFiles
             options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
     """A channel to a planner or agent that presents ``token`` on every call, over TLS when ``tls`` is given."""
     if tls is not None:
+        if tls.server_name:
+            options = [*options, ("grpc.ssl_target_name_override", tls.server_name)]
         ch = grpc.secure_channel(address, tls.channel_credentials(), options=list(options))
     else:
         ch = grpc.insecure_channel(address, options=list(options))

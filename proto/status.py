@@ -8,6 +8,7 @@ caller can tell "the peer said no" (re-raised as the same domain error) from
 from __future__ import annotations
 
 import functools
+from concurrent import futures
 import inspect
 import logging
 import uuid
@@ -179,3 +180,13 @@ def start_server(server: grpc.Server, listen: str, service: str,
     for name in ("", service):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return port
+
+
+def serve_health(listen: str, service: str) -> tuple[grpc.Server, int]:
+    """A plaintext gRPC server with only the health service, reporting ``service`` SERVING; returns it and its port.
+
+    For probes that cannot speak TLS (Kubernetes' native gRPC probes) while the service's own port does:
+    it reveals nothing but whether the process is up.
+    """
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=SERVER_OPTIONS)
+    return server, start_server(server, listen, service)

@@ -26,13 +26,26 @@ def _add_security_arguments(p) -> None:
     p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
     p.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="the CA that signed every peer's certificate: with it, callers must present one (mutual TLS)")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="check every server's certificate against NAME instead of the host dialled (one certificate "
+                        "for peers dialled by address, e.g. Kubernetes pod IPs)")
+    p.add_argument("--health-listen", default=None, metavar="ADDR",
+                   help="also serve the gRPC health service alone, in plain text, on ADDR: for probes that cannot "
+                        "speak TLS (Kubernetes' native gRPC probes)")
 
 
 def _security(args) -> dict:
     from reshard.proto.auth import TlsFiles, resolve_token
 
     return {"token": resolve_token(token_file=args.token_file),
-            "tls": TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca)}
+            "tls": TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)}
+
+
+def _health_server(args, service: str):
+    """The plaintext health-only server ``--health-listen`` asks for, or None."""
+    from reshard.proto.status import serve_health
+
+    return serve_health(args.health_listen, service)[0] if args.health_listen else None
 
 
 def _size(text: str) -> int:
@@ -99,12 +112,15 @@ def _run_agent(args) -> int:
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
+    health = _health_server(args, "reshard.v1.Agent")
     stopped = on_signal()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     try:
         stopped()
     finally:
+        if health is not None:
+            health.stop(0)
         agent.stop()
     return 0
 
@@ -164,11 +180,14 @@ def _run_planner(args) -> int:
 
         web, http_port = serve_dashboard(planner, args.http, token)
         dashboard = f" (dashboard http://{args.http.rpartition(':')[0] or '127.0.0.1'}:{http_port}/)"
+    health = _health_server(args, "reshard.v1.Planner")
     stopped = on_signal()
     print(f"reshard planner listening on {host}:{port}{dashboard}", flush=True)
     try:
         stopped()
     finally:
+        if health is not None:
+            health.stop(0)
         if web is not None:
             web.should_exit = True
         server.stop(1.0).wait()
@@ -221,6 +240,40 @@ def _add_demo_command(sub) -> None:
     p.set_defaults(func=run_demo)
 
 
+def _add_health_command(sub) -> None:
+    p = sub.add_parser("health", help="ask a planner's or agent's gRPC health service whether it serves (exit 0) "
+                                      "or not (exit 1): for container healthchecks", formatter_class=HelpFormatter)
+    p.add_argument("address", help="the server's gRPC address, host:port (its --listen or --health-listen)")
+    p.add_argument("--service", default="",
+                   help="the service to ask about: reshard.v1.Planner, reshard.v1.Agent, or '' for the server")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the answer")
+    p.add_argument("--tls-cert", default=None, metavar="PEM", help="this caller's certificate (mutual TLS)")
+    p.add_argument("--tls-key", default=None, metavar="PEM", help="its private key")
+    p.add_argument("--tls-ca", default=None, metavar="PEM", help="the CA that signed the server's certificate")
+    p.add_argument("--tls-server-name", default=None, metavar="NAME",
+                   help="check the server's certificate against NAME instead of the host dialled")
+    p.set_defaults(func=_run_health)
+
+
+def _run_health(args) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from reshard.proto.auth import TlsFiles, channel
+
+    tls = TlsFiles.from_args(args.tls_cert, args.tls_key, args.tls_ca, args.tls_server_name)
+    with channel(args.address, tls=tls) as ch:
+        try:
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
+                                                         timeout=args.timeout)
+        except grpc.RpcError as e:
+            print(f"{args.address} {args.service or 'server'}: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(f"{args.address} {args.service or 'server'}: {status}")
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="reshard", description="Cross-mesh resharding: plan, serve, move.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -232,6 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_command(sub)
     add_lab_command(sub)
     add_certs_command(sub)
+    _add_health_command(sub)
     return parser
 
 
