@@ -1,117 +1,139 @@
-"""docker-compose.yml, run without Docker: each service's exact command as a local process.
+"""docker-compose.yml, run without Docker: each service's exact command as a local process, used from the host.
 
-Compose service addresses (``agent0:50052``) and in-container binds
-(``0.0.0.0:50052``) are translated to distinct loopback ports; paths under
-``/var/lib/reshard`` to a temporary folder. Nothing else in the commands changes.
+Every service shares the ``net`` service's network namespace, so in the file the same
+``127.0.0.1:<port>`` reaches a server from the host (through ``net``'s published ports, which keep
+their numbers) and from every container. Here each port number becomes one free loopback port,
+the same one wherever the number appears; ``0.0.0.0`` binds become ``127.0.0.1`` and the paths of
+the planner's volume and of the secrets become temporary folders. Nothing else changes: the client
+below plays the host and reaches the agents at the addresses they advertise.
 """
 
 from __future__ import annotations
 
 import re
-import socket
-import sys
-import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import yaml
 
-from reshard import Mesh, Sharding
 from reshard.client import Client, UnauthenticatedError
-from reshard.client.cluster import start_process
+
+from .deploy_support import FreePorts, Processes, local, reshard_through, run_checks, wait_devices, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
+AGENTS = [f"agent{i}" for i in range(4)]
 
 
-class _FreePorts:
-    """Distinct free loopback ports: every socket stays bound until all are chosen, so none repeats."""
-
-    def __init__(self):
-        self._held: list[socket.socket] = []
-
-    def __call__(self) -> int:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        self._held.append(s)
-        return s.getsockname()[1]
-
-    def release(self) -> None:
-        for s in self._held:
-            s.close()
+def _compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
 
-def translate(services: dict, tmp: Path) -> dict[str, list[str]]:
-    """Each service's command with compose addresses mapped to loopback ports."""
-    ports: dict[tuple[str, str], int] = {}
-    _free_port = _FreePorts()
-    for name in sorted(services):
-        for arg in services[name]["command"]:
-            for svc, port in re.findall(r"\b([a-z][\w-]*):(\d+)\b", arg):
-                if svc in services:
-                    ports.setdefault((svc, port), _free_port())
-            for port in re.findall(r"\b0\.0\.0\.0:(\d+)", arg):
-                ports.setdefault((name, port), _free_port())
-    _free_port.release()
-    out = {}
-    for name, svc in services.items():
-        cmd = []
-        for arg in svc["command"]:
-            arg = re.sub(r"\b0\.0\.0\.0:(\d+)", lambda m: f"127.0.0.1:{ports[(name, m.group(1))]}", arg)
-            arg = re.sub(r"\b([a-z][\w-]*):(\d+)\b",
-                         lambda m: f"127.0.0.1:{ports[(m.group(1), m.group(2))]}" if m.group(1) in services else m.group(0),
-                         arg)
-            cmd.append(arg.replace("/var/lib/reshard", str(tmp)).replace("/run/secrets", str(tmp)))
-        assert cmd[0] == "reshard"
-        out[name] = [sys.executable, "-m", "reshard.server.cli", *cmd[1:]]
-    return out
+def _ports(port_spec: str) -> tuple[str, list[int], list[int]]:
+    """'IP:HOST:CONTAINER' with single ports or ranges -> (IP, host ports, container ports)."""
+    ip, host, container = port_spec.rsplit(":", 2)
+
+    def expand(r: str) -> list[int]:
+        lo, _, hi = r.partition("-")
+        return list(range(int(lo), int(hi or lo) + 1))
+
+    return ip, expand(host), expand(container)
 
 
-def test_compose_services_run_a_reshard(tmp_path):
-    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+def _arg(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_compose_file_publishes_on_loopback_and_starts_in_health_order():
+    compose = _compose()
     services = compose["services"]
-    assert sorted(services) == ["agent0", "agent1", "agent2", "agent3", "planner"]
+    assert sorted(services) == sorted(["net", "planner", *AGENTS])
     assert all(s.get("build") == "." for s in services.values())
     assert (ROOT / "Dockerfile").exists()
+    for name, s in services.items():
+        assert s.get("restart") == "unless-stopped", name
+        assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
+        if name != "net":
+            assert s["network_mode"] == "service:net", name
+            assert "ports" not in s, f"{name} publishes ports; only net, whose namespace it shares, does"
+            assert all(v == {"condition": "service_healthy"} for v in s["depends_on"].values()), name
+    assert services["planner"]["depends_on"] == {"net": {"condition": "service_healthy"}}
+    assert all(services[a]["depends_on"] == {"planner": {"condition": "service_healthy"}} for a in AGENTS)
+    published = {}
+    for spec in services["net"]["ports"]:
+        ip, host, container = _ports(spec)
+        assert ip == "127.0.0.1", f"{spec} is published beyond the host's loopback"
+        published.update(zip(container, host))
+    planner = services["planner"]["command"]
+    assert published[int(_arg(planner, "--listen").rsplit(":", 1)[1])] == 50051
+    assert published[int(_arg(planner, "--http").rsplit(":", 1)[1])] == 8080
+    for a in AGENTS:
+        command = services[a]["command"]
+        listen, advertise = _arg(command, "--listen"), _arg(command, "--advertise")
+        port = int(listen.rsplit(":", 1)[1])
+        # One address for the host and for every container: the port is published under its own number.
+        assert advertise == f"127.0.0.1:{port}" and published[port] == port, a
+        assert _arg(command, "--planner") == "127.0.0.1:50051"
+        assert services[a]["healthcheck"]["test"][1:4] == ["reshard", "health", advertise]
     assert services["planner"]["secrets"] == ["admin_token", "cluster_token"]
-    assert all(services[f"agent{i}"]["secrets"] == ["cluster_token"] for i in range(4))
+    assert all(services[a]["secrets"] == ["cluster_token"] for a in AGENTS)
+    for name in ["planner", *AGENTS]:
+        assert _arg(services[name]["command"], "--token-file") == "/run/secrets/cluster_token"
     assert {"admin_token", "cluster_token"} <= set(compose["secrets"])
-    token = "compose-test-token"
-    (tmp_path / "admin_token").write_text(token)
+
+
+def translate(services: dict, tmp: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """Each reshard service's command and healthcheck, with every port number mapped to one free loopback port."""
+    numbers = set()
+    for name, s in services.items():
+        if name != "net":
+            for arg in s["command"] + s["healthcheck"]["test"]:
+                numbers |= {int(p) for p in re.findall(r"^(?:0\.0\.0\.0|127\.0\.0\.1):(\d+)$", arg)}
+    free = FreePorts()
+    ports = {n: free() for n in sorted(numbers)}
+    free.release()
+
+    def rewrite(arg: str) -> str:
+        arg = re.sub(r"^(?:0\.0\.0\.0|127\.0\.0\.1):(\d+)$", lambda m: f"127.0.0.1:{ports[int(m.group(1))]}", arg)
+        return arg.replace("/var/lib/reshard", str(tmp)).replace("/run/secrets", str(tmp))
+
+    commands, checks = {}, {}
+    for name, s in services.items():
+        if name == "net":
+            continue
+        commands[name] = local([rewrite(a) for a in s["command"]])
+        test = s["healthcheck"]["test"]
+        assert test[0] == "CMD"
+        checks[name] = local([rewrite(a) for a in test[1:]])
+    return commands, checks
+
+
+def test_compose_services_serve_a_client_on_the_host(tmp_path):
+    services = _compose()["services"]
+    admin_token = "compose-admin-token-0123456789"
+    (tmp_path / "admin_token").write_text(admin_token)
     cluster_token = "compose-cluster-token-0123456789"
     (tmp_path / "cluster_token").write_text(cluster_token + "\n")  # as `openssl rand -hex 24 >` writes it
-    commands = translate(services, tmp_path)
-    web = commands["planner"][commands["planner"].index("--http") + 1]
-    procs = []
-    try:
-        planner, address = start_process(commands.pop("planner"), tmp_path / "planner.log", 60)
-        procs.append(planner)
-        for name in sorted(commands):
-            procs.append(start_process(commands[name], tmp_path / f"{name}.log", 60)[0])
-        with Client(address, token=cluster_token) as c:
-            deadline = time.monotonic() + 30
-            while len(c.devices()) < 16 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert c.devices() == [f"agent{h}/{d}" for h in range(4) for d in range(4)]
-            src = Sharding(Mesh.from_hosts({"x": 2, "y": 4}, ["agent0", "agent1"], 4), ("x", "y"))
-            dst = Sharding(Mesh.from_hosts({"x": 2, "y": 4}, ["agent2", "agent3"], 4), (None, ("x", "y")))
-            a = np.random.default_rng(3).standard_normal((33, 65)).astype(np.float32)
-            c.put("compose", a, src)
-            c.reshard("compose", dst, "auto").result(timeout=60)
-            assert np.array_equal(c.get("compose"), a)
-        with Client(address, token=None) as stranger:
+    commands, checks = translate(services, tmp_path)
+    planner_address = _arg(checks["planner"], "health")
+    with Processes(tmp_path) as procs:
+        # Compose starts a service once what it depends on is healthy: the planner, then the agents.
+        procs.start({"planner": commands["planner"]})
+        wait_serving(planner_address, "reshard.v1.Planner")
+        run_checks([checks["planner"]])
+        procs.start({a: commands[a] for a in AGENTS})
+        run_checks([checks[a] for a in AGENTS])
+        with Client(planner_address, token=cluster_token) as c:  # the host
+            wait_devices(c, [f"{a}/{d}" for a in AGENTS for d in range(4)])
+            assert {a["host"]: a["address"] for a in c.agents()} == {a: _arg(commands[a], "--advertise")
+                                                                      for a in AGENTS}
+            reshard_through(c, "compose", AGENTS[:2], AGENTS[2:], 4)
+        with Client(planner_address, token=None) as stranger:
             with pytest.raises(UnauthenticatedError, match="needs the cluster token"):
                 stranger.tensors()
         assert (tmp_path / "state.db").exists()
-        base = f"http://{web}"
+        base = f"http://{_arg(commands['planner'], '--http')}"
         assert httpx.get(f"{base}/api/tensors", timeout=30).status_code == 401
-        tensors = httpx.get(f"{base}/api/tensors", headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+        tensors = httpx.get(f"{base}/api/tensors", headers={"Authorization": f"Bearer {admin_token}"},
+                            timeout=30).json()
         assert [t["name"] for t in tensors] == ["compose"]
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
-            if p.stdout:
-                p.stdout.close()
