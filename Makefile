@@ -27,6 +27,7 @@ bench: $(STAMP)
 	$(PY) bench/einsum.py  # (c) on emulated hosts needs root, else prints why it skipped
 	$(PY) bench/buckets.py
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
+	$(PY) bench/pipeline.py  # emulated hosts: needs root, else prints why it skipped
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -23,13 +23,15 @@ each way, and transfers overlap compute.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from reshard.errors import InvalidScheduleError
 from reshard.jsonio import field_of, need
 
-__all__ = ["KINDS", "FORWARD", "BACKWARD", "build", "simulate", "peak_activations", "Span", "Timeline"]
+__all__ = ["KINDS", "FORWARD", "BACKWARD", "build", "simulate", "peak_activations", "median_times", "Span",
+           "Timeline"]
 
 FORWARD = "F"
 BACKWARD = "B"
@@ -149,6 +151,28 @@ class Timeline:
             raise err(f"timeline peak_activations has {len(peaks)} values for {n} stages")
         return cls(kind, n, m, float(field_of(data, "iteration_s", "number", "timeline", err)),
                    tuple(need(p, "integer", "timeline peak_activations", err) for p in peaks), tuple(spans))
+
+
+def median_times(timeline: Timeline) -> tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]:
+    """From a measured step: per stage the median forward and backward seconds, per boundary the median
+    transfer seconds (activations and gradients together), as ``simulate`` takes them. Raises when a stage ran
+    no forward or backward, or a boundary carried nothing."""
+    n = timeline.stages
+
+    def median(what: str, values: list[float]) -> float:
+        if not values:
+            raise InvalidScheduleError(f"the timeline has no {what} to take a time from")
+        return statistics.median(values)
+
+    spans = timeline.spans
+    fwd = tuple(median(f"forward on stage {i}", [s.end_s - s.start_s for s in spans
+                                                 if s.stage == i and s.op == FORWARD]) for i in range(n))
+    bwd = tuple(median(f"backward on stage {i}", [s.end_s - s.start_s for s in spans
+                                                  if s.stage == i and s.op == BACKWARD]) for i in range(n))
+    xfer = tuple(median(f"transfer over boundary {b}", [
+        s.end_s - s.start_s for s in spans
+        if (s.op == "send F" and s.stage == b) or (s.op == "send B" and s.stage == b + 1)]) for b in range(n - 1))
+    return fwd, bwd, xfer
 
 
 def _per(name: str, value, count: int, what: str) -> tuple[float, ...]:

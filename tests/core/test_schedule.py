@@ -159,3 +159,11 @@ def test_a_timeline_round_trips_through_json_and_refuses_a_bad_span():
         schedule.Timeline.from_json(bad)
     with pytest.raises(InvalidScheduleError, match="timeline lacks the field 'kind'"):
         schedule.Timeline.from_json({})
+
+
+def test_median_times_read_back_what_simulate_was_given():
+    sim = schedule.simulate("eager-1f1b", 3, 5, [1.0, 1.5, 2.0], [2.0, 3.0, 4.0], [0.5, 0.75])
+    assert schedule.median_times(sim) == ((1.0, 1.5, 2.0), (2.0, 3.0, 4.0), (0.5, 0.75))
+    one = schedule.simulate("1f1b", 1, 2, 1.0, 2.0, [])
+    with pytest.raises(InvalidScheduleError, match="the timeline has no backward on stage 0 to take a time from"):
+        schedule.median_times(schedule.Timeline("1f1b", 1, 2, 1.0, (1,), one.spans[:1]))
