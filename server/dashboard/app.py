@@ -30,6 +30,7 @@ from reshard.program import Program
 from reshard.plan_command import parse_mesh, parse_shape, parse_spec
 from reshard.errors import ReshardError
 from reshard.server.common.sizes import format_size
+from reshard.server.dashboard.pipeline_view import pipeline_router
 from reshard.server.dashboard.plan_view import plan_view
 from reshard.server.dashboard.program_view import program_view
 from reshard.server.planner.control import check_plan_size
@@ -233,6 +234,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
             except HTTPException as e:
                 error = e.detail
         return page(request, "whatif.html", form=form, views=views, error=error)
+
+    app.include_router(pipeline_router(guard))
 
     # -- metrics ------------------------------------------------------------------------------
 
