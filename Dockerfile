@@ -6,6 +6,8 @@ COPY reshard reshard
 COPY server server
 COPY client client
 COPY proto proto
-RUN pip install --no-cache-dir . && mkdir -p /var/lib/reshard
+# EXTRAS="[torch]" for agents on GPUs (deploy/k8s/overlays/gpu): torch brings the NCCL transport.
+ARG EXTRAS=""
+RUN pip install --no-cache-dir ".${EXTRAS}" && mkdir -p /var/lib/reshard
 EXPOSE 50051 50052
 CMD ["reshard", "--help"]
