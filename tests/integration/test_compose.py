@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from reshard.client import Client, UnauthenticatedError
+from reshard.proto.auth import read_token_file
 
 from .deploy_support import FreePorts, Processes, local, reshard_through, run_checks, wait_devices, wait_serving
 
@@ -123,7 +124,8 @@ def test_compose_services_serve_a_client_on_the_host(tmp_path):
         run_checks([checks["planner"]])
         procs.start({a: commands[a] for a in AGENTS})
         run_checks([checks[a] for a in AGENTS])
-        with Client(planner_address, token=cluster_token) as c:  # the host
+        # The host, as the README's deploy section connects: the token from the file openssl wrote.
+        with Client(planner_address, token=read_token_file(str(tmp_path / "cluster_token"))) as c:
             wait_devices(c, [f"{a}/{d}" for a in AGENTS for d in range(4)])
             assert {a["host"]: a["address"] for a in c.agents()} == {a: _arg(commands[a], "--advertise")
                                                                       for a in AGENTS}
