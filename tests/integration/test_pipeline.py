@@ -112,3 +112,24 @@ def test_a_pipeline_refuses_weights_that_do_not_chain(client):
     with pytest.raises(PipelineError, match=r"layer weights do not chain: a \(4, 5\) weight feeds one of 6 inputs"):
         Pipeline(client, [Stage([Dense("pipe_bad.w0")], Sharding(mesh, ("x", None))),
                           Stage([Dense("pipe_bad.w1")], Sharding(mesh, ("x", None)))], lr=0.1, prefix="pipe_bad")
+
+
+def test_a_failing_stage_stops_the_step_instead_of_hanging_it(client):
+    weights, batches = _data(1)
+    prefix = "pipe_fail"
+    stages = []
+    for i, (activations, layouts) in enumerate(_layouts()[:2]):
+        name = f"{prefix}.w{i}"
+        client.put(name, weights[i], layouts[0])
+        stages.append(Stage([Dense(name)], activations))
+    pipe = Pipeline(client, stages, lr=LR, prefix=prefix, timeout_s=60)
+    xs, ys = batches[0]
+    # The logits are 16 wide but the labels 10: the last stage's loss fails, and the first stage, waiting for
+    # gradients that never come, stops too.
+    with pytest.raises(Exception, match="softmax_xent") as info:
+        pipe.step("eager-1f1b", xs, ys)
+    assert not isinstance(info.value, TimeoutError)
+    # The planner's estimate of each boundary's reshard is what predict uses when no transfer time is given.
+    (estimate,) = pipe.transfer_estimates(ROWS)
+    assert 0 < estimate < 1
+    assert pipe.predict("1f1b", 4, 0.01, 0.02, rows=ROWS) == schedule.simulate("1f1b", 2, 4, 0.01, 0.02, estimate)
