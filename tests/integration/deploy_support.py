@@ -57,8 +57,9 @@ def local(command: list[str]) -> list[str]:
 class Processes:
     """Processes started for one test, stopped (SIGTERM, as an orchestrator does) when it ends."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S):
         self.log_dir = log_dir
+        self.startup_timeout_s = startup_timeout_s
         self._procs: list[subprocess.Popen] = []
 
     def start(self, commands: dict[str, list[str]]) -> dict[str, str]:
@@ -72,14 +73,14 @@ class Processes:
                                                  stdin=subprocess.DEVNULL)
             self._procs.append(started[name])
         addresses: dict[str, str] = {}
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        deadline = time.monotonic() + self.startup_timeout_s
         while len(addresses) < len(started):
             waiting = {p.stdout: name for name, p in started.items() if name not in addresses}
             for name in waiting.values():
                 code = started[name].poll()
                 log = self.log_dir / f"{name.replace('/', '-')}.log"
                 assert code is None, f"{name} exited {code}; log {log}:\n{log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"{sorted(waiting.values())} did not start in {STARTUP_TIMEOUT_S} s"
+            assert time.monotonic() < deadline, f"{sorted(waiting.values())} did not start in {self.startup_timeout_s} s"
             for out in select.select(list(waiting), [], [], 0.1)[0]:
                 m = _READY.search(out.readline().decode(errors="replace"))
                 if m:
