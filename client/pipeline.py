@@ -103,7 +103,7 @@ class Pipeline:
 
     def __init__(self, client, stages: Sequence[Stage], *, lr: float, prefix: str = "pipe",
                  timeout_s: float = 120.0):
-        self.c = client
+        self.client = client
         self.stages = tuple(stages)
         if not self.stages:
             raise PipelineError("a pipeline needs at least one stage")
@@ -153,7 +153,7 @@ class Pipeline:
         rows = [len(x) for x in inputs]
         run = _StepRun(self, kind, ops, rows)
         timeline = run.go()
-        losses = [float(self.c.get(f"{self.prefix}.loss.m{k}")) for k in range(m)]
+        losses = [float(self.client.get(f"{self.prefix}.loss.m{k}")) for k in range(m)]
         per_row = [sum(self._layer_bytes(i, j, 1) for j in range(len(st.layers))) for i, st in
                    enumerate(self.stages)]
         peak_bytes = tuple(p * max(rows) * b for p, b in zip(timeline.peak_activations, per_row))
@@ -162,10 +162,10 @@ class Pipeline:
     def _replace(self, name: str, array: np.ndarray, sharding: Sharding) -> None:
         """Put ``array`` as ``name``, in place of last step's microbatch."""
         try:
-            self.c.delete(name)
+            self.client.delete(name)
         except NotFoundError:
             pass
-        self.c.put(name, array, sharding)
+        self.client.put(name, array, sharding)
 
     def _layer_bytes(self, i: int, j: int, rows: int) -> int:
         """Bytes layer j of stage i keeps for its backward: its input, and its pre-activation under a relu."""
@@ -180,7 +180,7 @@ class Pipeline:
         job.result(timeout=self.timeout_s)
 
     def forward(self, i: int, k: int) -> None:
-        st, c = self.stages[i], self.c
+        st, c = self.stages[i], self.client
         last = len(st.layers) - 1
         for j, layer in enumerate(st.layers):
             out = self._out(i, k) if j == last else self._h(i, j + 1, k)
@@ -196,7 +196,7 @@ class Pipeline:
             self._wait(c.apply("sum", f"{p}.rowloss.m{k}", out=f"{p}.loss.m{k}", dims=[0]))
 
     def backward(self, i: int, k: int, total_rows: int) -> None:
-        st, c, p = self.stages[i], self.c, self.prefix
+        st, c, p = self.stages[i], self.client, self.prefix
         dy = f"{p}.s{i}.dy.m{k}"
         if i == len(self.stages) - 1:
             self._wait(c.apply("softmax_xent_grad", self._out(i, k), self.labels_name(k), out=dy, axis=1,
@@ -224,8 +224,8 @@ class Pipeline:
 
     def update(self, i: int) -> None:
         for layer in self.stages[i].layers:
-            self._wait(self.c.apply("axpy", layer.weight, f"{self.prefix}.grad.{layer.weight}", out=layer.weight,
-                                    alpha=self.lr))
+            grad = f"{self.prefix}.grad.{layer.weight}"
+            self._wait(self.client.apply("axpy", layer.weight, grad, out=layer.weight, alpha=self.lr))
 
     # -- estimates ---------------------------------------------------------------------------------
 
@@ -234,7 +234,7 @@ class Pipeline:
         out = []
         for i in range(len(self.stages) - 1):
             width = self.features[sum(len(st.layers) for st in self.stages[:i + 1])]
-            plan = self.c.plan((rows, width), self.stages[i + 1].activations, dtype=dtype,
+            plan = self.client.plan((rows, width), self.stages[i + 1].activations, dtype=dtype,
                                src=self.stages[i].activations)
             out.append(plan.estimate_seconds)
         return tuple(out)
@@ -305,7 +305,7 @@ class _StepRun:
         to = stage + 1 if op == FORWARD else stage - 1
         name = pipe._out(stage, k) if op == FORWARD else pipe.input_grad(stage, k)
         start = self.now()
-        job = pipe.c.reshard(name, pipe.stages[to].activations)
+        job = pipe.client.reshard(name, pipe.stages[to].activations)
         arrived = self.arrivals[(op, to, k)]
 
         def wait() -> None:

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from reshard.errors import InvalidScheduleError
 from reshard.jsonio import field_of, need
 
-__all__ = ["KINDS", "FORWARD", "BACKWARD", "build", "simulate", "peak_activations", "median_times", "Span",
-           "Timeline"]
+__all__ = ["KINDS", "FORWARD", "BACKWARD", "SPAN_OPS", "build", "warmup", "simulate", "peak_activations",
+           "median_times", "Span", "Timeline"]
 
 FORWARD = "F"
 BACKWARD = "B"

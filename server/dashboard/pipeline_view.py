@@ -120,8 +120,8 @@ def gantt_svg(t: Timeline, scale_s: Optional[float] = None, width: int = 960) ->
         out.append(f'<g class="span" data-stage="{s.stage}" data-op="{escape(s.op)}" data-microbatch="{s.microbatch}">'
                    f'<title>{escape(str(s))}</title><rect x="{x:.1f}" y="{y0[s.stage]}" width="{w:.1f}" '
                    f'height="{op_h}" fill="{FILLS[s.op]}" stroke="#fff" stroke-width="0.5"/>'
-                   + (f'<text x="{x + w / 2:.1f}" y="{y0[s.stage] + 13}" text-anchor="middle" fill="#fff">{label}</text>'
-                      if label and w >= 8 * len(label) else "") + "</g>")
+                   + (f'<text x="{x + w / 2:.1f}" y="{y0[s.stage] + 13}" text-anchor="middle" fill="#fff">'
+                      f'{label}</text>' if label and w >= 8 * len(label) else "") + "</g>")
     for s, lane in placed:
         x, w = left + s.start_s * px, max((s.end_s - s.start_s) * px, 0.5)
         y = y0[s.stage] + op_h + 1 + lane * lane_h

@@ -155,7 +155,8 @@ def test_a_timeline_round_trips_through_json_and_refuses_a_bad_span():
     assert schedule.Timeline.from_json(json.loads(json.dumps(sim.to_json()))) == sim
     assert sim.seconds(0, "F") == 4.0 and sim.seconds(2, "B") == 8.0
     bad = sim.to_json() | {"spans": [[3, "F", 0, 0.0, 1.0]]}
-    with pytest.raises(InvalidScheduleError, match=r"timeline span 0 is \[3, 'F', 0, 0.0, 1.0\]; it needs 0 <= stage < 3"):
+    with pytest.raises(InvalidScheduleError,
+                       match=r"timeline span 0 is \[3, 'F', 0, 0.0, 1.0\]; it needs 0 <= stage < 3"):
         schedule.Timeline.from_json(bad)
     with pytest.raises(InvalidScheduleError, match="timeline lacks the field 'kind'"):
         schedule.Timeline.from_json({})
