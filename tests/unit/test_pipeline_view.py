@@ -109,3 +109,8 @@ def test_overlapping_transfers_get_lanes_of_their_own():
     view = pipeline_view("1f1b", sim)
     assert [r["peak_activations"] for r in view.rows] == [3, 2, 1]
     assert view.rows[0]["idle_s"] == pytest.approx(sim.iteration_s - 8.0)
+
+
+def test_the_api_routes_are_in_the_openapi_document(web):
+    paths = web.get("/openapi.json").json()["paths"]
+    assert set(paths["/api/pipeline"]) == {"get", "post"} and "/pipeline" not in paths
