@@ -224,6 +224,10 @@ def _entry_str(axes: tuple[str, ...]) -> str:
     return "(" + ", ".join(repr(a) for a in axes) + ")"
 
 
+_TILES_KEPT = 4096
+_TILES: dict = {}  # (sharding, shape) -> {device: tile}: `Sharding.tiles`
+
+
 @dataclass(frozen=True)
 class Sharding:
     """A tensor laid out on a mesh: ``Sharding(mesh, ('x', None))``; with ``partial=('y',)`` the tensor is the
@@ -423,14 +427,22 @@ class Sharding:
         return tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(pos, len(shape))))
 
     def tiles(self, shape) -> dict[str, Box]:
-        """Every device's tile, by device id."""
+        """Every device's tile, by device id (a new dict each call; the layouts of a state dict repeat, so the
+        tiles of the last `_TILES_KEPT` (sharding, shape) pairs are kept)."""
         shape = self.check_shape(shape)
         devices = self.mesh.require_devices()  # first: an abstract mesh's axes may be any size
-        chunks = self.dim_chunks(shape)
-        return {
-            dev: tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(p, len(shape))))
-            for p, dev in enumerate(devices)
-        }
+        key = (self, shape)
+        kept = _TILES.get(key)
+        if kept is None:
+            chunks = self.dim_chunks(shape)
+            kept = {
+                dev: tuple(chunks[d][i] for d, i in enumerate(self.chunk_index(p, len(shape))))
+                for p, dev in enumerate(devices)
+            }
+            if len(_TILES) >= _TILES_KEPT:
+                _TILES.clear()  # simpler than least-recently-used, and a state dict has few layouts
+            _TILES[key] = kept
+        return dict(kept)
 
     def num_replicas(self) -> int:
         used = {a for axes in self.spec for a in axes}

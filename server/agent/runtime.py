@@ -44,6 +44,7 @@ Shard buffers are read and written only through `reshard.server.transport.buffer
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -256,6 +257,9 @@ def _copy(inputs: list, output, params: dict) -> None:
 KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
                                                          **{name: _kernel(m) for name, m in _MATH.items()},
                                                          "einsum": _einsum}
+
+
+PROGRAMS_KEPT = 4  # parsed programs an agent keeps (`Runtime._load`)
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
@@ -675,6 +679,7 @@ class Runtime:
         self._lock = threading.Lock()
         self._runs: dict[str, Run] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
+        self._programs: OrderedDict[bytes, tuple[Program, str]] = OrderedDict()  # `_load`'s, most recent last
         for t in self.transports.values():
             t.serve(self.accept)
 
@@ -697,7 +702,7 @@ class Runtime:
                 f"job {job} asks agent {self.host} for the {transport} transport, but it runs "
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
-        program, ident = load_program(program_json)
+        program, ident = self._load(program_json)
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
         if len(resharded) == 1:
@@ -717,6 +722,23 @@ class Runtime:
             self._runs[job] = run
         self._digest_sources(run)
         return run
+
+    def _load(self, text: str) -> tuple[Program, str]:
+        """`load_program` of ``text``, kept for the next `PROGRAMS_KEPT` distinct texts: a weight sync hands
+        the same program over every step, and reading a state dict's takes a large share of its job. Programs are
+        immutable, so runs share them; the key is the text's hash, so only the very same text hits."""
+        key = hashlib.blake2b(text.encode(), digest_size=20).digest()
+        with self._lock:
+            hit = self._programs.get(key)
+            if hit is not None:
+                self._programs.move_to_end(key)
+                return hit
+        loaded = load_program(text)
+        with self._lock:
+            self._programs[key] = loaded
+            while len(self._programs) > PROGRAMS_KEPT:
+                self._programs.popitem(last=False)
+        return loaded
 
     def _digest_sources(self, run: Run) -> None:
         """Start digesting, in the background, every box this host will stream from a shard it already holds.

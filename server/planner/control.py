@@ -499,13 +499,16 @@ class Planner:
             self._check_not_lost(rec)
         followers = {s for s, _ in pairs.values()}
         dsts: dict[str, Sharding] = {}
+        parsed: dict[str, Sharding] = {}  # a state dict's tensors share a few layouts: each is read and checked once
         for name, text in targets:
             if not text and name in followers:
                 continue  # follows its weight
             rec = records[name]
-            dst = self._sharding(text, f"destination sharding of {name!r}")
+            dst = parsed.get(text)
+            if dst is None:
+                dst = parsed[text] = self._sharding(text, f"destination sharding of {name!r}")
+                self.registry.check_mesh(dst.mesh)
             dst.check_shape(rec.shape)
-            self.registry.check_mesh(dst.mesh)
             dsts[name] = dst
         decls = follow_scales([TensorDecl(n, r.shape, r.dtype, r.sharding, dsts.get(n)) for n, r in records.items()],
                               pairs)

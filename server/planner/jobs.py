@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -186,6 +186,35 @@ class Job:
         return job
 
 
+MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
+
+
+class ProgramCache:
+    """The last ``size`` programs planned and validated, with their JSON, by what they were planned from (the
+    tensors' shapes, dtypes and both shardings, the topology, the strategy, the buckets): a program depends on
+    nothing else, so a repeated move skips planning, validating and writing it out."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._lock = threading.Lock()
+        self._programs: OrderedDict[tuple, tuple[Program, str]] = OrderedDict()
+
+    def get(self, key: tuple) -> tuple[Program, str] | None:
+        with self._lock:
+            hit = self._programs.get(key)
+            if hit is not None:
+                self._programs.move_to_end(key)
+            return hit
+
+    def put(self, key: tuple, program: Program) -> tuple[Program, str]:
+        entry = (program, program.dumps())
+        with self._lock:
+            self._programs[key] = entry
+            while len(self._programs) > self.size:
+                self._programs.popitem(last=False)
+        return entry
+
+
 class JobRunner:
     def __init__(self, registry: Registry, catalog: Catalog, store: StateStore, agents: AgentCalls, *,
                  job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int,
@@ -208,6 +237,8 @@ class JobRunner:
         self._calls_pool = ThreadPoolExecutor(max(8, 4 * max_concurrent), thread_name_prefix="agent-call")
         self._lock = threading.Lock()
         self._jobs: dict[str, Job] = {}
+        # reshard_many's programs by what they were planned from: a weight sync repeats the same move every step
+        self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
@@ -408,15 +439,18 @@ class JobRunner:
         if job.kind == "reshard_many":
             records = {n: self.catalog.get(n) for n in job.inputs}
             decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()]
-            program = plan_many(decls, self.registry.topology(), job.strategy, job.bucket_bytes,
-                                job.scales).validate()
+            topology = self.registry.topology()
+            key = (tuple(decls), topology, job.strategy, job.bucket_bytes,
+                   tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())))
+            program, text = self._many_programs.get(key) or self._many_programs.put(key, plan_many(
+                decls, topology, job.strategy, job.bucket_bytes, job.scales).validate())
             job.versions = {n: r.version + 1 for n, r in records.items()}
             job.version = job.versions[job.tensor]
             # Each tensor is read at its own version and commits as the next (the agents' rule for a program
             # that commits several tensors).
             reads = {n: (n, r.version) for n, r in records.items()}
             commits = [(r, bumped(r, job.dsts[n])) for n, r in records.items()]
-            return self._program_work(job, program, records[job.tensor].version, reads, commits)
+            return self._program_work(job, program, records[job.tensor].version, reads, commits, text)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         program = job.make_program(inputs, self.registry.topology()).validate()
         out = next(t for t in program.tensors if t.dst is not None)
@@ -429,9 +463,9 @@ class JobRunner:
         return self._program_work(job, program, 0, reads, [(old, new)])
 
     def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
-                      commits: list[tuple[TensorRecord | None, TensorRecord]]) -> "_Work":
+                      commits: list[tuple[TensorRecord | None, TensorRecord]], text: str = "") -> "_Work":
         job.program = program
-        text = program.dumps()
+        text = text or program.dumps()
         self.store.save_plan(program.id, text)
         moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
         hosts = {h for _, new in commits for h in new.sharding.mesh.hosts}

@@ -1,0 +1,44 @@
+"""A repeated move is planned and read once: the planner's `ProgramCache` and the agent runtime's parsed programs."""
+
+from __future__ import annotations
+
+from reshard import Mesh, Sharding, TensorDecl
+from reshard.many import plan_many
+from reshard.server.agent.runtime import PROGRAMS_KEPT, Runtime
+from reshard.server.agent.store import ShardStore
+from reshard.server.planner.jobs import ProgramCache
+from reshard.server.transport.memory import MemoryNetwork, MemoryTransport
+
+A = Mesh.from_hosts({"x": 2}, ["a0", "a1"], 1)
+B = Mesh.from_hosts({"x": 2}, ["b0", "b1"], 1)
+
+
+def _program(rows: int):
+    return plan_many([TensorDecl("w", (rows, 8), "float32", Sharding(A, ("x", None)), Sharding(B, (None, "x")))])
+
+
+def test_the_planner_keeps_the_most_recently_used_programs_with_their_json():
+    cache = ProgramCache(2)
+    programs = {rows: _program(rows) for rows in (4, 6, 8)}
+    for rows in (4, 6):
+        program, text = cache.put(rows, programs[rows])
+        assert program is programs[rows] and text == programs[rows].dumps()
+    assert cache.get(4)[0] is programs[4]  # 4 is now the most recent: 6 goes first
+    cache.put(8, programs[8])
+    assert cache.get(6) is None and cache.get(4)[0] is programs[4] and cache.get(8)[0] is programs[8]
+
+
+def test_an_agent_reads_a_program_text_once_and_only_the_very_same_text_hits():
+    network = MemoryNetwork()
+    runtime = Runtime("b0", ShardStore(), {"grpc": MemoryTransport("b0", network)}, workers=2,
+                      step_timeout_s=10.0)
+    try:
+        texts = [_program(rows).dumps() for rows in range(4, 4 + PROGRAMS_KEPT + 1)]
+        first, ident = runtime._load(texts[0])
+        assert runtime._load(texts[0])[0] is first and ident == first.id
+        assert runtime._load(texts[0] + " ")[0] is not first  # another text is read again, even if it means the same
+        for text in texts[1:]:
+            runtime._load(text)
+        assert runtime._load(texts[0])[0] is not first  # pushed out by PROGRAMS_KEPT newer texts
+    finally:
+        runtime.close()
