@@ -267,7 +267,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
     the reshard of that Partial result to replicated (the ring all-reduce only), interleaved with the whole.
     """
     from reshard.client.client import Client
-    from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster
+    from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster, wait_for_group
 
     if not hasattr(Client, "einsum") or not hasattr(Client, "plan_einsum"):
         return {"skipped": "Client.einsum not built yet"}
@@ -283,11 +283,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
         address = start_cluster(emulated, extra_agent_args=["--transport", "collective"])
         hosts = [emulated.host_name(i) for i in range(NUM_DEVICES)]
         with emulated.connect(address) as c:
-            deadline = time.monotonic() + 60
-            while {a["host"] for a in c.agents() if a["up"] and a["in_group"]} != set(hosts):
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the lab's agents did not form their process group within 60 s")
-                time.sleep(0.1)
+            wait_for_group(c, hosts)
             rates = {a["host"]: (a["device_gflops"], a["memory_gb_per_s"]) for a in c.agents()}
             mesh = Mesh.from_hosts({"x": NUM_DEVICES}, hosts, 1)
             pending, whole = Sharding(mesh, (None, None), partial=("x",)), Sharding(mesh, (None, None))

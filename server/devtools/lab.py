@@ -325,6 +325,20 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
     return address
 
 
+def wait_for_group(client, hosts: Sequence[str], timeout_s: float = 60.0) -> None:
+    """Wait until the agents of ``hosts`` are up and in the collective transport's process group (a lab started
+    with ``--transport collective``), or raise `LabError` naming those that are not."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ready = {a["host"] for a in client.agents() if a["up"] and a["in_group"]}
+        if ready >= set(hosts):
+            return
+        if time.monotonic() > deadline:
+            raise LabError(f"the agents of {sorted(set(hosts) - ready)} did not join the process group within "
+                           f"{timeout_s:g} s")
+        time.sleep(0.1)
+
+
 # -- the ``reshard lab`` command ------------------------------------------------------
 
 

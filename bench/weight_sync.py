@@ -1,0 +1,370 @@
+"""Weight sync (issue 13): a whole state dict from a training layout to an inference layout, four ways.
+
+A synthetic transformer state dict (``bench/buckets.py``'s: about 500 tensors, float32 norms and embedding, float16
+attention weights and biases, float8 MLP weights as their bytes with float32 block scales) moves from
+tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7, one process per host:
+
+1. one ``reshard_many`` through local agents on the collective (gloo) transport: one program, one atomic commit;
+2. the same move as one ``reshard`` job per tensor, all submitted at once, on the same agents;
+3. raw ``torch.distributed`` gloo broadcasts of the same bytes, 8 processes: for each tensor, each distinct
+   source tile goes from one of the ranks that hold it (rotated over them, tensor by tensor) to the inference
+   ranks whose tile it overlaps, by ``broadcast`` on a group of exactly those ranks, every broadcast issued
+   asynchronously and waited for at the end: what a hand-written weight sync does, with its buffers allocated
+   beforehand;
+4. the same-mesh part, 4 processes: on host0..host3 seen as a 2 x 2 mesh, from the training layout to the
+   inference one (the tensor-parallel-4 tiles become two replicas of tensor-parallel 2), as a loop of DTensor
+   ``redistribute`` over every tensor against one ``reshard_many`` on 4 agents.
+
+Every result is checked bit-exact (agents: ``get_many`` against the arrays; gloo and DTensor: each rank's received
+buffers, or local shard against ``distribute_tensor`` on the destination). Seconds are from the request (or a
+barrier) to the last byte in place (or a barrier), median of ``--runs`` after one untimed; GB/s counts the bytes
+the inference devices end up holding.
+
+5. On emulated hosts (``reshard lab``, root: 8 network namespaces, links shaped to ``--gbps`` each way), the
+   ``reshard_many`` of (1), measured against its lower bound: every inference host must receive its tiles and
+   every byte must leave the 4 training hosts once, so no plan beats max(busiest inference host's tile bytes,
+   state dict / 4) / link rate.
+
+Goals: ``reshard_many`` at least 0.8x raw gloo's speed and at least 3x faster than one job per tensor.
+Writes its section of BENCHMARKS.md.
+
+    python bench/weight_sync.py [--layers 50] [--hidden 512] [--runs 3] [--gbps 1] [--no-lab] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import write_section  # noqa: E402
+from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
+
+from reshard import Mesh, Sharding  # noqa: E402
+from reshard import box as boxes  # noqa: E402
+
+GB = 1e9
+MiB = 2**20
+GOAL_GLOO, GOAL_PER_TENSOR = 0.8, 3.0
+TIMEOUT_S = 900
+# The same-mesh part: host0..host3 as 2 x 2, the inference layout's axes (DTensor: mesh dims "dp", "tp").
+SAME = Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[:4], 1)
+
+
+def _rank(device: str) -> int:
+    return HOSTS.index(device.split("/")[0])
+
+
+def _received_bytes(tensors: dict, infer: dict) -> int:
+    """The bytes the inference devices hold once the move is done: every device's tile."""
+    return sum(boxes.volume(box) * a.itemsize
+               for name, (a, _) in tensors.items() for box in infer[name].tiles(a.shape).values())
+
+
+def _same_mesh(infer: dict) -> dict:
+    return {name: Sharding(SAME, s.spec) for name, s in infer.items()}
+
+
+# -- 1 and 2: agents ---------------------------------------------------------------------------------------------
+
+
+def _check(c, tensors: dict, what: str) -> None:
+    """Every tensor reads back bit for bit as it was put."""
+    got = c.get_many(list(tensors))
+    bad = [n for n, (a, _) in tensors.items() if not np.array_equal(got[n].view(np.uint8), a.view(np.uint8))]
+    if bad:
+        raise AssertionError(f"{what} left {len(bad)} tensors different from what was put, {bad[:3]} first")
+
+
+def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str) -> list[float]:
+    """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
+    untimed (after the old versions' release, which follows a job, is over: `_settle`)."""
+    names, times = list(tensors), []
+    for i in range(runs + 1):
+        t0 = time.monotonic()
+        c.reshard_many(there).result(timeout=TIMEOUT_S)
+        wall = time.monotonic() - t0
+        _settle(c, names)
+        _check(c, tensors, what)
+        if i:
+            times.append(wall)
+        print(f"{what} {'(untimed) ' if not i else ''}{wall:.3f}s", flush=True)
+        c.reshard_many(back).result(timeout=TIMEOUT_S)
+        _settle(c, names)
+    return times
+
+
+def agents(layers: int, hidden: int, runs: int) -> dict:
+    """Median seconds of one reshard_many, one run of a job per tensor (8 hosts), and the same-mesh reshard_many
+    (4 hosts), each checked against the arrays."""
+    from reshard.client.cluster import LocalCluster
+
+    tensors, infer = state_dict(layers, hidden)
+    train = {n: s for n, (_, s) in tensors.items()}
+    out: dict = {}
+
+    with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
+        c.put_many(tensors)
+        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many")
+        t0 = time.monotonic()
+        for job in [c.reshard(name, sharding) for name, sharding in infer.items()]:
+            job.result(timeout=TIMEOUT_S)
+        out["per_tensor"] = [time.monotonic() - t0]
+        print(f"one job per tensor {out['per_tensor'][0]:.3f}s", flush=True)
+        _check(c, tensors, "one reshard job per tensor")
+    with LocalCluster(4, 1, host_names=HOSTS[:4], transport="collective") as cluster, cluster.connect() as c:
+        c.put_many(tensors)
+        out["same_many"] = _timed(c, tensors, _same_mesh(infer), train, runs, "the same-mesh reshard_many")
+    return out
+
+
+# -- 3: raw gloo broadcasts --------------------------------------------------------------------------------------
+
+
+def _broadcasts(tensors: dict, infer: dict) -> list[tuple[str, tuple, int, tuple[int, ...]]]:
+    """(tensor, source box, source rank, the group's ranks) per broadcast: each distinct source tile from one of
+    its holders, rotated tensor by tensor, to the inference ranks whose tile overlaps it."""
+    out = []
+    for k, (name, (a, src)) in enumerate(tensors.items()):
+        holders: dict = {}
+        for dev, box in src.tiles(a.shape).items():
+            holders.setdefault(box, []).append(dev)
+        dst = infer[name].tiles(a.shape)
+        for box, devs in holders.items():
+            if not boxes.volume(box):
+                continue
+            sender = _rank(devs[k % len(devs)])
+            receivers = sorted(_rank(d) for d, b in dst.items() if boxes.intersect(b, box) is not None
+                               and boxes.volume(boxes.intersect(b, box)))
+            if receivers:
+                out.append((name, box, sender, tuple(sorted({sender, *receivers}))))
+    return out
+
+
+def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    tensors, infer = state_dict(layers, hidden)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=len(HOSTS),
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    plan = _broadcasts(tensors, infer)
+    groups = {}
+    for _, _, _, ranks in plan:  # every rank creates every group, in the same order
+        if ranks not in groups:
+            groups[ranks] = dist.new_group(list(ranks))
+    mine = []
+    for name, box, sender, ranks in plan:
+        if rank not in ranks:
+            continue
+        whole = tensors[name][0][boxes.to_slices(box)]
+        buf = torch.from_numpy(np.ascontiguousarray(whole)) if rank == sender else \
+            torch.empty(whole.shape, dtype=torch.from_numpy(whole[:0]).dtype)
+        mine.append((buf, sender, groups[ranks], whole))
+
+    def run() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.broadcast(buf, sender, group=group, async_op=True) for buf, sender, group, _ in mine]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        for buf, sender, _, whole in mine:
+            if rank != sender and not np.array_equal(buf.numpy().view(np.uint8), whole.view(np.uint8)):
+                raise AssertionError(f"rank {rank} received wrong bytes from rank {sender}")
+            if rank != sender:
+                buf.zero_()
+        return seconds
+
+    run()  # untimed: the groups' pairs connect
+    times = [run() for _ in range(runs)]
+    if rank == 0:
+        print(json.dumps({"times": times, "broadcasts": len(plan), "groups": len(groups)}), flush=True)
+    dist.destroy_process_group()
+
+
+# -- 4: a loop of DTensor redistribute on the same mesh ------------------------------------------------------------
+
+
+def _placements(spec):
+    """DTensor placements on the ("dp", "tp") mesh of a reshard spec: an axis name's dim per mesh dim."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out = []
+    for axis in ("dp", "tp"):
+        dims = [d for d, entry in enumerate(spec) if entry == axis or (isinstance(entry, tuple) and axis in entry)]
+        out.append(Shard(dims[0]) if dims else Replicate())
+    return out
+
+
+def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    tensors, infer = state_dict(layers, hidden)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    # Training: tensor-parallel 4 over both mesh dims, dp-major as host0..host3 hold it.
+    train = {n: _placements(tuple(("dp", "tp") if e == "tp" else e for e in s.spec)) for n, (_, s) in tensors.items()}
+    dst = {n: _placements(s.spec) for n, s in _same_mesh(infer).items()}
+    full = {n: torch.from_numpy(a) for n, (a, _) in tensors.items()}
+    src = {n: distribute_tensor(full[n], mesh, train[n], src_data_rank=None) for n in tensors}
+    want = {n: distribute_tensor(full[n], mesh, dst[n], src_data_rank=None).to_local() for n in tensors}
+
+    def run() -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        out = {n: dt.redistribute(mesh, dst[n]) for n, dt in src.items()}
+        dist.barrier()
+        seconds = time.perf_counter() - t0
+        for n, dt in out.items():
+            if not torch.equal(dt.to_local().contiguous().view(torch.uint8), want[n].contiguous().view(torch.uint8)):
+                raise AssertionError(f"DTensor redistribute of {n} differs from distribute_tensor on rank {rank}")
+        return seconds
+
+    run()
+    times = [run() for _ in range(runs)]
+    if rank == 0:
+        print(json.dumps({"times": times}), flush=True)
+    dist.destroy_process_group()
+
+
+def _ranks(worker: str, world: int, layers: int, hidden: int, runs: int) -> dict:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    procs = [subprocess.Popen([sys.executable, __file__, worker, str(store.port), str(r), str(layers), str(hidden),
+                               str(runs)], stdout=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{worker} ranks failed: exit codes {[p.returncode for p in procs]}")
+    return json.loads(outs[0].splitlines()[-1])
+
+
+# -- 5: reshard_many on emulated hosts ----------------------------------------------------------------------------
+
+
+def lab(layers: int, hidden: int, runs: int, gbps: float) -> dict:
+    from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster, wait_for_group
+
+    ok, why = lab_available()
+    if not ok:
+        return {"skipped": why}
+    tensors, infer = state_dict(layers, hidden)
+    with Lab(LabConfig(num_hosts=len(HOSTS), devices_per_host=1, gbps=gbps)) as emulated:
+        address = start_cluster(emulated, extra_agent_args=["--transport", "collective"])
+        lab_hosts = [emulated.host_name(i) for i in range(len(HOSTS))]
+        rename = dict(zip(HOSTS, lab_hosts))
+        train_mesh = Mesh.from_hosts(dict(TRAIN.axes), [rename[h] for h in HOSTS[:4]], 1)
+        infer_mesh = Mesh.from_hosts(dict(INFER.axes), [rename[h] for h in HOSTS[4:]], 1)
+        put = {n: (a, Sharding(train_mesh, s.spec)) for n, (a, s) in tensors.items()}
+        there = {n: Sharding(infer_mesh, s.spec) for n, s in infer.items()}
+        back = {n: s for n, (_, s) in put.items()}
+        with emulated.connect(address) as c:
+            wait_for_group(c, lab_hosts)
+            c.put_many(put)
+            times = _timed(c, tensors, there, back, runs, "lab reshard_many")
+    rate = gbps * GB / 8
+    per_host = {h: 0 for h in HOSTS[4:]}
+    for name, (a, _) in tensors.items():
+        for dev, box in infer[name].tiles(a.shape).items():
+            per_host[dev.split("/")[0]] += boxes.volume(box) * a.itemsize
+    total = sum(a.nbytes for a, _ in tensors.values())
+    bound = max(max(per_host.values()), total / 4) / rate
+    return {"times": times, "bound_s": bound}
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    workers = {"--gloo-worker": _gloo_worker, "--dtensor-worker": _dtensor_worker}
+    if argv and argv[0] in workers:
+        port, rank, layers, hidden, runs = map(int, argv[1:6])
+        workers[argv[0]](port, rank, layers, hidden, runs)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=50, help="transformer layers (10 tensors each; default 50)")
+    ap.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each, after one untimed (default 3)")
+    ap.add_argument("--gbps", type=float, default=1.0, help="the lab's link rate, Gbit/s each way (default 1)")
+    ap.add_argument("--no-lab", action="store_true", help="skip the emulated hosts")
+    ap.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
+    args = ap.parse_args(argv)
+
+    tensors, infer = state_dict(args.layers, args.hidden)
+    nbytes = sum(a.nbytes for a, _ in tensors.values())
+    received = _received_bytes(tensors, infer)
+    print(f"{len(tensors)} tensors, {nbytes / MiB:.0f} MiB; the inference devices receive {received / MiB:.0f} MiB",
+          flush=True)
+    a = agents(args.layers, args.hidden, args.runs)
+    g = _ranks("--gloo-worker", len(HOSTS), args.layers, args.hidden, args.runs)
+    print(f"raw gloo broadcasts {statistics.median(g['times']):.3f}s", flush=True)
+    d = _ranks("--dtensor-worker", 4, args.layers, args.hidden, args.runs)
+    print(f"DTensor redistribute loop {statistics.median(d['times']):.3f}s", flush=True)
+    e = {"skipped": "--no-lab"} if args.no_lab else lab(args.layers, args.hidden, args.runs, args.gbps)
+
+    many, per_tensor, gloo = (statistics.median(x) for x in (a["many"], a["per_tensor"], g["times"]))
+    same_many, dtensor = statistics.median(a["same_many"]), statistics.median(d["times"])
+    same_received = _received_bytes(tensors, _same_mesh(infer))
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**not met**"
+
+    def row(what: str, seconds: float, nbytes: int, vs: str) -> str:
+        return f"| {what} | {seconds:.3f} | {nbytes / seconds / GB:.3f} | {vs} |"
+
+    rows = ["| move | seconds | GB/s | against `reshard_many` |", "|---|---:|---:|---|",
+            row("cross-mesh: one `reshard_many` (collective transport)", many, received, "1"),
+            row("cross-mesh: one `reshard` job per tensor, submitted at once", per_tensor, received,
+                f"`reshard_many` {per_tensor / many:.2f}x faster (goal >= {GOAL_PER_TENSOR:g}x: "
+                f"{verdict(per_tensor >= GOAL_PER_TENSOR * many)})"),
+            row(f"cross-mesh: raw gloo broadcasts ({g['broadcasts']} on {g['groups']} groups)", gloo, received,
+                f"`reshard_many` at {gloo / many:.2f}x gloo's speed (goal >= {GOAL_GLOO:g}x: "
+                f"{verdict(gloo >= GOAL_GLOO * many)})"),
+            row("same mesh (4 hosts as 2 x 2): one `reshard_many`", same_many, same_received, "1"),
+            row("same mesh: a loop of DTensor `redistribute`", dtensor, same_received,
+                f"`reshard_many` {dtensor / same_many:.2f}x faster")]
+    if "skipped" in e:
+        lab_text = f"Emulated hosts: skipped ({e['skipped']})."
+    else:
+        measured = statistics.median(e["times"])
+        lab_text = (f"Emulated hosts (`reshard lab`, 8 hosts x 1 device, links shaped to {args.gbps:g} Gbit/s each "
+                    f"way), the same `reshard_many`: measured {measured:.3f} s against a lower bound of "
+                    f"{e['bound_s']:.3f} s (the busiest inference host's tiles, or a quarter of the state dict, "
+                    f"whichever is more, at the link rate): {measured / e['bound_s']:.2f}x the bound.")
+    body = (f"A synthetic state dict of {len(tensors)} tensors ({nbytes / MiB:.0f} MiB: {args.layers} layers, hidden "
+            f"{args.hidden}; float32, float16 and float8 bytes with float32 block scales) moved from tensor-parallel "
+            f"4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7 of this machine, one process "
+            f"per host; the inference devices end up with {received / MiB:.0f} MiB, which the GB/s counts. Seconds "
+            f"from the request (or a barrier) until every byte is in place (or a barrier), median of {args.runs} "
+            f"after one untimed (one job per tensor: one run); every result checked bit-exact. Raw gloo sends each "
+            f"distinct source tile once, by `broadcast` to the ranks that need it, all issued asynchronously, into "
+            f"buffers allocated beforehand. The same-mesh rows move host0..host3's tensor-parallel-4 tiles to two "
+            f"replicas of tensor-parallel 2 on the same four processes.\n\n"
+            + "\n".join(rows) + "\n\n" + lab_text
+            + f"\n\nReproduce: `python bench/weight_sync.py --layers {args.layers} --hidden {args.hidden} --runs "
+              f"{args.runs} --gbps {args.gbps:g}` (root for the emulated hosts).")
+    print(body)
+    if not args.no_write:
+        write_section("weight_sync", "Weight sync: a state dict from training to inference layouts", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
