@@ -345,11 +345,15 @@ def _buckets(steps, itemsizes: dict[str, int], bucket_bytes: int) -> tuple[tuple
         return ()
     open_: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (step ids, [bytes so far])
     out: list[list[int]] = []
+    volumes: dict[tuple, int] = {}  # box -> elements: a box goes to many hosts (a star's transfers share it)
     for s in steps:
         if s.kind != MOVE or s.after or s.role != SRC:
             continue
         t = s.transfer
-        nbytes = boxes.volume(t.box) * itemsizes[s.tensor]
+        n = volumes.get(t.box)
+        if n is None:
+            n = volumes[t.box] = boxes.volume(t.box)
+        nbytes = n * itemsizes[s.tensor]
         if nbytes >= bucket_bytes:
             continue
         key = (t.sender, t.receivers, t.method, t.route)

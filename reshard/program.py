@@ -377,6 +377,7 @@ def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESH
                 delivered[r].append((j, t.phase, t.box))
     steps = []
     fields = dict(_DEFAULTS, kind=MOVE, role=SRC, tensor=tensor)
+    new, set_state = object.__new__, object.__setattr__
     for i, t in enumerate(transfers):
         after = ()
         if t.phase:
@@ -389,8 +390,10 @@ def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESH
                 )
             after = tuple(sorted({first + j for j in feeds}))
             t = replace(t, phase=0)
-        step = object.__new__(Step)
-        step.__dict__.update(fields, id=first + i, after=after, transfer=t)
+        step = new(Step)
+        state = fields.copy()
+        state["id"], state["after"], state["transfer"] = first + i, after, t
+        set_state(step, "__dict__", state)
         steps.append(step)
     return steps
 
