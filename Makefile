@@ -1,19 +1,36 @@
-# Each target creates .venv on first use and installs what it needs.
+# Each target creates .venv on first use and installs what it needs: make demo the service and SDK
+# (numpy and gRPC, no torch), make test and make bench the dev extra too (torch, JAX, pytest).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
+# pip's and setuptools' chatter goes to a log that is shown only if the install fails.
+PIP_LOG := $(VENV)/pip.log
+PIP := $(PY) -m pip --disable-pip-version-check
+INSTALL = $(PIP) install $(1) >$(PIP_LOG) 2>&1 || \
+	{ cat $(PIP_LOG); echo "make: pip install $(1) failed (log above, and in $(PIP_LOG))"; exit 1; }
+DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test bench clean
 
-$(STAMP): pyproject.toml
+$(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	@echo "make: creating the virtual environment $(VENV) with $(PYTHON)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(call INSTALL,--upgrade pip)
 
-demo: $(STAMP)
+$(DEMO_STAMP): pyproject.toml | $(PY)
+	@echo "make: installing reshard and what the demo needs (numpy, gRPC, FastAPI, rich; no torch) into $(VENV)"
+	@$(call INSTALL,-e .)
+	@touch $(DEMO_STAMP)
+
+$(STAMP): pyproject.toml | $(PY)
+	@echo "make: installing reshard and its dev extra (torch, JAX, pytest, ...) into $(VENV): minutes the first time"
+	@$(call INSTALL,-e '.[dev]')
+	@touch $(STAMP) $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	@echo "make: running reshard demo (a planner and 5 agents on loopback)"
 	$(VENV)/bin/reshard demo
 
 test: $(STAMP)

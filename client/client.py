@@ -183,6 +183,8 @@ def _target(device: Optional[str], ipc: Ipc) -> Optional[str]:
     """The torch device a read returns on (None: as the tensor was put), checked in this process."""
     _check_ipc(ipc)
     to = None if device is None else devices.check_device(str(device))
+    if to is not None:
+        devices.import_torch(f"a read to device {to!r} (it returns a torch tensor)")
     if ipc is True and (to is None or to == "cpu"):
         raise InvalidArgumentError(f"ipc=True reads into a CUDA tensor by CUDA IPC: name a device such as 'cuda:0' "
                                    f"(got {device!r})")
@@ -209,7 +211,7 @@ def _from_numpy(arr: np.ndarray, dtype: str, kind: str):
         return devices.to_torch(arr, dtype)
     except ImportError:
         raise FailedPreconditionError(f"the tensor is {dtype}, which numpy lacks; reading it needs ml_dtypes or "
-                                      f"torch here: pip install ml_dtypes, or reshard[torch]") from None
+                                      f"torch here: pip install ml_dtypes, or pip install 'reshard[torch]'") from None
 
 
 def _sharding_of(sharding) -> Sharding:

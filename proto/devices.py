@@ -17,6 +17,7 @@ users of the SDK never load it.
 ``to_host``           a torch tensor as a C-contiguous numpy array in host memory (a CUDA
                       tensor lands in one pinned buffer by DMA)
 ``device_digest``     64-bit digest of a tensor's bytes in C order, computed where it lives
+``import_torch``      torch, or an error naming the install that brings it
 ``check_device``      a torch device this process has, normalised (``cuda`` -> ``cuda:0``), or
                       an error naming how many CUDA devices there are
 ``gpu_uuid``          the uuid of a CUDA device: ordinals differ between processes, uuids not
@@ -51,7 +52,8 @@ from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import np_dtype
 
 __all__ = [
-    "STAGE_BYTES", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host", "device_digest", "check_device", "gpu_uuid",
+    "STAGE_BYTES", "import_torch", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host",
+    "device_digest", "check_device", "gpu_uuid",
     "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
 ]
 
@@ -167,6 +169,16 @@ def device_digest(t) -> int:
     return ((b % _PRIME) << 32) | ((a + nbytes) % _PRIME)
 
 
+def import_torch(purpose: str):
+    """The torch module, or a `FailedPreconditionError` saying that ``purpose`` needs it and how to install it."""
+    try:
+        import torch
+    except ImportError:
+        raise FailedPreconditionError(f"{purpose} needs torch, which is not installed here: "
+                                      f"pip install 'reshard[torch]'") from None
+    return torch
+
+
 def _torch_build() -> str:
     import torch
 
@@ -188,7 +200,7 @@ def check_device(device: str) -> str:
     try:
         import torch
     except ImportError:
-        raise FailedPreconditionError(f"device {device} needs torch with CUDA: pip install reshard[torch]") from None
+        raise FailedPreconditionError(f"device {device} needs torch with CUDA: pip install 'reshard[torch]'") from None
     count = torch.cuda.device_count()
     ordinal = int(index) if index else 0
     if ordinal >= count:
@@ -201,6 +213,8 @@ def check_device(device: str) -> str:
 
 def gpu_uuid(device) -> str:
     """The uuid of CUDA device ``device`` (``"cuda:N"``, an ordinal or a torch.device); "" for cpu."""
+    if device == "cpu":  # a CPU agent of a light install (no torch) asks too
+        return ""
     import torch
 
     device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)

@@ -12,7 +12,7 @@ from reshard.proto.errors import FailedPreconditionError
 
 __all__ = ["torch_available", "require_torch", "seconds_delta"]
 
-_TORCH_HINT = "the collective transport needs torch: pip install reshard[torch]"
+_TORCH_HINT = "the collective transport needs torch: pip install 'reshard[torch]'"
 
 
 def torch_available() -> bool:

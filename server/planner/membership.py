@@ -81,7 +81,8 @@ class GroupCoordinator:
         if transport == "collective" and not self.store_port:
             raise FailedPreconditionError(
                 f"host {host} asks for the collective transport, but this planner hosts no rendezvous store "
-                f"(torch is not installed where it runs: pip install reshard[torch]); run the agent with --transport grpc"
+                f"(torch is not installed where it runs: pip install 'reshard[torch]'); run the agent with "
+                f"--transport grpc"
             )
         if transport == "auto" and not self.store_port:
             transport, reason = "grpc", "this planner hosts no rendezvous store (torch is not installed where it runs)"

@@ -135,7 +135,7 @@ def backend_refusal(backend: str) -> str:
         import torch
         import torch.distributed as dist
     except ImportError:
-        return "torch is not installed (pip install reshard[torch])"
+        return "torch is not installed (pip install 'reshard[torch]')"
     if not dist.is_available():
         return f"torch {torch.__version__} has no torch.distributed"
     if backend == "nccl" and not torch.cuda.is_available():

@@ -221,7 +221,7 @@ def test_collective_without_torch_is_an_error_naming_the_install():
             "'--transport', 'collective']))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "pip install reshard[torch]" in proc.stderr
+    assert "pip install 'reshard[torch]'" in proc.stderr
 
 
 @pytest.mark.cuda

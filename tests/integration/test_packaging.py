@@ -1,13 +1,16 @@
-"""The wire contract is current, dependencies point one way, and the documented commands work."""
+"""The wire contract is current, dependencies point one way, the documented commands work, and the service and
+SDK install and run without torch."""
 
 from __future__ import annotations
 
 import ast
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -113,3 +116,89 @@ def test_demo_small_case_set():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "all 8 rows verified" in proc.stdout
+
+
+# -- the light install: the service and the SDK without torch --------------------------------------
+
+_NO_TORCH = "raise ImportError(\"No module named 'torch' (hidden by test_packaging)\", name='torch')\n"
+
+
+def test_the_grpc_service_and_sdk_run_where_torch_cannot_be_imported(tmp_path):
+    """Every process of a cluster (planner, agents, client) with ``import torch`` failing, as on a plain
+    ``pip install reshard``: agents stay on gRPC, numpy goes in and out, a reshard runs, and asking for a torch
+    tensor names the extra."""
+    (tmp_path / "hide").mkdir()
+    (tmp_path / "hide" / "torch.py").write_text(_NO_TORCH)
+    code = textwrap.dedent("""
+        import numpy as np, reshard
+        from reshard import Mesh, Sharding
+        from reshard.client.cluster import LocalCluster
+        with LocalCluster(2, 2) as cluster, cluster.connect() as c:
+            assert {a["transport"] for a in c.agents()} == {"grpc"}, c.agents()
+            a = np.arange(64 * 6, dtype=np.float32).reshape(64, 6)
+            c.put("w", a, Sharding(Mesh.from_hosts({"x": 2}, ["host0"], 2), ("x", None)))
+            c.reshard("w", Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2), (None, "y"))).result(60)
+            assert np.array_equal(c.get("w"), a)
+            try:
+                c.get("w", device="cpu")
+            except reshard.client.FailedPreconditionError as e:
+                print("torch read:", e)
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'hide'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "ok"
+    assert "pip install 'reshard[torch]'" in proc.stdout  # a torch tensor asked for names the extra
+
+
+def test_torch_comes_with_the_torch_extra_only():
+    from importlib.metadata import requires
+
+    needs = requires("reshard")
+    assert not [r for r in needs if r.startswith("torch") and "extra" not in r], needs
+    assert any(r.startswith("torch") and 'extra == "torch"' in r for r in needs), needs
+
+
+def _pip(venv: Path, *args: str, timeout: float = 600) -> str:
+    proc = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", *args],
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+@pytest.mark.slow  # a fresh virtual environment and three installs: about two minutes
+def test_pip_install_pulls_no_torch_and_the_extra_does(tmp_path):
+    """``pip install .`` in a fresh venv: no torch, no deprecation banner; the gRPC demo and the SDK tests run
+    there; then ``pip install '.[torch]'`` brings torch and the collective transport."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("reshard", "server", "client", "proto"):  # a copy: the build writes build/ and egg-info
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    out = _pip(venv, "install", "-v", str(src))
+    assert "deprecat" not in out.lower(), [line for line in out.splitlines() if "eprecat" in line][:5]
+    installed = _pip(venv, "list", "--format=freeze").lower()
+    assert "torch" not in installed and "nvidia" not in installed and "jax" not in installed, installed
+    python = str(venv / "bin" / "python")
+    demo = subprocess.run([str(venv / "bin" / "reshard"), "demo", "--nbytes-mib", "1", "--hosts", "3",
+                           "--devices-per-host", "2", "--cases", "1to1x2,1to2x2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert demo.returncode == 0 and "all 8 rows verified" in demo.stdout, demo.stdout[-2000:] + demo.stderr[-2000:]
+    _pip(venv, "install", "pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100", "httpx>=0.27")
+    sdk_tests = [str(ROOT / "tests" / "integration" / f) for f in
+                 ("test_cluster.py", "test_errors.py", "test_empty_tiles.py", "test_traffic.py")]
+    # cwd outside the checkout, so that `reshard` is the installed package and not the folder of that name
+    run = subprocess.run([python, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not slow",
+                          *sdk_tests], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert re.search(r"\d+ passed", run.stdout) and "the collective transport needs torch" in run.stdout
+    _pip(venv, "install", f"{src}[torch]")
+    assert "torch" in _pip(venv, "list", "--format=freeze").lower()
+    has = subprocess.run([python, "-c", "from reshard.server.common.torch_support import torch_available; "
+                                        "print(torch_available())"], capture_output=True, text=True, cwd=tmp_path)
+    assert has.stdout.strip() == "True", has.stderr[-2000:]
