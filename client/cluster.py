@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -30,7 +30,7 @@ from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, Un
 if TYPE_CHECKING:
     from reshard.client.client import Client
 
-__all__ = ["LocalCluster", "local_cluster", "start_process", "die_with_parent"]
+__all__ = ["LocalCluster", "local_cluster", "start_process", "launch_process", "await_ready", "die_with_parent"]
 
 _READY = re.compile(r"listening on (\S+)")
 _DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
@@ -67,10 +67,22 @@ def start_process(args: Sequence[str], log_path: Path, timeout: float,
 
     The ready line itself is appended to ``ready_lines`` when given.
     """
+    proc = launch_process(args, log_path)
+    return proc, await_ready(proc, args, log_path, timeout, ready_lines)
+
+
+def launch_process(args: Sequence[str], log_path: Path) -> subprocess.Popen:
+    """Start ``args`` with stderr to ``log_path``; `await_ready` then waits for its address."""
     log = open(log_path, "ab")
     env = {**os.environ, _PARENT_ENV: str(os.getpid())}  # the child calls die_with_parent()
     proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env)
     log.close()
+    return proc
+
+
+def await_ready(proc: subprocess.Popen, args: Sequence[str], log_path: Path, timeout: float,
+                ready_lines: Optional[list[str]] = None) -> str:
+    """The address ``proc`` prints on its "listening on ADDR" line; kills it when none comes within ``timeout``."""
     deadline = time.monotonic() + timeout
     line = b""
     while time.monotonic() < deadline:
@@ -81,7 +93,7 @@ def start_process(args: Sequence[str], log_path: Path, timeout: float,
             if m:
                 if ready_lines is not None:
                     ready_lines.append(line.decode(errors="replace"))
-                return proc, m.group(1)
+                return m.group(1)
         if proc.poll() is not None:
             break
     proc.kill()
@@ -96,7 +108,11 @@ class LocalCluster:
     def __init__(self, hosts: int = 2, devices_per_host: int = 4, *, host_names: Optional[Sequence[str]] = None,
                  planner_args: Sequence[str] = (), agent_args: Sequence[str] = (), log_dir: Optional[str] = None,
                  startup_timeout_s: float = 60.0, dashboard: bool = False, transport: Optional[str] = None,
-                 device: Union[str, Sequence[str], None] = None, tls: Optional[TlsFiles] = None):
+                 device: Union[str, Sequence[str], None] = None, tls: Optional[TlsFiles] = None,
+                 on_event: Optional[Callable[[str, str], None]] = None):
+        # on_event(event, name) as processes come and go (reshard up prints them): "listening" (its address is
+        # known), "registered" (the planner lists the agent up), "stopping" and "stopped"; name is "planner" or a host.
+        self.on_event = on_event or (lambda event, name: None)
         self.host_names = list(host_names) if host_names else [f"host{i}" for i in range(hosts)]
         # Where each agent keeps its shards (its --device): one for all, or one per host in order.
         devices = [device] * len(self.host_names) if device is None or isinstance(device, str) else list(device)
@@ -151,8 +167,11 @@ class LocalCluster:
                 self.log_dir / "planner.log", self.startup_timeout_s, lines)
             m = _DASHBOARD.search(lines[0]) if lines else None
             self.dashboard_url = m.group(1) if m else ""
-            for h in self.host_names:
-                self.start_agent(h, wait=False)
+            self.on_event("listening", "planner")
+            # All agents start at once and are reported in host order: start-up is mostly imports and a probe.
+            launched = {h: self._launch_agent(h) for h in self.host_names}
+            for h, (proc, args) in launched.items():
+                self._await_agent(h, proc, args)
             self.wait_ready()
         except BaseException:
             self.stop()
@@ -165,16 +184,25 @@ class LocalCluster:
 
     def start_agent(self, host: str, wait: bool = True, extra_args: Sequence[str] = ()) -> str:
         """Start (or restart) the agent of ``host``; returns its address."""
-        device = ["--device", self.device_by_host[host]] if self.device_by_host.get(host) else []
-        proc, addr = start_process(
-            self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
-                      "--devices", str(self.devices_per_host), "--token-file", str(self.token_file),
-                      *self._tls_args, *device, *self.agent_args, *extra_args),
-            self.log_dir / f"agent-{host}.log", self.startup_timeout_s)
-        self.agents[host], self.agent_addresses[host] = proc, addr
+        addr = self._await_agent(host, *self._launch_agent(host, extra_args))
         if wait:
             self.wait_ready()
         return addr
+
+    def _launch_agent(self, host: str, extra_args: Sequence[str] = ()) -> tuple[subprocess.Popen, list[str]]:
+        device = ["--device", self.device_by_host[host]] if self.device_by_host.get(host) else []
+        args = self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
+                         "--devices", str(self.devices_per_host), "--token-file", str(self.token_file),
+                         *self._tls_args, *device, *self.agent_args, *extra_args)
+        proc = launch_process(args, self.log_dir / f"agent-{host}.log")
+        self.agents[host] = proc  # stop() ends it even if another agent fails to start first
+        return proc, args
+
+    def _await_agent(self, host: str, proc: subprocess.Popen, args: list[str]) -> str:
+        self.agent_addresses[host] = await_ready(proc, args, self.log_dir / f"agent-{host}.log",
+                                                 self.startup_timeout_s)
+        self.on_event("listening", host)
+        return self.agent_addresses[host]
 
     @property
     def dashboard_login_url(self) -> str:
@@ -193,6 +221,7 @@ class LocalCluster:
         """Block until the planner lists every live agent as up."""
         deadline = time.monotonic() + self.startup_timeout_s
         want = {h for h, p in self.agents.items() if p.poll() is None}
+        reported: set[str] = set()
         with self.connect() as c:
             while True:
                 try:
@@ -200,6 +229,9 @@ class LocalCluster:
                           and (a["transport"] == "grpc" or a["in_group"])}
                 except Exception:  # noqa: BLE001 - the planner may still be starting
                     up = set()
+                for h in sorted(want & up - reported, key=self.host_names.index):
+                    reported.add(h)
+                    self.on_event("registered", h)
                 if want <= up:
                     return
                 if time.monotonic() > deadline:
@@ -214,12 +246,13 @@ class LocalCluster:
         return Client(self.address, **{"token": self.token, "tls": self.tls, **kwargs})
 
     def stop(self, grace_s: float = 5.0) -> None:
-        procs = [p for p in self.agents.values()] + ([self.planner] if self.planner else [])
-        for p in procs:
+        procs = list(self.agents.items()) + ([("planner", self.planner)] if self.planner else [])
+        for name, p in procs:
+            self.on_event("stopping", name)
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
-        for p in procs:
+        for name, p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -227,7 +260,9 @@ class LocalCluster:
                 p.wait()
             if p.stdout:
                 p.stdout.close()
+            self.on_event("stopped", name)
         self.agents.clear()
+        self.planner = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -16,15 +16,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 
-from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError
+from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError, ReshardError
 from reshard.mesh import Mesh
 from reshard.strategies import STRATEGIES, plan
 from reshard.sharding import Sharding, normalise_shape
 from reshard.topology import Topology
 
-__all__ = ["parse_mesh", "parse_spec", "parse_shape", "parse_hosts", "add_plan_command", "run_plan"]
+__all__ = ["parse_mesh", "parse_spec", "parse_shape", "parse_hosts", "add_plan_command", "run_plan", "positive_int",
+           "positive_float"]
 
 _RANGE = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<lo>\d+)-(?P<hi>\d+)\](?P<suffix>[^\[\]]*)$")
 
@@ -58,7 +60,17 @@ def parse_mesh(text: str, default_prefix: str = "node") -> Mesh:
     if not axes:
         raise InvalidMeshError(f"mesh {text!r} names no axes; write a mesh like 'x=2,y=4'")
     if hosts_text:
-        return Mesh.from_hosts(axes, parse_hosts(hosts_text))
+        hosts = parse_hosts(hosts_text)
+        size = math.prod(n for _, n in axes)
+        if hosts and size % len(hosts):
+            counts = [str(d) for d in range(1, size + 1) if size % d == 0][:6]
+            choices = " or ".join([", ".join(counts[:-1]), counts[-1]] if len(counts) > 1 else counts)
+            raise InvalidMeshError(
+                f"mesh {text!r} has {size} positions, which do not divide evenly over its {len(hosts)} hosts; name "
+                f"{choices} host{'s' if size > 1 else ''} (every host holds the same number of devices), "
+                f"or none ({axes_text.strip()!r}: one host per row of the last axis)"
+            )
+        return Mesh.from_hosts(axes, hosts)
     return Mesh.grid(axes, axes[-1][1], default_prefix)
 
 
@@ -105,6 +117,28 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return normalise_shape(sizes)
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a count of at least 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number above 0")
+    return value
+
+
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows each option's default, except where there is none to show (``None``: the help text says it)."""
 
@@ -135,11 +169,23 @@ def add_plan_command(sub) -> None:
     p.set_defaults(func=run_plan)
 
 
+def _flag(flag: str, parse, *args):
+    """``parse(*args)``, its error prefixed with the flag whose value broke the rule (a flag once, innermost)."""
+    try:
+        return parse(*args)
+    except ReshardError as e:
+        if str(e).startswith("--"):
+            raise
+        raise type(e)(f"{flag}: {e}") from None
+
+
 def run_plan(args) -> int:
     # Parsed here, not as an argparse type, so that the message states the rule.
-    args.shape = parse_shape(args.shape)
-    src = Sharding(parse_mesh(args.src, "src"), parse_spec(args.src_spec))
-    dst = Sharding(parse_mesh(args.dst, "dst"), parse_spec(args.dst_spec))
+    args.shape = _flag("--shape", parse_shape, args.shape)
+    src = _flag("--src/--src-spec", lambda: Sharding(_flag("--src", parse_mesh, args.src, "src"),
+                                                     _flag("--src-spec", parse_spec, args.src_spec)))
+    dst = _flag("--dst/--dst-spec", lambda: Sharding(_flag("--dst", parse_mesh, args.dst, "dst"),
+                                                     _flag("--dst-spec", parse_spec, args.dst_spec)))
     topo = Topology(nic_gbps=args.nic_gbps, intra_host_gbps=args.intra_gbps)
     if args.strategy == "all":
         plans = [plan(args.shape, args.dtype, src, dst, topo, s).validate() for s in STRATEGIES]

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 
-from reshard.plan_command import HelpFormatter, add_plan_command
+from reshard.plan_command import HelpFormatter, add_plan_command, positive_float, positive_int
 from reshard.client.cluster import die_with_parent
 from reshard.errors import ReshardError
+from reshard.proto.errors import InvalidArgumentError
 from reshard.server.devtools.certs import add_certs_command
 from reshard.server.devtools.lab import add_lab_command
 from reshard.server.common.lifecycle import on_signal
@@ -67,8 +70,8 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
     p.add_argument("--advertise", default=None, help="address peers dial (default: the bound address)")
     p.add_argument("--host", required=True, help="this host's name; devices are HOST/0 .. HOST/K-1")
-    p.add_argument("--devices", type=int, required=True, help="number of devices K")
-    p.add_argument("--chunk-mib", type=float, default=d.chunk_bytes / 2**20, help="gRPC stream chunk size")
+    p.add_argument("--devices", type=positive_int, required=True, help="number of devices K")
+    p.add_argument("--chunk-mib", type=positive_float, default=d.chunk_bytes / 2**20, help="gRPC stream chunk size")
     p.add_argument("--collective-chunk-mib", type=float, default=0.0,
                    help="collective transport chunk size (0: about 3 ms at --nic-gbps, 2 to 16 MiB)")
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
@@ -198,8 +201,8 @@ def _run_planner(args) -> int:
 def _add_up_command(sub) -> None:
     p = sub.add_parser("up", help="start a planner and N agents on this machine; Ctrl-C stops them all",
                        formatter_class=HelpFormatter)
-    p.add_argument("--hosts", type=int, default=2, help="number of agents (hosts host0..hostN-1)")
-    p.add_argument("--devices-per-host", type=int, default=4, help="devices per agent (HOST/0 ..)")
+    p.add_argument("--hosts", type=positive_int, default=2, help="number of agents (hosts host0..hostN-1)")
+    p.add_argument("--devices-per-host", type=positive_int, default=4, help="devices per agent (HOST/0 ..)")
     p.add_argument("--state", default=None, help="planner state file (SQLite)")
     p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
     p.add_argument("--transport", choices=("grpc", "collective", "auto"), default="auto",
@@ -211,23 +214,56 @@ def _add_up_command(sub) -> None:
 
 
 def _run_up(args) -> int:
+    import tempfile
+
     from reshard.client.cluster import LocalCluster
 
-    planner_args = ["--state", args.state] if args.state else []
     devices = args.device.split(",")
-    cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=args.log_dir,
-                           dashboard=True, transport=args.transport, device=devices[0] if len(devices) == 1 else devices)
-    with cluster:
+    if len(devices) not in (1, args.hosts):
+        raise InvalidArgumentError(f"--device names {len(devices)} devices for --hosts {args.hosts}: give one device "
+                                   f"for every agent (--device cuda:0) or one per agent in host order")
+    # A folder of our own, not a temporary one the cluster deletes: the logs outlive the cluster, as printed.
+    log_dir = args.log_dir or tempfile.mkdtemp(prefix="reshard-up-")
+    planner_args = ["--state", args.state] if args.state else []
+    cluster = None
+
+    def report(event: str, name: str) -> None:
+        proc = cluster.planner if name == "planner" else cluster.agents.get(name)
+        pid = f"pid {proc.pid}" if proc is not None else ""
+        if event == "listening" and name == "planner":
+            print(f"planner  {cluster.address}  {pid}", flush=True)
+        elif event == "listening":
+            print(f"agent    {name:<8} {cluster.agent_addresses[name]}  {pid}  devices {name}/0..{name}/"
+                  f"{args.devices_per_host - 1} on {cluster.device_of(name)}", flush=True)
+        elif event == "registered":
+            print(f"         {name} registered with the planner", flush=True)
+        elif event == "stopping":
+            print(f"stopping {name} ({pid})", flush=True)
+        elif event == "stopped":
+            print(f"stopped  {name} (exit code {proc.returncode})", flush=True)
+
+    print(f"starting the planner, then {args.hosts} agents x {args.devices_per_host} devices, on loopback; logs in "
+          f"{log_dir}", flush=True)
+    cluster = LocalCluster(args.hosts, args.devices_per_host, planner_args=planner_args, log_dir=log_dir,
+                           dashboard=True, transport=args.transport,
+                           device=devices[0] if len(devices) == 1 else devices, on_event=report)
+    try:
+        cluster.start()
+    except KeyboardInterrupt:  # start() has stopped what it started, and reported it
+        print(f"interrupted while starting; logs kept in {log_dir}", file=sys.stderr)
+        return 130
+    try:
         stopped = on_signal()
-        print(f"planner  {cluster.address}")
         print(f"admin    {cluster.dashboard_login_url}")
-        for h, a in cluster.agent_addresses.items():
-            print(f"agent    {h:<8} {a}  devices {h}/0..{h}/{args.devices_per_host - 1} on {cluster.device_of(h)}")
-        print(f"logs     {cluster.log_dir}")
+        print(f"logs     {cluster.log_dir} (kept after the cluster stops)")
         print(f"token    {cluster.token_file} (the cluster token: export RESHARD_TOKEN_FILE={cluster.token_file})")
         print(f"connect with: reshard.connect({cluster.address!r}, token=open({str(cluster.token_file)!r}).read()); "
               f"Ctrl-C stops the cluster", flush=True)
-        stopped()
+        signum = stopped()
+        print(f"{signal.Signals(signum).name}: stopping the cluster", flush=True)
+    finally:
+        cluster.stop()
+    print(f"logs kept in {cluster.log_dir}", flush=True)
     return 0
 
 
@@ -295,10 +331,20 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # inside the try: a reader that left shows here, not as an error at exit
+        return code
     except ReshardError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # reshard plan ... | head: the reader has what it wanted
+        return _quiet_broken_pipe()
+
+
+def _quiet_broken_pipe() -> int:
+    """Exit as a pipe's writer does when its reader left, without Python's traceback or a failed final flush."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -32,7 +32,9 @@ def on_signal(*signals: int) -> Callable[[], int]:
         signal.signal(sig, handler)
 
     def wait() -> int:
-        while not stop.wait(3600):
+        # Short waits: a signal the kernel hands to another thread (gRPC's) sets Python's flag but does not
+        # wake the main thread from a long lock wait, and the handler only runs when that wait ends.
+        while not stop.wait(0.2):
             pass
         return received[0]
 

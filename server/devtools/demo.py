@@ -19,7 +19,9 @@ import numpy as np
 
 from reshard.box import to_slices
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases
+from reshard.plan_command import positive_float, positive_int
 from reshard.strategies import STRATEGIES
+from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.layout import np_dtype
 
 if TYPE_CHECKING:  # rich is imported when the demo runs, not whenever the CLI builds its parser
@@ -47,20 +49,46 @@ class DemoRow:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--planner", default=None, help="use this cluster instead of starting one")
-    p.add_argument("--nbytes-mib", type=float, default=32, help="size of each case's tensor")
-    p.add_argument("--hosts", type=int, default=5, help="agents of the embedded cluster")
-    p.add_argument("--devices-per-host", type=int, default=4, help="devices per agent of the embedded cluster")
+    p.add_argument("--nbytes-mib", type=positive_float, default=32, help="size of each case's tensor")
+    p.add_argument("--hosts", type=positive_int, default=5, help="agents of the embedded cluster")
+    p.add_argument("--devices-per-host", type=positive_int, default=4, help="devices per agent of the embedded cluster")
     p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated strategies")
     p.add_argument("--cases", default="", help="comma-separated case names (default: all that fit)")
 
 
-def select_cases(hosts: list[str], devices_per_host: int, nbytes: int, names: set[str]) -> list[Case]:
-    """The paper's cases that fit on ``hosts`` (each with ``devices_per_host`` devices)."""
-    available = {f"{h}/{i}" for h in hosts for i in range(devices_per_host)}
+def _all_cases(hosts: list[str], nbytes: int) -> list[Case]:
     padded = hosts + [f"absent{i}" for i in range(max(0, 9 - len(hosts)))]
-    cases = n_to_m_cases(padded, nbytes) + one_to_m_cases(padded, nbytes)
+    return n_to_m_cases(padded, nbytes) + one_to_m_cases(padded, nbytes)
+
+
+def check_names(cases: set[str], strategies: list[str]) -> None:
+    """Refuse ``--cases`` and ``--strategies`` names the demo does not know, listing those it does."""
+    known = [c.name for c in _all_cases([], MiB)]
+    for flag, names, valid in (("--cases", sorted(cases), known), ("--strategies", strategies, list(STRATEGIES))):
+        unknown = [n for n in names if n not in valid]
+        if unknown:
+            raise InvalidArgumentError(f"{flag} names {', '.join(map(repr, unknown))}, which the demo does not "
+                                       f"have; choose from {', '.join(valid)}")
+
+
+def select_cases(hosts: list[str], devices_per_host: int, nbytes: int, names: set[str]) -> list[Case]:
+    """The paper's cases that fit on ``hosts`` (each with ``devices_per_host`` devices), or those ``names`` names:
+    every one of them, or an error naming what it needs."""
+    available = {f"{h}/{i}" for h in hosts for i in range(devices_per_host)}
+    cases = _all_cases(hosts, nbytes)
     fits = [c for c in cases if set(c.src.mesh.devices) | set(c.dst.mesh.devices) <= available]
-    return [c for c in fits if not names or c.name in names]
+    if not names:
+        return fits
+    for c in cases:
+        if c.name in names and c not in fits:
+            used = set(c.src.mesh.devices) | set(c.dst.mesh.devices)
+            need_hosts = len({d.rpartition("/")[0] for d in used})
+            need_devices = 1 + max(int(d.rpartition("/")[2]) for d in used)
+            raise InvalidArgumentError(
+                f"--cases {c.name} needs {need_hosts} hosts x {need_devices} devices, but the cluster has "
+                f"{len(hosts)} x {devices_per_host}; raise --hosts and --devices-per-host, or choose from "
+                f"{', '.join(f.name for f in fits) or 'none (this cluster fits no case)'}")
+    return [c for c in fits if c.name in names]
 
 
 def _expected_digests(a: np.ndarray, case: Case) -> dict[str, str]:
@@ -122,6 +150,7 @@ def run_demo(args) -> int:
     console = Console()
     strategies = [s for s in args.strategies.split(",") if s]
     names = {n for n in args.cases.split(",") if n}
+    check_names(names, strategies)
     nbytes = int(args.nbytes_mib * MiB)
     cluster = None
     if args.planner:

@@ -73,6 +73,9 @@ BAD_ARGS = [
     (("--shape", "0,4"), r"dim 0 of shape \(0, 4\) has size 0; every dim size must be a positive integer"),
     (("--shape", "4,abc"), r"shape '4,abc' is not a list of sizes like 1024,1024,512"),
     (("--dtype", "float8"), r"unknown dtype 'float8'"),
+    # The way out is named in the command's own notation, not as a Python argument (devices_per_host).
+    (("--src", "x=2,y=4@node[0-5]"), r"^error: --src: mesh 'x=2,y=4@node\[0-5\]' has 8 positions, which do not divide "
+                                     r"evenly over its 6 hosts; name 1, 2, 4 or 8 hosts .*or none \('x=2,y=4'"),
 ]
 
 
@@ -89,4 +92,4 @@ def test_bad_input_exits_2_with_the_rule_on_stderr(change, message):
     assert out.stdout == ""
     assert "error: " in out.stderr
     assert re.search(message, out.stderr), out.stderr
-    assert "Traceback" not in out.stderr
+    assert "Traceback" not in out.stderr and "devices_per_host" not in out.stderr
