@@ -6,8 +6,8 @@ generated OpenAPI document; ``/metrics`` speaks Prometheus. No GET changes state
 
 Access: when a token is configured, every request needs it, as
 ``Authorization: Bearer TOKEN``, the ``reshard_admin`` cookie, or once as
-``/login?token=TOKEN`` (which sets the cookie and redirects). Anything else gets a
-bare 401.
+``/login?token=TOKEN`` (which sets the cookie and redirects). A browser without it
+gets a login page (`login`); anything else a bare 401.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
-from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, PlainTextResponse, RedirectResponse, Response
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.templating import Jinja2Templates
@@ -30,6 +30,7 @@ from reshard.program import Program
 from reshard.plan_command import parse_mesh, parse_shape, parse_spec
 from reshard.errors import ReshardError
 from reshard.server.common.sizes import format_size
+from reshard.server.dashboard.login import COOKIE, install_login
 from reshard.server.dashboard.pipeline_view import pipeline_router
 from reshard.server.dashboard.plan_view import plan_view
 from reshard.server.dashboard.program_view import program_view
@@ -39,7 +40,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DashboardSource", "create_app", "COOKIE"]
 
-COOKIE = "reshard_admin"
 TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 
@@ -120,15 +120,7 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="reshard admin API")
 
-    @app.get("/login", include_in_schema=False)
-    def login(token_arg: str = Query(alias="token"), next_page: str = Query("/", alias="next")):
-        if token is None or not hmac.compare_digest(token_arg.encode(), token.encode()):
-            raise HTTPException(status_code=401, detail="unauthorized")
-        # Only paths on this server, never another site.
-        target = next_page if next_page.startswith("/") and not next_page.startswith("//") else "/"
-        resp = RedirectResponse(target, status_code=303)
-        resp.set_cookie(COOKIE, token, httponly=True, samesite="strict", max_age=12 * 3600)
-        return resp
+    install_login(app, TEMPLATES, token)
 
     # -- JSON -----------------------------------------------------------------------------
 

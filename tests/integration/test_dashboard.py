@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -225,13 +226,86 @@ def test_plan_page_in_a_real_browser(web, tmp_path):
     # The chain route, drawn.
     assert re.findall(r'class="chain" data-route="([\w,]+)"', html) == ["host0,host1,host2,host3"]
     assert 'data-mesh="src"' in html and 'data-mesh="dst"' in html
-    shot = tmp_path / "plan.png"
-    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--window-size=1300,1100",
+    # Every heat map cell with bytes says how many, and the scale runs from 0 to the largest cell.
+    values = re.findall(r'data-bytes="(\d+)"[^>]*>.*?</rect><text class="cell-value"[^>]*>([^<]*)</text>', html)
+    assert sorted(text for n, text in values if int(n)) == ["4.0M"] * 3
+    assert re.search(r'class="legend-peak" data-bytes="(\d+)"[^>]*>4.0 MiB<', html).group(1) == str(nbytes)
+    assert "bytes sent over the network" in html
+    # The NIC chart says which bar is which, and the ratio of measured to estimate is put in words.
+    legend = re.search(r'<g class="legend nic-legend">(.*?)</g>', html).group(1)
+    assert re.findall(r">([^<]+)</text>", legend) == ["send", "receive", "lower bound (busiest NIC at full rate)"]
+    ratio = re.search(r'<td class="measured-ratio">([0-9.]+)</td>', html).group(1)
+    said = re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", re.search(r'<p class="times-explained">(.*?)</p>', html,
+                                                                 re.S).group(1)))
+    assert f"measured / estimate = {ratio}: the job took {ratio} times as long as the estimate" in said
+    _screenshot(chromium, profile, url, tmp_path, "dashboard-plan.png")
+
+
+def _screenshot(chromium: str, profile: Path, url: str, tmp_path: Path, name: str, height: int = 1100) -> Path:
+    """A screenshot of ``url``, copied to $RESHARD_SCREENSHOT_DIR when set (docs/ holds the committed ones)."""
+    shot = tmp_path / name
+    subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size=1300,{height}",
                     f"--screenshot={shot}", url], capture_output=True, timeout=120)
-    assert shot.exists() and shot.stat().st_size > 10_000
+    assert shot.exists() and shot.stat().st_size > 10_000, name
     out = os.environ.get("RESHARD_SCREENSHOT_DIR")
     if out:
-        shutil.copy(shot, Path(out) / "dashboard-plan.png")
+        shutil.copy(shot, Path(out) / name)
+    return shot
+
+
+def test_tile_labels_are_whole_and_distinct_tiles_get_distinct_colours(web):
+    """Three-dim tiles over 8 devices: labels too long for one line wrap a dim per line, never cut, and the 8
+    source tiles (and the 2 destination tiles) each have a colour of their own, the same in both meshes."""
+    params = {"shape": "1024,1024,512", "src": "x=2,y=4", "src_spec": "_,x+y,_", "dst": "x=2,y=4",
+              "dst_spec": "x,_,_"}
+    html = _get(web, "/whatif", params=params).text
+    plan = html[re.search(r'<div class="plan" data-plan="\w+" data-strategy="auto">', html).start():]
+    devices = re.findall(r'<g class="device" data-device="([^"]+)" data-tile="([^"]+)" data-fill="([^"]+)">'
+                         r'.*?<text class="tile-label"[^>]*>(.*?)</text>', plan)
+    assert len(devices) == 16
+    for _, tile, _, label in devices:
+        lines = re.findall(r"<tspan[^>]*>([^<]*)</tspan>", label)
+        assert "…" not in label and "".join(lines).replace(" ", "") == tile.replace(" ", "")
+    assert max(len(re.findall("<tspan", label)) for *_, label in devices) == 3  # [0:1024, 0:128, 0:512] wraps
+    fill_of = {tile: fill for _, tile, fill, _ in devices}
+    assert all(fill_of[tile] == fill for _, tile, fill, _ in devices)  # one colour per tile, in both meshes
+    assert len(fill_of) == 10 and len(set(fill_of.values())) == 10
+
+
+def test_a_browser_without_the_token_gets_a_login_page(web, tmp_path):
+    base = web["url"].rstrip("/")
+    page = httpx.get(f"{base}/jobs", headers={"Accept": "text/html,application/xhtml+xml"}, timeout=30)
+    assert page.status_code == 401 and '<form class="login" method="post" action="/login">' in page.text
+    assert 'name="next" value="/jobs"' in page.text
+    for path in ("/api/jobs", "/metrics"):  # machines keep the JSON answer, even when they accept HTML
+        r = httpx.get(base + path, headers={"Accept": "text/html"}, timeout=30)
+        assert r.status_code == 401 and r.json() == {"detail": "unauthorized"}
+    wrong = httpx.post(f"{base}/login", data={"token": "nope", "next": "/jobs"},
+                       headers={"Accept": "text/html"}, timeout=30)
+    assert wrong.status_code == 401 and "That is not the token" in wrong.text
+    right = httpx.post(f"{base}/login", data={"token": web["token"], "next": "/jobs"}, timeout=30)
+    assert right.status_code == 303 and right.headers["location"] == "/jobs"
+    assert httpx.get(f"{base}/jobs", cookies={"reshard_admin": right.cookies["reshard_admin"]},
+                     timeout=30).status_code == 200
+    chromium = _chromium()  # and as a real browser shows it
+    dom = subprocess.run([chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom",
+                          f"{base}/jobs"], capture_output=True, text=True, timeout=120).stdout
+    assert '<input type="password" name="token"' in dom and "Log in to the reshard dashboard" in dom
+
+
+@pytest.mark.slow  # a Chromium start per page: about 30 s; run with RESHARD_SCREENSHOT_DIR=docs to refresh docs/
+def test_every_page_in_a_real_browser(web, tmp_path):
+    chromium = _chromium()
+    whatif = "shape=1024,1024,512&src=x=2,y=4&src_spec=_,x%2By,_&dst=x=2,y=4&dst_spec=x,_,_"
+    pages = {"dashboard-cluster.png": "/", "dashboard-tensors.png": "/tensors", "dashboard-jobs.png": "/jobs",
+             "dashboard-dry-run-plan.png": f"/plans/{web['dry']}",  # the job's page: test_plan_page_in_a_real_browser
+             "dashboard-whatif.png": f"/whatif?{whatif}",
+             "dashboard-pipeline.png": "/pipeline?stages=4&microbatches=8"}
+    _screenshot(chromium, tmp_path / "anonymous", f"{web['url']}jobs", tmp_path, "dashboard-login.png", 700)
+    profile = tmp_path / "profile"
+    for name, path in pages.items():
+        url = f"{web['url']}login?token={web['token']}&next={quote(path, safe='')}"
+        _screenshot(chromium, profile, url, tmp_path, name, 2000 if "whatif" in name else 1100)
 
 
 def test_running_job_shows_progress_and_the_page_refreshes(tmp_path):

@@ -17,7 +17,7 @@ import pytest
 from reshard import Mesh, Sharding
 from reshard.client.cluster import LocalCluster
 
-from .test_dashboard import CHROMIUM_FLAGS, GRPC, _chromium
+from .test_dashboard import CHROMIUM_FLAGS, GRPC, _chromium, _screenshot
 
 HOSTS = ["host0", "host1"]
 MESH = Mesh.from_hosts({"x": 2, "y": 2}, HOSTS, 2)
@@ -95,3 +95,4 @@ def test_the_program_page_in_a_real_browser(einsum_job, tmp_path):
     groups = re.findall(r'<g class="group" data-step="\d+" data-devices="([^"]+)"', html)
     assert sorted(groups) == sorted(",".join(s.devices) for s in program.steps if s.kind == "reduce")
     assert f"does not line up with layout {program.einsum_layout_text}" in html
+    _screenshot(chromium, tmp_path / "profile", url, tmp_path, "dashboard-program.png", 1600)
