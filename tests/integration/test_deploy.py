@@ -147,7 +147,7 @@ def test_agents_ask_for_what_they_hold(rendered):
         assert _arg(c["args"], "--device") == "cuda:0" and _arg(c["args"], "--host") == f"$(NODE_NAME)-gpu{i}"
         assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert len({_arg(c["args"], "--listen") for c in gpus}) == GPUS_PER_NODE
-    (_, spec), = [(o, s) for o, s in pod_templates(rendered["gpu"]) if o["kind"] == "DaemonSet"]
+    (spec,) = [s for o, s in pod_templates(rendered["gpu"]) if o["kind"] == "DaemonSet"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
 
 
@@ -223,8 +223,8 @@ def _run_overlay(rendered_docs: list[dict], tmp: Path, nodes: list[str], device:
     subnet = f"127.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
     planner_ip = f"{subnet}.1"
     kubelet = Kubelet(rendered_docs, tmp / "pods", {"reshard-planner": planner_ip})
-    (planner_owner, planner_spec), = [(o, s) for o, s in pod_templates(rendered_docs) if o["kind"] == "Deployment"]
-    (agents_owner, agents_spec), = [(o, s) for o, s in pod_templates(rendered_docs) if o["kind"] == "DaemonSet"]
+    (planner_spec,) = [s for o, s in pod_templates(rendered_docs) if o["kind"] == "Deployment"]
+    (agents_spec,) = [s for o, s in pod_templates(rendered_docs) if o["kind"] == "DaemonSet"]
     if containers:
         agents_spec = {**agents_spec, "containers": agents_spec["containers"][:containers]}
     commands = kubelet.commands("planner", planner_spec, planner_ip, "control")
