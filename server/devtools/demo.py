@@ -156,6 +156,8 @@ def run_demo(args) -> int:
     if args.planner:
         address = args.planner
     else:
+        # a case the embedded cluster cannot hold is refused before it starts
+        select_cases([f"host{i}" for i in range(args.hosts)], args.devices_per_host, nbytes, names)
         console.print(f"starting a planner and {args.hosts} agents x {args.devices_per_host} devices on loopback")
         cluster = LocalCluster(args.hosts, args.devices_per_host).start()
         address = cluster.address

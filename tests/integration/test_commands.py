@@ -70,6 +70,7 @@ def test_the_demo_says_what_a_case_needs_when_the_cluster_is_too_small():
     said = _fails("demo", "--cases", "1to4x4", "--hosts", "2", "--devices-per-host", "1", "--nbytes-mib", "1")
     assert "error: --cases 1to4x4 needs 5 hosts x 4 devices, but the cluster has 2 x 1; raise --hosts and " \
            "--devices-per-host, or choose from 1to1x1" in said
+    assert "starting" not in said  # refused before the cluster starts
 
 
 def test_up_names_its_own_flags_in_errors():
