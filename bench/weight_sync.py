@@ -229,6 +229,8 @@ def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -
         dist.barrier()
         t0 = time.perf_counter()
         out = {n: dt.redistribute(mesh, dst[n]) for n, dt in src.items()}
+        for dt in out.values():  # redistribute may return before its collectives end: wait for each
+            dt.to_local().reshape(-1)[:1].clone()
         dist.barrier()
         seconds = time.perf_counter() - t0
         for n, dt in out.items():
