@@ -177,8 +177,10 @@ def main() -> int:
                 "training (`dp`=128 x `tp`=8 on hosts train0..train127, 8 devices each) to inference (`dp`=256 x "
                 "`tp`=4 on infer0..infer127: two replicas a host): every tile is wanted by all 128 inference hosts, "
                 "so every unit task is a broadcast over 128 hosts. `reshard.plan` per tensor against one shared "
-                "`Loads` (planning only), then `reshard.plan_many` for the whole (its own joint pass, program and "
-                f"buckets included; given {args.many_timeout:g} s in a child process).\n\n" + many_md + "\n"
+                "`Loads` (planning only), then `reshard.plan_many` for the whole (the same plans against one "
+                "`Loads`, largest tensor first, with the program's steps and buckets; given "
+                f"{args.many_timeout:g} s in a child process). Goal: under 2 s. Most of the steps are small "
+                "tensors' stars: one move per receiving host, each a Python object.\n\n" + many_md + "\n"
             )
         write_section("plan_quality", "Plan quality and planning time", body)
         print("wrote BENCHMARKS.md")
