@@ -92,13 +92,14 @@ def _checked(token: str, where: str) -> str:
 
 
 def resolve_token(token: Optional[str] = None, token_file: Optional[str] = None) -> Optional[str]:
-    """The cluster token: ``token``, else ``token_file``'s, else ``$RESHARD_TOKEN``, else ``$RESHARD_TOKEN_FILE``'s."""
+    """The cluster token: ``token``, else ``token_file``'s, else ``$RESHARD_TOKEN``, else ``$RESHARD_TOKEN_FILE``'s;
+    surrounding whitespace dropped, as from a file (``token=open("cluster-token.txt").read()`` ends in a newline)."""
     if token:
-        return _checked(token, "token=")
+        return _checked(token.strip(), "token=")
     if token_file:
         return read_token_file(token_file)
     if os.environ.get(TOKEN_ENV):
-        return _checked(os.environ[TOKEN_ENV], f"${TOKEN_ENV}")
+        return _checked(os.environ[TOKEN_ENV].strip(), f"${TOKEN_ENV}")
     if os.environ.get(TOKEN_FILE_ENV):
         return read_token_file(os.environ[TOKEN_FILE_ENV])
     return None

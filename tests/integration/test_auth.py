@@ -263,3 +263,17 @@ def test_put_ticket_fields_name_the_tile():
     assert a != b
     s = new_secret()
     assert sign(s, "put", *a) != sign(s, "put", *b)
+
+
+def test_a_token_read_from_a_file_by_hand_works_as_the_file_would(tmp_path, monkeypatch):
+    from reshard.proto.auth import resolve_token
+    from reshard.proto.errors import InvalidArgumentError
+
+    token = "a" * 40
+    path = tmp_path / "cluster-token.txt"
+    path.write_text(token + "\n")  # as `openssl rand -hex 24 > cluster-token.txt` leaves it
+    assert resolve_token(token=path.read_text()) == token == resolve_token(token_file=str(path))
+    monkeypatch.setenv("RESHARD_TOKEN", f" {token}\n")
+    assert resolve_token() == token
+    with pytest.raises(InvalidArgumentError, match="no usable token"):
+        resolve_token(token="two words " + token)
