@@ -45,6 +45,7 @@ bench: $(STAMP)
 	$(PY) bench/buckets.py
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
 	$(PY) bench/pipeline.py  # emulated hosts: needs root, else prints why it skipped
+	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
 
 clean:
 	rm -rf $(VENV) build *.egg-info
