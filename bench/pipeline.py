@@ -1,7 +1,7 @@
 """Pipeline training across meshes (issue 14): 1F1B against eager-1F1B on emulated hosts, measured and predicted.
 
 A 4-stage MLP (one ``width x width`` Dense layer per stage, relu on all but the last) on `reshard lab`'s
-emulated hosts, one host and one device per stage, links shaped to ``--gbps`` (0.25 Gbit/s by default; see
+emulated hosts, one host and one device per stage, links shaped to ``--gbps`` (1 Gbit/s by default; see
 below): each step runs ``m``
 microbatches of ``rows`` rows through `reshard.client.pipeline.Pipeline` and applies SGD. The two schedules
 train their own copies of the model, steps interleaved (1F1B, eager, 1F1B, ...) so the shared machine's load
@@ -13,11 +13,13 @@ Reported: the median step time of each, the measured gain (1F1B's time over eage
 transfers, from issue to arrival), beside the planner's estimate of a boundary reshard; the peak activation
 bytes each stage held; and per stage where the time went (compute, waiting for an input, idle).
 
-Why 0.25 Gbit/s: the four emulated hosts share this machine's two cores. At 1 Gbit/s a boundary transfer as long
-as a forward needs 8 MiB activations (``--gbps 1 --rows 4096 --width 512``), whose compute on four stages
-at once asks for more cores than there are: every stage's ops slow down together, the step is bound by the CPU,
-not by the pipeline's bubbles, and no order of ops can gain. A link a quarter as fast gives the same transfer
-time for a quarter of the compute, so the stages' ops fit the cores and the schedule is what the run measures.
+Sizes: the four emulated hosts share this machine's two cores, so a boundary transfer as long as a forward must
+come from activations that are large in bytes but cheap to compute. At 1 Gbit/s, 8192 rows of width 256 make
+8 MiB activations (67 ms on the link) for a 256x256 layer whose matmul is about 1 GFLOP. A wider layer at the
+same link rate (``--rows 4096 --width 512``) asks four stages at once for more compute than two cores have:
+every stage's ops slow down together, the step is bound by the CPU rather than by the pipeline's bubbles, and no
+order of ops can gain (measured: 0.73x against 1.11x predicted). ``--gbps 0.25 --rows 2048`` is the same
+balance at a quarter of the bytes.
 
     python bench/pipeline.py                   # root: builds the lab; a few minutes on 2 cores
     python bench/pipeline.py --quick --no-write
@@ -112,8 +114,8 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer, smaller microbatches: a smoke run")
-    p.add_argument("--gbps", type=float, default=0.25, help="every emulated host link's rate, each way")
-    p.add_argument("--rows", type=int, default=None, help="rows per microbatch (default 2048, quick 512)")
+    p.add_argument("--gbps", type=float, default=1.0, help="every emulated host link's rate, each way")
+    p.add_argument("--rows", type=int, default=None, help="rows per microbatch (default 8192, quick 512)")
     p.add_argument("--width", type=int, default=256, help="every layer's input and output width")
     p.add_argument("--microbatches", type=int, default=None, help="m (default 8, quick 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule after one untimed (default 3)")
@@ -123,7 +125,7 @@ def main(argv=None) -> int:
                         "pipeline page draws it)")
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
-    rows = args.rows or (512 if args.quick else 2048)
+    rows = args.rows or (512 if args.quick else 8192)
     m = args.microbatches or (4 if args.quick else 8)
     steps = args.steps or (1 if args.quick else 3)
     r = run(args.gbps, rows, args.width, m, steps, args.transport)
