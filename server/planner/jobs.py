@@ -389,7 +389,11 @@ class JobRunner:
         work = self._work(job)
         hosts = work.hosts
         peers = {h: self.registry.require_up(h).address for h in hosts}
-        job.progress = {h: [0, sum(sender_bytes([t], n, h) for t, n in work.moves)] for h in hosts}
+        to_send = dict.fromkeys(hosts, 0)  # only a move's sender's host sends its first copies
+        for t, n in work.moves:
+            h = host_of(t.sender)
+            to_send[h] += sender_bytes([t], n, h)
+        job.progress = {h: [0, to_send[h]] for h in hosts}
         transport, generation, seq = self._transport(job, [t for t, _ in work.moves], hosts)
         prep = Preparation(job.id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads)
