@@ -203,8 +203,11 @@ def test_auto_agent_on_a_taken_gpu_moves_jobs_over_grpc_and_the_planner_says_why
     with LocalCluster(host_names=["g0", "g1"], devices_per_host=2, transport="auto",
                       agent_args=["--report-gpu-uuid", GPU]) as cluster, cluster.connect() as c:
         agents = {a["host"]: a for a in c.agents()}
-        assert agents["g1"]["transport"] == "grpc" and agents["g0"]["transport_reason"] == ""
-        assert f"hosts g0 and g1 are both on GPU {GPU}" in agents["g1"]["transport_reason"]
+        # LocalCluster starts its agents together: whichever registers second finds the GPU taken
+        second = next(h for h, a in agents.items() if a["transport"] == "grpc")
+        first = next(h for h in agents if h != second)
+        assert agents[first]["transport"] != "grpc" and agents[first]["transport_reason"] == ""
+        assert f"hosts {first} and {second} are both on GPU {GPU}" in agents[second]["transport_reason"]
         a = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
         c.put("w", a, Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["g0"], 2), ("y", None)))
         result = c.reshard("w", Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["g1"], 2), (None, None))).result(60)
