@@ -73,6 +73,7 @@ from reshard.proto.errors import (
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
 from reshard.server.agent.buckets import BYTES, Bucket, bucket_moves
+from reshard.server.agent.matmul import einsum2
 from reshard.server.agent.staging import StagedTiles, staged_bytes, staging_owner
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
@@ -118,7 +119,9 @@ class _Numpy:
             return float32_to_bfloat16(values)
         return values
 
-    einsum = staticmethod(lambda eq, *xs: np.einsum(eq, *xs, optimize=True))  # BLAS for contractions
+    @staticmethod
+    def einsum(eq, *xs):
+        return einsum2(eq, *xs) if len(xs) == 2 else np.einsum(eq, *xs, optimize=True)  # BLAS for contractions
     relu = staticmethod(lambda x: np.maximum(x, np.zeros((), x.dtype)))
     relu_grad = staticmethod(lambda x, g: np.where(x > 0, g, np.zeros((), g.dtype)))
     exp = staticmethod(np.exp)
@@ -240,9 +243,9 @@ def _kernel(math: Callable[[Any, list, dict], Any]) -> Callable[[list, Any, dict
 def _einsum(inputs: list, output, params: dict) -> None:
     """``einsum``, written straight into the output tile where numpy can (a matmul's ``out``): no result array
     to allocate and copy over, which on fresh memory costs as much as a mid-size matmul."""
-    if (not buffers.is_torch(output) and output.dtype != np.uint16 and output.flags.writeable
+    if (len(inputs) == 2 and not buffers.is_torch(output) and output.dtype != np.uint16 and output.flags.writeable
             and all(not buffers.is_torch(x) and np.asarray(x).dtype == output.dtype for x in inputs)):
-        np.einsum(params["equation"].replace(" ", ""), *inputs, out=output, optimize=True)
+        einsum2(params["equation"], *inputs, out=output)
         return
     _kernel(_MATH["einsum"])(inputs, output, params)
 
