@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from reshard.proto.auth import TlsFiles
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
+from reshard.server.agent.threads import share_of_cores
 
 if TYPE_CHECKING:
     from reshard.client.client import Client
@@ -126,6 +127,8 @@ class LocalCluster:
         # ready once the agents' process group has formed, so the first job can use it.
         self.transport = transport
         self.agent_args = list(agent_args) + (["--transport", transport] if transport else [])
+        if not any(a.split("=")[0] == "--compute-threads" for a in self.agent_args):  # agents share these cores
+            self.agent_args += ["--compute-threads", str(share_of_cores(len(self.host_names)))]
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="reshard-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,16 @@ def _health_server(args, service: str):
     return serve_health(args.health_listen, service)[0] if args.health_listen else None
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def _size(text: str) -> int:
     from reshard.server.common.sizes import parse_size
 
@@ -79,6 +89,9 @@ def _add_agent_command(sub) -> None:
                    help="one device's float32 GFLOP/s reported to the planner (0: measure at start)")
     p.add_argument("--memory-gbps", type=float, default=d.memory_gb_per_s,
                    help="one device's memory GB/s, read plus write, reported to the planner (0: measure at start)")
+    p.add_argument("--compute-threads", type=_count, default=d.compute_threads, metavar="N",
+                   help="threads one kernel (BLAS, OpenMP, torch) may use; 0: every core. Agents that share a machine "
+                        "should split its cores (reshard up and local_cluster give each its share)")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
     p.add_argument("--transport", choices=("grpc", "collective", "auto"), default=d.transport,
@@ -109,7 +122,8 @@ def _run_agent(args) -> int:
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
                          device_gflops=args.device_gflops, memory_gb_per_s=args.memory_gbps,
-                         rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20, transport=args.transport,
+                         compute_threads=args.compute_threads, rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20,
+                         transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,
                          stall_timeout_s=args.stall_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,

@@ -38,6 +38,7 @@ from reshard.server.common.tickets import TicketCheck, commit_fields, new_secret
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
+from reshard.server.agent.threads import limit_compute_threads
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
 from reshard.proto.devices import CudaIpcHandle
@@ -311,6 +312,7 @@ class Agent:
     def __init__(self, config: AgentConfig):
         self.config = config
         keep_freed_memory()
+        limit_compute_threads(config.compute_threads)  # before serve_agent: the probe measures with the limit
         self.secret = new_secret()
         self.server, self.port, self.runtime = serve_agent(config, self.secret)
         self.collective = self.runtime.transports.get("collective")

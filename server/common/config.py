@@ -30,6 +30,9 @@ class AgentConfig:
     # (reshard.server.agent.probe, a fraction of a second).
     device_gflops: float = 0.0
     memory_gb_per_s: float = 0.0
+    # Threads a kernel's BLAS/OpenMP and torch pools may use (reshard.server.agent.threads); 0: the libraries'
+    # default, every core. Agents sharing a machine should split its cores: local clusters and the lab do.
+    compute_threads: int = 0
     heartbeat_interval_s: float = 1.0
     register_timeout_s: float = 30.0
     transfer_timeout_s: float = 300.0
@@ -92,6 +95,8 @@ class AgentConfig:
         if self.num_devices <= 0:
             raise ValueError(f"an agent needs at least one device; got num_devices={self.num_devices}")
         check_host_name(self.host)
+        if self.compute_threads < 0:
+            raise ValueError(f"compute_threads must be 0 (every core) or more; got {self.compute_threads}")
         if self.chunk_bytes <= 0 or self.collective_chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be positive and collective_chunk_bytes positive or 0 (sized from "
                              f"nic_gbps); got {self.chunk_bytes} and {self.collective_chunk_bytes}")
