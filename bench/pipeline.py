@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=256, help="every layer's input and output width")
     p.add_argument("--microbatches", type=int, default=None, help="m (default 8, quick 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule after one untimed (default 3)")
-    p.add_argument("--transport", choices=("grpc", "collective"), default="grpc", help="the agents' transport")
+    p.add_argument("--transport", choices=("grpc", "collective"), default="collective",
+                   help="the agents' transport (collective: what agents pick by default where torch is installed)")
     p.add_argument("--timelines", type=Path, default=None,
                    help="also write each schedule's typical step timeline as JSON here (the dashboard's "
                         "pipeline page draws it)")
