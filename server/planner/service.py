@@ -40,13 +40,15 @@ class GrpcAgentCalls:
         self._token, self._tls = token, tls
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
-            ch = self._channels.get(address)
-            if ch is None:
+            stub = self._stubs.get(address)
+            if stub is None:
                 ch = self._channels[address] = channel(address, token=self._token, tls=self._tls)
-        return pb_grpc.AgentStub(ch)
+                stub = self._stubs[address] = pb_grpc.AgentStub(ch)
+        return stub
 
     def _sign(self, host: str, kind: str, *fields) -> str:
         return sign(self._secret_of(host), kind, *fields)
@@ -102,6 +104,7 @@ class GrpcAgentCalls:
             for ch in self._channels.values():
                 ch.close()
             self._channels.clear()
+            self._stubs.clear()
 
 
 def _staging(staging: Staging, **fields) -> pb.StagingRequest:
