@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING, Optional, Union
 
 from reshard.proto.auth import TlsFiles
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError, UnavailableError
-from reshard.server.agent.threads import share_of_cores
 
 if TYPE_CHECKING:
     from reshard.client.client import Client
 
-__all__ = ["LocalCluster", "local_cluster", "start_process", "launch_process", "await_ready", "die_with_parent"]
+__all__ = ["LocalCluster", "local_cluster", "start_process", "launch_process", "await_ready", "die_with_parent",
+           "share_of_cores"]
 
 _READY = re.compile(r"listening on (\S+)")
 _DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
@@ -101,6 +101,12 @@ def await_ready(proc: subprocess.Popen, args: Sequence[str], log_path: Path, tim
     proc.wait()
     tail = log_path.read_text(errors="replace")[-2000:]
     raise UnavailableError(f"{' '.join(args[3:5])} did not start (exit code {proc.returncode}); log {log_path}:\n{tail}")
+
+
+def share_of_cores(processes: int) -> int:
+    """Kernel threads (``reshard agent --compute-threads``) for each of ``processes`` agents on this machine: its
+    cores shared out, at least one."""
+    return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
 class LocalCluster:

@@ -1,26 +1,20 @@
 """How many threads one kernel call may use: BLAS and OpenMP pools, and torch's intra-op pool.
 
 By default the libraries take every core, which is right for an agent alone on its machine. Agents that share
-a machine (``reshard up``, ``local_cluster``, the lab's emulated hosts) each get their share instead: OpenBLAS
-threads spin while they wait for work, so four agents of two threads each on two cores spend a 7 ms matmul's
-time several times over waiting for one another (a split matmul's job on four local agents: 71 ms, 38 ms with
-one thread each).
+a machine (``reshard up``, ``local_cluster``, the lab's emulated hosts) each get their share instead
+(`reshard.client.cluster.share_of_cores`): OpenBLAS threads spin while they wait for work, so four agents of two
+threads each on two cores spend a 7 ms matmul's time several times over waiting for one another (a split
+matmul's job on four local agents: 71 ms, 38 ms with one thread each).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
-__all__ = ["limit_compute_threads", "share_of_cores"]
+__all__ = ["limit_compute_threads"]
 
 log = logging.getLogger(__name__)
-
-
-def share_of_cores(processes: int) -> int:
-    """Threads each of ``processes`` agents on this machine gets: its cores shared out, at least one."""
-    return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
 def limit_compute_threads(threads: int) -> None:

@@ -36,7 +36,7 @@ from typing import Optional
 
 from reshard.plan_command import HelpFormatter
 from reshard.proto.auth import TOKEN_ENV
-from reshard.server.agent.threads import share_of_cores
+from reshard.client.cluster import share_of_cores
 from reshard.server.common.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)

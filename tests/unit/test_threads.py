@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from reshard.server.agent.threads import share_of_cores
+from reshard.client.cluster import share_of_cores
 from reshard.server.common.config import AgentConfig
 
 _PROBE = """
