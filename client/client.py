@@ -39,6 +39,7 @@ from reshard.many import scale_pairs, scale_sharding
 from reshard.mesh import host_of
 from reshard.plan import Plan
 from reshard.program import Program
+from reshard.sequence import Op
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel, resolve_token
@@ -723,6 +724,24 @@ class Client(FrameworkAdapters):
         """Dry run of `apply`: the program it would run now; moves no data."""
         return _program(self._planner_call("PlanCompute", self._compute_request(op, inputs, out, out_sharding,
                                                                                 strategy, params)))
+
+    def _compute_many_request(self, ops: Sequence[Op], strategy: str) -> pb.ComputeManyRequest:
+        if isinstance(ops, Op) or not all(isinstance(op, Op) for op in ops):
+            raise InvalidArgumentError("compute_many takes a list of reshard.Op, e.g. [Op.einsum('bi,io->bo', 'x', 'w', "
+                                       "out='z'), Op.apply('relu', 'z', out='h')]")
+        return pb.ComputeManyRequest(strategy=strategy, ops=[
+            self._compute_request(op.op, op.inputs, op.out, op.out_sharding, strategy, op.params) for op in ops])
+
+    def compute_many(self, ops: Sequence[Op], strategy: str = "auto") -> Job:
+        """Run ``ops`` (`reshard.Op`: einsums and kernels, as `einsum` and `apply` take them) in order as ONE job:
+        one program, planned on the layouts the earlier ops leave, and one commit of every output, so a reader
+        sees all of them old or all new. An op that names a tensor an earlier op writes reads that result. Saves
+        each op the job's fixed cost (a layer's forward: the einsum and its relu in one job). Returns a `Job`."""
+        return Job(self, self._planner_call("ComputeMany", self._compute_many_request(ops, strategy)))
+
+    def plan_compute_many(self, ops: Sequence[Op], strategy: str = "auto") -> Program:
+        """Dry run of `compute_many`: the program it would run now; moves no data."""
+        return _program(self._planner_call("PlanComputeMany", self._compute_many_request(ops, strategy)))
 
     # -- lifetime -------------------------------------------------------------------------------
 

@@ -2,8 +2,9 @@
 
 Each stage is a list of `Dense` layers on its own mesh, with its own layout for activations and for each
 weight. One `Pipeline.step` runs ``reshard.schedule.build(kind, stages, m)``: one driver thread per stage
-submits that stage's ops in order as split-einsum and kernel jobs (``c.einsum``, ``c.apply``) and waits for
-each, so a stage computes one op at a time while the stages run side by side. A stage's output activation is
+submits that stage's forwards and backwards in order, each as ONE job of split-einsum and kernel ops
+(``c.compute_many``: a layer's einsum and relu, a backward's gradients, planned and committed together), and
+waits for each, so a stage computes one op at a time while the stages run side by side. A stage's output activation is
 resharded onto the next stage's mesh, and an input gradient onto the previous one's, by a job issued the
 moment the producing op ends and awaited only by the op that consumes it; the stage meanwhile runs whatever
 its schedule says next. After its last backward a stage applies SGD to its weights.
@@ -41,6 +42,7 @@ from reshard import schedule
 from reshard.errors import ReshardError
 from reshard.proto.errors import NotFoundError
 from reshard.schedule import BACKWARD, FORWARD, Span, Timeline
+from reshard.sequence import Op
 from reshard.sharding import Sharding
 
 __all__ = ["Dense", "Stage", "Pipeline", "StepResult", "PipelineError"]
@@ -180,43 +182,58 @@ class Pipeline:
         job.result(timeout=self.timeout_s)
 
     def forward(self, i: int, k: int) -> None:
-        st, c = self.stages[i], self.client
+        self._wait(self.client.compute_many(self.forward_ops(i, k)))
+
+    def forward_ops(self, i: int, k: int) -> list[Op]:
+        """Stage i's forward of microbatch k: every layer's einsum and relu, and on the last stage the loss, as
+        the ops of one job."""
+        st, ops = self.stages[i], []
         last = len(st.layers) - 1
         for j, layer in enumerate(st.layers):
             out = self._out(i, k) if j == last else self._h(i, j + 1, k)
             pre = self._z(i, j, k) if layer.relu else out
-            self._wait(c.einsum("bi,io->bo", self._h(i, j, k), layer.weight, out=pre,
-                                out_sharding=st.activations))
+            ops.append(Op.einsum("bi,io->bo", self._h(i, j, k), layer.weight, out=pre, out_sharding=st.activations))
             if layer.relu:
-                self._wait(c.apply("relu", pre, out=out))
+                ops.append(Op.apply("relu", pre, out=out))
         if i == len(self.stages) - 1:
             p = self.prefix
-            self._wait(c.apply("softmax_xent", self._out(i, k), self.labels_name(k), out=f"{p}.rowloss.m{k}",
-                               axis=1))
-            self._wait(c.apply("sum", f"{p}.rowloss.m{k}", out=f"{p}.loss.m{k}", dims=[0]))
+            ops.append(Op.apply("softmax_xent", self._out(i, k), self.labels_name(k), out=f"{p}.rowloss.m{k}",
+                                axis=1))
+            ops.append(Op.apply("sum", f"{p}.rowloss.m{k}", out=f"{p}.loss.m{k}", dims=[0]))
+        return ops
 
     def backward(self, i: int, k: int, total_rows: int) -> None:
-        st, c, p = self.stages[i], self.client, self.prefix
+        self._wait(self.client.compute_many(self.backward_ops(i, k, total_rows)))
+
+    def backward_ops(self, i: int, k: int, total_rows: int) -> list[Op]:
+        """Stage i's backward of microbatch k as the ops of one job: the loss gradient on the last stage, then
+        per layer, last first, the relu's gradient, the weight's gradient (added to the step's sum from the
+        second microbatch on) and the input's gradient (none for stage 0's input)."""
+        st, p, ops = self.stages[i], self.prefix, []
         dy = f"{p}.s{i}.dy.m{k}"
         if i == len(self.stages) - 1:
-            self._wait(c.apply("softmax_xent_grad", self._out(i, k), self.labels_name(k), out=dy, axis=1,
-                               scale=1.0 / total_rows))
+            ops.append(Op.apply("softmax_xent_grad", self._out(i, k), self.labels_name(k), out=dy, axis=1,
+                                scale=1.0 / total_rows))
         for j in reversed(range(len(st.layers))):
             layer = st.layers[j]
             if layer.relu:
                 dz = f"{p}.s{i}.dz{j}.m{k}"
-                self._wait(c.apply("relu_grad", self._z(i, j, k), dy, out=dz))
+                ops.append(Op.apply("relu_grad", self._z(i, j, k), dy, out=dz))
             else:
                 dz = dy
             grad = f"{p}.grad.{layer.weight}"
-            into = grad if k == 0 else f"{p}.gradk.{layer.weight}"
-            self._wait(c.einsum("bi,bo->io", self._h(i, j, k), dz, out=into,
-                                out_sharding=self._weight_sharding[layer.weight]))
-            if k:
-                self._wait(c.apply("add", grad, into, out=grad))
+            if k == 0:
+                ops.append(Op.einsum("bi,bo->io", self._h(i, j, k), dz, out=grad,
+                                     out_sharding=self._weight_sharding[layer.weight]))
+            else:
+                into = f"{p}.gradk.{layer.weight}"
+                ops.append(Op.einsum("bi,bo->io", self._h(i, j, k), dz, out=into,
+                                     out_sharding=self._weight_sharding[layer.weight]))
+                ops.append(Op.apply("add", grad, into, out=grad))
             if i > 0 or j > 0:  # stage 0's input needs no gradient
                 dy = self.input_grad(i, k) if j == 0 else f"{p}.s{i}.dh{j}.m{k}"
-                self._wait(c.einsum("bo,io->bi", dz, layer.weight, out=dy, out_sharding=st.activations))
+                ops.append(Op.einsum("bo,io->bi", dz, layer.weight, out=dy, out_sharding=st.activations))
+        return ops
 
     def input_grad(self, i: int, k: int) -> str:
         """Where stage i puts the gradient of its input; resharded to stage i-1 it becomes its ``dy``."""

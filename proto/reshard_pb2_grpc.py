@@ -689,6 +689,16 @@ class PlannerStub:
                 request_serializer=reshard__pb2.ComputeRequest.SerializeToString,
                 response_deserializer=reshard__pb2.ProgramReply.FromString,
                 _registered_method=True)
+        self.ComputeMany = channel.unary_unary(
+                '/reshard.v1.Planner/ComputeMany',
+                request_serializer=reshard__pb2.ComputeManyRequest.SerializeToString,
+                response_deserializer=reshard__pb2.JobInfo.FromString,
+                _registered_method=True)
+        self.PlanComputeMany = channel.unary_unary(
+                '/reshard.v1.Planner/PlanComputeMany',
+                request_serializer=reshard__pb2.ComputeManyRequest.SerializeToString,
+                response_deserializer=reshard__pb2.ProgramReply.FromString,
+                _registered_method=True)
         self.ReshardMany = channel.unary_unary(
                 '/reshard.v1.Planner/ReshardMany',
                 request_serializer=reshard__pb2.ReshardManyRequest.SerializeToString,
@@ -792,6 +802,18 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ComputeMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PlanComputeMany(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReshardMany(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -883,6 +905,16 @@ def add_PlannerServicer_to_server(servicer, server):
             'PlanCompute': grpc.unary_unary_rpc_method_handler(
                     servicer.PlanCompute,
                     request_deserializer=reshard__pb2.ComputeRequest.FromString,
+                    response_serializer=reshard__pb2.ProgramReply.SerializeToString,
+            ),
+            'ComputeMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ComputeMany,
+                    request_deserializer=reshard__pb2.ComputeManyRequest.FromString,
+                    response_serializer=reshard__pb2.JobInfo.SerializeToString,
+            ),
+            'PlanComputeMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.PlanComputeMany,
+                    request_deserializer=reshard__pb2.ComputeManyRequest.FromString,
                     response_serializer=reshard__pb2.ProgramReply.SerializeToString,
             ),
             'ReshardMany': grpc.unary_unary_rpc_method_handler(
@@ -1256,6 +1288,60 @@ class Planner:
             target,
             '/reshard.v1.Planner/PlanCompute',
             reshard__pb2.ComputeRequest.SerializeToString,
+            reshard__pb2.ProgramReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ComputeMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/ComputeMany',
+            reshard__pb2.ComputeManyRequest.SerializeToString,
+            reshard__pb2.JobInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PlanComputeMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/PlanComputeMany',
+            reshard__pb2.ComputeManyRequest.SerializeToString,
             reshard__pb2.ProgramReply.FromString,
             options,
             channel_credentials,

@@ -31,6 +31,7 @@ from reshard.program import (
     TensorDecl,
     TileRef,
 )
+from reshard.sequence import Op, plan_sequence
 from reshard.strategies import BASELINES, STRATEGIES, plan
 from reshard.sharding import Partial, Replicate, Shard, Sharding
 from reshard.topology import Topology
@@ -58,6 +59,8 @@ __all__ = [
     "REDUCE",
     "STEP_KINDS",
     "plan",
+    "Op",
+    "plan_sequence",
     "plan_einsum",
     "plan_apply",
     "reshard_program",

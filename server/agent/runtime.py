@@ -437,11 +437,12 @@ class Run(Session):
 
     def _stage(self) -> None:
         committed = [t for t in self.program.tensors if t.dst is not None]
-        if len(committed) > 1 and not all(t.is_reshard for t in committed):
+        unversioned = [t.name for t in committed if not (t.is_reshard or t.name in self.versions)]
+        if len(committed) > 1 and unversioned:
             raise FailedPreconditionError(
                 f"job {self.job}: the program ends {len(committed)} tensors in a destination sharding "
                 f"({[t.name for t in committed]}); an agent commits several tensors in one job only when each is "
-                f"resharded (reshard_many), and one tensor per job otherwise"
+                f"resharded (reshard_many) or the job names its version (compute_many), and {unversioned} are neither"
             )
         # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
         # is a move that waits for nothing: those read only source shards, and no stream writes that part, so the
@@ -472,10 +473,11 @@ class Run(Session):
             self.store.abort(together)  # every tile is staged now, and counts as staged
 
     def commit_version(self, tensor: str) -> int:
-        """The version program tensor ``tensor`` commits as: ``dst_version``, except in a reshard of several
-        tensors, each read at a version of its own (``versions``), where each commits as the version after it."""
+        """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several
+        tensors, where a resharded one, read at a version of its own (``versions``), commits as the version after
+        it, and one the program makes (no ``src``) as the version the job names for it (compute_many)."""
         if len(self.staging) > 1 and tensor in self.versions:
-            return self.versions[tensor] + 1
+            return self.versions[tensor] + (self.program.tensor(tensor).src is not None)
         return self.dst_version
 
     def version(self, tensor: str) -> int:

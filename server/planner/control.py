@@ -17,7 +17,8 @@ from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, InvalidShardingError
 from reshard.jsonio import loads
 from reshard.mesh import host_of
-from reshard.einsum import APPLY_OPS, plan_apply, plan_einsum
+from reshard.einsum import APPLY_OPS, EinsumError, plan_apply, plan_einsum
+from reshard.sequence import Op, check_ops, plan_sequence
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan
 from reshard.program import Program, TensorDecl
@@ -455,6 +456,65 @@ class Planner:
         result = next(t for t in program.tensors if t.dst is not None)
         self._check_memory(result.dst, result.shape, result.dtype, f"the output {out!r} of {op}")
         return self.jobs.submit_compute(op, list(inputs), out, check_strategy(strategy), make)
+
+    def _sequence_planner(self, ops: list[tuple[str, list[str], str, str, dict[str, str]]], strategy: str
+                          ) -> tuple[list[Op], list[str], Callable[[dict[str, TensorRecord], Topology], Program]]:
+        """Check a compute_many request (each op: op, inputs, out, out_sharding JSON, params) and return its ops,
+        the catalog tensors it reads, and what plans it from their records (`reshard.sequence`)."""
+        if not ops:
+            raise InvalidArgumentError("compute_many needs at least one op; got none")
+        if len(ops) > self.config.max_plan_tasks:
+            raise ResourceExhaustedError(f"compute_many of {len(ops):,} ops is more than the planner takes in one "
+                                         f"job ({self.config.max_plan_tasks:,}, --max-plan-tasks); split it")
+        parsed, stored, written = [], [], set()
+        for k, (op, inputs, out, out_sharding_json, params) in enumerate(ops):
+            if op == "einsum" and not params.get("equation"):
+                raise InvalidArgumentError(f"op {k} of compute_many: einsum needs params['equation'], in numpy "
+                                           f"notation such as 'ij,jk->ik'")
+            check_name(out)
+            out_sharding = (self._sharding(out_sharding_json, f"out_sharding of op {k}") if out_sharding_json
+                            else None)
+            if out_sharding is not None:
+                self.registry.check_mesh(out_sharding.mesh)
+            stored += [n for n in inputs if n not in written]
+            written.add(out)
+            parsed.append(Op(op, tuple(inputs), out, out_sharding, dict(params)))
+        try:
+            check_ops(parsed)
+        except EinsumError as e:
+            raise InvalidArgumentError(f"compute_many: {e}") from None
+        stored = list(dict.fromkeys(stored))
+        cache: dict[tuple, Program] = {}
+
+        def make(records: dict[str, TensorRecord], topology: Topology) -> Program:
+            key = (tuple((r.name, r.version, r.sharding) for r in records.values()), topology)
+            if key not in cache:
+                decls = {n: TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()}
+                cache[key] = plan_sequence(parsed, decls, topology, strategy)
+            return cache[key]
+
+        return parsed, stored, make
+
+    def plan_compute_many(self, ops, strategy: str) -> tuple[Program, str]:
+        """The program a compute_many job would run now, and its JSON (saved, so the dashboard shows dry runs)."""
+        strategy = check_strategy(strategy)
+        _, stored, make = self._sequence_planner(ops, strategy)
+        program = make(self._compute_inputs(stored), self.registry.topology())
+        text = program.dumps()
+        self.store.save_plan(program.id, text)
+        return program, text
+
+    def compute_many(self, ops, strategy: str) -> Job:
+        """Queue one job that runs every op in order as one program and commits every output together; planned
+        here first, so a sequence the planner cannot run is refused at once."""
+        strategy = check_strategy(strategy)
+        parsed, stored, make = self._sequence_planner(ops, strategy)
+        program = make(self._compute_inputs(stored), self.registry.topology())
+        outputs = [t for t in program.tensors if t.dst is not None]
+        self._check_memory_together([(t.dst, t.shape, t.dtype, f"the output {t.name!r}") for t in outputs],
+                                    f"compute_many of {len(parsed)} ops")
+        return self.jobs.submit_compute("compute_many", stored, parsed[0].out, strategy, make,
+                                        outputs=[op.out for op in parsed])
 
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)

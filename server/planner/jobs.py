@@ -139,7 +139,8 @@ class Job:
     dsts: dict[str, Sharding] = field(default_factory=dict)  # reshard_many: tensor -> destination
     scales: dict[str, list] = field(default_factory=dict)  # reshard_many: weight -> [its scale tensor, block or None]
     bucket_bytes: int = 0  # reshard_many: moves smaller than this are packed into buckets of at least this
-    versions: dict[str, int] = field(default_factory=dict)  # reshard_many: tensor -> the version it commits as
+    versions: dict[str, int] = field(default_factory=dict)  # reshard_many, compute_many: tensor -> its new version
+    outputs: list[str] = field(default_factory=list)  # compute_many: every tensor its ops write, in order
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -153,6 +154,8 @@ class Job:
         if self.kind == "reshard_many":
             shown = ", ".join(map(repr, self.inputs[:3])) + (", ..." if len(self.inputs) > 3 else "")
             return f"reshard_many of {len(self.inputs)} tensors ({shown})"
+        if self.kind == "compute_many":
+            return f"compute_many of {self.inputs} into {self.outputs}"
         return f"{self.kind} of {self.inputs} into {self.tensor!r}"
 
     @property
@@ -169,7 +172,8 @@ class Job:
                 "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
                 "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
-                "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions}
+                "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions,
+                "outputs": self.outputs}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -179,7 +183,8 @@ class Job:
                   d["progress"], d.get("steps", {}), d["traffic"], d.get("transport", ""), d.get("transports", []),
                   d.get("kind", "reshard"), d.get("inputs", []), program,
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
-                  bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}))
+                  bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
+                  outputs=d.get("outputs", []))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -249,11 +254,13 @@ class JobRunner:
         return self._submit(Job(uuid.uuid4().hex, tensor, dst, strategy))
 
     def submit_compute(self, kind: str, inputs: list[str], out: str, strategy: str,
-                       make_program: Callable[[dict[str, TensorRecord], Topology], Program]) -> Job:
+                       make_program: Callable[[dict[str, TensorRecord], Topology], Program],
+                       outputs: list[str] | None = None) -> Job:
         """Queue a compute job: it waits for the jobs before it on any of its tensors, then plans with the inputs'
-        records as they are then (`Job`)."""
+        records as they are then (`Job`). A ``compute_many`` job writes every tensor of ``outputs`` (``out`` is
+        the first) and commits them together."""
         return self._submit(Job(uuid.uuid4().hex, out, None, strategy, kind=kind, inputs=list(inputs),
-                                make_program=make_program))
+                                make_program=make_program, outputs=list(outputs or [])))
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list]) -> Job:
@@ -266,7 +273,8 @@ class JobRunner:
         with self._lock:
             self._jobs[job.id] = job
             # Taken in name order by every job, so two jobs that share tensors cannot wait for each other.
-            locks = [self._tensor_locks.setdefault(n, threading.Lock()) for n in sorted({job.tensor, *job.inputs})]
+            locks = [self._tensor_locks.setdefault(n, threading.Lock())
+                     for n in sorted({job.tensor, *job.inputs, *job.outputs})]
         self.store.save_job(job.to_json())
         self._jobs_pool.submit(self._run, job, locks)
         return job
@@ -287,7 +295,7 @@ class JobRunner:
 
     def busy(self, tensor: str) -> bool:
         with self._lock:
-            return any(tensor in (j.tensor, *j.inputs) and j.state in ("queued", "running")
+            return any(tensor in (j.tensor, *j.inputs, *j.outputs) and j.state in ("queued", "running")
                        for j in self._jobs.values())
 
     # -- running ------------------------------------------------------------------------
@@ -457,6 +465,8 @@ class JobRunner:
             return self._program_work(job, program, records[job.tensor].version, reads, commits, text)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         program = job.make_program(inputs, self.registry.topology()).validate()
+        if job.kind == "compute_many":
+            return self._many_outputs_work(job, program, inputs)
         out = next(t for t in program.tensors if t.dst is not None)
         job.dst = out.dst
         old = self.catalog.get(job.tensor) if self.catalog.contains(job.tensor) else None
@@ -465,6 +475,28 @@ class JobRunner:
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
         return self._program_work(job, program, 0, reads, [(old, new)])
+
+    def _many_outputs_work(self, job: Job, program: Program, inputs: dict[str, TensorRecord]) -> "_Work":
+        """A compute_many job's work: op ``k`` reads catalog tensor ``n`` as ``n@k`` (`reshard.sequence`) at its
+        version now, and every output commits as its next version (1 for a new tensor), all together."""
+        reads: dict[str, tuple[str, int]] = {}
+        for t in program.tensors:
+            base = t.name.rsplit("@", 1)[0]
+            if t.src is not None and base in inputs:
+                reads[t.name] = (base, inputs[base].version)
+        commits = []
+        kind = inputs[job.inputs[0]].kind
+        for t in program.tensors:
+            if t.dst is None:
+                continue
+            old = self.catalog.get(t.name) if self.catalog.contains(t.name) else None
+            version = old.version + 1 if old is not None else 1
+            job.versions[t.name] = version
+            reads[t.name] = (t.name, version)
+            commits.append((old, TensorRecord(t.name, t.shape, t.dtype, t.dst, version, kind)))
+        job.dst = program.tensor(job.tensor).dst
+        job.version = job.versions[job.tensor]
+        return self._program_work(job, program, 0, reads, commits)
 
     def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
                       commits: list[tuple[TensorRecord | None, TensorRecord]], text: str = "") -> "_Work":

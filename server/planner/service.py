@@ -253,6 +253,20 @@ class PlannerServicer(pb_grpc.PlannerServicer):
                                layout=str(layout) if layout is not None else "")
 
 
+    @staticmethod
+    def _ops(r: pb.ComputeManyRequest) -> list:
+        return [(op.op, list(op.inputs), op.out, op.out_sharding_json, dict(op.params)) for op in r.ops]
+
+    @servicer_method
+    def ComputeMany(self, request, context):
+        return job_info(self.planner.compute_many(self._ops(request), request.strategy))
+
+    @servicer_method
+    def PlanComputeMany(self, request, context):
+        program, text = self.planner.plan_compute_many(self._ops(request), request.strategy)
+        return pb.ProgramReply(program_json=text, summary=program.summary(), estimate_s=program.estimate_seconds)
+
+
 def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
     made: list[Planner] = []  # the calls sign with secrets the planner's registry holds
