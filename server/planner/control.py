@@ -40,7 +40,7 @@ from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
-from reshard.server.planner.jobs import AgentCalls, Job, JobRunner
+from reshard.server.planner.jobs import AgentCalls, Job, JobRunner, ProgramCache
 from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
@@ -98,6 +98,9 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 
+SEQUENCES_KEPT = 256  # compute_many programs kept: a pipeline step of 4 stages x 8 microbatches plans 64 and more
+
+
 class Planner:
     def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0):
         self.config = config
@@ -112,6 +115,7 @@ class Planner:
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
                               group=self.group, group_wait_s=config.group_wait_s,
                               stall_timeout_s=config.stall_timeout_s)
+        self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute_many's programs, by ops and input layouts
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -484,14 +488,16 @@ class Planner:
         except EinsumError as e:
             raise InvalidArgumentError(f"compute_many: {e}") from None
         stored = list(dict.fromkeys(stored))
-        cache: dict[tuple, Program] = {}
+        described = tuple((op.op, op.inputs, op.out, op.out_sharding, tuple(sorted(op.params.items()))) for op in parsed)
 
         def make(records: dict[str, TensorRecord], topology: Topology) -> Program:
-            key = (tuple((r.name, r.version, r.sharding) for r in records.values()), topology)
-            if key not in cache:
-                decls = {n: TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()}
-                cache[key] = plan_sequence(parsed, decls, topology, strategy)
-            return cache[key]
+            decls = {n: TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()}
+            # The same ops on the same layouts plan the same program: a pipeline repeats each stage's forward and
+            # backward every step, and the request's check and its job plan once between them.
+            key = (described, tuple(decls.values()), topology, strategy)
+            hit = self._sequences.get(key)
+            return hit[0] if hit is not None else self._sequences.put(key, plan_sequence(parsed, decls, topology,
+                                                                                          strategy))[0]
 
         return parsed, stored, make
 
