@@ -727,8 +727,8 @@ class Client(FrameworkAdapters):
 
     def _compute_many_request(self, ops: Sequence[Op], strategy: str) -> pb.ComputeManyRequest:
         if isinstance(ops, Op) or not all(isinstance(op, Op) for op in ops):
-            raise InvalidArgumentError("compute_many takes a list of reshard.Op, e.g. [Op.einsum('bi,io->bo', 'x', 'w', "
-                                       "out='z'), Op.apply('relu', 'z', out='h')]")
+            raise InvalidArgumentError("compute_many takes a list of reshard.Op, e.g. [Op.einsum('bi,io->bo', 'x', "
+                                       "'w', out='z'), Op.apply('relu', 'z', out='h')]")
         return pb.ComputeManyRequest(strategy=strategy, ops=[
             self._compute_request(op.op, op.inputs, op.out, op.out_sharding, strategy, op.params) for op in ops])
 

@@ -215,9 +215,12 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Release(self, request, context):
-        self.tickets.check(request.ticket, "release", request.tensor, request.version,
-                           what=f"Release of {request.tensor!r} v{request.version}")
-        self.store.release(request.tensor, request.version)
+        versions = [(request.tensor, request.version), *((r.name, r.version) for r in request.more)]
+        self.tickets.check(request.ticket, "release", *(f for pair in versions for f in pair),
+                           what=f"Release of {request.tensor!r} v{request.version}"
+                                + (f" and {len(request.more)} more" if request.more else ""))
+        for tensor, version in versions:
+            self.store.release(tensor, version)
         return pb.Empty()
 
     @servicer_method

@@ -21,7 +21,7 @@ execute     job, program id                                    ExecuteRequest
 push        job, program id (under the receiver's secret)      PushHeader
 commit      upload or job, tensor, version, devices            StagingRequest
 abort       upload or job                                      StagingRequest
-release     tensor, version                                    ReleaseRequest
+release     tensor, version, then each further name, version   ReleaseRequest
 heartbeat   host, address                                      HeartbeatRequest.proof
 =========== ================================================== =======================
 """

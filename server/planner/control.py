@@ -324,7 +324,8 @@ class Planner:
                 continue
             try:
                 if h in committed_hosts:
-                    self.agents.release(h, agent.address, rec.name, rec.version, self.config.agent_rpc_timeout_s)
+                    self.agents.release(h, agent.address, [(rec.name, rec.version)],
+                                        self.config.agent_rpc_timeout_s)
                 self.agents.abort(h, agent.address, Staging(upload=upload.id), self.config.agent_rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup continues on the other hosts
                 log.info("dropping upload %s on host %s failed: %s", upload.id[:8], h, e)
@@ -488,7 +489,8 @@ class Planner:
         except EinsumError as e:
             raise InvalidArgumentError(f"compute_many: {e}") from None
         stored = list(dict.fromkeys(stored))
-        described = tuple((op.op, op.inputs, op.out, op.out_sharding, tuple(sorted(op.params.items()))) for op in parsed)
+        described = tuple((op.op, op.inputs, op.out, op.out_sharding, tuple(sorted(op.params.items())))
+                          for op in parsed)
 
         def make(records: dict[str, TensorRecord], topology: Topology) -> Program:
             decls = {n: TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()}

@@ -107,7 +107,8 @@ class AgentCalls(Protocol):
 
     def abort(self, host: str, address: str, staging: Staging, timeout: float) -> None: ...
 
-    def release(self, host: str, address: str, tensor: str, version: int, timeout: float) -> None: ...
+    def release(self, host: str, address: str, versions: list[tuple[str, int]], timeout: float) -> None:
+        """Free every (tensor, version) of ``versions`` (at least one) on the host, in one call."""
 
 
 @dataclass
@@ -342,9 +343,9 @@ class JobRunner:
                 by_host[h].append(rec)
         src_agents = {h: a for h in by_host if (a := self.registry.get(h)) is not None}
 
-        def free(h: str) -> None:
-            for rec in by_host[h]:  # the first call that fails ends this host's: its agent does not answer
-                self.agents.release(h, src_agents[h].address, rec.name, rec.version, self.rpc_timeout_s)
+        def free(h: str) -> None:  # one call per host, however many tensors the job replaced
+            self.agents.release(h, src_agents[h].address, [(rec.name, rec.version) for rec in by_host[h]],
+                                self.rpc_timeout_s)
 
         self._best_effort(free, sorted(src_agents))
 
@@ -580,8 +581,7 @@ class JobRunner:
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
                           hosts)
         def release(h: str) -> None:
-            for new in news:  # the first call that fails ends this host's: its agent does not answer
-                self.agents.release(h, prep.peers[h], new.name, new.version, self.rpc_timeout_s)
+            self.agents.release(h, prep.peers[h], [(new.name, new.version) for new in news], self.rpc_timeout_s)
 
         self._best_effort(release, sorted(set(hosts) & committing))
 

@@ -95,9 +95,13 @@ class GrpcAgentCalls:
         self._call(host, address, "Abort",
                    _staging(staging, ticket=self._sign(host, "abort", staging.upload, staging.job)), timeout)
 
-    def release(self, host, address, tensor, version, timeout):
+    def release(self, host, address, versions, timeout):
+        if not versions:
+            return
+        (tensor, version), more = versions[0], versions[1:]
         self._call(host, address, "Release", pb.ReleaseRequest(
-            tensor=tensor, version=version, ticket=self._sign(host, "release", tensor, version)), timeout)
+            tensor=tensor, version=version, more=[pb.TensorRead(name=n, version=v) for n, v in more],
+            ticket=self._sign(host, "release", *(f for pair in versions for f in pair))), timeout)
 
     def close(self) -> None:
         with self._lock:

@@ -57,9 +57,10 @@ class RuntimeCalls:
     def abort(self, host, address, staging, timeout):
         self._record("abort", host).abort(staging.job)
 
-    def release(self, host, address, tensor, version, timeout):
+    def release(self, host, address, versions, timeout):
         self._record("release", host)
-        self.hosts.stores[host].release(tensor, version)
+        for tensor, version in versions:
+            self.hosts.stores[host].release(tensor, version)
 
     def count(self, call: str) -> dict[str, int]:
         out: dict[str, int] = {}
