@@ -41,7 +41,7 @@ def _job_doc(job: Job) -> dict:
     ran = job.ran
     return {
         "id": job.id, "tensor": job.tensor, "state": job.state, "strategy": job.strategy, "kind": job.kind,
-        "inputs": list(job.inputs),
+        "inputs": list(job.inputs), "outputs": list(job.outputs) or [job.tensor],
         "destination": job.dst.spec_str() if job.dst is not None else None, "bytes_done": done, "bytes_total": total,
         "seconds": job.seconds if job.started else None, "started": job.started, "finished": job.finished,
         "error": job.error or None, "plan_id": ran.id if ran is not None else None,
