@@ -70,7 +70,7 @@ class ManyProgram(Program):
         super().__post_init__()
         if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Iterable):
             raise PlanValidationError(f"buckets {brief(self.buckets)} must be a sequence of step id sequences")
-        object.__setattr__(self, "buckets", tuple(tuple(int(i) for i in b) for b in self.buckets))
+        object.__setattr__(self, "buckets", tuple(tuple(map(int, b)) for b in self.buckets))
 
     def _canonical(self) -> dict:
         out = super()._canonical()
@@ -343,25 +343,29 @@ def _buckets(steps, itemsizes: dict[str, int], bucket_bytes: int) -> tuple[tuple
     """Pack the small moves that wait for nothing, per (sender, receivers, method, route), in step order."""
     if not bucket_bytes:
         return ()
-    open_: dict[tuple, tuple[list[int], list[int]]] = {}  # key -> (step ids, [bytes so far])
+    open_: dict[tuple, list] = {}  # key -> [step ids, bytes so far]
     out: list[list[int]] = []
-    volumes: dict[tuple, int] = {}  # box -> elements: a box goes to many hosts (a star's transfers share it)
+    box = tensor = None
+    nbytes = 0
     for s in steps:
         if s.kind != MOVE or s.after or s.role != SRC:
             continue
         t = s.transfer
-        n = volumes.get(t.box)
-        if n is None:
-            n = volumes[t.box] = boxes.volume(t.box)
-        nbytes = n * itemsizes[s.tensor]
+        if t.box is not box or s.tensor is not tensor:
+            # The moves of a star share their box and come one after another: its bytes are worked out once.
+            box, tensor = t.box, s.tensor
+            nbytes = boxes.volume(box) * itemsizes[tensor]
         if nbytes >= bucket_bytes:
             continue
         key = (t.sender, t.receivers, t.method, t.route)
-        ids, size = open_.setdefault(key, ([], [0]))
-        ids.append(s.id)
-        size[0] += nbytes
-        if size[0] >= bucket_bytes:
-            out.append(ids)
+        group = open_.get(key)
+        if group is None:
+            group = open_[key] = [[s.id], nbytes]
+        else:
+            group[0].append(s.id)
+            group[1] += nbytes
+        if group[1] >= bucket_bytes:
+            out.append(group[0])
             del open_[key]
     out += [ids for ids, _ in open_.values()]
     return tuple(tuple(b) for b in sorted(out) if len(b) > 1)

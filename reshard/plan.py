@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Optional
@@ -79,6 +79,32 @@ class Transfer:
     def num_elements(self) -> int:
         return boxes.volume(self.box)
 
+    @classmethod
+    def star(cls, box: Box, sender: str, groups: Iterable[tuple[str, tuple[str, ...]]]) -> list["Transfer"]:
+        """One transfer of ``box`` from ``sender`` to each (host, receivers there) of ``groups``, hosts other than
+        the sender's: point-to-point to a lone receiver, else a broadcast whose route is that host.
+
+        The same transfers as the constructor makes, set field by field: the dataclass's ``__init__`` takes
+        twice as long, and a state dict's plan makes hundreds of thousands of them.
+        """
+        new = object.__new__
+        set_box, set_sender, set_receivers, set_method, set_phase, set_route = _TRANSFER_SETTERS
+        out = []
+        for host, receivers in groups:
+            t = new(cls)
+            set_box(t, box)
+            set_sender(t, sender)
+            set_receivers(t, receivers)
+            set_phase(t, 0)
+            if len(receivers) == 1:
+                set_method(t, "p2p")
+                set_route(t, ())
+            else:
+                set_method(t, "broadcast")
+                set_route(t, (host,))
+            out.append(t)
+        return out
+
     def to_json(self) -> dict:
         out = {
             "box": [[lo, hi] for lo, hi in self.box],
@@ -112,6 +138,9 @@ class Transfer:
         recv = ",".join(self.receivers)
         return f"[{self.phase}] {self.method} {boxes.box_str(self.box)} {self.sender} -> {recv}{via}"
 
+
+# The slots of a Transfer, written by `Transfer.star` without the frozen dataclass's checks.
+_TRANSFER_SETTERS = tuple(getattr(Transfer, f).__set__ for f in ("box", "sender", "receivers", "method", "phase", "route"))
 
 # Method codes of a TransferTable: positions in METHODS.
 P2P, BROADCAST, LOCAL = range(len(METHODS))

@@ -376,7 +376,6 @@ def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESH
             for r in t.receivers:
                 delivered[r].append((j, t.phase, t.box))
     steps = []
-    fields = dict(_DEFAULTS, kind=MOVE, role=SRC, tensor=tensor)
     new, set_state = object.__new__, object.__setattr__
     for i, t in enumerate(transfers):
         after = ()
@@ -391,9 +390,8 @@ def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESH
             after = tuple(sorted({first + j for j in feeds}))
             t = replace(t, phase=0)
         step = new(Step)
-        state = fields.copy()
-        state["id"], state["after"], state["transfer"] = first + i, after, t
-        set_state(step, "__dict__", state)
+        # A move's own fields; the others read the class's defaults, as they would read equal values here.
+        set_state(step, "__dict__", {"id": first + i, "kind": MOVE, "after": after, "transfer": t, "tensor": tensor})
         steps.append(step)
     return steps
 

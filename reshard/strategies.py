@@ -33,8 +33,9 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Sequence
-from functools import lru_cache
-from itertools import chain, permutations
+from functools import lru_cache, reduce
+from itertools import chain, permutations, repeat
+from operator import add
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -310,13 +311,18 @@ def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]
             break
         if math.gcd(stride, n) != 1:
             continue
-        route = [rest[i * stride % n] for i in range(n)]
+        route = list(map(rest.__getitem__, _strided(n, stride)))
         route.append(last)
-        cost = 0.0
-        for a, b in zip(route, route[1:]):
-            cost += pairs.get((a, b), 0.0)
+        # 0.0 plus each hop's bytes in route order, as a loop would add them, without a Python step per hop.
+        cost = reduce(add, map(pairs.get, zip(route, route[1:]), repeat(0.0)), 0.0)
         out.append((cost, route))
     return out
+
+
+@lru_cache(maxsize=256)
+def _strided(n: int, stride: int) -> tuple[int, ...]:
+    """0..n-1 taken at ``stride``, modulo ``n``: the positions of a `_long_routes` route."""
+    return tuple(i * stride % n for i in range(n))
 
 
 def _long_route(sender: str, routes: list[tuple[float, list[str]]], loads: Loads) -> list[str]:
@@ -504,22 +510,25 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         parts, delta = [], {}
         for j, piece in enumerate(pieces):
             hs = candidates[j]
-            # Rotate the chain so that each stripe ends on a different host, as _best_delivery does.
-            route = order[j % n:] + order[:j % n]
+            # Each stripe's chain is the order rotated by j, so that each ends on a different host, as
+            # _best_delivery rotates it.
             share = boxes.volume(piece) * nbytes / num_elements
             stripe = share / bw
             stripe[(j - 1) % n] = 0.0  # the stripe's last host forwards nothing
             added += stripe
             delta[hs] = loads.seconds(hs, share)
-            parts.append((piece, hs, holders[hs][0], route, share))
+            parts.append((piece, hs, holders[hs][0], share))
         new_hosts = np.array([send[h] for h in delta]) + np.array(list(delta.values()))
         old_hosts = np.array([send[h] for h in delta])
         new_order = old + added
         score = (max(loads.peak, float(new_order.max()), float(new_hosts.max())),
                  float(np.sum(new_hosts * new_hosts - old_hosts * old_hosts))
                  + float(np.sum(new_order * new_order - old * old)))
-        delta.update((h, float(x)) for h, x in zip(order, added.tolist()) if x)
-        option(score, lambda parts=parts, delta=delta: _emit_stripes(parts, wanting, loads, delta))
+        # The routes and the forwarding hosts' seconds, made only if the stripes win.
+        option(score, lambda parts=parts, delta=delta, added=added: _emit_stripes(
+            [(piece, hs, sender, order[j % n:] + order[:j % n], share)
+             for j, (piece, hs, sender, share) in enumerate(parts)],
+            wanting, loads, {**delta, **{h: float(x) for h, x in zip(order, added.tolist()) if x}}))
     return min(options, key=lambda o: o[:2])[2]()
 
 
@@ -534,16 +543,12 @@ def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) ->
 
 def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> list[Transfer]:
     loads.add_send(delta)
-    pairs, next_hops = loads.pairs, loads.next_hops[hs]
-    out = []
+    pairs = loads.pairs
     for h in remote:
         pairs[hs, h] += nbytes
-        next_hops.add(h)
-        # As _deliver(box, sender, wanting[h], hosts): every receiver is on h, another host than the sender's.
-        group = tuple(wanting[h])
-        out.append(Transfer(box, sender, group, "p2p") if len(group) == 1
-                   else Transfer(box, sender, group, "broadcast", 0, (h,)))
-    return out
+    loads.next_hops[hs].update(remote)
+    # As _deliver(box, sender, wanting[h], hosts) for each h: every receiver is on h, another host than the sender's.
+    return Transfer.star(box, sender, [(h, wanting[h]) for h in remote])
 
 
 def _emit_stripes(parts, wanting, loads: Loads, delta) -> list[Transfer]:

@@ -1,0 +1,130 @@
+"""The fast paths of planning a state dict build what the plain ones build: transfers, steps, buckets, routes."""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections import defaultdict
+from functools import reduce
+
+import pytest
+
+from reshard import Mesh, Sharding, TensorDecl, Topology, plan
+from reshard.many import plan_many
+from reshard.plan import Transfer
+from reshard.program import MOVE, SRC, Program, Step, move_steps
+from reshard.strategies import Loads, _long_routes
+
+# 4 training hosts of 4 devices -> 20 inference hosts holding two replicas each: a tile is wanted on 20 hosts,
+# more than a chain's exhaustive route search takes, so plans take the long deliveries (stars, chains, stripes).
+TRAIN = Mesh.grid({"dp": 4, "tp": 4}, 4, "train")
+INFER = Mesh.grid({"dp": 40, "tp": 2}, 4, "infer")
+
+
+def _state_dict(layers: int = 3) -> list[TensorDecl]:
+    out = [TensorDecl("embed", (1000, 64), "bfloat16", Sharding(TRAIN, ("tp", None)), Sharding(INFER, ("tp", None)))]
+    for i in range(layers):
+        for name, shape, dtype, spec in (("norm", (64,), "float32", (None,)),
+                                         ("qkv", (192, 64), "bfloat16", ("tp", None)),
+                                         ("bias", (192,), "bfloat16", ("tp",)),
+                                         ("out", (64, 64), "float8_e4m3fn", (None, "tp"))):
+            out.append(TensorDecl(f"layers.{i}.{name}", shape, dtype, Sharding(TRAIN, spec), Sharding(INFER, spec)))
+    return out
+
+
+def test_a_star_builds_the_transfers_the_constructor_builds():
+    box = ((0, 8), (4, 12))
+    groups = [("h1", ("h1/0",)), ("h2", ("h2/0", "h2/3")), ("h3", ("h3/1", "h3/2", "h3/5"))]
+    got = Transfer.star(box, "h0/0", groups)
+    want = [Transfer(box, "h0/0", ("h1/0",), "p2p"),
+            Transfer(box, "h0/0", ("h2/0", "h2/3"), "broadcast", 0, ("h2",)),
+            Transfer(box, "h0/0", ("h3/1", "h3/2", "h3/5"), "broadcast", 0, ("h3",))]
+    assert got == want
+    assert [hash(t) for t in got] == [hash(t) for t in want]
+    assert [t.to_json() for t in got] == [t.to_json() for t in want]
+    assert [str(t) for t in got] == [str(t) for t in want]
+    with pytest.raises(AttributeError):
+        got[0].sender = "h9/0"  # still frozen
+
+
+@pytest.mark.parametrize("strategy", ["auto", "local_allgather"])
+def test_move_steps_are_the_steps_step_move_builds(strategy):
+    # local_allgather has a second phase, whose steps wait for the first's.
+    p = plan((64, 48), "float32", Sharding(TRAIN, ("tp", None)), Sharding(INFER, (None, "tp")), strategy=strategy)
+    got = move_steps(p.transfers, 5, "w")
+    want = Program.from_plan(p).steps
+    want = [Step.move(s.id + 5, s.transfer, [a + 5 for a in s.after], "w") for s in want]
+    assert got == want
+    assert [s.to_json() for s in got] == [s.to_json() for s in want]
+    assert [str(s) for s in got] == [str(s) for s in want]
+    assert all(s.kind == MOVE and s.role == SRC and s.inputs == () and s.output is None for s in got)
+    if strategy == "local_allgather":
+        assert any(s.after for s in got)
+
+
+def test_plan_many_is_each_tensors_plan_against_one_loads_in_steps():
+    decls = _state_dict()
+    program = plan_many(decls, bucket_bytes=0).validate()
+    order = sorted(decls, key=lambda t: -t.itemsize * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1))
+    loads = Loads(Topology())
+    want = []
+    for t in order:
+        p = plan(t.shape, t.dtype, t.src, t.dst, loads=loads)
+        want += [Step.move(len(want) + s.id, s.transfer, [len(want) + a for a in s.after], t.name)
+                 for s in Program.from_plan(p).steps]
+    assert [t.name for t in program.tensors] == [t.name for t in order]
+    assert list(program.steps) == want
+    # stars (one-host broadcasts) and chains both come up
+    assert {len(s.transfer.route) > 1 for s in program.steps if s.transfer.method == "broadcast"} == {True, False}
+
+
+def _reference_buckets(program, bucket_bytes: int) -> tuple[tuple[int, ...], ...]:
+    """The bucket rule of reshard.many's docstring, written plainly."""
+    groups: dict[tuple, list[list[int]]] = defaultdict(list)
+    size: dict[tuple, int] = {}
+    for s in program.steps:
+        t = s.transfer
+        nbytes = t.num_elements * program.tensor(s.tensor).itemsize
+        if s.kind != MOVE or s.after or s.role != SRC or nbytes >= bucket_bytes:
+            continue
+        key = (t.sender, t.receivers, t.method, t.route)
+        if key not in size or size[key] >= bucket_bytes:
+            groups[key].append([])
+            size[key] = 0
+        groups[key][-1].append(s.id)
+        size[key] += nbytes
+    return tuple(sorted(tuple(b) for bs in groups.values() for b in bs if len(b) > 1))
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 200, 700, 4096, 2**20])
+def test_buckets_follow_the_rule(bucket_bytes):
+    program = plan_many(_state_dict(), bucket_bytes=bucket_bytes)
+    assert program.buckets == _reference_buckets(program, bucket_bytes)
+    if bucket_bytes == 4096:
+        assert program.buckets  # the case packs something
+    program.validate()
+
+
+def test_long_routes_add_their_hops_in_route_order():
+    rng = random.Random(7)
+    hosts = [f"h{i}" for i in range(30)]
+    loads = Loads(Topology())
+    for _ in range(400):
+        a, b = rng.sample(hosts, 2)
+        loads.add_path(a, (b,), rng.random() * 1e6)
+    routes = _long_routes(hosts, loads)
+    assert len(routes) > 1
+    for cost, route in routes:
+        assert sorted(route) == sorted(hosts) and route[-1] == hosts[-1]
+        assert cost == reduce(lambda acc, hop: acc + loads.pairs.get(hop, 0.0), zip(route, route[1:]), 0.0)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_plan_many_leaves_the_collector_as_it_found_it(enabled):
+    was = gc.isenabled()
+    try:
+        (gc.enable if enabled else gc.disable)()
+        plan_many(_state_dict(1))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
