@@ -162,12 +162,21 @@ class Loads:
         self.local_out: dict[str, int] = defaultdict(int)
         self.peak = 0.0
         self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
+        self._bandwidth_arrays: dict[tuple[str, ...], np.ndarray] = {}
 
     def bandwidth(self, host: str) -> float:
         bw = self.bandwidths.get(host)
         if bw is None:
             bw = self.bandwidths[host] = self.topology.nic_bytes_per_s(host)
         return bw
+
+    def bandwidth_array(self, hosts: tuple[str, ...]) -> np.ndarray:
+        """The `bandwidth` of each of ``hosts``, kept per tuple: a state dict's tasks name the same hosts again and
+        again. Callers must not change the array."""
+        out = self._bandwidth_arrays.get(hosts)
+        if out is None:
+            out = self._bandwidth_arrays[hosts] = np.array([self.bandwidth(h) for h in hosts])
+        return out
 
     def seconds(self, host: str, nbytes: float) -> float:
         bw = self.bandwidths.get(host)
@@ -186,9 +195,12 @@ class Loads:
         return peak, sq
 
     def add_send(self, delta: dict[str, float]) -> None:
+        send, peak = self.send, self.peak
         for h, d in delta.items():
-            self.send[h] += d
-            self.peak = max(self.peak, self.send[h])
+            new = send[h] = send[h] + d
+            if new > peak:  # as max(peak, new): a chain's delta names every host of a state dict's mesh
+                peak = new
+        self.peak = peak
 
     def add_recv(self, host: str, secs: float) -> None:
         self.recv[host] += secs
@@ -371,6 +383,7 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
     out: list[Transfer] = []
     holders_of: dict[int, dict[str, list[str]]] = {}
     wanting_of: dict[int, dict[str, list[str]]] = {}
+    split_of: dict[tuple[int, int], tuple[list, list[str]]] = {}  # (g, q) -> (local (host, group)s, remote hosts)
     for lo, hi, num, g, q in zip(tasks.lo[order].tolist(), tasks.hi[order].tolist(),
                                  tasks.num_elements[order].tolist(), tasks.sender_group[order].tolist(),
                                  tasks.receiver_group[order].tolist()):
@@ -396,13 +409,16 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
         wanting = wanting_of.get(q)
         if wanting is None:
             wanting = wanting_of[q] = _by_host(receivers)
+        split = split_of.get((g, q))
+        if split is None:
+            split = split_of[g, q] = ([(h, group) for h, group in wanting.items() if h in holders],
+                                      [h for h in wanting if h not in holders])
+        local, remote = split
         # A receiver whose host holds a replica copies it locally: no NIC involved.
-        for h, group in wanting.items():
-            if h in holders:
-                s = min(holders[h], key=lambda d: local_out[d])
-                local_out[s] += nbytes
-                out.append(Transfer(box, s, tuple(group), "local"))
-        remote = [h for h in wanting if h not in holders]
+        for h, group in local:
+            s = min(holders[h], key=lambda d: local_out[d])
+            local_out[s] += nbytes
+            out.append(Transfer(box, s, tuple(group), "local"))
         if not remote:
             continue
         if len(remote) > _GREEDY_ROUTE:
@@ -474,13 +490,17 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     `_long_routes`, scored over all hosts at once with numpy. Every such route makes all receiving hosts but the
     most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
     send = loads.send
-    # Sorted by name, then stably by load: ordered by (load, name) as _best_delivery orders them, without a key
-    # tuple per host.
-    candidates = sorted(sorted(holders), key=send.__getitem__)
-    order = sorted(sorted(remote), key=send.__getitem__)
-    rates = loads.bandwidths
-    bw = np.array([rates[h] if h in rates else loads.bandwidth(h) for h in order])
-    old = np.array([send[h] for h in order])
+    # Hosts sorted by name (kept), then stably by load: ordered by (load, name) as _best_delivery orders them,
+    # without a key tuple per host. Only the first _MAX_STRIPES candidates are ever used.
+    held = _names(tuple(holders))
+    by_load = np.argsort([send[h] for h in held], kind="stable")[:_MAX_STRIPES].tolist()
+    candidates = [held[i] for i in by_load]
+    names = _names(tuple(remote))
+    load = np.array([send[h] for h in names])
+    by_load = np.argsort(load, kind="stable")
+    order = [names[i] for i in by_load.tolist()]
+    old = load[by_load]
+    bw = loads.bandwidth_array(names)[by_load]
     whole = nbytes / bw
     forward = old[:-1] + whole[:-1]
     forward_peak = float(forward.max())
@@ -503,16 +523,16 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
             box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts))
     k = min(len(candidates), _MAX_STRIPES)
-    pieces = [p for p in (boxes.split(box, k) if k > 1 else []) if boxes.volume(p)]
+    pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
         n = len(order)
         added = np.zeros(n)
         parts, delta = [], {}
-        for j, piece in enumerate(pieces):
+        for j, (piece, volume) in enumerate(pieces):
             hs = candidates[j]
             # Each stripe's chain is the order rotated by j, so that each ends on a different host, as
             # _best_delivery rotates it.
-            share = boxes.volume(piece) * nbytes / num_elements
+            share = volume * nbytes / num_elements
             stripe = share / bw
             stripe[(j - 1) % n] = 0.0  # the stripe's last host forwards nothing
             added += stripe
@@ -530,6 +550,19 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
              for j, (piece, hs, sender, share) in enumerate(parts)],
             wanting, loads, {**delta, **{h: float(x) for h, x in zip(order, added.tolist()) if x}}))
     return min(options, key=lambda o: o[:2])[2]()
+
+
+@lru_cache(maxsize=1024)
+def _names(hosts: tuple[str, ...]) -> tuple[str, ...]:
+    """``hosts`` sorted, kept: a state dict's tasks name the same groups of hosts again and again."""
+    return tuple(sorted(hosts))
+
+
+@lru_cache(maxsize=4096)
+def _stripes(box, k: int) -> tuple[tuple[tuple, int], ...]:
+    """The non-empty pieces of ``box`` cut ``k`` ways (`boxes.split`), with their element counts, kept: the tensors
+    of a state dict that share a shape share their boxes."""
+    return tuple((p, boxes.volume(p)) for p in boxes.split(box, k) if boxes.volume(p))
 
 
 def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) -> list[Transfer]:
