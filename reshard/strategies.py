@@ -88,6 +88,16 @@ def _by_host(devices: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     return {h: tuple(group) for h, group in _group_by_host(devices, HostCache()).items()}
 
 
+@lru_cache(maxsize=256)
+def _task_hosts(senders: tuple[str, ...], receivers: tuple[str, ...]) -> tuple:
+    """(holders, wanting, local, remote) of a task: its senders and its receivers by host (`_by_host`), the
+    (host, receivers) pairs on hosts that hold a replica, and the other receiving hosts, in receiver order; kept,
+    as the tasks of a state dict's tensors that share a layout have the same groups. Callers must not change it."""
+    holders, wanting = _by_host(senders), _by_host(receivers)
+    return (holders, wanting, tuple((h, group) for h, group in wanting.items() if h in holders),
+            tuple(h for h in wanting if h not in holders))
+
+
 def _deliver(box, sender: str, receivers: list[str], hosts: HostCache, phase: int = 0) -> Transfer:
     """A transfer of ``box`` to ``receivers``: local, point-to-point or a chain broadcast."""
     hs = hosts[sender]
@@ -163,6 +173,8 @@ class Loads:
         self.peak = 0.0
         self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
         self._bandwidth_arrays: dict[tuple[str, ...], np.ndarray] = {}
+        # The transfers of the stars planned so far (`_emit_star`), by box, sender and receiving groups.
+        self._stars: dict[tuple, tuple] = {}
 
     def bandwidth(self, host: str) -> float:
         bw = self.bandwidths.get(host)
@@ -208,9 +220,8 @@ class Loads:
 
     def add_recv_all(self, hosts: Sequence[str], nbytes: float) -> None:
         """``add_recv`` of ``nbytes`` on each of ``hosts`` (distinct), in one numpy pass: the same additions."""
-        recv, rates = self.recv, self.bandwidths
-        new = np.array([recv[h] for h in hosts]) + nbytes / np.array(
-            [rates[h] if h in rates else self.bandwidth(h) for h in hosts])
+        recv = self.recv
+        new = np.fromiter(map(recv.__getitem__, hosts), float, len(hosts)) + nbytes / self.bandwidth_array(tuple(hosts))
         recv.update(zip(hosts, new.tolist()))
         self.peak = max(self.peak, float(new.max()))
 
@@ -381,9 +392,7 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
     """Auto's greedy over the tasks ``order`` names, one by one."""
     local_out = loads.local_out
     out: list[Transfer] = []
-    holders_of: dict[int, dict[str, list[str]]] = {}
-    wanting_of: dict[int, dict[str, list[str]]] = {}
-    split_of: dict[tuple[int, int], tuple[list, list[str]]] = {}  # (g, q) -> (local (host, group)s, remote hosts)
+    hosts_of: dict[tuple[int, int], tuple] = {}  # (g, q) -> _task_hosts of their devices
     for lo, hi, num, g, q in zip(tasks.lo[order].tolist(), tasks.hi[order].tolist(),
                                  tasks.num_elements[order].tolist(), tasks.sender_group[order].tolist(),
                                  tasks.receiver_group[order].tolist()):
@@ -403,17 +412,10 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
                 loads.add_path(hs, (hr,), nbytes)
                 out.append(Transfer(box, s, receivers, "p2p"))
             continue
-        holders = holders_of.get(g)
-        if holders is None:
-            holders = holders_of[g] = _by_host(senders)
-        wanting = wanting_of.get(q)
-        if wanting is None:
-            wanting = wanting_of[q] = _by_host(receivers)
-        split = split_of.get((g, q))
-        if split is None:
-            split = split_of[g, q] = ([(h, group) for h, group in wanting.items() if h in holders],
-                                      [h for h in wanting if h not in holders])
-        local, remote = split
+        task_hosts = hosts_of.get((g, q))
+        if task_hosts is None:
+            task_hosts = hosts_of[g, q] = _task_hosts(senders, receivers)
+        holders, wanting, local, remote = task_hosts
         # A receiver whose host holds a replica copies it locally: no NIC involved.
         for h, group in local:
             s = min(holders[h], key=lambda d: local_out[d])
@@ -438,7 +440,7 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
 
 
 def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
-                   hosts) -> list[Transfer]:
+                   hosts) -> Sequence[Transfer]:
     """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest."""
     if len(remote) > _GREEDY_ROUTE:
         return _best_long_delivery(box, num_elements, nbytes, holders, wanting, remote, loads, hosts)
@@ -485,7 +487,7 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
 
 
 def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
-                        hosts) -> list[Transfer]:
+                        hosts) -> Sequence[Transfer]:
     """`_best_delivery` for more than `_GREEDY_ROUTE` receiving hosts: the same options, routes from
     `_long_routes`, scored over all hosts at once with numpy. Every such route makes all receiving hosts but the
     most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
@@ -493,12 +495,12 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     # Hosts sorted by name (kept), then stably by load: ordered by (load, name) as _best_delivery orders them,
     # without a key tuple per host. Only the first _MAX_STRIPES candidates are ever used.
     held = _names(tuple(holders))
-    by_load = np.argsort([send[h] for h in held], kind="stable")[:_MAX_STRIPES].tolist()
-    candidates = [held[i] for i in by_load]
+    by_load = np.argsort(np.fromiter(map(send.__getitem__, held), float, len(held)), kind="stable")
+    candidates = [held[i] for i in by_load[:_MAX_STRIPES].tolist()]
     names = _names(tuple(remote))
-    load = np.array([send[h] for h in names])
+    load = np.fromiter(map(send.__getitem__, names), float, len(names))
     by_load = np.argsort(load, kind="stable")
-    order = [names[i] for i in by_load.tolist()]
+    order = list(map(names.__getitem__, by_load.tolist()))
     old = load[by_load]
     bw = loads.bandwidth_array(names)[by_load]
     whole = nbytes / bw
@@ -574,14 +576,22 @@ def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) ->
     return [Transfer(box, sender, receivers, "broadcast", 0, tuple(route))]
 
 
-def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> list[Transfer]:
+def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> Sequence[Transfer]:
     loads.add_send(delta)
     pairs = loads.pairs
     for h in remote:
         pairs[hs, h] += nbytes
     loads.next_hops[hs].update(remote)
-    # As _deliver(box, sender, wanting[h], hosts) for each h: every receiver is on h, another host than the sender's.
-    return Transfer.star(box, sender, [(h, wanting[h]) for h in remote])
+    # The tensors of a state dict that share a layout send the same stars again: a transfer is a value, so the
+    # steps of both may hold it. Keyed by the groups' identity, and kept with them so that it stays theirs.
+    key = (box, sender, id(remote), id(wanting))
+    made = loads._stars.get(key)
+    if made is None or made[0] is not remote or made[1] is not wanting:
+        # As _deliver(box, sender, wanting[h], hosts) for each h: every receiver is on h, another host than the
+        # sender's.
+        legs = Transfer.star(box, sender, [(h, wanting[h]) for h in remote])
+        made = loads._stars[key] = (remote, wanting, tuple(legs))
+    return made[2]
 
 
 def _emit_stripes(parts, wanting, loads: Loads, delta) -> list[Transfer]:

@@ -128,3 +128,26 @@ def test_plan_many_leaves_the_collector_as_it_found_it(enabled):
         assert gc.isenabled() is enabled
     finally:
         (gc.enable if was else gc.disable)()
+
+
+class _Forgetful(dict):
+    """A memo that keeps nothing: every star is built anew."""
+
+    def __setitem__(self, key, value):
+        pass
+
+
+def test_stars_sent_again_are_the_stars_built_anew(monkeypatch):
+    decls = _state_dict(4)
+    kept = plan_many(decls)
+    init = Loads.__init__
+
+    def forgetful(self, topology):
+        init(self, topology)
+        self._stars = _Forgetful()
+
+    monkeypatch.setattr(Loads, "__init__", forgetful)
+    anew = plan_many(decls)
+    assert anew.steps == kept.steps and anew.buckets == kept.buckets and anew.id == kept.id
+    shared = {id(s.transfer) for s in kept.steps}
+    assert len(shared) < len(kept.steps)  # the case sends some star again
