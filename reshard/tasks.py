@@ -230,13 +230,19 @@ def decompose(shape: tuple[int, ...], src: Sharding, dst: Sharding) -> UnitTasks
     sender_group = lookup[src_key]
     receivers = dg.devices
     keep = sender_group >= 0
-    shared = set(src_devices) & set(dst_devices)
+    shared = _shared_devices(src_devices, dst_devices)
     if shared:
         receiver_group, receivers = _drop_holders(receiver_group, sender_group, receivers, shared, src, sg, dst, dg)
         keep &= receiver_group >= 0
     if not keep.all():
         lo, hi, sender_group, receiver_group = lo[keep], hi[keep], sender_group[keep], receiver_group[keep]
     return UnitTasks(lo, hi, sender_group, sg.devices, receiver_group, receivers)
+
+
+@lru_cache(maxsize=64)
+def _shared_devices(src_devices: tuple[str, ...], dst_devices: tuple[str, ...]) -> frozenset[str]:
+    """The devices of both meshes, kept: a state dict's reshards all go between the same two meshes."""
+    return frozenset(src_devices).intersection(dst_devices)
 
 
 def _stride(chunks: list[list[tuple[int, int]]], d: int) -> int:
