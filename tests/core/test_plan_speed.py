@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import math
 import random
 from collections import defaultdict
 from functools import reduce
@@ -65,7 +66,7 @@ def test_move_steps_are_the_steps_step_move_builds(strategy):
 def test_plan_many_is_each_tensors_plan_against_one_loads_in_steps():
     decls = _state_dict()
     program = plan_many(decls, bucket_bytes=0).validate()
-    order = sorted(decls, key=lambda t: -t.itemsize * t.shape[0] * (t.shape[1] if len(t.shape) > 1 else 1))
+    order = sorted(decls, key=lambda t: -math.prod(t.shape) * t.itemsize)  # largest first, stably
     loads = Loads(Topology())
     want = []
     for t in order:
