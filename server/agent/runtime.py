@@ -44,6 +44,7 @@ Shard buffers are read and written only through `reshard.server.transport.buffer
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import threading
@@ -81,6 +82,7 @@ from reshard.server.transport import buffers
 from reshard.server.transport.base import (
     PushHeader,
     Session,
+    dtype_pairs_of,
     Traffic,
     Transport,
     first_peer,
@@ -376,6 +378,39 @@ class _Scratch:
         pass
 
 
+class HostLayout:
+    """What a run of ``program`` on ``host`` works out from the program alone: its buckets, streams and each step's
+    dtype, this host's tasks (templates: each run counts down copies), the bytes it sends, and the tiles it stages.
+    A weight sync runs the same program every step, and for a state dict of hundreds of tensors working these out
+    took most of a receiving agent's CPU in a job; the runtime keeps them with the parsed program."""
+
+    def __init__(self, program: Program, host: str):
+        self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
+        self.streams, self.dtypes, n = {}, {}, 0
+        for s in program.steps:
+            self.streams[s.id] = n
+            n += stream_count(s.kind, s.transfer, len(s.devices))
+            self.dtypes[s.id] = BYTES if s.id in self.buckets else \
+                program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
+        self.num_streams = n
+        self.dtype_pairs = dtype_pairs_of(self.dtypes)
+        self.tasks = host_tasks(program, host, self.buckets)
+        self.bytes_total = sum(
+            sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
+            if s.kind == MOVE and host_of(s.transfer.sender) == host)
+        self.committed = [t for t in program.tensors if t.dst is not None]
+        self.staged = staged_bytes(self.committed, host) if len(self.committed) > 1 else {}
+        # tensor -> this host's devices' destination tiles, and their source tiles where the tensor has a source
+        self.dst_tiles = {t.name: {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
+                          for t in self.committed}
+        self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
+                          for t in self.committed if t.src is not None}
+
+    def fresh_tasks(self) -> list[Task]:
+        return [copy.copy(t) for t in self.tasks]
+
+
+
 class Run(Session):
     """One program's run on this host: its buffers, its tasks and their progress.
 
@@ -390,16 +425,12 @@ class Run(Session):
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
                  dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
                  generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None,
-                 versions: dict[str, int] | None = None):
-        streams, dtypes, n = {}, {}, 0
-        self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
-        for s in program.steps:
-            streams[s.id] = n
-            n += stream_count(s.kind, s.transfer, len(s.devices))
-            dtypes[s.id] = BYTES if s.id in self.buckets else \
-                program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
-        super().__init__(job, ident, dtypes, peers, generation=generation, seq=seq, streams=streams, num_streams=n,
-                         push_tickets=push_tickets)
+                 versions: dict[str, int] | None = None, layout: HostLayout | None = None):
+        layout = layout if layout is not None else HostLayout(program, host)
+        self.layout = layout
+        self.buckets = layout.buckets  # first step id -> the bucket that travels as that step's stream
+        super().__init__(job, ident, layout.dtypes, peers, generation=generation, seq=seq, streams=layout.streams,
+                         num_streams=layout.num_streams, push_tickets=push_tickets, dtype_pairs=layout.dtype_pairs)
         self.program = program
         self.names = names  # program tensor -> the agent's store name
         self.src_version = src_version
@@ -409,7 +440,7 @@ class Run(Session):
         self.store = store
         self.transport = transport
         self.device = device
-        self.tasks = host_tasks(program, host, self.buckets)
+        self.tasks = layout.fresh_tasks()
         self.digests: dict[int, Future] = {}  # step -> XXH3-64 of its box, from a held source shard
         self.done = threading.Event()
         self.executing = False
@@ -423,9 +454,7 @@ class Run(Session):
                 self._dependents[a].append(t)
         self.steps_total = len(self._left)
         self.steps_done = 0
-        self.bytes_total = sum(
-            sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
-            if s.kind == MOVE and host_of(s.transfer.sender) == host)
+        self.bytes_total = layout.bytes_total
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._stage()
@@ -436,7 +465,7 @@ class Run(Session):
     # -- buffers -----------------------------------------------------------------------------------------
 
     def _stage(self) -> None:
-        committed = [t for t in self.program.tensors if t.dst is not None]
+        committed = self.layout.committed
         unversioned = [t.name for t in committed if not (t.is_reshard or t.name in self.versions)]
         if len(committed) > 1 and unversioned:
             raise FailedPreconditionError(
@@ -456,12 +485,14 @@ class Run(Session):
         try:
             if together is not None:
                 owners.append(together)
-                self.store.reserve(together, staged_bytes(committed, self.host),
+                self.store.reserve(together, self.layout.staged,
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
             for decl in committed:
                 owners.append(staging_owner(self.job, decl.name, len(committed)))
                 tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.host, self.store,
-                                    self.version(decl.name), self.empty, defer, reserve=together is None)
+                                    self.version(decl.name), self.empty, defer, reserve=together is None,
+                                    tiles=self.layout.dst_tiles[decl.name],
+                                    src_tiles=self.layout.src_tiles.get(decl.name))
                 self.staging[decl.name] = tiles
                 self.fills += tiles.fills
         except BaseException:
@@ -685,6 +716,7 @@ class Runtime:
         self._runs: dict[str, Run] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
         self._programs: OrderedDict[bytes, tuple[Program, str]] = OrderedDict()  # `_load`'s, most recent last
+        self._layouts: OrderedDict[str, tuple[Program, HostLayout]] = OrderedDict()  # `_layout`'s, by program id
         for t in self.transports.values():
             t.serve(self.accept)
 
@@ -708,6 +740,7 @@ class Runtime:
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
         program, ident = self._load(program_json)
+        layout = self._layout(program, ident)
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
         if len(resharded) == 1:
@@ -721,12 +754,26 @@ class Runtime:
                 raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
                   generation=generation, seq=seq, device=self.device, push_tickets=push_tickets,
-                  versions={t: v for t, (_, v) in (reads or {}).items()})
+                  versions={t: v for t, (_, v) in (reads or {}).items()}, layout=layout)
         link.attach(run)
         with self._lock:
             self._runs[job] = run
         self._digest_sources(run)
         return run
+
+    def _layout(self, program: Program, ident: str) -> HostLayout:
+        """This host's `HostLayout` of ``program``, kept for as many programs as `_load` keeps."""
+        with self._lock:
+            hit = self._layouts.get(ident)
+            if hit is not None and hit[0] is program:
+                self._layouts.move_to_end(ident)
+                return hit[1]
+        layout = HostLayout(program, self.host)
+        with self._lock:
+            self._layouts[ident] = (program, layout)
+            while len(self._layouts) > PROGRAMS_KEPT:
+                self._layouts.popitem(last=False)
+        return layout
 
     def _load(self, text: str) -> tuple[Program, str]:
         """`load_program` of ``text``, kept for the next `PROGRAMS_KEPT` distinct texts: a weight sync hands

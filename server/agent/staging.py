@@ -53,15 +53,22 @@ class StagedTiles:
     """
 
     def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, host: str, store: ShardStore,
-                 src_version: int, empty, defer: bool, reserve: bool = True):
+                 src_version: int, empty, defer: bool, reserve: bool = True, tiles: dict[str, Box] | None = None,
+                 src_tiles: dict[str, Box] | None = None):
+        """``tiles`` (this host's destination tiles) and ``src_tiles`` (their devices' source tiles) may be
+        given, worked out once for every run of a program (`runtime.HostLayout`)."""
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
         self.made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
-        self.tiles: dict[str, Box] = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
+        self.tiles: dict[str, Box] = tiles if tiles is not None else {
+            d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
         self.buffers: dict[str, Any] = {}
         self.missing: dict[str, int] = {}
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._lock = threading.Lock()
-        src_tiles = decl.src.tiles(decl.shape) if decl.src is not None and not self.made_whole else {}
+        if decl.src is None or self.made_whole:
+            src_tiles = {}
+        elif src_tiles is None:
+            src_tiles = decl.src.tiles(decl.shape)
         if reserve:  # else the caller reserved the room: refused before any buffer exists when over the limit
             store.reserve(owner, {d: boxes.volume(t) * decl.itemsize for d, t in self.tiles.items()},
                           f"job {job[:8]}'s destination tiles of {name!r}")

@@ -70,7 +70,7 @@ from reshard.server.transport.buffers import host_array, host_bytes, region, wri
 __all__ = [
     "StreamKey", "PushHeader", "Piece", "Trailer", "Session", "Traffic", "Throttle", "Sink", "Outgoing",
     "QueuedOutgoing", "Mailbox", "Transport", "REDUCE_OPS", "REDUCE_RESULTS", "verify_arrival", "interleaved",
-    "first_peer", "hop_targets", "receiving_hops", "sending_peers", "stream_count", "in_thread",
+    "first_peer", "hop_targets", "receiving_hops", "sending_peers", "stream_count", "in_thread", "dtype_pairs_of",
 ]
 
 REDUCE_OPS = {"sum": np.add, "max": np.maximum}
@@ -165,6 +165,11 @@ class Throttle:
         time.sleep(max(0.0, start - now))
 
 
+def dtype_pairs_of(dtypes: dict[int, str]) -> dict[int, tuple[str, np.dtype]]:
+    """Each step's dtype name and its numpy dtype, as a `Session` keeps them."""
+    return {step: (name, np_dtype(name)) for step, name in dtypes.items()}
+
+
 class Session:
     """One job on one host, as its transport sees it: ids, dtype, peers, traffic and the first failure.
 
@@ -176,10 +181,11 @@ class Session:
 
     def __init__(self, job: str, program_id: str, dtypes: dict[int, str], peers: dict[str, str], *,
                  generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0,
-                 push_tickets: dict[str, str] | None = None):
+                 push_tickets: dict[str, str] | None = None, dtype_pairs: dict | None = None):
         self.job = job
         self.program_id = program_id  # the id of the plan or program the agent was handed
-        self._dtypes = {step: (name, np_dtype(name)) for step, name in dtypes.items()}
+        # step -> (dtype name, numpy dtype); ``dtype_pairs`` gives them worked out already (`dtype_pairs`)
+        self._dtypes = dtype_pairs if dtype_pairs is not None else dtype_pairs_of(dtypes)
         self.peers = dict(peers)
         self.push_tickets = dict(push_tickets or {})  # peer host -> the planner's ticket for pushes to it
         self.generation = generation

@@ -42,3 +42,23 @@ def test_an_agent_reads_a_program_text_once_and_only_the_very_same_text_hits():
         assert runtime._load(texts[0])[0] is not first  # pushed out by PROGRAMS_KEPT newer texts
     finally:
         runtime.close()
+
+
+def test_an_agent_works_out_a_programs_layout_once_and_each_run_counts_down_its_own_tasks():
+    network = MemoryNetwork()
+    runtime = Runtime("b0", ShardStore(), {"grpc": MemoryTransport("b0", network)}, workers=2,
+                      step_timeout_s=10.0)
+    try:
+        program = _program(4)
+        text, peers = program.dumps(), {h: h for h in ("a0", "a1", "b0", "b1")}
+        runs = [runtime.prepare(f"job{i}", text, "w", 1, 2, peers) for i in range(2)]
+        assert runs[0].layout is runs[1].layout  # worked out once for the program
+        assert runs[0].tasks and all(a is not b and a.step is b.step for a, b in zip(runs[0].tasks, runs[1].tasks))
+        assert [t.waiting for t in runs[1].tasks] == [len(t.deps) for t in runs[1].tasks]
+        assert runs[0].layout.dst_tiles == {"w": {"b0/0": ((0, 4), (0, 4))}}
+        other = runtime.prepare("job2", _program(6).dumps(), "w", 1, 2, peers)
+        assert other.layout is not runs[0].layout
+        for job in ("job0", "job1", "job2"):
+            runtime.abort(job)
+    finally:
+        runtime.close()
