@@ -540,8 +540,8 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
             added += stripe
             delta[hs] = loads.seconds(hs, share)
             parts.append((piece, hs, holders[hs][0], share))
-        new_hosts = np.array([send[h] for h in delta]) + np.array(list(delta.values()))
         old_hosts = np.array([send[h] for h in delta])
+        new_hosts = old_hosts + np.array(list(delta.values()))
         new_order = old + added
         score = (max(loads.peak, float(new_order.max()), float(new_hosts.max())),
                  float(np.sum(new_hosts * new_hosts - old_hosts * old_hosts))
