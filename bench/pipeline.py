@@ -51,6 +51,23 @@ def _where(timeline, i: int) -> dict[str, float]:
     return {"compute": compute, "wait": wait, "idle": max(0.0, timeline.iteration_s - compute - wait)}
 
 
+def _transfer_alone(c, meshes, rows: int, width: int, runs: int = 5) -> float:
+    """Median seconds of one boundary activation's reshard between stage 0's and stage 1's hosts with nothing else
+    running (after one untimed): what a transfer costs before the pipeline's transfers share links and cores."""
+    from reshard import Sharding
+
+    name = "alone.activation"
+    c.put(name, np.ones((rows, width), np.float32), Sharding(meshes[0], (None, None)))
+    times = []
+    for i in range(runs + 1):
+        t0 = time.monotonic()
+        c.reshard(name, Sharding(meshes[(i + 1) % 2], (None, None))).result(timeout=600)
+        if i:
+            times.append(time.monotonic() - t0)
+    c.delete(name)
+    return statistics.median(times)
+
+
 def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, transport: str) -> dict:
     """Measured and predicted figures, or ``{"skipped": why}`` without the lab."""
     from reshard import Mesh, Sharding, schedule
@@ -76,6 +93,7 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
                     raise RuntimeError("the lab's agents did not register within 60 s")
                 time.sleep(0.1)
             meshes = [Mesh.from_hosts({"x": 1}, [h], 1) for h in hosts]
+            alone = _transfer_alone(c, meshes, rows, width)
             pipes = {}
             for kind in KINDS:
                 prefix = kind.replace("-", "_")
@@ -101,7 +119,7 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
     step_s = {kind: statistics.median(r.timeline.iteration_s for r in results[kind]) for kind in KINDS}
     typical = {kind: min(results[kind], key=lambda r: abs(r.timeline.iteration_s - step_s[kind])) for kind in KINDS}
     return {
-        "step_s": step_s, "forward_s": fwd, "backward_s": bwd, "transfer_s": xfer, "estimate_s": list(estimates),
+        "step_s": step_s, "transfer_alone_s": alone, "forward_s": fwd, "backward_s": bwd, "transfer_s": xfer, "estimate_s": list(estimates),
         "predicted_s": {kind: p.iteration_s for kind, p in predicted.items()},
         "peak_bytes": {kind: list(typical[kind].peak_activation_bytes) for kind in KINDS},
         "peak": {kind: list(typical[kind].timeline.peak_activations) for kind in KINDS},
@@ -166,7 +184,9 @@ def main(argv=None) -> int:
         f"- Measured per stage, median seconds: forward {', '.join(f'{v:.3f}' for v in r['forward_s'])}; "
         f"backward {', '.join(f'{v:.3f}' for v in r['backward_s'])}. Per boundary, a transfer from issue to "
         f"arrival: {', '.join(f'{v:.3f}' for v in r['transfer_s'])} (the planner estimates "
-        f"{', '.join(f'{v:.3f}' for v in r['estimate_s'])} for the reshard alone).",
+        f"{', '.join(f'{v:.3f}' for v in r['estimate_s'])} for the reshard alone; one such reshard between stage 0's "
+        f"and stage 1's hosts with nothing else running takes {r['transfer_alone_s']:.3f}, as a job, median of 5). "
+        f"The simulator lets transfers overlap one another; on a link, a boundary's transfers queue.",
         "- Where each stage's time went in a typical step (compute / waiting for an input / idle, seconds):",
     ]
     for kind in KINDS:
