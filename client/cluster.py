@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from reshard.client.client import Client
 
 __all__ = ["LocalCluster", "local_cluster", "start_process", "launch_process", "await_ready", "die_with_parent",
-           "share_of_cores"]
+           "share_of_cores", "sharing_cores"]
 
 _READY = re.compile(r"listening on (\S+)")
 _DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
@@ -109,6 +109,13 @@ def share_of_cores(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
+def sharing_cores(agent_args: Sequence[str], processes: int) -> list[str]:
+    """``agent_args`` with ``--compute-threads`` at each agent's `share_of_cores`, unless they set it already."""
+    if any(a.split("=")[0] == "--compute-threads" for a in agent_args):
+        return list(agent_args)
+    return [*agent_args, "--compute-threads", str(share_of_cores(processes))]
+
+
 class LocalCluster:
     """One planner and ``hosts`` agents with ``devices_per_host`` devices each, on 127.0.0.1."""
 
@@ -132,9 +139,9 @@ class LocalCluster:
         # grpc, collective or auto (the agents' default); with collective or auto the cluster is
         # ready once the agents' process group has formed, so the first job can use it.
         self.transport = transport
-        self.agent_args = list(agent_args) + (["--transport", transport] if transport else [])
-        if not any(a.split("=")[0] == "--compute-threads" for a in self.agent_args):  # agents share these cores
-            self.agent_args += ["--compute-threads", str(share_of_cores(len(self.host_names)))]
+        # The agents share this machine's cores: each one's kernels get its share (BLAS threads spin).
+        self.agent_args = sharing_cores([*agent_args, *(["--transport", transport] if transport else [])],
+                                        len(self.host_names))
         self._tmp = None if log_dir else tempfile.TemporaryDirectory(prefix="reshard-cluster-")
         self.log_dir = Path(log_dir or self._tmp.name)
         self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from reshard.program import COMPUTE, DST, MOVE, SRC, Program, Step, TensorDecl, 
 from reshard.sharding import Sharding
 from reshard.topology import Topology
 
-__all__ = ["Op", "plan_sequence", "alias"]
+__all__ = ["Op", "plan_sequence", "alias", "aliased"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,11 @@ class Op:
 def alias(name: str, k: int) -> str:
     """The program tensor under which op ``k`` of a sequence reads catalog tensor ``name``."""
     return f"{name}@{k}"
+
+
+def aliased(program_tensor: str) -> str:
+    """The catalog name an `alias` stands for (the name itself where it is none)."""
+    return program_tensor.rsplit("@", 1)[0]
 
 
 def check_ops(ops: Sequence[Op]) -> None:

@@ -410,7 +410,6 @@ class HostLayout:
         return [copy.copy(t) for t in self.tasks]
 
 
-
 class Run(Session):
     """One program's run on this host: its buffers, its tasks and their progress.
 
@@ -715,8 +714,8 @@ class Runtime:
         self._lock = threading.Lock()
         self._runs: dict[str, Run] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
-        self._programs: OrderedDict[bytes, tuple[Program, str]] = OrderedDict()  # `_load`'s, most recent last
-        self._layouts: OrderedDict[str, tuple[Program, HostLayout]] = OrderedDict()  # `_layout`'s, by program id
+        # `_loaded`'s programs with their ids and this host's layouts, most recent last
+        self._programs: OrderedDict[bytes, tuple[Program, str, HostLayout]] = OrderedDict()
         for t in self.transports.values():
             t.serve(self.accept)
 
@@ -739,8 +738,7 @@ class Runtime:
                 f"job {job} asks agent {self.host} for the {transport} transport, but it runs "
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
-        program, ident = self._load(program_json)
-        layout = self._layout(program, ident)
+        program, ident, layout = self._loaded(program_json)
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
         if len(resharded) == 1:
@@ -761,31 +759,23 @@ class Runtime:
         self._digest_sources(run)
         return run
 
-    def _layout(self, program: Program, ident: str) -> HostLayout:
-        """This host's `HostLayout` of ``program``, kept for as many programs as `_load` keeps."""
-        with self._lock:
-            hit = self._layouts.get(ident)
-            if hit is not None and hit[0] is program:
-                self._layouts.move_to_end(ident)
-                return hit[1]
-        layout = HostLayout(program, self.host)
-        with self._lock:
-            self._layouts[ident] = (program, layout)
-            while len(self._layouts) > PROGRAMS_KEPT:
-                self._layouts.popitem(last=False)
-        return layout
-
     def _load(self, text: str) -> tuple[Program, str]:
-        """`load_program` of ``text``, kept for the next `PROGRAMS_KEPT` distinct texts: a weight sync hands
-        the same program over every step, and reading a state dict's takes a large share of its job. Programs are
-        immutable, so runs share them; the key is the text's hash, so only the very same text hits."""
+        """The program in ``text`` and its id (`_loaded`)."""
+        return self._loaded(text)[:2]
+
+    def _loaded(self, text: str) -> tuple[Program, str, HostLayout]:
+        """`load_program` of ``text`` and this host's `HostLayout` of it, kept for the next `PROGRAMS_KEPT`
+        distinct texts: a weight sync hands the same program over every step, and reading a state dict's and
+        working out its layout take a large share of its job. Programs and layouts are immutable (runs copy the
+        task templates), so runs share them; the key is the text's hash, so only the very same text hits."""
         key = hashlib.blake2b(text.encode(), digest_size=20).digest()
         with self._lock:
             hit = self._programs.get(key)
             if hit is not None:
                 self._programs.move_to_end(key)
                 return hit
-        loaded = load_program(text)
+        program, ident = load_program(text)
+        loaded = (program, ident, HostLayout(program, self.host))
         with self._lock:
             self._programs[key] = loaded
             while len(self._programs) > PROGRAMS_KEPT:

@@ -34,7 +34,8 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
-from reshard.server.common.tickets import TicketCheck, commit_fields, new_secret, prepare_fields, put_fields, sign
+from reshard.server.common.tickets import (TicketCheck, commit_fields, new_secret, prepare_fields, put_fields,
+                                           release_fields, sign)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -216,7 +217,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def Release(self, request, context):
         versions = [(request.tensor, request.version), *((r.name, r.version) for r in request.more)]
-        self.tickets.check(request.ticket, "release", *(f for pair in versions for f in pair),
+        self.tickets.check(request.ticket, "release", *release_fields(versions),
                            what=f"Release of {request.tensor!r} v{request.version}"
                                 + (f" and {len(request.more)} more" if request.more else ""))
         for tensor, version in versions:

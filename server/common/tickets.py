@@ -36,7 +36,8 @@ from collections.abc import Iterable, Mapping
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
-__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "SECRET_BYTES"]
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "release_fields",
+           "SECRET_BYTES"]
 
 SECRET_BYTES = 32
 _SEP = "\x1f"
@@ -68,6 +69,11 @@ def prepare_fields(job: str, program_json: str, tensor: str, src_version: int, d
 
 def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str]) -> tuple:
     return upload, job, tensor, version, ",".join(devices)
+
+
+def release_fields(versions: Iterable[tuple[str, int]]) -> tuple:
+    """Every (tensor, version) a Release frees, in order."""
+    return tuple(f for pair in versions for f in pair)
 
 
 class TicketCheck:

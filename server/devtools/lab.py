@@ -36,7 +36,7 @@ from typing import Optional
 
 from reshard.plan_command import HelpFormatter
 from reshard.proto.auth import TOKEN_ENV
-from reshard.client.cluster import share_of_cores
+from reshard.client.cluster import sharing_cores
 from reshard.server.common.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -316,14 +316,13 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
     _wait_listening(lab.planner_ns, lab.planner_ip, PLANNER_PORT, planner, "the planner")
     address = f"{lab.planner_ip}:{PLANNER_PORT}"
     # The emulated hosts share this machine's cores: each agent's kernels get its share (threads spin).
-    threads = ([] if any(a.split("=")[0] == "--compute-threads" for a in extra_agent_args)
-               else ["--compute-threads", str(share_of_cores(lab.config.num_hosts))])
+    agent_args = sharing_cores(extra_agent_args, lab.config.num_hosts)
     for i in range(lab.config.num_hosts):
         host = lab.host_name(i)
         agent = lab.spawn(lab.host_ns(i), [
             *cli, "agent", "--planner", address, "--listen", f"{lab.host_ip(i)}:{AGENT_PORT}",
             "--host", host, "--devices", str(lab.config.devices_per_host),
-            "--nic-gbps", str(lab.config.gbps), *threads, *extra_agent_args,
+            "--nic-gbps", str(lab.config.gbps), *agent_args,
         ], stdout=out(host), stderr=subprocess.STDOUT)
         _wait_listening(lab.host_ns(i), lab.host_ip(i), AGENT_PORT, agent, f"the agent of {host}")
     return address

@@ -402,24 +402,33 @@ class Planner:
 
     # -- compute ---------------------------------------------------------------------------------
 
+    def _check_op(self, op: str, inputs: list[str], out: str, out_sharding_json: str, params: dict[str, str],
+                  where: str = "") -> Sharding | None:
+        """Refuse a compute op that names no input, an unknown op, an einsum without its equation or with one
+        input, or a bad output name or sharding (``where`` names the op in a sequence); returns its out_sharding."""
+        if not inputs:
+            raise InvalidArgumentError(f"{where}{op or 'compute'} needs input tensors; none given")
+        if op == "einsum":
+            if not params.get("equation"):
+                raise InvalidArgumentError(f"{where}einsum needs params['equation'], in numpy notation such as "
+                                           f"'ij,jk->ik'")
+            if len(inputs) < 2:
+                raise InvalidArgumentError(f"{where}einsum takes two or more inputs; {len(inputs)} given (a kernel "
+                                           f"of one input runs through apply: {list(APPLY_OPS)})")
+        elif op not in APPLY_OPS:
+            raise InvalidArgumentError(f"{where}unknown op {op!r}; compute runs 'einsum' or one of "
+                                       f"{list(APPLY_OPS)}")
+        check_name(out)
+        out_sharding = self._sharding(out_sharding_json, f"{where}out_sharding") if out_sharding_json else None
+        if out_sharding is not None:
+            self.registry.check_mesh(out_sharding.mesh)
+        return out_sharding
+
     def _compute_planner(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
                          params: dict[str, str]) -> Callable[[dict[str, TensorRecord], Topology], Program]:
         """Check a compute request and return what plans it from the inputs' records (the same records give the
         same program, planned once)."""
-        if not inputs:
-            raise InvalidArgumentError(f"{op or 'compute'} needs input tensors; none given")
-        if op == "einsum":
-            if not params.get("equation"):
-                raise InvalidArgumentError("einsum needs params['equation'], in numpy notation such as 'ij,jk->ik'")
-            if len(inputs) < 2:
-                raise InvalidArgumentError(f"einsum takes two or more inputs; {len(inputs)} given (a kernel of one "
-                                           f"input runs through apply: {list(APPLY_OPS)})")
-        elif op not in APPLY_OPS:
-            raise InvalidArgumentError(f"unknown op {op!r}; compute runs 'einsum' or one of {list(APPLY_OPS)}")
-        check_name(out)
-        out_sharding = self._sharding(out_sharding_json, "out_sharding") if out_sharding_json else None
-        if out_sharding is not None:
-            self.registry.check_mesh(out_sharding.mesh)
+        out_sharding = self._check_op(op, inputs, out, out_sharding_json, params)
         strategy = check_strategy(strategy)
         # The program names the output apart from an input of the same name: the input's version is read, and the
         # output commits as that tensor's next version.
@@ -473,14 +482,7 @@ class Planner:
                                          f"job ({self.config.max_plan_tasks:,}, --max-plan-tasks); split it")
         parsed, stored, written = [], [], set()
         for k, (op, inputs, out, out_sharding_json, params) in enumerate(ops):
-            if op == "einsum" and not params.get("equation"):
-                raise InvalidArgumentError(f"op {k} of compute_many: einsum needs params['equation'], in numpy "
-                                           f"notation such as 'ij,jk->ik'")
-            check_name(out)
-            out_sharding = (self._sharding(out_sharding_json, f"out_sharding of op {k}") if out_sharding_json
-                            else None)
-            if out_sharding is not None:
-                self.registry.check_mesh(out_sharding.mesh)
+            out_sharding = self._check_op(op, inputs, out, out_sharding_json, params, f"op {k} of compute_many: ")
             stored += [n for n in inputs if n not in written]
             written.add(out)
             parsed.append(Op(op, tuple(inputs), out, out_sharding, dict(params)))

@@ -44,6 +44,7 @@ from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
 from reshard.program import MOVE, Program, TensorDecl
+from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
@@ -482,7 +483,7 @@ class JobRunner:
         version now, and every output commits as its next version (1 for a new tensor), all together."""
         reads: dict[str, tuple[str, int]] = {}
         for t in program.tensors:
-            base = t.name.rsplit("@", 1)[0]
+            base = aliased(t.name)
             if t.src is not None and base in inputs:
                 reads[t.name] = (base, inputs[base].version)
         commits = []

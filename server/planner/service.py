@@ -15,7 +15,7 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import commit_fields, prepare_fields, sign
+from reshard.server.common.tickets import commit_fields, prepare_fields, release_fields, sign
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
@@ -101,7 +101,7 @@ class GrpcAgentCalls:
         (tensor, version), more = versions[0], versions[1:]
         self._call(host, address, "Release", pb.ReleaseRequest(
             tensor=tensor, version=version, more=[pb.TensorRead(name=n, version=v) for n, v in more],
-            ticket=self._sign(host, "release", *(f for pair in versions for f in pair))), timeout)
+            ticket=self._sign(host, "release", *release_fields(versions))), timeout)
 
     def close(self) -> None:
         with self._lock:
