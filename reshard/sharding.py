@@ -463,10 +463,15 @@ class Sharding:
         return f"{self.spec_str()} on ({axes})"
 
     def to_json(self) -> dict:
-        out = {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
-        if self.partial:  # only then: the JSON of every other sharding, and so every plan id, stays as it was
-            out["partial"] = list(self.partial)
-        return out
+        """A new dict each call; its nested lists are worked out once per sharding and shared (a state dict writes
+        the same few layouts hundreds of times), so treat them as read-only."""
+        kept = self.__dict__.get("_json")
+        if kept is None:
+            kept = {"mesh": self.mesh.to_json(), "spec": [list(a) for a in self.spec]}
+            if self.partial:  # only then: the JSON of every other sharding, and so every plan id, stays as it was
+                kept["partial"] = list(self.partial)
+            object.__setattr__(self, "_json", kept)  # not a field: equality, hashing and repr ignore it
+        return dict(kept)
 
     @classmethod
     def from_json(cls, data) -> "Sharding":

@@ -313,8 +313,7 @@ class Planner:
             for up in uploads:
                 self._drop_upload(up, committed[up.id])
             raise
-        for up in uploads:
-            self.store.save_tensor(up.record.to_json())
+        self.store.save_tensors([up.record.to_json() for up in uploads])
 
     def _drop_upload(self, upload: Upload, committed_hosts=()) -> None:
         rec = upload.record
@@ -587,7 +586,9 @@ class Planner:
                 raise InvalidArgumentError(
                     f"tensor {d.name!r} goes from {d.src} to {d.dst}, a pending sum on one side; reshard_many moves "
                     f"values, so reshard that tensor on its own (reshard completes or keeps a sum)")
-        size = [estimate_plan_size(d.shape, d.src, d.dst) for d in decls]
+        sizes: dict[tuple, PlanSize] = {}  # a state dict's tensors share a few (shape, layouts): each is sized once
+        size = [sizes.get(k) or sizes.setdefault(k, estimate_plan_size(*k)) for k in ((d.shape, d.src, d.dst)
+                                                                                      for d in decls)]
         total = PlanSize(*(sum(getattr(p, f) for p in size) for f in ("unit_tasks", "deliveries", "route_steps")))
         over = total.excess(self.config.max_plan_tasks, strategy)
         if over:
@@ -604,13 +605,19 @@ class Planner:
 
     def _check_memory_together(self, items: list[tuple[Sharding, tuple[int, ...], str, str]], what: str) -> None:
         """`_check_memory` of each (sharding, shape, dtype, what), then of all of them together on every host."""
-        size_of = {}
+        per_host: dict[tuple, dict[str, int]] = {}  # (sharding, shape, dtype) -> bytes per host, checked once
         total: dict[str, int] = {}
         for sharding, shape, dtype, one in items:
-            self._check_memory(sharding, shape, dtype, one)
-            n = size_of.setdefault(dtype, itemsize(dtype_name(dtype)))
-            for dev, tile in sharding.tiles(shape).items():
-                total[host_of(dev)] = total.get(host_of(dev), 0) + volume(tile) * n
+            key = (sharding, shape, dtype)
+            mine = per_host.get(key)
+            if mine is None:
+                self._check_memory(sharding, shape, dtype, one)
+                n = itemsize(dtype_name(dtype))
+                mine = per_host[key] = {}
+                for dev, tile in sharding.tiles(shape).items():
+                    mine[host_of(dev)] = mine.get(host_of(dev), 0) + volume(tile) * n
+            for host, nbytes in mine.items():
+                total[host] = total.get(host, 0) + nbytes
         for host, nbytes in sorted(total.items()):
             agent = self.registry.get(host)
             limit = agent.memory_limit_bytes if agent is not None else 0

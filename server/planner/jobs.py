@@ -173,7 +173,7 @@ class Job:
                 "plan_id": ran.id if ran is not None else "", "created": self.created, "started": self.started,
                 "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
-                "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
+                "kind": self.kind, "inputs": self.inputs, "dsts": _shardings_json(self.dsts),
                 "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions,
                 "outputs": self.outputs}
 
@@ -193,7 +193,15 @@ class Job:
         return job
 
 
+def _shardings_json(shardings: dict[str, Sharding]) -> dict[str, dict]:
+    """``{name: sharding.to_json()}``, each distinct sharding object written once (a state dict's destinations are
+    a few parsed layouts, shared)."""
+    done: dict[int, dict] = {}
+    return {n: done.get(id(d)) or done.setdefault(id(d), d.to_json()) for n, d in shardings.items()}
+
+
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
+PROGRAM_MOVES_KEPT = 512  # programs whose moves a planner keeps worked out (`_Moves`), newest last
 
 
 class ProgramCache:
@@ -246,6 +254,7 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         # reshard_many's programs by what they were planned from: a weight sync repeats the same move every step
         self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
+        self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
@@ -399,12 +408,9 @@ class JobRunner:
         work = self._work(job)
         hosts = work.hosts
         peers = {h: self.registry.require_up(h).address for h in hosts}
-        to_send = dict.fromkeys(hosts, 0)  # only a move's sender's host sends its first copies
-        for t, n in work.moves:
-            h = host_of(t.sender)
-            to_send[h] += sender_bytes([t], n, h)
-        job.progress = {h: [0, to_send[h]] for h in hosts}
-        transport, generation, seq = self._transport(job, [t for t, _ in work.moves], hosts)
+        # only a move's sender's host sends its first copies
+        job.progress = {h: [0, work.moves.to_send.get(h, 0)] for h in hosts}
+        transport, generation, seq = self._transport(job, work.moves.network, hosts)
         prep = Preparation(job.id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads)
         with ExitStack() as turn:
@@ -420,7 +426,7 @@ class JobRunner:
 
             try:
                 self._run_program(job, prep, hosts, deadline)
-                staging = sorted({h for _, new in work.commits for h in new.sharding.mesh.hosts})
+                staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
                 self._fan_out(commit, staging, deadline, self._watch(peers, {}))
                 self.catalog.commit(work.commits)
             except BaseException as e:
@@ -432,8 +438,7 @@ class JobRunner:
                         self.collective_cleanup(generation, job.id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
-        for _, new in work.commits:
-            self.store.save_tensor(new.to_json())
+        self.store.save_tensors([new.to_json() for _, new in work.commits])
         self._count_moved(job, work.moves)
         return [old for old, _ in work.commits if old is not None]
 
@@ -445,19 +450,24 @@ class JobRunner:
             job.version = rec.version + 1
             if not (rec.sharding.is_partial or job.dst.is_partial):
                 plan, plan_json = self._plan(job, rec)
-                return _Work(plan_json, plan.id, [(t, plan.itemsize) for t in plan.transfers],
-                             _job_hosts(plan, job.dst), rec.version, {}, [(rec, bumped(rec, job.dst))])
+                moves = _Moves.of([(t, plan.itemsize) for t in plan.transfers], set(job.dst.mesh.hosts))
+                return _Work(plan_json, plan.id, moves, sorted(moves.hosts), rec.version, {},
+                             [(rec, bumped(rec, job.dst))])
             program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(),
                                       job.strategy).validate()
             return self._program_work(job, program, rec.version, {}, [(rec, bumped(rec, job.dst))])
         if job.kind == "reshard_many":
             records = {n: self.catalog.get(n) for n in job.inputs}
-            decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()]
             topology = self.registry.topology()
-            key = (tuple(decls), topology, job.strategy, job.bucket_bytes,
+            key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()), topology,
+                   job.strategy, job.bucket_bytes,
                    tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())))
-            program, text = self._many_programs.get(key) or self._many_programs.put(key, plan_many(
-                decls, topology, job.strategy, job.bucket_bytes, job.scales).validate())
+            hit = self._many_programs.get(key)
+            if hit is None:
+                decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()]
+                hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
+                                                             job.scales).validate())
+            program, text = hit
             job.versions = {n: r.version + 1 for n, r in records.items()}
             job.version = job.versions[job.tensor]
             # Each tensor is read at its own version and commits as the next (the agents' rule for a program
@@ -503,14 +513,21 @@ class JobRunner:
     def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
                       commits: list[tuple[TensorRecord | None, TensorRecord]], text: str = "") -> "_Work":
         job.program = program
+        moves = self._program_moves.get(program.id)
+        if moves is None:  # once per program: a weight sync or a training step runs the same one every time
+            text = text or program.dumps()
+            self.store.save_plan(program.id, text)
+            hosts = set()
+            for s in program.steps:
+                hosts |= {host_of(d) for d in s.participants()}
+            moves = _Moves.of([(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps
+                               if s.kind == MOVE], hosts)
+            with self._lock:
+                self._program_moves[program.id] = moves
+                while len(self._program_moves) > PROGRAM_MOVES_KEPT:
+                    self._program_moves.popitem(last=False)
         text = text or program.dumps()
-        self.store.save_plan(program.id, text)
-        moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
-        hosts = {h for _, new in commits for h in new.sharding.mesh.hosts}
-        for s in program.steps:
-            hosts |= {host_of(d) for d in s.participants()}
-            if s.kind == MOVE:
-                hosts |= set(s.transfer.route)
+        hosts = moves.hosts.union(*{new.sharding.mesh.hosts for _, new in commits})
         return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits)
 
     def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
@@ -522,11 +539,12 @@ class JobRunner:
         self.store.save_plan(plan.id, plan_json)
         return plan, plan_json
 
-    def _transport(self, job: Job, transfers: list[Transfer], hosts: list[str]) -> tuple[str, int, int]:
-        """(transport, group generation, job number) for the job; records it and what carries each transfer."""
+    def _transport(self, job: Job, network: list[bool], hosts: list[str]) -> tuple[str, int, int]:
+        """(transport, group generation, job number) for the job; records it and what carries each transfer
+        (``network``: whether each crosses a NIC)."""
         transport, generation, seq = self.group.choose(hosts, self.group_wait_s) if self.group else ("grpc", 0, 0)
         job.transport = transport
-        job.transports = [transport if network_copies(t) else "local" for t in transfers]
+        job.transports = [transport if net else "local" for net in network]
         return transport, generation, seq
 
     def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float) -> None:
@@ -586,12 +604,10 @@ class JobRunner:
 
         self._best_effort(release, sorted(set(hosts) & committing))
 
-    def _count_moved(self, job: Job, moves: list[tuple[Transfer, int]]) -> None:
+    def _count_moved(self, job: Job, moves: "_Moves") -> None:
         with self._lock:
-            for t, itemsize in moves:
-                n = boxes.volume(t.box) * itemsize
-                self._moved[job.transport] += n * network_copies(t)
-                self._moved["local"] += n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
+            self._moved[job.transport] += moves.network_bytes
+            self._moved["local"] += moves.local_bytes
 
     def _best_effort(self, fn, hosts) -> None:
         futures = {self._calls_pool.submit(fn, h): h for h in hosts}
@@ -609,11 +625,42 @@ class _Work:
 
     program_json: str
     program_id: str
-    moves: list[tuple[Transfer, int]]
+    moves: "_Moves"
     hosts: list[str]
     src_version: int
     reads: dict[str, tuple[str, int]]
     commits: list[tuple[TensorRecord | None, TensorRecord]]
+
+
+@dataclass(frozen=True)
+class _Moves:
+    """A job's moves (each with its tensor's item size) and what the runner needs of them, worked out once per
+    program: every host a move or step touches, the bytes each host sends as a sender (its progress total), per
+    move whether it crosses a NIC, and the bytes that go over NICs and within hosts."""
+
+    moves: list[tuple[Transfer, int]]
+    hosts: frozenset[str]
+    to_send: dict[str, int]
+    network: list[bool]
+    network_bytes: int
+    local_bytes: int
+
+    @classmethod
+    def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str]) -> "_Moves":
+        """``moves`` and the hosts their steps touch besides (``hosts``)."""
+        hosts = set(hosts)
+        to_send: dict[str, int] = defaultdict(int)
+        network, network_bytes, local_bytes = [], 0, 0
+        for t, itemsize in moves:
+            sender = host_of(t.sender)
+            hosts |= {sender, *map(host_of, t.receivers), *t.route}
+            to_send[sender] += sender_bytes([t], itemsize, sender)
+            n = boxes.volume(t.box) * itemsize
+            copies = network_copies(t)
+            network.append(bool(copies))
+            network_bytes += n * copies
+            local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
+        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes)
 
 
 def _ran_from_json(doc) -> Plan | Program:
@@ -622,10 +669,3 @@ def _ran_from_json(doc) -> Plan | Program:
     return program_from_json(data) if isinstance(data, dict) and data.get("kind") == "program" else Plan.from_json(data)
 
 
-def _job_hosts(plan: Plan, dst: Sharding) -> list[str]:
-    """Every host with a part in the job: the destination's hosts (they stage and commit) and every sender,
-    receiver and route hop of the plan."""
-    hosts = set(dst.mesh.hosts)
-    for t in plan.transfers:
-        hosts |= {host_of(t.sender), *map(host_of, t.receivers), *t.route}
-    return sorted(hosts)

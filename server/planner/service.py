@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent import futures
 
@@ -31,6 +32,9 @@ def _traffic(t: pb.HostTraffic) -> dict:
     return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
 
 
+_PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
+
+
 class GrpcAgentCalls:
     """`AgentCalls` over gRPC: one cached channel per agent address, every call presenting the cluster token
     and a ticket signed with the host's registration secret (``secret_of``)."""
@@ -41,6 +45,8 @@ class GrpcAgentCalls:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
+        # job -> (its Preparation, the request without tickets, the fields its ticket signs, push tickets by peer)
+        self._prepared: OrderedDict[str, tuple] = OrderedDict()
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
@@ -54,14 +60,29 @@ class GrpcAgentCalls:
         return sign(self._secret_of(host), kind, *fields)
 
     def _prepare_request(self, host: str, p: Preparation) -> pb.PrepareRequest:
-        return pb.PrepareRequest(
-            job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
-            dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
-            job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
-            ticket=self._sign(host, "prepare", *prepare_fields(p.job, p.program_json, p.tensor, p.src_version,
-                                                               p.dst_version, p.transport, p.generation, p.job_seq,
-                                                               p.peers, p.reads)),
-            push_tickets={peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers if peer != host})
+        with self._lock:
+            made = self._prepared.get(p.job)
+        if made is None or made[0] is not p:
+            # Every host of a job gets the same request but for its tickets: built once per job (a state dict's
+            # program and reads are large), signed per host.
+            base = pb.PrepareRequest(
+                job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
+                dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
+                job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()})
+            fields = prepare_fields(p.job, p.program_json, p.tensor, p.src_version, p.dst_version, p.transport,
+                                    p.generation, p.job_seq, p.peers, p.reads)
+            pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
+            made = (p, base, fields, pushes)
+            with self._lock:
+                self._prepared[p.job] = made
+                while len(self._prepared) > _PREPARED_KEPT:
+                    self._prepared.popitem(last=False)
+        _, base, fields, pushes = made
+        request = pb.PrepareRequest()
+        request.CopyFrom(base)
+        request.ticket = self._sign(host, "prepare", *fields)
+        request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
+        return request
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
         try:

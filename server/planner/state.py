@@ -39,6 +39,13 @@ class StateStore:
     def save_tensor(self, doc: dict) -> None:
         self._write("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)", (doc["name"], json.dumps(doc)))
 
+    def save_tensors(self, docs: list[dict]) -> None:
+        """`save_tensor` of each, in one transaction (a job that commits a whole state dict)."""
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)",
+                                 [(d["name"], json.dumps(d)) for d in docs])
+            self._db.commit()
+
     def delete_tensor(self, name: str) -> None:
         self._write("DELETE FROM tensors WHERE name = ?", (name,))
 

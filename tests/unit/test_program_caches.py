@@ -62,3 +62,42 @@ def test_an_agent_works_out_a_programs_layout_once_and_each_run_counts_down_its_
             runtime.abort(job)
     finally:
         runtime.close()
+
+
+def test_the_moves_the_planner_works_out_of_a_program_match_its_steps():
+    from reshard.box import volume
+    from reshard.cost import network_copies, sender_bytes
+    from reshard.mesh import host_of
+    from reshard.program import MOVE
+    from reshard.server.planner.jobs import _Moves
+
+    program = _program(8)
+    moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
+    made = _Moves.of(moves, {"b0"})
+    assert made.moves == moves and len(made.network) == len(moves)
+    assert made.hosts == {"a0", "a1", "b0", "b1"}
+    for host in made.hosts:
+        assert made.to_send.get(host, 0) == sender_bytes([t for t, _ in moves], 4, host)
+    assert made.network_bytes == sum(volume(t.box) * n * network_copies(t) for t, n in moves) > 0
+    assert made.network == [bool(network_copies(t)) for t, _ in moves]
+    assert made.local_bytes == sum(volume(t.box) * n * sum(host_of(r) == host_of(t.sender) for r in t.receivers)
+                                   for t, n in moves)
+
+
+def test_the_state_store_saves_many_tensors_in_one_transaction_and_reads_them_back():
+    from reshard.server.planner.state import StateStore
+
+    store = StateStore(None)
+    docs = [{"name": f"t{i}", "version": i, "sharding": Sharding(A, ("x", None)).to_json()} for i in range(3)]
+    store.save_tensors(docs)
+    store.save_tensors([{**docs[1], "version": 7}])  # replaces, as save_tensor does
+    assert store.tensors() == [docs[0], {**docs[1], "version": 7}, docs[2]]
+
+
+def test_a_shardings_json_is_worked_out_once_and_each_caller_gets_its_own_dict():
+    sharding = Sharding(A, ("x", None))
+    first = sharding.to_json()
+    first["partial"] = ["x"]  # a caller's own change stays its own
+    assert sharding.to_json() == {"mesh": A.to_json(), "spec": [["x"], []]}
+    assert Sharding.from_json(sharding.to_json()) == sharding
+    assert Sharding(A, ("x", None)) == sharding and hash(Sharding(A, ("x", None))) == hash(sharding)
