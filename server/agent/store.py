@@ -129,6 +129,10 @@ class ShardStore:
         self.recycler = Recycler(recycle_bytes if device == "cpu" else 0)
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
+        # (tensor, version) -> its devices here, and the committed bytes: kept as shards come and go, so a release
+        # or a reservation costs the same however many tensors the agent holds (a state dict is hundreds)
+        self._devices: dict[tuple[str, int], set[str]] = {}
+        self._committed_bytes = 0
         self._staged: dict[str, dict[str, TileBuffer]] = {}
         self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
         # Owners (uploads, jobs) that committed or aborted, newest last: nothing is staged for them again, so a
@@ -160,7 +164,7 @@ class ShardStore:
         return pending
 
     def _used(self, pending: Mapping[tuple[str, str], int]) -> int:
-        return sum(s.nbytes for s in self._committed.values()) + sum(pending.values())
+        return self._committed_bytes + sum(pending.values())
 
     def used_bytes(self) -> int:
         """Committed, staged and reserved bytes: what counts against the limit."""
@@ -262,7 +266,10 @@ class ShardStore:
                     f"cannot commit {tensor!r} v{version}: transaction {owner} holds no shard for devices {missing}"
                 )
             for d in devices:
+                old = self._committed.get((tensor, version, d))
+                self._committed_bytes += staged[d].nbytes - (old.nbytes if old is not None else 0)
                 self._committed[(tensor, version, d)] = staged[d]
+                self._devices.setdefault((tensor, version), set()).add(d)
             self._staged.pop(owner, None)  # a commit of no devices may name a transaction that staged nothing
             self._drop_reserved(owner)
             self._end_locked(owner)
@@ -294,8 +301,9 @@ class ShardStore:
     def release(self, tensor: str, version: int) -> int:
         """Drop every shard of ``tensor`` at ``version``; returns how many."""
         with self._lock:
-            keys = [k for k in self._committed if k[0] == tensor and k[1] == version]
+            keys = [(tensor, version, d) for d in self._devices.pop((tensor, version), ())]
             dropped = [self._committed.pop(k) for k in keys]
+            self._committed_bytes -= sum(shard.nbytes for shard in dropped)
         for shard in dropped:
             self.recycler.put(shard.array)
         return len(keys)
@@ -303,8 +311,8 @@ class ShardStore:
     def held(self) -> list[tuple[str, int]]:
         """Every (tensor, version) this store holds committed shards of."""
         with self._lock:
-            return sorted({(t, v) for t, v, _ in self._committed})
+            return sorted(self._devices)
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(s.nbytes for s in self._committed.values())
+            return self._committed_bytes

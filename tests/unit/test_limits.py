@@ -45,6 +45,25 @@ def test_the_store_refuses_before_allocating_and_names_the_sizes():
     assert store.used_bytes() == 0
 
 
+def test_the_store_counts_what_it_holds_as_versions_come_and_go():
+    store = ShardStore(host="h0")
+    for name, version, devices in (("a", 1, ["h0/0", "h0/1"]), ("a", 2, ["h0/0"]), ("b", 1, ["h0/1"])):
+        owner = f"{name}{version}"
+        for d in devices:
+            store.stage(owner, d, _tile(store, MiB))
+        store.commit(owner, name, version, devices)
+    assert store.held() == [("a", 1), ("a", 2), ("b", 1)] and store.nbytes() == store.used_bytes() == 4 * MiB
+    store.stage("again", "h0/0", _tile(store, 2 * MiB))  # committed again under the same key: the new buffer counts
+    store.commit("again", "a", 2, ["h0/0"])
+    assert store.nbytes() == 5 * MiB and store.get("a", 2, "h0/0").nbytes == 2 * MiB
+    assert store.release("a", 1) == 2 and store.release("a", 1) == 0  # every device's shard, once
+    assert store.held() == [("a", 2), ("b", 1)] and store.nbytes() == 3 * MiB
+    assert store.find("a", 1, "h0/0") is None and store.find("b", 1, "h0/1") is not None
+    store.release("a", 2)
+    store.release("b", 1)
+    assert store.held() == [] and store.nbytes() == store.used_bytes() == 0
+
+
 def test_one_stream_per_device_and_nothing_staged_for_an_ended_transaction():
     """Concurrent streams of one upload's device each reserved its own bytes under one key, so together they went
     over the limit; a ticket replayed after its upload ended, or a stream its abort overtook, staged an orphan."""
