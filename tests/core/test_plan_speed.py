@@ -131,6 +131,26 @@ def test_plan_many_leaves_the_collector_as_it_found_it(enabled):
         (gc.enable if was else gc.disable)()
 
 
+def test_what_plan_many_made_skips_the_youngest_generation_and_an_applications_freeze_stays():
+    was = gc.isenabled()
+    try:
+        gc.enable()
+        gc.collect()
+        program = plan_many(_state_dict(3))
+        # Hundreds of steps and transfers were made, and went to the oldest generation without a pass over them.
+        step = program.steps[-1]
+        assert len(program.steps) > 300 and gc.get_freeze_count() == 0
+        assert any(o is step for o in gc.get_objects(generation=2))
+        frozen = [[i] for i in range(50)]
+        gc.freeze()
+        held = gc.get_freeze_count()
+        plan_many(_state_dict(1))
+        assert gc.get_freeze_count() == held and frozen  # the application's frozen objects stay frozen
+    finally:
+        gc.unfreeze()
+        (gc.enable if was else gc.disable)()
+
+
 class _Forgetful(dict):
     """A memo that keeps nothing: every star is built anew."""
 
