@@ -709,7 +709,8 @@ class Transport(ABC):
             acc[i] = view if i in in_place else np.empty(shape, dtype=dtype)
             if n == 1:
                 acc[i][...] = addends[i]
-        scratch = np.empty(max(boxes.volume(p) for p in parts), dtype=dtype) if n > 1 else None
+        held = _scratch_pool(self).take(max(boxes.volume(p) for p in parts) * dtype.itemsize) if n > 1 else None
+        scratch = held.view(dtype) if held is not None else None
         rounds = (n - 1) * (2 if result == "replicate" else 1)
         if n > 1 and len(mine) == 1 and len({host_of(d) for d in group}) == n:
             self._pipelined_ring(s, step, group, box, parts, mine[0], rounds, acc, addends, fold, scratch)
@@ -750,6 +751,9 @@ class Transport(ABC):
                     fold(addends[j][where], data, out=acc[j][where])
             for f in sends:
                 f.result()
+        if held is not None:
+            # Back for the next reduce only now: after a failure a receive posted into it may still land.
+            _scratch_pool(self).give(held)
         for i in mine:
             if i in outs:
                 if i not in in_place:
@@ -773,7 +777,7 @@ class Transport(ABC):
         to, frm = host_of(group[(i + 1) % n]), host_of(group[(i - 1) % n])
         dtype = s.dtype(step)[1]
         # round -> (what it sends: its part, the array holding it, the boxes ready to go); None ends a round
-        sending: list[tuple[int, Box, np.ndarray, queue.Queue]] = []
+        sending: list[tuple[int, Box, np.ndarray, queue.Queue, bool]] = []
         first = parts[(i - 1) % n]
         if boxes.volume(first):
             ready: queue.Queue = queue.Queue()
@@ -781,7 +785,7 @@ class Transport(ABC):
                 if boxes.volume(sub):
                     ready.put(sub)
             ready.put(None)
-            sending.append((0, first, addends[i], ready))
+            sending.append((0, first, addends[i], ready, False))
         plan = []
         for rnd in range(rounds):
             gather = rnd >= n - 1
@@ -790,20 +794,24 @@ class Transport(ABC):
             if not boxes.volume(part):
                 continue  # nor is it sent on: member i's next round sends this same part
             handoff: queue.Queue | None = None
+            # A gathered part that goes on as it came is a chain of hops: only its last hop digests it, and the
+            # others forward the origin's digest (as `relay` does). A hop's copy commits only if the whole job
+            # does, and the last hop's check fails the job on any byte that changed on the way.
+            forward = gather and rnd + 1 < rounds
             if rnd + 1 < rounds:
                 handoff = queue.Queue()
-                sending.append((rnd + 1, part, acc[i], handoff))
-            plan.append((rnd, gather, part, handoff))
+                sending.append((rnd + 1, part, acc[i], handoff, forward))
+            plan.append((rnd, gather, part, handoff, forward))
         sender = in_thread("reduce-send", self._send_rounds, s, step, n, i, to, box, sending)
         try:
-            for rnd, gather, part, handoff in plan:
+            for rnd, gather, part, handoff, forward in plan:
                 s.check()
                 landing = (acc[i][boxes.to_slices(part, box)] if gather
                            else scratch[:boxes.volume(part)].reshape(tile_shape(part)))
                 self._ring_hop(s, StreamKey(s.job, step, rnd * n + (i - 1) % n), frm, part, box, landing, acc[i],
-                               None if gather else addends[i], fold, handoff, dtype)
+                               None if gather else addends[i], fold, handoff, dtype, forward)
         except BaseException as e:
-            for _, _, _, ready in sending:
+            for _, _, _, ready, _ in sending:
                 ready.put(e)  # the sender stops at once
             raise
         sender.result()
@@ -813,10 +821,10 @@ class Transport(ABC):
         over (see `_pipelined_ring`); waits for the peer's confirmations only after the last."""
         opened: list[Outgoing] = []
         try:
-            for rnd, part, source, ready in sending:
+            for rnd, part, source, ready, forward in sending:
                 out = self.open(s, StreamKey(s.job, step, rnd * n + i), to)
                 opened.append(out)
-                check = Checksum()
+                check = Checksum(digest=not forward)  # a forwarded part goes on with the digest it came with
                 while True:
                     try:
                         sub = ready.get(timeout=0.1)
@@ -825,14 +833,14 @@ class Transport(ABC):
                         continue
                     if isinstance(sub, BaseException):
                         raise sub
-                    if sub is None:
+                    if sub is None or isinstance(sub, _Passed):
                         break
                     data = host_bytes(source[boxes.to_slices(sub, box)])
                     self.throttle.wait(data.nbytes)
                     check.update(data)
                     out.put(sub, data)
                     s.traffic.add_out(to, data.nbytes, origin=False)
-                out.end(check.nbytes, check.xxh3_64)
+                out.end(check.nbytes, sub.digest if forward else check.xxh3_64)
             for out in opened:
                 out.wait(self.timeout_s)
         except BaseException:
@@ -841,11 +849,14 @@ class Transport(ABC):
             raise
 
     def _ring_hop(self, s: Session, key: StreamKey, peer: str, part: Box, box: Box, landing: np.ndarray,
-                  acc: np.ndarray, addends: np.ndarray | None, fold, handoff: queue.Queue | None, dtype) -> None:
+                  acc: np.ndarray, addends: np.ndarray | None, fold, handoff: queue.Queue | None, dtype,
+                  forward: bool = False) -> None:
         """Take ring message ``key`` (``part`` of ``box``) from ``peer`` into ``landing``: fold each piece with
         ``addends`` into ``acc`` (reduce-scatter) or keep it as it came (all-gather, ``landing`` is in ``acc``),
-        then hand its box to the next round's sender (``handoff``); check the message against its trailer."""
-        incoming = Checksum()
+        then hand its box to the next round's sender (``handoff``); check the message against its trailer. A
+        part this member ``forward``s as it came is checked for its size only, and its trailer's digest goes on
+        with it (`_Passed`): the chain's last hop digests it."""
+        incoming = Checksum(digest=not forward)
 
         def place(sub: Box):
             view = landing[boxes.to_slices(sub, part)]
@@ -855,13 +866,14 @@ class Transport(ABC):
             for item in items:
                 if isinstance(item, Trailer):
                     expected = boxes.volume(part) * dtype.itemsize
-                    if not incoming.nbytes == item.nbytes == expected or incoming.xxh3_64 != item.digest:
+                    got = incoming.xxh3_64 if incoming.digests else item.digest
+                    if not incoming.nbytes == item.nbytes == expected or got != item.digest:
                         raise DataLossError(
                             f"job {s.job}: reduce step {key.step} message {key.hop} from {peer} arrived with "
-                            f"{incoming.nbytes} bytes and XXH3-64 {incoming.xxh3_64:016x}; the sender sent "
+                            f"{incoming.nbytes} bytes and XXH3-64 {got:016x}; the sender sent "
                             f"{item.nbytes} bytes with {item.digest:016x} and the part holds {expected}")
                     if handoff is not None:
-                        handoff.put(None)
+                        handoff.put(_Passed(item.digest) if forward else None)
                     return
                 s.check()
                 sub, data = item.box, item.data
@@ -912,6 +924,64 @@ class Transport(ABC):
         else:
             items = self.arrivals(s, key, peer, part, lambda sub: into.place([""], sub))
             self.relay(s, key, peer, part, items, into, [""], None, verify)
+
+
+SCRATCH_KEPT_BYTES = 256 * 2**20  # a transport's scratch arrays kept for its next reduces, at most
+
+
+class _ScratchPool:
+    """Host arrays (uint8) a ring's incoming partial parts land in, kept for the next reduce: a fresh array pays a
+    page fault per 4 KiB on its first write, several times the cost of the write (the store's `Recycler`), and a
+    training step or an einsum that repeats reduces the same sizes every time. Each array is handed to one
+    reduce at a time; at most ``cap_bytes`` wait here."""
+
+    def __init__(self, cap_bytes: int = SCRATCH_KEPT_BYTES):
+        self.cap_bytes = cap_bytes
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of host memory: the smallest kept array that holds them (a view of its start), or a new one."""
+        with self._lock:
+            fits = [a for a in self._free if a.nbytes >= nbytes]
+            if fits:
+                best = min(fits, key=lambda a: a.nbytes)
+                self._free.remove(best)
+                return best[:nbytes]
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def give(self, array: np.ndarray) -> None:
+        """``array`` (from `take`) is free again; the largest arrays are kept, up to ``cap_bytes`` together."""
+        whole = array.base if array.base is not None else array
+        with self._lock:
+            self._free.append(whole)
+            self._free.sort(key=lambda a: -a.nbytes)
+            total = 0
+            for k, a in enumerate(self._free):
+                total += a.nbytes
+                if total > self.cap_bytes:
+                    del self._free[k:]
+                    break
+
+
+def _scratch_pool(transport: "Transport") -> _ScratchPool:
+    """``transport``'s pool of scratch arrays, made on its first reduce (a wrapped transport shares its inner's)."""
+    owner = getattr(transport, "inner", transport)
+    pool = owner.__dict__.get("_scratch")
+    if pool is None:
+        with _POOLS_LOCK:
+            pool = owner.__dict__.setdefault("_scratch", _ScratchPool())
+    return pool
+
+
+_POOLS_LOCK = threading.Lock()
+
+
+@dataclass(frozen=True)
+class _Passed:
+    """The end of a ring message that a member forwards as it came: the digest its origin sent, to send on."""
+
+    digest: int
 
 
 def _bfloat16_fold(op):

@@ -2,12 +2,16 @@
 share one; parts many pieces long (more than a stream keeps in flight), exact sums, the ring's bytes; and
 bfloat16 (held as uint16 bits) added as numbers, not bits."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding, reshard_program
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
+from reshard.errors import ReshardError
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
+from reshard.server.transport.base import Piece
 from tests.unit.test_runtime import HOSTS, Hosts, hosts, gloo  # noqa: F401 - fixtures
 
 
@@ -52,5 +56,82 @@ def test_a_bfloat16_partial_sum_is_the_rounded_sum_of_its_addends():
         # each fold rounds to bfloat16 (8 bits of mantissa): within a few units in the last place of the sum
         assert np.allclose(got, exact, rtol=2 ** -6, atol=2 ** -6)
         assert not np.allclose(got, 0) and np.abs(got).max() < 20  # bits added as integers give 1e38s
+    finally:
+        hosts.close()
+
+
+def _flip_first_byte(items):
+    """The message's pieces with one bit of its first byte flipped, received as if off the wire."""
+    flipped = False
+    for item in items:
+        if not flipped and isinstance(item, Piece):
+            data = bytearray(memoryview(item.data).cast("B"))
+            data[0] ^= 1
+            item, flipped = item._replace(data=bytes(data), wire=None, landed=None), True
+        yield item
+
+
+def test_a_gathered_part_that_changed_at_a_forwarding_member_fails_the_job_at_the_chain_end():
+    """Members that pass a gathered part on as it came leave its digest to the last one (the origin's digest
+    travels with it): a bit that flips at a forwarding member, in what it keeps and what it sends on, fails the
+    job, and no member commits."""
+    group = ("host0/0", "host1/0", "host2/0")  # a host each: the pipelined ring, 4 rounds, round 2 forwarded
+
+    def corrupting(host, transport):
+        if host == "host1":
+            incoming = transport._incoming
+
+            @contextmanager
+            def flipping(s, key, peer, part, place):
+                with incoming(s, key, peer, part, place) as items:
+                    yield _flip_first_byte(items) if key.hop // len(group) == 2 else items
+
+            transport._incoming = flipping
+        return transport
+
+    hosts = Hosts(hosts=("host0", "host1", "host2"), wrap=corrupting)  # noqa: F811 - its own
+    try:
+        shape, full = (96, 257), ((0, 96), (0, 257))
+        mesh = Mesh({"x": 3}, list(group))
+        rng = np.random.default_rng(5)
+        hosts.put("c", {d: (rng.integers(-1000, 1000, shape, dtype=np.int64), full) for d in group})
+        text = reshard_program(shape, "int64", Sharding(mesh, (None, None), partial=("x",)),
+                               Sharding(mesh, (None, None))).validate().dumps()
+        job, runs = hosts.start(text, "c")
+        with pytest.raises(ReshardError):
+            hosts.finish(job, runs)
+        failures = [str(r.failed) for r in runs.values() if r.failed is not None]
+        assert any("XXH3-64" in f and "reduce step" in f for f in failures), failures
+        assert all(store.find("c", 2, d) is None for store in hosts.stores.values() for d in group)
+    finally:
+        hosts.close()
+
+
+def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_its_cap():
+    from reshard.server.transport.base import _ScratchPool, _scratch_pool
+
+    pool = _ScratchPool(cap_bytes=1000)
+    a = pool.take(600)
+    assert a.nbytes == 600 and a.dtype == np.uint8
+    pool.give(a)
+    b = pool.take(400)  # the kept array, or the start of it
+    assert b.base is a and b.nbytes == 400
+    pool.give(b)
+    pool.give(pool.take(900))  # 900 + 600 > 1000: only the largest stays
+    assert [x.nbytes for x in pool._free] == [900]
+
+    hosts = Hosts(hosts=("host0", "host1", "host2"))  # noqa: F811 - its own
+    try:
+        group = ("host0/0", "host1/0", "host2/0")
+        mesh, shape, full = Mesh({"x": 3}, list(group)), (30, 40), ((0, 30), (0, 40))
+        text = reshard_program(shape, "int64", Sharding(mesh, (None, None), partial=("x",)),
+                               Sharding(mesh, (None, None))).validate().dumps()
+        for k in (1, 2):  # two reduces of the same size, one after the other
+            hosts.put(f"s{k}", {d: (np.full(shape, k, np.int64), full) for d in group})
+            job, runs = hosts.start(text, f"s{k}")
+            hosts.finish(job, runs)
+            assert np.array_equal(hosts.get(f"s{k}", Sharding(mesh, (None, None)), shape), np.full(shape, 3 * k))
+            kept = _scratch_pool(hosts.transports["host1"])._free
+            assert len(kept) == 1 and kept[0].nbytes >= 10 * 40 * 8  # one part, back for the next reduce
     finally:
         hosts.close()
