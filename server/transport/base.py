@@ -943,10 +943,9 @@ class _ScratchPool:
     def take(self, nbytes: int) -> np.ndarray:
         """``nbytes`` of host memory: the smallest kept array that holds them (a view of its start), or a new one."""
         with self._lock:
-            fits = [a for a in self._free if a.nbytes >= nbytes]
-            if fits:
-                best = min(fits, key=lambda a: a.nbytes)
-                self._free.remove(best)
+            fits = [k for k, a in enumerate(self._free) if a.nbytes >= nbytes]
+            if fits:  # by position: list.remove would compare arrays element by element
+                best = self._free.pop(min(fits, key=lambda k: self._free[k].nbytes))
                 return best[:nbytes]
         return np.empty(nbytes, dtype=np.uint8)
 

@@ -117,7 +117,15 @@ def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_i
     b = pool.take(400)  # the kept array, or the start of it
     assert b.base is a and b.nbytes == 400
     pool.give(b)
-    pool.give(pool.take(900))  # 900 + 600 > 1000: only the largest stays
+    c, d = pool.take(300), pool.take(300)  # two at once: the kept one (600), then a new one
+    assert c.base is a and d.base is None and not pool._free
+    pool.give(d)
+    pool.give(c)
+    assert sorted(x.nbytes for x in pool._free) == [300, 600]
+    e = pool.take(200)  # the smallest that fits, found among several of other sizes
+    assert e.base is d and [x.nbytes for x in pool._free] == [600]
+    pool.give(e)
+    pool.give(pool.take(900))  # 900 + 600 + 300 > 1000: only the largest stays
     assert [x.nbytes for x in pool._free] == [900]
 
     hosts = Hosts(hosts=("host0", "host1", "host2"))  # noqa: F811 - its own
