@@ -587,8 +587,10 @@ class Planner:
                     f"tensor {d.name!r} goes from {d.src} to {d.dst}, a pending sum on one side; reshard_many moves "
                     f"values, so reshard that tensor on its own (reshard completes or keeps a sum)")
         sizes: dict[tuple, PlanSize] = {}  # a state dict's tensors share a few (shape, layouts): each is sized once
-        size = [sizes.get(k) or sizes.setdefault(k, estimate_plan_size(*k)) for k in ((d.shape, d.src, d.dst)
-                                                                                      for d in decls)]
+        for d in decls:
+            if (d.shape, d.src, d.dst) not in sizes:
+                sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, d.src, d.dst)
+        size = [sizes[d.shape, d.src, d.dst] for d in decls]
         total = PlanSize(*(sum(getattr(p, f) for p in size) for f in ("unit_tasks", "deliveries", "route_steps")))
         over = total.excess(self.config.max_plan_tasks, strategy)
         if over:

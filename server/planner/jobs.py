@@ -173,7 +173,7 @@ class Job:
                 "plan_id": ran.id if ran is not None else "", "created": self.created, "started": self.started,
                 "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
-                "kind": self.kind, "inputs": self.inputs, "dsts": _shardings_json(self.dsts),
+                "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
                 "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions,
                 "outputs": self.outputs}
 
@@ -191,13 +191,6 @@ class Job:
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
         return job
-
-
-def _shardings_json(shardings: dict[str, Sharding]) -> dict[str, dict]:
-    """``{name: sharding.to_json()}``, each distinct sharding object written once (a state dict's destinations are
-    a few parsed layouts, shared)."""
-    done: dict[int, dict] = {}
-    return {n: done.get(id(d)) or done.setdefault(id(d), d.to_json()) for n, d in shardings.items()}
 
 
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used

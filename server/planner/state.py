@@ -37,10 +37,10 @@ class StateStore:
             return self._db.execute(sql).fetchall()
 
     def save_tensor(self, doc: dict) -> None:
-        self._write("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)", (doc["name"], json.dumps(doc)))
+        self.save_tensors([doc])
 
     def save_tensors(self, docs: list[dict]) -> None:
-        """`save_tensor` of each, in one transaction (a job that commits a whole state dict)."""
+        """Every tensor document of ``docs``, in one transaction (a job that commits a whole state dict)."""
         with self._lock:
             self._db.executemany("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)",
                                  [(d["name"], json.dumps(d)) for d in docs])

@@ -518,6 +518,7 @@ class Transport(ABC):
         self.stall_timeout_s = stall_timeout_s  # the longest a stream may wait for its peer to take a piece
         self.throttle = throttle or Throttle()
         self.mailbox = Mailbox()
+        self.scratch = _ScratchPool()  # the arrays a ring's incoming partial parts land in, kept between reduces
 
     # -- primitives ---------------------------------------------------------------------------------
 
@@ -709,7 +710,7 @@ class Transport(ABC):
             acc[i] = view if i in in_place else np.empty(shape, dtype=dtype)
             if n == 1:
                 acc[i][...] = addends[i]
-        held = _scratch_pool(self).take(max(boxes.volume(p) for p in parts) * dtype.itemsize) if n > 1 else None
+        held = self.scratch.take(max(boxes.volume(p) for p in parts) * dtype.itemsize) if n > 1 else None
         scratch = held.view(dtype) if held is not None else None
         rounds = (n - 1) * (2 if result == "replicate" else 1)
         if n > 1 and len(mine) == 1 and len({host_of(d) for d in group}) == n:
@@ -753,7 +754,7 @@ class Transport(ABC):
                 f.result()
         if held is not None:
             # Back for the next reduce only now: after a failure a receive posted into it may still land.
-            _scratch_pool(self).give(held)
+            self.scratch.give(held)
         for i in mine:
             if i in outs:
                 if i not in in_place:
@@ -961,19 +962,6 @@ class _ScratchPool:
                 if total > self.cap_bytes:
                     del self._free[k:]
                     break
-
-
-def _scratch_pool(transport: "Transport") -> _ScratchPool:
-    """``transport``'s pool of scratch arrays, made on its first reduce (a wrapped transport shares its inner's)."""
-    owner = getattr(transport, "inner", transport)
-    pool = owner.__dict__.get("_scratch")
-    if pool is None:
-        with _POOLS_LOCK:
-            pool = owner.__dict__.setdefault("_scratch", _ScratchPool())
-    return pool
-
-
-_POOLS_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)

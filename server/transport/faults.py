@@ -37,7 +37,7 @@ class Wrapped(Transport):
         self.inner = inner
         self.name, self.passive, self.lanes = inner.name, inner.passive, inner.lanes
         self.host, self.chunk_bytes, self.timeout_s = inner.host, inner.chunk_bytes, inner.timeout_s
-        self.throttle, self.mailbox = inner.throttle, inner.mailbox
+        self.throttle, self.mailbox, self.scratch = inner.throttle, inner.mailbox, inner.scratch
 
     def __getattr__(self, name: str):
         return getattr(self.inner, name)  # what only the inner transport has (the collective's group member)

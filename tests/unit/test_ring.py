@@ -108,7 +108,7 @@ def test_a_gathered_part_that_changed_at_a_forwarding_member_fails_the_job_at_th
 
 
 def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_its_cap():
-    from reshard.server.transport.base import _ScratchPool, _scratch_pool
+    from reshard.server.transport.base import _ScratchPool
 
     pool = _ScratchPool(cap_bytes=1000)
     a = pool.take(600)
@@ -139,7 +139,7 @@ def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_i
             job, runs = hosts.start(text, f"s{k}")
             hosts.finish(job, runs)
             assert np.array_equal(hosts.get(f"s{k}", Sharding(mesh, (None, None)), shape), np.full(shape, 3 * k))
-            kept = _scratch_pool(hosts.transports["host1"])._free
+            kept = hosts.transports["host1"].scratch._free
             assert len(kept) == 1 and kept[0].nbytes >= 10 * 40 * 8  # one part, back for the next reduce
     finally:
         hosts.close()
