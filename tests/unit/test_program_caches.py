@@ -44,6 +44,29 @@ def test_an_agent_reads_a_program_text_once_and_only_the_very_same_text_hits():
         runtime.close()
 
 
+def test_an_agent_keeps_program_text_up_to_its_byte_budget(monkeypatch):
+    from reshard.server.agent import runtime as rt
+
+    network = MemoryNetwork()
+    runtime = Runtime("b0", ShardStore(), {"grpc": MemoryTransport("b0", network)}, workers=2,
+                      step_timeout_s=10.0)
+    try:
+        texts = [_program(rows).dumps() for rows in (4, 6, 8)]
+        monkeypatch.setattr(rt, "PROGRAMS_KEPT_BYTES", len(texts[0]) + len(texts[1]) + 10)
+        first = runtime._load(texts[0])[0]
+        runtime._load(texts[1])
+        assert runtime._load(texts[0])[0] is first  # both fit
+        runtime._load(texts[2])  # over the budget: the least recently used (texts[1]) goes
+        assert runtime._load(texts[0])[0] is first
+        assert runtime._programs_bytes == sum(entry[3] for entry in runtime._programs.values()) <= \
+            rt.PROGRAMS_KEPT_BYTES
+        monkeypatch.setattr(rt, "PROGRAMS_KEPT_BYTES", 1)
+        newest = runtime._load(texts[1])[0]
+        assert runtime._load(texts[1])[0] is newest and len(runtime._programs) == 1  # the newest is always kept
+    finally:
+        runtime.close()
+
+
 def test_an_agent_works_out_a_programs_layout_once_and_each_run_counts_down_its_own_tasks():
     network = MemoryNetwork()
     runtime = Runtime("b0", ShardStore(), {"grpc": MemoryTransport("b0", network)}, workers=2,
@@ -101,3 +124,21 @@ def test_a_shardings_json_is_worked_out_once_and_each_caller_gets_its_own_dict()
     assert sharding.to_json() == {"mesh": A.to_json(), "spec": [["x"], []]}
     assert Sharding.from_json(sharding.to_json()) == sharding
     assert Sharding(A, ("x", None)) == sharding and hash(Sharding(A, ("x", None))) == hash(sharding)
+
+
+def test_a_program_is_validated_and_written_out_once_and_a_bad_one_fails_every_time():
+    import dataclasses
+
+    import pytest
+
+    from reshard.program import PlanValidationError
+
+    program = _program(4)
+    assert program.validate() is program and program.__dict__.get("_valid")
+    assert program.dumps() is program.dumps()  # the same string: written out once
+    assert program == dataclasses.replace(program) and hash(program) == hash(dataclasses.replace(program))
+    bad = dataclasses.replace(program, steps=program.steps[1:])  # a move left out: a tile goes short
+    assert "_valid" not in bad.__dict__
+    for _ in range(2):
+        with pytest.raises(PlanValidationError):
+            bad.validate()
