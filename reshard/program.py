@@ -635,8 +635,25 @@ class Program(ContentAddressed):
         boxes inside their tensors, shapes by the kernel's rule, inputs held.
         Reduce: a known op, result and algorithm, distinct devices, a non-empty
         box that every member holds. Raises `PlanValidationError` naming the
-        first problem and its step; returns the program.
+        first problem and its step; returns the program. A program is
+        immutable, so one that passed is not checked again (a planner runs a
+        pipeline's cached programs every microbatch).
         """
+        if self.__dict__.get("_valid"):
+            return self
+        self._validate()
+        object.__setattr__(self, "_valid", True)  # not a field: equality, hashing and repr ignore it
+        return self
+
+    def dumps(self) -> str:
+        """The program's JSON, written out once (a program is immutable)."""
+        text = self.__dict__.get("_text")
+        if text is None:
+            text = super().dumps()
+            object.__setattr__(self, "_text", text)
+        return text
+
+    def _validate(self) -> None:
         ancestors = self._ancestors
         hosts = HostCache()
         produced: dict[tuple[str, str], list[tuple[int, str, Box]]] = defaultdict(list)
@@ -687,7 +704,6 @@ class Program(ContentAddressed):
             if s.kind == MOVE and s.role != SRC and self.tensor(s.tensor).is_reshard:
                 self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box),
                                  holds)
-        return self
 
     def _declared(self, where, name: str) -> TensorDecl:
         try:

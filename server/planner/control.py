@@ -40,7 +40,7 @@ from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
-from reshard.server.planner.jobs import AgentCalls, Job, JobRunner, ProgramCache
+from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, ProgramCache
 from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
@@ -652,7 +652,7 @@ class Planner:
     def job(self, job_id: str, wait_s: float = 0.0) -> Job:
         job = self.jobs.get(job_id)
         if job is None:
-            raise NotFoundError(f"no job {job_id!r}")
+            raise NotFoundError(f"no job {job_id!r} (the planner keeps the last {JOBS_KEPT:,} finished jobs)")
         if wait_s > 0:
             job.done_event.wait(min(wait_s, self.config.max_wait_s))
         return job

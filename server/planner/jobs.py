@@ -195,6 +195,9 @@ class Job:
 
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
 PROGRAM_MOVES_KEPT = 512  # programs whose moves a planner keeps worked out (`_Moves`), newest last
+JOBS_KEPT = 5000  # finished jobs a planner keeps, in memory and in its state store; older ones are forgotten
+PLANS_KEPT = 256  # reshard plans a planner keeps (a pipeline's boundary moves repeat every microbatch)
+PLAN_KEPT_MAX_BYTES = 8 * 2**20  # larger plans are planned anew: planning them costs more than finding them
 
 
 class ProgramCache:
@@ -214,8 +217,8 @@ class ProgramCache:
                 self._programs.move_to_end(key)
             return hit
 
-    def put(self, key: tuple, program: Program) -> tuple[Program, str]:
-        entry = (program, program.dumps())
+    def put(self, key: tuple, program: Program | Plan, text: str | None = None) -> tuple[Program, str]:
+        entry = (program, program.dumps() if text is None else text)
         with self._lock:
             self._programs[key] = entry
             while len(self._programs) > self.size:
@@ -247,6 +250,7 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         # reshard_many's programs by what they were planned from: a weight sync repeats the same move every step
         self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
+        self._plans = ProgramCache(PLANS_KEPT)
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
@@ -336,6 +340,23 @@ class JobRunner:
         job.finished = time.time()
         self.store.save_job(job.to_json())
         job.done_event.set()
+        self._forget_old()
+
+    def _forget_old(self) -> None:
+        """Drop the oldest finished jobs once more than `JOBS_KEPT` (and a quarter) have finished, from memory and
+        from the state store: a pipeline runs a hundred jobs a step, and every job kept would slow each look at
+        the job list and grow the planner without end. Queued and running jobs are never dropped."""
+        with self._lock:
+            if len(self._jobs) <= JOBS_KEPT + JOBS_KEPT // 4:
+                return
+            done = [j for j in self._jobs.values() if j.state in ("succeeded", "failed")]
+            if len(done) <= JOBS_KEPT:
+                return
+            done.sort(key=lambda j: j.finished or j.created)
+            old = [j.id for j in done[:len(done) - JOBS_KEPT]]
+            for job_id in old:
+                del self._jobs[job_id]
+        self.store.delete_jobs(old)
 
     def release(self, *records: TensorRecord) -> None:
         """Free each record's version on every host of its mesh that is registered, hosts at once (each host's in
@@ -524,13 +545,22 @@ class JobRunner:
         return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits)
 
     def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
-        """Plan the job on the registered topology, validate the plan whole and persist it."""
-        plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(), job.strategy)
-        plan.validate()
-        job.plan = plan
-        plan_json = plan.dumps()
-        self.store.save_plan(plan.id, plan_json)
-        return plan, plan_json
+        """Plan the job on the registered topology, validate the plan whole and persist it; a move planned before
+        (same shape, dtype, layouts, topology and strategy: a pipeline's boundary move, every microbatch) reuses
+        that plan, validated and saved already."""
+        topology = self.registry.topology()
+        key = (rec.shape, rec.dtype, rec.sharding, job.dst, topology, job.strategy)
+        hit = self._plans.get(key)
+        if hit is None:
+            plan = make_plan(rec.shape, rec.dtype, rec.sharding, job.dst, topology, job.strategy)
+            plan.validate()
+            plan_json = plan.dumps()
+            self.store.save_plan(plan.id, plan_json)
+            if len(plan_json) <= PLAN_KEPT_MAX_BYTES:
+                self._plans.put(key, plan, plan_json)
+            hit = (plan, plan_json)
+        job.plan = hit[0]
+        return hit
 
     def _transport(self, job: Job, network: list[bool], hosts: list[str]) -> tuple[str, int, int]:
         """(transport, group generation, job number) for the job; records it and what carries each transfer

@@ -56,6 +56,12 @@ class StateStore:
         self._write("INSERT OR REPLACE INTO jobs (id, created, doc) VALUES (?, ?, ?)",
                     (doc["id"], doc["created"], json.dumps(doc)))
 
+    def delete_jobs(self, job_ids: list[str]) -> None:
+        """Forget the jobs of ``job_ids`` (the plans they ran stay: other jobs may share them)."""
+        with self._lock:
+            self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in job_ids])
+            self._db.commit()
+
     def jobs(self) -> list[dict]:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM jobs ORDER BY created")]
 

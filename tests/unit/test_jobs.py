@@ -205,3 +205,28 @@ def test_a_host_that_stops_answering_fails_the_job_naming_it_before_its_own_clea
     finally:
         calls.resume.set()
         hosts.close()
+
+
+def test_a_repeated_move_reuses_its_plan_and_the_runner_forgets_the_oldest_finished_jobs(monkeypatch):
+    from reshard.server.planner import jobs as jobs_module
+
+    monkeypatch.setattr(jobs_module, "JOBS_KEPT", 4)
+    hosts = Hosts()
+    try:
+        runner, calls, catalog, a = _runner(hosts)
+        back = catalog.get("t").sharding
+        done = []
+        for i in range(8):  # there and back four times: two distinct moves
+            job = runner.submit("t", DST if i % 2 == 0 else back, "auto")
+            assert job.done_event.wait(30) and job.state == "succeeded", job.error
+            done.append(job)
+        assert done[0].plan is done[2].plan is done[6].plan and done[1].plan is done[7].plan
+        assert done[0].plan is not done[1].plan
+        assert np.array_equal(hosts.get("t", back, SHAPE, version=9), a)  # the reused plans moved every element
+        # 8 finished > 4 + 4 // 4: the oldest went, from memory and from the state store, newest first kept
+        kept = [j.id for j in runner.list()]
+        assert kept == [j.id for j in reversed(done[4:])]
+        assert sorted(d["id"] for d in runner.store.jobs()) == sorted(kept)
+        assert runner.get(done[0].id) is None
+    finally:
+        hosts.close()
