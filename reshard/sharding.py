@@ -78,6 +78,11 @@ _MAX_SIZE = 2**63 - 1
 
 
 def normalise_shape(shape) -> tuple[int, ...]:
+    # Most callers pass a shape that is normal already (a planner checks a state dict's shapes thousands of times
+    # a job): a tuple of plain ints in range comes back as it is.
+    if type(shape) is tuple and len(shape) <= MAX_NDIM and all(type(s) is int and 0 < s <= _MAX_SIZE
+                                                                for s in shape):
+        return shape
     if isinstance(shape, (str, bytes, Mapping)):
         raise InvalidShapeError(f"shape {brief(shape)} is not a sequence of sizes like (1024, 512)")
     try:
