@@ -17,7 +17,7 @@ GPU. `ShardStore.adopt` brings arriving data there; everything else that touches
 buffer's bytes goes through `reshard.server.transport.buffers`.
 
 Host buffers a released version, an aborted transaction or a finished program leaves
-are kept for reuse (`Recycler`, at most ``recycle_bytes``): the first write to fresh
+are kept for reuse (`buffers.Recycler`, at most ``recycle_bytes``): the first write to fresh
 memory pays a page fault per 4 KiB, which costs several times the write itself (on the
 machine this was measured on, 60 ms against 8 ms for 64 MiB), and the jobs that repeat
 (weight sync, training steps) ask for the same sizes every time. A buffer is handed out
@@ -26,7 +26,6 @@ again only when nothing else holds it (a reader streaming an old version keeps i
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
@@ -41,12 +40,12 @@ from reshard.proto.errors import FailedPreconditionError, NotFoundError, Resourc
 from reshard.proto.layout import np_dtype
 from reshard.server.common.sizes import format_size
 from reshard.server.transport import buffers
+from reshard.server.transport.buffers import Recycler
 
 __all__ = ["TileBuffer", "ShardStore", "Recycler"]
 
 _ENDED_KEPT = 4096  # ended transactions remembered; each is an id string
 DEFAULT_RECYCLE_BYTES = 1 << 30
-_RECYCLE_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's own free lists already
 
 
 @dataclass(frozen=True)
@@ -64,59 +63,6 @@ class TileBuffer:
     @property
     def device(self) -> str:
         return buffers.device_of(self.array)
-
-
-class Recycler:
-    """Free host buffers by size, newest last, at most ``cap_bytes`` in all (see the module docstring)."""
-
-    def __init__(self, cap_bytes: int):
-        self.cap_bytes = cap_bytes
-        self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.reused = 0  # buffers handed out again, for tests and stats
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
-
-    def put(self, array) -> None:
-        """Keep ``array``'s memory for reuse, if it is a host buffer of its own (or a view of all of one)."""
-        base = array.base if isinstance(array, np.ndarray) and array.base is not None else array
-        if not (isinstance(base, np.ndarray) and base.flags.owndata and base.flags.c_contiguous
-                and base.nbytes == array.nbytes and _RECYCLE_MIN_BYTES <= base.nbytes <= self.cap_bytes):
-            return
-        with self._lock:
-            self._free.setdefault(base.nbytes, []).append(base)
-            self._free.move_to_end(base.nbytes)
-            self._bytes += base.nbytes
-            while self._bytes > self.cap_bytes:
-                size, arrays = next(iter(self._free.items()))
-                arrays.pop(0)
-                self._bytes -= size
-                if not arrays:
-                    del self._free[size]
-
-    def take(self, nbytes: int) -> np.ndarray | None:
-        """A free buffer of exactly ``nbytes`` (uint8, 1-D), or None."""
-        with self._lock:
-            arrays = self._free.get(nbytes)
-            while arrays:
-                array = arrays.pop()
-                self._bytes -= nbytes
-                if not arrays:
-                    del self._free[nbytes]
-                # held only here (this name and the call's argument): no reader or view still uses it
-                if sys.getrefcount(array) == 2:
-                    self.reused += 1
-                    return array.reshape(-1).view(np.uint8)
-                arrays = self._free.get(nbytes)
-        return None
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
 
 
 class ShardStore:

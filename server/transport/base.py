@@ -65,7 +65,7 @@ from reshard.proto.errors import (
     InvalidArgumentError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
-from reshard.server.transport.buffers import host_array, host_bytes, region, write
+from reshard.server.transport.buffers import Recycler, host_array, host_bytes, region, write
 
 __all__ = [
     "StreamKey", "PushHeader", "Piece", "Trailer", "Session", "Traffic", "Throttle", "Sink", "Outgoing",
@@ -503,6 +503,9 @@ def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum,
 # -- the interface -------------------------------------------------------------------------------------
 
 
+SCRATCH_KEPT_BYTES = 256 * 2**20  # a transport's scratch arrays kept for its next reduces, at most
+
+
 class Transport(ABC):
     """Moves boxes between agents (see the module docstring); one instance per agent and kind."""
 
@@ -518,7 +521,9 @@ class Transport(ABC):
         self.stall_timeout_s = stall_timeout_s  # the longest a stream may wait for its peer to take a piece
         self.throttle = throttle or Throttle()
         self.mailbox = Mailbox()
-        self.scratch = _ScratchPool()  # the arrays a ring's incoming partial parts land in, kept between reduces
+        # The arrays a ring's incoming partial parts land in, kept between reduces: a training step or an einsum
+        # repeats reduces of the same sizes, and a fresh array pays a page fault per 4 KiB on its first write.
+        self.scratch = Recycler(SCRATCH_KEPT_BYTES)
 
     # -- primitives ---------------------------------------------------------------------------------
 
@@ -710,7 +715,11 @@ class Transport(ABC):
             acc[i] = view if i in in_place else np.empty(shape, dtype=dtype)
             if n == 1:
                 acc[i][...] = addends[i]
-        held = self.scratch.take(max(boxes.volume(p) for p in parts) * dtype.itemsize) if n > 1 else None
+        need = max(boxes.volume(p) for p in parts) * dtype.itemsize
+        held = None
+        if n > 1:
+            held = self.scratch.take(need)
+            held = np.empty(need, dtype=np.uint8) if held is None else held
         scratch = held.view(dtype) if held is not None else None
         rounds = (n - 1) * (2 if result == "replicate" else 1)
         if n > 1 and len(mine) == 1 and len({host_of(d) for d in group}) == n:
@@ -753,8 +762,9 @@ class Transport(ABC):
             for f in sends:
                 f.result()
         if held is not None:
-            # Back for the next reduce only now: after a failure a receive posted into it may still land.
-            self.scratch.give(held)
+            # Back for the next reduce only now; a receive still posted into it after a failure holds it, and the
+            # recycler hands out only what nothing else holds.
+            self.scratch.put(held)
         for i in mine:
             if i in outs:
                 if i not in in_place:
@@ -925,43 +935,6 @@ class Transport(ABC):
         else:
             items = self.arrivals(s, key, peer, part, lambda sub: into.place([""], sub))
             self.relay(s, key, peer, part, items, into, [""], None, verify)
-
-
-SCRATCH_KEPT_BYTES = 256 * 2**20  # a transport's scratch arrays kept for its next reduces, at most
-
-
-class _ScratchPool:
-    """Host arrays (uint8) a ring's incoming partial parts land in, kept for the next reduce: a fresh array pays a
-    page fault per 4 KiB on its first write, several times the cost of the write (the store's `Recycler`), and a
-    training step or an einsum that repeats reduces the same sizes every time. Each array is handed to one
-    reduce at a time; at most ``cap_bytes`` wait here."""
-
-    def __init__(self, cap_bytes: int = SCRATCH_KEPT_BYTES):
-        self.cap_bytes = cap_bytes
-        self._free: list[np.ndarray] = []
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` of host memory: the smallest kept array that holds them (a view of its start), or a new one."""
-        with self._lock:
-            fits = [k for k, a in enumerate(self._free) if a.nbytes >= nbytes]
-            if fits:  # by position: list.remove would compare arrays element by element
-                best = self._free.pop(min(fits, key=lambda k: self._free[k].nbytes))
-                return best[:nbytes]
-        return np.empty(nbytes, dtype=np.uint8)
-
-    def give(self, array: np.ndarray) -> None:
-        """``array`` (from `take`) is free again; the largest arrays are kept, up to ``cap_bytes`` together."""
-        whole = array.base if array.base is not None else array
-        with self._lock:
-            self._free.append(whole)
-            self._free.sort(key=lambda a: -a.nbytes)
-            total = 0
-            for k, a in enumerate(self._free):
-                total += a.nbytes
-                if total > self.cap_bytes:
-                    del self._free[k:]
-                    break
 
 
 @dataclass(frozen=True)

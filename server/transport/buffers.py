@@ -24,6 +24,8 @@ copy between two CUDA buffers is a device-to-device copy:
                      CUDA devices this host has
 ``gpu_uuid``         the GPU uuid of a device ("" for cpu): what agents report at registration
 ``backend_refusal``  why a collective backend cannot run in this process ("" when it can)
+``Recycler``         host buffers kept by size for reuse (the shard store's released versions, a
+                     ring's scratch): the first write to fresh memory pays a page fault per 4 KiB
 ==================== ==========================================================================
 
 Dtypes are reshard's names (``reshard.dtypes``); bfloat16 and float8, which numpy
@@ -36,6 +38,9 @@ them alike.
 
 from __future__ import annotations
 
+import sys
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -55,7 +60,7 @@ from reshard.proto.devices import (
 from reshard.proto.layout import np_dtype
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
-           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal"]
+           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler"]
 
 
 def is_torch(array: Any) -> bool:
@@ -143,3 +148,59 @@ def backend_refusal(backend: str) -> str:
     if backend == "nccl" and not dist.is_nccl_available():
         return f"torch {torch.__version__} is built without NCCL"
     return ""
+
+
+_RECYCLE_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's own free lists already
+
+
+class Recycler:
+    """Free host buffers by size, newest last, at most ``cap_bytes`` in all (see the module docstring)."""
+
+    def __init__(self, cap_bytes: int):
+        self.cap_bytes = cap_bytes
+        self._free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.reused = 0  # buffers handed out again, for tests and stats
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def put(self, array) -> None:
+        """Keep ``array``'s memory for reuse, if it is a host buffer of its own (or a view of all of one)."""
+        base = array.base if isinstance(array, np.ndarray) and array.base is not None else array
+        if not (isinstance(base, np.ndarray) and base.flags.owndata and base.flags.c_contiguous
+                and base.nbytes == array.nbytes and _RECYCLE_MIN_BYTES <= base.nbytes <= self.cap_bytes):
+            return
+        with self._lock:
+            self._free.setdefault(base.nbytes, []).append(base)
+            self._free.move_to_end(base.nbytes)
+            self._bytes += base.nbytes
+            while self._bytes > self.cap_bytes:
+                size, arrays = next(iter(self._free.items()))
+                arrays.pop(0)
+                self._bytes -= size
+                if not arrays:
+                    del self._free[size]
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """A free buffer of exactly ``nbytes`` (uint8, 1-D), or None."""
+        with self._lock:
+            arrays = self._free.get(nbytes)
+            while arrays:
+                array = arrays.pop()
+                self._bytes -= nbytes
+                if not arrays:
+                    del self._free[nbytes]
+                # held only here (this name and the call's argument): no reader or view still uses it
+                if sys.getrefcount(array) == 2:
+                    self.reused += 1
+                    return array.reshape(-1).view(np.uint8)
+                arrays = self._free.get(nbytes)
+        return None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0

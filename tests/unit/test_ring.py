@@ -107,31 +107,13 @@ def test_a_gathered_part_that_changed_at_a_forwarding_member_fails_the_job_at_th
         hosts.close()
 
 
-def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_its_cap():
-    from reshard.server.transport.base import _ScratchPool
-
-    pool = _ScratchPool(cap_bytes=1000)
-    a = pool.take(600)
-    assert a.nbytes == 600 and a.dtype == np.uint8
-    pool.give(a)
-    b = pool.take(400)  # the kept array, or the start of it
-    assert b.base is a and b.nbytes == 400
-    pool.give(b)
-    c, d = pool.take(300), pool.take(300)  # two at once: the kept one (600), then a new one
-    assert c.base is a and d.base is None and not pool._free
-    pool.give(d)
-    pool.give(c)
-    assert sorted(x.nbytes for x in pool._free) == [300, 600]
-    e = pool.take(200)  # the smallest that fits, found among several of other sizes
-    assert e.base is d and [x.nbytes for x in pool._free] == [600]
-    pool.give(e)
-    pool.give(pool.take(900))  # 900 + 600 + 300 > 1000: only the largest stays
-    assert [x.nbytes for x in pool._free] == [900]
-
+def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce():
+    """The ring's scratch comes from the transport's `Recycler` (the shard store's kind, whose own tests are in
+    test_recycler.py): the second reduce of a size takes the array the first one gave back."""
     hosts = Hosts(hosts=("host0", "host1", "host2"))  # noqa: F811 - its own
     try:
         group = ("host0/0", "host1/0", "host2/0")
-        mesh, shape, full = Mesh({"x": 3}, list(group)), (30, 40), ((0, 30), (0, 40))
+        mesh, shape, full = Mesh({"x": 3}, list(group)), (3000, 40), ((0, 3000), (0, 40))  # parts of 320 kB
         text = reshard_program(shape, "int64", Sharding(mesh, (None, None), partial=("x",)),
                                Sharding(mesh, (None, None))).validate().dumps()
         for k in (1, 2):  # two reduces of the same size, one after the other
@@ -139,7 +121,8 @@ def test_a_transport_keeps_its_ring_scratch_for_the_next_reduce_and_only_up_to_i
             job, runs = hosts.start(text, f"s{k}")
             hosts.finish(job, runs)
             assert np.array_equal(hosts.get(f"s{k}", Sharding(mesh, (None, None)), shape), np.full(shape, 3 * k))
-            kept = hosts.transports["host1"].scratch._free
-            assert len(kept) == 1 and kept[0].nbytes >= 10 * 40 * 8  # one part, back for the next reduce
+            scratch = hosts.transports["host1"].scratch
+            assert scratch.nbytes == 1000 * 40 * 8  # one part, back for the next reduce
+            assert scratch.reused == k - 1  # the second reduce took the first one's
     finally:
         hosts.close()
