@@ -26,9 +26,12 @@ frameworks  ``from_device_mesh`` (a torch ``DeviceMesh`` and placements) and
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Union
+
+import numpy as np
 
 from reshard.errors import InvalidMeshError, InvalidShapeError, InvalidShardingError
 from reshard.jsonio import brief, field_of, need
@@ -91,13 +94,24 @@ def normalise_shape(shape) -> tuple[int, ...]:
         raise InvalidShapeError(f"shape {brief(shape)} is not a sequence of sizes like (1024, 512)") from None
     if len(dims) > MAX_NDIM:
         raise InvalidShapeError(f"shape has {len(dims)} dims; a tensor has at most {MAX_NDIM} (numpy's limit)")
+    out = []
     for i, s in enumerate(dims):
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 < s <= _MAX_SIZE:
+        try:  # any integer: numpy's too (a size worked out with np.prod), but not a bool or a float
+            n = None if isinstance(s, (bool, np.bool_)) else operator.index(s)
+        except TypeError:
+            n = None
+        if n is None or not 0 < n <= _MAX_SIZE:
             raise InvalidShapeError(
-                f"dim {i} of shape {dims} has size {s!r}; every dim size must be a positive integer "
-                f"(below 2**63)"
+                f"dim {i} of shape {tuple(map(_plain, dims))} has size {_plain(s)!r}; every dim size must be a "
+                f"positive integer (below 2**63)"
             )
-    return tuple(int(s) for s in dims)
+        out.append(n)
+    return tuple(out)
+
+
+def _plain(value):
+    """A numpy scalar as the Python number it holds, for messages: 3, not np.int64(3)."""
+    return value.item() if isinstance(value, np.generic) else value
 
 
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:

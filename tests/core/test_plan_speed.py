@@ -175,6 +175,7 @@ def test_stars_sent_again_are_the_stars_built_anew(monkeypatch):
 
 
 def test_a_normal_shape_comes_back_as_it_is_and_others_are_still_checked():
+    import numpy as np
     import pytest
 
     from reshard import InvalidShapeError
@@ -183,6 +184,10 @@ def test_a_normal_shape_comes_back_as_it_is_and_others_are_still_checked():
     shape = (4096, 512)
     assert normalise_shape(shape) is shape  # the fast path: no new tuple
     assert normalise_shape([3, 4]) == (3, 4)  # any sequence of ints, as before
-    for bad in [(True, 2), (0, 3), (2.0,), (-1,), (2**63,), tuple([1] * 65)]:
+    made = normalise_shape([np.int64(3), np.uint32(4)])  # numpy's integers too, as Python ints
+    assert made == (3, 4) and all(type(n) is int for n in made)
+    with pytest.raises(InvalidShapeError, match=r"dim 0 of shape \(0, 4\) has size 0;"):
+        normalise_shape((np.int64(0), 4))  # named as plain numbers
+    for bad in [(True, 2), (np.bool_(True),), (0, 3), (2.0,), (np.float32(2),), (-1,), (2**63,), tuple([1] * 65)]:
         with pytest.raises(InvalidShapeError):
             normalise_shape(bad)
