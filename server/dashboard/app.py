@@ -44,6 +44,7 @@ TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 
 TEMPLATES.env.filters["bytes"] = lambda n: format_size(n or 0)
+JOBS_PAGE = 500  # the jobs page lists the newest jobs, this many; /api/jobs returns every one the planner keeps
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
@@ -58,10 +59,14 @@ class DashboardSource(Protocol):
         """name, shape, dtype, sharding (str), spec, version, nbytes, bytes_per_host, lost (some tile has no copy
         left), lost_devices, lost_tiles ({tile, devices} per tile with no copy left)"""
 
-    def jobs(self) -> list[dict]:
-        """id, tensor, state, strategy, bytes_done, bytes_total, seconds, started, error, plan_id, transports, kind
-        ("reshard", "einsum" or an apply's kernel), inputs, program_id (the program the job runs, once planned, where
-        that is no plan of moves: a compute job, a Partial tensor's reshard; else None)"""
+    def jobs(self, limit: Optional[int] = None) -> list[dict]:
+        """Newest first, at most ``limit`` (None: every job the planner keeps): id, tensor, state, strategy,
+        bytes_done, bytes_total, seconds, started, error, plan_id, transports, kind ("reshard", "einsum" or an
+        apply's kernel), inputs, program_id (the program the job runs, once planned, where that is no plan of moves:
+        a compute job, a Partial tensor's reshard; else None)"""
+
+    def job_count(self) -> int:
+        """How many jobs the planner keeps (the last `JOBS_KEPT` finished ones and every one in flight)."""
 
     def job(self, job_id: str) -> Optional[dict]:
         ...
@@ -176,7 +181,7 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     @app.get("/", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def index(request: Request):
         return page(request, "cluster.html", agents=source.agents(), tensors=source.tensors(),
-                    jobs=[_job_view(j) for j in source.jobs()[:10]])
+                    jobs=[_job_view(j) for j in source.jobs(limit=10)])
 
     @app.get("/tensors", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def tensors_page(request: Request):
@@ -184,7 +189,8 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
 
     @app.get("/jobs", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def jobs_page(request: Request):
-        return page(request, "jobs.html", jobs=[_job_view(j) for j in source.jobs()])
+        return page(request, "jobs.html", jobs=[_job_view(j) for j in source.jobs(limit=JOBS_PAGE)],
+                    total=source.job_count())
 
     @app.get("/jobs/{job_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def job_page(request: Request, job_id: str):
@@ -267,7 +273,8 @@ class _Collector:
         for transport, n in sorted(self.source.bytes_moved().items()):
             moved.add_metric([transport], n)
         yield moved
-        states = GaugeMetricFamily("reshard_jobs", "Jobs by state", labels=["state"])
+        states = GaugeMetricFamily("reshard_jobs", "Jobs the planner keeps (every one in flight, the last 5,000 "
+                                   "finished), by state", labels=["state"])
         jobs = self.source.jobs()
         counts: dict[str, int] = {}
         for j in jobs:

@@ -95,8 +95,11 @@ class PlannerSource:
                         "lost_tiles": [{"tile": box_str(t), "devices": devs} for t, devs in gone.items()]})
         return out
 
-    def jobs(self) -> list[dict]:
-        return [_job_doc(j) for j in self.planner.jobs.list()]
+    def jobs(self, limit: Optional[int] = None) -> list[dict]:
+        return [_job_doc(j) for j in self.planner.jobs.list()[:limit]]
+
+    def job_count(self) -> int:
+        return self.planner.jobs.count()
 
     def job(self, job_id: str) -> Optional[dict]:
         job = self.planner.jobs.get(job_id)

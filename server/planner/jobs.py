@@ -291,6 +291,11 @@ class JobRunner:
         with self._lock:
             return self._jobs.get(job_id)
 
+    def count(self) -> int:
+        """How many jobs the planner knows (the last `JOBS_KEPT` finished ones and every one in flight)."""
+        with self._lock:
+            return len(self._jobs)
+
     def list(self) -> list[Job]:
         """Every job the planner knows, newest first."""
         with self._lock:

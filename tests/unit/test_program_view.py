@@ -160,8 +160,11 @@ class _Source:
     def tensors(self) -> list[dict]:
         return []
 
-    def jobs(self) -> list[dict]:
-        return [self.job_doc]
+    def jobs(self, limit: Optional[int] = None) -> list[dict]:
+        return [self.job_doc][:limit]
+
+    def job_count(self) -> int:
+        return 1
 
     def job(self, job_id: str) -> Optional[dict]:
         return self.job_doc if job_id == "job1" else None
@@ -241,3 +244,18 @@ def test_pages_need_the_token_and_a_plan_id_sends_a_program_to_its_page(web):
     moved = web.get(f"/plans/{program.id}", follow_redirects=False)
     assert moved.status_code == 303 and moved.headers["location"] == f"/programs/{program.id}"
     assert f"/api/programs/{program.id}" in web.get(f"/api/plans/{program.id}").json()["detail"]
+
+
+def test_the_jobs_page_lists_the_newest_jobs_and_says_how_many_are_kept(web, monkeypatch):
+    from reshard.server.dashboard import app as app_module
+
+    docs = [{**web.source.job_doc, "id": f"job{i}"} for i in range(1, 4)]
+    monkeypatch.setattr(web.source, "jobs", lambda limit=None: docs[:limit])
+    monkeypatch.setattr(web.source, "job_count", lambda: len(docs))
+    monkeypatch.setattr(app_module, "JOBS_PAGE", 2)
+    html = web.get("/jobs").text
+    assert "The newest 2 of the 3 jobs the planner keeps" in html
+    assert "/jobs/job1" in html and "/jobs/job2" in html and "/jobs/job3" not in html
+    assert [j["id"] for j in web.get("/api/jobs").json()] == ["job1", "job2", "job3"]  # the API gives every one
+    monkeypatch.setattr(app_module, "JOBS_PAGE", 5)
+    assert "The newest" not in web.get("/jobs").text  # all of them fit: no line
