@@ -98,7 +98,7 @@ def check_strategy(strategy: str) -> str:
     return strategy
 
 
-SEQUENCES_KEPT = 256  # compute_many programs kept: a pipeline step of 4 stages x 8 microbatches plans 64 and more
+SEQUENCES_KEPT = 256  # compute programs kept: a pipeline step of 4 stages x 8 microbatches plans 64 and more
 
 
 class Planner:
@@ -115,7 +115,7 @@ class Planner:
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
                               group=self.group, group_wait_s=config.group_wait_s,
                               stall_timeout_s=config.stall_timeout_s)
-        self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute_many's programs, by ops and input layouts
+        self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many) by ops and layouts
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -432,17 +432,21 @@ class Planner:
         # The program names the output apart from an input of the same name: the input's version is read, and the
         # output commits as that tensor's next version.
         program_out = out if out not in inputs else f"{out}~new"
-        cache: dict[tuple, Program] = {}
+        described = (op, tuple(inputs), program_out, out_sharding, tuple(sorted(params.items())), strategy)
 
         def make(records: dict[str, TensorRecord], topology: Topology) -> Program:
-            key = (tuple((r.name, r.version, r.sharding) for r in records.values()), topology)
-            if key not in cache:
-                decls = [TensorDecl(n, records[n].shape, records[n].dtype, records[n].sharding) for n in inputs]
-                if op == "einsum":
-                    cache[key] = plan_einsum(params["equation"], decls, program_out, out_sharding, topology, strategy)
-                else:
-                    cache[key] = plan_apply(op, decls, program_out, params, out_sharding, topology, strategy)
-            return cache[key]
+            # The same op on the same layouts plans the same program: a training loop repeats its applies and
+            # einsums every step, and the request's check and its job plan once between them (as compute_many).
+            decls = tuple(TensorDecl(n, records[n].shape, records[n].dtype, records[n].sharding) for n in inputs)
+            key = (described, decls, topology)
+            hit = self._sequences.get(key)
+            if hit is not None:
+                return hit[0]
+            if op == "einsum":
+                program = plan_einsum(params["equation"], list(decls), program_out, out_sharding, topology, strategy)
+            else:
+                program = plan_apply(op, list(decls), program_out, params, out_sharding, topology, strategy)
+            return self._sequences.put(key, program)[0]
 
         return make
 

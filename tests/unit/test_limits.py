@@ -205,3 +205,25 @@ def test_a_restarted_host_marks_its_shards_lost(planner):
 
     planner.delete("one_copy")
     assert [r.name for r in planner.tensors()] == ["two_copies"]
+
+
+def test_a_repeated_compute_request_reuses_its_program_and_another_layout_plans_anew(planner):
+    from reshard.server.planner.catalog import TensorRecord
+
+    spread, whole = Sharding(MESH, ("x", None)), Sharding(MESH, (None, None))
+    planner.catalog.add(TensorRecord("a", (8, 4), "float32", spread, 1))
+    planner.catalog.add(TensorRecord("b", (8, 4), "float32", spread, 1))
+    first, _ = planner.plan_compute("add", ["a", "b"], "c", "", "auto", {})
+    again, _ = planner.plan_compute("add", ["a", "b"], "c", "", "auto", {})
+    assert again is first  # planned once
+    assert planner.plan_compute("sub", ["a", "b"], "c", "", "auto", {})[0] is not first  # another op
+    assert planner.plan_compute("add", ["b", "a"], "c", "", "auto", {})[0] is not first  # other inputs
+    planner.catalog.add(TensorRecord("w", (4, 4), "float32", whole, 1))
+    mm = planner.plan_compute("einsum", ["a", "w"], "y", "", "auto", {"equation": "ij,jk->ik"})[0]
+    other = planner.plan_compute("einsum", ["a", "w"], "y", "", "auto", {"equation": "ij,kj->ik"})[0]
+    assert other is not mm and planner.plan_compute("einsum", ["a", "w"], "y", "", "auto",
+                                                    {"equation": "ij,jk->ik"})[0] is mm
+    planner.catalog.commit([(planner.catalog.get("a"), TensorRecord("a", (8, 4), "float32", whole, 2))])
+    moved = planner.plan_compute("add", ["a", "b"], "c", "", "auto", {})[0]
+    assert moved is not first  # a's layout changed: planned for it
+    assert {t.name: t.src for t in moved.tensors}["a"] == whole
