@@ -996,12 +996,15 @@ class Runtime:
         lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
         confirmed: set[str] = set()
         try:
-            # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
-            # host's earlier, local work.
-            link.handshake(run, set())
+            calls_of = {id(t): _task_peers(t, self.host) for t in run.tasks}
+            if any(calls_of.values()):
+                # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
+                # host's earlier, local work. A host that calls no peer (a compute job's local steps) announces
+                # nothing: a peer waits only for the hosts it calls, and they call it back.
+                link.handshake(run, set())
             for depth in sorted({t.depth for t in run.tasks}):
                 tasks = [t for t in run.tasks if t.depth == depth]
-                calls = [_task_peers(t, self.host) for t in tasks]
+                calls = [calls_of[id(t)] for t in tasks]
                 peers = set().union(*calls) - confirmed
                 if peers:
                     link.handshake(run, peers)

@@ -397,3 +397,30 @@ def test_a_prepare_that_arrives_after_its_jobs_abort_or_end_is_refused(memory_ho
     with pytest.raises(FailedPreconditionError, match=f"job {job} has already ended on agent host1"):
         runtime.prepare(job, program.dumps(), "t", 1, 2, {h: h for h in hosts.runtimes}, hosts.kind)
     assert runtime.store.used_bytes() == used
+
+
+def test_a_host_that_calls_no_peer_announces_nothing_on_the_collective_transport(gloo):
+    """Only hosts with a peer to call write their plan-id key: one whose part is local (a copy between its own
+    devices, a compute) would cost every job a store round trip for a key no host waits for."""
+    from reshard.server.common.contract import confirm_prefix
+
+    hosts = Hosts(group=gloo)
+    try:
+        a = np.arange(12, dtype=np.int32).reshape(3, 4)
+        two = Mesh.from_hosts({"x": 2}, ["host2"], 2)  # host2's two devices
+        src, dst = Sharding(two, ("x", None)), Sharding(two, (None, "x"))
+        hosts.put_tensor("local", a, src)
+        job, runs = hosts.start(Program.from_plan(make_plan((3, 4), "int32", src, dst)).dumps(), "local")
+        hosts.finish(job, runs)
+        assert np.array_equal(hosts.get("local", dst, (3, 4)), a) and runs["host2"].tasks  # it did local work
+        assert not gloo.store.check([confirm_prefix(gloo.generation, job, 0) + "host2"])
+
+        near, far = (Sharding(Mesh.from_hosts({"x": 1}, [h], 1), (None, None)) for h in ("host0", "host3"))
+        hosts.put_tensor("m", a, near)
+        job, runs = hosts.start(Program.from_plan(make_plan((3, 4), "int32", near, far)).dumps(), "m")
+        hosts.finish(job, runs)
+        assert np.array_equal(hosts.get("m", far, (3, 4)), a)
+        prefix = confirm_prefix(gloo.generation, job, 0)
+        assert gloo.store.check([prefix + "host0", prefix + "host3"])  # the two that call each other
+    finally:
+        hosts.close()
