@@ -137,13 +137,12 @@ class _Numpy:
                 return values
             out[...] = values
             return out
-        bits = np.dtype(f"i{g.dtype.itemsize}")
-        mask = np.greater(x, 0).astype(bits) if out is None else out.view(bits)
-        if out is not None:
-            np.greater(x, 0, out=mask, casting="unsafe")
+        out = np.empty_like(g) if out is None else out
+        mask = out.view(f"i{g.dtype.itemsize}")  # 1 where x > 0, then -1 (all ones), then g's bits or none
+        np.greater(x, 0, out=mask, casting="unsafe")
         np.negative(mask, out=mask)
-        np.bitwise_and(g.view(bits), mask, out=mask)
-        return mask.view(g.dtype)
+        np.bitwise_and(g.view(mask.dtype), mask, out=mask)
+        return out
     exp = staticmethod(np.exp)
     log = staticmethod(np.log)
 
@@ -268,8 +267,8 @@ def _writes_into(inputs: list, output) -> bool:
     shape and dtype that do not overlap it."""
     if buffers.is_torch(output) or output.dtype.kind != "f" or not output.flags.writeable:
         return False
-    return all(not buffers.is_torch(x) and isinstance(x, np.ndarray) and x.shape == output.shape
-               and x.dtype == output.dtype and not np.may_share_memory(x, output) for x in inputs)
+    return all(isinstance(x, np.ndarray) and x.shape == output.shape and x.dtype == output.dtype
+               and not np.may_share_memory(x, output) for x in inputs)
 
 
 def _kernel(math: Callable[[Any, list, dict], Any], into=None) -> Callable[[list, Any, dict], None]:

@@ -35,6 +35,7 @@ from reshard.server.dashboard.pipeline_view import pipeline_router
 from reshard.server.dashboard.plan_view import plan_view
 from reshard.server.dashboard.program_view import program_view
 from reshard.server.planner.control import check_plan_size
+from reshard.server.planner.jobs import JOBS_KEPT
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def create_app(source: DashboardSource, token: Optional[str] = None) -> FastAPI:
     @app.get("/jobs", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def jobs_page(request: Request):
         return page(request, "jobs.html", jobs=[_job_view(j) for j in source.jobs(limit=JOBS_PAGE)],
-                    total=source.job_count())
+                    total=source.job_count(), kept=JOBS_KEPT)
 
     @app.get("/jobs/{job_id}", dependencies=guard, response_class=HTMLResponse, include_in_schema=False)
     def job_page(request: Request, job_id: str):
@@ -273,8 +274,8 @@ class _Collector:
         for transport, n in sorted(self.source.bytes_moved().items()):
             moved.add_metric([transport], n)
         yield moved
-        states = GaugeMetricFamily("reshard_jobs", "Jobs the planner keeps (every one in flight, the last 5,000 "
-                                   "finished), by state", labels=["state"])
+        states = GaugeMetricFamily("reshard_jobs", f"Jobs the planner keeps (every one in flight, the last "
+                                   f"{JOBS_KEPT:,} finished), by state", labels=["state"])
         jobs = self.source.jobs()
         counts: dict[str, int] = {}
         for j in jobs:
