@@ -14,7 +14,7 @@ from reshard.errors import ReshardError
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.devtools.certs import add_certs_command
 from reshard.server.devtools.lab import add_lab_command
-from reshard.server.common.lifecycle import on_signal, settle_heap
+from reshard.server.common.lifecycle import on_signal
 
 __all__ = ["main", "build_parser"]
 
@@ -130,7 +130,6 @@ def _run_agent(args) -> int:
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
     health = _health_server(args, "reshard.v1.Agent")
-    settle_heap()
     stopped = on_signal()
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)

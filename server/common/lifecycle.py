@@ -2,26 +2,11 @@
 
 from __future__ import annotations
 
-import gc
 import signal
 import threading
 from collections.abc import Callable
 
-__all__ = ["on_signal", "settle_heap", "wait_for_signal"]
-
-
-def settle_heap() -> None:
-    """Move everything a service process made while starting (modules, torch, the gRPC server) out of the cyclic
-    garbage collector's sight, once, when it has started.
-
-    An agent's jobs leave long-lived objects behind (parsed programs, shard records), and every so often those
-    set off a full collection, which visits every live object: with torch imported that is about 100 ms of one
-    core per pass, several times a minute under a state dict's moves, on every agent at once. Frozen start-up
-    objects are still freed by reference counting; only a cycle among them would never be. A process-wide
-    choice, so the command that runs the service makes it, not the library (CPython's ``gc.freeze`` docs).
-    """
-    gc.collect()
-    gc.freeze()
+__all__ = ["on_signal", "wait_for_signal"]
 
 
 def on_signal(*signals: int) -> Callable[[], int]:
