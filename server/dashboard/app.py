@@ -24,6 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.templating import Jinja2Templates
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from reshard import Plan, Sharding, STRATEGIES, plan as make_plan
 from reshard.program import Program
@@ -35,7 +36,7 @@ from reshard.server.dashboard.pipeline_view import pipeline_router
 from reshard.server.dashboard.plan_view import plan_view
 from reshard.server.dashboard.program_view import program_view
 from reshard.server.planner.control import check_plan_size
-from reshard.server.planner.jobs import JOBS_KEPT
+from reshard.server.planner.jobs import DURATION_BUCKETS, JOBS_KEPT, Durations
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +47,6 @@ TEMPLATES = Jinja2Templates(directory=str(Path(__file__).parent / "templates"))
 
 TEMPLATES.env.filters["bytes"] = lambda n: format_size(n or 0)
 JOBS_PAGE = 500  # the jobs page lists the newest jobs, this many; /api/jobs returns every one the planner keeps
-_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
 
 
 class DashboardSource(Protocol):
@@ -68,6 +68,12 @@ class DashboardSource(Protocol):
 
     def job_count(self) -> int:
         """How many jobs the planner keeps (the last `JOBS_KEPT` finished ones and every one in flight)."""
+
+    def job_states(self) -> dict[str, int]:
+        """How many of the jobs the planner keeps are in each state."""
+
+    def job_durations(self) -> Durations:
+        """The durations of every job that succeeded since the planner started, as a cumulative histogram."""
 
     def job(self, job_id: str) -> Optional[dict]:
         ...
@@ -276,21 +282,14 @@ class _Collector:
         yield moved
         states = GaugeMetricFamily("reshard_jobs", f"Jobs the planner keeps (every one in flight, the last "
                                    f"{JOBS_KEPT:,} finished), by state", labels=["state"])
-        jobs = self.source.jobs()
-        counts: dict[str, int] = {}
-        for j in jobs:
-            counts[j["state"]] = counts.get(j["state"], 0) + 1
-        for state, n in sorted(counts.items()):
+        for state, n in sorted(self.source.job_states().items()):
             states.add_metric([state], n)
         yield states
-        durations = [j["seconds"] for j in jobs if j.get("state") == "succeeded" and j.get("seconds") is not None]
-        buckets, acc = [], 0
-        for le in _DURATION_BUCKETS:
-            acc = sum(1 for d in durations if d <= le)
-            buckets.append((str(le), acc))
-        buckets.append(("+Inf", len(durations)))
-        hist = HistogramMetricFamily("reshard_job_duration_seconds", "Duration of finished reshard jobs")
-        hist.add_metric([], buckets, sum(durations))
+        d = self.source.job_durations()
+        hist = HistogramMetricFamily("reshard_job_duration_seconds", "Duration of the jobs that succeeded since the "
+                                     "planner started")
+        buckets = [(floatToGoString(le), n) for le, n in zip(DURATION_BUCKETS, d.counts)]
+        hist.add_metric([], [*buckets, ("+Inf", d.count)], d.total_s)
         yield hist
         agents = self.source.agents()
         up = GaugeMetricFamily("reshard_agents_up", "Agents whose heartbeats are current")

@@ -25,7 +25,7 @@ from reshard.box import box_str, volume
 from reshard.dtypes import itemsize
 from reshard.mesh import host_of
 from reshard.server.dashboard.app import create_app
-from reshard.server.planner.jobs import Job
+from reshard.server.planner.jobs import Durations, Job
 from reshard.server.planner.control import Planner
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,12 @@ class PlannerSource:
 
     def job_count(self) -> int:
         return self.planner.jobs.count()
+
+    def job_states(self) -> dict[str, int]:
+        return self.planner.jobs.states()
+
+    def job_durations(self) -> Durations:
+        return self.planner.jobs.durations()
 
     def job(self, job_id: str) -> Optional[dict]:
         job = self.planner.jobs.get(job_id)

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -198,6 +198,26 @@ PROGRAM_MOVES_KEPT = 512  # programs whose moves a planner keeps worked out (`_M
 JOBS_KEPT = 5000  # finished jobs a planner keeps, in memory and in its state store; older ones are forgotten
 PLANS_KEPT = 256  # reshard plans a planner keeps (a pipeline's boundary moves repeat every microbatch)
 PLAN_KEPT_MAX_BYTES = 8 * 2**20  # larger plans are planned anew: planning them costs more than finding them
+# Upper bounds, in seconds, of the buckets `JobRunner.durations` counts succeeded jobs' durations in.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300)
+
+
+@dataclass
+class Durations:
+    """How long the jobs that succeeded since the planner started took: a cumulative histogram (``counts[i]``
+    jobs took at most ``DURATION_BUCKETS[i]`` seconds), their number and their sum. It only grows, as a
+    Prometheus histogram must, however many finished jobs the runner forgets."""
+
+    counts: list[int] = field(default_factory=lambda: [0] * len(DURATION_BUCKETS))
+    count: int = 0
+    total_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        for i, le in enumerate(DURATION_BUCKETS):
+            if seconds <= le:
+                self.counts[i] += 1
+        self.count += 1
+        self.total_s += seconds
 
 
 class ProgramCache:
@@ -235,6 +255,7 @@ class JobRunner:
         self.group = group
         self.group_wait_s = group_wait_s
         self._moved: dict[str, int] = defaultdict(int)  # bytes moved by succeeded jobs, per transport
+        self._durations = Durations()
         self.catalog = catalog
         self.store = store
         self.agents = agents
@@ -296,6 +317,17 @@ class JobRunner:
         with self._lock:
             return len(self._jobs)
 
+    def states(self) -> dict[str, int]:
+        """How many of the jobs the planner knows are in each state (``queued``, ``running``, ...)."""
+        with self._lock:
+            return dict(Counter(j.state for j in self._jobs.values()))
+
+    def durations(self) -> Durations:
+        """The durations of every job that succeeded since the planner started (a copy)."""
+        with self._lock:
+            d = self._durations
+            return Durations(list(d.counts), d.count, d.total_s)
+
     def list(self) -> list[Job]:
         """Every job the planner knows, newest first."""
         with self._lock:
@@ -343,6 +375,9 @@ class JobRunner:
             job.error = f"{job.what} failed: {error}"
             log.warning("job %s failed: %s", job.id[:8], job.error)
         job.finished = time.time()
+        if error is None:
+            with self._lock:
+                self._durations.add(job.seconds)
         self.store.save_job(job.to_json())
         job.done_event.set()
         self._forget_old()

@@ -228,5 +228,16 @@ def test_a_repeated_move_reuses_its_plan_and_the_runner_forgets_the_oldest_finis
         assert kept == [j.id for j in reversed(done[4:])]
         assert sorted(d["id"] for d in runner.store.jobs()) == sorted(kept)
         assert runner.get(done[0].id) is None
+        # The metrics count what the runner keeps (states) and everything since it started (durations): a histogram
+        # that forgot jobs would go down, which Prometheus reads as a restart.
+        assert runner.states() == {"succeeded": 4}
+        d = runner.durations()
+        assert d.count == 8 and d.counts[-1] == 8 and d.counts == sorted(d.counts)
+        assert d.total_s == pytest.approx(sum(j.seconds for j in done))
+        assert d.counts[0] == sum(j.seconds <= jobs_module.DURATION_BUCKETS[0] for j in done)
+        bad = runner.submit("no-such-tensor", DST, "auto")
+        assert bad.done_event.wait(30) and bad.state == "failed"
+        assert runner.durations().count == 8  # a failed job is no duration of a succeeded one
+        assert runner.states() == {"succeeded": 4, "failed": 1}
     finally:
         hosts.close()

@@ -18,6 +18,7 @@ import pytest
 
 from reshard import Mesh, Plan, Sharding, plan_apply, plan_einsum, reshard_program
 from reshard.program import Program, TensorDecl
+from reshard.server.planner.jobs import DURATION_BUCKETS, Durations
 from reshard.server.dashboard.app import create_app
 from reshard.server.dashboard.program_view import program_view
 from reshard.server.dashboard.source import serve_app
@@ -166,6 +167,12 @@ class _Source:
     def job_count(self) -> int:
         return 1
 
+    def job_states(self) -> dict[str, int]:
+        return {"succeeded": 1}
+
+    def job_durations(self) -> Durations:
+        return Durations([0, 0, 1] + [1] * (len(DURATION_BUCKETS) - 3), 1, 0.1)
+
     def job(self, job_id: str) -> Optional[dict]:
         return self.job_doc if job_id == "job1" else None
 
@@ -259,3 +266,19 @@ def test_the_jobs_page_lists_the_newest_jobs_and_says_how_many_are_kept(web, mon
     assert [j["id"] for j in web.get("/api/jobs").json()] == ["job1", "job2", "job3"]  # the API gives every one
     monkeypatch.setattr(app_module, "JOBS_PAGE", 5)
     assert "The newest" not in web.get("/jobs").text  # all of them fit: no line
+
+
+def test_metrics_take_job_states_and_the_duration_histogram_from_the_runner_not_the_kept_jobs(web, monkeypatch):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    monkeypatch.setattr(web.source, "jobs", lambda limit=None: pytest.fail("a scrape built every job's document"))
+    monkeypatch.setattr(web.source, "job_states", lambda: {"succeeded": 7, "running": 2})
+    counts = [i for i in range(len(DURATION_BUCKETS))]
+    monkeypatch.setattr(web.source, "job_durations", lambda: Durations(counts, 40, 123.5))
+    families = {f.name: f for f in text_string_to_metric_families(web.get("/metrics").text)}
+    assert {s.labels["state"]: s.value for s in families["reshard_jobs"].samples} == {"succeeded": 7, "running": 2}
+    hist = {(s.name, s.labels.get("le")): s.value for s in families["reshard_job_duration_seconds"].samples}
+    assert [hist[("reshard_job_duration_seconds_bucket", str(float(le)))] for le in DURATION_BUCKETS] == counts
+    assert hist[("reshard_job_duration_seconds_bucket", "+Inf")] == 40
+    assert hist[("reshard_job_duration_seconds_count", None)] == 40
+    assert hist[("reshard_job_duration_seconds_sum", None)] == 123.5
