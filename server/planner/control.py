@@ -423,6 +423,12 @@ class Planner:
             self.registry.check_mesh(out_sharding.mesh)
         return out_sharding
 
+    def _planned(self, key: tuple, plan: Callable[[], Program]) -> Program:
+        """The compute program planned before for ``key`` (what was asked, the inputs' declarations, the topology),
+        else ``plan()``'s, kept: the same request on the same layouts always plans the same program."""
+        hit = self._sequences.get(key)
+        return hit[0] if hit is not None else self._sequences.put(key, plan())[0]
+
     def _compute_planner(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
                          params: dict[str, str]) -> Callable[[dict[str, TensorRecord], Topology], Program]:
         """Check a compute request and return what plans it from the inputs' records (the same records give the
@@ -438,15 +444,11 @@ class Planner:
             # The same op on the same layouts plans the same program: a training loop repeats its applies and
             # einsums every step, and the request's check and its job plan once between them (as compute_many).
             decls = tuple(TensorDecl(n, records[n].shape, records[n].dtype, records[n].sharding) for n in inputs)
-            key = (described, decls, topology)
-            hit = self._sequences.get(key)
-            if hit is not None:
-                return hit[0]
             if op == "einsum":
-                program = plan_einsum(params["equation"], list(decls), program_out, out_sharding, topology, strategy)
-            else:
-                program = plan_apply(op, list(decls), program_out, params, out_sharding, topology, strategy)
-            return self._sequences.put(key, program)[0]
+                return self._planned((described, decls, topology), lambda: plan_einsum(
+                    params["equation"], list(decls), program_out, out_sharding, topology, strategy))
+            return self._planned((described, decls, topology), lambda: plan_apply(
+                op, list(decls), program_out, params, out_sharding, topology, strategy))
 
         return make
 
@@ -501,10 +503,8 @@ class Planner:
             decls = {n: TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()}
             # The same ops on the same layouts plan the same program: a pipeline repeats each stage's forward and
             # backward every step, and the request's check and its job plan once between them.
-            key = (described, tuple(decls.values()), topology, strategy)
-            hit = self._sequences.get(key)
-            return hit[0] if hit is not None else self._sequences.put(key, plan_sequence(parsed, decls, topology,
-                                                                                          strategy))[0]
+            return self._planned((described, tuple(decls.values()), topology, strategy),
+                                 lambda: plan_sequence(parsed, decls, topology, strategy))
 
         return parsed, stored, make
 
