@@ -34,8 +34,8 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
-from reshard.server.common.tickets import (TicketCheck, commit_fields, new_secret, prepare_fields, put_fields,
-                                           release_fields, sign)
+from reshard.server.common.tickets import (TicketCheck, commit_fields, execute_fields, new_secret, prepare_fields,
+                                           put_fields, release_fields, sign)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -177,7 +177,8 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Execute(self, request, context):
-        self.tickets.check(request.ticket, "execute", request.job, request.program_id,
+        self.tickets.check(request.ticket, "execute", *execute_fields(request.job, request.program_id,
+                                                                        request.commit),
                            what=f"Execute of job {request.job[:12]!r}")
         if request.HasField("prepare"):
             if request.prepare.job != request.job:
@@ -191,6 +192,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                 return
             yield self._progress(run)
         run.check()
+        if request.commit:
+            self.runtime.commit(request.job)
         yield self._progress(run, done=True, traffic=self._traffic(request.job))
 
     @servicer_method

@@ -17,7 +17,7 @@ put         upload, tensor, device, dtype, box                 PutShard / PutSha
                                                                from BeginUpload)
 prepare     job, sha256(program), tensor, versions, transport, PrepareRequest
             generation, job number, peers
-execute     job, program id                                    ExecuteRequest
+execute     job, program id, whether it commits too             ExecuteRequest
 push        job, program id (under the receiver's secret)      PushHeader
 commit      upload or job, tensor, version, devices            StagingRequest
 abort       upload or job                                      StagingRequest
@@ -36,7 +36,8 @@ from collections.abc import Iterable, Mapping
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
-__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "release_fields",
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "execute_fields",
+           "release_fields",
            "SECRET_BYTES"]
 
 SECRET_BYTES = 32
@@ -65,6 +66,10 @@ def prepare_fields(job: str, program_json: str, tensor: str, src_version: int, d
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
         fields += (";".join(f"{t}={n}@{v}" for t, (n, v) in sorted(reads.items())),)
     return fields
+
+
+def execute_fields(job: str, program_id: str, commit: bool) -> tuple:
+    return job, program_id, "commit" if commit else "run"
 
 
 def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str]) -> tuple:

@@ -99,9 +99,10 @@ class AgentCalls(Protocol):
 
     def execute(self, host: str, address: str, job: str, program_id: str,
                 on_progress: Callable[[int, int, int, int], None], timeout: float,
-                prepare: Preparation | None = None) -> dict | None:
+                prepare: Preparation | None = None, commit: bool = False) -> dict | None:
         """Run the host's part of the whole program (preparing first when ``prepare`` is given), reporting
-        ``on_progress(bytes done, bytes to send, steps done, steps)``; returns the host's traffic for the job."""
+        ``on_progress(bytes done, bytes to send, steps done, steps)``, and commit what it staged as the run ends
+        when ``commit`` (the job's only host); returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float) -> None: ...
@@ -478,10 +479,18 @@ class JobRunner:
                 committing.add(h)
                 self.agents.commit(h, peers[h], Staging(job=job.id), job.tensor, job.version, [], self.rpc_timeout_s)
 
+            staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
+            # A job that runs on one host and commits only there (a compute job on a one-host mesh, a move between
+            # its devices) has nothing to make atomic across hosts: the host commits as its run ends, and the
+            # Commit call's round trip is saved. It counts as asked to commit from the start, so a failure
+            # releases whatever it may have committed.
+            at_once = len(hosts) == 1 and staging == hosts
             try:
-                self._run_program(job, prep, hosts, deadline)
-                staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
-                self._fan_out(commit, staging, deadline, self._watch(peers, {}))
+                if at_once:
+                    committing.add(hosts[0])
+                self._run_program(job, prep, hosts, deadline, commit=at_once)
+                if not at_once:
+                    self._fan_out(commit, staging, deadline, self._watch(peers, {}))
                 self.catalog.commit(work.commits)
             except BaseException as e:
                 self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
@@ -610,11 +619,13 @@ class JobRunner:
         job.transports = [transport if net else "local" for net in network]
         return transport, generation, seq
 
-    def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float) -> None:
+    def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float,
+                     commit: bool = False) -> None:
         """Hand every host the program once, then run it with one Execute per host; collects progress and
         each host's traffic. On gRPC every host is prepared before any runs, since pushes may reach a host
         as soon as its peers start; on the collective transport each prepares inside its Execute (the plan-id
-        confirmation before any call waits for every peer anyway)."""
+        confirmation before any call waits for every peer anyway). ``commit``: each host commits as its run
+        ends (the job's only host)."""
         early = prep.transport == "collective"
         if not early:
             self._fan_out(lambda h: self.agents.prepare(h, prep.peers[h], prep, self.rpc_timeout_s), hosts,
@@ -631,7 +642,7 @@ class JobRunner:
                 job.steps[h] = [steps_done, steps]
 
             traffic = self.agents.execute(h, prep.peers[h], job.id, prep.program_id, on_progress,
-                                          max(0.1, deadline - time.monotonic()), prep if early else None)
+                                          max(0.1, deadline - time.monotonic()), prep if early else None, commit)
             if traffic is not None:
                 job.traffic[h] = traffic
 

@@ -16,7 +16,7 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import commit_fields, prepare_fields, release_fields, sign
+from reshard.server.common.tickets import commit_fields, execute_fields, prepare_fields, release_fields, sign
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
@@ -93,10 +93,11 @@ class GrpcAgentCalls:
     def prepare(self, host, address, prep, timeout):
         self._call(host, address, "Prepare", self._prepare_request(host, prep), timeout)
 
-    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         request = pb.ExecuteRequest(job=job, program_id=program_id,
                                     prepare=self._prepare_request(host, prepare) if prepare is not None else None,
-                                    ticket=self._sign(host, "execute", job, program_id))
+                                    ticket=self._sign(host, "execute", *execute_fields(job, program_id, commit)),
+                                    commit=commit)
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):

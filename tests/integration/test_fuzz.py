@@ -56,7 +56,7 @@ from reshard.proto.auth import METADATA_KEY
 from reshard.proto.layout import Checksum
 from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
-from reshard.server.common.tickets import commit_fields, prepare_fields, put_fields, sign
+from reshard.server.common.tickets import commit_fields, execute_fields, prepare_fields, put_fields, sign
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
@@ -539,7 +539,7 @@ def signed(secret: bytes, method: str, request):
     if method == "Prepare":
         _sign_prepare(secret, request)
     elif method == "Execute":
-        request.ticket = sign(secret, "execute", request.job, request.program_id)
+        request.ticket = sign(secret, "execute", *execute_fields(request.job, request.program_id, request.commit))
         if request.HasField("prepare"):
             _sign_prepare(secret, request.prepare)
     elif method == "Commit":

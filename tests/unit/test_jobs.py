@@ -41,12 +41,14 @@ class RuntimeCalls:
         self._record("prepare", host).prepare(prep.job, prep.program_json, prep.tensor, prep.src_version,
                                               prep.dst_version, prep.peers, "memory")
 
-    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
-        runtime = self._record("execute", host)
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
+        runtime = self._record("execute+commit" if commit else "execute", host)
         run = runtime.execute(job, program_id)
         while not run.wait(0.02, runtime.step_timeout_s):
             on_progress(*run.progress())
         run.check()
+        if commit:
+            runtime.commit(job)
         on_progress(*run.progress())
         t = runtime.traffic(job)
         return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
@@ -153,9 +155,9 @@ class Unanswering(RuntimeCalls):
         self.on_pause = on_pause
         self.resume = threading.Event()
 
-    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None):
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         if host != self.host:
-            return super().execute(host, address, job, program_id, on_progress, timeout, prepare)
+            return super().execute(host, address, job, program_id, on_progress, timeout, prepare, commit)
         self._record("execute", host).execute(job, program_id)
         on_progress(0, 0, 0, 1)
         self.on_pause()
@@ -239,5 +241,53 @@ def test_a_repeated_move_reuses_its_plan_and_the_runner_forgets_the_oldest_finis
         assert bad.done_event.wait(30) and bad.state == "failed"
         assert runner.durations().count == 8  # a failed job is no duration of a succeeded one
         assert runner.states() == {"succeeded": 4, "failed": 1}
+    finally:
+        hosts.close()
+
+
+ONE_HOST = Mesh.from_hosts({"x": 2}, ["host0"], 2)
+
+
+def _one_host_runner(hosts: Hosts):
+    runner, calls, catalog, _ = _runner(hosts)
+    u = np.arange(12 * 5, dtype=np.float32).reshape(12, 5)
+    catalog.add(TensorRecord("u", u.shape, "float32", Sharding(ONE_HOST, ("x", None)), 1))
+    hosts.put_tensor("u", u, Sharding(ONE_HOST, ("x", None)))
+    return runner, calls, catalog, u
+
+
+def test_a_job_on_one_host_commits_as_its_run_ends_without_a_commit_call():
+    hosts = Hosts()
+    try:
+        runner, calls, catalog, u = _one_host_runner(hosts)
+        dst = Sharding(ONE_HOST, (None, "x"))
+        job = runner.submit("u", dst, "auto")
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert calls.count("execute+commit") == {"host0": 1}
+        assert not calls.count("execute") and not calls.count("commit")
+        assert catalog.get("u").version == 2 and np.array_equal(hosts.get("u", dst, u.shape, version=2), u)
+        # A job over several hosts still commits through Commit, on every host that holds the new version.
+        job = runner.submit("t", DST, "auto")
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert calls.count("commit") == {h: 1 for h in DST.mesh.hosts}
+        assert calls.count("execute+commit") == {"host0": 1}
+    finally:
+        hosts.close()
+
+
+def test_a_one_host_job_that_fails_leaves_the_old_version_and_releases_the_new_one():
+    hosts = Hosts(wrap=lambda host, t: Fail(t, steps=range(1000)))
+    try:
+        runner, calls, catalog, u = _one_host_runner(hosts)
+        job = runner.submit("u", Sharding(ONE_HOST, (None, "x")), "auto")
+        assert job.done_event.wait(30) and job.state == "failed", job.error
+        assert "injected by the test" in job.error
+        assert calls.count("execute+commit") == {"host0": 1} and not calls.count("commit")
+        assert calls.count("abort") == {"host0": 1}
+        # Asked to commit with its Execute, the host may hold the new version: it is released.
+        assert calls.count("release") == {"host0": 1}
+        assert catalog.get("u").version == 1
+        assert all(hosts.stores["host0"].find("u", 2, d) is None for d in ONE_HOST.devices)
+        assert np.array_equal(hosts.get("u", Sharding(ONE_HOST, ("x", None)), u.shape, version=1), u)
     finally:
         hosts.close()
