@@ -496,7 +496,8 @@ class JobRunner:
                 self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
                 raise
             finally:
-                if transport == "collective" and self.collective_cleanup is not None:
+                # A host writes its plan-id key only to call a peer: a job on one host wrote none to drop.
+                if transport == "collective" and self.collective_cleanup is not None and len(hosts) > 1:
                     try:
                         self.collective_cleanup(generation, job.id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job

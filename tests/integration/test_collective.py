@@ -105,8 +105,13 @@ def test_finished_jobs_leave_no_confirmation_keys_in_the_store(planned):
         job = c.reshard("keys", dst, "broadcast").result(timeout=60)
         assert job.transport == "collective"
         assert not store.check([f"reshard/g{planner.group.view().generation}/confirm/{job.id}/0/c0"])
+    # Jobs on one host call no peer: they write no key, and the planner deletes none (a store round trip saved).
+    c.reshard("keys", Sharding(SRC.mesh, (None, "y")), "broadcast").result(timeout=60)
+    c.apply("scale", "keys", out="keys2", factor=2.0).result(timeout=60)
+    assert np.array_equal(c.get("keys2"), 2 * A)
     assert store.num_keys() == before
     c.delete("keys")
+    c.delete("keys2")
 
 
 def _prepare_both(planner, c, job, plans, generation, seq):
