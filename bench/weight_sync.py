@@ -85,22 +85,35 @@ def _check(c, tensors: dict, what: str) -> None:
         raise AssertionError(f"{what} left {len(bad)} tensors different from what was put, {bad[:3]} first")
 
 
-def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str) -> list[float]:
+def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
+           results: list | None = None) -> list[float]:
     """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
-    untimed (after the old versions' release, which follows a job, is over: `_settle`)."""
+    untimed (after the old versions' release, which follows a job, is over: `_settle`). The timed jobs' results go
+    to ``results``."""
     names, times = list(tensors), []
     for i in range(runs + 1):
         t0 = time.monotonic()
-        c.reshard_many(there).result(timeout=TIMEOUT_S)
+        result = c.reshard_many(there).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
         _settle(c, names)
         _check(c, tensors, what)
         if i:
             times.append(wall)
+            if results is not None:
+                results.append(result)
         print(f"{what} {'(untimed) ' if not i else ''}{wall:.3f}s", flush=True)
         c.reshard_many(back).result(timeout=TIMEOUT_S)
         _settle(c, names)
     return times
+
+
+def _phases(results: list) -> dict[str, float]:
+    """Median seconds of each phase of the jobs (`JobResult.phases`), and of their slowest and fastest host's part
+    of running."""
+    out = {name: statistics.median(r.phases.get(name, 0.0) for r in results) for name in results[0].phases}
+    out["slowest host"] = statistics.median(max(r.host_seconds.values()) for r in results)
+    out["fastest host"] = statistics.median(min(r.host_seconds.values()) for r in results)
+    return out
 
 
 def agents(layers: int, hidden: int, runs: int) -> dict:
@@ -114,7 +127,9 @@ def agents(layers: int, hidden: int, runs: int) -> dict:
 
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         c.put_many(tensors)
-        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many")
+        results: list = []
+        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results)
+        out["many_phases"] = _phases(results)
         t0 = time.monotonic()
         for job in [c.reshard(name, sharding) for name, sharding in infer.items()]:
             job.result(timeout=TIMEOUT_S)
@@ -350,6 +365,15 @@ def main(argv=None) -> int:
                     f"way), the same `reshard_many`: measured {measured:.3f} s against a lower bound of "
                     f"{e['bound_s']:.3f} s (the busiest inference host's tiles, or a quarter of the state dict, "
                     f"whichever is more, at the link rate): {measured / e['bound_s']:.2f}x the bound.")
+    ph = a["many_phases"]
+    rest = many - sum(ph[p] for p in ("waiting", "planning", "running", "committing"))
+    phases_text = (f"Where one cross-mesh `reshard_many`'s {many:.3f} s went (the planner's record of each timed job, "
+                   f"`JobResult.phases`; medians): waiting {ph['waiting']:.3f} s, planning {ph['planning']:.3f} s "
+                   f"(the program is reused, so this is checking the request and choosing the transport), running "
+                   f"{ph['running']:.3f} s (every host's Execute; the slowest host's part {ph['slowest host']:.3f} s, "
+                   f"the fastest {ph['fastest host']:.3f} s), committing {ph['committing']:.3f} s (8 hosts and the "
+                   f"catalog); the remaining {rest:.3f} s are the client's request and its wait for the result. "
+                   f"Raw gloo's {gloo:.3f} s is all moving bytes.")
     body = (f"A synthetic state dict of {len(tensors)} tensors ({nbytes / MiB:.0f} MiB: {args.layers} layers, hidden "
             f"{args.hidden}; float32, float16 and float8 bytes with float32 block scales) moved from tensor-parallel "
             f"4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7 of this machine, one process "
@@ -359,7 +383,7 @@ def main(argv=None) -> int:
             f"distinct source tile once, by `broadcast` to the ranks that need it, all issued asynchronously, into "
             f"buffers allocated beforehand. The same-mesh rows move host0..host3's tensor-parallel-4 tiles to two "
             f"replicas of tensor-parallel 2 on the same four processes.\n\n"
-            + "\n".join(rows) + "\n\n" + lab_text
+            + "\n".join(rows) + "\n\n" + phases_text + "\n\n" + lab_text
             + f"\n\nReproduce: `python bench/weight_sync.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --gbps {args.gbps:g}` (root for the emulated hosts).")
     print(body)

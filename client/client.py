@@ -101,6 +101,10 @@ class JobResult:
     transport: str = ""  # what carried the network transfers: "grpc" or "collective"
     transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", or "local" (stayed on a host)
     versions: dict[str, int] = field(default_factory=dict)  # reshard_many: tensor -> the version it committed as
+    # Where the job's seconds went, in order: waiting (for earlier jobs on its tensors), planning, running (every
+    # host's part), committing; and each host's part of running, seconds (the slowest host sets the pace)
+    phases: dict[str, float] = field(default_factory=dict)
+    host_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def network_bytes(self) -> int:
@@ -114,7 +118,8 @@ def _result(info: pb.JobInfo) -> JobResult:
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
         traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
                  for t in info.traffic},
-        error=info.error, transport=info.transport, transports=tuple(info.transports), versions=dict(info.versions))
+        error=info.error, transport=info.transport, transports=tuple(info.transports), versions=dict(info.versions),
+        phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())))
 
 
 class Job:

@@ -64,7 +64,8 @@ class DashboardSource(Protocol):
         """Newest first, at most ``limit`` (None: every job the planner keeps): id, tensor, state, strategy,
         bytes_done, bytes_total, seconds, started, error, plan_id, transports, kind ("reshard", "einsum" or an
         apply's kernel), inputs, program_id (the program the job runs, once planned, where that is no plan of moves:
-        a compute job, a Partial tensor's reshard; else None)"""
+        a compute job, a Partial tensor's reshard; else None), phases ({phase: seconds} in `PHASES` order, those it
+        reached), host_seconds ({host: seconds of its Execute call})"""
 
     def job_count(self) -> int:
         """How many jobs the planner keeps (the last `JOBS_KEPT` finished ones and every one in flight)."""

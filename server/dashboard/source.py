@@ -47,6 +47,7 @@ def _job_doc(job: Job) -> dict:
         "error": job.error or None, "plan_id": ran.id if ran is not None else None,
         "program_id": job.program.id if job.program is not None else None,
         "transports": transports, "estimate_seconds": ran.estimate_seconds if ran is not None else None,
+        "phases": dict(job.phases), "host_seconds": dict(sorted(job.host_seconds.items())),
     }
 
 

@@ -144,6 +144,9 @@ class Job:
     bucket_bytes: int = 0  # reshard_many: moves smaller than this are packed into buckets of at least this
     versions: dict[str, int] = field(default_factory=dict)  # reshard_many, compute_many: tensor -> its new version
     outputs: list[str] = field(default_factory=list)  # compute_many: every tensor its ops write, in order
+    # Where the job's seconds went, in `PHASES` order (those it reached), and each host's Execute call, seconds
+    phases: dict[str, float] = field(default_factory=dict)
+    host_seconds: dict[str, float] = field(default_factory=dict)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -176,7 +179,7 @@ class Job:
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
                 "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
                 "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions,
-                "outputs": self.outputs}
+                "outputs": self.outputs, "phases": self.phases, "host_seconds": self.host_seconds}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -187,13 +190,17 @@ class Job:
                   d.get("kind", "reshard"), d.get("inputs", []), program,
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
                   bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
-                  outputs=d.get("outputs", []))
+                  outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
         return job
 
 
+# A job's phases (`Job.phases`): waiting for the jobs before it on its tensors (or for a free runner); planning
+# (its plan or program, and the transport, a collective job waiting for the process group); running (every host's
+# Execute, from the first call to the last host's end); committing (every host's commit and the catalog's).
+PHASES = ("waiting", "planning", "running", "committing")
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
 PROGRAM_MOVES_KEPT = 512  # programs whose moves a planner keeps worked out (`_Moves`), newest last
 JOBS_KEPT = 5000  # finished jobs a planner keeps, in memory and in its state store; older ones are forgotten
@@ -351,6 +358,7 @@ class JobRunner:
             for lock in locks:
                 held.enter_context(lock)
             job.state, job.started = "running", time.time()
+            job.phases["waiting"] = job.started - job.created
             self.store.save_job(job.to_json())
             superseded = []
             try:
@@ -459,7 +467,8 @@ class JobRunner:
     def _reshard(self, job: Job) -> list[TensorRecord]:
         """Run the job up to its commit; returns the records it replaced, whose versions are now free (none when
         the job made a new tensor)."""
-        deadline = time.monotonic() + self.job_timeout_s
+        began = time.monotonic()
+        deadline = began + self.job_timeout_s
         work = self._work(job)
         hosts = work.hosts
         peers = {h: self.registry.require_up(h).address for h in hosts}
@@ -488,10 +497,15 @@ class JobRunner:
             try:
                 if at_once:
                     committing.add(hosts[0])
+                ran = time.monotonic()
+                job.phases["planning"] = ran - began
                 self._run_program(job, prep, hosts, deadline, commit=at_once)
+                committed = time.monotonic()
+                job.phases["running"] = committed - ran
                 if not at_once:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
                 self.catalog.commit(work.commits)
+                job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
                 self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
                 raise
@@ -642,8 +656,10 @@ class JobRunner:
                 job.progress[h][0] = done
                 job.steps[h] = [steps_done, steps]
 
+            called = time.monotonic()
             traffic = self.agents.execute(h, prep.peers[h], job.id, prep.program_id, on_progress,
-                                          max(0.1, deadline - time.monotonic()), prep if early else None, commit)
+                                          max(0.1, deadline - called), prep if early else None, commit)
+            job.host_seconds[h] = time.monotonic() - called
             if traffic is not None:
                 job.traffic[h] = traffic
 

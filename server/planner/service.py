@@ -150,7 +150,9 @@ def job_info(job: Job) -> pb.JobInfo:
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
                  for h, t in sorted(job.traffic.items())],
         seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
-        kind=job.kind, inputs=job.inputs, versions=job.versions)
+        kind=job.kind, inputs=job.inputs, versions=job.versions,
+        phases=[pb.JobPhase(name=n, seconds=s) for n, s in dict(job.phases).items()],
+        host_seconds=dict(job.host_seconds))
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:

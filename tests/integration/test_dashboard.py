@@ -356,3 +356,25 @@ def test_transport_in_use_is_shown(tmp_path):
         page = httpx.get(f"{base}/jobs/{job.id}", headers=headers, timeout=30).text
         assert re.findall(r'<td class="carried-by">(\w+)</td>', page) == ["collective"]
         assert 'data-host="host0"' in httpx.get(f"{base}/", headers=headers, timeout=30).text
+
+
+def test_a_job_says_where_its_time_went_in_the_sdk_the_api_and_its_page(web):
+    from reshard.server.planner.jobs import PHASES
+
+    c = web["client"]
+    src = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
+    data = np.arange(512 * 300, dtype=np.float32).reshape(512, 300)
+    c.put("timed", data, src)
+    result = c.reshard("timed", Sharding(Mesh.from_hosts({"x": 2}, HOSTS[:2], 1), ("x", None))).result(timeout=60)
+    assert list(result.phases) == list(PHASES) and all(s >= 0 for s in result.phases.values())
+    # waiting came before the job started; the rest is the job's own seconds, up to recording the outcome
+    assert sum(list(result.phases.values())[1:]) <= result.seconds + 1e-3
+    assert list(result.host_seconds) == ["host0", "host1"]
+    assert max(result.host_seconds.values()) <= result.phases["running"] + 1e-3
+    doc = _get(web, f"/api/jobs/{result.id}").json()
+    assert doc["phases"] == pytest.approx(result.phases) and doc["host_seconds"] == pytest.approx(result.host_seconds)
+    page = _get(web, f"/jobs/{result.id}").text
+    assert re.findall(r'data-phase="(\w+)"', page) == list(PHASES)
+    slowest = max(result.host_seconds, key=result.host_seconds.get)
+    assert f'class="slowest" data-host="{slowest}"' in page and "of 2 hosts" in page
+    c.delete("timed")

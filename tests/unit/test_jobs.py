@@ -12,7 +12,7 @@ import pytest
 
 from reshard import Mesh, Sharding
 from reshard.server.planner.catalog import Catalog, TensorRecord
-from reshard.server.planner.jobs import JobRunner, Preparation
+from reshard.server.planner.jobs import PHASES, JobRunner, Preparation
 from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
 from reshard.server.transport.faults import Fail
@@ -107,6 +107,11 @@ def test_a_job_hands_every_host_the_program_once_and_runs_it_with_one_execute_pe
         assert set(job.traffic) == set(HOSTS)
         assert all(done == total for done, total in job.progress.values())
         assert all(done == total for done, total in job.steps.values())
+        # where the time went: every phase, in order, and each host's Execute within the running phase
+        assert list(job.phases) == list(PHASES) and all(s >= 0 for s in job.phases.values())
+        assert job.phases["waiting"] == pytest.approx(job.started - job.created)
+        assert sum(list(job.phases.values())[1:]) <= job.seconds
+        assert set(job.host_seconds) == set(HOSTS) and max(job.host_seconds.values()) <= job.phases["running"]
     finally:
         hosts.close()
 
@@ -118,6 +123,7 @@ def test_a_failed_step_fails_the_job_aborts_every_host_and_leaves_the_source():
         job = runner.submit("t", DST, "broadcast")
         assert job.done_event.wait(30) and job.state == "failed"
         assert "failed on host host1 (injected by the test)" in job.error
+        assert list(job.phases) == ["waiting", "planning"]  # it never finished running, nor committed
         assert calls.count("abort") == {h: 1 for h in HOSTS}
         assert not calls.count("commit")
         # Nothing was committed, so nothing is released: a late release could free a retry's same version.
