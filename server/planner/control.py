@@ -37,7 +37,7 @@ from reshard.proto.layout import tile_shape
 from reshard.server.common.contract import Staging
 from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import put_fields, sign
-from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name
+from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name, repeated_names
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, ProgramCache
@@ -552,7 +552,7 @@ class Planner:
         if not targets:
             raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
         names = [n for n, _ in targets]
-        repeated = sorted({n for n in names if names.count(n) > 1})
+        repeated = repeated_names(names)
         if repeated:
             raise InvalidArgumentError(f"reshard_many names tensors {repeated[:5]} more than once; give each "
                                        f"tensor one destination")
@@ -566,7 +566,8 @@ class Planner:
         if len(pairs) != len(scales):
             raise InvalidArgumentError(f"reshard_many pairs a weight with more than one scale tensor "
                                        f"({[w for w, _, _ in scales][:5]}); give each weight one")
-        names += [s for s, _ in pairs.values() if s not in names]
+        given = set(names)
+        names += [s for s, _ in pairs.values() if s not in given]
         records = {n: self.catalog.get(n) for n in names}
         for rec in records.values():
             self._check_not_lost(rec)
