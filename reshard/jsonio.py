@@ -80,12 +80,16 @@ def describe(value) -> str:
     return f"a {type(value).__name__} {brief(value)}"
 
 
+def _fits(value, kind: str) -> bool:
+    """Whether ``value`` has the JSON type ``kind`` (see the module's table)."""
+    if not isinstance(value, _TYPES[kind]) or (kind != "boolean" and isinstance(value, bool)):
+        return False
+    return not (kind == "number" and isinstance(value, float) and not math.isfinite(value))
+
+
 def need(value, kind: str, what: str, error: type[ValueError]):
     """``value`` if it has the JSON type ``kind`` (see the module's table), else ``error`` naming ``what``."""
-    ok = isinstance(value, _TYPES[kind]) and (kind == "boolean" or not isinstance(value, bool))
-    if ok and kind == "number" and isinstance(value, float) and not math.isfinite(value):
-        ok = False
-    if not ok:
+    if not _fits(value, kind):
         raise error(f"{what} must be {_EXPECTED[kind]}; got {describe(value)}")
     return value
 
@@ -99,7 +103,9 @@ def field_of(data: Mapping, key: str, kind: str, what: str, error: type[ValueErr
         if default is _MISSING:
             raise error(f"{what} lacks the field {key!r}, which must be {_EXPECTED[kind]}")
         return default
-    return need(data[key], kind, f"{what} field {key!r}", error)
+    value = data[key]
+    # The field's name goes into a message only when there is one to give: a program has a hundred thousand fields.
+    return value if _fits(value, kind) else need(value, kind, f"{what} field {key!r}", error)
 
 
 def nesting_bound(text: str, limit: int | None = None) -> int:

@@ -578,6 +578,9 @@ def check_claimed_id(data: Mapping, made, what: str):
 
 def box_from_json(raw, what: str) -> Box:
     """A box from JSON ``[[lo, hi], ...]`` (``raw`` already an array); ``what`` names it in errors."""
+    # Well-formed bounds (the usual case: a program holds one box per step) skip the checks that name each part.
+    if all(type(b) is list and len(b) == 2 and type(b[0]) is int and type(b[1]) is int for b in raw):
+        return tuple((lo, hi) for lo, hi in raw)
     out = []
     for d, bounds in enumerate(raw):
         need(bounds, "array", f"{what} dim {d}", PlanValidationError)
@@ -590,6 +593,8 @@ def box_from_json(raw, what: str) -> Box:
 
 def strings(raw, what: str) -> tuple[str, ...]:
     """The strings of a JSON array (``raw`` already an array); ``what`` names it in errors."""
+    if all(type(x) is str for x in raw):
+        return tuple(raw)
     return tuple(need(x, "string", f"{what} item {i}", PlanValidationError) for i, x in enumerate(raw))
 
 
