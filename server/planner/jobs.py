@@ -445,7 +445,11 @@ class JobRunner:
     def _watch(self, peers: dict[str, str], reported: dict[str, float]) -> Callable[[list[str]], None]:
         """A ``watch`` for `_fan_out`: raises `_NotAnswering` for the first of the given hosts that is marked
         down, whose agent was replaced, or whose last progress report (``reported``: host -> monotonic time,
-        kept by the caller) is older than ``stall_timeout_s``."""
+        kept by the caller) is older than ``stall_timeout_s``.
+
+        A host whose part of the job reported progress within the heartbeat timeout is alive, whatever its
+        heartbeats say: on a machine whose cores the job keeps busy, an agent's heartbeat calls can miss their
+        deadline at a slow planner while its Execute stream, which the planner reads, goes on."""
 
         def watch(hosts: list[str]) -> None:
             now = time.monotonic()
@@ -454,7 +458,9 @@ class JobRunner:
                 if rec is None or rec.address != peers[h]:
                     raise _NotAnswering(h, f"its agent at {peers[h]} was replaced"
                                            + (f" by one at {rec.address}" if rec is not None else ""))
-                if not self.registry.is_up(rec):
+                heard = reported.get(h)
+                if not self.registry.is_up(rec) and (heard is None
+                                                     or now - heard > self.registry.heartbeat_timeout_s):
                     raise _NotAnswering(h, f"no heartbeat for {self.registry.age(rec):.1f}s (agents are down after "
                                            f"{self.registry.heartbeat_timeout_s:g}s without one)")
                 last = reported.get(h)

@@ -179,7 +179,9 @@ class Unanswering(RuntimeCalls):
 @pytest.mark.parametrize("how", ["heartbeats", "progress reports"])
 def test_a_host_that_stops_answering_fails_the_job_naming_it_before_its_own_cleanup_ends(how):
     now = [0.0]
-    registry = Registry(heartbeat_timeout_s=60.0, clock=lambda: now[0])
+    # Heartbeats run on this test's clock; the half-second timeout also bounds, in real time, how long a host's
+    # last progress report vouches for it once its heartbeats stop.
+    registry = Registry(heartbeat_timeout_s=0.5, clock=lambda: now[0])
     for h in HOSTS:
         registry.register(h, 2, h, 10.0, secret=bytes(16))
 
@@ -295,5 +297,50 @@ def test_a_one_host_job_that_fails_leaves_the_old_version_and_releases_the_new_o
         assert catalog.get("u").version == 1
         assert all(hosts.stores["host0"].find("u", 2, d) is None for d in ONE_HOST.devices)
         assert np.array_equal(hosts.get("u", Sharding(ONE_HOST, ("x", None)), u.shape, version=1), u)
+    finally:
+        hosts.close()
+
+
+class ReportingWithoutHeartbeats(RuntimeCalls):
+    """Stops every heartbeat once the job runs, while ``host``'s Execute keeps reporting progress for a while."""
+
+    def __init__(self, hosts: Hosts, host: str, stop_heartbeats, seconds: float):
+        super().__init__(hosts)
+        self.host, self.stop_heartbeats, self.seconds = host, stop_heartbeats, seconds
+
+    def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
+        if host == self.host:
+            self.stop_heartbeats()
+            end = time.monotonic() + self.seconds
+            while time.monotonic() < end:
+                on_progress(0, 0, 0, 1)
+                time.sleep(0.05)
+        return super().execute(host, address, job, program_id, on_progress, timeout, prepare, commit)
+
+
+def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_taken_for_dead():
+    """On a machine the job keeps busy, an agent's heartbeat calls can miss their deadline at a slow planner while
+    its Execute stream goes on: the job goes on too."""
+    now = [0.0]
+    registry = Registry(heartbeat_timeout_s=0.5, clock=lambda: now[0])
+    for h in HOSTS:
+        registry.register(h, 2, h, 10.0, secret=bytes(16))
+
+    def stop_heartbeats() -> None:
+        now[0] = 100.0  # every host's last heartbeat is now 100 s old
+
+    hosts = Hosts()
+    calls = ReportingWithoutHeartbeats(hosts, "host3", stop_heartbeats, seconds=1.5)
+    try:
+        catalog = Catalog()
+        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+        catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+        hosts.put_tensor("t", a, SRC)
+        runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=60.0, rpc_timeout_s=30.0,
+                           max_concurrent=2, stall_timeout_s=60.0)
+        job = runner.submit("t", DST, "send_recv")
+        assert job.done_event.wait(20) and job.state == "succeeded", job.error
+        assert job.host_seconds["host3"] >= 1.5  # it ran three heartbeat timeouts past its last heartbeat
+        assert np.array_equal(hosts.get("t", DST, SHAPE, version=2), a)
     finally:
         hosts.close()
