@@ -86,6 +86,16 @@ def _runner(hosts: Hosts) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]
     return runner, calls, catalog, a
 
 
+def _watched_runner(hosts: Hosts, registry: Registry, calls: RuntimeCalls, stall_timeout_s: float):
+    """A runner on ``registry`` and ``calls`` (whose hosts a test makes stop answering), with "t" put on SRC."""
+    catalog = Catalog()
+    a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+    catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+    hosts.put_tensor("t", a, SRC)
+    return JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=60.0, rpc_timeout_s=30.0,
+                     max_concurrent=2, stall_timeout_s=stall_timeout_s), a
+
+
 def test_a_job_hands_every_host_the_program_once_and_runs_it_with_one_execute_per_host():
     hosts = Hosts()
     try:
@@ -193,12 +203,7 @@ def test_a_host_that_stops_answering_fails_the_job_naming_it_before_its_own_clea
     hosts = Hosts()
     calls = Unanswering(hosts, "host3", stop_heartbeats if how == "heartbeats" else lambda: None)
     try:
-        catalog = Catalog()
-        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
-        catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
-        hosts.put_tensor("t", a, SRC)
-        runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=60.0, rpc_timeout_s=30.0,
-                           max_concurrent=2, stall_timeout_s=60.0 if how == "heartbeats" else 0.5)
+        runner, a = _watched_runner(hosts, registry, calls, stall_timeout_s=60.0 if how == "heartbeats" else 0.5)
         job = runner.submit("t", DST, "send_recv")
         assert job.done_event.wait(20) and job.state == "failed"
         why = "no heartbeat for 100.0s" if how == "heartbeats" else r"no progress report for [\d.]+s"
@@ -332,12 +337,7 @@ def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_tak
     hosts = Hosts()
     calls = ReportingWithoutHeartbeats(hosts, "host3", stop_heartbeats, seconds=1.5)
     try:
-        catalog = Catalog()
-        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
-        catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
-        hosts.put_tensor("t", a, SRC)
-        runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=60.0, rpc_timeout_s=30.0,
-                           max_concurrent=2, stall_timeout_s=60.0)
+        runner, a = _watched_runner(hosts, registry, calls, stall_timeout_s=60.0)
         job = runner.submit("t", DST, "send_recv")
         assert job.done_event.wait(20) and job.state == "succeeded", job.error
         assert job.host_seconds["host3"] >= 1.5  # it ran three heartbeat timeouts past its last heartbeat
