@@ -37,8 +37,7 @@ from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
 __all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "execute_fields",
-           "release_fields",
-           "SECRET_BYTES"]
+           "release_fields", "SECRET_BYTES"]
 
 SECRET_BYTES = 32
 _SEP = "\x1f"

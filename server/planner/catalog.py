@@ -71,11 +71,11 @@ def check_name(name: str) -> str:
     return name
 
 
-
 def repeated_names(names: list[str]) -> list[str]:
     """The names that appear more than once in ``names``, sorted: in linear time, as a state dict of ten thousand
     tensors is one request (counting each name's copies took 1.7 s there)."""
     return sorted(n for n, k in Counter(names).items() if k > 1)
+
 
 class Catalog:
     def __init__(self):

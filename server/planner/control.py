@@ -115,7 +115,7 @@ class Planner:
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
                               group=self.group, group_wait_s=config.group_wait_s,
                               stall_timeout_s=config.stall_timeout_s)
-        self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many) by ops and layouts
+        self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many), `_planned`
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -444,11 +444,13 @@ class Planner:
             # The same op on the same layouts plans the same program: a training loop repeats its applies and
             # einsums every step, and the request's check and its job plan once between them (as compute_many).
             decls = tuple(TensorDecl(n, records[n].shape, records[n].dtype, records[n].sharding) for n in inputs)
-            if op == "einsum":
-                return self._planned((described, decls, topology), lambda: plan_einsum(
-                    params["equation"], list(decls), program_out, out_sharding, topology, strategy))
-            return self._planned((described, decls, topology), lambda: plan_apply(
-                op, list(decls), program_out, params, out_sharding, topology, strategy))
+
+            def plan() -> Program:
+                if op == "einsum":
+                    return plan_einsum(params["equation"], list(decls), program_out, out_sharding, topology, strategy)
+                return plan_apply(op, list(decls), program_out, params, out_sharding, topology, strategy)
+
+            return self._planned((described, decls, topology), plan)
 
         return make
 

@@ -458,12 +458,10 @@ class JobRunner:
                 if rec is None or rec.address != peers[h]:
                     raise _NotAnswering(h, f"its agent at {peers[h]} was replaced"
                                            + (f" by one at {rec.address}" if rec is not None else ""))
-                heard = reported.get(h)
-                if not self.registry.is_up(rec) and (heard is None
-                                                     or now - heard > self.registry.heartbeat_timeout_s):
+                last = reported.get(h)
+                if not self.registry.is_up(rec) and (last is None or now - last > self.registry.heartbeat_timeout_s):
                     raise _NotAnswering(h, f"no heartbeat for {self.registry.age(rec):.1f}s (agents are down after "
                                            f"{self.registry.heartbeat_timeout_s:g}s without one)")
-                last = reported.get(h)
                 if last is not None and now - last > self.stall_timeout_s:
                     raise _NotAnswering(h, f"no progress report for {now - last:.1f}s while its part of the job runs "
                                            f"(the planner's --stall-timeout is {self.stall_timeout_s:g}s)")
