@@ -13,15 +13,20 @@ Reported: the median step time of each, the measured gain (1F1B's time over eage
 transfers, from issue to arrival), beside the planner's estimate of a boundary reshard; the peak activation
 bytes each stage held; and per stage where the time went (compute, waiting for an input, idle).
 
-Sizes: the four emulated hosts share this machine's two cores, so a boundary transfer as long as a forward must
-come from activations that are large in bytes but cheap to compute. At 1 Gbit/s, 8192 rows of width 256 make
-8 MiB activations (67 ms on the link) for a 256x256 layer whose matmul is about 1 GFLOP. A wider layer at the
-same link rate (``--rows 4096 --width 512``) asks four stages at once for more compute than two cores have:
-every stage's ops slow down together, the step is bound by the CPU rather than by the pipeline's bubbles, and no
-order of ops can gain (measured: 0.73x against 1.11x predicted). ``--gbps 0.25 --rows 2048`` is the same
-balance at a quarter of the bytes.
+Devices: the four emulated hosts share this machine's two cores. Their links are shaped to a NIC's rate, and
+their devices are emulated the same way (``reshard lab --device-gflops``, `reshard.server.agent.pace`): a kernel
+runs at this machine's speed, then its step waits out the time a device of that rate would take, one step at a
+time per device. The default rate makes a forward's matmul take as long as its activation on the link (width x
+Gbit/s / 16 GFLOP/s: 16 at width 256 and 1 Gbit/s), the balance the issue asks for. Without emulation
+(``--device-gflops 0``, also run and reported for reference), four stages that compute at once fight for two
+cores: a schedule that keeps more stages busy (eager-1F1B) makes every kernel slower, which hosts with devices of
+their own would not see, and the measured gain falls short of the prediction for that reason (the report says by
+how much the same ops slowed down).
 
-    python bench/pipeline.py                   # root: builds the lab; a few minutes on 2 cores
+Sizes: at 1 Gbit/s, 8192 rows of width 256 make 8 MiB activations (67 ms on the link) for a 256x256 layer whose
+matmul is about 1 GFLOP (67 ms at the emulated 16 GFLOP/s, a few ms of this machine's cores).
+
+    python bench/pipeline.py                   # root: builds the lab twice; a few minutes on 2 cores
     python bench/pipeline.py --quick --no-write
 """
 
@@ -68,7 +73,14 @@ def _transfer_alone(c, meshes, rows: int, width: int, runs: int = 5) -> float:
     return statistics.median(times)
 
 
-def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, transport: str) -> dict:
+def auto_gflops(width: int, gbps: float) -> float:
+    """The device rate at which a ``width x width`` layer's matmul takes as long as its activation on the link:
+    ``2 rows width^2`` FLOPs against ``4 rows width`` bytes at ``gbps``."""
+    return width * gbps / 16
+
+
+def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, transport: str,
+        device_gflops: float) -> dict:
     """Measured and predicted figures, or ``{"skipped": why}`` without the lab."""
     from reshard import Mesh, Sharding, schedule
     from reshard.schedule import Timeline
@@ -83,7 +95,7 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
     batches = [([rng.standard_normal((rows, width)).astype(np.float32) for _ in range(microbatches)],
                 [np.eye(width, dtype=np.float32)[rng.integers(0, width, rows)] for _ in range(microbatches)])
                for _ in range(steps + 1)]
-    with Lab(LabConfig(num_hosts=STAGES, devices_per_host=1, gbps=gbps)) as emulated:
+    with Lab(LabConfig(num_hosts=STAGES, devices_per_host=1, gbps=gbps, device_gflops=device_gflops)) as emulated:
         address = start_cluster(emulated, extra_agent_args=["--transport", transport])
         hosts = [emulated.host_name(i) for i in range(STAGES)]
         with emulated.connect(address) as c:
@@ -106,7 +118,8 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
             for step, (xs, ys) in enumerate(batches):
                 for kind in KINDS:
                     result = pipes[kind].step(kind, xs, ys)
-                    print(f"step {step} {kind}: {result.timeline.iteration_s:.3f}s loss {result.loss:.5f}"
+                    print(f"step {step} {kind}{' (native kernels)' if not device_gflops else ''}: "
+                          f"{result.timeline.iteration_s:.3f}s loss {result.loss:.5f}"
                           f"{' (untimed)' if step == 0 else ''}", flush=True)
                     if step:
                         results[kind].append(result)
@@ -138,9 +151,35 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
     }
 
 
+def _gains(r: dict) -> tuple[float, float, float]:
+    """The measured gain, the predicted one, and how far apart they are (relative to the prediction)."""
+    gain = r["step_s"]["1f1b"] / r["step_s"]["eager-1f1b"]
+    predicted = r["predicted_s"]["1f1b"] / r["predicted_s"]["eager-1f1b"]
+    return gain, predicted, abs(gain - predicted) / predicted
+
+
+def _verdict(ok: bool) -> str:
+    return "yes" if ok else "**no**"
+
+
+def _slower(r: dict) -> str:
+    """How much longer the same ops took under eager-1F1B than under 1F1B."""
+    own = r["own"]
+
+    def longer(what: str) -> str:
+        a, b = sum(own["1f1b"][what]), sum(own["eager-1f1b"][what])
+        return f"{b / a - 1:+.0%}"
+
+    return f"forwards {longer('forward_s')}, backwards {longer('backward_s')}, transfers {longer('transfer_s')}"
+
+
+def _busy(r: dict, kind: str) -> float:
+    return sum(w["compute"] for w in r["where"][kind]) / r["timelines"][kind]["iteration_s"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="fewer, smaller microbatches: a smoke run")
+    p.add_argument("--quick", action="store_true", help="fewer, smaller microbatches, no native run: a smoke run")
     p.add_argument("--gbps", type=float, default=1.0, help="every emulated host link's rate, each way")
     p.add_argument("--rows", type=int, default=None, help="rows per microbatch (default 8192, quick 512)")
     p.add_argument("--width", type=int, default=256, help="every layer's input and output width")
@@ -148,6 +187,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule after one untimed (default 3)")
     p.add_argument("--transport", choices=("grpc", "collective"), default="collective",
                    help="the agents' transport (collective: what agents pick by default where torch is installed)")
+    p.add_argument("--device-gflops", type=float, default=None,
+                   help="the emulated devices' float32 rate (default: a forward's matmul as long as its activation "
+                        "on the link, width x gbps / 16); 0: kernels at this machine's speed only")
     p.add_argument("--timelines", type=Path, default=None,
                    help="also write each schedule's typical step timeline as JSON here (the dashboard's "
                         "pipeline page draws it)")
@@ -156,26 +198,28 @@ def main(argv=None) -> int:
     rows = args.rows or (512 if args.quick else 8192)
     m = args.microbatches or (4 if args.quick else 8)
     steps = args.steps or (1 if args.quick else 3)
-    r = run(args.gbps, rows, args.width, m, steps, args.transport)
+    gflops = auto_gflops(args.width, args.gbps) if args.device_gflops is None else args.device_gflops
+    r = run(args.gbps, rows, args.width, m, steps, args.transport, gflops)
     if "skipped" in r:
         print(f"skipped: {r['skipped']}")
         return 0
+    # For reference: the same pipeline with kernels at this machine's speed, the four hosts sharing its cores.
+    native = run(args.gbps, rows, args.width, m, steps, args.transport, 0.0) if gflops and not args.quick else None
     if args.timelines:
         args.timelines.write_text(json.dumps(r["timelines"], indent=1))
 
-    def verdict(ok: bool) -> str:
-        return "yes" if ok else "**no**"
-
-    gain = r["step_s"]["1f1b"] / r["step_s"]["eager-1f1b"]
-    predicted = r["predicted_s"]["1f1b"] / r["predicted_s"]["eager-1f1b"]
-    within = abs(gain - predicted) / predicted
+    gain, predicted, within = _gains(r)
     act = rows * args.width * 4
+    devices = (f"devices emulated at {gflops:g} GFLOP/s (a forward's {2 * rows * args.width ** 2 / 1e9:.2f} GFLOP "
+               f"matmul: {2 * rows * args.width ** 2 / (gflops * 1e9):.3f} s)" if gflops
+               else "kernels at this machine's speed")
     lines = [
         f"A {STAGES}-stage MLP (one {args.width}x{args.width} float32 Dense layer per stage) on `reshard lab`: "
         f"{STAGES} emulated hosts x 1 device, one stage each, links shaped to {args.gbps:g} Gbit/s each way, "
-        f"agents on the {args.transport} transport. m = {m} microbatches of {rows} rows (a boundary activation "
-        f"is {act / MiB:.1f} MiB); median of {steps} steps per schedule, interleaved, after one untimed each. "
-        f"The {STAGES} hosts share this machine's cores.",
+        f"{devices}, agents on the {args.transport} transport. m = {m} microbatches of {rows} rows (a boundary "
+        f"activation is {act / MiB:.1f} MiB, {act * 8 / (args.gbps * 1e9):.3f} s on the link); median of {steps} "
+        f"steps per schedule, interleaved, after one untimed each. The {STAGES} hosts share this machine's "
+        f"{os.cpu_count()} cores.",
         "",
         "| schedule | step (s) | simulated (s) | peak activations per stage | peak activation MiB per stage |",
         "|---|---:|---:|---|---|",
@@ -184,44 +228,45 @@ def main(argv=None) -> int:
         lines.append(f"| {kind} | {r['step_s'][kind]:.3f} | {r['predicted_s'][kind]:.3f} | "
                      f"{', '.join(map(str, r['peak'][kind]))} | "
                      f"{', '.join(f'{b / MiB:.1f}' for b in r['peak_bytes'][kind])} |")
+    own = r["own"]
     lines += [
         "",
         f"- Measured gain of eager-1F1B over 1F1B: **{gain:.2f}x**; the simulator predicts **{predicted:.2f}x** "
-        f"for the measured times ({within:.0%} apart; goal within {GOAL_WITHIN:.0%}: {verdict(within <= GOAL_WITHIN)}"
+        f"for the measured times ({within:.0%} apart; goal within {GOAL_WITHIN:.0%}: {_verdict(within <= GOAL_WITHIN)}"
         + (f"; goal at least {GOAL_GAIN:g}x as the prediction is {GOAL_GAIN_WHEN:g}x or more: "
-           f"{verdict(gain >= GOAL_GAIN)}" if predicted >= GOAL_GAIN_WHEN else "") + ").",
+           f"{_verdict(gain >= GOAL_GAIN)}" if predicted >= GOAL_GAIN_WHEN else "") + ").",
         f"- Measured per stage, median seconds: forward {', '.join(f'{v:.3f}' for v in r['forward_s'])}; "
         f"backward {', '.join(f'{v:.3f}' for v in r['backward_s'])}. Per boundary, a transfer from issue to "
         f"arrival: {', '.join(f'{v:.3f}' for v in r['transfer_s'])} (the planner estimates "
         f"{', '.join(f'{v:.3f}' for v in r['estimate_s'])} for the reshard alone; one such reshard between stage 0's "
         f"and stage 1's hosts with nothing else running takes {r['transfer_alone_s']:.3f}, as a job, median of 5). "
         f"The simulator lets transfers overlap one another; on a link, a boundary's transfers queue.",
-    ]
-    own = r["own"]
-
-    def longer(what: str) -> str:
-        a, b = sum(own["1f1b"][what]), sum(own["eager-1f1b"][what])
-        return f"{b / a - 1:+.0%}"
-
-    lines += [
         "- Each schedule simulated with its own steps' median times: "
         + ", ".join(f"{kind} {own[kind]['predicted_s']:.3f} s (measured {r['step_s'][kind]:.3f} s)" for kind in KINDS)
-        + f". Under eager-1F1B the same ops took longer than under 1F1B: forwards {longer('forward_s')}, "
-        f"backwards {longer('backward_s')}, transfers {longer('transfer_s')} (sums over stages and boundaries), "
-        f"as more stages compute at once on this machine's {os.cpu_count()} cores (below); the simulation above "
-        f"takes both schedules' steps together.",
+        + f". Under eager-1F1B the same ops took longer than under 1F1B: {_slower(r)} (sums over stages and "
+        f"boundaries); the simulation above takes both schedules' steps together.",
         "- Where each stage's time went in a typical step (compute / waiting for an input / idle, seconds):",
     ]
     for kind in KINDS:
         parts = "; ".join(f"stage {i}: {w['compute']:.2f} / {w['wait']:.2f} / {w['idle']:.2f}"
                           for i, w in enumerate(r["where"][kind]))
-        busy = sum(w["compute"] for w in r["where"][kind]) / r["timelines"][kind]["iteration_s"]
-        lines.append(f"  - {kind}: {parts}; stages computing at once, on average: {busy:.2f} (this machine has "
-                     f"{os.cpu_count()} cores, shared with the planner, the transfers and other users)")
+        lines.append(f"  - {kind}: {parts}; stages computing at once, on average: {_busy(r, kind):.2f}")
+    if native is not None:
+        n_gain, n_predicted, n_within = _gains(native)
+        lines += [
+            f"- For reference, the same run with kernels at this machine's speed (no device emulation): 1F1B "
+            f"{native['step_s']['1f1b']:.3f} s, eager-1F1B {native['step_s']['eager-1f1b']:.3f} s, a gain of "
+            f"{n_gain:.2f}x against {n_predicted:.2f}x predicted ({n_within:.0%} apart). Forwards took "
+            f"{', '.join(f'{v:.3f}' for v in native['forward_s'])} s per stage; stages computing at once, on "
+            f"average: {_busy(native, '1f1b'):.2f} under 1F1B, {_busy(native, 'eager-1f1b'):.2f} under eager-1F1B, "
+            f"on {os.cpu_count()} cores shared with the planner and the transfers, and under eager-1F1B the same ops "
+            f"took longer: {_slower(native)}, a slowdown that hosts with devices of their own would not see.",
+        ]
     lines += [
         "",
         f"Reproduce: `python bench/pipeline.py{' --quick' if args.quick else ''} --gbps {args.gbps:g} --rows {rows} "
-        f"--width {args.width} --microbatches {m} --steps {steps} --transport {args.transport}` (root).",
+        f"--width {args.width} --microbatches {m} --steps {steps} --transport {args.transport}"
+        f"{'' if args.device_gflops is None else f' --device-gflops {args.device_gflops:g}'}` (root).",
     ]
     body = "\n".join(lines)
     print(body)

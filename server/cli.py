@@ -61,6 +61,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    """A rate that is 0 (off) or positive."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number >= 0")
+    return value
+
+
 def _size(text: str) -> int:
     from reshard.server.common.sizes import parse_size
 
@@ -89,6 +100,10 @@ def _add_agent_command(sub) -> None:
                    help="one device's float32 GFLOP/s reported to the planner (0: measure at start)")
     p.add_argument("--memory-gbps", type=float, default=d.memory_gb_per_s,
                    help="one device's memory GB/s, read plus write, reported to the planner (0: measure at start)")
+    p.add_argument("--emulate-gflops", type=_rate, default=d.emulate_gflops, metavar="GFLOPS",
+                   help="emulate devices of this float32 rate, as the lab does for its hosts: each compute step lasts "
+                        "at least its FLOPs at this rate, one at a time per device; reported to the planner "
+                        "(0: off, kernels at this machine's speed)")
     p.add_argument("--compute-threads", type=_count, default=d.compute_threads, metavar="N",
                    help="threads one kernel (BLAS, OpenMP, torch) may use; 0: every core. Agents that share a machine "
                         "should split its cores (reshard up and local_cluster give each its share)")
@@ -122,6 +137,7 @@ def _run_agent(args) -> int:
     config = AgentConfig(host=args.host, num_devices=args.devices, planner=args.planner, listen=args.listen,
                          advertise=args.advertise, chunk_bytes=int(args.chunk_mib * 2**20), nic_gbps=args.nic_gbps,
                          device_gflops=args.device_gflops, memory_gb_per_s=args.memory_gbps,
+                         emulate_gflops=args.emulate_gflops,
                          compute_threads=args.compute_threads, rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20,
                          transport=args.transport,
                          device=args.device, collective_timeout_s=args.collective_timeout,

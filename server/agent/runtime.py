@@ -62,6 +62,7 @@ from reshard.box import Box
 from reshard.cost import sender_bytes
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.jsonio import loads
+from reshard.kernels import KERNELS as KERNEL_RULES
 from reshard.kernels import axis_param, dims_param, float_param
 from reshard.many import program_from_json
 from reshard.mesh import host_of
@@ -75,6 +76,7 @@ from reshard.proto.errors import (
 from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
 from reshard.server.agent.buckets import BYTES, Bucket, bucket_moves
 from reshard.server.agent.matmul import einsum2
+from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.staging import StagedTiles, staged_bytes, staging_owner
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
@@ -753,8 +755,9 @@ class Runtime:
     """Runs the programs of one agent (see the module docstring); shared by all its jobs."""
 
     def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
-                 step_timeout_s: float, device: str = "cpu"):
+                 step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None):
         self.host = host
+        self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's
         self.store = store
         self.transports = dict(transports)
         self.step_timeout_s = step_timeout_s
@@ -987,7 +990,12 @@ class Runtime:
             inputs.append(buffers.region(array, ref.box, origin))
         out = step.output
         array, origin = run.produce(step.device, out.tensor, out.role, out.box)
-        kernel(inputs, buffers.region(array, out.box, origin), dict(step.params))
+        params = dict(step.params)
+        started = time.monotonic()
+        kernel(inputs, buffers.region(array, out.box, origin), params)
+        if self.pace is not None:
+            flops = KERNEL_RULES[step.kernel].flops(tuple(tuple(a.shape) for a in inputs), params)
+            self.pace.finish(step.device, flops, started, run.check)
 
     def _in_order(self, run: Run) -> None:
         """Active transports: this host's tasks depth by depth, each depth FIFO on the transport's lanes."""

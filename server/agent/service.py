@@ -39,6 +39,7 @@ from reshard.server.common.tickets import (TicketCheck, commit_fields, execute_f
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
+from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.threads import limit_compute_threads
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
@@ -270,7 +271,8 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
         transports["collective"] = collective
     # --fault (tests only) wraps the transports; the production loops have no fault branch.
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
-                      workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device)
+                      workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device,
+                      pace=DevicePace(config.emulate_gflops) if config.emulate_gflops else None)
     warn_if_open(f"the agent of host {config.host}", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS,
@@ -336,11 +338,13 @@ class Agent:
         self.rates = self._rates(config)
 
     def _rates(self, config: AgentConfig) -> DeviceRates:
-        """What the cost model prices this agent's compute with: the configured figures, the rest measured."""
-        if config.device_gflops > 0 and config.memory_gb_per_s > 0:
-            return DeviceRates(config.device_gflops, config.memory_gb_per_s)
+        """What the cost model prices this agent's compute with: the configured figures (an emulated device's
+        rate first), the rest measured."""
+        gflops = config.emulate_gflops or config.device_gflops
+        if gflops > 0 and config.memory_gb_per_s > 0:
+            return DeviceRates(gflops, config.memory_gb_per_s)
         measured = probe(self.device)
-        return DeviceRates(config.device_gflops or measured.gflops,
+        return DeviceRates(gflops or measured.gflops,
                            config.memory_gb_per_s or measured.memory_gb_per_s)
 
     def register(self) -> None:

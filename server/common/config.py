@@ -30,6 +30,10 @@ class AgentConfig:
     # (reshard.server.agent.probe, a fraction of a second).
     device_gflops: float = 0.0
     memory_gb_per_s: float = 0.0
+    # Emulate devices of this many float32 GFLOP/s (reshard.server.agent.pace), as the lab's link shaping emulates
+    # a NIC: every compute step lasts at least its FLOPs at this rate, one step at a time per device, and the rate
+    # is what the agent reports. For emulated hosts sharing a machine; 0: kernels at this machine's speed.
+    emulate_gflops: float = 0.0
     # Threads a kernel's BLAS/OpenMP and torch pools may use (reshard.server.agent.threads); 0: the libraries'
     # default, every core. Agents sharing a machine should split its cores: local clusters and the lab do.
     compute_threads: int = 0
@@ -97,6 +101,8 @@ class AgentConfig:
         check_host_name(self.host)
         if self.compute_threads < 0:
             raise ValueError(f"compute_threads must be 0 (every core) or more; got {self.compute_threads}")
+        if not self.emulate_gflops >= 0:
+            raise ValueError(f"emulate_gflops must be 0 (off) or a positive rate; got {self.emulate_gflops}")
         if self.chunk_bytes <= 0 or self.collective_chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be positive and collective_chunk_bytes positive or 0 (sized from "
                              f"nic_gbps); got {self.chunk_bytes} and {self.collective_chunk_bytes}")

@@ -57,6 +57,9 @@ class LabConfig:
     devices_per_host: int = 2
     gbps: float = 1.0
     delay_ms: float = 0.0
+    # Every device's float32 GFLOP/s, emulated as the links are (reshard.server.agent.pace); 0: kernels at this
+    # machine's speed, the hosts sharing its cores
+    device_gflops: float = 0.0
     mtu: int = 9000
     subnet_base: int = 213  # addresses 10.<subnet_base>.<lab index>.x
     host_prefix: str = "host"
@@ -317,6 +320,8 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
     address = f"{lab.planner_ip}:{PLANNER_PORT}"
     # The emulated hosts share this machine's cores: each agent's kernels get its share (threads spin).
     agent_args = sharing_cores(extra_agent_args, lab.config.num_hosts)
+    if lab.config.device_gflops:
+        agent_args = [*agent_args, "--emulate-gflops", str(lab.config.device_gflops)]
     for i in range(lab.config.num_hosts):
         host = lab.host_name(i)
         agent = lab.spawn(lab.host_ns(i), [
@@ -354,6 +359,9 @@ def add_lab_command(sub) -> None:
     p.add_argument("--devices-per-host", type=int, default=d.devices_per_host, help="devices per agent (HOST/0 ..)")
     p.add_argument("--gbps", type=float, default=d.gbps, help="every host link's rate, each way")
     p.add_argument("--delay-ms", type=float, default=d.delay_ms, help="one-way delay added to every host link")
+    p.add_argument("--device-gflops", type=float, default=d.device_gflops,
+                   help="emulate every device at this float32 rate: a compute step lasts at least its FLOPs at it, "
+                        "so the hosts' compute overlaps as on separate machines (0: this machine's speed)")
     p.add_argument("--log-dir", default=None, help="keep the planner's and agents' logs here")
     p.add_argument("--cleanup", action="store_true",
                    help="remove the labs left behind (their owner process is gone), then exit")
@@ -370,12 +378,14 @@ def run_lab_command(args) -> int:
         removed = cleanup_labs(only_orphans=not args.all)
         print(f"removed labs {', '.join(removed)}" if removed else "no labs to remove")
         return 0
-    if args.hosts < 1 or args.devices_per_host < 1 or args.gbps <= 0 or args.delay_ms < 0:
-        print(f"error: a lab needs --hosts >= 1, --devices-per-host >= 1, --gbps > 0 and --delay-ms >= 0; got "
-              f"{args.hosts}, {args.devices_per_host}, {args.gbps:g}, {args.delay_ms:g}", file=sys.stderr)
+    if (args.hosts < 1 or args.devices_per_host < 1 or args.gbps <= 0 or args.delay_ms < 0
+            or not args.device_gflops >= 0):
+        print(f"error: a lab needs --hosts >= 1, --devices-per-host >= 1, --gbps > 0, --delay-ms >= 0 and "
+              f"--device-gflops >= 0; got {args.hosts}, {args.devices_per_host}, {args.gbps:g}, {args.delay_ms:g}, "
+              f"{args.device_gflops:g}", file=sys.stderr)
         return 2
     config = LabConfig(num_hosts=args.hosts, devices_per_host=args.devices_per_host, gbps=args.gbps,
-                       delay_ms=args.delay_ms)
+                       delay_ms=args.delay_ms, device_gflops=args.device_gflops)
     # SIGTERM and SIGHUP must unwind through the Lab's __exit__ like Ctrl-C does, also while it builds.
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.default_int_handler)
@@ -383,7 +393,8 @@ def run_lab_command(args) -> int:
         with Lab(config) as lab:
             address = start_cluster(lab, log_dir=Path(args.log_dir) if args.log_dir else None)
             link = f"{config.gbps:g} Gbit/s each way" + (f", {config.delay_ms:g} ms delay" if config.delay_ms else "")
-            print(f"lab {lab.lab_id}: {config.num_hosts} hosts, links {link}")
+            devices = f", devices emulated at {config.device_gflops:g} GFLOP/s" if config.device_gflops else ""
+            print(f"lab {lab.lab_id}: {config.num_hosts} hosts, links {link}{devices}")
             print(f"planner  {address}  (namespace {lab.planner_ns})")
             for i in range(config.num_hosts):
                 h = lab.host_name(i)

@@ -34,3 +34,28 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
             program = c.plan_einsum("ij,jk->ik", "a", "b", out="c")
             # arithmetic-bound at 0.5 GFLOP/s: 2 * 200 * 300 * 100 flops, nothing moves, nothing reduces
             assert program.estimate_seconds == pytest.approx(2 * 200 * 300 * 100 / 0.5e9)
+
+
+def test_an_emulated_device_computes_at_its_rate_and_reports_it():
+    rate, n = 2.0, 400  # one 400^3 matmul: 128 MFLOP, 64 ms at 2 GFLOP/s (a few ms at this machine's speed)
+    flops = 2 * n ** 3
+    with LocalCluster(1, 2, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100"]) as cluster:
+        with cluster.connect() as c:
+            (agent,) = c.agents()
+            assert agent["device_gflops"] == rate
+            rng = np.random.default_rng(0)
+            a, b = (rng.integers(-3, 4, (n, n)).astype(np.float32) for _ in range(2))
+            one = Mesh({"x": 1}, ["host0/0"])
+            c.put("a", a, Sharding(one, (None, None)))
+            c.put("b", b, Sharding(one, (None, None)))
+            assert c.plan_einsum("ij,jk->ik", "a", "b", out="c").estimate_seconds == pytest.approx(flops / (rate * 1e9))
+            result = c.einsum("ij,jk->ik", "a", "b", out="c").result(timeout=60)
+            assert result.host_seconds["host0"] >= flops / (rate * 1e9)
+            np.testing.assert_array_equal(c.get("c"), a @ b)
+            # Two devices compute at once, each at the rate: half the rows each, about half the time.
+            two = Mesh({"x": 2}, ["host0/0", "host0/1"])
+            c.put("a2", a, Sharding(two, ("x", None)))
+            c.put("b2", b, Sharding(two, (None, None)))
+            result = c.einsum("ij,jk->ik", "a2", "b2", out="c2").result(timeout=60)
+            assert flops / 2 / (rate * 1e9) <= result.host_seconds["host0"] < flops / (rate * 1e9)
+            np.testing.assert_array_equal(c.get("c2"), a @ b)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -35,13 +36,18 @@ def lab_namespaces(lab_id: str) -> list[str]:
 
 
 def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_crosses_each_link_once():
-    with Lab(LabConfig(num_hosts=3, devices_per_host=2, gbps=GBPS)) as lab:
+    with Lab(LabConfig(num_hosts=3, devices_per_host=2, gbps=GBPS, device_gflops=4.0)) as lab:
         address = start_cluster(lab)
         hosts = [lab.host_name(i) for i in range(3)]
         src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
         dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, hosts[1:], 2), (None,))
         data = np.arange(NBYTES // 4, dtype=np.int32)
         with lab.connect(address) as c:
+            # The devices are emulated as told (tests/unit/test_pace.py times them) and priced so.
+            deadline = time.monotonic() + 60
+            while len(agents := c.agents()) < len(hosts) and time.monotonic() < deadline:
+                time.sleep(0.1)  # registered moments after they listen
+            assert {a["host"]: a["device_gflops"] for a in agents} == dict.fromkeys(hosts, 4.0)
             c.put("t", data, src)
             plan = c.plan("t", dst, "broadcast")
             # The planner's topology is the shaping: one box through each NIC at the link rate.
