@@ -59,8 +59,22 @@ from reshard.sharding import Sharding
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
 
 MiB = 2**20
+# Tiles up to this size that go to one agent share a stream in put and put_many: a stream's set-up costs more
+# than such a tile's bytes (a few ms on a 1 Gbit/s link), and larger tiles go on streams of their own, in parallel.
+_BATCHED_SHARD_BYTES = 1 * MiB
 
 Ipc = Union[bool, str]  # True, False or "auto": whether CUDA tensors go by CUDA IPC to agents on this machine
+
+
+@dataclass(frozen=True)
+class _TileRead:
+    """One tile to read into host memory: which shard, where, its size, and what takes its values."""
+
+    tensor: str
+    version: int
+    loc: pb.TileLocation
+    nbytes: int
+    deliver: Callable[[np.ndarray], None]
 
 
 class JobFailedError(ReshardError, RuntimeError):
@@ -327,6 +341,40 @@ class Client(FrameworkAdapters):
         except grpc.RpcError as e:
             raise domain_error(e, f"agent at {address} ({what})") from None
 
+    def _upload_all(self, shards: list[tuple[str, str, pb.TileLocation, str, Any]], ipc: Ipc) -> None:
+        """Hand every (upload id, tensor, location, dtype, tile array) to its agent, streams in parallel. The small
+        tiles in host memory that go to one agent travel in one stream (a PutShard of several shards), so a state
+        dict of thousands of tiny tensors pays a stream per agent, not per tile."""
+        batches: dict[str, list] = {}
+        jobs = []
+        for upload_id, name, loc, dtype, arr in shards:
+            if not devices.is_cuda(arr) and arr.nbytes <= _BATCHED_SHARD_BYTES:
+                batches.setdefault(loc.address, []).append((upload_id, name, loc, dtype, arr))
+            else:
+                jobs.append(self._pool.submit(self._upload, upload_id, name, loc.device, loc, dtype, arr, ipc))
+        for address, batch in batches.items():
+            if len(batch) == 1:
+                upload_id, name, loc, dtype, arr = batch[0]
+                jobs.append(self._pool.submit(self._upload, upload_id, name, loc.device, loc, dtype, arr, ipc))
+            else:
+                jobs.append(self._pool.submit(self._upload_batch, address, batch))
+        for f in jobs:
+            f.result()
+
+    def _upload_batch(self, address: str, batch: list[tuple[str, str, pb.TileLocation, str, Any]]) -> None:
+        """Several host-memory tiles to the agent at ``address`` in one PutShard stream."""
+        def chunks():
+            for upload_id, name, loc, dtype, arr in batch:
+                header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=loc.device, dtype=dtype, box=loc.box,
+                                        ticket=loc.ticket)
+                yield from shard_stream(arr, header, self.chunk_bytes)
+
+        try:
+            self._agent(address).PutShard(chunks(), timeout=None)
+        except grpc.RpcError as e:
+            raise domain_error(e, f"agent at {address} ({len(batch)} shards, devices "
+                                  f"{sorted({loc.device for _, _, loc, _, _ in batch})})") from None
+
     def _upload(self, upload_id: str, name: str, device: str, loc: pb.TileLocation, dtype: str, arr,
                 ipc: Ipc) -> None:
         address, tile = loc.address, box_from_pb(loc.box)
@@ -403,12 +451,8 @@ class Client(FrameworkAdapters):
             self._require_ipc(_sharding_of(sharding).mesh.hosts)
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
-        jobs = []
-        for p in reply.locations:
-            jobs.append(self._pool.submit(self._upload, reply.upload_id, name, p.device, p, dtype,
-                                          arr[to_slices(box_from_pb(p.box))], ipc))
-        for f in jobs:
-            f.result()
+        self._upload_all([(reply.upload_id, name, p, dtype, arr[to_slices(box_from_pb(p.box))])
+                          for p in reply.locations], ipc)
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
             upload_id=reply.upload_id, devices=[p.device for p in reply.locations]))
         return self.info(name)
@@ -464,14 +508,45 @@ class Client(FrameworkAdapters):
         ``ipc`` allows (see `put_shard`).
         """
         to = _target(device, ipc)
-        finish, fetches = self._gather(self._tensor(name), to, ipc)
-        for f in [self._pool.submit(fetch) for fetch in fetches]:
-            f.result()
+        finish, fetches, reads = self._gather(self._tensor(name), to, ipc)
+        self._read_all(fetches, reads)
         return finish()
 
-    def _gather(self, t: pb.TensorInfo, to: Optional[str], ipc: Ipc) -> tuple[Callable[[], Any], list[Callable]]:
-        """How to read tensor ``t`` whole: the calls that fetch its tiles (to run at once, on the pool), and what
-        returns the tensor once they ran."""
+    def _read_all(self, fetches: list[Callable], reads: list["_TileRead"]) -> None:
+        """Run ``fetches`` and ``reads`` at once on the pool. The small tiles read from one agent come in one stream
+        (a GetShard of several shards), so thousands of tiny tensors cost a stream per agent, not per tile."""
+        batches: dict[str, list[_TileRead]] = {}
+        jobs = [self._pool.submit(fetch) for fetch in fetches]
+        for r in reads:
+            if r.nbytes <= _BATCHED_SHARD_BYTES:
+                batches.setdefault(r.loc.address, []).append(r)
+            else:
+                jobs.append(self._pool.submit(self._read_batch, r.loc.address, [r]))
+        jobs += [self._pool.submit(self._read_batch, address, batch) for address, batch in batches.items()]
+        for f in jobs:
+            f.result()
+
+    def _read_batch(self, address: str, batch: list["_TileRead"]) -> None:
+        """Tiles from the agent at ``address``, in one GetShard stream, each handed to its ``deliver`` as it comes."""
+        first, *more = [pb.GetShardRequest(tensor=r.tensor, version=r.version, device=r.loc.device) for r in batch]
+        first.more.extend(more)
+        try:
+            stream = iter(self._agent(address).GetShard(first))
+            for r in batch:
+                header, values = read_shard_stream(stream)
+                if (header.tensor, header.version, header.device) != (r.tensor, r.version, r.loc.device):
+                    raise DataLossError(f"the agent at {address} sent the shard of {header.tensor!r} "
+                                        f"v{header.version} on {header.device} where {r.tensor!r} v{r.version} on "
+                                        f"{r.loc.device} was asked for")
+                r.deliver(values)
+        except grpc.RpcError as e:
+            what = f"device {batch[0].loc.device}" if len(batch) == 1 else f"{len(batch)} shards"
+            raise domain_error(e, f"agent at {address} ({what})") from None
+
+    def _gather(self, t: pb.TensorInfo, to: Optional[str], ipc: Ipc
+                ) -> tuple[Callable[[], Any], list[Callable], list["_TileRead"]]:
+        """How to read tensor ``t`` whole: the calls that fetch its tiles onto a torch device, or the tiles to read
+        into host memory (either runs at once, `_read_all`), and what returns the tensor once they ran."""
         name = t.name
         _check_not_lost(t)
         # One copy of each tile; of a Partial tensor, one of each tile's addends, which are summed.
@@ -491,13 +566,20 @@ class Client(FrameworkAdapters):
         if to is None:
             out = (np.zeros if partial else np.empty)(tuple(t.shape), dtype=np.float32 if bits16 else np_dtype(t.dtype))
 
-            def fetch(tile: Box, p: pb.TileLocation) -> None:
-                values = self._download(name, t.version, p.device, p.address).reshape(tile_shape(tile))
+            def place(tile: Box, values: np.ndarray) -> None:
+                values = values.reshape(tile_shape(tile))
                 with lock:
                     if partial:
                         out[to_slices(tile)] += bfloat16_to_float32(values) if bits16 else values
                     else:
                         out[to_slices(tile)] = values
+
+            itemsize = np_dtype(t.dtype).itemsize
+            reads = [_TileRead(name, t.version, p, volume(tile) * itemsize, functools.partial(place, tile))
+                     for (tile, _), p in seen.items()]
+            if bits16:
+                return (lambda: _from_numpy(float32_to_bfloat16(out), t.dtype, t.kind)), [], reads
+            return (lambda: _from_numpy(out, t.dtype, t.kind)), [], reads
         else:
             import torch
 
@@ -512,10 +594,7 @@ class Client(FrameworkAdapters):
                     else:
                         out[to_slices(tile)] = values
 
-        fetches = [functools.partial(fetch, tile, p) for (tile, _), p in seen.items()]
-        if to is None and bits16:
-            return (lambda: _from_numpy(float32_to_bfloat16(out), t.dtype, t.kind)), fetches
-        return (lambda: out if to is not None else _from_numpy(out, t.dtype, t.kind)), fetches
+        return (lambda: out), [functools.partial(fetch, tile, p) for (tile, _), p in seen.items()], []
 
     # -- many tensors at once -------------------------------------------------------------------
 
@@ -564,14 +643,11 @@ class Client(FrameworkAdapters):
         reply = self._planner_call("BeginUploads", pb.BeginUploadsRequest(tensors=[
             pb.BeginUploadRequest(name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(shardings[name]),
                                   kind=kind) for name, (arr, dtype, kind) in arrays.items()]))
-        jobs = []
+        shards = []
         for name, opened in zip(arrays, reply.uploads):
             arr, dtype, _ = arrays[name]
-            for p in opened.locations:
-                jobs.append(self._pool.submit(self._upload, opened.upload_id, name, p.device, p, dtype,
-                                              arr[to_slices(box_from_pb(p.box))], ipc))
-        for f in jobs:
-            f.result()
+            shards += [(opened.upload_id, name, p, dtype, arr[to_slices(box_from_pb(p.box))]) for p in opened.locations]
+        self._upload_all(shards, ipc)
         self._planner_call("FinishUploads", pb.FinishUploadsRequest(group_id=reply.group_id))
         infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(arrays))).tensors
         return {t.name: _info(t) for t in infos}
@@ -584,9 +660,9 @@ class Client(FrameworkAdapters):
         to = _target(device, ipc)
         infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(names))).tensors
         plans = {t.name: self._gather(t, to, ipc) for t in infos}
-        for f in [self._pool.submit(fetch) for _, fetches in plans.values() for fetch in fetches]:
-            f.result()
-        return {name: finish() for name, (finish, _) in plans.items()}
+        self._read_all([f for _, fetches, _ in plans.values() for f in fetches],
+                       [r for _, _, reads in plans.values() for r in reads])
+        return {name: finish() for name, (finish, _, _) in plans.items()}
 
     def get_shard(self, name: str, device: str, *, to: Optional[str] = None, ipc: Ipc = "auto"):
         """The tile ``device`` (``host/index``) holds; numpy or torch on the CPU, as the tensor was put.

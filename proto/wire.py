@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Optional
 
 import numpy as np
 
@@ -45,13 +46,18 @@ def shard_stream(array: np.ndarray, header: pb.ShardHeader, chunk_bytes: int) ->
     yield pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, xxh3_64=check.xxh3_64))
 
 
-def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None) -> tuple[pb.ShardHeader, np.ndarray]:
+def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None, *, or_end: bool = False
+                      ) -> Optional[tuple[pb.ShardHeader, np.ndarray]]:
     """Assemble a shard from a stream, checking every piece lies in the tile and the trailer matches.
 
-    ``check_header(header)`` may reject the stream before any bytes are read.
+    ``check_header(header)`` may reject the stream before any bytes are read. A stream may carry several shards
+    in a row, each a header, its pieces and a trailer: called again on the same iterator, this reads the next one;
+    with ``or_end`` the stream may end instead (None), as it does after its last shard.
     """
     it = iter(chunks)
     first = next(it, None)
+    if first is None and or_end:
+        return None
     if first is None or first.WhichOneof("kind") != "header":
         raise InvalidArgumentError("a shard stream must open with a header naming tensor, device, dtype and box")
     header = first.header
@@ -70,7 +76,7 @@ def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None) -> tup
             verify_trailer(check, msg.trailer, out.nbytes, f"shard of device {header.device!r}")
             return header, out
         else:
-            raise InvalidArgumentError("a shard stream carries one header, then pieces, then one trailer")
+            raise InvalidArgumentError("a shard stream carries, per shard, one header, then pieces, then one trailer")
     raise InvalidArgumentError(
         f"shard stream for device {header.device!r} ended after {check.nbytes} bytes without a trailer; "
         f"the upload was cut off"

@@ -88,24 +88,36 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def PutShard(self, request_iterator, context):
-        with ExitStack() as receiving:
-            def check(h: pb.ShardHeader) -> None:
-                self._check_put(h, "PutShard")
-                receiving.enter_context(self._room(h, "PutShard"))
-                receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
+        """One shard, or several in a row (put_many sends an agent its small shards in one stream): each is checked
+        and staged as it completes, so a failure leaves the shards before it staged and their uploads to the
+        planner, which drops them with the transaction."""
+        chunks, nbytes, shards = iter(request_iterator), 0, 0
+        while True:
+            with ExitStack() as receiving:
+                def check(h: pb.ShardHeader) -> None:
+                    self._check_put(h, "PutShard")
+                    receiving.enter_context(self._room(h, "PutShard"))
+                    receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
-            header, shard = read_shard_stream(request_iterator, check)
-            # On a GPU agent the bytes go on to the GPU through pinned staging buffers.
-            self.store.stage(header.upload_id, header.device,
-                             self.store.adopt(shard, box_from_pb(header.box), dtype_name(header.dtype)))
-        return pb.PutShardReply(nbytes=shard.nbytes)
+                got = read_shard_stream(chunks, check, or_end=shards > 0)
+                if got is None:
+                    return pb.PutShardReply(nbytes=nbytes)
+                header, shard = got
+                # On a GPU agent the bytes go on to the GPU through pinned staging buffers.
+                self.store.stage(header.upload_id, header.device,
+                                 self.store.adopt(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+            nbytes, shards = nbytes + shard.nbytes, shards + 1
 
     @servicer_method
     def GetShard(self, request, context):
-        shard = self.store.get(request.tensor, request.version, request.device)
-        header = pb.ShardHeader(tensor=request.tensor, version=request.version, device=request.device,
-                                dtype=shard.dtype, box=box_to_pb(shard.tile))
-        yield from shard_stream(buffers.host_array(shard.array), header, self.config.chunk_bytes)  # pinned for CUDA
+        """The shard asked for, then those of ``more`` in order; every one is found before any byte goes out, so a
+        missing shard fails the call at once, naming it."""
+        asked = [request, *request.more]
+        shards = [self.store.get(r.tensor, r.version, r.device) for r in asked]
+        for r, shard in zip(asked, shards):
+            header = pb.ShardHeader(tensor=r.tensor, version=r.version, device=r.device, dtype=shard.dtype,
+                                    box=box_to_pb(shard.tile))
+            yield from shard_stream(buffers.host_array(shard.array), header, self.config.chunk_bytes)  # pinned for CUDA
 
     @servicer_method
     def Digest(self, request, context):
@@ -199,11 +211,19 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Commit(self, request, context):
+        more = [(m.upload_id, m.tensor, m.version, list(m.devices)) for m in request.more]
         self.tickets.check(request.ticket, "commit", *commit_fields(request.upload_id, request.job_id, request.tensor,
-                                                                    request.version, request.devices),
-                           what=f"Commit of {request.tensor!r} v{request.version}")
+                                                                    request.version, request.devices, more),
+                           what=f"Commit of {request.tensor!r} v{request.version}"
+                                + (f" and {len(more)} more" if more else ""))
+        if more and not request.upload_id:
+            raise InvalidArgumentError(f"Commit of job {request.job_id[:12]!r} names {len(more)} further uploads; "
+                                       f"only a Commit of uploads may")
         if request.upload_id:
-            self.store.commit(request.upload_id, request.tensor, request.version, list(request.devices))
+            # In order; a failure stops there, and the planner releases what the call may have committed.
+            for upload, tensor, version, devices in [(request.upload_id, request.tensor, request.version,
+                                                      list(request.devices)), *more]:
+                self.store.commit(upload, tensor, version, devices)
         else:
             self.runtime.commit(request.job_id)
         return pb.Empty()

@@ -71,8 +71,12 @@ def execute_fields(job: str, program_id: str, commit: bool) -> tuple:
     return job, program_id, "commit" if commit else "run"
 
 
-def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str]) -> tuple:
-    return upload, job, tensor, version, ",".join(devices)
+def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Iterable[str],
+                  more: Iterable[tuple[str, str, int, Iterable[str]]] = ()) -> tuple:
+    """What a Commit's ticket signs: the staging it commits, then every further upload (upload, tensor, version,
+    devices) of ``more``, in order."""
+    return (upload, job, tensor, version, ",".join(devices),
+            *(f for up, t, v, devs in more for f in (up, t, v, ",".join(devs))))
 
 
 def release_fields(versions: Iterable[tuple[str, int]]) -> tuple:

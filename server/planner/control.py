@@ -50,6 +50,8 @@ __all__ = ["Planner", "parse_sharding", "check_plan_size"]
 
 log = logging.getLogger(__name__)
 
+_COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
+
 class TileLocation(NamedTuple):
     device: str
     address: str  # of the agent holding the tile; "" when it is down
@@ -299,11 +301,15 @@ class Planner:
 
         def commit(h: str) -> None:
             address = self.registry.require_up(h).address
-            for up, devs in by_host[h]:
-                rec = up.record
-                self.agents.commit(h, address, Staging(upload=up.id), rec.name, rec.version, devs,
-                                   self.config.agent_rpc_timeout_s)
-                committed[up.id].add(h)
+            items = by_host[h]
+            for start in range(0, len(items), _COMMITS_PER_CALL):
+                batch = items[start:start + _COMMITS_PER_CALL]
+                for up, _ in batch:  # a failed call may have committed some: the cleanup releases them all
+                    committed[up.id].add(h)
+                (first, devs), more = batch[0], batch[1:]
+                self.agents.commit(h, address, Staging(upload=first.id), first.record.name, first.record.version,
+                                   devs, self.config.agent_rpc_timeout_s,
+                                   [(up.id, up.record.name, up.record.version, d) for up, d in more])
 
         try:
             for f in [self._commit_pool.submit(commit, h) for h in by_host]:

@@ -105,7 +105,9 @@ class AgentCalls(Protocol):
         when ``commit`` (the job's only host); returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
-               timeout: float) -> None: ...
+               timeout: float, more: list[tuple[str, str, int, list[str]]] = ()) -> None:
+        """Make what ``staging`` staged visible as ``tensor`` at ``version`` on ``devices``; an upload's commit
+        may carry further uploads (upload id, tensor, version, devices) in ``more``, committed in order."""
 
     def abort(self, host: str, address: str, staging: Staging, timeout: float) -> None: ...
 

@@ -108,10 +108,12 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
         return traffic
 
-    def commit(self, host, address, staging, tensor, version, devices, timeout):
-        ticket = self._sign(host, "commit", *commit_fields(staging.upload, staging.job, tensor, version, devices))
-        self._call(host, address, "Commit",
-                   _staging(staging, tensor=tensor, version=version, devices=devices, ticket=ticket), timeout)
+    def commit(self, host, address, staging, tensor, version, devices, timeout, more=()):
+        ticket = self._sign(host, "commit", *commit_fields(staging.upload, staging.job, tensor, version, devices,
+                                                           more))
+        self._call(host, address, "Commit", _staging(
+            staging, tensor=tensor, version=version, devices=devices, ticket=ticket,
+            more=[pb.UploadCommit(upload_id=u, tensor=t, version=v, devices=d) for u, t, v, d in more]), timeout)
 
     def abort(self, host, address, staging, timeout):
         self._call(host, address, "Abort",

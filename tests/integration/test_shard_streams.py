@@ -1,0 +1,136 @@
+"""Several shards in one stream: put_many and get_many send an agent its small tiles in one PutShard stream and read
+them back in one GetShard call, and FinishUploads commits a put_many's uploads with one Commit per agent.
+
+Probed with raw calls built from the project's own stubs where the wire is the point (a bad shard in the middle of
+a stream, a missing shard in a read), and through the SDK for what a user sees: many small tensors and a large
+one, bit-exact, after a failure as before.
+"""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.client.cluster import LocalCluster
+from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as pb_grpc
+from reshard.proto.auth import channel
+from reshard.proto.wire import read_shard_stream, shard_stream
+from reshard.server.common.tickets import commit_fields
+
+TWO = Sharding(Mesh.from_hosts({"x": 2}, ["host0"], 2), ("x",))  # both tiles on host0
+GRID = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2), ("x", "y"))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with LocalCluster(2, 2, transport="grpc") as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def client(cluster):
+    with cluster.connect() as c:
+        yield c
+
+
+def _stubs(cluster):
+    planner = pb_grpc.PlannerStub(channel(cluster.address, token=cluster.token))
+    agent = pb_grpc.AgentStub(channel(cluster.agent_addresses["host0"], token=cluster.token))
+    return planner, agent
+
+
+def _begin(planner, name: str):
+    return planner.BeginUpload(pb.BeginUploadRequest(name=name, shape=[4], dtype="float32", kind="numpy",
+                                                     sharding_json=json.dumps(TWO.to_json())), timeout=10)
+
+
+def _header(reply, name: str, loc, ticket=None) -> pb.ShardHeader:
+    return pb.ShardHeader(upload_id=reply.upload_id, tensor=name, device=loc.device, dtype="float32", box=loc.box,
+                          ticket=loc.ticket if ticket is None else ticket)
+
+
+def test_one_put_shard_stream_stages_several_shards_and_stops_at_a_bad_one(cluster, client):
+    planner, agent = _stubs(cluster)
+    reply = _begin(planner, "pair")
+    parts = (np.ones(2, np.float32), np.full(2, 2, np.float32))
+    stream = [m for loc, part in zip(reply.locations, parts)
+              for m in shard_stream(part, _header(reply, "pair", loc), 1 << 20)]
+    assert agent.PutShard(iter(stream), timeout=10).nbytes == 16
+    planner.FinishUpload(pb.FinishUploadRequest(upload_id=reply.upload_id,
+                                                devices=[p.device for p in reply.locations]), timeout=10)
+    assert client.get("pair").tolist() == [1, 1, 2, 2]
+
+    # The second shard carries the first's ticket: the call fails on it, naming it; the upload never completes.
+    reply = _begin(planner, "forged")
+    first, second = reply.locations
+    stream = [*shard_stream(parts[0], _header(reply, "forged", first), 1 << 20),
+              *shard_stream(parts[1], _header(reply, "forged", second, first.ticket), 1 << 20)]
+    with pytest.raises(grpc.RpcError) as e:
+        agent.PutShard(iter(stream), timeout=10)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert f"for device {second.device}" in e.value.details()
+    assert "forged" not in {t.name for t in client.tensors()}
+    assert client.get("pair").tolist() == [1, 1, 2, 2]
+
+
+def test_a_shard_stream_that_stops_between_shards_or_inside_one_says_which():
+    parts = [*shard_stream(np.ones(2, np.float32), pb.ShardHeader(device="h/0", dtype="float32",
+                                                                   box=pb.Box(lo=[0], hi=[2])), 1 << 20)]
+    chunks = iter(parts)
+    header, values = read_shard_stream(chunks)
+    assert header.device == "h/0" and values.tolist() == [1, 1]
+    assert read_shard_stream(chunks, or_end=True) is None  # the stream's end, after a whole shard
+    with pytest.raises(ValueError, match="ended after 0 bytes without a trailer"):
+        read_shard_stream(iter(parts[:1]), or_end=True)  # cut inside a shard: an error even where an end may come
+
+
+def test_one_get_shard_call_streams_several_shards_in_order_or_fails_before_any(cluster, client):
+    _, agent = _stubs(cluster)
+    data = np.arange(16, dtype=np.float32).reshape(4, 4)
+    client.put("grid", data, GRID)
+    try:
+        v = client.info("grid").version
+        asked = [pb.GetShardRequest(tensor="grid", version=v, device=d) for d in ("host0/1", "host0/0")]
+        first = pb.GetShardRequest(tensor="grid", version=v, device="host0/1", more=asked[1:])
+        stream = iter(agent.GetShard(first, timeout=10))
+        for r in asked:
+            header, values = read_shard_stream(stream)
+            assert header.device == r.device
+            tile = GRID.tiles(data.shape)[r.device]
+            assert np.array_equal(values.reshape(2, 2), data[tuple(slice(lo, hi) for lo, hi in tile)])
+        assert next(stream, None) is None
+        missing = pb.GetShardRequest(tensor="grid", version=v, device="host0/0",
+                                     more=[pb.GetShardRequest(tensor="grid", version=v + 1, device="host0/1")])
+        with pytest.raises(grpc.RpcError) as e:
+            list(agent.GetShard(missing, timeout=10))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND and f"v{v + 1}" in e.value.details()
+    finally:
+        client.delete("grid")
+
+
+def test_a_commit_ticket_covers_every_upload_it_carries():
+    one = commit_fields("u1", "", "a", 1, ["h/0"])
+    assert commit_fields("u1", "", "a", 1, ["h/0"], [("u2", "b", 1, ["h/0", "h/1"])]) != one
+    assert commit_fields("u1", "", "a", 1, ["h/0"], [("u2", "b", 1, ["h/0"])]) != \
+        commit_fields("u1", "", "a", 1, ["h/0"], [("u2", "b", 2, ["h/0"])])
+
+
+def test_many_small_tensors_and_a_large_one_go_and_come_back_bit_exact(client):
+    rng = np.random.default_rng(0)
+    small = {f"s{i}": (rng.standard_normal((6, 5)).astype(np.float32), GRID) for i in range(300)}
+    big = rng.standard_normal((1024, 1024)).astype(np.float32)  # 1 MiB tiles: streams of their own
+    tensors = {**small, "big": (big, GRID), "ints": (np.arange(7 * 3, dtype=np.int64).reshape(7, 3), GRID)}
+    client.put_many(tensors)
+    try:
+        got = client.get_many(list(tensors))
+        for name, (array, _) in tensors.items():
+            assert got[name].dtype == array.dtype and np.array_equal(got[name], array), name
+        assert np.array_equal(client.get("s7"), small["s7"][0])
+    finally:
+        for name in tensors:
+            client.delete(name)
