@@ -80,9 +80,10 @@ def main() -> int:
             "by one `get_many`, on 8 local agents (collective transport) of this machine; every tensor checked bit "
             "for bit; one run per size. Planning and running are the move's phases as the planner recorded them "
             "(`JobResult.phases`). The bytes are few: the time is per tensor and per piece (each tensor here is 8 "
-            "pieces in the move), paid in `put_many` and `get_many` as one call per shard and in `reshard_many` "
-            "as planning a program of 8 steps per tensor, which each agent then reads (once per distinct program: "
-            "a weight sync that repeats its move reads it once).\n\n"
+            "pieces in the move), paid in `put_many` and `get_many` as a header, a piece and a trailer message per "
+            "shard (an agent's small shards share one stream each way, and a put_many commits with one call per "
+            "agent) and in `reshard_many` as planning a program of 8 steps per tensor, which each agent then reads "
+            "(once per distinct program: a weight sync that repeats its move reads it once).\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/small_tensors.py --counts {args.counts}`.")
     print(body)

@@ -80,6 +80,7 @@ class ShardStore:
         self._devices: dict[tuple[str, int], set[str]] = {}
         self._committed_bytes = 0
         self._staged: dict[str, dict[str, TileBuffer]] = {}
+        self._staged_bytes = 0  # kept as shards are staged and leave: a put_many stages thousands per agent
         self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
         # Owners (uploads, jobs) that committed or aborted, newest last: nothing is staged for them again, so a
         # replayed ticket or a stream that outlived its abort cannot leave an orphan behind.
@@ -103,19 +104,20 @@ class ShardStore:
         with self._lock:
             return sorted(self._receiving)
 
-    def _pending(self) -> dict[tuple[str, str], int]:
-        """Bytes staged or reserved per (owner, device); a reservation stands for the buffer it will replace."""
-        pending = {(owner, d): s.nbytes for owner, shards in self._staged.items() for d, s in shards.items()}
-        pending.update(self._reserved)
-        return pending
+    def _staged_nbytes(self, owner: str, device: str) -> int:
+        shard = self._staged.get(owner, {}).get(device)
+        return shard.nbytes if shard is not None else 0
 
-    def _used(self, pending: Mapping[tuple[str, str], int]) -> int:
-        return self._committed_bytes + sum(pending.values())
+    def _used_locked(self) -> int:
+        """Committed, staged and reserved bytes; a reservation stands for the buffer it will replace. Costs the
+        reservations (the streams in flight), not the staged shards."""
+        replaced = sum(self._staged_nbytes(owner, d) for owner, d in self._reserved)
+        return self._committed_bytes + self._staged_bytes + sum(self._reserved.values()) - replaced
 
     def used_bytes(self) -> int:
         """Committed, staged and reserved bytes: what counts against the limit."""
         with self._lock:
-            return self._used(self._pending())
+            return self._used_locked()
 
     def reserve(self, owner: str, sizes: Mapping[str, int], what: str) -> None:
         """Hold room for the buffers ``owner`` is about to stage (device -> bytes), or refuse naming the sizes.
@@ -129,8 +131,7 @@ class ShardStore:
             if busy:
                 raise FailedPreconditionError(f"{what}: a buffer of transaction {owner[:12]} for devices {busy} is "
                                               f"already being staged on host {self.host}; one stream per device")
-            pending = self._pending()
-            held = self._used(pending) - sum(pending.get((owner, d), 0) for d in sizes)  # replaced buffers go
+            held = self._used_locked() - sum(self._staged_nbytes(owner, d) for d in sizes)  # replaced buffers go
             if self.limit_bytes and held + need > self.limit_bytes:
                 beyond = ("more than the whole limit" if need > self.limit_bytes
                           else f"{format_size(self.limit_bytes - held)} ({self.limit_bytes - held:,} bytes) are free")
@@ -195,6 +196,7 @@ class ShardStore:
         assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
             self._check_open_locked(owner, f"staging device {device}'s buffer")
+            self._staged_bytes += shard.nbytes - self._staged_nbytes(owner, device)
             self._staged.setdefault(owner, {})[device] = shard
             self._reserved.pop((owner, device), None)
 
@@ -216,18 +218,23 @@ class ShardStore:
                 self._committed_bytes += staged[d].nbytes - (old.nbytes if old is not None else 0)
                 self._committed[(tensor, version, d)] = staged[d]
                 self._devices.setdefault((tensor, version), set()).add(d)
-            self._staged.pop(owner, None)  # a commit of no devices may name a transaction that staged nothing
+            self._unstage_locked(owner)  # a commit of no devices may name a transaction that staged nothing
             self._drop_reserved(owner)
             self._end_locked(owner)
 
     def abort(self, owner: str) -> None:
         with self._lock:
-            staged = self._staged.pop(owner, {})
+            staged = self._unstage_locked(owner)
             self._drop_reserved(owner)
             self._end_locked(owner)
         for shard in staged.values():
             self.recycler.put(shard.array)
         del staged
+
+    def _unstage_locked(self, owner: str) -> dict[str, TileBuffer]:
+        staged = self._staged.pop(owner, {})
+        self._staged_bytes -= sum(shard.nbytes for shard in staged.values())
+        return staged
 
     def _drop_reserved(self, owner: str) -> None:
         for key in [k for k in self._reserved if k[0] == owner]:

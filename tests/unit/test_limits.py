@@ -99,6 +99,25 @@ def test_a_failed_put_and_an_aborted_job_free_their_reservations():
     ShardStore().reserve("any", {"d": 2**80}, "no limit")  # 0: unlimited (unit tests' stores)
 
 
+def test_the_staged_total_follows_thousands_of_uploads_as_they_commit_and_abort():
+    """A put_many stages thousands of shards on one agent; each reservation checks the limit against a running total
+    (recounting every staged shard per reservation made such a put quadratic)."""
+    store = ShardStore(limit_bytes=3000 * 100, host="h0")
+    for i in range(3000):
+        with store.reserving(f"u{i}", "h0/0", 100, "PutShard"):
+            store.stage(f"u{i}", "h0/0", _tile(store, 100))
+    assert store.used_bytes() == 3000 * 100
+    with pytest.raises(ResourceExhaustedError, match="are free|whole limit"):
+        store.reserve("one-more", {"h0/0": 1}, "PutShard")
+    store.reserve("u0", {"h0/0": 50}, "a retry replaces its staged buffer")
+    assert store.used_bytes() == 2999 * 100 + 50
+    for i in range(1000):
+        store.commit(f"u{i}", f"t{i}", 1, ["h0/0"])
+    for i in range(1000, 2000):
+        store.abort(f"u{i}")
+    assert store.used_bytes() == store.nbytes() + 1000 * 100 == 2000 * 100
+
+
 @pytest.mark.parametrize("text, nbytes", [("1048576", MiB), ("512MiB", 512 * MiB), ("4GiB", 4 << 30),
                                           ("4Gi", 4 << 30), ("4G", 4 * 10**9), ("1.5KiB", 1536), ("64mb", 64 * 10**6)])
 def test_sizes_read_as_people_write_them(text, nbytes):
