@@ -34,8 +34,8 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
-from reshard.server.common.tickets import (TicketCheck, commit_fields, execute_fields, new_secret, prepare_fields,
-                                           put_fields, release_fields, sign)
+from reshard.server.common.tickets import (TicketCheck, abort_fields, commit_fields, execute_fields, new_secret,
+                                           prepare_fields, put_fields, release_fields, sign)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -230,10 +230,16 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Abort(self, request, context):
-        self.tickets.check(request.ticket, "abort", request.upload_id, request.job_id,
-                           what=f"Abort of {request.upload_id[:12] or request.job_id[:12]!r}")
+        more = [m.upload_id for m in request.more]
+        self.tickets.check(request.ticket, "abort", *abort_fields(request.upload_id, request.job_id, more),
+                           what=f"Abort of {request.upload_id[:12] or request.job_id[:12]!r}"
+                                + (f" and {len(more)} more" if more else ""))
+        if more and not request.upload_id:
+            raise InvalidArgumentError(f"Abort of job {request.job_id[:12]!r} names {len(more)} further uploads; "
+                                       f"only an Abort of uploads may")
         if request.upload_id:
-            self.store.abort(request.upload_id)
+            for upload in [request.upload_id, *more]:
+                self.store.abort(upload)
         else:
             self.runtime.abort(request.job_id)
         return pb.Empty()

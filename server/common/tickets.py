@@ -79,6 +79,11 @@ def commit_fields(upload: str, job: str, tensor: str, version: int, devices: Ite
             *(f for up, t, v, devs in more for f in (up, t, v, ",".join(devs))))
 
 
+def abort_fields(upload: str, job: str, more: Iterable[str] = ()) -> tuple:
+    """What an Abort's ticket signs: the staging it drops, then every further upload of ``more``, in order."""
+    return (upload, job, *more)
+
+
 def release_fields(versions: Iterable[tuple[str, int]]) -> tuple:
     """Every (tensor, version) a Release frees, in order."""
     return tuple(f for pair in versions for f in pair)

@@ -316,24 +316,36 @@ class Planner:
                 f.result()
             self.catalog.commit([(None, up.record) for up in uploads])
         except BaseException:
-            for up in uploads:
-                self._drop_upload(up, committed[up.id])
+            self._drop_uploads(uploads, committed)
             raise
         self.store.save_tensors([up.record.to_json() for up in uploads])
 
-    def _drop_upload(self, upload: Upload, committed_hosts=()) -> None:
-        rec = upload.record
-        for h in rec.sharding.mesh.hosts:
+    def _drop_upload(self, upload: Upload) -> None:
+        self._drop_uploads([upload], {})
+
+    def _drop_uploads(self, uploads: list[Upload], committed: dict[str, set[str]]) -> None:
+        """Free what ``uploads`` left on their agents: the versions committed on the hosts of ``committed`` (upload
+        id -> hosts that may have committed it), and every staged shard. A few calls per host, however many uploads
+        (a failed put_many of thousands of tensors); a host whose call fails gets no more, since a paused agent would
+        make each wait its timeout (a restarted one holds nothing staged)."""
+        by_host: dict[str, list[Upload]] = {}
+        for up in uploads:
+            for h in up.record.sharding.mesh.hosts:
+                by_host.setdefault(h, []).append(up)
+        for h, ups in by_host.items():
             agent = self.registry.get(h)
             if agent is None:
                 continue
             try:
-                if h in committed_hosts:
-                    self.agents.release(h, agent.address, [(rec.name, rec.version)],
-                                        self.config.agent_rpc_timeout_s)
-                self.agents.abort(h, agent.address, Staging(upload=upload.id), self.config.agent_rpc_timeout_s)
+                for start in range(0, len(ups), _COMMITS_PER_CALL):
+                    first, *more = batch = ups[start:start + _COMMITS_PER_CALL]
+                    versions = [(up.record.name, up.record.version) for up in batch if h in committed.get(up.id, ())]
+                    if versions:
+                        self.agents.release(h, agent.address, versions, self.config.agent_rpc_timeout_s)
+                    self.agents.abort(h, agent.address, Staging(upload=first.id), self.config.agent_rpc_timeout_s,
+                                      [up.id for up in more])
             except Exception as e:  # noqa: BLE001 - cleanup continues on the other hosts
-                log.info("dropping upload %s on host %s failed: %s", upload.id[:8], h, e)
+                log.info("dropping %d uploads (%s, ...) on host %s failed: %s", len(ups), ups[0].id[:8], h, e)
 
     def _reap(self) -> None:
         while not self._stop.wait(min(1.0, self.config.upload_timeout_s / 4)):

@@ -109,7 +109,8 @@ class AgentCalls(Protocol):
         """Make what ``staging`` staged visible as ``tensor`` at ``version`` on ``devices``; an upload's commit
         may carry further uploads (upload id, tensor, version, devices) in ``more``, committed in order."""
 
-    def abort(self, host: str, address: str, staging: Staging, timeout: float) -> None: ...
+    def abort(self, host: str, address: str, staging: Staging, timeout: float, more: list[str] = ()) -> None:
+        """Drop what ``staging`` staged on the host; an upload's abort may name further uploads in ``more``."""
 
     def release(self, host: str, address: str, versions: list[tuple[str, int]], timeout: float) -> None:
         """Free every (tensor, version) of ``versions`` (at least one) on the host, in one call."""

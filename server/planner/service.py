@@ -16,7 +16,8 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import commit_fields, execute_fields, prepare_fields, release_fields, sign
+from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields, release_fields,
+                                           sign)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
@@ -115,9 +116,10 @@ class GrpcAgentCalls:
             staging, tensor=tensor, version=version, devices=devices, ticket=ticket,
             more=[pb.UploadCommit(upload_id=u, tensor=t, version=v, devices=d) for u, t, v, d in more]), timeout)
 
-    def abort(self, host, address, staging, timeout):
+    def abort(self, host, address, staging, timeout, more=()):
+        ticket = self._sign(host, "abort", *abort_fields(staging.upload, staging.job, more))
         self._call(host, address, "Abort",
-                   _staging(staging, ticket=self._sign(host, "abort", staging.upload, staging.job)), timeout)
+                   _staging(staging, ticket=ticket, more=[pb.UploadCommit(upload_id=u) for u in more]), timeout)
 
     def release(self, host, address, versions, timeout):
         if not versions:

@@ -9,6 +9,7 @@ one, bit-exact, after a failure as before.
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import numpy as np
@@ -134,3 +135,35 @@ def test_many_small_tensors_and_a_large_one_go_and_come_back_bit_exact(client):
     finally:
         for name in tensors:
             client.delete(name)
+
+
+def test_a_put_many_whose_commit_fails_on_one_agent_leaves_nothing_on_any_and_a_retry_succeeds():
+    rng = np.random.default_rng(1)
+    tensors = {f"w{i}": (rng.standard_normal((6, 5)).astype(np.float32), GRID) for i in range(300)}
+    with LocalCluster(2, 2, transport="grpc", planner_args=["--heartbeat-timeout", "3"]) as cluster:
+        with cluster.connect() as c:
+            c.put("kept", np.arange(16, dtype=np.float32).reshape(4, 4), GRID)
+
+            def host0_bytes() -> int:
+                return next(a["memory_used_bytes"] for a in c.agents() if a["host"] == "host0")
+
+            held = host0_bytes()
+            reply = c._planner_call("BeginUploads", pb.BeginUploadsRequest(tensors=[
+                pb.BeginUploadRequest(name=n, shape=a.shape, dtype="float32", kind="numpy",
+                                      sharding_json=json.dumps(s.to_json())) for n, (a, s) in tensors.items()]))
+            c._upload_all([(opened.upload_id, n, p, "float32",
+                            np.ascontiguousarray(tensors[n][0][tuple(slice(lo, hi) for lo, hi in zip(p.box.lo,
+                                                                                                      p.box.hi))]))
+                           for n, opened in zip(tensors, reply.uploads) for p in opened.locations], False)
+            cluster.kill_agent("host1")  # its Commit call fails (or the planner already has it down)
+            with pytest.raises(Exception, match="host1"):
+                c._planner_call("FinishUploads", pb.FinishUploadsRequest(group_id=reply.group_id))
+            assert not set(tensors) & {t.name for t in c.tensors()}
+            deadline = time.monotonic() + 30
+            while host0_bytes() != held and time.monotonic() < deadline:
+                time.sleep(0.2)  # reported with the next heartbeat
+            assert host0_bytes() == held  # host0's committed and staged shards of the put are gone
+            cluster.start_agent("host1")
+            c.put_many(tensors)
+            got = c.get_many(list(tensors))
+            assert all(np.array_equal(got[n], a) for n, (a, _) in tensors.items())
