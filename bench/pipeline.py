@@ -141,7 +141,8 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
     step_s = {kind: statistics.median(r.timeline.iteration_s for r in results[kind]) for kind in KINDS}
     typical = {kind: min(results[kind], key=lambda r: abs(r.timeline.iteration_s - step_s[kind])) for kind in KINDS}
     return {
-        "step_s": step_s, "transfer_alone_s": alone, "forward_s": fwd, "backward_s": bwd, "transfer_s": xfer, "estimate_s": list(estimates),
+        "step_s": step_s, "transfer_alone_s": alone, "forward_s": fwd, "backward_s": bwd, "transfer_s": xfer,
+        "estimate_s": list(estimates),
         "predicted_s": {kind: p.iteration_s for kind, p in predicted.items()}, "own": own,
         "peak_bytes": {kind: list(typical[kind].peak_activation_bytes) for kind in KINDS},
         "peak": {kind: list(typical[kind].timeline.peak_activations) for kind in KINDS},
@@ -183,7 +184,7 @@ def main(argv=None) -> int:
     p.add_argument("--gbps", type=float, default=1.0, help="every emulated host link's rate, each way")
     p.add_argument("--rows", type=int, default=None, help="rows per microbatch (default 8192, quick 512)")
     p.add_argument("--width", type=int, default=256, help="every layer's input and output width")
-    p.add_argument("--microbatches", type=int, default=None, help="m (default 8, quick 4)")
+    p.add_argument("--microbatches", type=int, default=None, help="m (default 16, quick 4)")
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule after one untimed (default 3)")
     p.add_argument("--transport", choices=("grpc", "collective"), default="collective",
                    help="the agents' transport (collective: what agents pick by default where torch is installed)")
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
     rows = args.rows or (512 if args.quick else 8192)
-    m = args.microbatches or (4 if args.quick else 8)
+    m = args.microbatches or (4 if args.quick else 16)
     steps = args.steps or (1 if args.quick else 3)
     gflops = auto_gflops(args.width, args.gbps) if args.device_gflops is None else args.device_gflops
     r = run(args.gbps, rows, args.width, m, steps, args.transport, gflops)
