@@ -757,7 +757,7 @@ class Runtime:
     def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
                  step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None):
         self.host = host
-        self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's
+        self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's speed
         self.store = store
         self.transports = dict(transports)
         self.step_timeout_s = step_timeout_s
