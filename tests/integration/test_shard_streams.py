@@ -144,10 +144,17 @@ def test_a_put_many_whose_commit_fails_on_one_agent_leaves_nothing_on_any_and_a_
         with cluster.connect() as c:
             c.put("kept", np.arange(16, dtype=np.float32).reshape(4, 4), GRID)
 
-            def host0_bytes() -> int:
-                return next(a["memory_used_bytes"] for a in c.agents() if a["host"] == "host0")
+            def host0_holds(nbytes: int) -> bool:
+                """Whether host0 reports ``nbytes`` held, within 30 s (agents report with their heartbeats)."""
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if next(a["memory_used_bytes"] for a in c.agents() if a["host"] == "host0") == nbytes:
+                        return True
+                    time.sleep(0.1)
+                return False
 
-            held = host0_bytes()
+            held = 2 * 2 * 2 * 4  # host0's two 2 x 2 float32 tiles of "kept"
+            assert host0_holds(held)
             reply = c._planner_call("BeginUploads", pb.BeginUploadsRequest(tensors=[
                 pb.BeginUploadRequest(name=n, shape=a.shape, dtype="float32", kind="numpy",
                                       sharding_json=json.dumps(s.to_json())) for n, (a, s) in tensors.items()]))
@@ -159,10 +166,7 @@ def test_a_put_many_whose_commit_fails_on_one_agent_leaves_nothing_on_any_and_a_
             with pytest.raises(Exception, match="host1"):
                 c._planner_call("FinishUploads", pb.FinishUploadsRequest(group_id=reply.group_id))
             assert not set(tensors) & {t.name for t in c.tensors()}
-            deadline = time.monotonic() + 30
-            while host0_bytes() != held and time.monotonic() < deadline:
-                time.sleep(0.2)  # reported with the next heartbeat
-            assert host0_bytes() == held  # host0's committed and staged shards of the put are gone
+            assert host0_holds(held)  # host0's committed and staged shards of the put are gone
             cluster.start_agent("host1")
             c.put_many(tensors)
             got = c.get_many(list(tensors))
