@@ -80,7 +80,7 @@ class ManyProgram(Program):
         return out
 
     @classmethod
-    def from_json(cls, data) -> "ManyProgram":
+    def from_json(cls, data, check_id: bool = True) -> "ManyProgram":
         """Read what `to_json` writes (text as `Program.from_json` reads it)."""
         if isinstance(data, (str, bytes, bytearray)):
             data = loads(data, "program JSON", max_bytes=None)
@@ -104,7 +104,7 @@ class ManyProgram(Program):
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
             buckets=tuple(buckets))
-        return check_claimed_id(data, made, "program")
+        return check_claimed_id(data, made, "program") if check_id else made
 
     def validate(self) -> "ManyProgram":
         """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,
@@ -149,13 +149,14 @@ class ManyProgram(Program):
                 f"buckets), estimate {self.estimate_seconds:.4g}s")
 
 
-def program_from_json(data) -> Program:
-    """A program from its JSON: a `ManyProgram` when it has buckets, else what `Program.from_json` reads."""
+def program_from_json(data, check_id: bool = True) -> Program:
+    """A program from its JSON: a `ManyProgram` when it has buckets, else what `Program.from_json` reads
+    (``check_id`` as there)."""
     if isinstance(data, (str, bytes, bytearray)):
         data = loads(data, "program JSON", max_bytes=None)
     if isinstance(data, Mapping) and "buckets" in data:
-        return ManyProgram.from_json(data)
-    return Program.from_json(data)
+        return ManyProgram.from_json(data, check_id)
+    return Program.from_json(data, check_id)
 
 
 # -- block scales -----------------------------------------------------------------------------------------------

@@ -325,10 +325,15 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
     (a plan's id for plan JSON), which the planner's Execute and every peer name.
 
     The JSON nests no deeper than the planner reads JSON, and is no larger than the message that brings it:
-    the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB)."""
+    the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB).
+
+    The id the text claims is taken as it is, not worked out again from the content (a quarter of reading a
+    16,000-step program): the planner's ticket for the Prepare signs the text's hash, and every host confirms the
+    id with its peers before it calls them. A text without an id gets its content's."""
     data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
-    program = program_from_json(data)  # a program of many tensors carries its buckets
-    return program, str(data.get("id") or program.id)
+    claimed = data.get("id") if isinstance(data, dict) else None
+    program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
+    return program, claimed if isinstance(claimed, str) else program.id
 
 
 # -- tasks ----------------------------------------------------------------------------------------------

@@ -142,3 +142,31 @@ def test_a_program_is_validated_and_written_out_once_and_a_bad_one_fails_every_t
     for _ in range(2):
         with pytest.raises(PlanValidationError):
             bad.validate()
+
+
+def test_an_agent_takes_the_id_a_signed_text_claims_and_the_ticket_refuses_any_other_text():
+    """An agent no longer works the id out of the program's content again: the planner's Prepare ticket signs the
+    text's hash, so a text changed after signing is refused before it is read, and the id it claims stands."""
+    import json
+
+    import pytest
+
+    from reshard.proto.errors import PermissionDeniedError
+    from reshard.server.agent.runtime import load_program
+    from reshard.server.common.tickets import TicketCheck, new_secret, prepare_fields, sign
+
+    program = _program(4)
+    text = program.dumps()
+    loaded, ident = load_program(text)
+    assert ident == program.id and loaded.steps == program.steps
+    unnamed = json.loads(text)
+    del unnamed["id"]
+    assert load_program(json.dumps(unnamed))[1] == program.id  # no claim: the content's id
+    secret = new_secret()
+    fields = ("job", "w", 1, 2, "grpc", 0, 0, {"b0": "b0"})
+    ticket = sign(secret, "prepare", *prepare_fields(fields[0], text, *fields[1:]))
+    check = TicketCheck("b0", secret)
+    check.check(ticket, "prepare", *prepare_fields(fields[0], text, *fields[1:]), what="Prepare")
+    altered = text.replace('"float32"', '"int32"', 1)
+    with pytest.raises(PermissionDeniedError):
+        check.check(ticket, "prepare", *prepare_fields(fields[0], altered, *fields[1:]), what="Prepare")
