@@ -77,6 +77,12 @@ class _TileRead:
     deliver: Callable[[np.ndarray], None]
 
 
+def _shard_header(upload_id: str, name: str, loc: pb.TileLocation, dtype: str) -> pb.ShardHeader:
+    """The header of a PutShard or PutShardIpc of tile ``loc``, with the planner's ticket for it."""
+    return pb.ShardHeader(upload_id=upload_id, tensor=name, device=loc.device, dtype=dtype, box=loc.box,
+                          ticket=loc.ticket)
+
+
 class JobFailedError(ReshardError, RuntimeError):
     """A reshard job ended in ``failed``; the message is the job's error text."""
 
@@ -352,48 +358,38 @@ class Client(FrameworkAdapters):
                 batches.setdefault(loc.address, []).append((upload_id, name, loc, dtype, arr))
             else:
                 jobs.append(self._pool.submit(self._upload, upload_id, name, loc.device, loc, dtype, arr, ipc))
-        for address, batch in batches.items():
-            if len(batch) == 1:
-                upload_id, name, loc, dtype, arr = batch[0]
-                jobs.append(self._pool.submit(self._upload, upload_id, name, loc.device, loc, dtype, arr, ipc))
-            else:
-                jobs.append(self._pool.submit(self._upload_batch, address, batch))
+        jobs += [self._pool.submit(self._upload_batch, address, batch) for address, batch in batches.items()]
         for f in jobs:
             f.result()
 
     def _upload_batch(self, address: str, batch: list[tuple[str, str, pb.TileLocation, str, Any]]) -> None:
-        """Several host-memory tiles to the agent at ``address`` in one PutShard stream."""
+        """Host-memory tiles to the agent at ``address`` in one PutShard stream."""
         def chunks():
             for upload_id, name, loc, dtype, arr in batch:
-                header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=loc.device, dtype=dtype, box=loc.box,
-                                        ticket=loc.ticket)
-                yield from shard_stream(arr, header, self.chunk_bytes)
+                yield from shard_stream(arr, _shard_header(upload_id, name, loc, dtype), self.chunk_bytes)
 
         try:
             self._agent(address).PutShard(chunks(), timeout=None)
         except grpc.RpcError as e:
-            raise domain_error(e, f"agent at {address} ({len(batch)} shards, devices "
-                                  f"{sorted({loc.device for _, _, loc, _, _ in batch})})") from None
+            what = (f"device {batch[0][2].device}" if len(batch) == 1
+                    else f"{len(batch)} shards, devices {sorted({loc.device for _, _, loc, _, _ in batch})}")
+            raise domain_error(e, f"agent at {address} ({what})") from None
 
     def _upload(self, upload_id: str, name: str, device: str, loc: pb.TileLocation, dtype: str, arr,
                 ipc: Ipc) -> None:
         address, tile = loc.address, box_from_pb(loc.box)
-        header = pb.ShardHeader(upload_id=upload_id, tensor=name, device=device, dtype=dtype, box=loc.box,
-                                ticket=loc.ticket)
         if devices.is_cuda(arr) and volume(tile) and self._ipc_with(address, ipc):
             src = arr.contiguous()  # alive until the agent has copied it
             try:
                 self._ipc_call(address, "PutShardIpc", pb.IpcPutShardRequest(
-                    header=header, source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
+                    header=_shard_header(upload_id, name, loc, dtype),
+                    source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
                     digest=devices.device_digest(src)), f"device {device}")
                 return
             except FailedPreconditionError as e:
                 self._ipc_failed(address, ipc, e)
         host = devices.to_host(arr) if devices.is_cuda(arr) else arr
-        try:
-            self._agent(address).PutShard(shard_stream(host, header, self.chunk_bytes), timeout=None)
-        except grpc.RpcError as e:
-            raise domain_error(e, f"agent at {address} (device {device})") from None
+        self._upload_batch(address, [(upload_id, name, loc, dtype, host)])
 
     def _fetch(self, name: str, version: int, loc: pb.TileLocation, dtype: str, to: str, ipc: Ipc):
         """The tile ``loc`` names as a torch tensor on ``to``."""

@@ -19,8 +19,9 @@ prepare     job, sha256(program), tensor, versions, transport, PrepareRequest
             generation, job number, peers
 execute     job, program id, whether it commits too             ExecuteRequest
 push        job, program id (under the receiver's secret)      PushHeader
-commit      upload or job, tensor, version, devices            StagingRequest
-abort       upload or job                                      StagingRequest
+commit      upload or job, tensor, version, devices, then     StagingRequest
+            each further upload, tensor, version, devices
+abort       upload or job, then each further upload            StagingRequest
 release     tensor, version, then each further name, version   ReleaseRequest
 heartbeat   host, address                                      HeartbeatRequest.proof
 =========== ================================================== =======================
@@ -36,8 +37,8 @@ from collections.abc import Iterable, Mapping
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
-__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "execute_fields",
-           "release_fields", "SECRET_BYTES"]
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "abort_fields",
+           "execute_fields", "release_fields", "SECRET_BYTES"]
 
 SECRET_BYTES = 32
 _SEP = "\x1f"

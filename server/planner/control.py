@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
 
+
 class TileLocation(NamedTuple):
     device: str
     address: str  # of the agent holding the tile; "" when it is down
