@@ -10,13 +10,13 @@ exactly as one transfer is.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from reshard import box as boxes
 from reshard.box import Box
 from reshard.plan import Transfer
 from reshard.program import Program, Step
@@ -33,13 +33,17 @@ class Bucket:
 
     def __init__(self, program: Program, members: list[Step]):
         self.members = members
-        self.offsets: list[int] = []
+        # Per member, worked out once per program (a weight sync packs and unpacks the same buckets every step):
+        # (tensor, box, its bytes' range in the bucket, numpy dtype, shape).
+        self.parts: list[tuple[str, Box, int, int, np.dtype, tuple[int, ...]]] = []
         n = 0
         for s in members:
-            self.offsets.append(n)
-            n += boxes.volume(s.transfer.box) * program.tensor(s.tensor).itemsize
+            kind = np_dtype(program.tensor(s.tensor).dtype)
+            shape = tile_shape(s.transfer.box)
+            size = math.prod(shape) * kind.itemsize
+            self.parts.append((s.tensor, s.transfer.box, n, n + size, kind, shape))
+            n += size
         self.nbytes = n
-        self.dtypes = [program.tensor(s.tensor).dtype for s in members]
         t = members[0].transfer
         self.step = Step.move(members[0].id, Transfer(((0, n),), t.sender, t.receivers, t.method, 0, t.route),
                               tensor=members[0].tensor)
@@ -53,11 +57,13 @@ class Bucket:
         sender's buffer holding a member's box and the box that buffer holds."""
         out = np.empty(self.nbytes, dtype=np.uint8)
         sender = self.step.transfer.sender
-        for s, at in zip(self.members, self.offsets):
-            box = s.transfer.box
-            array, origin = read(sender, s.tensor, box)
-            data = np.frombuffer(buffers.host_bytes(buffers.region(array, box, origin)), dtype=np.uint8)
-            out[at:at + data.size] = data
+        for tensor, box, lo, hi, kind, shape in self.parts:
+            array, origin = read(sender, tensor, box)
+            view = buffers.region(array, box, origin)
+            if isinstance(view, np.ndarray):  # one copy, strided where the box is not contiguous in the shard
+                out[lo:hi].view(kind).reshape(shape)[...] = view
+            else:
+                out[lo:hi] = np.frombuffer(buffers.host_bytes(view), dtype=np.uint8)
         return out, self.step.transfer.box
 
     def sink(self, destination: Callable[[str, Box], Any]) -> "_Unpack":
@@ -105,12 +111,8 @@ class _Unpack:
             self._unpack(device, buf)
 
     def _unpack(self, device: str, buf: np.ndarray) -> None:
-        b = self.bucket
-        for s, at, dtype in zip(b.members, b.offsets, b.dtypes):
-            box = s.transfer.box
-            kind = np_dtype(dtype)
-            values = buf[at:at + boxes.volume(box) * kind.itemsize].view(kind).reshape(tile_shape(box))
-            self.destination(s.tensor, box).write(device, box, values)
+        for tensor, box, lo, hi, kind, shape in self.bucket.parts:
+            self.destination(tensor, box).write(device, box, buf[lo:hi].view(kind).reshape(shape))
 
 
 def bucket_moves(program: Program) -> dict[int, Bucket]:

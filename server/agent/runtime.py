@@ -45,7 +45,6 @@ Shard buffers are read and written only through `reshard.server.transport.buffer
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
 import threading
 import time
@@ -77,9 +76,11 @@ from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
 from reshard.server.agent.buckets import BYTES, Bucket, bucket_moves
 from reshard.server.agent.matmul import einsum2
 from reshard.server.agent.pace import DevicePace
-from reshard.server.agent.staging import StagedTiles, staged_bytes, staging_owner
+from reshard.server.agent.staging import NoTiles, StagedTiles, staged_bytes, staging_owner
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
+from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
+from reshard.server.common.tickets import program_digest
 from reshard.server.transport import buffers
 from reshard.server.transport.base import (
     PushHeader,
@@ -313,10 +314,7 @@ KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
 
 
 # Parsed programs an agent keeps (`Runtime._loaded`): at most PROGRAMS_KEPT, and no more than PROGRAMS_KEPT_BYTES of
-# program text in all besides the newest. A pipeline stage runs a dozen small programs in turn every step; a state
-# dict's program is megabytes of JSON, and its parsed form several times that.
-PROGRAMS_KEPT = 64
-PROGRAMS_KEPT_BYTES = 16 * 2**20
+# program text in all besides the newest (`server.common.contract`, which the planner follows too).
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
@@ -456,10 +454,16 @@ class HostLayout:
             sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
             if s.kind == MOVE and host_of(s.transfer.sender) == host)
         self.committed = [t for t in program.tensors if t.dst is not None]
+        self.committed_names = frozenset(t.name for t in self.committed)
+        self.unresharded = [t.name for t in self.committed if not t.is_reshard]
         self.staged = staged_bytes(self.committed, host) if len(self.committed) > 1 else {}
         # tensor -> this host's devices' destination tiles, and their source tiles where the tensor has a source
         self.dst_tiles = {t.name: {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
                           for t in self.committed}
+        self.here = [t for t in self.committed if self.dst_tiles[t.name]]  # the tensors this host stages tiles of
+        # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
+        # (`Run._stage`).
+        self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
         self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
                           for t in self.committed if t.src is not None}
 
@@ -522,7 +526,7 @@ class Run(Session):
 
     def _stage(self) -> None:
         committed = self.layout.committed
-        unversioned = [t.name for t in committed if not (t.is_reshard or t.name in self.versions)]
+        unversioned = [name for name in self.layout.unresharded if name not in self.versions]
         if len(committed) > 1 and unversioned:
             raise FailedPreconditionError(
                 f"job {self.job}: the program ends {len(committed)} tensors in a destination sharding "
@@ -532,8 +536,10 @@ class Run(Session):
         # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
         # is a move that waits for nothing: those read only source shards, and no stream writes that part, so the
         # copy runs beside the streams (`fill`) instead of delaying this host's first call to its peers.
-        defer = all(s.kind == MOVE and not s.after for s in self.program.steps)
-        self.staging: dict[str, StagedTiles] = {}  # program tensor -> its tiles staged on this host
+        defer = self.layout.moves_only
+        # program tensor -> its tiles staged on this host; a tensor without tiles here stages nothing and has no
+        # entry (a sender of a state dict has none)
+        self.staging: dict[str, StagedTiles] = {}
         owners = []
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
         # would each pass over everything the store holds.
@@ -543,7 +549,7 @@ class Run(Session):
                 owners.append(together)
                 self.store.reserve(together, self.layout.staged,
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
-            for decl in committed:
+            for decl in self.layout.here:
                 owners.append(staging_owner(self.job, decl.name, len(committed)))
                 tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.host, self.store,
                                     self.version(decl.name), self.empty, defer, reserve=together is None,
@@ -563,7 +569,7 @@ class Run(Session):
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several
         tensors, where a resharded one, read at a version of its own (``versions``), commits as the version after
         it, and one the program makes (no ``src``) as the version the job names for it (compute_many)."""
-        if len(self.staging) > 1 and tensor in self.versions:
+        if len(self.layout.committed) > 1 and tensor in self.versions:
             return self.versions[tensor] + (self.program.tensor(tensor).src is not None)
         return self.dst_version
 
@@ -630,8 +636,11 @@ class Run(Session):
     def produce(self, device: str, tensor: str, role: str, box: Box) -> tuple[Any, Box]:
         """The buffer a step writes ``box`` of ``tensor`` in ``role`` into on ``device``, and the box it holds:
         the staged tile for the committed tensor's ``dst``, else a buffer made for ``box`` (once)."""
-        if role == DST and tensor in self.staging:
-            return self.staging[tensor].produce(device, box)
+        if role == DST and tensor in self.layout.committed_names:
+            staged = self.staging.get(tensor)
+            if staged is None:
+                raise NoTiles(self.job, self.names[tensor]).error(device, box)
+            return staged.produce(device, box)
         with self._lock:
             made = self._made[(device, tensor, role)]
             for b, a in made:
@@ -644,7 +653,11 @@ class Run(Session):
     def sink(self, tensor: str, box: Box):
         """Where a move of ``box`` of ``tensor`` delivers on this host."""
         staged = self.staging.get(tensor)
-        return staged if staged is not None else _Scratch(self, tensor, box)
+        if staged is not None:
+            return staged
+        if tensor in self.layout.committed_names:
+            return NoTiles(self.job, self.names[tensor])
+        return _Scratch(self, tensor, box)
 
     def executed(self, index: int) -> Step:
         """Step ``index`` as this host runs it: a bucket's first step is the move of the whole bucket."""
@@ -782,13 +795,14 @@ class Runtime:
 
     def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
                 peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0,
-                push_tickets: dict[str, str] | None = None, reads: dict[str, tuple[str, int]] | None = None) -> Run:
+                push_tickets: dict[str, str] | None = None, reads: dict[str, tuple[str, int]] | None = None,
+                program_sha256: str = "") -> Run:
         """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
-        ``program_json``; ``tensor`` is the store's name of the program's reshard tensor (the one with a source
-        and a destination sharding); its other tensors go by their own names. ``reads`` (a compute program)
-        gives program tensors their stored name and version instead: the inputs' versions to read, and the
-        name the output commits as. ``push_tickets`` are the planner's tickets for this job's pushes, by
-        receiving host."""
+        ``program_json``, or the one held under ``program_sha256`` (`_loaded`); ``tensor`` is the store's name
+        of the program's reshard tensor (the one with a source and a destination sharding); its other tensors go
+        by their own names. ``reads`` (a compute program) gives program tensors their stored name and version
+        instead: the inputs' versions to read, and the name the output commits as. ``push_tickets`` are the
+        planner's tickets for this job's pushes, by receiving host."""
         if self.store.ended(job):  # an abort overtook this prepare (a paused agent), or a replayed prepare
             raise FailedPreconditionError(f"job {job} has already ended on agent {self.host}")
         link = self.transports.get(transport or "grpc")
@@ -797,7 +811,7 @@ class Runtime:
                 f"job {job} asks agent {self.host} for the {transport} transport, but it runs "
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
-        program, ident, layout = self._loaded(program_json)
+        program, ident, layout = self._loaded(program_json, program_sha256)
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
         if len(resharded) == 1:
@@ -822,18 +836,22 @@ class Runtime:
         """The program in ``text`` and its id (`_loaded`)."""
         return self._loaded(text)[:2]
 
-    def _loaded(self, text: str) -> tuple[Program, str, HostLayout]:
+    def _loaded(self, text: str, sha256: str = "") -> tuple[Program, str, HostLayout]:
         """`load_program` of ``text`` and this host's `HostLayout` of it, kept while it is among the last
         `PROGRAMS_KEPT` distinct texts (and `PROGRAMS_KEPT_BYTES`): a weight sync hands the same program over
         every step, a pipeline each stage's few, and reading a state dict's and working out its layout take a
-        large share of its job. Programs and layouts are immutable (runs copy the
-        task templates), so runs share them; the key is the text's hash, so only the very same text hits."""
-        key = hashlib.blake2b(text.encode(), digest_size=20).digest()
+        large share of its job. Programs and layouts are immutable (runs copy the task templates), so runs share
+        them; the key is the text's SHA-256 (``sha256``, `tickets.program_digest`, when the caller has it), so
+        only the very same text hits. An empty ``text`` names a held program by ``sha256`` alone."""
+        key = sha256 or program_digest(text)
         with self._lock:
             hit = self._programs.get(key)
             if hit is not None:
                 self._programs.move_to_end(key)
                 return hit[:3]
+        if not text:
+            raise NotFoundError(f"{PROGRAM_NOT_HELD}: agent {self.host} holds no program with SHA-256 {key[:16]} "
+                                f"(it keeps the last {PROGRAMS_KEPT}); the planner sends its text again")
         program, ident = load_program(text)
         loaded = (program, ident, HostLayout(program, self.host))
         with self._lock:
@@ -898,9 +916,8 @@ class Runtime:
         if run.failed is not None:
             raise FailedPreconditionError(f"job {job} failed on agent {self.host}, so it cannot commit: {run.failed}")
         run.check_complete()
-        for name, staged in run.staging.items():
-            if staged.tiles:  # a host without destination tiles of a tensor stages nothing for it
-                self.store.commit(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
+        for name, staged in run.staging.items():  # only tensors with destination tiles here stage any
+            self.store.commit(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
         self.store.end(job)
         self._retire(run)
 

@@ -35,7 +35,7 @@ from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
 from reshard.server.common.tickets import (TicketCheck, abort_fields, commit_fields, execute_fields, new_secret,
-                                           prepare_fields, put_fields, release_fields, sign)
+                                           prepare_fields, program_digest, put_fields, release_fields, sign)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -172,11 +172,17 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
         reads = {t: (x.name, x.version) for t, x in r.reads.items()}
-        self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version,
+        # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
+        sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256
+        if not sha256 or (r.program_json and r.program_sha256 and r.program_sha256 != sha256):
+            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} must carry a program's text or the SHA-256 of "
+                                       f"one this agent holds, and not two that differ")
+        self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
                                                                 r.peers, reads), what=f"Prepare of job {r.job[:12]!r}")
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
-                                    r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads)
+                                    r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads,
+                                    program_sha256=sha256)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)

@@ -24,7 +24,7 @@ from reshard.proto.layout import tile_shape
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.transport import buffers
 
-__all__ = ["StagedTiles", "staging_owner"]
+__all__ = ["StagedTiles", "NoTiles", "staging_owner"]
 
 
 def staging_owner(job: str, tensor: str, num_committed: int) -> str:
@@ -113,9 +113,15 @@ class StagedTiles:
     # -- the Sink moves deliver through -----------------------------------------------------------------
 
     def write(self, device: str, box: Box, data) -> None:
-        buffers.write(self.buffers.get(device), box, self.tile(device, box), data)
+        tile = self.tile(device, box)
+        buf = self.buffers[device]
+        if type(buf) is np.ndarray and type(data) is np.ndarray:  # host to host: the common case, kept short
+            buf[boxes.to_slices(box, tile)] = data
+        else:
+            buffers.write(buf, box, tile, data)
+        n = boxes.volume(box)
         with self._lock:
-            self.missing[device] -= boxes.volume(box)
+            self.missing[device] -= n
 
     def place(self, devices: list[str], box: Box):
         for r in devices:
@@ -135,3 +141,24 @@ class StagedTiles:
         """Devices whose tile still lacks elements, and how many."""
         with self._lock:
             return {d: n for d, n in self.missing.items() if n}
+
+
+class NoTiles:
+    """The `Sink` of a tensor a job commits that has no destination tile on this host: a chain may pass through
+    it (pieces are forwarded, none land), but delivering a box here is a planning error, named as such."""
+
+    def __init__(self, job: str, name: str):
+        self.job, self.name = job, name
+
+    def error(self, device: str, box: Box) -> InvalidArgumentError:
+        return InvalidArgumentError(f"job {self.job}: box {boxes.box_str(box)} is not inside device {device}'s "
+                                    f"destination tile of {self.name!r}: this host has none")
+
+    def place(self, devices: list[str], box: Box):
+        return None
+
+    def write(self, device: str, box: Box, data) -> None:
+        raise self.error(device, box)
+
+    def mark(self, device: str, box: Box) -> None:
+        raise self.error(device, box)

@@ -26,14 +26,13 @@ again only when nothing else holds it (a reader streaming an old version keeps i
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
@@ -158,7 +157,7 @@ class ShardStore:
         """A buffer for ``shape`` on this store's device: a recycled one when one of that size is free."""
         if self.device == "cpu":
             np_type = np_dtype(dtype)
-            free = self.recycler.take(int(np.prod(shape, dtype=np.int64)) * np_type.itemsize)
+            free = self.recycler.take(math.prod(shape) * np_type.itemsize)
             if free is not None:
                 return free.view(np_type).reshape(shape)
         return buffers.empty(shape, dtype, self.device)

@@ -9,6 +9,11 @@
 ``confirm_prefix``      the rendezvous keys under which a job's hosts confirm its plan id before a
                         collective phase; the planner deletes them when the job ends
 ``check_host_name``     what a host name may hold: letters, digits, '.', '-', '_'
+``PROGRAM_NOT_HELD``    how an agent's NOT_FOUND begins when a Prepare names a program by its
+                        SHA-256 that the agent no longer holds: the planner sends the text then
+``PROGRAMS_KEPT``       how many parsed programs an agent keeps, most recently used, and
+``PROGRAMS_KEPT_BYTES`` how much of their text besides the newest: the planner names a program by
+                        its SHA-256 to an agent it sent the text to while both would still hold it
 ======================= ==========================================================================
 """
 
@@ -18,10 +23,16 @@ from dataclasses import dataclass
 
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "confirm_prefix", "check_host_name"]
+__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
+           "PROGRAMS_KEPT_BYTES", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto")
 BACKENDS = ("gloo", "nccl")
+PROGRAM_NOT_HELD = "program not held"
+# A pipeline stage runs a dozen small programs in turn every step; a state dict's program is megabytes of JSON, and
+# its parsed form several times that.
+PROGRAMS_KEPT = 64
+PROGRAMS_KEPT_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,10 @@ kind        fields signed                                      carried by
 put         upload, tensor, device, dtype, box                 PutShard / PutShardIpc
                                                                header (the SDK got it
                                                                from BeginUpload)
-prepare     job, sha256(program), tensor, versions, transport, PrepareRequest
-            generation, job number, peers
+prepare     job, sha256(program), tensor, versions, transport, PrepareRequest (with the
+            generation, job number, peers                      program's text, or its
+                                                               sha256 where the agent
+                                                               holds it already)
 execute     job, program id, whether it commits too             ExecuteRequest
 push        job, program id (under the receiver's secret)      PushHeader
 commit      upload or job, tensor, version, devices, then     StagingRequest
@@ -37,8 +39,8 @@ from collections.abc import Iterable, Mapping
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
-__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "prepare_fields", "commit_fields", "abort_fields",
-           "execute_fields", "release_fields", "SECRET_BYTES"]
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "program_digest", "prepare_fields", "commit_fields",
+           "abort_fields", "execute_fields", "release_fields", "SECRET_BYTES"]
 
 SECRET_BYTES = 32
 _SEP = "\x1f"
@@ -57,11 +59,17 @@ def put_fields(upload: str, tensor: str, device: str, dtype: str, box: Box) -> t
     return upload, tensor, device, dtype, ",".join(f"{lo}:{hi}" for lo, hi in box)
 
 
-def prepare_fields(job: str, program_json: str, tensor: str, src_version: int, dst_version: int, transport: str,
+def program_digest(program_json: str) -> str:
+    """The SHA-256 (hex) of a program's text: what a prepare ticket signs, and the name an agent holds a program
+    it has read under (a later Prepare may name it instead of carrying the text again)."""
+    return hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int, dst_version: int, transport: str,
                    generation: int, job_seq: int, peers: Mapping[str, str],
                    reads: Mapping[str, tuple[str, int]] | None = None) -> tuple:
-    program = hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
-    fields = (job, program, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
+    """``program_sha256`` is `program_digest` of the program's text."""
+    fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
         fields += (";".join(f"{t}={n}@{v}" for t, (n, v) in sorted(reads.items())),)

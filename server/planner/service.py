@@ -13,16 +13,16 @@ import grpc
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel
-from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields, release_fields,
-                                           sign)
+from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
+                                           program_digest, release_fields, sign)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_available
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import GroupView, Staging
+from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, GroupView, Staging
 from reshard.server.planner.jobs import Job, Preparation
 from reshard.server.planner.control import Planner, TileLocation
 
@@ -46,8 +46,12 @@ class GrpcAgentCalls:
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
-        # job -> (its Preparation, the request without tickets, the fields its ticket signs, push tickets by peer)
+        # job -> (its Preparation, the request without tickets and one naming the program by its SHA-256, the
+        # fields its ticket signs, push tickets by peer)
         self._prepared: OrderedDict[str, tuple] = OrderedDict()
+        # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
+        # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
+        self._held: dict[str, OrderedDict[str, int]] = {}
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
@@ -60,30 +64,83 @@ class GrpcAgentCalls:
     def _sign(self, host: str, kind: str, *fields) -> str:
         return sign(self._secret_of(host), kind, *fields)
 
-    def _prepare_request(self, host: str, p: Preparation) -> pb.PrepareRequest:
+    def _made(self, p: Preparation) -> tuple:
+        """Job ``p``'s Prepare as every host gets it but for its tickets: built once per job (a state dict's program
+        and reads are large), signed per host. (p, the request with the program's text, the same naming the
+        program by its SHA-256 instead, the fields its ticket signs, push tickets by peer)."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is None or made[0] is not p:
-            # Every host of a job gets the same request but for its tickets: built once per job (a state dict's
-            # program and reads are large), signed per host.
-            base = pb.PrepareRequest(
-                job=p.job, program_json=p.program_json, tensor=p.tensor, src_version=p.src_version,
+            digest = program_digest(p.program_json)
+            by_digest = pb.PrepareRequest(
+                job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
                 job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()})
-            fields = prepare_fields(p.job, p.program_json, p.tensor, p.src_version, p.dst_version, p.transport,
+            with_text = pb.PrepareRequest(program_json=p.program_json)
+            with_text.MergeFrom(by_digest)
+            with_text.ClearField("program_sha256")
+            fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
                                     p.generation, p.job_seq, p.peers, p.reads)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
-            made = (p, base, fields, pushes)
+            made = (p, with_text, by_digest, fields, pushes)
             with self._lock:
                 self._prepared[p.job] = made
                 while len(self._prepared) > _PREPARED_KEPT:
                     self._prepared.popitem(last=False)
-        _, base, fields, pushes = made
+        return made
+
+    def _prepare_request(self, host: str, p: Preparation, held: bool = False) -> pb.PrepareRequest:
+        """The Prepare of job ``p`` for ``host``: with the program's text, or (``held``) naming the program by its
+        SHA-256 alone."""
+        _, with_text, by_digest, fields, pushes = self._made(p)
         request = pb.PrepareRequest()
-        request.CopyFrom(base)
+        request.CopyFrom(by_digest if held else with_text)
         request.ticket = self._sign(host, "prepare", *fields)
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
+
+    def _holds(self, address: str, p: Preparation) -> bool:
+        """Whether the agent at ``address`` holds ``p``'s program (it was sent the text, and kept it since)."""
+        digest = self._prepared_digest(p)
+        with self._lock:
+            held = self._held.get(address)
+            if held is None or digest not in held:
+                return False
+            held.move_to_end(digest)
+            return True
+
+    def _sent(self, address: str, p: Preparation, kept: bool) -> None:
+        """The agent at ``address`` read ``p``'s program (``kept``), or said it no longer holds it."""
+        digest = self._prepared_digest(p)
+        with self._lock:
+            held = self._held.setdefault(address, OrderedDict())
+            held.pop(digest, None)
+            if kept:
+                held[digest] = len(p.program_json)
+            # The agent's own bound: programs beyond PROGRAMS_KEPT, or text beyond PROGRAMS_KEPT_BYTES besides
+            # the newest, it has dropped.
+            while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) - len(p.program_json) >
+                                     PROGRAMS_KEPT_BYTES):
+                held.popitem(last=False)
+
+    def _prepared_digest(self, p: Preparation) -> str:
+        return self._made(p)[2].program_sha256
+
+    def _by_digest_first(self, address: str, p: Preparation | None, call: Callable[[bool], object]):
+        """``call(held)`` naming ``p``'s program by its SHA-256 where the agent should hold it, and again with
+        the text if it does not (an agent restarted, or one that dropped it)."""
+        if p is None:
+            return call(False)
+        if self._holds(address, p):
+            try:
+                return call(True)
+            except NotFoundError as e:
+                if not str(e).startswith(PROGRAM_NOT_HELD):
+                    raise
+                self._sent(address, p, kept=False)
+        result = call(False)
+        self._sent(address, p, kept=True)
+        return result
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
         try:
@@ -92,13 +149,19 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
     def prepare(self, host, address, prep, timeout):
-        self._call(host, address, "Prepare", self._prepare_request(host, prep), timeout)
+        self._by_digest_first(address, prep, lambda held: self._call(
+            host, address, "Prepare", self._prepare_request(host, prep, held), timeout))
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
+        return self._by_digest_first(address, prepare, lambda held: self._execute(
+            host, address, job, program_id, on_progress, timeout, prepare, commit, held))
+
+    def _execute(self, host, address, job, program_id, on_progress, timeout, prepare, commit, held):
         request = pb.ExecuteRequest(job=job, program_id=program_id,
-                                    prepare=self._prepare_request(host, prepare) if prepare is not None else None,
                                     ticket=self._sign(host, "execute", *execute_fields(job, program_id, commit)),
                                     commit=commit)
+        if prepare is not None:
+            request.prepare.CopyFrom(self._prepare_request(host, prepare, held))
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):

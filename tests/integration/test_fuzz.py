@@ -56,7 +56,8 @@ from reshard.proto.auth import METADATA_KEY
 from reshard.proto.layout import Checksum
 from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
-from reshard.server.common.tickets import commit_fields, execute_fields, prepare_fields, put_fields, sign
+from reshard.server.common.tickets import (commit_fields, execute_fields, prepare_fields, program_digest, put_fields,
+                                           sign)
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
@@ -528,7 +529,8 @@ TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShar
 
 
 def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
-    r.ticket = sign(secret, "prepare", *prepare_fields(r.job, r.program_json, r.tensor, r.src_version, r.dst_version,
+    program = program_digest(r.program_json) if r.program_json else r.program_sha256
+    r.ticket = sign(secret, "prepare", *prepare_fields(r.job, program, r.tensor, r.src_version, r.dst_version,
                                                        r.transport, r.generation, r.job_seq, r.peers,
                                                        {t: (x.name, x.version) for t, x in r.reads.items()}))
 
