@@ -63,24 +63,29 @@ def state_dict(layers: int, hidden: int) -> tuple[dict, dict]:
 
 def measure(transport: str, layers: int, hidden: int, sizes: list[float], runs: int) -> dict:
     """Median seconds per bucket size, and (key "per tensor") of the same move as one reshard job per tensor,
-    all submitted at once."""
+    all submitted at once. The sizes take turns, round after round (each round in another order), after one
+    untimed round in which the agents read each size's program: this shared machine's speed drifts over minutes,
+    which would otherwise favour whichever size ran in a quiet spell."""
     tensors, infer = state_dict(layers, hidden)
     train = {n: s for n, (_, s) in tensors.items()}
-    out: dict = {}
+    names = list(tensors)
+    times: dict[float, list[float]] = {mib: [] for mib in sizes}
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport=transport) as cluster, cluster.connect() as c:
         c.put_many(tensors)
-        for mib in sizes:
-            times = []
-            for _ in range(runs):
-                names = list(tensors)
+        for k in range(runs + 1):
+            turn = sizes[k % len(sizes):] + sizes[:k % len(sizes)]
+            for mib in turn:
                 c.reshard_many(train, bucket_mib=mib).result(timeout=600)  # back, untimed
                 _settle(c, names)
                 t0 = time.monotonic()
                 c.reshard_many(infer, bucket_mib=mib).result(timeout=600)
-                times.append(time.monotonic() - t0)
+                if k:
+                    times[mib].append(time.monotonic() - t0)
                 _settle(c, names)
-            out[mib] = statistics.median(times)
-            print(f"{transport} bucket {mib:g} MiB: {out[mib]:.3f}s ({', '.join(f'{t:.3f}' for t in times)})",
+        out: dict = {}
+        for mib in sizes:
+            out[mib] = statistics.median(times[mib])
+            print(f"{transport} bucket {mib:g} MiB: {out[mib]:.3f}s ({', '.join(f'{t:.3f}' for t in times[mib])})",
                   flush=True)
         c.reshard_many(train).result(timeout=600)
         _settle(c, list(tensors))
@@ -97,6 +102,22 @@ def _settle(c, names: list[str]) -> None:
     reshard_many of one tensor into its own layout, which queues behind the release."""
     info = c.info(names[0])
     c.reshard_many({names[0]: info.sharding}).result(timeout=600)
+
+
+def _summary(results: dict, sizes: list[float]) -> str:
+    """Per transport: the default's seconds against the fastest size's and against no buckets."""
+    default = DEFAULT_BUCKET_BYTES / MiB
+    parts = []
+    for t, secs in results.items():
+        best = min(sizes, key=lambda mib: secs[mib])
+        name = f"the default {best:g} MiB" if best == default else f"{best:g} MiB"
+        text = f"on {t}, {secs[best]:.3f} s at {name} (the fastest here)"
+        if default in secs and best != default:
+            text += f", {secs[default]:.3f} s at the default {default:g} MiB"
+        if 0 in secs:
+            text += f" and {secs[0]:.3f} s with none"
+        parts.append(text)
+    return "; ".join(parts)
 
 
 def main() -> None:
@@ -123,12 +144,11 @@ def main() -> None:
             f"{args.hidden}) moved by one `reshard_many` from tensor-parallel 4 on 4 local agents to tensor-parallel "
             f"2 times two replicas on 4 others, per bucket size: moves smaller than the size travel packed into "
             f"streams of at least that size (0: every move its own stream). Seconds from submission until the job "
-            f"succeeded, median of {args.runs}; the last row moves the same tensors as one `reshard` job each, "
-            f"submitted at once (one run). Packing is what counts: without it every small move pays a "
-            f"stream's set-up; from about 1 MiB up the sizes differ by less than this 2-core machine's run-to-run "
-            f"spread. The default, {DEFAULT_BUCKET_BYTES / MiB:g} MiB, sits in that flat range where a bucket is "
-            f"about 3 ms on a 10 Gbit/s NIC, the length the collective transport sizes its chunks to, so a "
-            f"stream's fixed cost stays small beside its bytes on a real network too.\n\n"
+            f"succeeded, median of {args.runs} rounds in which the sizes take turns (after one untimed round); "
+            f"the last row moves the same tensors as one `reshard` job each, submitted at once (one run). Without packing every small move pays a stream's set-up, and fewer, "
+            f"larger streams also cost the runtime less to schedule and check: {_summary(results, sizes)}. A "
+            f"bucket is packed in memory on its sender and held whole on each receiving device until its last "
+            f"byte, so past the point where the time stops falling a larger one only costs memory.\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/buckets.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --sizes {args.sizes}`.")

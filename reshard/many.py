@@ -54,8 +54,11 @@ __all__ = ["ManyProgram", "plan_many", "scale_sharding", "scale_pairs", "follow_
            "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES"]
 
 MiB = 2**20
-# Measured with bench/buckets.py (reshard_many of 500 tensors on 4+4 local agents): see BENCHMARKS.md.
-DEFAULT_BUCKET_BYTES = 4 * MiB
+# Measured with bench/buckets.py (reshard_many of 500 tensors on 4+4 local agents, the sizes taking turns): see
+# BENCHMARKS.md. Fewer, larger streams cost less to schedule and check, and a chain still pipelines them chunk by
+# chunk; the price is memory: a bucket is packed whole on its sender and held whole on each receiving device until
+# its last byte, one per transfer that runs at once (on the collective transport, `AgentConfig.collective_lanes`).
+DEFAULT_BUCKET_BYTES = 64 * MiB
 MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; larger ones gain nothing
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
