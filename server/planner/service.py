@@ -117,10 +117,9 @@ class GrpcAgentCalls:
             held.pop(digest, None)
             if kept:
                 held[digest] = len(p.program_json)
-            # The agent's own bound: programs beyond PROGRAMS_KEPT, or text beyond PROGRAMS_KEPT_BYTES besides
-            # the newest, it has dropped.
-            while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) - len(p.program_json) >
-                                     PROGRAMS_KEPT_BYTES):
+            # The agent's own rule (`Runtime._loaded`): past PROGRAMS_KEPT programs or PROGRAMS_KEPT_BYTES of text,
+            # it drops the least recently used, keeping the newest whatever its size.
+            while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) > PROGRAMS_KEPT_BYTES):
                 held.popitem(last=False)
 
     def _prepared_digest(self, p: Preparation) -> str:

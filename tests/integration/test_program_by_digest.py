@@ -132,3 +132,20 @@ def test_the_planner_forgets_what_an_agent_would_have_dropped(agent, monkeypatch
     assert texts[-1] is True
     with pytest.raises(NotFoundError):  # and an unknown digest is the agent's NOT_FOUND, as the SDK sees it
         runtime.prepare(uuid.uuid4().hex, "", "w", 1, 2, {}, "grpc", program_sha256="0" * 64)
+
+
+def test_the_planner_counts_program_text_as_the_agent_does(agent, monkeypatch):
+    from reshard.server.agent import runtime as agent_runtime
+    from reshard.server.planner import service
+
+    calls, address, runtime, texts, _ = agent
+    preps = [_preparation(rows) for rows in (4, 6, 8)]
+    budget = len(preps[0].program_json) + len(preps[1].program_json) + 10  # two texts fit, not three
+    monkeypatch.setattr(service, "PROGRAMS_KEPT_BYTES", budget)
+    monkeypatch.setattr(agent_runtime, "PROGRAMS_KEPT_BYTES", budget)
+    for prep in preps:
+        _prepare(calls, address, prep)
+    _prepare(calls, address, _preparation(8))  # the newest: both keep it
+    _prepare(calls, address, _preparation(6))  # kept beside it
+    _prepare(calls, address, _preparation(4))  # dropped by both: the planner sends the text, with no NOT_FOUND
+    assert texts[3:] == [False, False, True]
