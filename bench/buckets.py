@@ -145,10 +145,10 @@ def main() -> None:
             f"2 times two replicas on 4 others, per bucket size: moves smaller than the size travel packed into "
             f"streams of at least that size (0: every move its own stream). Seconds from submission until the job "
             f"succeeded, median of {args.runs} rounds in which the sizes take turns (after one untimed round); "
-            f"the last row moves the same tensors as one `reshard` job each, submitted at once (one run). Without packing every small move pays a stream's set-up, and fewer, "
-            f"larger streams also cost the runtime less to schedule and check: {_summary(results, sizes)}. A "
-            f"bucket is packed in memory on its sender and held whole on each receiving device until its last "
-            f"byte, so past the point where the time stops falling a larger one only costs memory.\n\n"
+            f"the last row moves the same tensors as one `reshard` job each, submitted at once (one run). Without "
+            f"packing every small move pays a stream's set-up, and fewer, larger streams also cost the runtime "
+            f"less to schedule and check: {_summary(results, sizes)}. A bucket is packed in memory on its sender "
+            f"and held whole on each receiving device until its last byte, so past the point where the time stops falling a larger one only costs memory.\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/buckets.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --sizes {args.sizes}`.")

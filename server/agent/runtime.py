@@ -314,7 +314,7 @@ KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
 
 
 # Parsed programs an agent keeps (`Runtime._loaded`): at most PROGRAMS_KEPT, and no more than PROGRAMS_KEPT_BYTES of
-# program text in all besides the newest (`server.common.contract`, which the planner follows too).
+# program text in all, the newest kept whatever its size (`server.common.contract`; the planner follows the same rule).
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,

@@ -12,8 +12,9 @@
 ``PROGRAM_NOT_HELD``    how an agent's NOT_FOUND begins when a Prepare names a program by its
                         SHA-256 that the agent no longer holds: the planner sends the text then
 ``PROGRAMS_KEPT``       how many parsed programs an agent keeps, most recently used, and
-``PROGRAMS_KEPT_BYTES`` how much of their text besides the newest: the planner names a program by
-                        its SHA-256 to an agent it sent the text to while both would still hold it
+``PROGRAMS_KEPT_BYTES`` how much of their text (the newest stays whatever its size): the planner
+                        names a program by its SHA-256 to an agent it sent the text to while both
+                        would still hold it
 ======================= ==========================================================================
 """
 
