@@ -148,7 +148,8 @@ def main() -> None:
             f"the last row moves the same tensors as one `reshard` job each, submitted at once (one run). Without "
             f"packing every small move pays a stream's set-up, and fewer, larger streams also cost the runtime "
             f"less to schedule and check: {_summary(results, sizes)}. A bucket is packed in memory on its sender "
-            f"and held whole on each receiving device until its last byte, so past the point where the time stops falling a larger one only costs memory.\n\n"
+            f"and held whole on each receiving device until its last byte, so past the point where the time "
+            f"stops falling a larger one only costs memory.\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/buckets.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --sizes {args.sizes}`.")
