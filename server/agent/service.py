@@ -359,6 +359,9 @@ class Agent:
         self.collective = self.runtime.transports.get("collective")
         self.address = advertised_address(config, self.port)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # beat now: stopping, or the process group changed under this agent
+        if self.collective is not None:
+            self.collective.member.changed = self._wake.set
         self._channel = channel(config.planner, token=config.token, tls=config.tls)
         self._planner = pb_grpc.PlannerStub(self._channel)
         self._interval = config.heartbeat_interval_s
@@ -424,7 +427,11 @@ class Agent:
         return self
 
     def _heartbeat(self) -> None:
-        while not self._stop.wait(self._interval):
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 joined, broken = (self.collective.member.status() if self.collective
                                   else (0, 0))
@@ -434,6 +441,7 @@ class Agent:
                     proof=sign(self.secret, "heartbeat", self.config.host, self.address),
                     memory_used_bytes=self.runtime.store.used_bytes()),
                     timeout=max(self._interval, 1.0))
+                self._interval = reply.heartbeat_interval_s or self.config.heartbeat_interval_s
                 if not reply.known:
                     self._register_again("the planner does not know this agent")
                 else:
@@ -454,6 +462,7 @@ class Agent:
 
     def stop(self, grace: float = 1.0) -> None:
         self._stop.set()
+        self._wake.set()
         self.server.stop(grace).wait()
         self.runtime.close()
         self._channel.close()

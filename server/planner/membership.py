@@ -49,6 +49,13 @@ __all__ = ["GroupCoordinator"]
 
 log = logging.getLogger(__name__)
 
+# While a generation forms, agents heartbeat this often, so that every member learns of it and reports its join
+# within a fraction of a second instead of a beat or two; for this long at most, so that a member that never
+# joins does not keep the rest beating fast.
+FORMING_BEAT_S = 0.1
+FORMING_FAST_S = 10.0
+
+
 class GroupCoordinator:
     def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic):
         self.registry = registry
@@ -63,6 +70,7 @@ class GroupCoordinator:
         self._members: tuple[str, ...] = ()
         self._joined: set[str] = set()
         self._seq = 0
+        self._reformed_at = 0.0
 
     # -- membership ---------------------------------------------------------------------
 
@@ -139,6 +147,7 @@ class GroupCoordinator:
     def _reform(self, why: str) -> None:
         self._generation += 1
         self._joined = set()
+        self._reformed_at = self._clock()
         log.info("process group generation %d: %s; members %s", self._generation, why, list(self._members))
         self._cond.notify_all()
 
@@ -165,6 +174,13 @@ class GroupCoordinator:
 
     def up_locked(self) -> bool:
         return bool(self._members) and self._joined >= set(self._members)
+
+    def next_beat(self, interval_s: float) -> float:
+        """When an agent should heartbeat next: ``interval_s``, or `FORMING_BEAT_S` while a generation forms."""
+        with self._cond:
+            forming = (self._members and not self.up_locked()
+                       and self._clock() - self._reformed_at < FORMING_FAST_S)
+        return min(interval_s, FORMING_BEAT_S) if forming else interval_s
 
     # -- what the dashboard and the SDK read ------------------------------------------------
 

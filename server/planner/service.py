@@ -237,15 +237,18 @@ class PlannerServicer(pb_grpc.PlannerServicer):
                               request.transport_reason, request.secret, request.memory_limit_bytes,
                               [(h.tensor, h.version) for h in request.held], request.device_gflops,
                               request.memory_gb_per_s)
-        return pb.RegisterReply(heartbeat_interval_s=self.planner.config.heartbeat_interval_s,
-                                group=group_info(self.planner.group.view()))
+        return pb.RegisterReply(heartbeat_interval_s=self._next_beat(), group=group_info(self.planner.group.view()))
 
     @servicer_method
     def Heartbeat(self, request, context):
         known = self.planner.heartbeat(request.host, request.address, request.joined_generation,
                                        request.broken_generation, list(request.uploading), request.proof,
                                        request.memory_used_bytes)
-        return pb.HeartbeatReply(known=known, group=group_info(self.planner.group.view()))
+        return pb.HeartbeatReply(known=known, group=group_info(self.planner.group.view()),
+                                 heartbeat_interval_s=self._next_beat())
+
+    def _next_beat(self) -> float:
+        return self.planner.group.next_beat(self.planner.config.heartbeat_interval_s)
 
     @servicer_method
     def ListAgents(self, request, context):

@@ -78,6 +78,13 @@ _DYING_CLIENT = textwrap.dedent("""
 """)
 
 
+# An upload goes from the client to the agents over gRPC whatever the transport; the collective run repeats it
+# (7 s of make test's 10 minutes) and runs from make bench (pytest -m slow).
+UPLOAD_CLUSTERS = pytest.mark.parametrize(
+    "slow_cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow)], indirect=True)
+
+
+@UPLOAD_CLUSTERS
 def test_client_dying_mid_upload_leaves_no_tensor(slow_cluster):
     c = slow_cluster
     proc = subprocess.run([sys.executable, "-c", _DYING_CLIENT, c.address], timeout=60,
@@ -125,6 +132,7 @@ def test_a_relay_that_corrupts_a_chunk_fails_the_job_at_the_chain_end(tmp_path, 
         assert np.array_equal(c.get("relayed"), a)
 
 
+@UPLOAD_CLUSTERS
 def test_an_upload_slower_than_the_idle_timeout_is_kept_alive_while_bytes_flow(slow_cluster, monkeypatch):
     """The planner only sees an upload begin and finish; agents report the shard streams they are receiving
     with every heartbeat, so one long shard does not expire mid-stream."""

@@ -1,0 +1,63 @@
+"""The planner's process-group coordinator tells agents to heartbeat fast while a generation forms, and only then."""
+
+from __future__ import annotations
+
+from reshard.server.planner.membership import FORMING_BEAT_S, FORMING_FAST_S, GroupCoordinator
+from reshard.server.planner.registry import Registry
+
+INTERVAL_S = 1.0
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _coordinator():
+    clock = _Clock()
+    registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
+    group = GroupCoordinator(registry, store_port=1234, clock=clock)
+
+    def register(host: str, transport: str = "collective"):
+        return group.register(host, transport, "gloo",
+                              admit=lambda: registry.register(host, 1, f"{host}:1", 10.0, secret=bytes(16)))
+
+    return group, register, clock
+
+
+def test_agents_beat_fast_while_a_generation_forms_and_at_their_interval_once_it_is_up():
+    group, register, _ = _coordinator()
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S  # no group at all
+    register("a")
+    register("b")
+    gen = group.view().generation
+    assert group.next_beat(INTERVAL_S) == FORMING_BEAT_S
+    group.heartbeat("a", gen, 0)
+    assert group.next_beat(INTERVAL_S) == FORMING_BEAT_S  # b has not joined yet
+    group.heartbeat("b", gen, 0)
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S
+    # a member reports the generation broken: the next one forms, fast again
+    group.heartbeat("a", 0, gen)
+    assert group.view().generation == gen + 1 and group.next_beat(INTERVAL_S) == FORMING_BEAT_S
+    # a configured interval shorter than the fast beat is kept
+    assert group.next_beat(FORMING_BEAT_S / 2) == FORMING_BEAT_S / 2
+
+
+def test_a_generation_that_never_forms_stops_the_fast_beat_after_a_while():
+    group, register, clock = _coordinator()
+    register("a")
+    register("b")
+    clock.now += FORMING_FAST_S - 0.5
+    assert group.next_beat(INTERVAL_S) == FORMING_BEAT_S
+    clock.now += 1.0
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S
+
+
+def test_grpc_only_agents_beat_at_their_interval():
+    group, register, _ = _coordinator()
+    register("a", "grpc")
+    register("b", "grpc")
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S
