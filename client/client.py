@@ -247,7 +247,13 @@ def _sharding_of(sharding) -> Sharding:
 
 
 def _sharding_json(sharding: Sharding) -> str:
-    return json.dumps(_sharding_of(sharding).to_json(), sort_keys=True)
+    return _json_text(_sharding_of(sharding))
+
+
+@functools.lru_cache(maxsize=1024)
+def _json_text(sharding: Sharding) -> str:
+    """Kept per layout: a state dict's hundreds of tensors share a few, and every weight-sync step sends them."""
+    return json.dumps(sharding.to_json(), sort_keys=True)
 
 
 class Client(FrameworkAdapters):

@@ -186,7 +186,20 @@ class Mesh:
     @property
     def hosts(self) -> tuple[str, ...]:
         """Hosts of the mesh's devices, in first-appearance order."""
-        return tuple(dict.fromkeys(host_of(d) for d in self.require_devices()))
+        hosts = self.__dict__.get("_hosts")
+        if hosts is None:
+            hosts = tuple(dict.fromkeys(host_of(d) for d in self.require_devices()))
+            object.__setattr__(self, "_hosts", hosts)  # not a field: equality, hashing and repr ignore it
+        return hosts
+
+    def __hash__(self) -> int:
+        # Kept once worked out: meshes (and the shardings that hold them) key the planner's per-tensor tables,
+        # a state dict's hundreds of times per job, and hashing the device tuple each time showed.
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.axes, self.devices))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     def position(self, device: str) -> int:
         try:

@@ -263,6 +263,13 @@ class Sharding:
         object.__setattr__(self, "spec", _normalise_spec(mesh, spec))
         object.__setattr__(self, "partial", _normalise_partial(mesh, self.spec, partial))
 
+    def __hash__(self) -> int:
+        h = self.__dict__.get("_hash")  # kept once worked out, as `Mesh.__hash__` is
+        if h is None:
+            h = hash((self.mesh, self.spec, self.partial))
+            object.__setattr__(self, "_hash", h)
+        return h
+
     @property
     def is_partial(self) -> bool:
         """Whether devices hold addends along some axis (the value is pending a sum)."""
