@@ -147,11 +147,14 @@ class Planner:
         also one that restarted while the planner was down), and those it holds are not.
         """
         self.registry.check(host, secret)
+        before = self.registry.get(host)
         admitted: list[AgentRecord] = []
         self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
             self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid, secret,
                                    memory_limit_bytes, device_gflops, memory_gb_per_s)))
         self._reconcile(host, held)
+        if before is not None and before.address != address:
+            self.agents.forget(before.address)
         log.info("agent of host %s registered at %s with %d devices on %s (transport %s)", host, address,
                  num_devices, device or "cpu", self.group.mode(host))
         return admitted[0]

@@ -115,6 +115,9 @@ class AgentCalls(Protocol):
     def release(self, host: str, address: str, versions: list[tuple[str, int]], timeout: float) -> None:
         """Free every (tensor, version) of ``versions`` (at least one) on the host, in one call."""
 
+    def forget(self, address: str) -> None:
+        """No agent serves at ``address`` any more (its host registered again elsewhere): drop what is kept for it."""
+
 
 @dataclass
 class Job:

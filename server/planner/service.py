@@ -191,6 +191,16 @@ class GrpcAgentCalls:
             tensor=tensor, version=version, more=[pb.TensorRead(name=n, version=v) for n, v in more],
             ticket=self._sign(host, "release", *release_fields(versions))), timeout)
 
+    def forget(self, address: str) -> None:
+        """Close the channel to ``address`` and forget the programs sent there: an agent restarted on another
+        port (``--listen 127.0.0.1:0``) leaves its old address behind, which no call reaches again."""
+        with self._lock:
+            ch = self._channels.pop(address, None)
+            self._stubs.pop(address, None)
+            self._held.pop(address, None)
+        if ch is not None:
+            ch.close()
+
     def close(self) -> None:
         with self._lock:
             for ch in self._channels.values():

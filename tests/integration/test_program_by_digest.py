@@ -149,3 +149,18 @@ def test_the_planner_counts_program_text_as_the_agent_does(agent, monkeypatch):
     _prepare(calls, address, _preparation(6))  # kept beside it
     _prepare(calls, address, _preparation(4))  # dropped by both: the planner sends the text, with no NOT_FOUND
     assert texts[3:] == [False, False, True]
+
+
+def test_an_address_the_planner_forgets_gets_a_new_channel_and_the_text_again(agent):
+    """The planner forgets an agent's old address when its host registers elsewhere (`Planner.register`): the
+    channel is closed and nothing is taken as held there, so a later agent at that address gets the text."""
+    calls, address, runtime, texts, _ = agent
+    _prepare(calls, address, _preparation())
+    old = calls._channels[address]
+    calls.forget(address)
+    assert address not in calls._channels and address not in calls._held
+    with pytest.raises(ValueError, match="closed"):  # grpc refuses calls on a closed channel
+        old.unary_unary("/reshard.Agent/Prepare")(b"", timeout=TIMEOUT_S)
+    _prepare(calls, address, _preparation())
+    assert texts == [True, True] and calls._channels[address] is not old
+    calls.forget("127.0.0.1:9")  # an address never called: nothing to do

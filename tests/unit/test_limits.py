@@ -246,3 +246,12 @@ def test_a_repeated_compute_request_reuses_its_program_and_another_layout_plans_
     moved = planner.plan_compute("add", ["a", "b"], "c", "", "auto", {})[0]
     assert moved is not first  # a's layout changed: planned for it
     assert {t.name: t.src for t in moved.tensors}["a"] == whole
+
+
+def test_a_host_registering_at_a_new_address_has_the_planner_forget_the_old_one(planner):
+    time.sleep(0.1)  # past the heartbeat timeout: h0's agent is down, and its name free for a new one
+    planner.register("h0", 2, "h0:1", 10.0, secret=b"h0-second-secret-012")
+    assert ("forget", "h0:1") not in planner.agents.calls  # same address: the channel serves the new agent
+    time.sleep(0.1)
+    planner.register("h0", 2, "h0:2", 10.0, secret=b"h0-third-secret-0123")
+    assert ("forget", "h0:1") in planner.agents.calls
