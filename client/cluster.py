@@ -135,7 +135,9 @@ class LocalCluster:
                                        f"give one for every host, or one per host")
         self.device_by_host = dict(zip(self.host_names, devices))
         self.devices_per_host = devices_per_host
-        self.planner_args = list(planner_args)
+        # Agents that all run gRPC need no process group: the planner then hosts no store and imports no torch.
+        self.planner_args = list(planner_args) + (["--no-rendezvous"] if transport == "grpc" and
+                                                  "--no-rendezvous" not in planner_args else [])
         # grpc, collective or auto (the agents' default); with collective or auto the cluster is
         # ready once the agents' process group has formed, so the first job can use it.
         self.transport = transport
@@ -199,7 +201,9 @@ class LocalCluster:
         return self.device_by_host.get(host) or "cpu"
 
     def start_agent(self, host: str, wait: bool = True, extra_args: Sequence[str] = ()) -> str:
-        """Start (or restart) the agent of ``host``; returns its address."""
+        """Start (or restart) the agent of ``host``, a new host joining the cluster included; returns its address."""
+        if host not in self.host_names:
+            self.host_names.append(host)
         addr = self._await_agent(host, *self._launch_agent(host, extra_args))
         if wait:
             self.wait_ready()

@@ -180,6 +180,10 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--max-plan-tasks", type=int, default=d.max_plan_tasks, metavar="N",
                    help="largest plan one request may make: N unit tasks, N deliveries to devices, and for strategy "
                         "auto 256*N chain-route steps; larger requests are refused before planning (reshard.plan_size)")
+    p.add_argument("--no-rendezvous", dest="rendezvous", action="store_false",
+                   help="host no torch.distributed rendezvous store: every agent runs gRPC (one started with "
+                        "--transport collective is refused, auto ones run gRPC), and the planner does not import "
+                        "torch, which saves a second or more of its start")
     p.add_argument("--http", default=None, metavar="ADDR",
                    help="serve the admin dashboard on ADDR, e.g. 127.0.0.1:8080 (port 0: any free port)")
     p.add_argument("--admin-token-file", default=None, metavar="PATH",
@@ -195,7 +199,7 @@ def _run_planner(args) -> int:
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                            upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
                            group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
-                           max_plan_tasks=args.max_plan_tasks, **_security(args))
+                           max_plan_tasks=args.max_plan_tasks, rendezvous=args.rendezvous, **_security(args))
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token

@@ -124,7 +124,9 @@ class PlannerConfig:
     agent_rpc_timeout_s: float = 30.0  # control calls to agents (prepare, commit, release)
     max_wait_s: float = 10.0  # longest a GetJob call blocks
     max_concurrent_jobs: int = 8
-    rendezvous: bool = True  # host the agents' torch.distributed store (when torch is installed)
+    # Host the agents' torch.distributed store (when torch is installed); without it every agent runs gRPC, and
+    # the planner does not import torch (a second and a half of its start).
+    rendezvous: bool = True
     group_wait_s: float = 30.0  # a job on --transport collective hosts waits this long for the group
     # Security (docs/security.md): the cluster token every call carries, and TLS files for every gRPC port.
     # No token: the planner answers loopback callers only.

@@ -109,7 +109,9 @@ class Planner:
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
-        self.group = GroupCoordinator(self.registry, store_port)
+        self.group = GroupCoordinator(
+            self.registry, store_port, no_store="it runs with --no-rendezvous" if not config.rendezvous else
+            "torch is not installed where it runs: pip install 'reshard[torch]'")
         self.catalog = Catalog()
         self.store = StateStore(config.state_path)
         self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())

@@ -57,9 +57,11 @@ FORMING_FAST_S = 10.0
 
 
 class GroupCoordinator:
-    def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic,
+                 no_store: str = "torch is not installed where it runs"):
         self.registry = registry
         self.store_port = store_port
+        self.no_store = no_store  # why there is no rendezvous store, when store_port is 0
         self._clock = clock
         self._cond = threading.Condition()
         self._modes: dict[str, str] = {}
@@ -89,11 +91,10 @@ class GroupCoordinator:
         if transport == "collective" and not self.store_port:
             raise FailedPreconditionError(
                 f"host {host} asks for the collective transport, but this planner hosts no rendezvous store "
-                f"(torch is not installed where it runs: pip install 'reshard[torch]'); run the agent with "
-                f"--transport grpc"
+                f"({self.no_store}); run the agent with --transport grpc"
             )
         if transport == "auto" and not self.store_port:
-            transport, reason = "grpc", "this planner hosts no rendezvous store (torch is not installed where it runs)"
+            transport, reason = "grpc", f"this planner hosts no rendezvous store ({self.no_store})"
         with self._cond:
             self._sync_locked()
             conflict = self._conflict_locked(host, backend, gpu_uuid) if transport != "grpc" else ""

@@ -1,0 +1,42 @@
+"""``reshard planner --no-rendezvous``: a planner whose agents all run gRPC hosts no process-group store and never
+imports torch (a local cluster on ``transport="grpc"`` starts its planner so); agents that want a group are told why
+they cannot have one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from reshard import Mesh, Sharding
+from reshard.client.cluster import LocalCluster
+from reshard.proto.errors import UnavailableError
+
+
+def _maps_torch(pid: int) -> bool:
+    maps = Path(f"/proc/{pid}/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc/PID/maps (Linux) to see which libraries a process loaded")
+    return "libtorch" in maps.read_text()
+
+
+def test_a_grpc_cluster_s_planner_imports_no_torch_and_explains_itself_to_agents_that_want_a_group(tmp_path):
+    with LocalCluster(2, 1, transport="grpc", log_dir=str(tmp_path)) as cluster, cluster.connect() as c:
+        assert "--no-rendezvous" in cluster.planner_args
+        assert not _maps_torch(cluster.planner.pid)
+        a = np.arange(64, dtype=np.float32).reshape(8, 8)
+        mesh = Mesh.from_hosts({"x": 2}, ["host0", "host1"], 1)
+        c.put("t", a, Sharding(mesh, ("x", None)))
+        c.reshard("t", Sharding(mesh, (None, "x"))).result(timeout=60)
+        assert np.array_equal(c.get("t"), a)
+        # An agent that asks for auto runs gRPC, and the planner says why.
+        cluster.start_agent("host2", extra_args=["--transport", "auto"])
+        (extra,) = [x for x in c.agents() if x["host"] == "host2"]
+        assert extra["transport"] == "grpc" and extra["up"]
+        assert extra["transport_reason"] == "this planner hosts no rendezvous store (it runs with --no-rendezvous)"
+        # One that insists on the collective transport is refused at registration, naming the flag.
+        with pytest.raises(UnavailableError, match=r"asks for the collective transport, but this planner hosts no "
+                                                   r"rendezvous store \(it runs with --no-rendezvous\)"):
+            cluster.start_agent("host3", extra_args=["--transport", "collective"])
+        assert np.array_equal(c.get("t"), a) and not _maps_torch(cluster.planner.pid)
