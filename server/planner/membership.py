@@ -49,11 +49,13 @@ __all__ = ["GroupCoordinator"]
 
 log = logging.getLogger(__name__)
 
-# While a generation forms, agents heartbeat this often, so that every member learns of it and reports its join
-# within a fraction of a second instead of a beat or two; for this long at most, so that a member that never
-# joins does not keep the rest beating fast.
+# While a generation forms, agents heartbeat this often, so that every member learns of it (and of the next one,
+# as agents register one after another) within a fraction of a second instead of a beat or two; for this long at
+# most, so that a member that never joins does not keep the rest beating fast; and never more often than this many
+# beats a second in all, so that a large cluster forming does not flood the planner.
 FORMING_BEAT_S = 0.1
 FORMING_FAST_S = 10.0
+FORMING_BEATS_PER_S = 200.0
 
 
 class GroupCoordinator:
@@ -177,11 +179,13 @@ class GroupCoordinator:
         return bool(self._members) and self._joined >= set(self._members)
 
     def next_beat(self, interval_s: float) -> float:
-        """When an agent should heartbeat next: ``interval_s``, or `FORMING_BEAT_S` while a generation forms."""
+        """When an agent should heartbeat next: ``interval_s``, or sooner while a generation forms (`FORMING_BEAT_S`,
+        slowed to keep the members' beats together under `FORMING_BEATS_PER_S`)."""
         with self._cond:
             forming = (self._members and not self.up_locked()
                        and self._clock() - self._reformed_at < FORMING_FAST_S)
-        return min(interval_s, FORMING_BEAT_S) if forming else interval_s
+            fast = max(FORMING_BEAT_S, len(self._members) / FORMING_BEATS_PER_S)
+        return min(interval_s, fast) if forming else interval_s
 
     # -- what the dashboard and the SDK read ------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from reshard.server.planner.membership import FORMING_BEAT_S, FORMING_FAST_S, GroupCoordinator
+from reshard.server.planner.membership import FORMING_BEAT_S, FORMING_BEATS_PER_S, FORMING_FAST_S, GroupCoordinator
 from reshard.server.planner.registry import Registry
 
 INTERVAL_S = 1.0
@@ -61,3 +61,15 @@ def test_grpc_only_agents_beat_at_their_interval():
     register("a", "grpc")
     register("b", "grpc")
     assert group.next_beat(INTERVAL_S) == INTERVAL_S
+
+
+def test_a_large_group_forming_beats_no_faster_in_all_than_the_planner_takes():
+    group, register, _ = _coordinator()
+    hosts = [f"h{i}" for i in range(100)]
+    for h in hosts:
+        register(h)
+    beat = group.next_beat(INTERVAL_S)
+    assert beat == len(hosts) / FORMING_BEATS_PER_S > FORMING_BEAT_S  # 100 members: 200 beats a second in all
+    for h in hosts + [f"g{i}" for i in range(400)]:
+        register(h)
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S  # 500 members: their usual interval is slower already
