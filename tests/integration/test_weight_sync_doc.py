@@ -30,7 +30,10 @@ def _torchrun(role: str, env: dict) -> subprocess.CompletedProcess:
 
 
 def test_training_ranks_publish_and_inference_ranks_read_in_their_layout():
-    with LocalCluster(4, 1) as cluster:
+    # The example is the same on either transport; on gRPC no agent (nor the planner) imports torch to form a
+    # process group, which saves this test seconds of make test's 10 minutes (the collective path of
+    # reshard_many runs in test_reshard_many.py and bench/weight_sync.py).
+    with LocalCluster(4, 1, transport="grpc") as cluster:
         env = {**os.environ, "RESHARD_PLANNER": cluster.address, "RESHARD_TOKEN": cluster.token,
                "OMP_NUM_THREADS": "1"}
         train = _torchrun("train", env)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from reshard.proto.errors import FailedPreconditionError
 from reshard.server.planner.membership import FORMING_BEAT_S, FORMING_BEATS_PER_S, FORMING_FAST_S, GroupCoordinator
 from reshard.server.planner.registry import Registry
 
@@ -16,10 +19,10 @@ class _Clock:
         return self.now
 
 
-def _coordinator():
+def _coordinator(store_port: int = 1234, **kw):
     clock = _Clock()
     registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
-    group = GroupCoordinator(registry, store_port=1234, clock=clock)
+    group = GroupCoordinator(registry, store_port=store_port, clock=clock, **kw)
 
     def register(host: str, transport: str = "collective"):
         return group.register(host, transport, "gloo",
@@ -73,3 +76,15 @@ def test_a_large_group_forming_beats_no_faster_in_all_than_the_planner_takes():
     for h in hosts + [f"g{i}" for i in range(400)]:
         register(h)
     assert group.next_beat(INTERVAL_S) == INTERVAL_S  # 500 members: their usual interval is slower already
+
+
+def test_without_a_store_auto_agents_run_grpc_and_collective_ones_are_refused_both_told_why():
+    group, register, _ = _coordinator(store_port=0, no_store="it runs with --no-rendezvous")
+    register("a", "auto")
+    assert group.mode("a") == "grpc"
+    assert group.reason("a") == "this planner hosts no rendezvous store (it runs with --no-rendezvous)"
+    with pytest.raises(FailedPreconditionError, match=r"host b asks for the collective transport, but this planner "
+                                                      r"hosts no rendezvous store \(it runs with --no-rendezvous\); "
+                                                      r"run the agent with --transport grpc"):
+        register("b", "collective")
+    assert group.next_beat(INTERVAL_S) == INTERVAL_S
