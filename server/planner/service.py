@@ -52,6 +52,9 @@ class GrpcAgentCalls:
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
         self._held: dict[str, OrderedDict[str, int]] = {}
+        # (program id, text length) -> SHA-256 of the text: a weight sync runs one program every step, and hashing
+        # its half megabyte of JSON again each time cost the planner most of a millisecond per job
+        self._digests: OrderedDict[tuple[str, int], str] = OrderedDict()
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
@@ -71,7 +74,7 @@ class GrpcAgentCalls:
         with self._lock:
             made = self._prepared.get(p.job)
         if made is None or made[0] is not p:
-            digest = program_digest(p.program_json)
+            digest = self._digest(p)
             by_digest = pb.PrepareRequest(
                 job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
@@ -88,6 +91,19 @@ class GrpcAgentCalls:
                 while len(self._prepared) > _PREPARED_KEPT:
                     self._prepared.popitem(last=False)
         return made
+
+    def _digest(self, p: Preparation) -> str:
+        key = (p.program_id, len(p.program_json))
+        with self._lock:
+            digest = self._digests.get(key) if p.program_id else None
+        if digest is None:
+            digest = program_digest(p.program_json)
+            if p.program_id:
+                with self._lock:
+                    self._digests[key] = digest
+                    while len(self._digests) > _PREPARED_KEPT:
+                        self._digests.popitem(last=False)
+        return digest
 
     def _prepare_request(self, host: str, p: Preparation, held: bool = False) -> pb.PrepareRequest:
         """The Prepare of job ``p`` for ``host``: with the program's text, or (``held``) naming the program by its
