@@ -365,7 +365,9 @@ class JobRunner:
                 held.enter_context(lock)
             job.state, job.started = "running", time.time()
             job.phases["waiting"] = job.started - job.created
-            self.store.save_job(job.to_json())
+            # Not saved here: after a restart a queued job and a running one both read back as failed (`Job.from_json`),
+            # and the save (a state dict's job writes hundreds of destinations) was a millisecond or more of every
+            # job, a disk sync with --state; the record is saved as the job is queued and as it ends.
             superseded = []
             try:
                 superseded = self._reshard(job)

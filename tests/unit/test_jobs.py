@@ -344,3 +344,49 @@ def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_tak
         assert np.array_equal(hosts.get("t", DST, SHAPE, version=2), a)
     finally:
         hosts.close()
+
+
+class _HeldCalls(RuntimeCalls):
+    """`RuntimeCalls` whose Executes wait until ``go`` is set: a job stays running while a test looks at it."""
+
+    def __init__(self, hosts: Hosts):
+        super().__init__(hosts)
+        self.go = threading.Event()
+
+    def execute(self, *args, **kw):
+        self.go.wait(30)
+        return super().execute(*args, **kw)
+
+
+def test_a_job_in_flight_when_the_planner_restarts_reads_back_failed_and_one_that_ended_as_it_ended(tmp_path):
+    """The state store has a job's record from its queueing and its end; a restart finds the running one failed."""
+    hosts = Hosts()
+    calls = _HeldCalls(hosts)
+    path = str(tmp_path / "state.db")
+    try:
+        registry = Registry(heartbeat_timeout_s=60.0)
+        for h in HOSTS:
+            registry.register(h, 2, h, 10.0, secret=bytes(16))
+        catalog = Catalog()
+        catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+        hosts.put_tensor("t", np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE), SRC)
+        runner = JobRunner(registry, catalog, StateStore(path), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
+                           max_concurrent=2)
+        running = runner.submit("t", DST, "broadcast")
+        deadline = time.monotonic() + 10
+        while running.state != "running" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert running.state == "running"
+        restarted = JobRunner(registry, Catalog(), StateStore(path), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
+                              max_concurrent=2)
+        seen = restarted.get(running.id)
+        assert seen.state == "failed" and seen.error == "the planner restarted while this job was in flight"
+        calls.go.set()
+        assert running.done_event.wait(30) and running.state == "succeeded", running.error
+        again = JobRunner(registry, Catalog(), StateStore(path), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
+                          max_concurrent=2)
+        done = again.get(running.id)
+        assert done.state == "succeeded" and done.started == running.started and list(done.phases) == list(PHASES)
+    finally:
+        calls.go.set()
+        hosts.close()
