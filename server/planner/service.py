@@ -34,6 +34,8 @@ def _traffic(t: pb.HostTraffic) -> dict:
 
 
 _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
+_DIGESTS_KEPT = 8  # program texts whose SHA-256 the planner keeps (`GrpcAgentCalls._digest`)
+_DIGEST_KEPT_TEXT_BYTES = 16 << 20  # a larger text is hashed each time: keeping it could hold too much memory
 
 
 class GrpcAgentCalls:
@@ -52,9 +54,12 @@ class GrpcAgentCalls:
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
         self._held: dict[str, OrderedDict[str, int]] = {}
-        # (program id, text length) -> SHA-256 of the text: a weight sync runs one program every step, and hashing
-        # its half megabyte of JSON again each time cost the planner most of a millisecond per job
-        self._digests: OrderedDict[tuple[str, int], str] = OrderedDict()
+        # program text -> its SHA-256: a weight sync runs one program every step, and hashing its half megabyte of
+        # JSON again each time cost the planner most of a millisecond per job. Keyed by the text itself, not the
+        # program's id: a plan's id leaves out figures its JSON carries (a restarted agent's measured rates), and
+        # a digest must be of the very text sent. The planner's caches hand out the same string object for a
+        # repeated move, whose hash Python keeps, so a hit costs no pass over the text.
+        self._digests: OrderedDict[str, str] = OrderedDict()
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
@@ -93,15 +98,15 @@ class GrpcAgentCalls:
         return made
 
     def _digest(self, p: Preparation) -> str:
-        key = (p.program_id, len(p.program_json))
+        text = p.program_json
         with self._lock:
-            digest = self._digests.get(key) if p.program_id else None
+            digest = self._digests.get(text)
         if digest is None:
-            digest = program_digest(p.program_json)
-            if p.program_id:
+            digest = program_digest(text)
+            if len(text) <= _DIGEST_KEPT_TEXT_BYTES:
                 with self._lock:
-                    self._digests[key] = digest
-                    while len(self._digests) > _PREPARED_KEPT:
+                    self._digests[text] = digest
+                    while len(self._digests) > _DIGESTS_KEPT:
                         self._digests.popitem(last=False)
         return digest
 

@@ -164,3 +164,17 @@ def test_an_address_the_planner_forgets_gets_a_new_channel_and_the_text_again(ag
     _prepare(calls, address, _preparation())
     assert texts == [True, True] and calls._channels[address] is not old
     calls.forget("127.0.0.1:9")  # an address never called: nothing to do
+
+
+def test_two_texts_under_one_program_id_are_each_signed_with_their_own_digest(agent):
+    """A plan's id leaves out figures its JSON carries (a restarted agent's measured rates): the planner signs the
+    digest of the very text it sends, however the id repeats."""
+    calls, address, runtime, texts, _ = agent
+    first = _preparation()
+    _prepare(calls, address, first)
+    # the same program in another text of the same length (as a figure that changed in place would make)
+    changed = first.program_json.replace('"tensors": [', '"tensors":[ ', 1)
+    assert changed != first.program_json and len(changed) == len(first.program_json)
+    again = Preparation(uuid.uuid4().hex, changed, "w", 1, 2, first.peers, "grpc", program_id=first.program_id)
+    _prepare(calls, address, again)  # the agent hashes the text it gets: a stale digest would fail its ticket
+    assert texts == [True, True]
