@@ -13,6 +13,8 @@ from reshard import Mesh, Sharding
 from reshard.client.cluster import LocalCluster
 from reshard.proto.errors import UnavailableError
 
+from .test_listen import listening_sockets
+
 
 def _maps_torch(pid: int) -> bool:
     maps = Path(f"/proc/{pid}/maps")
@@ -25,6 +27,9 @@ def test_a_grpc_cluster_s_planner_imports_no_torch_and_refuses_an_agent_that_wan
     with LocalCluster(2, 1, transport="grpc", log_dir=str(tmp_path)) as cluster, cluster.connect() as c:
         assert "--no-rendezvous" in cluster.planner_args
         assert not _maps_torch(cluster.planner.pid)
+        # its gRPC port is the only one it listens on: no store port to fence (docs/security.md)
+        port = int(cluster.address.rsplit(":", 1)[1])
+        assert [p for _, _, p in listening_sockets([cluster.planner.pid])] == [port]
         a = np.arange(64, dtype=np.float32).reshape(8, 8)
         mesh = Mesh.from_hosts({"x": 2}, ["host0", "host1"], 1)
         c.put("t", a, Sharding(mesh, ("x", None)))
