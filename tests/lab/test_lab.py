@@ -20,7 +20,7 @@ from reshard.server.devtools.lab import PREFIX, Lab, LabConfig, lab_available, s
 pytestmark = pytest.mark.lab
 
 GBPS = 1.0
-NBYTES = 64 * 2**20
+NBYTES = 16 * 2**20  # several chunks per hop (2 MiB at 1 Gbit/s), each read back over a shaped link
 
 
 @pytest.fixture(scope="module", autouse=True)
