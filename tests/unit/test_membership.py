@@ -1,4 +1,5 @@
-"""The planner's process-group coordinator tells agents to heartbeat fast while a generation forms, and only then."""
+"""The planner's process-group coordinator: agents heartbeat fast while a generation forms, and only then; without
+a rendezvous store, agents that want a group are told why they cannot have one."""
 
 from __future__ import annotations
 
