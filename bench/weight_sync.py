@@ -10,7 +10,8 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
    source tile goes from one of the ranks that hold it (rotated over them, tensor by tensor) to the inference
    ranks whose tile it overlaps, by ``broadcast`` on a group of exactly those ranks, every broadcast issued
    asynchronously and waited for at the end: what a hand-written weight sync does, with its buffers allocated
-   beforehand;
+   beforehand. Its runs take turns with those of (1), each while the other's processes sit idle, so that this
+   shared machine's load, which drifts by tens of percent within minutes, reaches both alike;
 4. the same-mesh part, 4 processes: on host0..host3 seen as a 2 x 2 mesh, from the training layout to the
    inference one (the tensor-parallel-4 tiles become two replicas of tensor-parallel 2), as a loop of DTensor
    ``redistribute`` over every tensor against one ``reshard_many`` on 4 agents.
@@ -40,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -86,10 +88,10 @@ def _check(c, tensors: dict, what: str) -> None:
 
 
 def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
-           results: list | None = None) -> list[float]:
+           results: list | None = None, between: Callable[[int], None] | None = None) -> list[float]:
     """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
     untimed (after the old versions' release, which follows a job, is over: `_settle`). The timed jobs' results go
-    to ``results``."""
+    to ``results``; ``between(i)`` runs after run ``i`` (0 the untimed one) and its move back."""
     names, times = list(tensors), []
     for i in range(runs + 1):
         t0 = time.monotonic()
@@ -104,6 +106,8 @@ def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
         print(f"{what} {'(untimed) ' if not i else ''}{wall:.3f}s", flush=True)
         c.reshard_many(back).result(timeout=TIMEOUT_S)
         _settle(c, names)
+        if between is not None:
+            between(i)  # the baseline's run i, while these agents sit idle: the two take turns
     return times
 
 
@@ -116,7 +120,7 @@ def _phases(results: list) -> dict[str, float]:
     return out
 
 
-def agents(layers: int, hidden: int, runs: int) -> dict:
+def agents(layers: int, hidden: int, runs: int, between: Callable[[int], None] | None = None) -> dict:
     """Median seconds of one reshard_many, one run of a job per tensor (8 hosts), and the same-mesh reshard_many
     (4 hosts), each checked against the arrays."""
     from reshard.client.cluster import LocalCluster
@@ -128,7 +132,7 @@ def agents(layers: int, hidden: int, runs: int) -> dict:
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         c.put_many(tensors)
         results: list = []
-        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results)
+        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results, between)
         out["many_phases"] = _phases(results)
         t0 = time.monotonic()
         for job in [c.reshard(name, sharding) for name, sharding in infer.items()]:
@@ -187,7 +191,8 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
             torch.empty(whole.shape, dtype=torch.from_numpy(whole[:0]).dtype)
         mine.append((buf, sender, groups[ranks], whole))
 
-    def run() -> float:
+    def run(i: int) -> float:
+        store.wait([f"go/{i}"])  # the driver's turn: its reshard_many run i is over (`Turns`)
         dist.barrier()
         t0 = time.perf_counter()
         works = [dist.broadcast(buf, sender, group=group, async_op=True) for buf, sender, group, _ in mine]
@@ -200,13 +205,45 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
                 raise AssertionError(f"rank {rank} received wrong bytes from rank {sender}")
             if rank != sender:
                 buf.zero_()
+        dist.barrier()  # every rank's checks are over too: none of them is busy when the agents' turn comes
+        if rank == 0:
+            store.set(f"done/{i}", json.dumps(seconds))
         return seconds
 
-    run()  # untimed: the groups' pairs connect
-    times = [run() for _ in range(runs)]
+    run(0)  # untimed: the groups' pairs connect
+    times = [run(i) for i in range(1, runs + 1)]
     if rank == 0:
         print(json.dumps({"times": times, "broadcasts": len(plan), "groups": len(groups)}), flush=True)
     dist.destroy_process_group()
+
+
+class Turns:
+    """The raw gloo ranks, started beside the agents, each run when the driver says (`round`): the baseline's runs
+    and `reshard_many`'s take turns, so that a change in this shared machine's load reaches both alike."""
+
+    def __init__(self, layers: int, hidden: int, runs: int):
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.procs = [subprocess.Popen([sys.executable, __file__, "--gloo-worker", str(self.store.port), str(r),
+                                        str(layers), str(hidden), str(runs)], stdout=subprocess.PIPE, text=True)
+                      for r in range(len(HOSTS))]
+
+    def round(self, i: int) -> float:
+        """Run ``i`` of the ranks (0: the untimed one); its seconds."""
+        self.store.set(f"go/{i}", "1")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not self.store.check([f"done/{i}"]):
+            if any(p.poll() for p in self.procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"raw gloo run {i} failed: exit codes {[p.poll() for p in self.procs]}")
+            time.sleep(0.01)
+        return json.loads(self.store.get(f"done/{i}"))
+
+    def result(self) -> dict:
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in self.procs]
+        if any(p.returncode for p in self.procs):
+            raise RuntimeError(f"raw gloo ranks failed: exit codes {[p.returncode for p in self.procs]}")
+        return json.loads(outs[0].splitlines()[-1])
 
 
 # -- 4: a loop of DTensor redistribute on the same mesh ------------------------------------------------------------
@@ -329,9 +366,13 @@ def main(argv=None) -> int:
     received = _received_bytes(tensors, infer)
     print(f"{len(tensors)} tensors, {nbytes / MiB:.0f} MiB; the inference devices receive {received / MiB:.0f} MiB",
           flush=True)
-    a = agents(args.layers, args.hidden, args.runs)
-    g = _ranks("--gloo-worker", len(HOSTS), args.layers, args.hidden, args.runs)
-    print(f"raw gloo broadcasts {statistics.median(g['times']):.3f}s", flush=True)
+    turns = Turns(args.layers, args.hidden, args.runs)
+
+    def gloo_run(i: int) -> None:
+        print(f"raw gloo broadcasts {'(untimed) ' if not i else ''}{turns.round(i):.3f}s", flush=True)
+
+    a = agents(args.layers, args.hidden, args.runs, between=gloo_run)
+    g = turns.result()
     d = _ranks("--dtensor-worker", 4, args.layers, args.hidden, args.runs)
     print(f"DTensor redistribute loop {statistics.median(d['times']):.3f}s", flush=True)
     e = {"skipped": "--no-lab"} if args.no_lab else lab(args.layers, args.hidden, args.runs, args.gbps)
@@ -381,8 +422,10 @@ def main(argv=None) -> int:
             f"from the request (or a barrier) until every byte is in place (or a barrier), median of {args.runs} "
             f"after one untimed (one job per tensor: one run); every result checked bit-exact. Raw gloo sends each "
             f"distinct source tile once, by `broadcast` to the ranks that need it, all issued asynchronously, into "
-            f"buffers allocated beforehand. The same-mesh rows move host0..host3's tensor-parallel-4 tiles to two "
-            f"replicas of tensor-parallel 2 on the same four processes.\n\n"
+            f"buffers allocated beforehand; its runs and the cross-mesh `reshard_many`'s take turns (each while the "
+            f"other's processes sit idle), so the machine's drifting load reaches both alike. The same-mesh rows move "
+            f"host0..host3's tensor-parallel-4 tiles to two replicas of tensor-parallel 2 on the same four "
+            f"processes.\n\n"
             + "\n".join(rows) + "\n\n" + phases_text + "\n\n" + lab_text
             + f"\n\nReproduce: `python bench/weight_sync.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --gbps {args.gbps:g}` (root for the emulated hosts).")
