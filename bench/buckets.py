@@ -37,6 +37,9 @@ MiB = 2**20
 def state_dict(layers: int, hidden: int) -> tuple[dict, dict]:
     """{name: (array, training sharding)} and {name: inference sharding}: float32 norms and embedding, float16
     attention weights and biases, uint8 (float8 bytes) MLP weights with float32 block scales."""
+    if hidden < 128 or hidden % 128:
+        raise ValueError(f"--hidden {hidden}: give a multiple of 128 (the MLP weights' float8 scales are one per "
+                         f"128 x 128 block)")
     rng = np.random.default_rng(0)
     tensors, infer = {}, {}
     rows, cols = ("tp", None), (None, "tp")

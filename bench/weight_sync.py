@@ -245,6 +245,13 @@ class Turns:
             raise RuntimeError(f"raw gloo ranks failed: exit codes {[p.returncode for p in self.procs]}")
         return json.loads(outs[0].splitlines()[-1])
 
+    def kill(self) -> None:
+        """End the ranks still running (the agents' part failed: no more turns will come)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
 
 # -- 4: a loop of DTensor redistribute on the same mesh ------------------------------------------------------------
 
@@ -371,8 +378,11 @@ def main(argv=None) -> int:
     def gloo_run(i: int) -> None:
         print(f"raw gloo broadcasts {'(untimed) ' if not i else ''}{turns.round(i):.3f}s", flush=True)
 
-    a = agents(args.layers, args.hidden, args.runs, between=gloo_run)
-    g = turns.result()
+    try:
+        a = agents(args.layers, args.hidden, args.runs, between=gloo_run)
+        g = turns.result()
+    finally:
+        turns.kill()
     d = _ranks("--dtensor-worker", 4, args.layers, args.hidden, args.runs)
     print(f"DTensor redistribute loop {statistics.median(d['times']):.3f}s", flush=True)
     e = {"skipped": "--no-lab"} if args.no_lab else lab(args.layers, args.hidden, args.runs, args.gbps)
