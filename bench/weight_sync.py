@@ -217,42 +217,6 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
     dist.destroy_process_group()
 
 
-class Turns:
-    """The raw gloo ranks, started beside the agents, each run when the driver says (`round`): the baseline's runs
-    and `reshard_many`'s take turns, so that a change in this shared machine's load reaches both alike."""
-
-    def __init__(self, layers: int, hidden: int, runs: int):
-        import torch.distributed as dist
-
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs = [subprocess.Popen([sys.executable, __file__, "--gloo-worker", str(self.store.port), str(r),
-                                        str(layers), str(hidden), str(runs)], stdout=subprocess.PIPE, text=True)
-                      for r in range(len(HOSTS))]
-
-    def round(self, i: int) -> float:
-        """Run ``i`` of the ranks (0: the untimed one); its seconds."""
-        self.store.set(f"go/{i}", "1")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not self.store.check([f"done/{i}"]):
-            if any(p.poll() for p in self.procs) or time.monotonic() > deadline:
-                raise RuntimeError(f"raw gloo run {i} failed: exit codes {[p.poll() for p in self.procs]}")
-            time.sleep(0.01)
-        return json.loads(self.store.get(f"done/{i}"))
-
-    def result(self) -> dict:
-        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in self.procs]
-        if any(p.returncode for p in self.procs):
-            raise RuntimeError(f"raw gloo ranks failed: exit codes {[p.returncode for p in self.procs]}")
-        return json.loads(outs[0].splitlines()[-1])
-
-    def kill(self) -> None:
-        """End the ranks still running (the agents' part failed: no more turns will come)."""
-        for p in self.procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
 # -- 4: a loop of DTensor redistribute on the same mesh ------------------------------------------------------------
 
 
@@ -304,16 +268,58 @@ def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -
     dist.destroy_process_group()
 
 
-def _ranks(worker: str, world: int, layers: int, hidden: int, runs: int) -> dict:
-    import torch.distributed as dist
+class _Ranks:
+    """``world`` processes of this script running ``worker`` (``--gloo-worker`` or ``--dtensor-worker``), meeting at
+    a store this process holds."""
 
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, __file__, worker, str(store.port), str(r), str(layers), str(hidden),
-                               str(runs)], stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{worker} ranks failed: exit codes {[p.returncode for p in procs]}")
-    return json.loads(outs[0].splitlines()[-1])
+    def __init__(self, worker: str, world: int, layers: int, hidden: int, runs: int):
+        import torch.distributed as dist
+
+        self.worker = worker
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.procs = [subprocess.Popen([sys.executable, __file__, worker, str(self.store.port), str(r), str(layers),
+                                        str(hidden), str(runs)], stdout=subprocess.PIPE, text=True)
+                      for r in range(world)]
+
+    def result(self) -> dict:
+        """What rank 0 printed last, once every rank exited."""
+        outs = [p.communicate(timeout=TIMEOUT_S)[0] for p in self.procs]
+        if any(p.returncode for p in self.procs):
+            raise RuntimeError(f"{self.worker} ranks failed: exit codes {[p.returncode for p in self.procs]}")
+        return json.loads(outs[0].splitlines()[-1])
+
+    def kill(self) -> None:
+        """End the ranks still running (after a failure here: no more turns will come)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+class Turns(_Ranks):
+    """The raw gloo ranks, started beside the agents, each run when the driver says (`round`): the baseline's runs
+    and `reshard_many`'s take turns, so that a change in this shared machine's load reaches both alike."""
+
+    def __init__(self, layers: int, hidden: int, runs: int):
+        super().__init__("--gloo-worker", len(HOSTS), layers, hidden, runs)
+
+    def round(self, i: int) -> float:
+        """Run ``i`` of the ranks (0: the untimed one); its seconds."""
+        self.store.set(f"go/{i}", "1")
+        deadline = time.monotonic() + TIMEOUT_S
+        while not self.store.check([f"done/{i}"]):
+            if any(p.poll() for p in self.procs) or time.monotonic() > deadline:
+                raise RuntimeError(f"raw gloo run {i} failed: exit codes {[p.poll() for p in self.procs]}")
+            time.sleep(0.01)
+        return json.loads(self.store.get(f"done/{i}"))
+
+
+def _ranks(worker: str, world: int, layers: int, hidden: int, runs: int) -> dict:
+    ranks = _Ranks(worker, world, layers, hidden, runs)
+    try:
+        return ranks.result()
+    finally:
+        ranks.kill()
 
 
 # -- 5: reshard_many on emulated hosts ----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name, repeated_names
 from reshard.server.common.config import PlannerConfig
-from reshard.server.planner.membership import GroupCoordinator
+from reshard.server.planner.membership import NO_TORCH, GroupCoordinator
 from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, ProgramCache
 from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
@@ -109,9 +109,8 @@ class Planner:
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
-        self.group = GroupCoordinator(
-            self.registry, store_port, no_store="it runs with --no-rendezvous" if not config.rendezvous else
-            "torch is not installed where it runs: pip install 'reshard[torch]'")
+        self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
+                                      "it runs with --no-rendezvous")
         self.catalog = Catalog()
         self.store = StateStore(config.state_path)
         self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())

@@ -56,11 +56,13 @@ log = logging.getLogger(__name__)
 FORMING_BEAT_S = 0.1
 FORMING_FAST_S = 10.0
 FORMING_BEATS_PER_S = 200.0
+# Why a planner hosts no rendezvous store (`GroupCoordinator.no_store`), unless it was started without one.
+NO_TORCH = "torch is not installed where it runs: pip install 'reshard[torch]'"
 
 
 class GroupCoordinator:
     def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic,
-                 no_store: str = "torch is not installed where it runs"):
+                 no_store: str = NO_TORCH):
         self.registry = registry
         self.store_port = store_port
         self.no_store = no_store  # why there is no rendezvous store, when store_port is 0
