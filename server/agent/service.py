@@ -395,7 +395,7 @@ class Agent:
                     device_gflops=self.rates.gflops, memory_gb_per_s=self.rates.memory_gb_per_s,
                     held=[pb.TensorVersion(tensor=t, version=v) for t, v in self.runtime.store.held()]),
                     timeout=5.0, wait_for_ready=True)
-                self._interval = reply.heartbeat_interval_s or self._interval
+                self._interval = reply.heartbeat_interval_s or self.config.heartbeat_interval_s
                 self._follow_group(reply.group)
                 log.info("host %s registered with planner %s as %s (transport %s)", self.config.host,
                          self.config.planner, self.address, self.transport)
