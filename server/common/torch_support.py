@@ -7,12 +7,18 @@ The planner (its rendezvous store) and the collective transport both need
 from __future__ import annotations
 
 import datetime
+import importlib.util
 
 from reshard.proto.errors import FailedPreconditionError
 
-__all__ = ["torch_available", "require_torch", "seconds_delta"]
+__all__ = ["torch_available", "torch_installed", "require_torch", "seconds_delta"]
 
 _TORCH_HINT = "the collective transport needs torch: pip install 'reshard[torch]'"
+
+
+def torch_installed() -> bool:
+    """Whether torch is installed, without importing it (which takes a second or more): see `torch_available`."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def torch_available() -> bool:

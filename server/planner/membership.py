@@ -78,6 +78,11 @@ class GroupCoordinator:
         self._seq = 0
         self._reformed_at = 0.0
 
+    def store_failed(self, why: str) -> None:
+        """The rendezvous store did not start (``why``): from now on agents register as if there were none."""
+        with self._cond:
+            self.store_port, self.no_store = 0, why
+
     # -- membership ---------------------------------------------------------------------
 
     def register(self, host: str, transport: str, backend: str, gpu_uuid: str = "", reason: str = "",

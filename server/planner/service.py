@@ -19,7 +19,7 @@ from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
                                            program_digest, release_fields, sign)
 from reshard.proto.wire import box_to_pb
-from reshard.server.common.torch_support import torch_available
+from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, GroupView, Staging
@@ -400,7 +400,7 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     made: list[Planner] = []  # the calls sign with secrets the planner's registry holds
     agents = GrpcAgentCalls(lambda host: made[0].registry.secret(host), config.token, config.tls)
     rendezvous = None
-    if config.rendezvous and torch_available():
+    if config.rendezvous and torch_installed():  # bound now; started once the server is (see Rendezvous)
         rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
     planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
     made.append(planner)
@@ -413,4 +413,6 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner",
                         config.tls.server_credentials() if config.tls else None)
+    if rendezvous is not None:
+        rendezvous.start_in_background(planner.group.store_failed)
     return server, port, planner
