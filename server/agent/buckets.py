@@ -6,6 +6,11 @@ buffer (`Bucket.pack`); every host it reaches writes the bytes into a buffer per
 device has them all, unpacks each member into that device's destination (`Bucket.sink`). A chain forwards the
 packed bytes as they are, and its last hop's digest covers them as it covers any box, so a bucket is checked
 exactly as one transfer is.
+
+Those buffers are host memory that a job allocates as it runs. On a cpu agent they count against
+``--memory-limit``: at prepare, a run reserves room for the largest of them that can be in flight at once
+(`Run._reserve_buckets`, under the store key `BUCKETS_KEY`), so a job whose buckets do not fit is refused
+before anything moves instead of taking the process past its limit part way.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from reshard.program import Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.server.transport import buffers
 
-__all__ = ["Bucket", "bucket_moves", "BYTES"]
+__all__ = ["Bucket", "bucket_moves", "BYTES", "BUCKETS_KEY"]
 
 BYTES = "uint8"  # the dtype a bucket's stream carries
+BUCKETS_KEY = "bucket buffers"  # what a job's reservation for its bucket buffers is held under in the store
 
 
 class Bucket:

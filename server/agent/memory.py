@@ -1,7 +1,8 @@
 """How an agent process holds memory: how much it may hold, and keeping freed blocks for reuse.
 
 The limit: an agent holds at most ``--memory-limit`` bytes of shards, committed
-and staged (`reshard.server.agent.store.ShardStore` refuses before allocating);
+and staged, and on a cpu agent the bucket buffers a reshard_many may have in flight
+(`reshard.server.agent.store.ShardStore` refuses before allocating);
 by default three quarters of what this process may use: the machine's memory, or
 its cgroup's limit when a container has a lower one, or the GPU's for a cuda agent.
 The rest is headroom for the process itself: message buffers, gRPC, torch.

@@ -73,13 +73,14 @@ from reshard.proto.errors import (
     NotFoundError,
 )
 from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
-from reshard.server.agent.buckets import BYTES, Bucket, bucket_moves
+from reshard.server.agent.buckets import BUCKETS_KEY, BYTES, Bucket, bucket_moves
 from reshard.server.agent.matmul import einsum2
 from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.staging import NoTiles, StagedTiles, staged_bytes, staging_owner
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
+from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import program_digest
 from reshard.server.transport import buffers
 from reshard.server.transport.base import (
@@ -466,6 +467,17 @@ class HostLayout:
         self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
         self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
                           for t in self.committed if t.src is not None}
+        # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
+        # bucket into one buffer, a receiver holds one per device of this host the bucket reaches until its last
+        # byte (`buckets.Bucket`).
+        self.bucket_buffers = sorted(
+            (self.buckets[t.step.id].nbytes * (1 if t.role == "send" else
+                                               max(1, sum(host_of(r) == host for r in t.step.transfer.receivers)))
+             for t in self.tasks if t.step.id in self.buckets and t.role in ("send", "recv")), reverse=True)
+
+    def bucket_peak(self, at_once: int) -> int:
+        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together."""
+        return sum(self.bucket_buffers[:at_once])
 
     def fresh_tasks(self) -> list[Task]:
         return [copy.copy(t) for t in self.tasks]
@@ -485,7 +497,7 @@ class Run(Session):
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
                  dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
                  generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None,
-                 versions: dict[str, int] | None = None, layout: HostLayout | None = None):
+                 versions: dict[str, int] | None = None, layout: HostLayout | None = None, tasks_at_once: int = 1):
         layout = layout if layout is not None else HostLayout(program, host)
         self.layout = layout
         self.buckets = layout.buckets  # first step id -> the bucket that travels as that step's stream
@@ -518,6 +530,7 @@ class Run(Session):
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._stage()
+        self._reserve_buckets(tasks_at_once)
         self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
         if not self.num_left:
             self.done.set()
@@ -564,6 +577,24 @@ class Run(Session):
             raise
         if together is not None:
             self.store.abort(together)  # every tile is staged now, and counts as staged
+
+    def _reserve_buckets(self, tasks_at_once: int) -> None:
+        """Hold room, until the job ends, for the bucket buffers of the ``tasks_at_once`` tasks that may run
+        together here: they are allocated as the job runs, and a job over the memory limit is refused now, not
+        part way. A cuda agent's limit is its GPU's memory, and bucket buffers are host memory: none is held."""
+        peak = self.layout.bucket_peak(tasks_at_once)
+        if not peak or self.store.device != "cpu":
+            return
+        n = min(tasks_at_once, len(self.layout.bucket_buffers))
+        try:
+            self.store.reserve(self.job, {BUCKETS_KEY: peak},
+                               f"job {self.job[:8]}'s bucket buffers ({n} of its {len(self.layout.bucket_buffers)} "
+                               f"packed streams here at once, up to {format_size(self.layout.bucket_buffers[0])} "
+                               f"each: a smaller bucket_mib packs less)")
+        except BaseException:
+            for staged in self.staging.values():  # the planner aborts the job; these are the run's own
+                self.store.abort(staged.owner)
+            raise
 
     def commit_version(self, tensor: str) -> int:
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several
@@ -780,6 +811,7 @@ class Runtime:
         self.transports = dict(transports)
         self.step_timeout_s = step_timeout_s
         self.device = device  # where staged destination buffers live
+        self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}")
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
         self._lock = threading.Lock()
@@ -825,7 +857,8 @@ class Runtime:
                 raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
                   generation=generation, seq=seq, device=self.device, push_tickets=push_tickets,
-                  versions={t: v for t, (_, v) in (reads or {}).items()}, layout=layout)
+                  versions={t: v for t, (_, v) in (reads or {}).items()}, layout=layout,
+                  tasks_at_once=link.lanes if not link.passive else self._workers)
         link.attach(run)
         with self._lock:
             self._runs[job] = run

@@ -181,8 +181,10 @@ class ShardStore:
             return owner in self._ended
 
     def end(self, owner: str) -> None:
-        """Record that ``owner`` ended with nothing staged here (a job's host without destination tiles)."""
+        """Record that ``owner`` ended with nothing staged here (a job's host without destination tiles, or a job
+        whose tiles its tensors' own transactions committed); what it still had reserved is free again."""
         with self._lock:
+            self._drop_reserved(owner)
             self._end_locked(owner)
 
     def _end_locked(self, owner: str) -> None:

@@ -139,6 +139,30 @@ def test_a_reshard_over_the_limit_fails_cleanly_and_leaves_the_source(cluster, c
     _wait_memory(cluster, "host1", 0)
 
 
+def test_a_reshard_many_whose_bucket_buffers_do_not_fit_is_refused_before_anything_moves(cluster, client):
+    # Ten 0.5 MiB tensors (5 MiB) on host0, packed into one 5 MiB bucket: the sender's packed buffer and the
+    # receiver's landing buffer come on top of the tiles, over the 8 MiB limit on both sides.
+    tensors = {f"w{i}": (_floats(MiB // 2, 10 + i), _on("host0")) for i in range(10)}
+    client.put_many(tensors)
+    there = {name: _on("host2") for name in tensors}
+    with pytest.raises(JobFailedError, match=r"job \w+'s bucket buffers \(1 of its 1 packed streams here at once, up "
+                                             r"to 5\.0 MiB each: a smaller bucket_mib packs less\) needs 5\.0 MiB "
+                                             r"\(5,242,880 bytes\), but the agent of host host[02] holds 5\.0 MiB"):
+        client.reshard_many(there, bucket_mib=8).result(timeout=60)
+    for name, (data, sharding) in tensors.items():  # every tensor where and as it was, and the memory freed
+        info = client.info(name)
+        assert (info.version, info.sharding) == (1, sharding)
+        assert np.array_equal(client.get(name), data)
+    _wait_memory(cluster, "host0", 5 * MiB)
+    _wait_memory(cluster, "host2", 0)
+    client.reshard_many(there, bucket_mib=0).result(timeout=60)  # unpacked, the same move fits
+    for name, (data, _) in tensors.items():
+        assert client.info(name).sharding == there[name] and np.array_equal(client.get(name), data)
+    for name in tensors:
+        client.delete(name)
+    _wait_memory(cluster, "host2", 0)
+
+
 def test_orphan_uploads_are_refused_and_change_nothing(cluster, client):
     """The zero-overwrite regression: PutShard under an invented upload id, then Commit, once replaced a committed
     tile with zeros. Now both are refused, the agent allocates nothing, and the tensor is bit-exact."""
