@@ -5,7 +5,10 @@ and staged, and on a cpu agent the bucket buffers a reshard_many may have in fli
 (`reshard.server.agent.store.ShardStore` refuses before allocating);
 by default three quarters of what this process may use: the machine's memory, or
 its cgroup's limit when a container has a lower one, or the GPU's for a cuda agent.
-The rest is headroom for the process itself: message buffers, gRPC, torch.
+The rest is headroom for the process itself: message buffers, gRPC, torch, the
+freed blocks kept for reuse (below), and the buffers a compute program makes as it
+runs (a Partial result's addends, an input moved to another layout first), which
+the limit does not count: a job that computes may need its inputs' and output's size again.
 
 Reuse: an agent allocates large blocks all the time: a destination buffer per device per
 job, a message buffer per chunk. glibc serves every block above 32 MiB (and, by
