@@ -121,10 +121,11 @@ def _add_agent_command(sub) -> None:
                    help="seconds a gRPC push waits for a peer that takes none of its bytes (a paused or hung agent) "
                         "before it fails its job, naming the peer")
     p.add_argument("--memory-limit", type=_size, default=d.memory_limit_bytes, metavar="SIZE",
-                   help="most bytes of shards this agent holds, committed and staged (and, on a cpu agent, a reshard_many's "
-                        "bucket buffers in flight), e.g. 4GiB, 512MiB, 4G or bytes; "
-                        "a request over it is refused before anything is allocated (0: 3/4 of the machine's memory, "
-                        "or of the GPU's for a cuda device)")
+                   help="most bytes of shards this agent holds, committed and staged, with its programs' working "
+                        "buffers (and, on a cpu agent, a reshard_many's bucket buffers in flight), e.g. 4GiB, 512MiB, "
+                        "4G or bytes; a request or buffer over it is refused before it is allocated, and its job "
+                        "fails leaving the stored tensors as they were (0: 3/4 of the machine's memory, or of the "
+                        "GPU's for a cuda device)")
     p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
     p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
     _add_security_arguments(p)

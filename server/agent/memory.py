@@ -1,14 +1,15 @@
 """How an agent process holds memory: how much it may hold, and keeping freed blocks for reuse.
 
 The limit: an agent holds at most ``--memory-limit`` bytes of shards, committed
-and staged, and on a cpu agent the bucket buffers a reshard_many may have in flight
+and staged, the working buffers a program makes as it runs (a Partial result's
+addends, an input moved to another layout first: each held until its job ends), and
+on a cpu agent the bucket buffers a reshard_many may have in flight
 (`reshard.server.agent.store.ShardStore` refuses before allocating);
 by default three quarters of what this process may use: the machine's memory, or
 its cgroup's limit when a container has a lower one, or the GPU's for a cuda agent.
 The rest is headroom for the process itself: message buffers, gRPC, torch, the
-freed blocks kept for reuse (below), and the buffers a compute program makes as it
-runs (a Partial result's addends, an input moved to another layout first), which
-the limit does not count: a job that computes may need its inputs' and output's size again.
+freed blocks kept for reuse (below), and what one step needs while it runs (a
+ring's accumulator and landing buffer, an input tile assembled from pieces).
 
 Reuse: an agent allocates large blocks all the time: a destination buffer per device per
 job, a message buffer per chunk. glibc serves every block above 32 MiB (and, by

@@ -677,7 +677,12 @@ class Run(Session):
             for b, a in made:
                 if b == box:
                     return a, b
-            array = self.empty(tile_shape(box), self.program.tensor(tensor).dtype)
+            decl = self.program.tensor(tensor)
+            if self.device == self.store.device:  # counted against the limit until the job ends, as it is held
+                self.store.reserve(self.job, {f"{device} {tensor} {role} {box}": boxes.volume(box) * decl.itemsize},
+                                   f"job {self.job[:8]}'s working buffer of {tensor!r} in role {role!r} "
+                                   f"{boxes.box_str(box)} on device {device}")
+            array = self.empty(tile_shape(box), decl.dtype)
             made.append((box, array))
             return array, box
 

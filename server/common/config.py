@@ -65,8 +65,9 @@ class AgentConfig:
     # No token: the agent answers loopback callers only.
     token: Optional[str] = field(default=None, repr=False)
     tls: Optional[TlsFiles] = None
-    # The most shard bytes (committed and staged) the agent holds; 0: 3/4 of the machine's memory, or of
-    # the GPU's for a cuda agent. A request that would go over it is refused before anything is allocated.
+    # The most shard bytes (committed and staged, with programs' working and bucket buffers) the agent holds;
+    # 0: 3/4 of the machine's memory, or of the GPU's for a cuda agent. What would go over it is refused before
+    # it is allocated (see reshard.server.agent.memory).
     memory_limit_bytes: int = 0
     # A gRPC push whose peer takes none of its pieces this long (a paused, hung or cut-off agent) is cancelled
     # and fails its job, naming the peer; collective sends and receives give up after collective_timeout_s

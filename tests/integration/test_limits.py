@@ -25,6 +25,7 @@ from reshard.client import (
     DataLossError,
     FailedPreconditionError,
     JobFailedError,
+    NotFoundError,
     ResourceExhaustedError,
 )
 from reshard.client.cluster import LocalCluster
@@ -161,6 +162,29 @@ def test_a_reshard_many_whose_bucket_buffers_do_not_fit_is_refused_before_anythi
     for name in tensors:
         client.delete(name)
     _wait_memory(cluster, "host2", 0)
+
+
+def test_an_einsum_whose_working_buffers_do_not_fit_fails_cleanly_and_changes_nothing(cluster, client):
+    # h is split over host0 and host1: each device's local product is a 4 MiB addend of the result, held in a
+    # working buffer beside its 4 MiB replicated result tile and its 2 MiB of inputs: 10 MiB, over the limit.
+    mesh = Mesh({"x": 2}, ["host0/0", "host1/0"])
+    x, w = _floats(2 * MiB, 20).reshape(1024, 512), _floats(2 * MiB, 21).reshape(512, 1024)
+    client.put("x", x, Sharding(mesh, (None, "x")))
+    client.put("w", w, Sharding(mesh, ("x", None)))
+    with pytest.raises(JobFailedError, match=r"job \w+'s working buffer of 'y~partial' in role 'partial0' \[0:1024, "
+                                             r"0:1024\] on device host[01]/0 needs 4\.0 MiB \(4,194,304 bytes\), but "
+                                             r"the agent of host host[01] holds 6\.0 MiB"):
+        client.einsum("bh,hk->bk", "x", "w", out="y").result(timeout=60)
+    with pytest.raises(NotFoundError):
+        client.info("y")
+    _wait_memory(cluster, "host0", 2 * MiB)  # the inputs alone
+    # Left as a pending sum, the addends are the result's own tiles: it fits, and the sum is the product.
+    partial = Sharding(mesh, (None, None), partial=("x",))
+    client.einsum("bh,hk->bk", "x", "w", out="y", out_sharding=partial).result(timeout=60)
+    np.testing.assert_allclose(client.get("y"), x @ w, rtol=1e-5)
+    for name in ("x", "w", "y"):
+        client.delete(name)
+    _wait_memory(cluster, "host0", 0)
 
 
 def test_orphan_uploads_are_refused_and_change_nothing(cluster, client):
