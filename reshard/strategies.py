@@ -61,8 +61,12 @@ __all__ = ["plan", "Loads", "STRATEGIES", "BASELINES"]
 BASELINES = ("send_recv", "local_allgather", "broadcast")
 STRATEGIES = (*BASELINES, "auto")
 
-# Stripe one unit task over at most this many replica hosts.
+# Stripe one unit task over at most this many replica hosts,
 _MAX_STRIPES = 4
+# and only where each stripe keeps its sender's NIC busy at least this long: a stripe is one more step in the
+# program, to plan, check, write out, read on every agent and pack into a bucket (tens of microseconds of CPU in
+# all), which a box of a few kilobytes does not win back in NIC time. On 10 Gbit/s NICs, stripes of 62.5 KB and up.
+STRIPE_MIN_S = 50e-6
 # Order a chain's forwarding hosts by trying every order up to this many of them, greedily beyond.
 _EXHAUSTIVE_ROUTE = 4
 # Chains over more than this many hosts are routed by `_long_routes`, in time linear in their hosts: the search of
@@ -466,7 +470,7 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), lambda hs=hs, star=star: _emit_star(
                 box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
-    k = min(len(candidates), _MAX_STRIPES)
+    k = min(len(candidates), _MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = boxes.split(box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
@@ -524,7 +528,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         new = was + star[hs]
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
             box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts))
-    k = min(len(candidates), _MAX_STRIPES)
+    k = min(len(candidates), _MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
         n = len(order)
@@ -558,6 +562,12 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
 def _names(hosts: tuple[str, ...]) -> tuple[str, ...]:
     """``hosts`` sorted, kept: a state dict's tasks name the same groups of hosts again and again."""
     return tuple(sorted(hosts))
+
+
+def _stripes_worth(nbytes: int, candidates: Sequence[str], loads: Loads) -> int:
+    """How many stripes of ``nbytes`` keep each sender (the first ``candidates``) busy `STRIPE_MIN_S` at least."""
+    fastest = min(loads.seconds(h, nbytes) for h in candidates[:_MAX_STRIPES])
+    return max(1, int(fastest / STRIPE_MIN_S))
 
 
 @lru_cache(maxsize=4096)

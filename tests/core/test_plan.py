@@ -14,6 +14,7 @@ import pytest
 from reshard import Mesh, Plan, PlanValidationError, Sharding, Topology, plan
 from reshard.cases import n_to_m_cases, one_to_m_cases, overlap_cases
 from reshard.mesh import host_of
+from reshard.strategies import STRIPE_MIN_S
 
 SHAPE = (8, 6)
 SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["s0", "s1"]), ("x", None))
@@ -255,3 +256,16 @@ def test_auto_allgather_chains_cross_each_host_pair_once():
     assert [t.method for t in p.transfers] == ["broadcast"] * 4
     assert len(hops) == len(set(hops)) == 4 * 3
     assert p.estimate() == pytest.approx(p.lower_bound())
+
+
+@pytest.mark.parametrize("rows, stripes", [(64, 1), (1024, 1), (4096, 2), (8192, 4), (1 << 20, 4)])
+def test_auto_stripes_a_box_over_its_replicas_only_where_each_stripe_is_worth_a_step(rows, stripes):
+    # Rows of 8 float32 held by four replica hosts, wanted whole on a fifth: striping them over the replicas cuts
+    # the busiest NIC's time, but each stripe is a step more to plan, read and pack. At 10 Gbit/s, 2 KiB (1.6 us)
+    # and 32 KiB (26 us) go whole from one replica; 128 KiB (105 us) as two stripes of at least STRIPE_MIN_S (50
+    # us) each; 256 KiB and up as four, the most replicas a box is striped over.
+    src = Sharding(Mesh.from_hosts({"r": 4}, ["a", "b", "c", "d"], 1), (None, None))
+    dst = Sharding(Mesh.from_hosts({"x": 1}, ["e"], 1), (None, None))
+    p = plan((rows, 8), "float32", src, dst, TEN_GBIT, "auto").validate()
+    assert STRIPE_MIN_S == 50e-6
+    assert len(p.transfers) == len({t.sender for t in p.transfers}) == stripes
