@@ -53,6 +53,8 @@ _TYPES = {
     "number": (int, float),
     "boolean": (bool,),
 }
+# The one Python type json.loads makes for each JSON type that has one (a number may be either int or float).
+_PARSED = {"object": dict, "array": list, "string": str, "integer": int, "boolean": bool}
 _EXPECTED = {"object": "a JSON object {...}", "array": "a JSON array [...]", "string": "a string",
              "integer": "an integer", "number": "a finite number", "boolean": "true or false"}
 _NOUNS = ((Mapping, "an object"), ((list, tuple), "an array"), (str, "a string"), (int, "an integer"),
@@ -82,6 +84,8 @@ def describe(value) -> str:
 
 def _fits(value, kind: str) -> bool:
     """Whether ``value`` has the JSON type ``kind`` (see the module's table)."""
+    if type(value) is _PARSED.get(kind):  # what json.loads makes: no bool posing as an int, no float to check
+        return True
     if not isinstance(value, _TYPES[kind]) or (kind != "boolean" and isinstance(value, bool)):
         return False
     return not (kind == "number" and isinstance(value, float) and not math.isfinite(value))

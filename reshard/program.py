@@ -124,6 +124,8 @@ _KIND_FIELDS = {
 }
 _DEFAULTS = {"transfer": None, "tensor": "", "role": SRC, "kernel": "", "device": "", "inputs": (), "output": None,
              "params": (), "op": "", "devices": (), "result": "", "algorithm": "", "dim": None}
+# Per kind, the fields it leaves at their defaults, with those defaults: checked for every step an agent reads.
+_UNUSED = {kind: tuple((f, d) for f, d in _DEFAULTS.items() if f not in used) for kind, used in _KIND_FIELDS.items()}
 
 
 def _box(raw) -> Box:
@@ -237,7 +239,7 @@ class Step:
         object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
         params = self.params.items() if isinstance(self.params, Mapping) else self.params
         object.__setattr__(self, "params", tuple(sorted((str(k), str(v)) for k, v in params)))
-        stray = [f for f in _DEFAULTS if f not in _KIND_FIELDS[self.kind] and getattr(self, f) != _DEFAULTS[f]]
+        stray = [f for f, default in _UNUSED[self.kind] if getattr(self, f) != default]
         if stray:
             raise PlanValidationError(
                 f"step {self.id}: a {self.kind} step uses only {list(_KIND_FIELDS[self.kind])}, but sets {stray}"
