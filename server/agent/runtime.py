@@ -468,11 +468,11 @@ class HostLayout:
         self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
                           for t in self.committed if t.src is not None}
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
-        # bucket into one buffer, a receiver holds one per device of this host the bucket reaches until its last
-        # byte (`buckets.Bucket`).
+        # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
+        # device of its own that receives it, until the last byte (`buckets.Bucket`).
         self.bucket_buffers = sorted(
-            (self.buckets[t.step.id].nbytes * (1 if t.role == "send" else
-                                               max(1, sum(host_of(r) == host for r in t.step.transfer.receivers)))
+            (self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
+                                                                         for r in t.step.transfer.receivers))
              for t in self.tasks if t.step.id in self.buckets and t.role in ("send", "recv")), reverse=True)
 
     def bucket_peak(self, at_once: int) -> int:
