@@ -529,15 +529,16 @@ class Run(Session):
         self.bytes_total = layout.bytes_total
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
-        self._stage()
-        self._reserve_buckets(tasks_at_once)
+        self._stage(tasks_at_once)
         self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
         if not self.num_left:
             self.done.set()
 
     # -- buffers -----------------------------------------------------------------------------------------
 
-    def _stage(self) -> None:
+    def _stage(self, tasks_at_once: int) -> None:
+        """Stage this host's destination tiles and hold room for its bucket buffers (`_reserve_buckets`); a
+        failure leaves none of the run's own transactions behind."""
         committed = self.layout.committed
         unversioned = [name for name in self.layout.unresharded if name not in self.versions]
         if len(committed) > 1 and unversioned:
@@ -570,13 +571,14 @@ class Run(Session):
                                     src_tiles=self.layout.src_tiles.get(decl.name))
                 self.staging[decl.name] = tiles
                 self.fills += tiles.fills
+            if together is not None:
+                self.store.abort(together)  # every tile is staged now, and counts as staged
+            self._reserve_buckets(tasks_at_once)
         except BaseException:
             if len(committed) > 1:  # the job's own transaction is the planner's to abort; these are the run's
                 for owner in owners:
                     self.store.abort(owner)
             raise
-        if together is not None:
-            self.store.abort(together)  # every tile is staged now, and counts as staged
 
     def _reserve_buckets(self, tasks_at_once: int) -> None:
         """Hold room, until the job ends, for the bucket buffers of the ``tasks_at_once`` tasks that may run
@@ -586,15 +588,10 @@ class Run(Session):
         if not peak or self.store.device != "cpu":
             return
         n = min(tasks_at_once, len(self.layout.bucket_buffers))
-        try:
-            self.store.reserve(self.job, {BUCKETS_KEY: peak},
-                               f"job {self.job[:8]}'s bucket buffers ({n} of its {len(self.layout.bucket_buffers)} "
-                               f"packed streams here at once, up to {format_size(self.layout.bucket_buffers[0])} "
-                               f"each: a smaller bucket_mib packs less)")
-        except BaseException:
-            for staged in self.staging.values():  # the planner aborts the job; these are the run's own
-                self.store.abort(staged.owner)
-            raise
+        self.store.reserve(self.job, {BUCKETS_KEY: peak},
+                           f"job {self.job[:8]}'s bucket buffers ({n} of its {len(self.layout.bucket_buffers)} "
+                           f"packed streams here at once, up to {format_size(self.layout.bucket_buffers[0])} "
+                           f"each: a smaller bucket_mib packs less)")
 
     def commit_version(self, tensor: str) -> int:
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several
