@@ -316,3 +316,50 @@ def test_columns_survive_json_with_routes_and_phases():
         assert json.loads(q.dumps()) == json.loads(p.dumps())
         assert q.validate().transfers == p.transfers
         assert np.array_equal(table.num_elements, [t.num_elements for t in p.transfers])
+
+
+@st.composite
+def _tile_and_pieces(draw):
+    """A small tile, and up to 9 pieces: a random cut of the tile into parts, then some parts dropped, some
+    repeated, some shifted (overlapping or leaving the tile) and some empty."""
+    ndim = draw(st.integers(1, 3))
+    tile = tuple((lo, lo + draw(st.integers(0, 5))) for lo in (draw(st.integers(0, 3)) for _ in range(ndim)))
+    parts = [tile]
+    for _ in range(draw(st.integers(0, 4))):
+        k = draw(st.integers(0, len(parts) - 1))
+        part = parts[k]
+        d = draw(st.integers(0, ndim - 1))
+        lo, hi = part[d]
+        if hi - lo < 2:
+            continue
+        at = draw(st.integers(lo + 1, hi - 1))
+        parts[k:k + 1] = [part[:d] + ((lo, at),) + part[d + 1:], part[:d] + ((at, hi),) + part[d + 1:]]
+    pieces = []
+    for p in parts:
+        fate = draw(st.sampled_from(["keep", "keep", "keep", "drop", "twice", "shift", "empty"]))
+        if fate in ("keep", "twice"):
+            pieces += [p] * (2 if fate == "twice" else 1)
+        elif fate == "shift":
+            d, by = draw(st.integers(0, ndim - 1)), draw(st.sampled_from([-1, 1]))
+            pieces.append(p[:d] + ((p[d][0] + by, p[d][1] + by),) + p[d + 1:])
+        elif fate == "empty":
+            pieces.append(p[:0] + ((p[0][0], p[0][0]),) + p[1:])
+    return tile, pieces
+
+
+@settings(max_examples=300, deadline=None)
+@given(_tile_and_pieces())
+def test_coverage_of_a_tile_counts_missing_and_repeated_elements_exactly(case):
+    """`_coverage` (whose few-piece exact tilings skip the numpy pass) against counting every element: what no
+    piece covers, and every extra cover inside the tile plus every element a piece has outside it."""
+    from reshard.plan import _coverage
+
+    tile, pieces = case
+    lo = np.array([a for a, _ in tile]) - 2
+    grid = np.zeros([hi - a + 4 for a, (_, hi) in zip(lo, tile)], dtype=np.int64)
+    for p in pieces:
+        grid[tuple(slice(a - o, b - o) for (a, b), o in zip(p, lo))] += 1
+    inside = grid[tuple(slice(a - o, b - o) for (a, b), o in zip(tile, lo))]
+    missing = int((inside == 0).sum()) if inside.size else 0
+    excess = int(np.maximum(inside - 1, 0).sum()) + int(grid.sum() - inside.sum())
+    assert _coverage(tile, None, pieces) == (missing, excess)
