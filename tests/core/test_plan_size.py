@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 
-from reshard import Mesh, Sharding
+from reshard import Mesh, Sharding, plan
 from reshard.mesh import host_of
-from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, route_search
+from reshard.server.common.config import PlannerConfig
+from reshard.strategies import _GREEDY_ROUTE, _STRIDES
 from reshard.tasks import decompose
 
 from tests.core.test_planner_properties import problems
@@ -24,7 +26,7 @@ def test_the_bounds_hold_and_are_exact_between_disjoint_meshes(problem):
     route = 0
     for t in tasks:
         remote = {host_of(r) for r in t.receivers} - {host_of(s) for s in t.senders}
-        route += len(remote) ** 3 if len(remote) > 1 else 0
+        route += route_search(len(remote)) if len(remote) > 1 else 0
     assert size.route_steps >= route
     if not set(src.mesh.devices) & set(dst.mesh.devices):
         assert (size.unit_tasks, size.deliveries) == (len(tasks), deliveries)
@@ -43,7 +45,8 @@ def test_the_meshes_of_issue_11_are_counted_without_planning(n):
     gather = estimate_plan_size((n * 3 + 1,), Sharding(m, ("x",)), Sharding(m, (None,)))
     tiles = n * 3 // 4 + 1
     assert gather.unit_tasks == tiles and gather.deliveries == tiles * n
-    assert gather.route_steps == tiles * (n // 8) ** 3  # every tile to every host, from one sending host
+    # Every tile to every host, from one sending host, over strided routes (more than 16 hosts).
+    assert gather.route_steps == tiles * route_search(n // 8) <= tiles * max(_STRIDES * n, 16 ** 3)
     scatter = estimate_plan_size((n,), Sharding(m, (None,)), Sharding(m, ("x",)))
     assert scatter == PlanSize(n, n, 0)
 
@@ -63,3 +66,25 @@ def test_excess_names_each_figure_over_its_limit():
                                                          20 * ROUTE_STEPS_PER_TASK)]
     assert size.excess(20, "send_recv") == [("deliveries", 40, 20)]  # only auto searches chain routes
     assert str(size) == "10 unit tasks, 40 deliveries, 7,680 route steps"
+
+
+def test_chains_over_many_hosts_count_the_strided_routes_auto_walks_not_a_cubic_search():
+    """A bias from tensor-parallel 8 on 128 training hosts to tensor-parallel 4 with two replicas a host on 128
+    inference hosts: 8 tasks, each a broadcast to all 128 hosts, which auto routes by strided chains. Counted as
+    the cubic search that only chains of up to 16 hosts get, it came to 67 million route steps, and a planner with
+    the default limits refused a reshard it plans in milliseconds."""
+    train = Mesh.from_hosts({"dp": 128, "tp": 8}, [f"train{i}" for i in range(128)], 8)
+    infer = Mesh.from_hosts({"dp": 256, "tp": 4}, [f"infer{i}" for i in range(128)], 8)
+    src, dst = Sharding(train, ("tp",)), Sharding(infer, ("tp",))
+    size = estimate_plan_size((16384,), src, dst)
+    assert size.unit_tasks == 8 and size.deliveries == 8 * 256
+    # Each tile is held on all 128 training hosts, of which auto weighs 4 as its sender; a chain shorter than
+    # 17 hosts might still cost up to the greedy search's 16**3.
+    assert size.route_steps == 8 * 4 * max(_STRIDES * 128, _GREEDY_ROUTE ** 3)
+    assert size.excess(PlannerConfig.max_plan_tasks) == []
+    p = plan((16384,), "bfloat16", src, dst).validate()
+    assert max(len(t.route) for t in p.transfers) == 128 > _GREEDY_ROUTE
+    assert size.route_steps >= sum(len(t.route) for t in p.transfers)
+    counts = [route_search(n) for n in range(2, 2000)]
+    assert counts == sorted(counts) and counts[_GREEDY_ROUTE - 2] == _GREEDY_ROUTE ** 3  # never less for more hosts
+    assert route_search(1024) == _STRIDES * 1024

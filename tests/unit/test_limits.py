@@ -184,16 +184,19 @@ def test_the_planner_refuses_a_plan_over_its_size_limit_naming_count_limit_and_f
     assert str(refused.value) == (
         "planning a tensor of shape (16384, 64) from P('x', None) on (x=4096) to P(None, None) on (x=4096) would make "
         "too large a plan: 4,096 unit tasks where the limit is 1,000; 16,777,216 deliveries where the limit is 1,000; "
-        "549,755,813,888 route steps where the limit is 256,000 (reshard planner --max-plan-tasks 1,000 bounds unit "
+        "16,777,216 route steps where the limit is 256,000 (reshard planner --max-plan-tasks 1,000 bounds unit "
         "tasks and deliveries, and route steps at 256 times that); reshard over fewer devices, in steps (within hosts "
         "first), or raise the limit")
-    # An all-gather over 24 hosts: few tasks and deliveries, but auto weighs a chain over 23 hosts for each task.
-    ring = Mesh.from_hosts({"x": 24}, [f"n{i}" for i in range(24)], 1)
-    gather = (_json(Sharding(ring, ("x",))), _json(Sharding(ring, (None,))))
-    with pytest.raises(ResourceExhaustedError, match=r"too large a plan: 331,776 route steps where the limit is "
+    # 32 tiles, each on 2 of 64 hosts, to all of 16 others: few tasks and deliveries, but auto weighs a chain over
+    # 16 hosts, a search that grows with their cube, from each of 2 senders for each task (past 16 hosts, chains
+    # are routed in linear time: see reshard.plan_size.route_search).
+    wide = Mesh.from_hosts({"r": 2, "x": 32}, [f"a{i}" for i in range(64)], 1)
+    sixteen = Mesh.from_hosts({"y": 16}, [f"b{i}" for i in range(16)], 1)
+    gather = (_json(Sharding(wide, ("x",))), _json(Sharding(sixteen, (None,))))
+    with pytest.raises(ResourceExhaustedError, match=r"too large a plan: 262,144 route steps where the limit is "
                                                      r"256,000 .*; use strategy broadcast or send_recv"):
-        planner.dry_plan("", (24,), "float32", *gather, "auto")
-    assert planner.dry_plan("", (24,), "float32", *gather, "broadcast").strategy == "broadcast"
+        planner.dry_plan("", (32,), "float32", *gather, "auto")
+    assert planner.dry_plan("", (32,), "float32", *gather, "broadcast").strategy == "broadcast"
     small = Sharding(MESH, ("x", None))
     assert planner.dry_plan("", (8, 8), "float32", _json(small), _json(Sharding(MESH, (None, "x"))), "auto")
 
