@@ -80,11 +80,14 @@ def _hosts_per_tile(sharding: Sharding, ndim: int) -> dict[tuple[int, ...], int]
     return {key: len(h) for key, h in hosts.items()}
 
 
-def route_search(num_hosts: int) -> int:
-    """The most route steps ``auto`` takes to route one chain, for one sender, over up to ``num_hosts`` receiving
+def route_search(num_hosts: int, exactly: bool = False) -> int:
+    """The most route steps ``auto`` takes to route one chain, for one sender, over ``num_hosts`` receiving
     hosts: a greedy walk from each candidate last host for up to `strategies._GREEDY_ROUTE` of them (the cube of
-    their number), strided routes beyond (linear). Hosts that hold the tile already are not routed to, so a
-    chain may be shorter than ``num_hosts``; the bound covers every length up to it."""
+    their number), strided routes beyond (linear). Hosts that hold the tile already are not routed to, so where
+    the meshes share hosts a chain may be shorter than ``num_hosts``: unless ``exactly``, the bound covers every
+    length up to it."""
+    if exactly:
+        return num_hosts ** 3 if num_hosts <= _GREEDY_ROUTE else _STRIDES * num_hosts
     return max(min(num_hosts, _GREEDY_ROUTE) ** 3, _STRIDES * num_hosts)
 
 
@@ -98,8 +101,10 @@ def estimate_plan_size(shape, src: Sharding, dst: Sharding) -> PlanSize:
     route_steps = 0
     if dst.num_replicas() > 1 and unit_tasks:
         senders = min(_MAX_STRIPES, max(_hosts_per_tile(src, len(shape)).values()))
+        # Between meshes on other hosts, every host holding a destination tile is on its chains.
+        disjoint = set(src.mesh.hosts).isdisjoint(dst.mesh.hosts)
         for key, num_hosts in _hosts_per_tile(dst, len(shape)).items():
             if num_hosts > 1:
                 tasks = math.prod(c[i] for c, i in zip(counts, key))
-                route_steps += tasks * senders * route_search(num_hosts)
+                route_steps += tasks * senders * route_search(num_hosts, exactly=disjoint)
     return PlanSize(unit_tasks, deliveries, route_steps)
