@@ -18,9 +18,8 @@ deliveries       (unit task, receiving device) pairs: the transfers a point-to-p
 route_steps      what strategy ``auto`` weighs to order its chain broadcasts: for a task
                  with ``r`` receiving hosts, up to ``r`` candidate last hosts times ``r**2``
                  hops of a greedy route, for each of up to 4 replica hosts that may send it;
-                 past `strategies._GREEDY_ROUTE` hosts, `strategies._long_routes` walks
-                 each of its `strategies._STRIDES` strided routes once instead: ``r`` hops
-                 each, for each of those senders (`route_search`).
+                 past 16 hosts, auto walks each of 4 strided routes once instead: ``r``
+                 hops each, for each of those senders (`strategies.chain_route_steps`).
 ===============  =========================================================================
 
 A route step is a dictionary lookup, some 256 times cheaper than planning a unit
@@ -36,9 +35,9 @@ from dataclasses import dataclass
 
 from reshard.mesh import host_of
 from reshard.sharding import Sharding
-from reshard.strategies import _GREEDY_ROUTE, _MAX_STRIPES, _STRIDES
+from reshard.strategies import MAX_STRIPES, chain_route_steps
 
-__all__ = ["PlanSize", "estimate_plan_size", "route_search", "ROUTE_STEPS_PER_TASK"]
+__all__ = ["PlanSize", "estimate_plan_size", "ROUTE_STEPS_PER_TASK"]
 
 ROUTE_STEPS_PER_TASK = 256
 
@@ -80,17 +79,6 @@ def _hosts_per_tile(sharding: Sharding, ndim: int) -> dict[tuple[int, ...], int]
     return {key: len(h) for key, h in hosts.items()}
 
 
-def route_search(num_hosts: int, exactly: bool = False) -> int:
-    """The most route steps ``auto`` takes to route one chain, for one sender, over ``num_hosts`` receiving
-    hosts: a greedy walk from each candidate last host for up to `strategies._GREEDY_ROUTE` of them (the cube of
-    their number), strided routes beyond (linear). Hosts that hold the tile already are not routed to, so where
-    the meshes share hosts a chain may be shorter than ``num_hosts``: unless ``exactly``, the bound covers every
-    length up to it."""
-    if exactly:
-        return num_hosts ** 3 if num_hosts <= _GREEDY_ROUTE else _STRIDES * num_hosts
-    return max(min(num_hosts, _GREEDY_ROUTE) ** 3, _STRIDES * num_hosts)
-
-
 def estimate_plan_size(shape, src: Sharding, dst: Sharding) -> PlanSize:
     """Upper bounds on the work of planning a move of ``shape`` from ``src`` to ``dst`` (see the module)."""
     shape = dst.check_shape(src.check_shape(shape))
@@ -100,11 +88,11 @@ def estimate_plan_size(shape, src: Sharding, dst: Sharding) -> PlanSize:
     deliveries = unit_tasks * dst.num_replicas()
     route_steps = 0
     if dst.num_replicas() > 1 and unit_tasks:
-        senders = min(_MAX_STRIPES, max(_hosts_per_tile(src, len(shape)).values()))
+        senders = min(MAX_STRIPES, max(_hosts_per_tile(src, len(shape)).values()))
         # Between meshes on other hosts, every host holding a destination tile is on its chains.
         disjoint = set(src.mesh.hosts).isdisjoint(dst.mesh.hosts)
         for key, num_hosts in _hosts_per_tile(dst, len(shape)).items():
             if num_hosts > 1:
                 tasks = math.prod(c[i] for c, i in zip(counts, key))
-                route_steps += tasks * senders * route_search(num_hosts, exactly=disjoint)
+                route_steps += tasks * senders * chain_route_steps(num_hosts, exactly=disjoint)
     return PlanSize(unit_tasks, deliveries, route_steps)

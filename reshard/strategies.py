@@ -56,13 +56,13 @@ from reshard.sharding import Sharding
 from reshard.tasks import UnitTask, UnitTasks, decompose
 from reshard.topology import Topology
 
-__all__ = ["plan", "Loads", "STRATEGIES", "BASELINES"]
+__all__ = ["plan", "Loads", "STRATEGIES", "BASELINES", "MAX_STRIPES", "STRIPE_MIN_S", "chain_route_steps"]
 
 BASELINES = ("send_recv", "local_allgather", "broadcast")
 STRATEGIES = (*BASELINES, "auto")
 
 # Stripe one unit task over at most this many replica hosts,
-_MAX_STRIPES = 4
+MAX_STRIPES = 4
 # and only where each stripe keeps its sender's NIC busy at least this long: a stripe is one more step in the
 # program, to plan, check, write out, read on every agent and pack into a bucket (tens of microseconds of CPU in
 # all), which a box of a few kilobytes does not win back in NIC time. On 10 Gbit/s NICs, stripes of 62.5 KB and up.
@@ -74,6 +74,17 @@ _EXHAUSTIVE_ROUTE = 4
 _GREEDY_ROUTE = 16
 # `_long_routes` tries this many strides.
 _STRIDES = 4
+
+
+def chain_route_steps(num_hosts: int, exactly: bool = False) -> int:
+    """The most route steps ``auto`` takes to route one chain, for one sender, over ``num_hosts`` receiving
+    hosts: `_chain_order`'s greedy walk from each candidate last host for up to `_GREEDY_ROUTE` of them (the cube
+    of their number), `_long_routes`' strided routes beyond (linear). Hosts that hold the tile already are not
+    routed to, so where two meshes share hosts a chain may be shorter than ``num_hosts``: unless ``exactly``, the
+    bound covers every length up to it (`reshard.plan_size` bounds a plan's work with it)."""
+    if exactly:
+        return num_hosts ** 3 if num_hosts <= _GREEDY_ROUTE else _STRIDES * num_hosts
+    return max(min(num_hosts, _GREEDY_ROUTE) ** 3, _STRIDES * num_hosts)
 # A shorter run of one-to-one tasks at the end of auto's order is cheaper in the loop than in numpy.
 _BULK_FROM = 256
 
@@ -458,7 +469,7 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
         for h in route[:-1]:
             delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
 
-    for hs in candidates[:_MAX_STRIPES]:
+    for hs in candidates[:MAX_STRIPES]:
         route = _chain_order(hs, order, loads)
         # As chain_delta(hs, route, nbytes, {}), with the route hosts' seconds worked out once for all senders.
         delta: dict[str, float] = {hs: loads.seconds(hs, nbytes)}
@@ -470,7 +481,7 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), lambda hs=hs, star=star: _emit_star(
                 box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
-    k = min(len(candidates), _MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
+    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = boxes.split(box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
@@ -497,10 +508,10 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
     send = loads.send
     # Hosts sorted by name (kept), then stably by load: ordered by (load, name) as _best_delivery orders them,
-    # without a key tuple per host. Only the first _MAX_STRIPES candidates are ever used.
+    # without a key tuple per host. Only the first MAX_STRIPES candidates are ever used.
     held = _names(tuple(holders))
     by_load = np.argsort(np.fromiter(map(send.__getitem__, held), float, len(held)), kind="stable")
-    candidates = [held[i] for i in by_load[:_MAX_STRIPES].tolist()]
+    candidates = [held[i] for i in by_load[:MAX_STRIPES].tolist()]
     names = _names(tuple(remote))
     load = np.fromiter(map(send.__getitem__, names), float, len(names))
     by_load = np.argsort(load, kind="stable")
@@ -516,7 +527,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     def option(score, emit) -> None:
         options.append((score, len(options), emit))
 
-    for hs in candidates[:_MAX_STRIPES]:
+    for hs in candidates[:MAX_STRIPES]:
         mine, was = loads.seconds(hs, nbytes), send[hs]
         new = was + mine
         # The route does not change the score (every route makes the same hosts forward): found if chosen.
@@ -528,7 +539,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         new = was + star[hs]
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
             box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts))
-    k = min(len(candidates), _MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
+    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
         n = len(order)
@@ -566,7 +577,7 @@ def _names(hosts: tuple[str, ...]) -> tuple[str, ...]:
 
 def _stripes_worth(nbytes: int, candidates: Sequence[str], loads: Loads) -> int:
     """How many stripes of ``nbytes`` keep each sender (the first ``candidates``) busy `STRIPE_MIN_S` at least."""
-    fastest = min(loads.seconds(h, nbytes) for h in candidates[:_MAX_STRIPES])
+    fastest = min(loads.seconds(h, nbytes) for h in candidates[:MAX_STRIPES])
     return max(1, int(fastest / STRIPE_MIN_S))
 
 

@@ -7,9 +7,9 @@ from hypothesis import given, settings
 
 from reshard import Mesh, Sharding, plan
 from reshard.mesh import host_of
-from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, route_search
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size
 from reshard.server.common.config import PlannerConfig
-from reshard.strategies import _GREEDY_ROUTE, _STRIDES
+from reshard.strategies import _GREEDY_ROUTE, _STRIDES, chain_route_steps
 from reshard.tasks import decompose
 
 from tests.core.test_planner_properties import problems
@@ -26,7 +26,7 @@ def test_the_bounds_hold_and_are_exact_between_disjoint_meshes(problem):
     route = 0
     for t in tasks:
         remote = {host_of(r) for r in t.receivers} - {host_of(s) for s in t.senders}
-        route += route_search(len(remote), exactly=True) if len(remote) > 1 else 0
+        route += chain_route_steps(len(remote), exactly=True) if len(remote) > 1 else 0
     assert size.route_steps >= route
     if not set(src.mesh.devices) & set(dst.mesh.devices):
         assert (size.unit_tasks, size.deliveries) == (len(tasks), deliveries)
@@ -46,7 +46,7 @@ def test_the_meshes_of_issue_11_are_counted_without_planning(n):
     tiles = n * 3 // 4 + 1
     assert gather.unit_tasks == tiles and gather.deliveries == tiles * n
     # Every tile to every host, from one sending host, over strided routes (more than 16 hosts).
-    assert gather.route_steps == tiles * route_search(n // 8) <= tiles * max(_STRIDES * n, 16 ** 3)
+    assert gather.route_steps == tiles * chain_route_steps(n // 8) <= tiles * max(_STRIDES * n, 16 ** 3)
     scatter = estimate_plan_size((n,), Sharding(m, (None,)), Sharding(m, ("x",)))
     assert scatter == PlanSize(n, n, 0)
 
@@ -85,7 +85,7 @@ def test_chains_over_many_hosts_count_the_strided_routes_auto_walks_not_a_cubic_
     p = plan((16384,), "bfloat16", src, dst).validate()
     assert max(len(t.route) for t in p.transfers) == 128 > _GREEDY_ROUTE
     assert size.route_steps >= sum(len(t.route) for t in p.transfers)
-    counts = [route_search(n) for n in range(2, 2000)]
+    counts = [chain_route_steps(n) for n in range(2, 2000)]
     assert counts == sorted(counts) and counts[_GREEDY_ROUTE - 2] == _GREEDY_ROUTE ** 3  # never less for more hosts
-    assert route_search(1024) == route_search(1024, exactly=True) == _STRIDES * 1024
-    assert route_search(17, exactly=True) == _STRIDES * 17 < route_search(17) == _GREEDY_ROUTE ** 3
+    assert chain_route_steps(1024) == chain_route_steps(1024, exactly=True) == _STRIDES * 1024
+    assert chain_route_steps(17, exactly=True) == _STRIDES * 17 < chain_route_steps(17) == _GREEDY_ROUTE ** 3
