@@ -133,7 +133,6 @@ def _add_agent_command(sub) -> None:
 
 
 def _run_agent(args) -> int:
-    from reshard.server.agent.memory import freeze_startup_objects
     from reshard.server.agent.service import Agent
     from reshard.server.common.config import AgentConfig
 
@@ -147,9 +146,7 @@ def _run_agent(args) -> int:
                          stall_timeout_s=args.stall_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20), fault=args.fault,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
-    agent = Agent(config)
-    freeze_startup_objects()  # before the first job can come: the agent is not registered yet
-    agent.start()
+    agent = Agent(config).start()
     health = _health_server(args, "reshard.v1.Agent")
     stopped = on_signal()
     print(f"reshard agent {config.host} listening on {agent.address} "

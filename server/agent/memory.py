@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import logging
 import os
 import sys
 
-__all__ = ["keep_freed_memory", "default_memory_limit", "freeze_startup_objects"]
+__all__ = ["keep_freed_memory", "default_memory_limit"]
 
 log = logging.getLogger(__name__)
 
@@ -86,18 +85,3 @@ def keep_freed_memory() -> bool:
     if not ok:
         log.info("mallopt refused a setting; the agent keeps the allocator's defaults")
     return ok
-
-
-def freeze_startup_objects() -> int:
-    """Take every object alive now out of the cyclic garbage collector's passes (`gc.freeze`); returns how many.
-
-    Startup leaves a few hundred thousand objects that live as long as the process: torch, gRPC, numpy, their
-    modules and functions. Python's full collections walk every tracked object, and with these in the heap each
-    took about 80 ms of CPU in an agent; agents running the same jobs reach one together (every few weight-sync
-    moves), so on a machine whose agents share cores one job now and then ran a few tenths of a second longer.
-    Frozen, a full pass walks only what the agent made since. Call once, at the end of startup and before any
-    job: what is alive then is never collected as a cycle, so it must be what the process keeps anyway.
-    """
-    gc.collect()
-    gc.freeze()
-    return gc.get_freeze_count()
