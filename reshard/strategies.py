@@ -74,6 +74,8 @@ _EXHAUSTIVE_ROUTE = 4
 _GREEDY_ROUTE = 16
 # `_long_routes` tries this many strides.
 _STRIDES = 4
+# A shorter run of one-to-one tasks at the end of auto's order is cheaper in the loop than in numpy.
+_BULK_FROM = 256
 
 
 def chain_route_steps(num_hosts: int, exactly: bool = False) -> int:
@@ -85,8 +87,6 @@ def chain_route_steps(num_hosts: int, exactly: bool = False) -> int:
     if exactly:
         return num_hosts ** 3 if num_hosts <= _GREEDY_ROUTE else _STRIDES * num_hosts
     return max(min(num_hosts, _GREEDY_ROUTE) ** 3, _STRIDES * num_hosts)
-# A shorter run of one-to-one tasks at the end of auto's order is cheaper in the loop than in numpy.
-_BULK_FROM = 256
 
 
 def _group_by_host(devices: Sequence[str], hosts: HostCache) -> dict[str, list[str]]:
