@@ -666,8 +666,14 @@ def check_delivery(
             )
         for r in t.receivers:
             received[r].append((i, t.box))
+    # Replicas of a tile get the same boxes (a broadcast reaches them all): each distinct case is counted once.
+    counted: dict[tuple, tuple[int, int]] = {}
     for dev, tile in dst_tiles.items():
-        missing, excess = _coverage(tile, src_tiles.get(dev), [b for _, b in received.get(dev, ())])
+        case = (tile, src_tiles.get(dev), tuple(b for _, b in received.get(dev, ())))
+        found = counted.get(case)
+        if found is None:
+            found = counted[case] = _coverage(tile, case[1], case[2])
+        missing, excess = found
         if missing or excess:
             problem = []
             if missing:
