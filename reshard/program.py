@@ -663,6 +663,7 @@ class Program(ContentAddressed):
         src_tiles = {t.name: t.src.tiles(t.shape) for t in self.tensors if t.src is not None}
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
         addend_coords: dict[str, dict[str, tuple[int, ...]]] = {}
+        read_back = self._read_back()
 
         def holds(i: int, device: str, tensor: str, role: Optional[str], box: Box) -> bool:
             if not boxes.volume(box):
@@ -690,8 +691,10 @@ class Program(ContentAddressed):
                 self._check_compute(where, s, hosts, holds)
             else:
                 self._check_reduce(where, s, hosts, holds)
-            for dev, tensor, role, b in s.produces():
-                produced[(dev, tensor)].append((s.id, role, b))
+            if s.kind != MOVE or s.tensor in read_back:
+                for dev, tensor, role, b in s.produces():
+                    if tensor in read_back:
+                        produced[(dev, tensor)].append((s.id, role, b))
         for decl in self.tensors:
             if decl.is_reshard:
                 check_delivery(
@@ -699,6 +702,7 @@ class Program(ContentAddressed):
                     before=lambda i, j: bool(ancestors[i] >> j & 1),
                     where=lambda i, t: _StepWhere(self.steps[i]),
                     when=lambda i, t: _when(self.steps[i]),
+                    hosts=hosts,
                 )
                 self._check_summed_tiles(decl, produced)
         for s in self.steps:
@@ -707,6 +711,22 @@ class Program(ContentAddressed):
             if s.kind == MOVE and s.role != SRC and self.tensor(s.tensor).is_reshard:
                 self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box),
                                  holds)
+
+    def _read_back(self) -> set[str]:
+        """The tensors whose written boxes a check looks up (`_validate`'s ``holds``, `_check_summed_tiles`):
+        those a step reads other than as a reshard's move from its source tiles, and the sums of Partial ones.
+        A state dict's moves are all of that one kind, which `check_delivery` proves on its own; indexing every
+        box each of them writes was a fifth of validating one."""
+        by_name = {t.name: t for t in self.tensors}
+        out = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
+        for s in self.steps:
+            if s.kind == MOVE:
+                decl = by_name.get(s.tensor)
+                if decl is None or not decl.is_reshard or s.role != SRC:
+                    out.add(s.tensor)
+            else:
+                out.update(r.tensor for r in s.inputs)
+        return out
 
     def _declared(self, where, name: str) -> TensorDecl:
         try:
