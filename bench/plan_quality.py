@@ -121,19 +121,15 @@ def state_dict_rows(many_timeout: float) -> list[list[str]]:
 
 def _refusal(decls: list[TensorDecl]) -> str:
     """What a planner with its default limits says of one reshard_many of ``decls``."""
-    from reshard.plan_size import PlanSize, estimate_plan_size
+    from reshard.plan_size import PlanSize, estimate_plan_size, excess_text
     from reshard.server.common.config import PlannerConfig
 
-    sizes = [estimate_plan_size(d.shape, d.src, d.dst) for d in decls]
-    total = PlanSize(*(sum(getattr(p, f) for p in sizes) for f in ("unit_tasks", "deliveries", "route_steps")))
     limit = PlannerConfig.max_plan_tasks
-    over = total.excess(limit, "auto")
+    over = PlanSize.total(estimate_plan_size(d.shape, d.src, d.dst) for d in decls).excess(limit, "auto")
     if not over:
         return f"A planner with the default `--max-plan-tasks` ({limit:,}) runs it as one job."
-    figures = "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
-                        for figure, count, bound in over)
-    return (f"A planner with the default `--max-plan-tasks` ({limit:,}) refuses it as one job ({figures}), so in a "
-            f"service it runs as several `reshard_many` jobs of fewer tensors each.")
+    return (f"A planner with the default `--max-plan-tasks` ({limit:,}) refuses it as one job ({excess_text(over)}), "
+            f"so in a service it runs as several `reshard_many` jobs of fewer tensors each.")
 
 
 def _plan_many_child() -> int:

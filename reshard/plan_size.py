@@ -37,7 +37,7 @@ from reshard.mesh import host_of
 from reshard.sharding import Sharding
 from reshard.strategies import MAX_STRIPES, chain_route_steps
 
-__all__ = ["PlanSize", "estimate_plan_size", "ROUTE_STEPS_PER_TASK"]
+__all__ = ["PlanSize", "estimate_plan_size", "excess_text", "ROUTE_STEPS_PER_TASK"]
 
 ROUTE_STEPS_PER_TASK = 256
 
@@ -56,8 +56,20 @@ class PlanSize:
             limits.append(("route_steps", self.route_steps, max_tasks * ROUTE_STEPS_PER_TASK))
         return [(name, n, limit) for name, n, limit in limits if n > limit]
 
+    @classmethod
+    def total(cls, sizes) -> "PlanSize":
+        """The sum of ``sizes``: one program that moves several tensors."""
+        sizes = list(sizes)
+        return cls(*(sum(getattr(p, f) for p in sizes) for f in ("unit_tasks", "deliveries", "route_steps")))
+
     def __str__(self) -> str:
         return f"{self.unit_tasks:,} unit tasks, {self.deliveries:,} deliveries, {self.route_steps:,} route steps"
+
+
+def excess_text(over: list[tuple[str, int, int]]) -> str:
+    """`PlanSize.excess` in words, as a refusal names it: "1,640,448 deliveries where the limit is 250,000; ..."."""
+    return "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
+                     for figure, count, bound in over)
 
 
 def _overlap_counts(dst: list[tuple[int, int]], src: list[tuple[int, int]]) -> list[int]:

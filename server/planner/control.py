@@ -23,7 +23,7 @@ from reshard.partial_plan import reshard_program
 from reshard.plan import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
-from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import (
@@ -84,8 +84,7 @@ def check_plan_size(shape, src: Sharding, dst: Sharding, strategy: str, max_task
     over = estimate_plan_size(shape, src, dst).excess(max_tasks, strategy)
     if not over:
         return
-    figures = "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
-                        for figure, count, bound in over)
+    figures = excess_text(over)
     other_strategy = ("use strategy broadcast or send_recv, which search no chain routes, "
                       if [f for f, _, _ in over] == ["route_steps"] else "")
     raise ResourceExhaustedError(
@@ -621,15 +620,12 @@ class Planner:
             if (d.shape, d.src, d.dst) not in sizes:
                 sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, d.src, d.dst)
         size = [sizes[d.shape, d.src, d.dst] for d in decls]
-        total = PlanSize(*(sum(getattr(p, f) for p in size) for f in ("unit_tasks", "deliveries", "route_steps")))
-        over = total.excess(self.config.max_plan_tasks, strategy)
+        over = PlanSize.total(size).excess(self.config.max_plan_tasks, strategy)
         if over:
-            figures = "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
-                                for figure, count, bound in over)
             raise ResourceExhaustedError(
-                f"reshard_many of {len(decls)} tensors would make too large a program: {figures} (reshard planner "
-                f"--max-plan-tasks {self.config.max_plan_tasks:,}); move the tensors in several reshard_many jobs, "
-                f"or raise the limit")
+                f"reshard_many of {len(decls)} tensors would make too large a program: {excess_text(over)} "
+                f"(reshard planner --max-plan-tasks {self.config.max_plan_tasks:,}); move the tensors in several "
+                f"reshard_many jobs, or raise the limit")
         self._check_memory_together([(d.dst, d.shape, d.dtype, f"resharding {d.name!r}") for d in decls],
                                     f"reshard_many of {len(decls)} tensors")
         return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
