@@ -14,7 +14,10 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
    shared machine's load, which drifts by tens of percent within minutes, reaches both alike;
 4. the same-mesh part, 4 processes: on host0..host3 seen as a 2 x 2 mesh, from the training layout to the
    inference one (the tensor-parallel-4 tiles become two replicas of tensor-parallel 2), as a loop of DTensor
-   ``redistribute`` over every tensor against one ``reshard_many`` on 4 agents.
+   ``redistribute`` over every tensor against one ``reshard_many`` on 4 agents. The DTensors' placements are
+   reshard's layouts in torch's classes (tensor-parallel 4 is ``[Shard(d), Shard(d)]`` on the 2 x 2 mesh), and
+   each rank checks that it starts from its training tile and ends with its inference tile: the two make the
+   same move.
 
 Every result is checked bit-exact (agents: ``get_many`` against the arrays; gloo and DTensor: each rank's received
 buffers, or local shard against ``distribute_tensor`` on the destination). Seconds are from the request (or a
@@ -228,15 +231,18 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
 # -- 4: a loop of DTensor redistribute on the same mesh ------------------------------------------------------------
 
 
-def _placements(spec):
-    """DTensor placements on the ("dp", "tp") mesh of a reshard spec: an axis name's dim per mesh dim."""
+def _same_mesh_train(tensors: dict) -> dict:
+    """The training layout seen on the 2 x 2 mesh: tensor-parallel 4 becomes a split over both axes, dp-major, so
+    each of host0..host3 holds the very tile it holds in the training layout (`_dtensor_worker` checks this)."""
+    return {name: Sharding(SAME, tuple(("dp", "tp") if axes == ("tp",) else axes for axes in s.spec))
+            for name, (_, s) in tensors.items()}
+
+
+def _torch_placements(sharding: Sharding) -> list:
+    """torch's DTensor placements for a reshard sharding (`Sharding.placements`, in torch's own classes)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    out = []
-    for axis in ("dp", "tp"):
-        dims = [d for d, entry in enumerate(spec) if entry == axis or (isinstance(entry, tuple) and axis in entry)]
-        out.append(Shard(dims[0]) if dims else Replicate())
-    return out
+    return [Shard(p.dim) if hasattr(p, "dim") else Replicate() for p in sharding.placements]
 
 
 def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> None:
@@ -248,25 +254,34 @@ def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -
     tensors, infer = state_dict(layers, hidden)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    # Training: tensor-parallel 4 over both mesh dims, dp-major as host0..host3 hold it.
-    train = {n: _placements(tuple(("dp", "tp") if e == "tp" else e for e in s.spec)) for n, (_, s) in tensors.items()}
-    dst = {n: _placements(s.spec) for n, s in _same_mesh(infer).items()}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # rank r is SAME's r-th device, row-major
+    device = SAME.devices[rank]
+    train, dst = _same_mesh_train(tensors), _same_mesh(infer)
     full = {n: torch.from_numpy(a) for n, (a, _) in tensors.items()}
-    src = {n: distribute_tensor(full[n], mesh, train[n], src_data_rank=None) for n in tensors}
-    want = {n: distribute_tensor(full[n], mesh, dst[n], src_data_rank=None).to_local() for n in tensors}
+    src = {n: distribute_tensor(full[n], mesh, _torch_placements(train[n]), src_data_rank=None) for n in tensors}
+    want = {}
+    for n, (a, layout) in tensors.items():
+        # Both ways make the same move: each rank starts from its training tile and must end with its tile of the
+        # inference layout on the 2 x 2 mesh, as the same-mesh reshard_many does.
+        held = train[n].tiles(a.shape)[device]
+        local = np.ascontiguousarray(src[n].to_local().numpy())
+        if held != layout.tiles(a.shape)[f"{HOSTS[rank]}/0"] or not np.array_equal(
+                local.view(np.uint8), a[boxes.to_slices(held)].view(np.uint8)):
+            raise AssertionError(f"rank {rank}'s DTensor shard of {n} is not its training tile {held}")
+        want[n] = torch.from_numpy(np.ascontiguousarray(a[boxes.to_slices(dst[n].tiles(a.shape)[device])]))
+    placements = {n: _torch_placements(s) for n, s in dst.items()}
 
     def run() -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        out = {n: dt.redistribute(mesh, dst[n]) for n, dt in src.items()}
+        out = {n: dt.redistribute(mesh, placements[n]) for n, dt in src.items()}
         for dt in out.values():  # redistribute may return before its collectives end: wait for each
             dt.to_local().reshape(-1)[:1].clone()
         dist.barrier()
         seconds = time.perf_counter() - t0
         for n, dt in out.items():
             if not torch.equal(dt.to_local().contiguous().view(torch.uint8), want[n].contiguous().view(torch.uint8)):
-                raise AssertionError(f"DTensor redistribute of {n} differs from distribute_tensor on rank {rank}")
+                raise AssertionError(f"DTensor redistribute of {n} on rank {rank} differs from its inference tile")
         return seconds
 
     run()
@@ -448,7 +463,9 @@ def main(argv=None) -> int:
             f"buffers allocated beforehand; its runs and the cross-mesh `reshard_many`'s take turns (each while the "
             f"other's processes sit idle), so the machine's drifting load reaches both alike. The same-mesh rows move "
             f"host0..host3's tensor-parallel-4 tiles to two replicas of tensor-parallel 2 on the same four "
-            f"processes.\n\n"
+            f"processes; for DTensor that is `[Shard(d), Shard(d)]` to `[Replicate(), Shard(d)]` on a 2 x 2 "
+            f"`DeviceMesh`, for which torch warns that it runs two sequential all-gathers, and each rank checks that "
+            f"it starts from its training tile and ends with its inference tile.\n\n"
             + "\n".join(rows) + "\n\n" + phases_text + "\n\n" + lab_text
             + f"\n\nReproduce: `python bench/weight_sync.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --gbps {args.gbps:g}` (root for the emulated hosts).")
