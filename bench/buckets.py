@@ -5,7 +5,8 @@ A synthetic transformer state dict (about 500 tensors, norms and biases of a few
 through local agents, as one reshard_many per bucket size; each is timed from submission to the client seeing it
 succeed (the old versions' release, which follows, is left out by waiting for it before the next run). Bucket
 size 0 sends every move as its own stream. Median of ``--runs``; both transports. Writes its section of
-BENCHMARKS.md, which the default (`reshard.many.DEFAULT_BUCKET_BYTES`) is read from.
+BENCHMARKS.md, which the default (`reshard.many.DEFAULT_BUCKET_BYTES`) is read from. Each size's move is checked
+on every device (replicas included) against the arrays, once, in the untimed round.
 
     python bench/buckets.py [--layers 50] [--hidden 512] [--runs 3] [--sizes 0,0.25,1,4,16,64] [--no-write]
 """
@@ -13,6 +14,7 @@ BENCHMARKS.md, which the default (`reshard.many.DEFAULT_BUCKET_BYTES`) is read f
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import sys
 import time
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import write_section  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
+from reshard.box import to_slices  # noqa: E402
 from reshard.client.cluster import LocalCluster  # noqa: E402
 from reshard.many import DEFAULT_BUCKET_BYTES  # noqa: E402
 
@@ -72,6 +75,7 @@ def measure(transport: str, layers: int, hidden: int, sizes: list[float], runs: 
     tensors, infer = state_dict(layers, hidden)
     train = {n: s for n, (_, s) in tensors.items()}
     names = list(tensors)
+    expected = expected_digests(tensors, infer)
     times: dict[float, list[float]] = {mib: [] for mib in sizes}
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport=transport) as cluster, cluster.connect() as c:
         c.put_many(tensors)
@@ -85,6 +89,8 @@ def measure(transport: str, layers: int, hidden: int, sizes: list[float], runs: 
                 if k:
                     times[mib].append(time.monotonic() - t0)
                 _settle(c, names)
+                if not k:  # each size's program is the one every round runs: check what it delivers once
+                    check_every_device(c, expected, f"{transport} reshard_many with {mib:g} MiB buckets")
         out: dict = {}
         for mib in sizes:
             out[mib] = statistics.median(times[mib])
@@ -97,6 +103,7 @@ def measure(transport: str, layers: int, hidden: int, sizes: list[float], runs: 
             job.result(timeout=1200)
         out["per tensor"] = time.monotonic() - t0
         print(f"{transport} one job per tensor: {out['per tensor']:.3f}s", flush=True)
+        check_every_device(c, expected, f"{transport} one reshard job per tensor")
     return out
 
 
@@ -105,6 +112,23 @@ def _settle(c, names: list[str]) -> None:
     reshard_many of one tensor into its own layout, which queues behind the release."""
     info = c.info(names[0])
     c.reshard_many({names[0]: info.sharding}).result(timeout=600)
+
+
+def expected_digests(tensors: dict, layouts: dict) -> dict[str, dict[str, str]]:
+    """Per tensor, the blake2b of every device's tile in ``layouts``: what `Client.digests` returns once the tensors
+    are there (``tensors``: {name: (array, sharding)})."""
+    return {name: {dev: hashlib.blake2b(np.ascontiguousarray(a[to_slices(tile)]).tobytes()).hexdigest()
+                   for dev, tile in layouts[name].tiles(a.shape).items()}
+            for name, (a, _) in tensors.items()}
+
+
+def check_every_device(c, expected: dict[str, dict[str, str]], what: str) -> None:
+    """Every device holds its tile of every tensor bit for bit (digests computed where the shards live, so every
+    replica is read, not one per tile as a get would)."""
+    bad = [name for name, want in expected.items() if c.digests(name) != want]
+    if bad:
+        raise AssertionError(f"{what} left {len(bad)} of {len(expected)} tensors with a device whose tile differs "
+                             f"from the array's, {bad[:3]} first")
 
 
 def _summary(results: dict, sizes: list[float]) -> str:
@@ -152,7 +176,8 @@ def main() -> None:
             f"packing every small move pays a stream's set-up, and fewer, larger streams also cost the runtime "
             f"less to schedule and check: {_summary(results, sizes)}. A bucket is packed in memory on its sender "
             f"and held whole on each receiving device until its last byte, so past the point where the time "
-            f"stops falling a larger one only costs memory.\n\n"
+            f"stops falling a larger one only costs memory. Each size's move, and the jobs per tensor, are checked "
+            f"once: every device's tile, replicas included, bit for bit against the arrays.\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/buckets.py --layers {args.layers} --hidden {args.hidden} --runs "
               f"{args.runs} --sizes {args.sizes}`.")

@@ -19,8 +19,8 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
    each rank checks that it starts from its training tile and ends with its inference tile: the two make the
    same move.
 
-Every result is checked bit-exact (agents: ``get_many`` against the arrays; gloo and DTensor: each rank's received
-buffers, or local shard against ``distribute_tensor`` on the destination). Seconds are from the request (or a
+Every result is checked bit-exact (agents: every device's tile, replicas included, by digest against the arrays;
+gloo and DTensor: each rank's received buffers, or local shard, against the arrays). Seconds are from the request (or a
 barrier) to the last byte in place (or a barrier), median of ``--runs`` after one untimed; GB/s counts the bytes
 the inference devices end up holding.
 
@@ -52,7 +52,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import write_section  # noqa: E402
-from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
+from buckets import HOSTS, INFER, TRAIN, _settle, check_every_device, expected_digests, state_dict  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
 from reshard import box as boxes  # noqa: E402
@@ -82,26 +82,19 @@ def _same_mesh(infer: dict) -> dict:
 # -- 1 and 2: agents ---------------------------------------------------------------------------------------------
 
 
-def _check(c, tensors: dict, what: str) -> None:
-    """Every tensor reads back bit for bit as it was put."""
-    got = c.get_many(list(tensors))
-    bad = [n for n, (a, _) in tensors.items() if not np.array_equal(got[n].view(np.uint8), a.view(np.uint8))]
-    if bad:
-        raise AssertionError(f"{what} left {len(bad)} tensors different from what was put, {bad[:3]} first")
-
-
 def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
            results: list | None = None, between: Callable[[int], None] | None = None) -> list[float]:
     """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
     untimed (after the old versions' release, which follows a job, is over: `_settle`). The timed jobs' results go
     to ``results``; ``between(i)`` runs after run ``i`` (0 the untimed one) and its move back."""
     names, times = list(tensors), []
+    expected = expected_digests(tensors, there)
     for i in range(runs + 1):
         t0 = time.monotonic()
         result = c.reshard_many(there).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
         _settle(c, names)
-        _check(c, tensors, what)
+        check_every_device(c, expected, what)
         if i:
             times.append(wall)
             if results is not None:
@@ -150,7 +143,7 @@ def agents(layers: int, hidden: int, runs: int, between: Callable[[int], None] |
             job.result(timeout=TIMEOUT_S)
         out["per_tensor"] = [time.monotonic() - t0]
         print(f"one job per tensor {out['per_tensor'][0]:.3f}s", flush=True)
-        _check(c, tensors, "one reshard job per tensor")
+        check_every_device(c, expected_digests(tensors, infer), "one reshard job per tensor")
     with LocalCluster(4, 1, host_names=HOSTS[:4], transport="collective") as cluster, cluster.connect() as c:
         c.put_many(tensors)
         out["same_many"] = _timed(c, tensors, _same_mesh(infer), train, runs, "the same-mesh reshard_many")
