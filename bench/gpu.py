@@ -63,6 +63,8 @@ def run(mib: int, repeats: int, device: str) -> list[tuple[str, float]]:
             label = "ipc" if ipc else "grpc"
             rows.append((f"put_shard {label}",
                          _best(lambda: c.put_shard("bench", "host0/0", src, sharding, ipc=ipc), repeats, drop)))
+            stored = c.get_shard("bench", "host0/0", to=device, ipc=False)  # what the last timed put left there
+            assert torch.equal(stored, src), f"put_shard over {label} stored other bytes than were put"
         for ipc in (True, False):
             label = "ipc" if ipc else "grpc"
             got = c.get_shard("bench", "host0/0", to=device, ipc=ipc)
