@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import ROOT, write_section  # noqa: E402
 
-from reshard import STRATEGIES, Topology, plan  # noqa: E402
+from reshard import STRATEGIES  # noqa: E402
 from reshard.box import to_slices  # noqa: E402
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases, overlap_cases  # noqa: E402
 from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster  # noqa: E402
@@ -79,10 +79,12 @@ def verify(client, name: str, expected: dict[str, str]) -> bool:
     return client.digests(name) == expected
 
 
-def run_case(client, case: Case, strategy: str, runs: int, topo: Topology, warmup: int = 0) -> Result:
+def run_case(client, case: Case, strategy: str, runs: int, warmup: int = 0) -> Result:
+    """Timed runs of one case; the estimate is of the plan the service runs (its topology: the agents' NIC rates
+    and measured copy rates), and every run must run that very plan."""
     data = np.arange(int(np.prod(case.shape))).astype(case.dtype).reshape(case.shape)
     expected = expected_digests(case, data)
-    p = plan(case.shape, case.dtype, case.src, case.dst, topo, strategy)
+    p = client.plan(case.shape, case.dst, strategy, dtype=case.dtype, src=case.src)
     for i in range(warmup):
         name = f"{case.name}-{strategy}-warmup{i}"
         client.put(name, data, case.src)
@@ -95,6 +97,9 @@ def run_case(client, case: Case, strategy: str, runs: int, topo: Topology, warmu
         t0 = time.perf_counter()
         result = client.reshard(name, case.dst, strategy).result(timeout=600)
         seconds.append(time.perf_counter() - t0)
+        if result.plan_id != p.id:
+            raise AssertionError(f"{case.name} {strategy}: the service ran plan {result.plan_id[:12]}, not the plan "
+                                 f"{p.id[:12]} whose estimate the table shows")
         moved = result.network_bytes
         verified = verified and verify(client, name, expected)
         client.delete(name)
@@ -169,11 +174,10 @@ def main() -> int:
         address = start_cluster(lab, extra_agent_args=["--transport", args.transport],
                                 log_dir=Path(args.log_dir) if args.log_dir else None)
         hosts = [lab.host_name(i) for i in range(NUM_HOSTS)]
-        topo = Topology(nic_gbps=args.gbps)
         with lab.connect(address) as client:
             for case in cases_for(hosts, args.nbytes, args.one_to_m_nbytes, names):
                 for k, s in enumerate(strategies):
-                    r = run_case(client, case, s, args.runs, topo, warmup=args.warmup if k == 0 else 0)
+                    r = run_case(client, case, s, args.runs, warmup=args.warmup if k == 0 else 0)
                     results.append(r)
                     print(f"{case.name:8} {s:16} median {r.median:.3f}s  estimate {r.estimate:.3f}s  "
                           f"ratio {r.median / r.estimate:.2f}  verified {r.verified}", flush=True)
@@ -191,8 +195,8 @@ def main() -> int:
             f"`{args.transport}` transport. N-to-M tensors {args.nbytes / 2**20:.0f} MiB int32, 1-to-M "
             f"{args.one_to_m_nbytes / 2**20:.0f} MiB; median of {args.runs} runs after {args.warmup} untimed "
             "run(s) per case, each timed from the reshard request to the committed result and verified bit for "
-            "bit. Estimate is the planner's fluid-model figure for the same topology. Reproduce with "
-            f"`python bench/paper.py --runs {args.runs}` (root).\n\n"
+            "bit. Estimate is the planner's fluid-model figure for the plan it ran (every run checks the plan id). "
+            f"Reproduce with `python bench/paper.py --runs {args.runs}` (root).\n\n"
             + table(paper, markdown=True) + "\n\n![effective bandwidth per case and strategy](docs/paper-bench.png)\n"
         )
         if shared:
