@@ -24,7 +24,10 @@ ratios taken in one run are reported, each the median of interleaved repeats):
     against its own estimate: the einsum with the sum left Partial (the local einsums), and
     the reshard of that Partial result to replicated (the all-reduce).
 
-Every result is checked against numpy (small-integer values, so the sums are exact).
+Every result is checked against numpy (small-integer values, so the sums are exact), outside the timed
+sections, on every device that holds a copy. In (c) each job's result is first checked to be held in the layout
+asked for (a Partial tensor reads back as its sum, so reading alone would pass a reduce that never ran), then a
+whole result by each device's digest (``Client.digests``, as ``bench/paper.py`` checks reshards).
 Writes its section of BENCHMARKS.md through ``bench/_report.py``.
 
     python bench/einsum.py               # under ~5 minutes on 2 cores
@@ -34,6 +37,7 @@ Writes its section of BENCHMARKS.md through ``bench/_report.py``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -260,6 +264,27 @@ def allreduce(nbytes: int, repeats: int) -> dict:
 # -- (c) a split matmul on emulated hosts, measured against its estimate ------------------------------------------
 
 
+def _check_lab_result(c, job: str, name: str, layout, want: np.ndarray, digests: dict[str, str]) -> None:
+    """``name`` is held as ``layout`` after ``job``, with the bytes of its tile on every device of a whole tensor.
+
+    The layout is checked first: `Client.get` of a Partial tensor returns the sum of its addends, so a reshard to
+    replicated that never ran would read back right. A whole tensor is checked by each device's digest, as
+    ``bench/paper.py`` checks a reshard, since `Client.get` reads one replica of each tile."""
+    held = c.info(name).sharding
+    if held != layout:
+        raise AssertionError(f"the lab's {job} job left {name!r} as {held}, where {layout} was asked for")
+    if layout.is_partial:
+        # Partial over every device here, so each device holds an addend of its own and get reads them all.
+        if not np.array_equal(c.get(name), want):
+            raise AssertionError(f"the lab's {job} job left addends of {name!r} whose sum differs from numpy.einsum")
+        return
+    got = c.digests(name)
+    wrong = sorted(d for d in set(got) | set(digests) if got.get(d) != digests.get(d))
+    if wrong:
+        raise AssertionError(f"the lab's {job} job left {name!r} different from numpy.einsum on devices {wrong} "
+                             f"(of {sorted(digests)})")
+
+
 def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
     """Median measured and estimated seconds of the split matmul, and of its two parts, or ``{"skipped": why}``.
 
@@ -275,6 +300,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
     if not ok:
         return {"skipped": why}
     from reshard import Mesh, Sharding, reshard_program
+    from reshard.box import to_slices
 
     rng = np.random.default_rng(1)
     x, w = _small_ints((b, h), rng), _small_ints((h, k), rng)
@@ -295,20 +321,21 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
                 "compute": c.plan_einsum(EQUATION, "x", "w", out="yp", out_sharding=pending).estimate_seconds,
                 "reduce": reshard_program(want.shape, "float32", pending, whole, program.topology).estimate_seconds,
             }
-            jobs = {
-                "einsum": (lambda: c.einsum(EQUATION, "x", "w", out="y"), "y"),
-                "compute": (lambda: c.einsum(EQUATION, "x", "w", out="yp", out_sharding=pending), "yp"),
-                "reduce": (lambda: c.reshard("yp", whole), "yp"),  # completes the sum "compute" left pending
+            jobs = {  # name: (start the job, the tensor it leaves, in what layout)
+                "einsum": (lambda: c.einsum(EQUATION, "x", "w", out="y"), "y", whole),
+                "compute": (lambda: c.einsum(EQUATION, "x", "w", out="yp", out_sharding=pending), "yp", pending),
+                "reduce": (lambda: c.reshard("yp", whole), "yp", whole),  # completes the sum "compute" left pending
             }
+            digests = {dev: hashlib.blake2b(np.ascontiguousarray(want[to_slices(tile)]).tobytes()).hexdigest()
+                       for dev, tile in whole.tiles(want.shape).items()}
             walls: dict[str, list[float]] = {name: [] for name in jobs}
             job_s, transports = [], set()
             for i in range(warmup + runs):
-                for name, (start, out) in jobs.items():
+                for name, (start, out, layout) in jobs.items():
                     t0 = time.perf_counter()
                     result = start().result(timeout=600)
                     wall = time.perf_counter() - t0
-                    if not np.array_equal(c.get(out), want):  # a Partial tensor reads back as its sum
-                        raise AssertionError(f"the lab's {name} job left {out!r} different from numpy.einsum")
+                    _check_lab_result(c, name, out, layout, want, digests)
                     if i < warmup:
                         continue
                     walls[name].append(wall)
@@ -381,13 +408,14 @@ def main(argv=None) -> int:
     sent = statistics.median(b["sent"])
     lines = [
         f"Median of {repeats} interleaved repeats for (a) and (b), each after one untimed run; every result is "
-        f"checked against numpy (small-integer values, so sums are exact).",
+        f"checked against numpy on every device that holds a copy, outside the timed sections (small-integer "
+        f"values, so sums are exact).",
         "",
         f"- (a) `plan_einsum({EQUATION!r})` on 4 devices (2 hosts x 2; x split on b, w replicated, so nothing "
         f"moves: one einsum step per device), run by the agents' runtimes in one process on the in-memory "
         f"transport, timed from Execute to every run done; numpy.einsum runs on the same tiles (the store's "
-        f"arrays), one thread per device as the runtimes' step pools do. The goal compares with numpy's fastest einsum, "
-        f"`optimize=True` (it hands a matmul to BLAS), as the agents' kernel runs it; plain numpy.einsum, for "
+        f"arrays), one thread per device as the runtimes' step pools do. The goal compares with numpy's fastest "
+        f"einsum, `optimize=True` (it hands a matmul to BLAS), as the agents' kernel runs it; plain numpy.einsum, for "
         f"reference, loops in C without BLAS.",
         f"- (b) the program of a reshard that completes a Partial tensor, `P(None, None) + partial(x)` -> "
         f"`P(None, None)` (one ring reduce step), run by the agents' runtimes on the collective transport, one "
@@ -408,8 +436,11 @@ def main(argv=None) -> int:
             f"from the request to the committed result (median of {lab_runs} after one untimed; the job's own "
             f"seconds {c['job_s']:.4f}). The two parts run as jobs of their own, interleaved with the whole: the "
             f"same einsum with `out_sharding` Partial (no reduce; estimated by `Client.plan_einsum`), and the "
-            f"reshard of its result to replicated (`reshard_program` on the planner's topology). A compute step's "
-            f"estimate is a roofline, the longer of its bytes over the device's memory bandwidth and its "
+            f"reshard of its result to replicated (`reshard_program` on the planner's topology). After each job, "
+            f"untimed, its result is checked to be held as asked (replicated after the whole einsum and the reshard, "
+            f"Partial after the parts' einsum), a replicated result by every device's digest, a Partial one by the "
+            f"sum of its addends. A compute step's estimate is a roofline, the longer of its bytes over the "
+            f"device's memory bandwidth and its "
             f"floating-point operations over the device's rate, both measured by each agent as it starts "
             f"({'; '.join(f'{h}: {g:.0f} GFLOP/s, {m:.1f} GB/s' for h, (g, m) in sorted(c['rates'].items()))}); "
             f"the {NUM_DEVICES} emulated hosts share this machine's {os.cpu_count()} cores, which each measured "

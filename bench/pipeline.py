@@ -13,6 +13,11 @@ Reported: the median step time of each, the measured gain (1F1B's time over eage
 transfers, from issue to arrival), beside the planner's estimate of a boundary reshard; the peak activation
 bytes each stage held; and per stage where the time went (compute, waiting for an input, idle).
 
+Checked at every step, untimed ones included, so a schedule that did less work cannot show as a gain: each stage
+ran the forward and the backward of every microbatch once, in its schedule's order (its timeline's spans
+against ``reshard.schedule.build``), and both schedules' losses agree to within ``LOSS_RTOL``; they run the same
+ops on the same data and sum gradients in microbatch order, so the two models stay equal.
+
 Devices: the four emulated hosts share this machine's two cores. Their links are shaped to a NIC's rate, and
 their devices are emulated the same way (``reshard lab --device-gflops``, `reshard.server.agent.pace`): a kernel
 runs at this machine's speed, then its step waits out the time a device of that rate would take, one step at a
@@ -48,12 +53,43 @@ MiB = 2**20
 STAGES = 4
 KINDS = ("1f1b", "eager-1f1b")
 GOAL_WITHIN, GOAL_GAIN, GOAL_GAIN_WHEN = 0.15, 1.2, 1.3
+# The schedules' losses per step may differ by this much, relative: a few float32 roundings, should a kernel sum in
+# another order (the arithmetic is otherwise the same, so they are equal to the bit); a skipped microbatch or
+# gradient moves a loss by far more.
+LOSS_RTOL = 8 * float(np.finfo(np.float32).eps)
 
 
 def _where(timeline, i: int) -> dict[str, float]:
     compute = sum(timeline.seconds(i, op) for op in ("F", "B", "update"))
     wait = timeline.seconds(i, "wait")
     return {"compute": compute, "wait": wait, "idle": max(0.0, timeline.iteration_s - compute - wait)}
+
+
+def _check_ran(kind: str, step: int, timeline, microbatches: int) -> None:
+    """Every stage ran the forward and the backward of each microbatch once, in ``kind``'s order."""
+    from reshard import schedule
+
+    due = schedule.build(kind, STAGES, microbatches)
+    for i in range(STAGES):
+        spans = sorted((s for s in timeline.spans if s.stage == i and s.op in (schedule.FORWARD, schedule.BACKWARD)),
+                       key=lambda s: s.start_s)
+        for op in (schedule.FORWARD, schedule.BACKWARD):
+            ran = sorted(s.microbatch for s in spans if s.op == op)
+            if ran != list(range(microbatches)):
+                raise AssertionError(f"{kind} step {step}: stage {i} ran {op} of microbatches {ran}; each of "
+                                     f"0..{microbatches - 1} once was due")
+        order = [(s.op, s.microbatch) for s in spans]
+        if order != due[i]:
+            raise AssertionError(f"{kind} step {step}: stage {i} ran {order}, not {kind}'s order {due[i]}")
+
+
+def _check_losses(step: int, losses: dict[str, float]) -> None:
+    """Both schedules trained the model to the same loss at ``step``."""
+    base, other = KINDS
+    a, b = losses[base], losses[other]
+    if not abs(a - b) <= LOSS_RTOL * abs(a):
+        raise AssertionError(f"step {step}: {other}'s loss {b!r} differs from {base}'s {a!r} by {b - a:.3g} (more "
+                             f"than {LOSS_RTOL:.2g} relative): the two schedules did not do the same work")
 
 
 def _transfer_alone(c, meshes, rows: int, width: int, runs: int = 5) -> float:
@@ -116,13 +152,17 @@ def run(gbps: float, rows: int, width: int, microbatches: int, steps: int, trans
                 pipes[kind] = Pipeline(c, stages, lr=0.1, prefix=prefix, timeout_s=600)
             results = {kind: [] for kind in KINDS}
             for step, (xs, ys) in enumerate(batches):
+                losses = {}
                 for kind in KINDS:
                     result = pipes[kind].step(kind, xs, ys)
                     print(f"step {step} {kind}{' (native kernels)' if not device_gflops else ''}: "
                           f"{result.timeline.iteration_s:.3f}s loss {result.loss:.5f}"
                           f"{' (untimed)' if step == 0 else ''}", flush=True)
+                    _check_ran(kind, step, result.timeline, microbatches)
+                    losses[kind] = result.loss
                     if step:
                         results[kind].append(result)
+                _check_losses(step, losses)
             estimates = pipes["1f1b"].transfer_estimates(rows)
     # One timeline holding every timed step's ops, so the medians are over all of them.
     pooled = Timeline("1f1b", STAGES, microbatches, 0.0, (0,) * STAGES,
@@ -220,7 +260,9 @@ def main(argv=None) -> int:
         f"{devices}, agents on the {args.transport} transport. m = {m} microbatches of {rows} rows (a boundary "
         f"activation is {act / MiB:.1f} MiB, {act * 8 / (args.gbps * 1e9):.3f} s on the link); median of {steps} "
         f"steps per schedule, interleaved, after one untimed each. The {STAGES} hosts share this machine's "
-        f"{os.cpu_count()} cores.",
+        f"{os.cpu_count()} cores. At every step, untimed ones included, each stage ran the forward and the "
+        f"backward of each microbatch once, in its schedule's order, and the two schedules' losses agreed (to "
+        f"{LOSS_RTOL:.1g} relative), so both did the same work.",
         "",
         "| schedule | step (s) | simulated (s) | peak activations per stage | peak activation MiB per stage |",
         "|---|---:|---:|---|---|",
