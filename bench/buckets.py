@@ -125,10 +125,16 @@ def expected_digests(tensors: dict, layouts: dict) -> dict[str, dict[str, str]]:
 def check_every_device(c, expected: dict[str, dict[str, str]], what: str) -> None:
     """Every device holds its tile of every tensor bit for bit (digests computed where the shards live, so every
     replica is read, not one per tile as a get would)."""
-    bad = [name for name, want in expected.items() if c.digests(name) != want]
+    bad = {}
+    for name, want in expected.items():
+        got = c.digests(name)
+        if got != want:
+            bad[name] = sorted(d for d in set(got) | set(want) if got.get(d) != want.get(d))
     if bad:
+        first = next(iter(bad))
         raise AssertionError(f"{what} left {len(bad)} of {len(expected)} tensors with a device whose tile differs "
-                             f"from the array's, {bad[:3]} first")
+                             f"from the array's (or is missing or extra), {list(bad)[:3]} first; {first!r} on "
+                             f"{bad[first]}")
 
 
 def _summary(results: dict, sizes: list[float]) -> str:

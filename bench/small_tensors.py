@@ -4,8 +4,11 @@ Norms, biases and the experts of a mixture-of-experts model make state dicts of 
 where the fixed cost per tensor, not the bytes, sets the time. Each size puts N tensors of 64 x 8 float32 (2 KiB)
 split over tensor-parallel 4 on host0..host3 (`put_many`), moves them to columns over tensor-parallel 2 times two
 replicas on host4..host7 (one `reshard_many`, with the planner's record of where its time went) and back, and reads
-them all (`get_many`), checked bit for bit, on local agents (collective transport). One run per size: the point is
-how the cost grows with N, which a single run shows. Writes its section of BENCHMARKS.md.
+them all (`get_many`), on local agents (collective transport). Each tensor holds its own run of integers, so a tile
+put in the wrong place, or another tensor's tile, reads back different: every device's tile is checked bit for bit
+after the move out, and every tensor as `get_many` returns it after the move back (both outside the timed calls).
+One run per size: the point is how the cost grows with N, which a single run shows. Writes its section of
+BENCHMARKS.md.
 
     python bench/small_tensors.py [--counts 500,2000] [--no-write]
 """
@@ -22,6 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import write_section  # noqa: E402
+from buckets import check_every_device, expected_digests  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
 from reshard.client.cluster import LocalCluster  # noqa: E402
@@ -30,12 +34,19 @@ HOSTS = [f"host{i}" for i in range(8)]
 TRAIN = Sharding(Mesh.from_hosts({"tp": 4}, HOSTS[:4], 1), ("tp", None))
 INFER = Sharding(Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[4:], 1), (None, "tp"))
 SHAPE = (64, 8)
+NUM_VALUES = SHAPE[0] * SHAPE[1]
+MAX_COUNT = 2**24 // NUM_VALUES  # float32 holds every integer up to 2**24 exactly
 TIMEOUT_S = 1800
+
+
+def values(i: int) -> np.ndarray:
+    """Tensor ``i``: the integers i * NUM_VALUES onwards, no two elements of any two tensors alike."""
+    return np.arange(i * NUM_VALUES, (i + 1) * NUM_VALUES, dtype=np.int64).astype(np.float32).reshape(SHAPE)
 
 
 def measure(c, n: int) -> dict:
     """Seconds of each call for ``n`` tensors, and the reshard_many's phases."""
-    tensors = {f"n{n}.t{i}": (np.full(SHAPE, i, np.float32), TRAIN) for i in range(n)}
+    tensors = {f"n{n}.t{i}": (values(i), TRAIN) for i in range(n)}
     out: dict = {}
     t0 = time.monotonic()
     c.put_many(tensors)
@@ -44,6 +55,7 @@ def measure(c, n: int) -> dict:
     result = c.reshard_many({name: INFER for name in tensors}).result(timeout=TIMEOUT_S)
     out["reshard_many"] = time.monotonic() - t0
     out["phases"] = result.phases
+    check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the reshard_many out")
     t0 = time.monotonic()
     c.reshard_many({name: TRAIN for name in tensors}).result(timeout=TIMEOUT_S)
     out["back"] = time.monotonic() - t0
@@ -52,7 +64,8 @@ def measure(c, n: int) -> dict:
     out["get_many"] = time.monotonic() - t0
     bad = [name for name, (a, _) in tensors.items() if not np.array_equal(got[name], a)]
     if bad:
-        raise AssertionError(f"{len(bad)} tensors read back different from what was put, {bad[:3]} first")
+        raise AssertionError(f"after the reshard_many back, {len(bad)} tensors read back different from what was "
+                             f"put, {bad[:3]} first")
     for name in tensors:
         c.delete(name)
     return out
@@ -63,7 +76,13 @@ def main() -> int:
     ap.add_argument("--counts", default="500,2000", help="how many tensors, comma separated (default 500,2000)")
     ap.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
     args = ap.parse_args()
-    counts = [int(x) for x in args.counts.split(",")]
+    try:
+        counts = [int(x) for x in args.counts.split(",")]
+    except ValueError:
+        ap.error(f"--counts takes whole numbers separated by commas, like 500,2000; got {args.counts!r}")
+    if not all(1 <= n <= MAX_COUNT for n in counts):
+        ap.error(f"--counts must each be 1 to {MAX_COUNT} (tensor i holds the integers from {NUM_VALUES} * i, exact "
+                 f"in float32 up to 2**24); got {args.counts}")
     rows = ["| tensors | put_many s | ms per tensor | reshard_many s | ms per tensor | of it: planning s | running s "
             "| back s | get_many s | ms per tensor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
@@ -77,13 +96,16 @@ def main() -> int:
                         f"{1e3 * m['get_many'] / n:.1f} |")
     body = ("Tensors of 64 x 8 float32 (2 KiB) put split over tensor-parallel 4 on host0..host3, moved by one "
             "`reshard_many` to columns over tensor-parallel 2 times two replicas on host4..host7 and back, and read "
-            "by one `get_many`, on 8 local agents (collective transport) of this machine; every tensor checked bit "
-            "for bit; one run per size. Planning and running are the move's phases as the planner recorded them "
-            "(`JobResult.phases`). The bytes are few: the time is per tensor and per piece (each tensor here is 8 "
-            "pieces in the move), paid in `put_many` and `get_many` as a header, a piece and a trailer message per "
-            "shard (an agent's small shards share one stream each way, and a put_many commits with one call per "
-            "agent) and in `reshard_many` as planning a program of 8 steps per tensor, which each agent then reads "
-            "(once per distinct program: a weight sync that repeats its move reads it once).\n\n"
+            "by one `get_many`, on 8 local agents (collective transport) of this machine; one run per size. Each "
+            "tensor holds its own run of integers, so a misplaced tile reads back different; outside the timed "
+            "calls, every device's tile of every tensor is checked bit for bit after the move out (blake2b on the "
+            "agents, both replicas) and every tensor `get_many` returned after the move back. Planning and running "
+            "are the move's phases as the planner recorded them (`JobResult.phases`). The bytes are few: the time "
+            "is per tensor and per piece (each tensor here is 8 pieces in the move), paid in `put_many` and "
+            "`get_many` as a header, a piece and a trailer message per shard (an agent's small shards share one "
+            "stream each way, and a put_many commits with one call per agent) and in `reshard_many` as planning a "
+            "program of 8 steps per tensor, which each agent then reads (once per distinct program: a weight sync "
+            "that repeats its move reads it once).\n\n"
             + "\n".join(rows)
             + f"\n\nReproduce: `python bench/small_tensors.py --counts {args.counts}`.")
     print(body)

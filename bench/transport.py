@@ -3,8 +3,8 @@
 On loopback with ``--hosts`` processes (4), one run measures side by side:
 
 (a) raw gloo: ``broadcast`` of the bytes from rank 0, and a chain of sends
-    0 -> 1 -> ... -> N-1 in the agents' collective chunk size, each rank forwarding chunk k
-    while it receives chunk k+1 (the same pipeline the agents run);
+    0 -> 1 -> ... -> N-1 in the agents' collective chunk size (the last chunk what is left), each
+    rank forwarding chunk k while it receives chunk k+1 (the same pipeline the agents run);
 (b) a reshard of a replicated tensor from host0 to the other hosts through real
     agents on the collective transport (the plan is a chain broadcast);
 (c) the same reshard with the agents on gRPC.
@@ -12,8 +12,11 @@ On loopback with ``--hosts`` processes (4), one run measures side by side:
 Figures are bytes delivered to each receiver per second (the tensor's size over
 the time until the last receiver has it), best of ``--repeats`` (the reshards
 after ``--warmup`` untimed round trips, as the raw buffers are written first); the reshard
-times are the job's own (prepare, move, verify, commit). It writes its section of
-BENCHMARKS.md through ``bench/_report.py``.
+times are the job's own (prepare, move, verify, commit). Every result is checked, untimed:
+before each raw repeat the receivers' buffers are overwritten with other bytes than rank 0's,
+and after it every byte of every receiver is compared with rank 0's; after each reshard every
+receiver's copy is compared by its blake2b digest, and the tensor read back after the last
+round trip. It writes its section of BENCHMARKS.md through ``bench/_report.py``.
 
     python bench/transport.py              # 256 MiB, 4 hosts, 5 repeats
     python bench/transport.py --mib 64     # quicker
@@ -59,8 +62,11 @@ def _raw_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) -> 
     opts._timeout = timeout
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     pg = dist.ProcessGroupGloo(dist.PrefixStore("bench/", store), rank, world, opts)
-    buf = torch.full((nbytes,), rank, dtype=torch.uint8)
-    n = nbytes // CHUNK_BYTES
+    # What rank 0 sends, known to every rank: bytes that vary along the buffer with a period (251) prime to the
+    # chunk size, so a chunk delivered to the wrong offset differs as well as one never delivered.
+    sent = torch.arange(251, dtype=torch.uint8).repeat(-(-nbytes // 251))[:nbytes]
+    buf = sent.clone()
+    n = -(-nbytes // CHUNK_BYTES)  # the last chunk may be shorter: the chain moves every byte
 
     def chunk(k):
         return buf[k * CHUNK_BYTES:(k + 1) * CHUNK_BYTES]
@@ -92,16 +98,32 @@ def _raw_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) -> 
     out = {}
     for name, fn in (("broadcast", broadcast), ("chain", chain)):
         best = float("inf")
-        for _ in range(repeats):
+        for repeat in range(repeats):
+            if rank:
+                torch.bitwise_not(sent, out=buf)  # untimed: every byte differs until it is sent again
             pg.barrier().wait()
             t0 = time.perf_counter()
             fn()
             pg.barrier().wait()  # the time until the last receiver has every byte
             best = min(best, time.perf_counter() - t0)
-        assert int(buf[-1]) == 0, "the bytes did not arrive"
+            _check_delivery(pg, rank, world, buf, sent, f"raw {name}, repeat {repeat + 1} of {repeats}")
         out[name] = best
     if rank == 0:
         print(json.dumps(out), flush=True)
+
+
+def _check_delivery(pg, rank: int, world: int, buf, sent, what: str) -> None:
+    """Every rank holds every byte rank 0 sent, or every rank raises naming the ranks that do not (all of them, so
+    no rank goes on to wait for the others in a collective that will never come)."""
+    import torch
+
+    wrong = torch.zeros(world, dtype=torch.int64)
+    wrong[rank] = int((buf != sent).sum())
+    pg.allreduce([wrong]).wait()
+    if int(wrong.sum()):
+        bad = {r: int(v) for r, v in enumerate(wrong.tolist()) if v}
+        raise AssertionError(f"{what}: not every byte arrived; bytes of {buf.numel()} that differ from rank 0's, "
+                             f"by rank: {bad}")
 
 
 def raw(world: int, nbytes: int, repeats: int) -> dict[str, float]:
@@ -121,6 +143,8 @@ def raw(world: int, nbytes: int, repeats: int) -> dict[str, float]:
 
 def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
                     warmup: int) -> tuple[float, tuple[str, ...]]:
+    import hashlib
+
     import numpy as np
 
     from reshard import Mesh, Sharding
@@ -130,6 +154,7 @@ def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
     src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
     dst = Sharding(Mesh.from_hosts({"x": world - 1, "y": 1}, hosts[1:], 1), (None,))
     a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    want = {dev: hashlib.blake2b(a.tobytes()).hexdigest() for dev in dst.mesh.devices}
     best, transports = float("inf"), ()
     with LocalCluster(world, 1, transport=transport) as cluster, cluster.connect() as c:
         c.put("bench", a, src)
@@ -138,6 +163,11 @@ def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
             if k >= warmup:
                 best = min(best, result.seconds)
             transports = result.transports
+            got = c.digests("bench")  # computed on the agents: every receiver's copy, not one
+            if got != want:
+                wrong = sorted(d for d in set(got) | set(want) if got.get(d) != want.get(d))
+                raise AssertionError(f"the reshard over {transport}, round {k + 1}, left other bytes than host0's "
+                                     f"on {wrong}")
             c.reshard("bench", src, "auto").result(timeout=600)  # back, for the next round
         if not np.array_equal(c.get("bench"), a):
             raise AssertionError(f"the reshard over {transport} did not arrive bit for bit")
@@ -151,10 +181,14 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed round trips before the timed reshards, as the raw runs write their buffers "
-                        "(torch.full) before timing: here an agent's first jobs spent up to ~1 CPU-second per "
+                        "before timing: here an agent's first jobs spent up to ~1 CPU-second per "
                         "256 MiB receiver faulting in fresh memory, which is not the transport")
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = p.parse_args(argv)
+    for flag, value, least in (("--mib", args.mib, 1), ("--hosts", args.hosts, 2), ("--repeats", args.repeats, 1),
+                               ("--warmup", args.warmup, 0)):
+        if value < least:
+            p.error(f"{flag} must be at least {least}; got {value}")
     nbytes = args.mib * MiB
     raw_s = raw(args.hosts, nbytes, args.repeats)
     coll_s, coll_t = reshard_seconds("collective", args.hosts, nbytes, args.repeats, args.warmup)
@@ -173,7 +207,10 @@ def main(argv=None) -> int:
         f"flight (gRPC streams use their own {GRPC_CHUNK_BYTES // MiB} MiB chunks). GB/s is the tensor's size "
         f"over the time until the last receiver has it. The reshards run through real agents (job seconds: plan, "
         f"prepare, move, XXH3-64 check at the chain's end, commit); their plan is one chain broadcast (transfers "
-        f"carried by: collective {list(coll_t)}, gRPC {list(grpc_t)}).",
+        f"carried by: collective {list(coll_t)}, gRPC {list(grpc_t)}). Every run is checked outside its timing: "
+        f"each raw repeat starts with the receivers' buffers holding other bytes and ends with every byte of "
+        f"every receiver compared with rank 0's; each reshard ends with every receiver's blake2b digest compared "
+        f"with the tensor's.",
         "",
         "| what | seconds | GB/s | of the better raw figure |",
         "|---|---:|---:|---:|",
