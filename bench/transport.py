@@ -132,7 +132,13 @@ def raw(world: int, nbytes: int, repeats: int) -> dict[str, float]:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     procs = [subprocess.Popen([sys.executable, __file__, "--raw-worker", str(store.port), str(r), str(world),
                                str(nbytes), str(repeats)], stdout=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    try:
+        outs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:  # a worker that failed or hung leaves the others waiting in a collective: end them all
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     if any(p.returncode for p in procs):
         raise RuntimeError(f"raw workers failed: {[p.returncode for p in procs]}")
     return json.loads(outs[0])
