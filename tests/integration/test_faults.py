@@ -16,6 +16,7 @@ from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
 from reshard.client.cluster import LocalCluster
 
 from .conftest import TRANSPORTS, reshard_in_flight
+from .every_device import assert_every_device
 
 RATE_MIB_S = 8  # every agent sends at most this fast, so a kill lands mid-transfer
 UPLOAD_TIMEOUT_S = 2.0
@@ -48,16 +49,16 @@ def test_killed_agent_fails_the_job_and_leaves_the_source(slow_cluster):
     assert "failed" in str(err.value)
     info = c.info("victim")
     assert info.version == 1 and info.sharding == SRC
-    assert np.array_equal(c.get("victim"), a)
+    assert_every_device(c, "victim", a, SRC)
     # a destination that avoids the dead host works at once
     other = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["host2"], 2), ("y", None))
     c.reshard("victim", other).result(timeout=60)
-    assert np.array_equal(c.get("victim"), a)
-    # once the agent is back, the original reshard succeeds
+    assert_every_device(c, "victim", a, other)
+    # once the agent is back, the original reshard succeeds: the restarted host's devices hold their tiles too
     c.cluster.start_agent("host3")
     c.reshard("victim", SRC).result(timeout=60)
     c.reshard("victim", DST, "broadcast").result(timeout=60)
-    assert np.array_equal(c.get("victim"), a)
+    assert_every_device(c, "victim", a, DST)
     c.delete("victim")
 
 

@@ -70,6 +70,14 @@ def _values(tensors) -> dict:
     return {n: v[0] if isinstance(v, tuple) else v for n, v in tensors.items()}
 
 
+def _check_every_device(c, values) -> None:
+    """Every device of each tensor's sharding holds its tile bit for bit (`get_many` reads one copy of a tile)."""
+    for name, value in values.items():
+        info = c.info(name)
+        for dev, tile in info.sharding.tiles(info.shape).items():
+            assert _same(c.get_shard(name, dev), value[tuple(slice(lo, hi) for lo, hi in tile)]), (name, dev)
+
+
 def _check_scales_follow(c, scales, values, infer_mesh: Mesh = INFER) -> None:
     """On every inference device, each scale tile holds exactly the blocks of its weight tile."""
     for weight, scale in scales.items():
@@ -220,4 +228,5 @@ def test_an_agent_killed_mid_job_leaves_every_tensor_at_its_old_version_and_a_re
     assert result.versions == {n: 2 for n in tensors}
     got = c.get_many(list(tensors))
     assert all(_same(got[n], values[n]) for n in tensors)
+    _check_every_device(c, values)  # the restarted host2 holds one of the two replicas
     _check_scales_follow(c, scales, values, TWO_REPLICAS)
