@@ -37,7 +37,9 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
 
 
 def test_an_emulated_device_computes_at_its_rate_and_reports_it():
-    rate, n = 2.0, 400  # one 400^3 matmul: 128 MFLOP, 64 ms at 2 GFLOP/s (a few ms at this machine's speed)
+    # One 640^3 matmul: 524 MFLOP, 262 ms at 2 GFLOP/s (tens of ms at this machine's speed). Two devices at once
+    # take half that: the 131 ms between the two bounds below is what a loaded 2-core machine's overhead may use.
+    rate, n = 2.0, 640
     flops = 2 * n ** 3
     with LocalCluster(1, 2, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100"]) as cluster:
         with cluster.connect() as c:
