@@ -70,7 +70,9 @@ def test_views_and_foreign_memory_are_not_kept():
 
 
 def test_a_repeated_all_reduce_writes_into_the_last_result_s_memory():
-    """The weight-sync pattern: each step's result replaces the last; after the first, no fresh memory is touched."""
+    """The weight-sync pattern: each step's result replaces the last; after the first, no fresh memory is touched.
+    Each round reduces other addends, so a result buffer still holding the last round's sum fails the check on
+    whichever device's copy it is in (`Hosts.get` compares every copy)."""
     from reshard import Mesh, Sharding, reshard_program
     from tests.unit.test_runtime import HOSTS, Hosts
 
@@ -78,17 +80,21 @@ def test_a_repeated_all_reduce_writes_into_the_last_result_s_memory():
     try:
         mesh = Mesh.from_hosts({"x": len(HOSTS)}, list(HOSTS), 1)
         shape = (256, 128)  # 128 KiB of float32 per device
-        addends = {f"{h}/0": np.full(shape, i + 1, np.float32) for i, h in enumerate(HOSTS)}
-        hosts.put("g", {d: (a, ((0, 256), (0, 128))) for d, a in addends.items()})
+        full = ((0, 256), (0, 128))
+        replicated = Sharding(mesh, (None, None))
         text = reshard_program(shape, "float32", Sharding(mesh, (None, None), partial=("x",)),
-                               Sharding(mesh, (None, None))).validate().dumps()
-        for _ in range(3):
-            job, runs = hosts.start(text, "g")
+                               replicated).validate().dumps()
+        rng = np.random.default_rng(11)
+        for k in range(3):  # round k reduces version 2k+1 into 2k+2, then releases the result for the next round
+            addends = {f"{h}/0": rng.integers(-1000, 1000, shape).astype(np.float32) for h in HOSTS}  # sums exact
+            hosts.put("g", {d: (a, full) for d, a in addends.items()}, version=2 * k + 1)
+            job, runs = hosts.start(text, "g", src_version=2 * k + 1)
             hosts.finish(job, runs)
             del runs
-            assert np.array_equal(hosts.get("g", Sharding(mesh, (None, None)), shape), np.full(shape, 10, np.float32))
+            want = sum(addends.values(), np.zeros(shape, np.float32))
+            assert np.array_equal(hosts.get("g", replicated, shape, version=2 * k + 2), want), k
             for store in hosts.stores.values():
-                store.release("g", 2)
+                store.release("g", 2 * k + 2)
         assert all(store.recycler.reused == 2 for store in hosts.stores.values()), \
             [store.recycler.reused for store in hosts.stores.values()]
     finally:

@@ -94,12 +94,20 @@ class Hosts:
             r.commit(job)
 
     def get(self, name: str, sharding: Sharding, shape, version: int = 2) -> np.ndarray:
+        """The committed tensor, read from every device: each tile must have its box's shape, and every copy of a
+        tile (its replicas) must hold the same dtype and values, else one bad copy could hide behind a good one."""
+        assert not sharding.partial, f"{sharding} is partial: its copies are addends, not replicas"
         out = None
+        first: dict[tuple, tuple[str, np.ndarray]] = {}
         for dev, box in sharding.tiles(shape).items():
-            shard = self.stores[dev.split("/")[0]].get(name, version, dev)
+            tile = self.stores[dev.split("/")[0]].get(name, version, dev).array
+            assert tile.shape == tuple(hi - lo for lo, hi in box), f"{dev}'s tile of {name} is {tile.shape}, box {box}"
+            held_by, held = first.setdefault(box, (dev, tile))
+            assert tile.dtype == held.dtype and np.array_equal(tile, held, equal_nan=tile.dtype.kind in "fc"), \
+                f"{dev}'s copy of {name} {box} differs from {held_by}'s"
             if out is None:
-                out = np.empty(shape, dtype=shard.array.dtype)
-            out[tuple(slice(lo, hi) for lo, hi in box)] = shard.array
+                out = np.empty(shape, dtype=tile.dtype)
+            out[tuple(slice(lo, hi) for lo, hi in box)] = tile
         return out
 
 
