@@ -92,6 +92,9 @@ def decode_push_chunk(frame: bytes):
         return pb.PushChunk.FromString(frame)
     n, start = _read_varint(frame, 1)
     end = start + n
+    if end > len(frame):
+        raise InvalidArgumentError(f"a push piece says it holds {n} bytes, but its message ends after "
+                                   f"{len(frame) - start}; it was cut off")
     if end != len(frame):
         # Not the one-field message encode_piece writes (e.g. extra fields): take the general path.
         msg = pb.PushChunk.FromString(frame)

@@ -43,7 +43,10 @@ def test_a_piece_with_fields_in_another_order_or_unknown_fields_still_decodes():
 
 def test_a_cut_off_piece_is_rejected_with_the_reason():
     frame = encode_piece(((0, 4),), np.arange(4, dtype=np.int32))
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidArgumentError, match="^a push message ends inside a varint; it was cut off$"):
+        decode_push_chunk(frame[:1])
+    with pytest.raises(InvalidArgumentError, match=r"^a push piece says it holds \d+ bytes, but its message ends after "
+                                                   r"\d+; it was cut off$"):
         decode_push_chunk(frame[:-3])
     with pytest.raises(InvalidArgumentError, match="runs past the end"):
         decode_push_chunk(bytes([0x12, 4, 0x12, 10, 0, 0]))
