@@ -14,6 +14,8 @@ import pytest
 from reshard import Mesh, Op, Sharding
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 
+from .every_device import assert_every_device
+
 MESH = Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2)
 ACROSS = Mesh.from_hosts({"x": 4}, ["host0", "host1", "host2", "host3"], 1)
 ROWS = Sharding(MESH, ("x", None))
@@ -34,18 +36,18 @@ def test_a_layer_forward_then_backward_as_two_jobs_equal_numpy(client, fresh_nam
     result = client.compute_many(forward).result(timeout=60)
     assert result.state == "succeeded"
     z = x @ w
-    np.testing.assert_array_equal(client.get(f"{n}.z"), z)
-    np.testing.assert_array_equal(client.get(f"{n}.h"), np.maximum(z, 0))
+    assert_every_device(client, f"{n}.z", z, ROWS)  # ROWS: each row tile on two devices
+    assert_every_device(client, f"{n}.h", np.maximum(z, 0))
     backward = [Op.apply("relu_grad", f"{n}.z", f"{n}.dy", out=f"{n}.dz"),
                 Op.einsum("bi,bo->io", f"{n}.x", f"{n}.dz", out=f"{n}.gw"),
                 Op.einsum("bo,io->bi", f"{n}.dz", f"{n}.w", out=f"{n}.dx", out_sharding=ROWS),
                 Op.apply("axpy", f"{n}.w", f"{n}.gw", out=f"{n}.w", alpha=0.5)]
     client.compute_many(backward).result(timeout=60)
     dz = np.where(z > 0, dy, 0.0)
-    np.testing.assert_array_equal(client.get(f"{n}.dz"), dz)
-    np.testing.assert_array_equal(client.get(f"{n}.gw"), x.T @ dz)
-    np.testing.assert_array_equal(client.get(f"{n}.dx"), dz @ w.T)  # read w as it was before the axpy replaced it
-    np.testing.assert_array_equal(client.get(f"{n}.w"), w - 0.5 * (x.T @ dz))
+    assert_every_device(client, f"{n}.dz", dz)
+    assert_every_device(client, f"{n}.gw", x.T @ dz)
+    assert_every_device(client, f"{n}.dx", dz @ w.T, ROWS)  # read w as it was before the axpy replaced it
+    assert_every_device(client, f"{n}.w", w - 0.5 * (x.T @ dz))
     versions = {t.name: t.version for t in client.tensors() if t.name.startswith(f"{n}.")}
     assert versions == {f"{n}.{k}": 1 for k in ("x", "dy", "z", "h", "dz", "gw", "dx")} | {f"{n}.w": 2}
 
@@ -63,9 +65,8 @@ def test_a_later_op_that_moves_an_earlier_output_reads_a_copy(client, fresh_name
     assert any(s.kind == "compute" and s.kernel == "copy" and s.inputs[0].tensor == f"{n}.z" for s in program.steps)
     assert not [t for t in client.tensors() if t.name == f"{n}.z"]  # a dry run commits nothing
     client.compute_many(ops).result(timeout=60)
-    np.testing.assert_array_equal(client.get(f"{n}.z"), x @ w)
-    np.testing.assert_array_equal(client.get(f"{n}.y"), x @ w + q)
-    assert client.info(f"{n}.y").sharding == cols and client.info(f"{n}.z").sharding == ROWS
+    assert_every_device(client, f"{n}.z", x @ w, ROWS)
+    assert_every_device(client, f"{n}.y", x @ w + q, cols)
 
 
 @pytest.mark.parametrize("ops, error, message", [

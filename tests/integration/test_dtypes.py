@@ -16,6 +16,8 @@ import torch
 from reshard import Mesh, Sharding
 from reshard.client import InvalidArgumentError, NotFoundError
 
+from .every_device import assert_every_device
+
 
 def _mesh(hosts):
     return Mesh.from_hosts({"x": 2, "y": 2}, hosts, 2)
@@ -99,9 +101,7 @@ def test_ml_dtypes_arrays_in_ml_dtypes_arrays_out(client, fresh_name):
             got = client.get(fresh_name)
             assert isinstance(got, np.ndarray) and got.dtype == a.dtype
             assert got.tobytes() == a.tobytes(), name
-            device = "host3/1"
-            shard = client.get_shard(fresh_name, device)
-            assert shard.dtype == a.dtype and shard.tobytes() == _cut(a, DISJOINT.tile(SHAPE, device)).tobytes()
+            assert_every_device(client, fresh_name, a, DISJOINT)  # ml_dtypes shards, bit for bit
             as_torch = client.get(fresh_name, device="cpu")  # the same bits as torch's own conversion
             assert torch.equal(_bits(as_torch), _bits(torch.from_numpy(values).to(getattr(torch, name))))
         finally:
@@ -135,7 +135,11 @@ def test_partial_bfloat16_addends_sum_as_numbers(client, fresh_name):
         client.put_shard(fresh_name, device, _cut(addend, partial.tile((3, 2), device)).clone(), partial, shape=(3, 2))
     try:
         assert torch.equal(client.get(fresh_name), addend * 2)
-        client.reshard(fresh_name, Sharding(mesh, (None, None))).result(timeout=60)
-        assert torch.equal(client.get(fresh_name), addend * 2)
+        assert client.info(fresh_name).sharding == partial
+        replicated = Sharding(mesh, (None, None))
+        client.reshard(fresh_name, replicated).result(timeout=60)
+        assert client.info(fresh_name).sharding == replicated
+        for device in mesh.devices:  # the sum on every device (torch bfloat16: compared as bits, as above)
+            assert torch.equal(_bits(client.get_shard(fresh_name, device)), _bits(addend * 2)), device
     finally:
         client.delete(fresh_name)

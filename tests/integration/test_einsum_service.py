@@ -2,8 +2,8 @@
 
 Random two-input equations on random layouts (the strategy of tests/unit/test_einsum_programs.py,
 whose meshes use this cluster's hosts) run through ``c.einsum`` and must equal ``numpy.einsum``
-exactly (small integers in float64); Partial inputs are handed over as addends by ``put_shard``.
-Partial results read back as their sum and reshard into values. Bad requests name the rule, the
+exactly (small integers in float64) on every device; Partial inputs are handed over as addends by ``put_shard``.
+Partial results read back as their sum and reshard into values, checked on every device. Bad requests name the rule, the
 letter and the sizes, and change nothing stored.
 """
 
@@ -24,6 +24,8 @@ from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.layout import tile_shape
 
 from unit.test_einsum_programs import problems
+
+from .every_device import assert_every_device
 
 _NAMES = itertools.count()
 MESH = Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2)
@@ -63,10 +65,12 @@ def test_random_einsums_on_real_agents_equal_numpy(client, problem, seed):
             assert "Partial over" in str(e)
             return
         client.einsum(eq, *names, out=f"es{k}_out", out_sharding=out_sharding).result(timeout=60)
-        info = client.info(f"es{k}_out")
-        assert info.sharding == program.tensor(f"es{k}_out").dst
-        got = client.get(f"es{k}_out")
-        np.testing.assert_array_equal(got, np.einsum(eq, *arrays))
+        want, held = np.einsum(eq, *arrays), client.info(f"es{k}_out").sharding
+        assert held == program.tensor(f"es{k}_out").dst
+        if held.is_partial:  # addends on its devices: read as their sum
+            np.testing.assert_array_equal(client.get(f"es{k}_out"), want)
+        else:
+            assert_every_device(client, f"es{k}_out", want, held)
     finally:
         for name in [*names, f"es{k}_out"]:
             if name in {t.name for t in client.tensors()}:
@@ -86,15 +90,17 @@ def test_nothing_moves_when_the_layouts_line_up(client, fresh_name):
 
 
 def test_an_all_reduce_across_hosts_sends_the_ring_share(client, fresh_name):
-    """A contracting dim split over 4 hosts: each host sends 2(n-1)/n of its output tile, nothing more."""
-    a, b = np.ones((16, 64)), np.ones((64, 32))
+    """A contracting dim split over 4 hosts: each host sends 2(n-1)/n of its output tile, nothing more; every host
+    ends with the whole sum (distinct small integers, exact: a row or a host's part misplaced does not read back)."""
+    rng = np.random.default_rng(4)
+    a, b = rng.integers(-4, 5, (16, 64)).astype(np.float64), rng.integers(-4, 5, (64, 32)).astype(np.float64)
     client.put(f"{fresh_name}_a", a, Sharding(ACROSS, (None, "x")))
     client.put(f"{fresh_name}_b", b, Sharding(ACROSS, ("x", None)))
     result = client.einsum("ij,jk->ik", f"{fresh_name}_a", f"{fresh_name}_b", out=f"{fresh_name}_c").result(60)
     tile = 16 * 32 * 8
     for host, t in result.traffic.items():
         assert sum(t["bytes_out"].values()) == 2 * 3 * tile // 4, (host, t)
-    np.testing.assert_array_equal(client.get(f"{fresh_name}_c"), a @ b)
+    assert_every_device(client, f"{fresh_name}_c", a @ b, Sharding(ACROSS, (None, None)))
 
 
 def test_a_partial_result_reads_as_its_sum_and_reshards_into_values(client, fresh_name):
@@ -110,8 +116,7 @@ def test_a_partial_result_reads_as_its_sum_and_reshards_into_values(client, fres
     for target in (Sharding(MESH, ("x", "y")), Sharding(MESH, (None, None)),
                    Sharding(Mesh.from_hosts({"x": 2}, ["host2", "host3"], 1), (None, "x"))):
         client.reshard(f"{fresh_name}_c", target).result(60)
-        assert client.info(f"{fresh_name}_c").sharding == target
-        np.testing.assert_array_equal(client.get(f"{fresh_name}_c"), a @ b)
+        assert_every_device(client, f"{fresh_name}_c", a @ b, target)
     with pytest.raises(InvalidArgumentError, match="is Partial: its devices hold addends"):
         client.put(f"{fresh_name}_d", a, pending)
 

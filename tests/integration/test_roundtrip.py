@@ -14,6 +14,8 @@ import torch
 import reshard
 from reshard import Mesh, Sharding
 
+from .every_device import assert_every_device
+
 
 def _mesh(hosts, dev=2, axes=("x", "y")):
     return Mesh.from_hosts({axes[0]: len(hosts), axes[1]: dev}, hosts, dev)
@@ -27,13 +29,6 @@ TARGETS = {
     "replicated": Sharding(_mesh(["host1", "host2", "host3"], 2), (None, None, None)),
 }
 SHAPE = (2 * 3 + 1, 8 * 3 + 1, 5)  # uneven on every split
-
-
-def _tiles_match(client, name, array, sharding):
-    for dev, box in sharding.tiles(array.shape).items():
-        want = array[tuple(slice(lo, hi) for lo, hi in box)]
-        got = client.get_shard(name, dev)
-        assert got.shape == want.shape and np.array_equal(got, want), dev
 
 
 @pytest.mark.parametrize("strategy", reshard.STRATEGIES)
@@ -51,7 +46,7 @@ def test_reshard_is_bit_exact(client, fresh_name, strategy, target):
         assert info.sharding == TARGETS[target] and info.version == 2
         got = client.get(fresh_name)
         assert got.dtype == a.dtype and np.array_equal(got, a)
-        _tiles_match(client, fresh_name, a, TARGETS[target])
+        assert_every_device(client, fresh_name, a, TARGETS[target])
         # and back again, through the new version
         client.reshard(fresh_name, SRC, strategy).result(timeout=60)
         assert np.array_equal(client.get(fresh_name), a)
@@ -82,17 +77,20 @@ def test_torch_in_torch_out(client, fresh_name, dtype):
 
 
 def test_many_reshards_in_flight(client):
-    a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+    """Each tensor holds its own values, so bytes written into another tensor, or another tile, do not read back."""
+    size = int(np.prod(SHAPE))
     names = [f"inflight{i}" for i in range(4)]
-    for n in names:
+    arrays = [np.arange(i * size, (i + 1) * size, dtype=np.int32).reshape(SHAPE) for i in range(4)]
+    for n, a in zip(names, arrays):
         client.put(n, a, SRC)
     jobs = [client.reshard(n, TARGETS[t], "auto") for n, t in zip(names, sorted(TARGETS))]
     jobs.append(client.reshard(names[0], SRC, "broadcast"))  # queued behind the first job on that tensor
     for j in jobs:
         j.result(timeout=60)
     assert client.info(names[0]).version == 3
-    for n in names:
-        assert np.array_equal(client.get(n), a)
+    finals = [SRC] + [TARGETS[t] for t in sorted(TARGETS)[1:]]  # the first went out and came back
+    for n, a, dst in zip(names, arrays, finals):
+        assert_every_device(client, n, a, dst)
         client.delete(n)
 
 
