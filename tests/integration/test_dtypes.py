@@ -139,7 +139,6 @@ def test_partial_bfloat16_addends_sum_as_numbers(client, fresh_name):
         replicated = Sharding(mesh, (None, None))
         client.reshard(fresh_name, replicated).result(timeout=60)
         assert client.info(fresh_name).sharding == replicated
-        for device in mesh.devices:  # the sum on every device (torch bfloat16: compared as bits, as above)
-            assert torch.equal(_bits(client.get_shard(fresh_name, device)), _bits(addend * 2)), device
+        assert_every_device(client, fresh_name, addend * 2, replicated)  # the sum on every device, as bits
     finally:
         client.delete(fresh_name)
