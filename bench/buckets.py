@@ -14,7 +14,6 @@ on every device (replicas included) against the arrays, once, in the untimed rou
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import time
@@ -24,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _checks import check_every_device, expected_digests  # noqa: E402
 from _report import write_section  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
-from reshard.box import to_slices  # noqa: E402
 from reshard.client.cluster import LocalCluster  # noqa: E402
 from reshard.many import DEFAULT_BUCKET_BYTES  # noqa: E402
 
@@ -112,29 +111,6 @@ def _settle(c, names: list[str]) -> None:
     reshard_many of one tensor into its own layout, which queues behind the release."""
     info = c.info(names[0])
     c.reshard_many({names[0]: info.sharding}).result(timeout=600)
-
-
-def expected_digests(tensors: dict, layouts: dict) -> dict[str, dict[str, str]]:
-    """Per tensor, the blake2b of every device's tile in ``layouts``: what `Client.digests` returns once the tensors
-    are there (``tensors``: {name: (array, sharding)})."""
-    return {name: {dev: hashlib.blake2b(np.ascontiguousarray(a[to_slices(tile)]).tobytes()).hexdigest()
-                   for dev, tile in layouts[name].tiles(a.shape).items()}
-            for name, (a, _) in tensors.items()}
-
-
-def check_every_device(c, expected: dict[str, dict[str, str]], what: str) -> None:
-    """Every device holds its tile of every tensor bit for bit (digests computed where the shards live, so every
-    replica is read, not one per tile as a get would)."""
-    bad = {}
-    for name, want in expected.items():
-        got = c.digests(name)
-        if got != want:
-            bad[name] = sorted(d for d in set(got) | set(want) if got.get(d) != want.get(d))
-    if bad:
-        first = next(iter(bad))
-        raise AssertionError(f"{what} left {len(bad)} of {len(expected)} tensors with a device whose tile differs "
-                             f"from the array's (or is missing or extra), {list(bad)[:3]} first; {first!r} on "
-                             f"{bad[first]}")
 
 
 def _summary(results: dict, sizes: list[float]) -> str:

@@ -27,7 +27,7 @@ ratios taken in one run are reported, each the median of interleaved repeats):
 Every result is checked against numpy (small-integer values, so the sums are exact), outside the timed
 sections, on every device that holds a copy. In (c) each job's result is first checked to be held in the layout
 asked for (a Partial tensor reads back as its sum, so reading alone would pass a reduce that never ran), then a
-whole result by each device's digest (``Client.digests``, as ``bench/paper.py`` checks reshards).
+whole result by each device's digest (``Client.digests``, through ``bench/_checks.py`` as the other benches).
 Writes its section of BENCHMARKS.md through ``bench/_report.py``.
 
     python bench/einsum.py               # under ~5 minutes on 2 cores
@@ -37,7 +37,6 @@ Writes its section of BENCHMARKS.md through ``bench/_report.py``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import statistics
@@ -51,6 +50,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _checks import differing, tile_digests  # noqa: E402
 
 MiB = 2**20
 EQUATION = "bh,hk->bk"
@@ -278,8 +279,7 @@ def _check_lab_result(c, job: str, name: str, layout, want: np.ndarray, digests:
         if not np.array_equal(c.get(name), want):
             raise AssertionError(f"the lab's {job} job left addends of {name!r} whose sum differs from numpy.einsum")
         return
-    got = c.digests(name)
-    wrong = sorted(d for d in set(got) | set(digests) if got.get(d) != digests.get(d))
+    wrong = differing(c.digests(name), digests)
     if wrong:
         raise AssertionError(f"the lab's {job} job left {name!r} different from numpy.einsum on devices {wrong} "
                              f"(of {sorted(digests)})")
@@ -300,7 +300,6 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
     if not ok:
         return {"skipped": why}
     from reshard import Mesh, Sharding, reshard_program
-    from reshard.box import to_slices
 
     rng = np.random.default_rng(1)
     x, w = _small_ints((b, h), rng), _small_ints((h, k), rng)
@@ -326,8 +325,7 @@ def lab(gbps: float, b: int, h: int, k: int, runs: int, warmup: int) -> dict:
                 "compute": (lambda: c.einsum(EQUATION, "x", "w", out="yp", out_sharding=pending), "yp", pending),
                 "reduce": (lambda: c.reshard("yp", whole), "yp", whole),  # completes the sum "compute" left pending
             }
-            digests = {dev: hashlib.blake2b(np.ascontiguousarray(want[to_slices(tile)]).tobytes()).hexdigest()
-                       for dev, tile in whole.tiles(want.shape).items()}
+            digests = tile_digests(want, whole)
             walls: dict[str, list[float]] = {name: [] for name in jobs}
             job_s, transports = [], set()
             for i in range(warmup + runs):

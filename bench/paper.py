@@ -21,7 +21,6 @@ Needs root (``reshard lab`` does). Run by ``make bench``:
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import time
@@ -32,10 +31,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _checks import tile_digests  # noqa: E402
 from _report import ROOT, write_section  # noqa: E402
 
 from reshard import STRATEGIES  # noqa: E402
-from reshard.box import to_slices  # noqa: E402
 from reshard.cases import Case, n_to_m_cases, one_to_m_cases, overlap_cases  # noqa: E402
 from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster  # noqa: E402
 
@@ -69,11 +68,6 @@ def cases_for(hosts: list[str], nbytes: int, one_to_m_nbytes: int, names: set[st
     return [c for c in cases if names is None or c.name in names]
 
 
-def expected_digests(case: Case, data: np.ndarray) -> dict[str, str]:
-    return {dev: hashlib.blake2b(np.ascontiguousarray(data[to_slices(tile)]).tobytes()).hexdigest()
-            for dev, tile in case.dst.tiles(case.shape).items()}
-
-
 def verify(client, name: str, expected: dict[str, str]) -> bool:
     """Every destination device holds exactly the bytes of its tile (and no device is missing)."""
     return client.digests(name) == expected
@@ -83,7 +77,7 @@ def run_case(client, case: Case, strategy: str, runs: int, warmup: int = 0) -> R
     """Timed runs of one case; the estimate is of the plan the service runs (its topology: the agents' NIC rates
     and measured copy rates), and every run must run that very plan."""
     data = np.arange(int(np.prod(case.shape))).astype(case.dtype).reshape(case.shape)
-    expected = expected_digests(case, data)
+    expected = tile_digests(data, case.dst)
     p = client.plan(case.shape, case.dst, strategy, dtype=case.dtype, src=case.src)
     for i in range(warmup):
         name = f"{case.name}-{strategy}-warmup{i}"

@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import write_section  # noqa: E402
-from buckets import check_every_device, expected_digests  # noqa: E402
+from _checks import check_every_device, expected_digests  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
 from reshard.client.cluster import LocalCluster  # noqa: E402

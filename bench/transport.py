@@ -149,9 +149,8 @@ def raw(world: int, nbytes: int, repeats: int) -> dict[str, float]:
 
 def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
                     warmup: int) -> tuple[float, tuple[str, ...]]:
-    import hashlib
-
     import numpy as np
+    from _checks import differing, tile_digests
 
     from reshard import Mesh, Sharding
     from reshard.client.cluster import LocalCluster
@@ -160,7 +159,7 @@ def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
     src = Sharding(Mesh.from_hosts({"x": 1, "y": 1}, hosts[:1], 1), (None,))
     dst = Sharding(Mesh.from_hosts({"x": world - 1, "y": 1}, hosts[1:], 1), (None,))
     a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
-    want = {dev: hashlib.blake2b(a.tobytes()).hexdigest() for dev in dst.mesh.devices}
+    want = tile_digests(a, dst)
     best, transports = float("inf"), ()
     with LocalCluster(world, 1, transport=transport) as cluster, cluster.connect() as c:
         c.put("bench", a, src)
@@ -169,9 +168,8 @@ def reshard_seconds(transport: str, world: int, nbytes: int, repeats: int,
             if k >= warmup:
                 best = min(best, result.seconds)
             transports = result.transports
-            got = c.digests("bench")  # computed on the agents: every receiver's copy, not one
-            if got != want:
-                wrong = sorted(d for d in set(got) | set(want) if got.get(d) != want.get(d))
+            wrong = differing(c.digests("bench"), want)  # computed on the agents: every receiver's copy, not one
+            if wrong:
                 raise AssertionError(f"the reshard over {transport}, round {k + 1}, left other bytes than host0's "
                                      f"on {wrong}")
             c.reshard("bench", src, "auto").result(timeout=600)  # back, for the next round

@@ -52,7 +52,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import write_section  # noqa: E402
-from buckets import HOSTS, INFER, TRAIN, _settle, check_every_device, expected_digests, state_dict  # noqa: E402
+from _checks import check_every_device, expected_digests  # noqa: E402
+from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
 from reshard import box as boxes  # noqa: E402
@@ -233,9 +234,12 @@ def _same_mesh_train(tensors: dict) -> dict:
 
 def _torch_placements(sharding: Sharding) -> list:
     """torch's DTensor placements for a reshard sharding (`Sharding.placements`, in torch's own classes)."""
-    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import Partial, Replicate, Shard
 
-    return [Shard(p.dim) if hasattr(p, "dim") else Replicate() for p in sharding.placements]
+    from reshard import sharding as own
+
+    return [Shard(p.dim) if isinstance(p, own.Shard) else Partial() if isinstance(p, own.Partial) else Replicate()
+            for p in sharding.placements]
 
 
 def _dtensor_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> None:
