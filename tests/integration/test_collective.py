@@ -285,3 +285,54 @@ def test_lanes_run_an_all_to_all_round_robin_over_host_pairs_in_one_order_on_eve
         sends = [host_of(task.transfer.receivers[0]) for task in _tasks(p, 0, h) if task.role == "send"]
         firsts = sends[:len(set(sends))]
         assert len(set(firsts)) == len(firsts), (h, firsts)
+
+
+def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_route_largest_first():
+    from reshard import TensorDecl
+    from reshard.many import plan_many
+    from reshard.mesh import host_of
+    from reshard.program import MOVE
+    from reshard.server.agent.buckets import bucket_moves
+    from reshard.server.agent.runtime import _route, _task_peers, host_tasks, lane_units
+
+    train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
+    infer = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"i{i}" for i in range(4)], 1)
+    decls = []
+    for i in range(30):  # row and column splits, replicated norms, small and large tensors of several dtypes
+        decls += [TensorDecl(f"w{i}", (256, 128), "float16", Sharding(train, ("tp", None)),
+                             Sharding(infer, ("tp", None))),
+                  TensorDecl(f"v{i}", (64, 4096 if i % 5 == 0 else 256), "uint8", Sharding(train, (None, "tp")),
+                             Sharding(infer, (None, "tp"))),
+                  TensorDecl(f"n{i}", (128,), "float32", Sharding(train, (None,)), Sharding(infer, (None,)))]
+    program = plan_many(decls, bucket_bytes=64 * 1024)
+    buckets = bucket_moves(program)
+    assert buckets  # small moves travel packed, large ones on their own
+
+    def nbytes(step):
+        return buckets[step.id].nbytes if step.id in buckets else \
+            int(np.prod([hi - lo for lo, hi in step.transfer.box])) * program.tensor(step.tensor).itemsize
+
+    hosts = sorted({host_of(d) for d in train.devices + infer.devices})
+    units, tasks = {}, {}
+    for h in hosts:
+        mine = [t for t in host_tasks(program, h, buckets) if t.depth == 0]
+        calling = [t for t in mine if _task_peers(t, h)]
+        units[h] = lane_units(calling, nbytes)
+        tasks[h] = calling
+        assert sorted(id(t) for u in units[h] for t in u) == sorted(id(t) for t in calling)  # each task once
+        for unit in units[h]:  # a unit is the moves of one route, in the order every host derives
+            assert len({_route(t.step.transfer) for t in unit}) == 1
+            assert [t.step.id for t in unit] == [t.step.id for t in calling if t in unit]
+        sizes = [sum(nbytes(t.step) for t in u if t.step.kind == MOVE) for u in units[h]]
+        assert sizes == sorted(sizes, reverse=True)  # largest first
+        # one unit per route: lanes no longer queue a route's small moves one by one behind other routes' ...
+        assert len(units[h]) == len({_route(t.step.transfer) for t in calling}) < len(calling)
+    # ... and any two hosts hold the units they share as the same steps, in the same order (the deadlock argument
+    # of reshard.server.agent.runtime's docstring).
+    seqs = {h: [tuple(t.step.id for t in u) for u in units[h]] for h in hosts}
+    for h1 in hosts:
+        for h2 in hosts:
+            shared = set(seqs[h1]) & set(seqs[h2])
+            assert [u for u in seqs[h1] if u in shared] == [u for u in seqs[h2] if u in shared], (h1, h2)
+            ids1 = {i for u in seqs[h1] for i in u}
+            assert not [u for u in seqs[h2] if set(u) & ids1 and u not in shared], (h1, h2)  # no unit split apart
