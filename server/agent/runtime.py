@@ -29,16 +29,18 @@ its tasks by (dependency depth, then `interleaved` order within a depth, compute
 the program alone, so every host agrees) and groups a depth's tasks that call peers into
 *units* (`lane_units`: the moves along one route, in that order, or one other task),
 ordered largest first, again from the program alone. It runs a depth's units FIFO on
-``lanes`` threads, each unit's tasks one after another (tasks that call no peer, local
-copies and computes, run beside them on the shared pool: they cannot block a peer), and
-starts depth ``k + 1`` only after its own depth-``k`` tasks finished: a barrier per host,
-not a global one. The tasks beside the lanes finish by themselves. Take the least
-unfinished unit in that global order: on each of its hosts every lower-depth task is
-finished (all are less than it, or finish by themselves), so the host is at its depth,
-and every unit before it in that depth is finished, so it holds a lane or is next in the
-FIFO. Hence it runs on all its hosts at once; its tasks come in the same order on each,
-and each calls only that unit's hosts, so each completes; by induction on (depth, order)
-every unit does.
+``lanes`` threads, each unit's tasks one after another, move units under
+``SMALL_UNIT_BYTES`` FIFO on ``lanes`` threads of their own (tasks that call no peer,
+local copies and computes, run beside them on the shared pool: they cannot block a
+peer), and starts depth ``k + 1`` only after its own depth-``k`` tasks finished: a barrier
+per host, not a global one. The tasks beside the lanes finish by themselves. Which
+lanes a unit takes is again the program's to say, so each set of lanes runs one
+sub-order that every host agrees on. Take the least unfinished unit in one set's order:
+on each of its hosts every lower-depth task is finished (by induction on depth), so the
+host is at its depth, and every unit before it in that set is finished, so it holds a
+lane of the set or is next in its FIFO. Hence it runs on all its hosts at once, whatever
+the other set does; its tasks come in the same order on each, and each calls only that
+unit's hosts, so each completes; by induction on the order every unit of the depth does.
 Before a depth's first call a host confirms, through the planner's store, that its new
 peers run the same program on the same group generation (`Transport.handshake`), so a
 mismatch raises instead of hanging a receive.
@@ -416,6 +418,11 @@ def _task_peers(task: Task, host: str) -> set[str]:
         mine = [i for i, d in enumerate(s.devices) if host_of(d) == host]
         return {host_of(s.devices[(i + k) % n]) for i in mine for k in (-1, 1)} - {host}
     return set()
+
+
+# Move units smaller than this run on lanes of their own beside the others (`Runtime._in_order`): a chain of a few
+# KiB is latency, not bandwidth, and need not wait until the large routes have drained.
+SMALL_UNIT_BYTES = 1 << 20
 
 
 def _route(t) -> tuple:
@@ -1103,6 +1110,7 @@ class Runtime:
         """Active transports: this host's tasks depth by depth, each depth FIFO on the transport's lanes."""
         link = run.transport
         lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
+        small_lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"small-{run.job[:6]}")
         confirmed: set[str] = set()
         try:
             calls_of = {id(t): _task_peers(t, self.host) for t in run.tasks}
@@ -1121,8 +1129,10 @@ class Runtime:
                 # A task that calls no peer (a local copy, a compute) never waits on another host: it runs beside
                 # the lanes, so that a stream need not wait behind it for a lane while its peer's NIC idles.
                 pending = {self._pool.submit(self._run_task, run, t) for t, called in zip(tasks, calls) if not called}
-                units = lane_units([t for t, called in zip(tasks, calls) if called], run.step_bytes)
-                pending |= {lanes.submit(self._run_unit, run, unit) for unit in units}
+                for unit in lane_units([t for t, called in zip(tasks, calls) if called], run.step_bytes):
+                    small = all(t.step.kind == MOVE for t in unit) and \
+                        sum(run.step_bytes(t.step) for t in unit) < SMALL_UNIT_BYTES
+                    pending.add((small_lanes if small else lanes).submit(self._run_unit, run, unit))
                 while pending and run.failed is None:
                     pending = wait(pending, timeout=0.1).not_done
                 if run.failed is not None:
@@ -1131,6 +1141,7 @@ class Runtime:
             run.fail(e)
         finally:
             lanes.shutdown(wait=False, cancel_futures=True)
+            small_lanes.shutdown(wait=False, cancel_futures=True)
 
     # -- pushes ------------------------------------------------------------------------------------------
 
