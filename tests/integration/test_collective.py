@@ -48,6 +48,16 @@ def _wait_group(planner, hosts, after=0, timeout=30.0):
     raise AssertionError(f"process group with {hosts} did not form: {planner.group.view()}")
 
 
+def _stop(procs, server, planner) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        p.wait(10)
+        p.stdout.close()
+    server.stop(0)
+    planner.close()
+
+
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("collective")
@@ -59,13 +69,7 @@ def planned(tmp_path_factory):
         with Client(address) as c:
             yield planner, c, tmp
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(10)
-            p.stdout.close()
-        server.stop(0)
-        planner.close()
+        _stop(procs, server, planner)
 
 
 SRC = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["c0"], 2), ("y", None))
@@ -112,6 +116,35 @@ def test_finished_jobs_leave_no_confirmation_keys_in_the_store(planned):
     assert store.num_keys() == before
     c.delete("keys")
     c.delete("keys2")
+
+
+def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
+    """The deadlock argument of reshard.server.agent.runtime at its tightest: with one lane (and one for small
+    routes) on every host, every route of a state dict waits for the one before it, and the move still completes,
+    bit for bit on every replica."""
+    from .every_device import assert_every_device
+
+    server, port, planner = serve_planner(PlannerConfig(heartbeat_timeout_s=2.0, group_wait_s=20.0))
+    address = f"127.0.0.1:{port}"
+    hosts = ("l0", "l1", "l2")
+    procs = [_agent(address, h, tmp_path, "collective", "--collective-lanes", "1", "--collective-chunk-mib", "0.25")
+             for h in hosts]
+    try:
+        _wait_group(planner, hosts)
+        train = Mesh.from_hosts({"tp": 2}, ["l0"], 2)
+        infer = Mesh.from_hosts({"dp": 2, "tp": 2}, ["l1", "l2"], 2)
+        rng = np.random.default_rng(7)
+        arrays = {f"w{i}": rng.integers(-99, 99, (64 * (1 + i % 3), 4096 if i % 4 == 0 else 96)).astype(np.float32)
+                  for i in range(12)}  # routes over and under 1 MiB, rows and columns split
+        specs = {n: ("tp", None) if i % 2 else (None, "tp") for i, n in enumerate(arrays)}
+        with Client(address) as c:
+            c.put_many({n: (a, Sharding(train, specs[n])) for n, a in arrays.items()})
+            result = c.reshard_many({n: Sharding(infer, specs[n]) for n in arrays}, bucket_mib=0.5).result(timeout=120)
+            assert result.transport == "collective" and result.network_bytes > 2**20
+            for n, a in arrays.items():
+                assert_every_device(c, n, a, Sharding(infer, specs[n]))
+    finally:
+        _stop(procs, server, planner)
 
 
 def _prepare_both(planner, c, job, plans, generation, seq):
