@@ -508,14 +508,18 @@ class HostLayout:
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
         # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
         # device of its own that receives it, until the last byte (`buckets.Bucket`).
-        self.bucket_buffers = sorted(
-            (self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
-                                                                         for r in t.step.transfer.receivers))
-             for t in self.tasks if t.step.id in self.buckets and t.role in ("send", "recv")), reverse=True)
+        held = [(self.buckets[t.step.id].nbytes,
+                 self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
+                                                                             for r in t.step.transfer.receivers)))
+                for t in self.tasks if t.step.id in self.buckets and t.role in ("send", "recv")]
+        self.bucket_buffers = sorted((n for _, n in held), reverse=True)
+        # the same for buckets a lane for small routes may run (`lane_units`): each is under SMALL_UNIT_BYTES
+        self.small_bucket_buffers = sorted((n for size, n in held if size < SMALL_UNIT_BYTES), reverse=True)
 
-    def bucket_peak(self, at_once: int) -> int:
-        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together."""
-        return sum(self.bucket_buffers[:at_once])
+    def bucket_peak(self, at_once: int, small_at_once: int = 0) -> int:
+        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together, and
+        ``small_at_once`` more on the lanes for small routes."""
+        return sum(self.bucket_buffers[:at_once]) + sum(self.small_bucket_buffers[:small_at_once])
 
     def fresh_tasks(self) -> list[Task]:
         return [copy.copy(t) for t in self.tasks]
@@ -622,7 +626,8 @@ class Run(Session):
         """Hold room, until the job ends, for the bucket buffers of the ``tasks_at_once`` tasks that may run
         together here: they are allocated as the job runs, and a job over the memory limit is refused now, not
         part way. A cuda agent's limit is its GPU's memory, and bucket buffers are host memory: none is held."""
-        peak = self.layout.bucket_peak(tasks_at_once)
+        # Active transports run as many tasks again on the lanes for small routes (`Runtime._in_order`).
+        peak = self.layout.bucket_peak(tasks_at_once, 0 if self.transport.passive else tasks_at_once)
         if not peak or self.store.device != "cpu":
             return
         n = min(tasks_at_once, len(self.layout.bucket_buffers))

@@ -369,3 +369,12 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
             assert [u for u in seqs[h1] if u in shared] == [u for u in seqs[h2] if u in shared], (h1, h2)
             ids1 = {i for u in seqs[h1] for i in u}
             assert not [u for u in seqs[h2] if set(u) & ids1 and u not in shared], (h1, h2)  # no unit split apart
+    # The memory a job holds for bucket buffers counts the lanes for small routes too: as many units again, each
+    # holding buckets of under SMALL_UNIT_BYTES.
+    from reshard.server.agent.runtime import SMALL_UNIT_BYTES, HostLayout
+
+    layout = HostLayout(program, "i0")
+    small = layout.small_bucket_buffers
+    assert small == sorted(small, reverse=True) and set(small) <= set(layout.bucket_buffers)
+    assert all(n < SMALL_UNIT_BYTES * 4 for n in small)  # each under the size, once per receiving device
+    assert layout.bucket_peak(2, 2) == layout.bucket_peak(2) + sum(small[:2]) > layout.bucket_peak(2)
