@@ -27,7 +27,9 @@ the inference devices end up holding.
 5. On emulated hosts (``reshard lab``, root: 8 network namespaces, links shaped to ``--gbps`` each way), the
    ``reshard_many`` of (1), measured against its lower bound: every inference host must receive its tiles and
    every byte must leave the 4 training hosts once, so no plan beats max(busiest inference host's tile bytes,
-   state dict / 4) / link rate.
+   state dict / 4) / link rate; and the raw gloo broadcasts of (3), one rank in each host's namespace on the
+   same links, taking turns with it as in (3). On this 2-core machine the loopback rows measure CPU as much as
+   bytes (9 processes share the cores); the emulated links measure what a network leaves.
 
 Goals: ``reshard_many`` at least 0.8x raw gloo's speed and at least 3x faster than one job per tensor.
 Writes its section of BENCHMARKS.md.
@@ -40,6 +42,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -62,6 +65,7 @@ GB = 1e9
 MiB = 2**20
 GOAL_GLOO, GOAL_PER_TENSOR = 0.8, 3.0
 TIMEOUT_S = 900
+STORE_HOST_ENV = "WEIGHT_SYNC_STORE_HOST"  # where a gloo rank finds the driver's store (the lab's root address)
 # The same-mesh part: host0..host3 as 2 x 2, the inference layout's axes (DTensor: mesh dims "dp", "tp").
 SAME = Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[:4], 1)
 
@@ -179,7 +183,9 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
     import torch.distributed as dist
 
     tensors, infer = state_dict(layers, hidden)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    # On the emulated hosts the driver's store is at the lab's root address (and GLOO_SOCKET_IFNAME names the link).
+    store = dist.TCPStore(os.environ.get(STORE_HOST_ENV, "127.0.0.1"), port, is_master=False,
+                          timeout=datetime.timedelta(seconds=300))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=len(HOSTS),
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     plan = _broadcasts(tensors, infer)
@@ -292,14 +298,16 @@ class _Ranks:
     """``world`` processes of this script running ``worker`` (``--gloo-worker`` or ``--dtensor-worker``), meeting at
     a store this process holds."""
 
-    def __init__(self, worker: str, world: int, layers: int, hidden: int, runs: int):
+    def __init__(self, worker: str, world: int, layers: int, hidden: int, runs: int,
+                 spawn: Callable[[int, list[str]], subprocess.Popen] | None = None):
+        """``spawn(rank, argv)`` starts a rank (default: a process of this machine)."""
         import torch.distributed as dist
 
         self.worker = worker
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.procs = [subprocess.Popen([sys.executable, __file__, worker, str(self.store.port), str(r), str(layers),
-                                        str(hidden), str(runs)], stdout=subprocess.PIPE, text=True)
-                      for r in range(world)]
+        spawn = spawn or (lambda _, argv: subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+        self.procs = [spawn(r, [sys.executable, __file__, worker, str(self.store.port), str(r), str(layers),
+                                str(hidden), str(runs)]) for r in range(world)]
 
     def result(self) -> dict:
         """What rank 0 printed last, once every rank exited."""
@@ -320,8 +328,9 @@ class Turns(_Ranks):
     """The raw gloo ranks, started beside the agents, each run when the driver says (`round`): the baseline's runs
     and `reshard_many`'s take turns, so that a change in this shared machine's load reaches both alike."""
 
-    def __init__(self, layers: int, hidden: int, runs: int):
-        super().__init__("--gloo-worker", len(HOSTS), layers, hidden, runs)
+    def __init__(self, layers: int, hidden: int, runs: int,
+                 spawn: Callable[[int, list[str]], subprocess.Popen] | None = None):
+        super().__init__("--gloo-worker", len(HOSTS), layers, hidden, runs, spawn)
 
     def round(self, i: int) -> float:
         """Run ``i`` of the ranks (0: the untimed one); its seconds."""
@@ -361,10 +370,20 @@ def lab(layers: int, hidden: int, runs: int, gbps: float) -> dict:
         put = {n: (a, Sharding(train_mesh, s.spec)) for n, (a, s) in tensors.items()}
         there = {n: Sharding(infer_mesh, s.spec) for n, s in infer.items()}
         back = {n: s for n, (_, s) in put.items()}
+        def spawn(rank: int, argv: list[str]) -> subprocess.Popen:  # rank r is HOSTS[r], on lab host r
+            env = {**os.environ, STORE_HOST_ENV: emulated.root_ip, "GLOO_SOCKET_IFNAME": "eth0"}
+            return emulated.spawn(emulated.host_ns(rank), argv, env=env, stdout=subprocess.PIPE, text=True)
+
         with emulated.connect(address) as c:
             wait_for_group(c, lab_hosts)
             c.put_many(put)
-            times = _timed(c, tensors, there, back, runs, "lab reshard_many")
+            turns = Turns(layers, hidden, runs, spawn)
+            try:
+                times = _timed(c, tensors, there, back, runs, "lab reshard_many", between=turns.round)
+                gloo_times = turns.result()["times"]
+            except BaseException:
+                turns.kill()
+                raise
     rate = gbps * GB / 8
     per_host = {h: 0 for h in HOSTS[4:]}
     for name, (a, _) in tensors.items():
@@ -372,7 +391,7 @@ def lab(layers: int, hidden: int, runs: int, gbps: float) -> dict:
             per_host[dev.split("/")[0]] += boxes.volume(box) * a.itemsize
     total = sum(a.nbytes for a, _ in tensors.values())
     bound = max(max(per_host.values()), total / 4) / rate
-    return {"times": times, "bound_s": bound}
+    return {"times": times, "gloo_times": gloo_times, "bound_s": bound}
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -436,11 +455,15 @@ def main(argv=None) -> int:
     if "skipped" in e:
         lab_text = f"Emulated hosts: skipped ({e['skipped']})."
     else:
-        measured = statistics.median(e["times"])
+        measured, lab_gloo = statistics.median(e["times"]), statistics.median(e["gloo_times"])
         lab_text = (f"Emulated hosts (`reshard lab`, 8 hosts x 1 device, links shaped to {args.gbps:g} Gbit/s each "
                     f"way), the same `reshard_many`: measured {measured:.3f} s against a lower bound of "
                     f"{e['bound_s']:.3f} s (the busiest inference host's tiles, or a quarter of the state dict, "
-                    f"whichever is more, at the link rate): {measured / e['bound_s']:.2f}x the bound.")
+                    f"whichever is more, at the link rate): {measured / e['bound_s']:.2f}x the bound. The raw gloo "
+                    f"broadcasts of (3), one rank in each emulated host's namespace on the same links and taking "
+                    f"turns with it: {lab_gloo:.3f} s ({lab_gloo / e['bound_s']:.2f}x the bound), so `reshard_many` "
+                    f"runs at {lab_gloo / measured:.2f}x gloo's speed there (goal >= {GOAL_GLOO:g}x: "
+                    f"{verdict(lab_gloo >= GOAL_GLOO * measured)}).")
     ph = a["many_phases"]
     rest = many - sum(ph[p] for p in ("waiting", "planning", "running", "committing"))
     phases_text = (f"Where one cross-mesh `reshard_many`'s {many:.3f} s went (the planner's record of each timed job, "
