@@ -16,6 +16,9 @@ ratios taken in one run are reported, each the median of interleaved repeats):
     (gloo), one process per host, with the agents' default chunk size, lanes and window;
     against a raw ``torch.distributed`` gloo ``all_reduce`` of the same bytes in the same
     processes. Both timed from a barrier to a barrier. Goal: raw time / agents' time >= 0.8.
+    Measured on loopback (4 processes sharing this machine's cores) and again with one process
+    in each of 4 emulated hosts' namespaces (`reshard lab`, root), where ``--gbps`` links set
+    the pace.
 (c) emulated hosts (`reshard lab`, needs root: 4 network namespaces, links shaped to
     ``--gbps``): a matmul whose contracting dim is split across the hosts, through the SDK
     (``Client.plan_einsum`` for the estimate, ``Client.einsum`` to run it), timed from the
@@ -50,6 +53,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+STORE_HOST_ENV, BIND_HOST_ENV = "EINSUM_STORE_HOST", "EINSUM_BIND_HOST"  # (b) on emulated hosts: see lab_allreduce
 
 from _checks import differing, tile_digests  # noqa: E402
 
@@ -169,14 +173,16 @@ def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) 
     host, dev = hosts[rank], f"{hosts[rank]}/0"
     config = _agent_config(host)
     timeout = datetime.timedelta(seconds=120)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    # On emulated hosts the driver's store is at the lab's root address, and each rank binds its own link's.
+    store_host, bind = (os.environ.get(k, "127.0.0.1") for k in (STORE_HOST_ENV, BIND_HOST_ENV))
+    store = dist.TCPStore(store_host, port, is_master=False, timeout=timeout)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind)]
     raw = dist.ProcessGroupGloo(dist.PrefixStore("bench/raw/", store), rank, world, opts)
 
     # The agent's side, as an agent process builds it (reshard.server.agent.service), on a group of its own.
-    member = GroupMember(host, "127.0.0.1", "127.0.0.1", "gloo", "cpu", config.group_join_timeout_s,
+    member = GroupMember(host, store_host, bind, "gloo", "cpu", config.group_join_timeout_s,
                          config.collective_timeout_s)
     member.update(GroupView(port, 1, hosts, "gloo"))
     deadline = time.monotonic() + 60
@@ -248,18 +254,36 @@ def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) 
         print(json.dumps(out), flush=True)
 
 
-def allreduce(nbytes: int, repeats: int) -> dict:
+def allreduce(nbytes: int, repeats: int, spawn=None) -> dict:
+    """Medians of the agents' ring and of raw gloo ``all_reduce`` in the same processes, one per host; ``spawn(rank,
+    argv)`` starts a rank (default: a process of this machine)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    procs = [subprocess.Popen([sys.executable, __file__, "--reduce-worker", str(store.port), str(r), str(NUM_DEVICES),
-                               str(nbytes), str(repeats)], stdout=subprocess.PIPE, text=True)
-             for r in range(NUM_DEVICES)]
+    spawn = spawn or (lambda _, argv: subprocess.Popen(argv, stdout=subprocess.PIPE, text=True))
+    procs = [spawn(r, [sys.executable, __file__, "--reduce-worker", str(store.port), str(r), str(NUM_DEVICES),
+                       str(nbytes), str(repeats)]) for r in range(NUM_DEVICES)]
     outs = [p.communicate(timeout=600)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"all-reduce workers failed: exit codes {[p.returncode for p in procs]}")
     out = json.loads(outs[0])
     return {**out, **{f"{k}_s": statistics.median(out[k]) for k in ("gloo", "gloo_cpu", "agents", "agents_cpu")}}
+
+
+def lab_allreduce(gbps: float, nbytes: int, repeats: int) -> dict:
+    """`allreduce` with one rank in each emulated host's namespace, on links shaped to ``gbps``; or
+    ``{"skipped": why}``."""
+    from reshard.server.devtools.lab import Lab, LabConfig, lab_available
+
+    ok, why = lab_available()
+    if not ok:
+        return {"skipped": why}
+    with Lab(LabConfig(num_hosts=NUM_DEVICES, devices_per_host=1, gbps=gbps)) as emulated:
+        def spawn(rank: int, argv: list[str]) -> subprocess.Popen:
+            env = {**os.environ, STORE_HOST_ENV: emulated.root_ip, BIND_HOST_ENV: emulated.host_ip(rank)}
+            return emulated.spawn(emulated.host_ns(rank), argv, env=env, stdout=subprocess.PIPE, text=True)
+
+        return allreduce(nbytes, repeats, spawn)
 
 
 # -- (c) a split matmul on emulated hosts, measured against its estimate ------------------------------------------
@@ -372,6 +396,9 @@ def main(argv=None) -> int:
     print(f"(a) agents {a['agents']:.4f}s  numpy.einsum {a['numpy']:.4f}s  optimize=True {a['blas']:.4f}s", flush=True)
     b = allreduce(nbytes, repeats)
     print(f"(b) agents {b['agents_s']:.4f}s  raw gloo {b['gloo_s']:.4f}s", flush=True)
+    bl = lab_allreduce(args.gbps, nbytes, repeats)
+    print(f"(b) on emulated hosts: skipped: {bl['skipped']}" if "skipped" in bl else
+          f"(b) on emulated hosts: agents {bl['agents_s']:.4f}s  raw gloo {bl['gloo_s']:.4f}s", flush=True)
     c = lab(args.gbps, lab_b, lab_h, lab_k, lab_runs, warmup=1)
     print(f"(c) skipped: {c['skipped']}" if "skipped" in c else
           f"(c) measured {c['wall_s']['einsum']:.4f}s  estimate {c['estimate_s']['einsum']:.4f}s", flush=True)
@@ -390,6 +417,14 @@ def main(argv=None) -> int:
         f"{b['agents_s']:.4f} | raw gloo all_reduce | {b['gloo_s']:.4f} | {b['gloo_s'] / b['agents_s']:.2f}x speed | "
         f">= {GOAL_ALLREDUCE:g}x | {verdict(b['gloo_s'] >= GOAL_ALLREDUCE * b['agents_s'])} |",
     ]
+    lab_b_what = f"(b) the same on emulated hosts, links shaped to {args.gbps:g} Gbit/s"
+    if "skipped" in bl:
+        rows.append(f"| {lab_b_what} | agents' ring (collective) | - | raw gloo all_reduce | - | skipped: "
+                    f"{bl['skipped']} | >= {GOAL_ALLREDUCE:g}x | - |")
+    else:
+        rows.append(f"| {lab_b_what} | agents' ring (collective) | {bl['agents_s']:.4f} | raw gloo all_reduce | "
+                    f"{bl['gloo_s']:.4f} | {bl['gloo_s'] / bl['agents_s']:.2f}x speed | >= {GOAL_ALLREDUCE:g}x | "
+                    f"{verdict(bl['gloo_s'] >= GOAL_ALLREDUCE * bl['agents_s'])} |")
     lab_what = f"(c) {EQUATION}, x {lab_b}x{lab_h} . w {lab_h}x{lab_k}, h split over {NUM_DEVICES} hosts"
     if "skipped" in c:
         rows.append(f"| {lab_what} | measured | - | program's estimate | - | skipped: {c['skipped']} | "
@@ -422,7 +457,9 @@ def main(argv=None) -> int:
         f"processes; both timed barrier to barrier. Each host sent {sent / MiB:.1f} MiB, the ring's 2(n-1)/n "
         f"of the tile. CPU seconds per process in that time (host0, all threads): agents "
         f"{b['agents_cpu_s']:.3f}, raw gloo {b['gloo_cpu_s']:.3f}; {NUM_DEVICES} processes share this machine's "
-        f"{os.cpu_count()} cores.",
+        f"{os.cpu_count()} cores. The same processes also ran with one in each of {NUM_DEVICES} emulated hosts' "
+        f"namespaces (`reshard lab`, links shaped to {args.gbps:g} Gbit/s each way, root), where the links, not "
+        f"the shared cores, set the pace: the ring's bound there is {sent / (args.gbps * 1e9 / 8):.4f} s.",
     ]
     if "skipped" in c:
         lines.append(f"- (c) skipped: {c['skipped']}.")
