@@ -25,6 +25,7 @@ frameworks  ``from_device_mesh`` (a torch ``DeviceMesh`` and placements) and
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from collections.abc import Mapping, Sequence, Set as AbstractSet
@@ -498,6 +499,14 @@ class Sharding:
                 kept["partial"] = list(self.partial)
             object.__setattr__(self, "_json", kept)  # not a field: equality, hashing and repr ignore it
         return dict(kept)
+
+    def json_text(self) -> str:
+        """`to_json` as JSON text (``json.dumps``), worked out once per sharding."""
+        kept = self.__dict__.get("_json_text")
+        if kept is None:
+            kept = json.dumps(self.to_json())
+            object.__setattr__(self, "_json_text", kept)  # not a field, as ``_json``
+        return kept
 
     @classmethod
     def from_json(cls, data) -> "Sharding":

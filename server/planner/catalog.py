@@ -16,6 +16,7 @@ new version (a reshard, or a delete and a new upload) starts with nothing lost.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
@@ -48,6 +49,13 @@ class TensorRecord:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
                 "lost": sorted(self.lost)}
+
+    def json_text(self) -> str:
+        """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
+        saves hundreds of records that share a few layouts."""
+        head = json.dumps({"name": self.name, "shape": list(self.shape), "dtype": self.dtype})
+        return (f'{head[:-1]}, "sharding": {self.sharding.json_text()}, "version": {self.version}, '
+                f'"kind": {json.dumps(self.kind)}, "lost": {json.dumps(sorted(self.lost))}}}')
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
@@ -325,4 +333,6 @@ class Uploads:
 
 
 def bumped(rec: TensorRecord, sharding: Sharding) -> TensorRecord:
-    return replace(rec, sharding=sharding, version=rec.version + 1, lost=frozenset())
+    """``rec``'s next version, held in ``sharding`` with nothing lost (built directly: `dataclasses.replace` took
+    a millisecond of every state dict's job)."""
+    return TensorRecord(rec.name, rec.shape, rec.dtype, sharding, rec.version + 1, rec.kind)

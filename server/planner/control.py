@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -101,6 +102,8 @@ def check_strategy(strategy: str) -> str:
 
 
 SEQUENCES_KEPT = 256  # compute programs kept: a pipeline step of 4 stages x 8 microbatches plans 64 and more
+LAYOUTS_KEPT = 1024  # sharding texts kept read (`Planner._sharding`)
+LAYOUT_TEXT_KEPT_BYTES = 64 * 1024  # a longer text (a mesh of thousands of devices) is read each time it comes
 
 
 class Planner:
@@ -119,6 +122,9 @@ class Planner:
                               group=self.group, group_wait_s=config.group_wait_s,
                               stall_timeout_s=config.stall_timeout_s)
         self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many), `_planned`
+        self._layouts_lock = threading.Lock()
+        self._layouts: OrderedDict[str, Sharding] = OrderedDict()  # sharding text -> its sharding, `_sharding`
+        self._by_layout: dict[Sharding, Sharding] = {}  # each layout read, as the one object that stands for it
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -130,7 +136,24 @@ class Planner:
         self._commit_pool.shutdown(wait=False)
 
     def _sharding(self, text: str, what: str) -> Sharding:
-        return parse_sharding(text, what, self.config.max_json_bytes, self.config.max_json_depth)
+        """The sharding of ``text``, read once per text and kept as one object per layout (`LAYOUTS_KEPT`): a
+        weight sync names the same few layouts for hundreds of tensors every step, and when the records, the
+        jobs and the program cache's keys share those objects, comparing and hashing them is an identity check."""
+        with self._layouts_lock:
+            kept = self._layouts.get(text)
+            if kept is not None:
+                self._layouts.move_to_end(text)
+                return kept
+        sharding = parse_sharding(text, what, self.config.max_json_bytes, self.config.max_json_depth)
+        with self._layouts_lock:
+            sharding = self._layouts.get(text) or self._by_layout.setdefault(sharding, sharding)
+            if len(text) <= LAYOUT_TEXT_KEPT_BYTES:
+                self._layouts[text] = sharding
+                while len(self._layouts) > LAYOUTS_KEPT:
+                    self._layouts.popitem(last=False)
+                    if len(self._by_layout) > 2 * LAYOUTS_KEPT:  # texts come and go; the objects they named too
+                        self._by_layout = {s: s for s in self._layouts.values()}
+        return sharding
 
     # -- registry ------------------------------------------------------------------------
 
@@ -163,7 +186,7 @@ class Planner:
         """Mark lost the shards of ``host`` its agent no longer holds (and found the ones it holds again)."""
         changed = self.catalog.reconcile(host, set(held))
         for rec in changed:
-            self.store.save_tensor(rec.to_json())
+            self.store.save_tensor(rec.name, rec.json_text())
             if not self.catalog.contains(rec.name):  # deleted meanwhile: keep it deleted after a restart too
                 self.store.delete_tensor(rec.name)
         lost = [r.name for r in changed if host in {d.split("/")[0] for d in r.lost}]
@@ -322,7 +345,7 @@ class Planner:
         except BaseException:
             self._drop_uploads(uploads, committed)
             raise
-        self.store.save_tensors([up.record.to_json() for up in uploads])
+        self.store.save_tensors([(up.record.name, up.record.json_text()) for up in uploads])
 
     def _drop_upload(self, upload: Upload) -> None:
         self._drop_uploads([upload], {})
@@ -592,7 +615,7 @@ class Planner:
                                        f"({[w for w, _, _ in scales][:5]}); give each weight one")
         given = set(names)
         names += [s for s, _ in pairs.values() if s not in given]
-        records = {n: self.catalog.get(n) for n in names}
+        records = dict(zip(names, self.catalog.snapshot(names)))
         for rec in records.values():
             self._check_not_lost(rec)
         followers = {s for s, _ in pairs.values()}

@@ -528,7 +528,7 @@ class JobRunner:
                         self.collective_cleanup(generation, job.id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
-        self.store.save_tensors([new.to_json() for _, new in work.commits])
+        self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits])
         self._count_moved(job, work.moves)
         return [old for old, _ in work.commits if old is not None]
 
@@ -547,7 +547,7 @@ class JobRunner:
                                       job.strategy).validate()
             return self._program_work(job, program, rec.version, {}, [(rec, bumped(rec, job.dst))])
         if job.kind == "reshard_many":
-            records = {n: self.catalog.get(n) for n in job.inputs}
+            records = dict(zip(job.inputs, self.catalog.snapshot(job.inputs)))
             topology = self.registry.topology()
             key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()), topology,
                    job.strategy, job.bucket_bytes,

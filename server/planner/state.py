@@ -36,14 +36,14 @@ class StateStore:
         with self._lock:
             return self._db.execute(sql).fetchall()
 
-    def save_tensor(self, doc: dict) -> None:
-        self.save_tensors([doc])
+    def save_tensor(self, name: str, text: str) -> None:
+        self.save_tensors([(name, text)])
 
-    def save_tensors(self, docs: list[dict]) -> None:
-        """Every tensor document of ``docs``, in one transaction (a job that commits a whole state dict)."""
+    def save_tensors(self, docs: list[tuple[str, str]]) -> None:
+        """Every tensor document of ``docs`` (name, its JSON text), in one transaction (a job that commits a whole
+        state dict)."""
         with self._lock:
-            self._db.executemany("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)",
-                                 [(d["name"], json.dumps(d)) for d in docs])
+            self._db.executemany("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)", docs)
             self._db.commit()
 
     def delete_tensor(self, name: str) -> None:

@@ -108,13 +108,20 @@ def test_the_moves_the_planner_works_out_of_a_program_match_its_steps():
 
 
 def test_the_state_store_saves_many_tensors_in_one_transaction_and_reads_them_back():
+    from reshard.server.planner.catalog import TensorRecord, bumped
     from reshard.server.planner.state import StateStore
 
     store = StateStore(None)
-    docs = [{"name": f"t{i}", "version": i, "sharding": Sharding(A, ("x", None)).to_json()} for i in range(3)]
-    store.save_tensors(docs)
-    store.save_tensors([{**docs[1], "version": 7}])  # replaces, as save_tensor does
-    assert store.tensors() == [docs[0], {**docs[1], "version": 7}, docs[2]]
+    partial = Sharding(A, (None, None), partial=("x",))
+    recs = [TensorRecord("t0", (8, 4), "float32", Sharding(A, ("x", None)), 1),
+            TensorRecord('t1"\u00e9', (8,), "bfloat16", partial, 2, "torch", frozenset({"a1/0", "a0/1"})),
+            TensorRecord("t2", (3, 5, 7), "float8_e4m3fn", Sharding(A, (None, ("x",))), 3)]
+    store.save_tensors([(r.name, r.json_text()) for r in recs])
+    moved = bumped(recs[1], Sharding(A, ("x",)))
+    store.save_tensor(moved.name, moved.json_text())  # replaces, in place of the old version
+    assert store.tensors() == [recs[0].to_json(), moved.to_json(), recs[2].to_json()]
+    assert [TensorRecord.from_json(d) for d in store.tensors()] == [recs[0], moved, recs[2]]
+    assert moved.version == 3 and moved.kind == "torch" and not moved.lost
 
 
 def test_a_shardings_json_is_worked_out_once_and_each_caller_gets_its_own_dict():
@@ -170,3 +177,38 @@ def test_an_agent_takes_the_id_a_signed_text_claims_and_the_ticket_refuses_any_o
     altered = text.replace('"float32"', '"int32"', 1)
     with pytest.raises(PermissionDeniedError):
         check.check(ticket, "prepare", *prepare_fields(fields[0], altered, *fields[1:]), what="Prepare")
+
+
+def test_the_planner_reads_a_layout_once_and_hands_out_one_object_for_it(monkeypatch):
+    import json
+
+    import pytest
+
+    from reshard.errors import InvalidShardingError
+    from reshard.server.common.config import PlannerConfig
+    from reshard.server.planner import control
+
+    planner = control.Planner(PlannerConfig(), agents=None)
+    try:
+        rows = Sharding(A, ("x", None))
+        text = json.dumps(rows.to_json())
+        first = planner._sharding(text, "sharding")
+        assert first == rows and planner._sharding(text, "sharding") is first
+        # Another text of the same layout (spaced otherwise) stands for the same object.
+        assert planner._sharding(json.dumps(rows.to_json(), indent=1), "sharding") is first
+        cols = planner._sharding(json.dumps(Sharding(A, (None, "x")).to_json()), "sharding")
+        assert cols == Sharding(A, (None, "x")) and cols is not first
+        # A bad text is refused every time it comes, and what was read stays.
+        for _ in range(2):
+            with pytest.raises(InvalidShardingError, match="destination sharding of 'w'"):
+                planner._sharding(json.dumps({"mesh": A.to_json(), "spec": 3}), "destination sharding of 'w'")
+        assert planner._sharding(text, "sharding") is first
+        # Past LAYOUTS_KEPT texts the least recently read go; read again, each is an equal layout.
+        monkeypatch.setattr(control, "LAYOUTS_KEPT", 2)
+        planner._sharding(json.dumps(Sharding(A, ()).to_json()), "sharding")
+        cols_text = json.dumps(Sharding(A, (None, "x")).to_json())
+        assert len(planner._layouts) == 2 and text in planner._layouts and cols_text not in planner._layouts
+        assert planner._sharding(text, "sharding") is first
+        assert planner._sharding(cols_text, "sharding") == Sharding(A, (None, "x"))
+    finally:
+        planner.close()
