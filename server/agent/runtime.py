@@ -452,6 +452,30 @@ def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Ta
                                                     place[id(unit)]))
 
 
+def _depth_order(tasks: list[Task], host: str, nbytes: Callable[[Step], int]) -> tuple[bool, list[tuple]]:
+    """Whether any of ``tasks`` (one host's, `host_tasks`) calls a peer, and per depth, in order: the peers first
+    called at that depth (frozenset), the indexes of its tasks that call none, and its lane units (`lane_units`),
+    each as (whether it runs on the lanes for small routes: moves of under `SMALL_UNIT_BYTES` in all, its tasks'
+    indexes)."""
+    calls = [_task_peers(t, host) for t in tasks]
+    index = {id(t): i for i, t in enumerate(tasks)}
+    by_depth: dict[int, list[int]] = defaultdict(list)
+    for i, t in enumerate(tasks):
+        by_depth[t.depth].append(i)
+    confirmed: set[str] = set()
+    depths = []
+    for depth in sorted(by_depth):
+        at = by_depth[depth]
+        peers = set().union(*(calls[i] for i in at)) - confirmed
+        confirmed |= peers
+        units = []
+        for unit in lane_units([tasks[i] for i in at if calls[i]], nbytes):
+            small = all(t.step.kind == MOVE for t in unit) and sum(nbytes(t.step) for t in unit) < SMALL_UNIT_BYTES
+            units.append((small, [index[id(t)] for t in unit]))
+        depths.append((frozenset(peers), [i for i in at if not calls[i]], units))
+    return any(calls), depths
+
+
 # -- one program on this host ----------------------------------------------------------------------------
 
 
@@ -479,6 +503,7 @@ class HostLayout:
     took most of a receiving agent's CPU in a job; the runtime keeps them with the parsed program."""
 
     def __init__(self, program: Program, host: str):
+        self.program = program
         self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
         self.streams, self.dtypes, n = {}, {}, 0
         for s in program.steps:
@@ -505,21 +530,36 @@ class HostLayout:
         self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
         self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
                           for t in self.committed if t.src is not None}
+        # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
+        # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
+        # (whether each runs on the lanes for small routes, and its tasks).
+        self.calls_peers, self.depths = _depth_order(self.tasks, host, self.step_bytes)
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
         # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
-        # device of its own that receives it, until the last byte (`buckets.Bucket`).
-        held = [(self.buckets[t.step.id].nbytes,
-                 self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
-                                                                             for r in t.step.transfer.receivers)))
-                for t in self.tasks if t.step.id in self.buckets and t.role in ("send", "recv")]
+        # device of its own that receives it, until the last byte (`buckets.Bucket`); in all, and apart for the
+        # tasks of units that run on the lanes for small routes and for the others.
+        small = {i for _, _, units in self.depths for on_small, unit in units if on_small for i in unit}
+        held = [(i, self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
+                                                                            for r in t.step.transfer.receivers)))
+                for i, t in enumerate(self.tasks) if t.step.id in self.buckets and t.role in ("send", "recv")]
         self.bucket_buffers = sorted((n for _, n in held), reverse=True)
-        # the same for buckets a lane for small routes may run (`lane_units`): each is under SMALL_UNIT_BYTES
-        self.small_bucket_buffers = sorted((n for size, n in held if size < SMALL_UNIT_BYTES), reverse=True)
+        self.small_bucket_buffers = sorted((n for i, n in held if i in small), reverse=True)
+        self.large_bucket_buffers = sorted((n for i, n in held if i not in small), reverse=True)
+
+    def step_bytes(self, step: Step) -> int:
+        """The bytes a move step carries: its bucket's, when it stands for one."""
+        bucket = self.buckets.get(step.id)
+        if bucket is not None:
+            return bucket.nbytes
+        return boxes.volume(step.transfer.box) * self.program.tensor(step.tensor).itemsize
 
     def bucket_peak(self, at_once: int, small_at_once: int = 0) -> int:
-        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together, and
-        ``small_at_once`` more on the lanes for small routes."""
-        return sum(self.bucket_buffers[:at_once]) + sum(self.small_bucket_buffers[:small_at_once])
+        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together, or, with
+        ``small_at_once`` (the active transports), ``at_once`` of the tasks outside the units for small routes
+        and ``small_at_once`` of those."""
+        if not small_at_once:
+            return sum(self.bucket_buffers[:at_once])
+        return sum(self.large_bucket_buffers[:at_once]) + sum(self.small_bucket_buffers[:small_at_once])
 
     def fresh_tasks(self) -> list[Task]:
         return [copy.copy(t) for t in self.tasks]
@@ -815,10 +855,7 @@ class Run(Session):
 
     def step_bytes(self, step: Step) -> int:
         """The bytes a move step carries: its bucket's, when it stands for one."""
-        bucket = self.buckets.get(step.id)
-        if bucket is not None:
-            return bucket.nbytes
-        return boxes.volume(step.transfer.box) * self.program.tensor(step.tensor).itemsize
+        return self.layout.step_bytes(step)
 
     def progress(self) -> tuple[int, int, int, int]:
         """(bytes sent, bytes to send, steps done, steps) on this host; bytes as ``reshard.cost.sender_bytes``."""
@@ -1116,28 +1153,22 @@ class Runtime:
         link = run.transport
         lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
         small_lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"small-{run.job[:6]}")
-        confirmed: set[str] = set()
+        tasks = run.tasks  # in the layout's order: its depths name them by index
         try:
-            calls_of = {id(t): _task_peers(t, self.host) for t in run.tasks}
-            if any(calls_of.values()):
+            if run.layout.calls_peers:
                 # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
                 # host's earlier, local work. A host that calls no peer (a compute job's local steps) announces
                 # nothing: a peer waits only for the hosts it calls, and they call it back.
                 link.handshake(run, set())
-            for depth in sorted({t.depth for t in run.tasks}):
-                tasks = [t for t in run.tasks if t.depth == depth]
-                calls = [calls_of[id(t)] for t in tasks]
-                peers = set().union(*calls) - confirmed
+            for peers, local, units in run.layout.depths:
                 if peers:
-                    link.handshake(run, peers)
-                    confirmed |= peers
+                    link.handshake(run, set(peers))
                 # A task that calls no peer (a local copy, a compute) never waits on another host: it runs beside
                 # the lanes, so that a stream need not wait behind it for a lane while its peer's NIC idles.
-                pending = {self._pool.submit(self._run_task, run, t) for t, called in zip(tasks, calls) if not called}
-                for unit in lane_units([t for t, called in zip(tasks, calls) if called], run.step_bytes):
-                    small = all(t.step.kind == MOVE for t in unit) and \
-                        sum(run.step_bytes(t.step) for t in unit) < SMALL_UNIT_BYTES
-                    pending.add((small_lanes if small else lanes).submit(self._run_unit, run, unit))
+                pending = {self._pool.submit(self._run_task, run, tasks[i]) for i in local}
+                for small, unit in units:
+                    lane = small_lanes if small else lanes
+                    pending.add(lane.submit(self._run_unit, run, [tasks[i] for i in unit]))
                 while pending and run.failed is None:
                     pending = wait(pending, timeout=0.1).not_done
                 if run.failed is not None:

@@ -369,12 +369,44 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
             assert [u for u in seqs[h1] if u in shared] == [u for u in seqs[h2] if u in shared], (h1, h2)
             ids1 = {i for u in seqs[h1] for i in u}
             assert not [u for u in seqs[h2] if set(u) & ids1 and u not in shared], (h1, h2)  # no unit split apart
-    # The memory a job holds for bucket buffers counts the lanes for small routes too: as many units again, each
-    # holding buckets of under SMALL_UNIT_BYTES.
+    # The runtime runs those units, worked out once per program (`HostLayout.depths`, by index into its tasks),
+    # and the memory a job holds for bucket buffers counts the lanes for small routes apart from the others: a
+    # bucket task counts on the lanes its unit runs on, and only there.
     from reshard.server.agent.runtime import SMALL_UNIT_BYTES, HostLayout
 
+    for h in hosts:
+        layout = HostLayout(program, h)
+        assert layout.calls_peers
+        peers, local, kept = layout.depths[0]
+        assert peers == frozenset(set().union(*(_task_peers(t, h) for t in tasks[h])))
+        assert not local  # a pure move: every task of depth 0 calls a peer
+        assert [[layout.tasks[i].step.id for i in unit] for _, unit in kept] == \
+            [[t.step.id for t in u] for u in units[h]]
+        on_small = [small for small, _ in kept]
+        assert on_small == [all(t.step.kind == MOVE for t in u) and sum(nbytes(t.step) for t in u) < SMALL_UNIT_BYTES
+                            for u in units[h]]
+        held = {i: n for i, n in zip(*_bucket_tasks(layout, h))}
+        small_tasks = {i for small, unit in kept if small for i in unit}
+        assert layout.small_bucket_buffers == sorted((n for i, n in held.items() if i in small_tasks), reverse=True)
+        assert layout.large_bucket_buffers == sorted((n for i, n in held.items() if i not in small_tasks),
+                                                     reverse=True)
+        assert layout.bucket_buffers == sorted(held.values(), reverse=True)
+        assert layout.bucket_peak(2) == sum(layout.bucket_buffers[:2])
+        assert layout.bucket_peak(2, 2) == sum(layout.large_bucket_buffers[:2]) + sum(layout.small_bucket_buffers[:2])
+    # Here every route of buckets is under SMALL_UNIT_BYTES (the large moves travel alone): they count on the lanes
+    # for small routes only, where they were counted on both before.
     layout = HostLayout(program, "i0")
-    small = layout.small_bucket_buffers
-    assert small == sorted(small, reverse=True) and set(small) <= set(layout.bucket_buffers)
-    assert all(n < SMALL_UNIT_BYTES * 4 for n in small)  # each under the size, once per receiving device
-    assert layout.bucket_peak(2, 2) == layout.bucket_peak(2) + sum(small[:2]) > layout.bucket_peak(2)
+    assert len(layout.small_bucket_buffers) > 2 and not layout.large_bucket_buffers
+    assert layout.bucket_peak(2, 2) == 2 * layout.bucket_peak(2, 1) == layout.bucket_peak(2) > 0
+
+
+def _bucket_tasks(layout, host: str) -> tuple[list[int], list[int]]:
+    """The indexes of ``layout``'s tasks that send or take a bucket, and the bytes each holds: the bucket once for
+    its sender and once per receiving device of ``host``."""
+    from reshard.mesh import host_of
+
+    picked = [(i, t) for i, t in enumerate(layout.tasks) if t.step.id in layout.buckets and t.role in ("send", "recv")]
+    return ([i for i, _ in picked],
+            [layout.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
+                                                                         for r in t.step.transfer.receivers))
+             for _, t in picked])
