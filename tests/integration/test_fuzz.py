@@ -56,8 +56,8 @@ from reshard.proto.auth import METADATA_KEY
 from reshard.proto.layout import Checksum
 from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
-from reshard.server.common.tickets import (commit_fields, execute_fields, prepare_fields, program_digest, put_fields,
-                                           sign)
+from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
+                                           program_digest, put_fields, sign)
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
@@ -603,3 +603,29 @@ def _fuzz_ticketed(ticketed_agent, method: str, examples: int) -> None:
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     with cluster.connect() as c:
         assert {a["host"]: a["up"] for a in c.agents()}["fz"]
+
+
+def test_only_a_commit_or_abort_of_uploads_may_name_further_uploads(ticketed_agent):
+    """A job's Commit or Abort that names further uploads, under a ticket that signs exactly that (as a planner's
+    would), is refused for what it is: only an upload's may, and nothing is committed or dropped."""
+    cluster, caller, agent = ticketed_agent
+    store = agent.runtime.store
+    held = store.held()
+    more = [("further-u2", "b", 1, ["fz/0"])]
+    commit = pb.StagingRequest(job_id="uploads-only", tensor="a", version=1, more=[
+        pb.UploadCommit(upload_id=u, tensor=t, version=v, devices=d) for u, t, v, d in more])
+    commit.ticket = sign(agent.secret, "commit", *commit_fields("", "uploads-only", "a", 1, [], more))
+    code, details = caller.call("Agent", "Commit", commit)
+    assert code == C.INVALID_ARGUMENT, (code, details)
+    assert "Commit of job 'uploads-only' names 1 further uploads; only a Commit of uploads may" in details
+    abort = pb.StagingRequest(job_id="uploads-only", more=[pb.UploadCommit(upload_id="further-u2")])
+    abort.ticket = sign(agent.secret, "abort", *abort_fields("", "uploads-only", ["further-u2"]))
+    code, details = caller.call("Agent", "Abort", abort)
+    assert code == C.INVALID_ARGUMENT, (code, details)
+    assert "Abort of job 'uploads-only' names 1 further uploads; only an Abort of uploads may" in details
+    # The same calls with a ticket for other fields never reach that check: the ticket is refused first.
+    commit.ticket = sign(agent.secret, "commit", *commit_fields("", "uploads-only", "a", 1, []))
+    assert caller.call("Agent", "Commit", commit)[0] == C.PERMISSION_DENIED
+    assert store.held() == held and not store.ended("further-u2") and not store.ended("uploads-only")
+    health = health_pb2_grpc.HealthStub(caller.channels["Agent"]).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
