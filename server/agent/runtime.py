@@ -561,6 +561,12 @@ class HostLayout:
             return sum(self.bucket_buffers[:at_once])
         return sum(self.large_bucket_buffers[:at_once]) + sum(self.small_bucket_buffers[:small_at_once])
 
+    def buckets_at_once(self, at_once: int, small_at_once: int = 0) -> int:
+        """How many bucket tasks `bucket_peak` counts."""
+        if not small_at_once:
+            return min(at_once, len(self.bucket_buffers))
+        return min(at_once, len(self.large_bucket_buffers)) + min(small_at_once, len(self.small_bucket_buffers))
+
     def fresh_tasks(self) -> list[Task]:
         return [copy.copy(t) for t in self.tasks]
 
@@ -667,10 +673,11 @@ class Run(Session):
         together here: they are allocated as the job runs, and a job over the memory limit is refused now, not
         part way. A cuda agent's limit is its GPU's memory, and bucket buffers are host memory: none is held."""
         # Active transports run as many tasks again on the lanes for small routes (`Runtime._in_order`).
-        peak = self.layout.bucket_peak(tasks_at_once, 0 if self.transport.passive else tasks_at_once)
+        small = 0 if self.transport.passive else tasks_at_once
+        peak = self.layout.bucket_peak(tasks_at_once, small)
         if not peak or self.store.device != "cpu":
             return
-        n = min(tasks_at_once, len(self.layout.bucket_buffers))
+        n = self.layout.buckets_at_once(tasks_at_once, small)
         self.store.reserve(self.job, {BUCKETS_KEY: peak},
                            f"job {self.job[:8]}'s bucket buffers ({n} of its {len(self.layout.bucket_buffers)} "
                            f"packed streams here at once, up to {format_size(self.layout.bucket_buffers[0])} "

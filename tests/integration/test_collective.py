@@ -393,11 +393,14 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
         assert layout.bucket_buffers == sorted(held.values(), reverse=True)
         assert layout.bucket_peak(2) == sum(layout.bucket_buffers[:2])
         assert layout.bucket_peak(2, 2) == sum(layout.large_bucket_buffers[:2]) + sum(layout.small_bucket_buffers[:2])
+        assert layout.buckets_at_once(2, 2) == min(2, len(layout.large_bucket_buffers)) + \
+            min(2, len(layout.small_bucket_buffers))
     # Here every route of buckets is under SMALL_UNIT_BYTES (the large moves travel alone): they count on the lanes
     # for small routes only, where they were counted on both before.
     layout = HostLayout(program, "i0")
     assert len(layout.small_bucket_buffers) > 2 and not layout.large_bucket_buffers
     assert layout.bucket_peak(2, 2) == 2 * layout.bucket_peak(2, 1) == layout.bucket_peak(2) > 0
+    assert layout.buckets_at_once(2, 2) == layout.buckets_at_once(2) == 2
 
 
 def _bucket_tasks(layout, host: str) -> tuple[list[int], list[int]]:
