@@ -151,8 +151,8 @@ class Planner:
                 self._layouts[text] = sharding
                 while len(self._layouts) > LAYOUTS_KEPT:
                     self._layouts.popitem(last=False)
-                    if len(self._by_layout) > 2 * LAYOUTS_KEPT:  # texts come and go; the objects they named too
-                        self._by_layout = {s: s for s in self._layouts.values()}
+            if len(self._by_layout) > 2 * LAYOUTS_KEPT:  # texts come and go (long ones are not kept): so do layouts
+                self._by_layout = {s: s for s in self._layouts.values()}
         return sharding
 
     # -- registry ------------------------------------------------------------------------

@@ -210,5 +210,11 @@ def test_the_planner_reads_a_layout_once_and_hands_out_one_object_for_it(monkeyp
         assert len(planner._layouts) == 2 and text in planner._layouts and cols_text not in planner._layouts
         assert planner._sharding(text, "sharding") is first
         assert planner._sharding(cols_text, "sharding") == Sharding(A, (None, "x"))
+        # A text too long to keep is read each time; the layouts it named are let go past 2 x LAYOUTS_KEPT.
+        monkeypatch.setattr(control, "LAYOUT_TEXT_KEPT_BYTES", 10)
+        for n in range(1, 7):
+            planner._sharding(json.dumps(Sharding(Mesh.from_hosts({"y": n}, [f"b{i}" for i in range(n)], 1),
+                                                  ("y",)).to_json()), "sharding")
+        assert len(planner._layouts) == 2 and len(planner._by_layout) <= 2 * 2 + 1
     finally:
         planner.close()
