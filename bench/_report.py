@@ -17,6 +17,16 @@ def machine() -> str:
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def turns(ours: list[float], theirs: list[float], what: str, baseline: str, where: str = "") -> str:
+    """A sentence on the spread of interleaved timed turns (``where``: a few words on where they ran): each side's
+    seconds, and ``what``'s speed against ``baseline``'s turn by turn (a turn of each runs in the same stretch of
+    this shared machine's drifting load)."""
+    ratios = [t / o for o, t in zip(ours, theirs)]
+    return (f"Over the {len(ours)} timed turns{f' {where},' if where else ''} {what} took {min(ours):.3f}-{max(ours):.3f} s and {baseline} "
+            f"{min(theirs):.3f}-{max(theirs):.3f} s, and turn by turn {what} ran at {min(ratios):.2f}x to "
+            f"{max(ratios):.2f}x {baseline}'s speed.")
+
+
 def write_section(name: str, title: str, body: str) -> None:
     """Replace (or append) the section ``name`` of BENCHMARKS.md."""
     text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER

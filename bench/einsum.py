@@ -56,12 +56,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 STORE_HOST_ENV, BIND_HOST_ENV = "EINSUM_STORE_HOST", "EINSUM_BIND_HOST"  # (b) on emulated hosts: see lab_allreduce
 
 from _checks import differing, tile_digests  # noqa: E402
+from _report import turns as turn_spread  # noqa: E402
 
 MiB = 2**20
 EQUATION = "bh,hk->bk"
 NUM_DEVICES = 4  # (a) 2 hosts x 2 devices; (b) and (c) 4 hosts x 1 device
 STEP_TIMEOUT_S = 300.0
 GOAL_COMPUTE, GOAL_ALLREDUCE, GOAL_LAB = 1.2, 0.8, 1.25
+VERSUS = ("the agents' ring", "raw gloo all_reduce")  # how the turns' spread names the two sides of (b)
 
 
 def _agent_config(host: str):
@@ -461,7 +463,10 @@ def main(argv=None) -> int:
                                       f" The same processes also ran with one in each of {NUM_DEVICES} emulated "
                                       f"hosts' namespaces (`reshard lab`, links shaped to {args.gbps:g} Gbit/s each "
                                       f"way, root), where the links, not the shared cores, set the pace: the ring's "
-                                      f"bound there is {sent / (args.gbps * 1e9 / 8):.4f} s."),
+                                      f"bound there is {sent / (args.gbps * 1e9 / 8):.4f} s.")
+        + f" {turn_spread(b['agents'], b['gloo'], *VERSUS, where='on loopback')}"
+        + ("" if "skipped" in bl else
+           f" {turn_spread(bl['agents'], bl['gloo'], *VERSUS, where='on the emulated hosts')}"),
     ]
     if "skipped" in c:
         lines.append(f"- (c) skipped: {c['skipped']}.")

@@ -54,7 +54,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import write_section  # noqa: E402
+from _report import turns as turn_spread, write_section  # noqa: E402
 from _checks import check_every_device, expected_digests  # noqa: E402
 from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
 
@@ -64,6 +64,7 @@ from reshard import box as boxes  # noqa: E402
 GB = 1e9
 MiB = 2**20
 GOAL_GLOO, GOAL_PER_TENSOR = 0.8, 3.0
+VERSUS = ("`reshard_many`", "raw gloo")  # how the turns' spread names the two sides (`_report.turns`)
 TIMEOUT_S = 900
 STORE_HOST_ENV = "WEIGHT_SYNC_STORE_HOST"  # where a gloo rank finds the driver's store (the lab's root address)
 # The same-mesh part: host0..host3 as 2 x 2, the inference layout's axes (DTensor: mesh dims "dp", "tp").
@@ -463,7 +464,8 @@ def main(argv=None) -> int:
                     f"broadcasts of (3), one rank in each emulated host's namespace on the same links and taking "
                     f"turns with it: {lab_gloo:.3f} s ({lab_gloo / e['bound_s']:.2f}x the bound), so `reshard_many` "
                     f"runs at {lab_gloo / measured:.2f}x gloo's speed there (goal >= {GOAL_GLOO:g}x: "
-                    f"{verdict(lab_gloo >= GOAL_GLOO * measured)}). {_turns(e['times'], e['gloo_times'])}")
+                    f"{verdict(lab_gloo >= GOAL_GLOO * measured)}). "
+                    f"{turn_spread(e['times'], e['gloo_times'], *VERSUS)}")
     ph = a["many_phases"]
     rest = many - sum(ph[p] for p in ("waiting", "planning", "running", "committing"))
     phases_text = (f"Where one cross-mesh `reshard_many`'s {many:.3f} s went (the planner's record of each timed job, "
@@ -472,7 +474,7 @@ def main(argv=None) -> int:
                    f"{ph['running']:.3f} s (every host's Execute; the slowest host's part {ph['slowest host']:.3f} s, "
                    f"the fastest {ph['fastest host']:.3f} s), committing {ph['committing']:.3f} s (8 hosts and the "
                    f"catalog); the remaining {rest:.3f} s are the client's request and its wait for the result. "
-                   f"Raw gloo's {gloo:.3f} s is all moving bytes. {_turns(a['many'], g['times'])}")
+                   f"Raw gloo's {gloo:.3f} s is all moving bytes. {turn_spread(a['many'], g['times'], *VERSUS)}")
     body = (f"A synthetic state dict of {len(tensors)} tensors ({nbytes / MiB:.0f} MiB: {args.layers} layers, hidden "
             f"{args.hidden}; float32, float16 and float8 bytes with float32 block scales) moved from tensor-parallel "
             f"4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7 of this machine, one process "
@@ -493,15 +495,6 @@ def main(argv=None) -> int:
     if not args.no_write:
         write_section("weight_sync", "Weight sync: a state dict from training to inference layouts", body)
     return 0
-
-
-def _turns(ours: list[float], gloo: list[float]) -> str:
-    """The spread of the timed turns: each side's seconds, and `reshard_many`'s speed against gloo's turn by turn
-    (a turn of each runs in the same stretch of this machine's drifting load)."""
-    ratios = [g / o for o, g in zip(ours, gloo)]
-    return (f"Over the {len(ours)} timed turns `reshard_many` took {min(ours):.3f}-{max(ours):.3f} s and raw gloo "
-            f"{min(gloo):.3f}-{max(gloo):.3f} s, and turn by turn `reshard_many` ran at {min(ratios):.2f}x to "
-            f"{max(ratios):.2f}x gloo's speed.")
 
 
 if __name__ == "__main__":
