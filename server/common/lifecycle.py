@@ -16,7 +16,7 @@ def settle_heap() -> None:
     """Tune the cyclic garbage collector for a long-lived service, once it is up.
 
     A service's work is done by reference counting: a job's objects form no cycles that hold memory (the agents'
-    resident memory stays flat over hundreds of jobs either way). Two costs of the collector remain, both measured
+    resident memory stays flat over 80 jobs either way). Two costs of the collector remain, both measured
     over 200 jobs of bench/weight_sync.py's move:
 
     - Its young passes ran every 700 objects, each visiting whatever of the job was still alive: 1-1.5 ms of every
