@@ -22,7 +22,8 @@ def turns(ours: list[float], theirs: list[float], what: str, baseline: str, wher
     seconds, and ``what``'s speed against ``baseline``'s turn by turn (a turn of each runs in the same stretch of
     this shared machine's drifting load)."""
     ratios = [t / o for o, t in zip(ours, theirs)]
-    return (f"Over the {len(ours)} timed turns{f' {where},' if where else ''} {what} took {min(ours):.3f}-{max(ours):.3f} s and {baseline} "
+    where = f" {where}," if where else ""
+    return (f"Over the {len(ours)} timed turns{where} {what} took {min(ours):.3f}-{max(ours):.3f} s and {baseline} "
             f"{min(theirs):.3f}-{max(theirs):.3f} s, and turn by turn {what} ran at {min(ratios):.2f}x to "
             f"{max(ratios):.2f}x {baseline}'s speed.")
 

@@ -58,7 +58,7 @@ MiB = 2**20
 # BENCHMARKS.md. Fewer, larger streams cost less to schedule and check, and a chain still pipelines them chunk by
 # chunk; the price is memory: a bucket is packed whole on its sender and held whole on each receiving device until
 # its last byte, one per transfer that runs at once (on the collective transport, `AgentConfig.collective_lanes`,
-# and as many again of those under 1 MiB, on the lanes for small routes).
+# and as many again on the lanes for routes under 1 MiB).
 # 16 and 64 MiB took turns being the faster in four runs; 16 holds a quarter of the memory.
 DEFAULT_BUCKET_BYTES = 16 * MiB
 MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; larger ones gain nothing
