@@ -25,6 +25,7 @@ that stopped answering finish last, still under the tensor's lock, so a retry st
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -177,15 +178,27 @@ class Job:
         return (self.finished or time.time()) - self.started
 
     def to_json(self) -> dict:
+        return {**self._fields(), "dsts": {n: d.to_json() for n, d in self.dsts.items()}}
+
+    def json_text(self) -> str:
+        """``json.dumps(self.to_json())``, with each destination sharding's part written once per sharding
+        (`Sharding.json_text`): a state dict's job, saved as it starts and as it ends, names hundreds of
+        destinations that share a few layouts."""
+        head = json.dumps(self._fields())
+        dsts = ", ".join(f"{json.dumps(n)}: {d.json_text()}" for n, d in self.dsts.items())
+        return f'{head[:-1]}, "dsts": {{{dsts}}}}}'
+
+    def _fields(self) -> dict:
+        """`to_json` without ``dsts``."""
         ran = self.ran
         return {"id": self.id, "tensor": self.tensor, "dst": self.dst.to_json() if self.dst is not None else None,
                 "strategy": self.strategy, "state": self.state, "error": self.error,
                 "plan_id": ran.id if ran is not None else "", "created": self.created, "started": self.started,
                 "finished": self.finished, "version": self.version, "progress": self.progress, "steps": self.steps,
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
-                "kind": self.kind, "inputs": self.inputs, "dsts": {n: d.to_json() for n, d in self.dsts.items()},
-                "scales": self.scales, "bucket_bytes": self.bucket_bytes, "versions": self.versions,
-                "outputs": self.outputs, "phases": self.phases, "host_seconds": self.host_seconds}
+                "kind": self.kind, "inputs": self.inputs, "scales": self.scales, "bucket_bytes": self.bucket_bytes,
+                "versions": self.versions, "outputs": self.outputs, "phases": self.phases,
+                "host_seconds": self.host_seconds}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -318,7 +331,7 @@ class JobRunner:
             # Taken in name order by every job, so two jobs that share tensors cannot wait for each other.
             locks = [self._tensor_locks.setdefault(n, threading.Lock())
                      for n in sorted({job.tensor, *job.inputs, *job.outputs})]
-        self.store.save_job(job.to_json())
+        self.store.save_job(job.id, job.created, job.json_text())
         self._jobs_pool.submit(self._run, job, locks)
         return job
 
@@ -395,7 +408,7 @@ class JobRunner:
         if error is None:
             with self._lock:
                 self._durations.add(job.seconds)
-        self.store.save_job(job.to_json())
+        self.store.save_job(job.id, job.created, job.json_text())
         job.done_event.set()
         self._forget_old()
 

@@ -52,9 +52,9 @@ class StateStore:
     def tensors(self) -> list[dict]:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM tensors ORDER BY name")]
 
-    def save_job(self, doc: dict) -> None:
-        self._write("INSERT OR REPLACE INTO jobs (id, created, doc) VALUES (?, ?, ?)",
-                    (doc["id"], doc["created"], json.dumps(doc)))
+    def save_job(self, job_id: str, created: float, text: str) -> None:
+        """The job ``job_id``'s document, as its JSON text (`Job.json_text`)."""
+        self._write("INSERT OR REPLACE INTO jobs (id, created, doc) VALUES (?, ?, ?)", (job_id, created, text))
 
     def delete_jobs(self, job_ids: list[str]) -> None:
         """Forget the jobs of ``job_ids`` (the plans they ran stay: other jobs may share them)."""

@@ -4,6 +4,7 @@ read at, and a failure anywhere commits none of them."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import numpy as np
@@ -155,7 +156,9 @@ def test_a_reshard_many_job_reads_back_from_the_document_the_planner_saves():
     dsts = {"w": Sharding(INFER, ("tp", None)), "w_scale": Sharding(INFER, ("tp", None))}
     job = Job("j" * 32, "w", None, "auto", kind="reshard_many", inputs=["w", "w_scale"], dsts=dsts,
               scales={"w": ["w_scale", [128, 64]]}, bucket_bytes=2**20, versions={"w": 3, "w_scale": 2})
-    back = Job.from_json(job.to_json(), None)
+    # The planner saves the job's JSON text, which writes each destination layout once (`Job.json_text`).
+    assert json.loads(job.json_text()) == json.loads(json.dumps(job.to_json()))
+    back = Job.from_json(json.loads(job.json_text()), None)
     assert (back.kind, back.inputs, back.dsts, back.scales, back.bucket_bytes, back.versions) == \
         ("reshard_many", ["w", "w_scale"], dsts, {"w": ["w_scale", [128, 64]]}, 2**20, {"w": 3, "w_scale": 2})
     assert back.state == "failed" and "restarted" in back.error and back.what == "reshard_many of 2 tensors ('w', " \
