@@ -1045,8 +1045,9 @@ class Runtime:
         if run.failed is not None:
             raise FailedPreconditionError(f"job {job} failed on agent {self.host}, so it cannot commit: {run.failed}")
         run.check_complete()
-        for name, staged in run.staging.items():  # only tensors with destination tiles here stage any
-            self.store.commit(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
+        # only tensors with destination tiles here stage any
+        self.store.commit_many([(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
+                                for name, staged in run.staging.items()])
         self.store.end(job)
         self._retire(run)
 

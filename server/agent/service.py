@@ -256,8 +256,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.tickets.check(request.ticket, "release", *release_fields(versions),
                            what=f"Release of {request.tensor!r} v{request.version}"
                                 + (f" and {len(request.more)} more" if request.more else ""))
-        for tensor, version in versions:
-            self.store.release(tensor, version)
+        self.store.release_many(versions)
         return pb.Empty()
 
     @servicer_method

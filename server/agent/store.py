@@ -207,21 +207,28 @@ class ShardStore:
 
     def commit(self, owner: str, tensor: str, version: int, devices) -> None:
         """Make the staged shards of ``devices`` visible as ``tensor`` at ``version``, all or none."""
+        self.commit_many([(owner, tensor, version, devices)])
+
+    def commit_many(self, commits: list[tuple[str, str, int, Any]]) -> None:
+        """`commit` of each (owner, tensor, version, devices) of ``commits``, all or none: a job that commits a
+        state dict, under one hold of the lock."""
         with self._lock:
-            staged = self._staged.get(owner, {})
-            missing = [d for d in devices if d not in staged]
-            if missing:
-                raise FailedPreconditionError(
-                    f"cannot commit {tensor!r} v{version}: transaction {owner} holds no shard for devices {missing}"
-                )
-            for d in devices:
-                old = self._committed.get((tensor, version, d))
-                self._committed_bytes += staged[d].nbytes - (old.nbytes if old is not None else 0)
-                self._committed[(tensor, version, d)] = staged[d]
-                self._devices.setdefault((tensor, version), set()).add(d)
-            self._unstage_locked(owner)  # a commit of no devices may name a transaction that staged nothing
-            self._drop_reserved(owner)
-            self._end_locked(owner)
+            for owner, tensor, version, devices in commits:
+                staged = self._staged.get(owner, {})
+                missing = [d for d in devices if d not in staged]
+                if missing:
+                    raise FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} holds "
+                                                  f"no shard for devices {missing}")
+            for owner, tensor, version, devices in commits:
+                staged = self._staged.get(owner, {})
+                for d in devices:
+                    old = self._committed.get((tensor, version, d))
+                    self._committed_bytes += staged[d].nbytes - (old.nbytes if old is not None else 0)
+                    self._committed[(tensor, version, d)] = staged[d]
+                    self._devices.setdefault((tensor, version), set()).add(d)
+                self._unstage_locked(owner)  # a commit of no devices may name a transaction that staged nothing
+                self._drop_reserved(owner)
+                self._end_locked(owner)
 
     def abort(self, owner: str) -> None:
         with self._lock:
@@ -254,13 +261,18 @@ class ShardStore:
 
     def release(self, tensor: str, version: int) -> int:
         """Drop every shard of ``tensor`` at ``version``; returns how many."""
+        return self.release_many([(tensor, version)])
+
+    def release_many(self, versions: list[tuple[str, int]]) -> int:
+        """`release` of each (tensor, version) of ``versions`` (a state dict's old versions), under one hold of
+        the lock; returns how many shards it dropped."""
         with self._lock:
-            keys = [(tensor, version, d) for d in self._devices.pop((tensor, version), ())]
-            dropped = [self._committed.pop(k) for k in keys]
+            dropped = [self._committed.pop((tensor, version, d)) for tensor, version in versions
+                       for d in self._devices.pop((tensor, version), ())]
             self._committed_bytes -= sum(shard.nbytes for shard in dropped)
         for shard in dropped:
             self.recycler.put(shard.array)
-        return len(keys)
+        return len(dropped)
 
     def held(self) -> list[tuple[str, int]]:
         """Every (tensor, version) this store holds committed shards of."""

@@ -64,6 +64,23 @@ def test_the_store_counts_what_it_holds_as_versions_come_and_go():
     assert store.held() == [] and store.nbytes() == store.used_bytes() == 0
 
 
+def test_a_job_s_tensors_commit_on_an_agent_all_or_none_and_release_together():
+    """`commit_many` (an agent's part of a reshard_many's commit) checks every tensor's staged tiles before it
+    makes any visible; `release_many` drops a state dict's old versions in one call."""
+    store = ShardStore(host="h0")
+    for name in ("w", "b"):
+        store.stage(f"job/{name}", "h0/0", _tile(store, MiB))
+    with pytest.raises(FailedPreconditionError, match=r"cannot commit 'b' v2: transaction job/b holds no shard for "
+                                                      r"devices \['h0/1'\]"):
+        store.commit_many([("job/w", "w", 2, ["h0/0"]), ("job/b", "b", 2, ["h0/0", "h0/1"])])
+    assert store.held() == [] and store.used_bytes() == 2 * MiB  # nothing visible, both still staged
+    store.commit_many([("job/w", "w", 2, ["h0/0"]), ("job/b", "b", 2, ["h0/0"])])
+    assert store.held() == [("b", 2), ("w", 2)] and store.nbytes() == store.used_bytes() == 2 * MiB
+    assert store.ended("job/w") and store.ended("job/b")
+    assert store.release_many([("w", 2), ("b", 2), ("w", 1)]) == 2  # a version it never held counts none
+    assert store.held() == [] and store.used_bytes() == 0
+
+
 def test_one_stream_per_device_and_nothing_staged_for_an_ended_transaction():
     """Concurrent streams of one upload's device each reserved its own bytes under one key, so together they went
     over the limit; a ticket replayed after its upload ended, or a stream its abort overtook, staged an orphan."""
