@@ -10,7 +10,9 @@ exactly as one transfer is.
 Those buffers are host memory that a job allocates as it runs. On a cpu agent they count against
 ``--memory-limit``: at prepare, a run reserves room for the largest of them that can be in flight at once
 (`Run._reserve_buckets`, under the store key `BUCKETS_KEY`), so a job whose buckets do not fit is refused
-before anything moves instead of taking the process past its limit part way.
+before anything moves instead of taking the process past its limit part way. They come from the store's
+recycler and go back to it once sent or unpacked (``take``, ``give``): a weight sync packs the same bucket
+sizes every step, and fresh memory pays a page fault per page on its first write.
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ __all__ = ["Bucket", "bucket_moves", "BYTES", "BUCKETS_KEY"]
 
 BYTES = "uint8"  # the dtype a bucket's stream carries
 BUCKETS_KEY = "bucket buffers"  # what a job's reservation for its bucket buffers is held under in the store
+
+
+def _new(nbytes: int) -> np.ndarray:
+    return np.empty(nbytes, dtype=np.uint8)
+
+
+def _drop(buffer: np.ndarray) -> None:
+    pass
 
 
 class Bucket:
@@ -58,10 +68,12 @@ class Bucket:
     def ids(self) -> list[int]:
         return [s.id for s in self.members]
 
-    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]]) -> tuple[np.ndarray, Box]:
+    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]],
+             take: Callable[[int], np.ndarray] = _new) -> tuple[np.ndarray, Box]:
         """The members' bytes in one host buffer, and the byte box it holds; ``read(device, tensor, box)`` is the
-        sender's buffer holding a member's box and the box that buffer holds."""
-        out = np.empty(self.nbytes, dtype=np.uint8)
+        sender's buffer holding a member's box and the box that buffer holds, ``take(n)`` a buffer of ``n``
+        bytes."""
+        out = take(self.nbytes)
         sender = self.step.transfer.sender
         for tensor, box, lo, hi, kind, shape in self.parts:
             array, origin = read(sender, tensor, box)
@@ -72,18 +84,22 @@ class Bucket:
                 out[lo:hi] = np.frombuffer(buffers.host_bytes(view), dtype=np.uint8)
         return out, self.step.transfer.box
 
-    def sink(self, destination: Callable[[str, Box], Any]) -> "_Unpack":
-        """Where the bucket's bytes land on this host; ``destination(tensor, box)`` is the `Sink` of a member."""
-        return _Unpack(self, destination)
+    def sink(self, destination: Callable[[str, Box], Any], take: Callable[[int], np.ndarray] = _new,
+             give: Callable[[np.ndarray], None] = _drop) -> "_Unpack":
+        """Where the bucket's bytes land on this host; ``destination(tensor, box)`` is the `Sink` of a member,
+        ``take(n)`` a buffer of ``n`` bytes and ``give(buffer)`` hands one back once it is unpacked."""
+        return _Unpack(self, destination, take, give)
 
 
 class _Unpack:
     """The `Sink` of a bucket's byte box: a buffer per receiving device, unpacked into the members' destinations
     once the device has every byte."""
 
-    def __init__(self, bucket: Bucket, destination: Callable[[str, Box], Any]):
+    def __init__(self, bucket: Bucket, destination: Callable[[str, Box], Any], take: Callable[[int], np.ndarray],
+                 give: Callable[[np.ndarray], None]):
         self.bucket = bucket
         self.destination = destination
+        self._take, self._give = take, give
         self._lock = threading.Lock()
         self._bytes: dict[str, np.ndarray] = {}
         self._got: dict[str, int] = {}
@@ -92,7 +108,7 @@ class _Unpack:
         with self._lock:
             buf = self._bytes.get(device)
             if buf is None:
-                buf = self._bytes[device] = np.empty(self.bucket.nbytes, dtype=np.uint8)
+                buf = self._bytes[device] = self._take(self.bucket.nbytes)
             return buf
 
     def write(self, device: str, box: Box, data) -> None:
@@ -112,9 +128,11 @@ class _Unpack:
         with self._lock:
             self._got[device] = self._got.get(device, 0) + n
             whole = self._got[device] == self.bucket.nbytes
-            buf = self._bytes.get(device)
+            buf = self._bytes.pop(device) if whole else None
         if whole:
             self._unpack(device, buf)
+            # Views of it a chain hop still forwards keep it from being handed out again until they end.
+            self._give(buf)
 
     def _unpack(self, device: str, buf: np.ndarray) -> None:
         for tensor, box, lo, hi, kind, shape in self.bucket.parts:

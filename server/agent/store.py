@@ -16,12 +16,13 @@ agent, torch tensors on a ``cuda:N`` agent, every device of the host on that one
 GPU. `ShardStore.adopt` brings arriving data there; everything else that touches a
 buffer's bytes goes through `reshard.server.transport.buffers`.
 
-Host buffers a released version, an aborted transaction or a finished program leaves
-are kept for reuse (`buffers.Recycler`, at most ``recycle_bytes``): the first write to fresh
-memory pays a page fault per 4 KiB, which costs several times the write itself (on the
-machine this was measured on, 60 ms against 8 ms for 64 MiB), and the jobs that repeat
-(weight sync, training steps) ask for the same sizes every time. A buffer is handed out
-again only when nothing else holds it (a reader streaming an old version keeps it).
+Host buffers a released version, an aborted transaction or a finished program leaves, and
+the buckets a job packs and unpacks (`reshard.server.agent.buckets`), are kept for reuse
+(`buffers.Recycler`, at most ``recycle_bytes``): the first write to fresh memory pays a page
+fault per 4 KiB, which costs several times the write itself (on the machine this was measured
+on, 60 ms against 8 ms for 64 MiB), and the jobs that repeat (weight sync, training steps) ask
+for the same sizes every time. A buffer is handed out again only when nothing else holds it (a
+reader streaming an old version keeps it).
 """
 
 from __future__ import annotations

@@ -60,7 +60,8 @@ from reshard.proto.devices import (
 from reshard.proto.layout import np_dtype
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
-           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler"]
+           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler",
+           "RECYCLE_MIN_BYTES"]
 
 
 def is_torch(array: Any) -> bool:
@@ -150,7 +151,7 @@ def backend_refusal(backend: str) -> str:
     return ""
 
 
-_RECYCLE_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's own free lists already
+RECYCLE_MIN_BYTES = 1 << 16  # smaller buffers come from malloc's own free lists already
 
 
 class Recycler:
@@ -171,7 +172,7 @@ class Recycler:
         """Keep ``array``'s memory for reuse, if it is a host buffer of its own (or a view of all of one)."""
         base = array.base if isinstance(array, np.ndarray) and array.base is not None else array
         if not (isinstance(base, np.ndarray) and base.flags.owndata and base.flags.c_contiguous
-                and base.nbytes == array.nbytes and _RECYCLE_MIN_BYTES <= base.nbytes <= self.cap_bytes):
+                and base.nbytes == array.nbytes and RECYCLE_MIN_BYTES <= base.nbytes <= self.cap_bytes):
             return
         with self._lock:
             self._free.setdefault(base.nbytes, []).append(base)
