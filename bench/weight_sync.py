@@ -22,7 +22,9 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
 Every result is checked bit-exact (agents: every device's tile, replicas included, by digest against the arrays;
 gloo and DTensor: each rank's received buffers, or local shard, against the arrays). Seconds are from the request (or a
 barrier) to the last byte in place (or a barrier), median of ``--runs`` after one untimed; GB/s counts the bytes
-the inference devices end up holding.
+the inference devices end up holding. For (1) and (3) on loopback the section also gives the CPU seconds every
+process of each side used in a timed run (the service's planner and agents from ``/proc``, each gloo rank its own
+``time.process_time``), summed: on this machine the cores, not the loopback, are what both sides share.
 
 5. On emulated hosts (``reshard lab``, root: 8 network namespaces, links shaped to ``--gbps`` each way), the
    ``reshard_many`` of (1), measured against its lower bound: every inference host must receive its tiles and
@@ -88,17 +90,32 @@ def _same_mesh(infer: dict) -> dict:
 # -- 1 and 2: agents ---------------------------------------------------------------------------------------------
 
 
+def _cpu_seconds(pids: list[int]) -> float:
+    """CPU seconds (user and system, every thread) the processes ``pids`` have used so far (Linux ``/proc``)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
-           results: list | None = None, between: Callable[[int], None] | None = None) -> list[float]:
+           results: list | None = None, between: Callable[[int], None] | None = None,
+           cpu: tuple[Callable[[], float], list] | None = None) -> list[float]:
     """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
     untimed (after the old versions' release, which follows a job, is over: `_settle`). The timed jobs' results go
-    to ``results``; ``between(i)`` runs after run ``i`` (0 the untimed one) and its move back."""
+    to ``results``; ``between(i)`` runs after run ``i`` (0 the untimed one) and its move back. With ``cpu``
+    (a reading of the service's CPU seconds, a list), each timed run's CPU goes to the list."""
     names, times = list(tensors), []
     expected = expected_digests(tensors, there)
     for i in range(runs + 1):
+        used = cpu[0]() if cpu is not None else 0.0
         t0 = time.monotonic()
         result = c.reshard_many(there).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
+        if cpu is not None and i:
+            cpu[1].append(cpu[0]() - used)
         _settle(c, names)
         check_every_device(c, expected, what)
         if i:
@@ -142,7 +159,10 @@ def agents(layers: int, hidden: int, runs: int, between: Callable[[int], None] |
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         c.put_many(tensors)
         results: list = []
-        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results, between)
+        pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
+        out["many_cpu"] = []
+        out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results, between,
+                             (lambda: _cpu_seconds(pids), out["many_cpu"]))
         out["many_phases"] = _phases(results)
         t0 = time.monotonic()
         for job in [c.reshard(name, sharding) for name, sharding in infer.items()]:
@@ -206,12 +226,13 @@ def _gloo_worker(port: int, rank: int, layers: int, hidden: int, runs: int) -> N
     def run(i: int) -> float:
         store.wait([f"go/{i}"])  # the driver's turn: its reshard_many run i is over (`Turns`)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         works = [dist.broadcast(buf, sender, group=group, async_op=True) for buf, sender, group, _ in mine]
         for w in works:
             w.wait()
         dist.barrier()
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        store.set(f"cpu/{i}/{rank}", json.dumps(cpu))  # this rank's CPU seconds in the timed part, all threads
         for buf, sender, _, whole in mine:
             if rank != sender and not np.array_equal(buf.numpy().view(np.uint8), whole.view(np.uint8)):
                 raise AssertionError(f"rank {rank} received wrong bytes from rank {sender}")
@@ -332,6 +353,7 @@ class Turns(_Ranks):
     def __init__(self, layers: int, hidden: int, runs: int,
                  spawn: Callable[[int, list[str]], subprocess.Popen] | None = None):
         super().__init__("--gloo-worker", len(HOSTS), layers, hidden, runs, spawn)
+        self.cpu: dict[int, float] = {}  # run -> the ranks' CPU seconds in its timed part, summed
 
     def round(self, i: int) -> float:
         """Run ``i`` of the ranks (0: the untimed one); its seconds."""
@@ -341,6 +363,7 @@ class Turns(_Ranks):
             if any(p.poll() for p in self.procs) or time.monotonic() > deadline:
                 raise RuntimeError(f"raw gloo run {i} failed: exit codes {[p.poll() for p in self.procs]}")
             time.sleep(0.01)
+        self.cpu[i] = sum(json.loads(self.store.get(f"cpu/{i}/{r}")) for r in range(len(self.procs)))
         return json.loads(self.store.get(f"done/{i}"))
 
 
@@ -435,6 +458,8 @@ def main(argv=None) -> int:
 
     many, per_tensor, gloo = (statistics.median(x) for x in (a["many"], a["per_tensor"], g["times"]))
     same_many, dtensor = statistics.median(a["same_many"]), statistics.median(d["times"])
+    many_cpu = statistics.median(a["many_cpu"])
+    gloo_cpu = statistics.median(turns.cpu[i] for i in range(1, args.runs + 1))
     same_received = _received_bytes(tensors, _same_mesh(infer))
 
     def verdict(ok: bool) -> str:
@@ -474,7 +499,14 @@ def main(argv=None) -> int:
                    f"{ph['running']:.3f} s (every host's Execute; the slowest host's part {ph['slowest host']:.3f} s, "
                    f"the fastest {ph['fastest host']:.3f} s), committing {ph['committing']:.3f} s (8 hosts and the "
                    f"catalog); the remaining {rest:.3f} s are the client's request and its wait for the result. "
-                   f"Raw gloo's {gloo:.3f} s is all moving bytes. {turn_spread(a['many'], g['times'], *VERSUS)}")
+                   f"Raw gloo's {gloo:.3f} s is all moving bytes. {turn_spread(a['many'], g['times'], *VERSUS)} "
+                   f"CPU in the timed part, every process summed (medians): `reshard_many` {many_cpu:.3f} s (the "
+                   f"planner and 8 agents: {many_cpu / many:.2f} of this machine's {os.cpu_count()} cores busy on "
+                   f"average), raw gloo {gloo_cpu:.3f} s (its 8 ranks: {gloo_cpu / gloo:.2f} cores busy), so "
+                   f"`reshard_many` spends {many_cpu / gloo_cpu:.2f}x gloo's CPU on the same bytes. "
+                   f"What the service does that gloo does not: a job's control work (plan, prepare, commit), "
+                   f"packing small tiles into buckets and unpacking them into whole destination tiles, and an "
+                   f"XXH3-64 check of every stream.")
     body = (f"A synthetic state dict of {len(tensors)} tensors ({nbytes / MiB:.0f} MiB: {args.layers} layers, hidden "
             f"{args.hidden}; float32, float16 and float8 bytes with float32 block scales) moved from tensor-parallel "
             f"4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7 of this machine, one process "
