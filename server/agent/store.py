@@ -168,7 +168,8 @@ class ShardStore:
         self.recycler.put(array)
 
     def adopt(self, array, tile: Box, dtype: str) -> TileBuffer:
-        """``array`` (numpy, or torch on any device) as a tile buffer on this store's device: moved there if it is not."""
+        """``array`` (numpy, or torch on any device) as a tile buffer on this store's device: moved there if it is
+        not."""
         return TileBuffer(buffers.to_device(array, dtype, self.device), tile, dtype)
 
     def _check_open_locked(self, owner: str, what: str) -> None:

@@ -129,8 +129,8 @@ def test_bucket_members_cut_by_the_pieces_of_their_stream_arrive_whole(transport
 def test_a_repeated_move_packs_and_unpacks_its_buckets_in_the_last_run_s_buffers(transport, request):
     """The weight-sync pattern: the same program every step. Its bucket buffers (a sender's packed bytes, a
     receiving device's before they are unpacked) go back to the store's recycler once sent or unpacked, and the
-    next run takes them from there; tiles of 32 KiB are too small to be kept, so what the recycler
-    hands out counts the buckets alone. The second run still delivers every tensor whole."""
+    next run takes them from there; tiles of 32 KiB are too small to be kept, so what the recycler hands out
+    counts the buckets alone. The second run still delivers every tensor whole."""
     hosts = Hosts(group=request.getfixturevalue("gloo_group") if transport == "collective" else None)
     try:
         rng = np.random.default_rng(5)
