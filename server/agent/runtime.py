@@ -743,12 +743,6 @@ class Run(Session):
             return self.store.empty(shape, dtype)
         return buffers.empty(shape, dtype, self.device)
 
-    def host_bytes(self, nbytes: int) -> np.ndarray:
-        """A host buffer of ``nbytes`` bytes (a bucket's, `buckets.Bucket`), recycled by the store when it can be;
-        the store takes it back by `ShardStore.recycle`."""
-        free = self.store.recycler.take(nbytes)
-        return free if free is not None else np.empty(nbytes, dtype=np.uint8)
-
     def recycle(self) -> None:
         """The run has ended: the buffers its steps made go back to the store for reuse."""
         with self._lock:
@@ -797,7 +791,7 @@ class Run(Session):
         """What the sender of move ``step`` (as `executed` gives it) reads, and the box that buffer holds."""
         bucket = self.buckets.get(step.id)
         if bucket is not None:
-            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box), self.host_bytes)
+            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box), self.store.host_buffer)
         t = step.transfer
         return self.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
 
@@ -805,7 +799,7 @@ class Run(Session):
         """Where move ``step`` (as `executed` gives it) delivers on this host."""
         bucket = self.buckets.get(step.id)
         if bucket is not None:
-            return bucket.sink(self.sink, self.host_bytes, self.store.recycle)
+            return bucket.sink(self.sink, self.store.host_buffer, self.store.recycle)
         return self.sink(step.tensor, step.transfer.box)
 
     def fill(self) -> None:

@@ -35,6 +35,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from reshard.proto.layout import np_dtype
@@ -162,6 +164,12 @@ class ShardStore:
             if free is not None:
                 return free.view(np_type).reshape(shape)
         return buffers.empty(shape, dtype, self.device)
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` bytes of host memory whatever this store's device (a bucket's, `buckets.Bucket`): a recycled
+        buffer when one of that size is free (a cuda store keeps none); `recycle` takes it back."""
+        free = self.recycler.take(nbytes)
+        return free if free is not None else np.empty(nbytes, dtype=np.uint8)
 
     def recycle(self, array) -> None:
         """``array`` is no longer needed by whoever made it (a program's scratch buffer)."""
