@@ -98,6 +98,9 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--collective-lanes", type=positive_int, default=d.collective_lanes,
                    help="collective transport: routes a host streams at once, and as many again for routes under "
                         "1 MiB (more keep fast links busier, fewer spare a loaded CPU)")
+    p.add_argument("--no-native-reduce", dest="native_reduce", action="store_false",
+                   help="collective transport: run every reduce as the ring of XXH3-checked streams, never as "
+                        "gloo's own all-reduce (which TCP's checksum alone covers)")
     p.add_argument("--nic-gbps", type=float, default=d.nic_gbps, help="NIC bandwidth reported to the planner")
     p.add_argument("--device-gflops", type=float, default=d.device_gflops,
                    help="one device's float32 GFLOP/s reported to the planner (0: measure at start)")
@@ -148,7 +151,7 @@ def _run_agent(args) -> int:
                          device=args.device, collective_timeout_s=args.collective_timeout,
                          stall_timeout_s=args.stall_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20),
-                         collective_lanes=args.collective_lanes, fault=args.fault,
+                         collective_lanes=args.collective_lanes, native_reduce=args.native_reduce, fault=args.fault,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
     health = _health_server(args, "reshard.v1.Agent")

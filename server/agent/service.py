@@ -334,7 +334,8 @@ def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport |
                          config.backend, config.device, config.group_join_timeout_s, config.collective_timeout_s)
     return CollectiveTransport(config.host, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
                                chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s,
-                               timeout_s=config.transfer_timeout_s, throttle=throttle)
+                               timeout_s=config.transfer_timeout_s, throttle=throttle,
+                               native_reduce=config.native_reduce)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:

@@ -57,6 +57,10 @@ class AgentConfig:
     # NCCL message costs far less per byte than a gRPC one, so fewer, larger chunks save CPU, while a
     # chunk's time on the link is what a chain's pipeline takes to fill per hop.
     collective_chunk_bytes: int = 0
+    # A replicated reduce whose members each have a host of their own runs as gloo's own all-reduce when no other
+    # reduce holds those hosts' group (reshard.server.transport.collective); False: always the ring of streams,
+    # each XXH3-checked. Every agent of a cluster should agree: a reduce follows whichever member decides first.
+    native_reduce: bool = True
     # Fault injection for tests of end-to-end verification: "corrupt-relay" makes a chain hop flip a
     # bit of the first chunk it receives before forwarding it (and keeping it). Never set in service.
     fault: str = ""

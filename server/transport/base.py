@@ -12,7 +12,9 @@ provides a few primitives; the semantics live here, in `Transport`:
                   check the bytes against the sender's trailer (`verify_arrival`)
 ``reduce``        sum or max of one box over an ordered group of devices, ending replicated
                   on every device or cut over them (reduce-scatter): a ring of point-to-point
-                  streams keyed (job, step, round), so every transport has it
+                  streams keyed (job, step, round), so every transport has it; a transport
+                  whose backend has its own all-reduce may run a replicated one there
+                  (``all_reduce``: the collective transport's gloo)
 ``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, the
                   running XXH3-64, the trailer ``(nbytes, xxh3_64)``, byte accounting
 ================= ==========================================================================
@@ -28,6 +30,7 @@ and the primitives a transport implements:
 ``attach``        a job starts on this host (the collective transport checks its group)
 ``handshake``     before the first call with some peers (the collective transport confirms
                   that they run the same program on the same group generation)
+``all_reduce``    (optional) a replicated reduce as the backend's own all-reduce; False: the ring
 ================= ==========================================================================
 
 A stream is pieces (a sub-box and its bytes), then one `Trailer`. A chain hop that
@@ -551,6 +554,12 @@ class Transport(ABC):
     def handshake(self, s: Session, peers: set[str]) -> None:
         """Before the first call with ``peers`` in a job."""
 
+    def all_reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str,
+                   read: Callable[[str], Any], produce: Callable[[str, Box], tuple[Any, Box]]) -> bool:
+        """This host's part of a replicated `reduce` as the backend's own all-reduce, where the transport has
+        one and every member takes it this time; False: run `reduce`'s ring (what every member then does)."""
+        return False
+
     def close(self) -> None:
         """Release connections (the agent stops)."""
 
@@ -689,7 +698,17 @@ class Transport(ABC):
         with the incoming partial part (the old version stays intact, and nothing is copied
         in beforehand); incoming partial parts land in one scratch array reused every round,
         and all-gather parts are received straight into place.
+
+        A replicated reduce goes to the transport's `all_reduce` first: where its backend runs it
+        (the collective transport's gloo), that is the reduce, and the ring (`ring_reduce`) does not run.
         """
+        if not (result == "replicate" and box and self.all_reduce(s, step, group, box, op, read, produce)):
+            self.ring_reduce(s, step, group, box, op, result, dim, read, produce)
+
+    def ring_reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str, result: str,
+                    dim: int | None, read: Callable[[str], Any],
+                    produce: Callable[[str, Box], tuple[Any, Box]]) -> None:
+        """`reduce` as the ring of tagged streams its docstring describes."""
         if not box:  # a scalar: the ring runs on its one element as a vector of one
             def produce_one(device: str, _box: Box):
                 array, origin = produce(device, ())

@@ -31,6 +31,16 @@ lanes           receives block, so the agent's runtime dispatches a job's tasks 
                 threads (`reshard.server.agent.runtime` proves it cannot deadlock); memory at
                 most ``lanes * 2 * window * chunk_bytes``. NCCL ignores tags and orders calls
                 per communicator, so it gets one lane
+all-reduce      a replicated reduce whose members each have a host of their own runs as gloo's
+                own ring all-reduce, in place in the result buffer, on a process group of
+                those hosts (formed at its first use, ``PrefixStore("reshard/g<gen>/sub/
+                <hosts>/")``); gloo matches collectives by their order on a group, so at
+                most one reduce holds a group at a time: the first member to reach it claims
+                the group (``reshard/g<gen>/native/<hosts> = <job>/<step>``, compare-and-set)
+                and writes the decision every member follows (``native`` or ``ring``); a
+                reduce that finds the group held runs the tagged ring instead. Its bytes are
+                the ring's, counted as the ring counts them; TCP's checksum is the only check
+                on them (``native_reduce=False``: always the ring, every message XXH3-checked)
 =============== ==============================================================================
 """
 
@@ -49,8 +59,9 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.mesh import host_of
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
-from reshard.proto.layout import chunk_boxes
+from reshard.proto.layout import chunk_boxes, tile_shape
 from reshard.server.common.contract import confirm_prefix
 from reshard.server.common.torch_support import require_torch, seconds_delta, torch_available
 from reshard.server.transport.base import (
@@ -62,6 +73,7 @@ from reshard.server.transport.base import (
     Trailer,
     Transport,
 )
+from reshard.server.transport.buffers import host_bytes, region, write
 
 if TYPE_CHECKING:
     from reshard.server.common.contract import GroupView
@@ -71,6 +83,13 @@ __all__ = ["torch_available", "GroupMember", "CollectiveTransport"]
 log = logging.getLogger(__name__)
 
 _STREAM_BITS = 20
+# Reduces gloo's all-reduce runs as the ring would: its ops by our names, and dtypes it adds as numpy does
+# (bfloat16, held as uint16 bits, stays on the ring, which adds it as numbers)
+_NATIVE_OPS = {"sum": "SUM", "max": "MAX"}
+_NATIVE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"})
+# A native all-reduce goes in pieces of this many chunks: the copy of the next piece's addends overlaps the
+# all-reduce of the one before, where one whole piece would keep the copy in front of the all-reduce
+NATIVE_PIECE_CHUNKS = 4
 _SEQ_MASK = (1 << 11) - 1
 
 
@@ -85,6 +104,9 @@ class Group:
     store: object  # a client of the planner's store, for the confirm keys
     device: object  # torch.device the chunks live on
     lock: threading.Lock = field(default_factory=threading.Lock)
+    # Native all-reduces: a process group of their own per set of member hosts, formed at first use (`_subgroup`)
+    subgroups: dict[tuple[str, ...], object] = field(default_factory=dict)
+    forming: dict[tuple[str, ...], threading.Lock] = field(default_factory=dict)
 
     def rank_of(self, host: str) -> int:
         try:
@@ -149,11 +171,7 @@ class GroupMember:
                 opts._timeout = seconds_delta(self.op_timeout_s)
                 pg = dist.ProcessGroupNCCL(prefixed, rank, len(members), opts)
             else:
-                opts = dist.ProcessGroupGloo._Options()
-                opts._timeout = seconds_delta(self.op_timeout_s)
-                opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host) if self.bind_host
-                                 else dist.ProcessGroupGloo.create_default_device()]
-                pg = dist.ProcessGroupGloo(prefixed, rank, len(members), opts)
+                pg = dist.ProcessGroupGloo(prefixed, rank, len(members), self.gloo_options())
         except Exception as e:  # noqa: BLE001 - reported to the planner, which re-forms the group
             with self._lock:
                 if self._target == (view.store_port, gen):
@@ -170,6 +188,15 @@ class GroupMember:
         log.info("host %s joined process group generation %d as rank %d of %d (%s)", self.host, gen, rank,
                  len(members), self.backend)
         self.changed()
+
+    def gloo_options(self):
+        """A gloo process group's options: the op timeout, and the address this agent binds."""
+        dist = self.dist
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = seconds_delta(self.op_timeout_s)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind_host) if self.bind_host
+                         else dist.ProcessGroupGloo.create_default_device()]
+        return opts
 
     def status(self) -> tuple[int, int]:
         """(joined generation, broken generation) for the next heartbeat."""
@@ -243,8 +270,13 @@ class CollectiveTransport(Transport):
     passive = False
 
     def __init__(self, host: str, member: GroupMember, *, lanes: int, window: int, chunk_bytes: int,
-                 confirm_timeout_s: float, timeout_s: float, throttle: Throttle | None = None):
+                 confirm_timeout_s: float, timeout_s: float, throttle: Throttle | None = None,
+                 native_reduce: bool = True):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle)
+        # Whether this agent proposes gloo's own all-reduce for a replicated reduce (the module table); it
+        # follows whatever the reduce's first member decided either way.
+        self.native_reduce = native_reduce and member.backend == "gloo"
+        self.native_reduces = 0  # reduces this host ran as gloo's all-reduce
         self.member = member
         self.torch = member.torch
         self.lanes = 1 if member.backend == "nccl" else lanes
@@ -392,3 +424,104 @@ class CollectiveTransport(Transport):
         self.finish(s, group, group.pg.recv([trailer], src, tag), "recv", peer)
         nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
         yield Trailer(nbytes, digest)
+
+    # -- native all-reduces -----------------------------------------------------------------------------
+
+    def all_reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str, read, produce) -> bool:
+        """Gloo's own all-reduce of ``box`` over ``group`` (see the module table), when every member has a host of
+        its own and the members decide on it (`_decide`); False: they run the ring."""
+        hosts = [host_of(d) for d in group]
+        if (len(group) < 2 or len(set(hosts)) != len(group) or self.host not in hosts or op not in _NATIVE_OPS
+                or s.dtype(step)[0] not in _NATIVE_DTYPES or self.member.backend != "gloo"):
+            return False  # decided by the program alone: every member returns here too
+        g = self._group(s)
+        members = tuple(sorted(hosts))
+        native, done = self._decide(s, g, step, members)
+        if native:
+            self._native(s, g, step, group, members, box, op, read, produce)
+        else:
+            self.ring_reduce(s, step, group, box, op, "replicate", None, read, produce)
+        done()
+        return True
+
+    def _decide(self, s: Session, g: Group, step: int, members: tuple[str, ...]) -> tuple[bool, Callable[[], None]]:
+        """Whether reduce ``step`` of the job runs natively on the hosts ``members``: the first member to get here
+        claims their group if no other reduce holds it (and this agent proposes it) and writes the decision;
+        the others read it. ``done()``, called by each member after the reduce, lets the last one free the group
+        and delete the keys."""
+        held_key = f"reshard/g{g.generation}/native/{','.join(members)}"
+        prefix = f"reshard/g{g.generation}/native-job/{s.job}/{step}/"
+        tag = f"{s.job}/{step}"
+        with g.lock:
+            held = self.native_reduce and g.store.compare_set(held_key, "", tag).decode() == tag
+            native = g.store.compare_set(prefix + "decision", "", "native" if held else "ring").decode() == "native"
+            if held and not native:  # claimed after another member decided on the ring: free it again
+                g.store.compare_set(held_key, tag, "")
+
+        def done() -> None:
+            with g.lock:
+                if g.store.add(prefix + "done", 1) == len(members):
+                    if native:
+                        g.store.compare_set(held_key, tag, "")
+                    g.store.delete_key(prefix + "decision")
+                    g.store.delete_key(prefix + "done")
+
+        return native, done
+
+    def _subgroup(self, g: Group, members: tuple[str, ...]):
+        """The process group of the hosts ``members`` in generation ``g``, formed with them at its first use."""
+        with g.lock:
+            forming = g.forming.setdefault(members, threading.Lock())
+        with forming:  # one formation per set of hosts; others form beside it
+            pg = g.subgroups.get(members)
+            if pg is None:
+                dist = self.member.dist
+                store = dist.TCPStore(g.store.host, g.store.port, is_master=False, wait_for_workers=False,
+                                      timeout=seconds_delta(self.member.join_timeout_s))
+                prefixed = dist.PrefixStore(f"reshard/g{g.generation}/sub/{','.join(members)}/", store)
+                try:
+                    pg = dist.ProcessGroupGloo(prefixed, members.index(self.host), len(members),
+                                               self.member.gloo_options())
+                except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
+                    self.member.mark_broken(g, f"forming the group of {list(members)} failed")
+                    raise UnavailableError(f"host {self.host} could not form the process group of hosts "
+                                           f"{list(members)} for an all-reduce: {e}") from None
+                g.subgroups[members] = pg
+        return pg
+
+    def _native(self, s: Session, g: Group, step: int, group: tuple[str, ...], members: tuple[str, ...], box: Box,
+                op: str, read, produce) -> None:
+        """This host's device's part of gloo's all-reduce, in place in its result buffer where it can be: the
+        addends are copied in piece by piece (`NATIVE_PIECE_CHUNKS` chunks each), each piece's all-reduce started
+        as soon as it is there, so the next piece's copy overlaps it; the source version stays intact."""
+        dist = self.member.dist
+        i = next(k for k, d in enumerate(group) if host_of(d) == self.host)
+        n, dtype, shape = len(group), s.dtype(step)[1], tile_shape(box)
+        pg = self._subgroup(g, members)
+        array, origin = produce(group[i], box)
+        view = region(array, box, origin)
+        in_place = (isinstance(view, np.ndarray) and view.dtype == dtype and view.flags.writeable
+                    and view.flags.c_contiguous)
+        acc = (view if in_place else np.empty(shape, dtype=dtype)).reshape(-1)
+        addends = np.frombuffer(host_bytes(read(group[i])), dtype=dtype)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = getattr(dist.ReduceOp, _NATIVE_OPS[op])
+        to, frm = host_of(group[(i + 1) % n]), host_of(group[(i - 1) % n])
+        s.check()
+        step_n = max(1, NATIVE_PIECE_CHUNKS * self.chunk_bytes // dtype.itemsize)
+        works = []
+        for lo in range(0, acc.size, step_n):
+            np.copyto(acc[lo:lo + step_n], addends[lo:lo + step_n])
+            works.append(pg.allreduce([self.torch.from_numpy(acc[lo:lo + step_n])], opts))
+        for work in works:
+            self.finish(s, g, work, "all-reduce", to)
+        if not in_place:
+            write(array, box, origin, acc.reshape(shape))
+        # The ring's bytes, counted as `reduce` counts its rounds: parts to the next member, from the previous one
+        parts, itemsize = boxes.split(box, n), dtype.itemsize
+        sent = sum(boxes.volume(parts[(i - r - 1) % n]) + boxes.volume(parts[(i - r) % n]) for r in range(n - 1))
+        got = sum(boxes.volume(parts[(i - r - 2) % n]) + boxes.volume(parts[(i - r - 1) % n]) for r in range(n - 1))
+        s.traffic.add_out(to, sent * itemsize, origin=False)
+        s.traffic.add_in(frm, got * itemsize)
+        with self._lock:
+            self.native_reduces += 1

@@ -60,6 +60,9 @@ class Wrapped(Transport):
     def handshake(self, s, peers) -> None:
         self.inner.handshake(s, peers)
 
+    def all_reduce(self, s, step, group, box, op, read, produce) -> bool:
+        return self.inner.all_reduce(s, step, group, box, op, read, produce)
+
     def close(self) -> None:
         self.inner.close()
 

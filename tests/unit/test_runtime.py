@@ -35,15 +35,16 @@ _SEQ = itertools.count(1)  # collective jobs need distinct numbers: they tag the
 
 class Hosts:
     """One runtime and store per host, on one in-memory network or (``group``) on a gloo group;
-    ``wrap(host, transport)`` adds faults."""
+    ``wrap(host, transport)`` adds faults. On the gloo group every reduce runs as the ring of streams unless
+    ``native_reduce`` (gloo's own all-reduce where it can: tests/unit/test_native_reduce.py)."""
 
     def __init__(self, hosts=HOSTS, wrap=lambda host, transport: transport, step_timeout_s=STEP_TIMEOUT_S,
-                 group: "Gloo | None" = None):
+                 group: "Gloo | None" = None, native_reduce: bool = False):
         net = MemoryNetwork()
         self.group = group
         self.kind = "collective" if group else "memory"
         self.stores = {h: ShardStore() for h in hosts}
-        self.transports = {h: wrap(h, group.transport(h) if group else
+        self.transports = {h: wrap(h, group.transport(h, native_reduce) if group else
                                    MemoryTransport(h, net, chunk_bytes=4096, timeout_s=step_timeout_s))
                            for h in hosts}
         self.runtimes = {h: Runtime(h, self.stores[h], {self.kind: self.transports[h]}, workers=8,
@@ -131,11 +132,12 @@ class Gloo:
             assert time.monotonic() < deadline, "the in-process gloo group did not form"
             time.sleep(0.05)
 
-    def transport(self, host: str):
+    def transport(self, host: str, native_reduce: bool = False):
         from reshard.server.transport.collective import CollectiveTransport
 
         return CollectiveTransport(host, self.members[host], lanes=4, window=4, chunk_bytes=4096,
-                                   confirm_timeout_s=STEP_TIMEOUT_S, timeout_s=STEP_TIMEOUT_S)
+                                   confirm_timeout_s=STEP_TIMEOUT_S, timeout_s=STEP_TIMEOUT_S,
+                                   native_reduce=native_reduce)
 
 
 @pytest.fixture(scope="module")
