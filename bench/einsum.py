@@ -11,11 +11,14 @@ ratios taken in one run are reported, each the median of interleaved repeats):
     arrays), one thread per device as the runtimes' step pools run them; and, for reference,
     plain ``numpy.einsum``.
     Goal: agents at most 1.2x numpy.einsum(optimize=True)'s time.
-(b) all-reduce: the program of a reshard that completes a Partial tensor (one ring reduce
-    step over 4 hosts x 1 device), run by the agents' runtimes on the collective transport
-    (gloo), one process per host, with the agents' default chunk size, lanes and window;
-    against a raw ``torch.distributed`` gloo ``all_reduce`` of the same bytes in the same
-    processes. Both timed from a barrier to a barrier. Goal: raw time / agents' time >= 0.8.
+(b) all-reduce: the program of a reshard that completes a Partial tensor (one reduce step
+    over 4 hosts x 1 device), run by the agents' runtimes on the collective transport (gloo),
+    one process per host, with the agents' defaults: chunk size, lanes, window, and the reduce
+    run as gloo's own all-reduce in the result buffer (``native_reduce``); against a raw
+    ``torch.distributed`` gloo ``all_reduce`` of the same bytes in the same processes. Both
+    timed from a barrier to a barrier. Goal: raw time / agents' time >= 0.8. For reference,
+    the same program again on agents that run every reduce as the ring of XXH3-checked
+    streams (``native_reduce=False``).
     Measured on loopback (4 processes sharing this machine's cores) and again with one process
     in each of 4 emulated hosts' namespaces (`reshard lab`, root), where ``--gbps`` links set
     the pace.
@@ -63,7 +66,7 @@ EQUATION = "bh,hk->bk"
 NUM_DEVICES = 4  # (a) 2 hosts x 2 devices; (b) and (c) 4 hosts x 1 device
 STEP_TIMEOUT_S = 300.0
 GOAL_COMPUTE, GOAL_ALLREDUCE, GOAL_LAB = 1.2, 0.8, 1.25
-VERSUS = ("the agents' ring", "raw gloo all_reduce")  # how the turns' spread names the two sides of (b)
+VERSUS = ("the agents", "raw gloo all_reduce")  # how the turns' spread names the two sides of (b)
 
 
 def _agent_config(host: str):
@@ -156,7 +159,7 @@ def compute(size: int, repeats: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-# -- (b) the agents' ring all-reduce against raw gloo, one process per host -------------------------------------
+# -- (b) the agents' all-reduce against raw gloo, one process per host ----- -------------------------------------
 
 
 def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) -> None:
@@ -192,18 +195,24 @@ def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) 
         if time.monotonic() > deadline:
             raise RuntimeError(f"{host} did not join the agents' process group within 60 s")
         time.sleep(0.02)
-    link = CollectiveTransport(host, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
-                               chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s,
-                               timeout_s=STEP_TIMEOUT_S)
-    shards = ShardStore()
-    runtime = Runtime(host, shards, {"collective": link}, workers=config.max_workers, step_timeout_s=STEP_TIMEOUT_S)
+    def agent(native: bool):  # the default agent, which runs the reduce as gloo's all-reduce, or one on the ring
+        link = CollectiveTransport(host, member, lanes=config.collective_lanes, window=config.forward_queue_chunks,
+                                   chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s,
+                                   timeout_s=STEP_TIMEOUT_S, native_reduce=native)
+        shards = ShardStore()
+        return link, shards, Runtime(host, shards, {"collective": link}, workers=config.max_workers,
+                                     step_timeout_s=STEP_TIMEOUT_S)
+
+    sides = {"agents": agent(config.native_reduce), "ring": agent(False)}
+    link = sides["agents"][0]
 
     shape = (nbytes // 4 // 1024, 1024)
     base = (np.arange(shape[0] * shape[1]) % 7).astype(np.float32).reshape(shape)
     addend = base + rank  # exact: the sum is world * base + world * (world - 1) / 2
     want = base * world + world * (world - 1) // 2
-    shards.stage("put", dev, TileBuffer(addend.copy(), tuple((0, n) for n in shape), "float32"))
-    shards.commit("put", "t", 1, [dev])
+    for _, shards, _ in sides.values():
+        shards.stage("put", dev, TileBuffer(addend.copy(), tuple((0, n) for n in shape), "float32"))
+        shards.commit("put", "t", 1, [dev])
     mesh = Mesh.from_hosts({"x": world}, list(hosts), 1)
     program = reshard_program(shape, "float32", Sharding(mesh, (None, None), partial=("x",)),
                               Sharding(mesh, (None, None))).validate()
@@ -225,8 +234,9 @@ def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) 
             raise AssertionError("raw gloo all_reduce gave wrong sums")
         return seconds, cpu
 
-    def agents(k: int) -> tuple[float, float, int]:
-        job, version = f"allreduce-{k}", k + 2
+    def agents(k: int, side: str) -> tuple[float, float, int]:
+        _, shards, runtime = sides[side]
+        job, version = f"allreduce-{side}-{k}", k + 2
         run = runtime.prepare(job, text, "t", 1, version, peers, "collective", 1, k + 1)
         barrier()
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -242,23 +252,29 @@ def _reduce_worker(port: int, rank: int, world: int, nbytes: int, repeats: int) 
 
     try:
         gloo()  # untimed: both groups' pairs connect, fresh memory is touched once
-        agents(0)
-        out: dict[str, list] = {"gloo": [], "gloo_cpu": [], "agents": [], "agents_cpu": [], "sent": []}
+        agents(0, "agents")
+        agents(0, "ring")
+        out: dict[str, list] = {"gloo": [], "gloo_cpu": [], "agents": [], "agents_cpu": [], "sent": [], "ring": [],
+                                "ring_cpu": []}
         for k in range(1, repeats + 1):
             for key, value in zip(("gloo", "gloo_cpu"), gloo()):
                 out[key].append(value)
-            for key, value in zip(("agents", "agents_cpu", "sent"), agents(k)):
+            for key, value in zip(("agents", "agents_cpu", "sent"), agents(k, "agents")):
+                out[key].append(value)
+            for key, value in zip(("ring", "ring_cpu"), agents(k, "ring")):
                 out[key].append(value)
     finally:
-        runtime.close()
+        for _, _, runtime in sides.values():
+            runtime.close()
     if rank == 0:
         out["chunk_bytes"], out["lanes"], out["window"] = link.chunk_bytes, link.lanes, link.window
+        out["native"], out["ring_native"] = link.native_reduces, sides["ring"][0].native_reduces
         print(json.dumps(out), flush=True)
 
 
 def allreduce(nbytes: int, repeats: int, spawn=None) -> dict:
-    """Medians of the agents' ring and of raw gloo ``all_reduce`` in the same processes, one per host; ``spawn(rank,
-    argv)`` starts a rank (default: a process of this machine)."""
+    """Medians of the agents (gloo's all-reduce; the ring) and of raw gloo ``all_reduce`` in the same processes,
+    one per host; ``spawn(rank, argv)`` starts a rank (default: a process of this machine)."""
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -269,7 +285,8 @@ def allreduce(nbytes: int, repeats: int, spawn=None) -> dict:
     if any(p.returncode for p in procs):
         raise RuntimeError(f"all-reduce workers failed: exit codes {[p.returncode for p in procs]}")
     out = json.loads(outs[0])
-    return {**out, **{f"{k}_s": statistics.median(out[k]) for k in ("gloo", "gloo_cpu", "agents", "agents_cpu")}}
+    return {**out, **{f"{k}_s": statistics.median(out[k])
+                      for k in ("gloo", "gloo_cpu", "agents", "agents_cpu", "ring", "ring_cpu")}}
 
 
 def lab_allreduce(gbps: float, nbytes: int, repeats: int) -> dict:
@@ -415,18 +432,23 @@ def main(argv=None) -> int:
         f"{verdict(a['agents'] <= GOAL_COMPUTE * a['blas'])} |",
         f"| (a) the same, reference | agents' program | {a['agents']:.4f} | numpy.einsum (no optimize) | "
         f"{a['numpy']:.4f} | {a['agents'] / a['numpy']:.2f}x time | - | - |",
-        f"| (b) all-reduce, {nbytes // MiB} MiB float32 over {NUM_DEVICES} hosts | agents' ring (collective) | "
+        f"| (b) all-reduce, {nbytes // MiB} MiB float32 over {NUM_DEVICES} hosts | agents (collective) | "
         f"{b['agents_s']:.4f} | raw gloo all_reduce | {b['gloo_s']:.4f} | {b['gloo_s'] / b['agents_s']:.2f}x speed | "
         f">= {GOAL_ALLREDUCE:g}x | {verdict(b['gloo_s'] >= GOAL_ALLREDUCE * b['agents_s'])} |",
+        f"| (b) the same, reference | agents' ring (`native_reduce=False`) | {b['ring_s']:.4f} | raw gloo all_reduce | "
+        f"{b['gloo_s']:.4f} | {b['gloo_s'] / b['ring_s']:.2f}x speed | - | - |",
     ]
     lab_b_what = f"(b) the same on emulated hosts, links shaped to {args.gbps:g} Gbit/s"
     if "skipped" in bl:
-        rows.append(f"| {lab_b_what} | agents' ring (collective) | - | raw gloo all_reduce | - | skipped: "
+        rows.append(f"| {lab_b_what} | agents (collective) | - | raw gloo all_reduce | - | skipped: "
                     f"{bl['skipped']} | >= {GOAL_ALLREDUCE:g}x | - |")
     else:
-        rows.append(f"| {lab_b_what} | agents' ring (collective) | {bl['agents_s']:.4f} | raw gloo all_reduce | "
+        rows.append(f"| {lab_b_what} | agents (collective) | {bl['agents_s']:.4f} | raw gloo all_reduce | "
                     f"{bl['gloo_s']:.4f} | {bl['gloo_s'] / bl['agents_s']:.2f}x speed | >= {GOAL_ALLREDUCE:g}x | "
                     f"{verdict(bl['gloo_s'] >= GOAL_ALLREDUCE * bl['agents_s'])} |")
+        rows.append(f"| (b) the same on emulated hosts, reference | agents' ring (`native_reduce=False`) | "
+                    f"{bl['ring_s']:.4f} | raw gloo all_reduce | {bl['gloo_s']:.4f} | "
+                    f"{bl['gloo_s'] / bl['ring_s']:.2f}x speed | - | - |")
     lab_what = f"(c) {EQUATION}, x {lab_b}x{lab_h} . w {lab_h}x{lab_k}, h split over {NUM_DEVICES} hosts"
     if "skipped" in c:
         rows.append(f"| {lab_what} | measured | - | program's estimate | - | skipped: {c['skipped']} | "
@@ -453,12 +475,16 @@ def main(argv=None) -> int:
         f"einsum, `optimize=True` (it hands a matmul to BLAS), as the agents' kernel runs it; plain numpy.einsum, for "
         f"reference, loops in C without BLAS.",
         f"- (b) the program of a reshard that completes a Partial tensor, `P(None, None) + partial(x)` -> "
-        f"`P(None, None)` (one ring reduce step), run by the agents' runtimes on the collective transport, one "
+        f"`P(None, None)` (one reduce step), run by the agents' runtimes on the collective transport, one "
         f"process per host on loopback (chunks {b['chunk_bytes'] // MiB} MiB, {b['lanes']} lanes, window "
         f"{b['window']}: the agents' defaults), against raw gloo `all_reduce` of the same bytes in the same "
-        f"processes; both timed barrier to barrier. Each host sent {sent / MiB:.1f} MiB, the ring's 2(n-1)/n "
-        f"of the tile. CPU seconds per process in that time (host0, all threads): agents "
-        f"{b['agents_cpu_s']:.3f}, raw gloo {b['gloo_cpu_s']:.3f}; {NUM_DEVICES} processes share this machine's "
+        f"processes; both timed barrier to barrier. The agents ran {b['native']} of their {repeats + 1} reduces "
+        f"(host0) as gloo's own all-reduce, in place in the new version's buffer after copying the addends in "
+        f"(the source version stays intact; raw gloo reduces its buffer in place, its copy untimed); the reference "
+        f"agents ran {b['ring_native']} so, every other one as the ring of XXH3-checked streams. Each host sent "
+        f"{sent / MiB:.1f} MiB, the ring's 2(n-1)/n of the tile (as the agents count it). CPU seconds per process "
+        f"in that time (host0, all threads): agents {b['agents_cpu_s']:.3f}, agents' ring {b['ring_cpu_s']:.3f}, "
+        f"raw gloo {b['gloo_cpu_s']:.3f}; {NUM_DEVICES} processes share this machine's "
         f"{os.cpu_count()} cores." + ("" if "skipped" in bl else
                                       f" The same processes also ran with one in each of {NUM_DEVICES} emulated "
                                       f"hosts' namespaces (`reshard lab`, links shaped to {args.gbps:g} Gbit/s each "
