@@ -8,8 +8,9 @@ send        a move's sender: copies into its receivers on this host, then the bo
             the remote receivers or down the chain (`Transport.move`)
 recv        one hop of a move that arrives here: write, forward, verify (`Transport.take`)
 compute     a named kernel on local tiles (`KERNELS`: those of ``reshard.kernels``)
-reduce      this host's devices' part of a group reduce (`Transport.reduce`: a ring; a step
-            that asks for the ``chain`` algorithm runs as a ring too, with the same result)
+reduce      this host's devices' part of a group reduce (`Transport.reduce`: a ring, or gloo's own
+            all-reduce on the collective transport; a step that asks for the ``chain`` algorithm
+            runs the same way, with the same result)
 =========== ========================================================================
 
 A step is *done here* when all its tasks on this host are. A send, compute or reduce
