@@ -84,9 +84,12 @@ log = logging.getLogger(__name__)
 
 _STREAM_BITS = 20
 # Reduces gloo's all-reduce runs as the ring would: its ops by our names, and dtypes it adds as numpy does
-# (bfloat16, held as uint16 bits, stays on the ring, which adds it as numbers)
+# (bfloat16, held as uint16 bits, stays on the ring, which adds it as numbers). Gloo's max is std::max, which
+# keeps or drops a NaN by the order of its operands where numpy.maximum always keeps it: a float max stays on
+# the ring.
 _NATIVE_OPS = {"sum": "SUM", "max": "MAX"}
 _NATIVE_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8"})
+_FLOATS = frozenset({"float16", "float32", "float64"})
 # A native all-reduce goes in pieces of this many chunks: the copy of the next piece's addends overlaps the
 # all-reduce of the one before, where one whole piece would keep the copy in front of the all-reduce
 NATIVE_PIECE_CHUNKS = 4
@@ -431,8 +434,9 @@ class CollectiveTransport(Transport):
         """Gloo's own all-reduce of ``box`` over ``group`` (see the module table), when every member has a host of
         its own and the members decide on it (`_decide`); False: they run the ring."""
         hosts = [host_of(d) for d in group]
+        dtype = s.dtype(step)[0]
         if (len(group) < 2 or len(set(hosts)) != len(group) or self.host not in hosts or op not in _NATIVE_OPS
-                or s.dtype(step)[0] not in _NATIVE_DTYPES or self.member.backend != "gloo"):
+                or dtype not in _NATIVE_DTYPES or (op == "max" and dtype in _FLOATS) or self.member.backend != "gloo"):
             return False  # decided by the program alone: every member returns here too
         g = self._group(s)
         members = tuple(sorted(hosts))

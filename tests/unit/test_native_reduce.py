@@ -1,15 +1,15 @@
 """Replicated reduces as gloo's own all-reduce (`CollectiveTransport.all_reduce`), on a real gloo group formed in
 this process: exact results for the ops and dtypes it takes, the ring's bytes, the source left as it was, the
-group of the members' hosts claimed and freed through the store; a reduce that finds that group held, or whose
-members share a host, runs the ring of streams instead; two jobs reducing over the same hosts at once both come
-out exact."""
+group of the members' hosts claimed and freed through the store; a reduce that finds that group held, whose
+members share a host, or that takes a float max, runs the ring of streams instead; two jobs reducing over the
+same hosts at once both come out exact."""
 
 import threading
 
 import numpy as np
 import pytest
 
-from reshard import Mesh, Sharding, reshard_program
+from reshard import Mesh, Sharding
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from tests.unit.test_runtime import Hosts, gloo  # noqa: F401 - fixture
 
@@ -69,6 +69,19 @@ def test_a_reduce_that_finds_its_hosts_group_held_runs_the_ring(native, gloo):  
         assert gloo.store.get(held) == b"another-job/3"  # the holder's claim untouched
     finally:
         gloo.store.set(held, "")
+
+
+def test_a_float_max_runs_the_ring_which_keeps_every_nan(native):
+    """Gloo's max keeps or drops a NaN by its operands' order; numpy.maximum, the ring's fold, always keeps it."""
+    addends = {d: np.zeros(SHAPE, np.float32) for d in ACROSS}
+    addends["host1/0"][3, 4] = np.nan
+    addends["host2/0"][5, 6] = np.nan
+    native.put("m", {d: (a, FULL) for d, a in addends.items()})
+    job, runs = native.start(_reduce_program(ACROSS, "max", "float32"), "m")
+    native.finish(job, runs)
+    got = native.get("m", Sharding(Mesh({"x": 3}, list(ACROSS)), (None, None)), SHAPE)
+    assert np.isnan(got[3, 4]) and np.isnan(got[5, 6]) and np.count_nonzero(np.isnan(got)) == 2
+    assert all(t.native_reduces == 0 for t in native.transports.values())
 
 
 def test_a_reduce_whose_members_share_a_host_runs_the_ring(native):
