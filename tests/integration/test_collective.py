@@ -2,7 +2,8 @@
 
 A job on a stale process group generation and agents that prepared different plans
 each fail with a clean error inside the timeout instead of hanging a recv; the job
-records which transport carried each transfer, and the planner totals the bytes.
+records which transport carried each transfer, and the planner totals the bytes. An all-reduce across agent
+processes runs as gloo's own all-reduce unless the agents run with ``--no-native-reduce``.
 """
 
 from __future__ import annotations
@@ -143,6 +144,36 @@ def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
             assert result.transport == "collective" and result.network_bytes > 2**20
             for n, a in arrays.items():
                 assert_every_device(c, n, a, Sharding(infer, specs[n]))
+    finally:
+        _stop(procs, server, planner)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-reduce", "no-native-reduce"])
+def test_an_all_reduce_across_agent_processes_runs_natively_unless_the_agents_say_not(tmp_path, native):
+    """A contracting dim split over three agent processes: its all-reduce sums exactly either way. By default the
+    agents claim their hosts' group for gloo's own all-reduce (the claim key is left free afterwards); with
+    ``--no-native-reduce`` none of them proposes it, so the key never exists and the reduce runs the ring."""
+    server, port, planner = serve_planner(PlannerConfig(heartbeat_timeout_s=2.0, group_wait_s=20.0))
+    address = f"127.0.0.1:{port}"
+    hosts = ("n0", "n1", "n2")
+    procs = [_agent(address, h, tmp_path, "collective", *(() if native else ("--no-native-reduce",))) for h in hosts]
+    try:
+        generation = _wait_group(planner, hosts)
+        mesh = Mesh.from_hosts({"x": 3}, list(hosts), 1)
+        rng = np.random.default_rng(11)
+        a, b = rng.integers(-4, 5, (24, 96)).astype(np.float64), rng.integers(-4, 5, (96, 40)).astype(np.float64)
+        with Client(address) as c:
+            c.put("na", a, Sharding(mesh, (None, "x")))
+            c.put("nb", b, Sharding(mesh, ("x", None)))
+            result = c.einsum("ij,jk->ik", "na", "nb", out="nc").result(timeout=60)
+            assert result.transport == "collective"
+            np.testing.assert_array_equal(c.get("nc"), a @ b)
+        key = f"reshard/g{generation}/native/{','.join(hosts)}"
+        store = planner.rendezvous.store
+        if native:
+            assert store.check([key]) and store.get(key) == b""  # claimed for the reduce, then freed
+        else:
+            assert not store.check([key])
     finally:
         _stop(procs, server, planner)
 
