@@ -116,7 +116,9 @@ class JobResult:
     seconds: float
     version: int
     progress: dict[str, tuple[int, int]]  # host -> (bytes sent, bytes to send)
-    traffic: dict[str, dict]  # host -> {"bytes_in": {peer: n}, "bytes_out": {peer: n}, "local_bytes": n}
+    # host -> {"bytes_in": {peer: n}, "bytes_out": {peer: n}, "local_bytes": n, "native_reduces": n}: the last, how
+    # many of the host's reduces ran as the transport's own all-reduce (gloo's) rather than the agents' ring
+    traffic: dict[str, dict]
     error: str = ""
     transport: str = ""  # what carried the network transfers: "grpc" or "collective"
     transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", or "local" (stayed on a host)
@@ -136,8 +138,8 @@ def _result(info: pb.JobInfo) -> JobResult:
         id=info.id, state=info.state, tensor=info.tensor, strategy=info.strategy, plan_id=info.plan_id,
         seconds=info.seconds, version=info.version,
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
-        traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
-                 for t in info.traffic},
+        traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
+                          "native_reduces": t.native_reduces} for t in info.traffic},
         error=info.error, transport=info.transport, transports=tuple(info.transports), versions=dict(info.versions),
         phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())))
 

@@ -187,7 +187,7 @@ class AgentServicer(pb_grpc.AgentServicer):
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)
         return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
-                              local_bytes=t.local_bytes)
+                              local_bytes=t.local_bytes, native_reduces=t.native_reduces)
 
     @staticmethod
     def _progress(run: Run, **fields) -> pb.Progress:

@@ -139,7 +139,7 @@ class Job:
     version: int = 0
     progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [bytes done, bytes to send]
     steps: dict[str, list[int]] = field(default_factory=dict)  # host -> [steps done, steps with a part there]
-    traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes}
+    traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes, native_reduces}
     transport: str = ""  # grpc or collective, once chosen
     transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
     kind: str = "reshard"  # or "reshard_many", "einsum", or the kernel of an apply

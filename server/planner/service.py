@@ -30,7 +30,8 @@ __all__ = ["serve_planner", "GrpcAgentCalls"]
 
 
 def _traffic(t: pb.HostTraffic) -> dict:
-    return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes}
+    return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
+            "native_reduces": t.native_reduces}
 
 
 _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
@@ -244,7 +245,8 @@ def job_info(job: Job) -> pb.JobInfo:
         id=job.id, tensor=job.tensor, state=job.state, error=job.error,
         plan_id=job.plan.id if job.plan else "", strategy=job.strategy,
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
-        traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"])
+        traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"],
+                                native_reduces=t.get("native_reduces", 0))  # a record from before the count
                  for h, t in sorted(job.traffic.items())],
         seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
         kind=job.kind, inputs=job.inputs, versions=job.versions,

@@ -132,6 +132,7 @@ class Traffic:
         self.bytes_out: dict[str, int] = defaultdict(int)
         self.local_bytes = 0
         self.sent = 0  # as a transfer's sender: what progress reports (``reshard.cost.sender_bytes``)
+        self.native_reduces = 0  # reduces run as the transport's own all-reduce (`Transport.all_reduce`)
 
     def add_in(self, peer: str, n: int) -> None:
         with self._lock:
@@ -142,6 +143,10 @@ class Traffic:
             self.bytes_out[peer] += n
             if origin:
                 self.sent += n
+
+    def add_native_reduce(self) -> None:
+        with self._lock:
+            self.native_reduces += 1
 
     def add_local(self, n: int, origin: bool = True) -> None:
         with self._lock:

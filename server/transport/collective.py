@@ -527,5 +527,6 @@ class CollectiveTransport(Transport):
         got = sum(boxes.volume(parts[(i - r - 2) % n]) + boxes.volume(parts[(i - r - 1) % n]) for r in range(n - 1))
         s.traffic.add_out(to, sent * itemsize, origin=False)
         s.traffic.add_in(frm, got * itemsize)
+        s.traffic.add_native_reduce()
         with self._lock:
             self.native_reduces += 1

@@ -151,8 +151,9 @@ def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
 @pytest.mark.parametrize("native", [True, False], ids=["native-reduce", "no-native-reduce"])
 def test_an_all_reduce_across_agent_processes_runs_natively_unless_the_agents_say_not(tmp_path, native):
     """A contracting dim split over three agent processes: its all-reduce sums exactly either way. By default the
-    agents claim their hosts' group for gloo's own all-reduce (the claim key is left free afterwards); with
-    ``--no-native-reduce`` none of them proposes it, so the key never exists and the reduce runs the ring."""
+    agents claim their hosts' group for gloo's own all-reduce (the claim key is left free afterwards) and the job's
+    traffic says each host ran it so; with ``--no-native-reduce`` none of them proposes it, so the key never exists
+    and every host ran the ring."""
     server, port, planner = serve_planner(PlannerConfig(heartbeat_timeout_s=2.0, group_wait_s=20.0))
     address = f"127.0.0.1:{port}"
     hosts = ("n0", "n1", "n2")
@@ -167,6 +168,7 @@ def test_an_all_reduce_across_agent_processes_runs_natively_unless_the_agents_sa
             c.put("nb", b, Sharding(mesh, ("x", None)))
             result = c.einsum("ij,jk->ik", "na", "nb", out="nc").result(timeout=60)
             assert result.transport == "collective"
+            assert {h: t["native_reduces"] for h, t in result.traffic.items()} == {h: int(native) for h in hosts}
             np.testing.assert_array_equal(c.get("nc"), a @ b)
         key = f"reshard/g{generation}/native/{','.join(hosts)}"
         store = planner.rendezvous.store

@@ -49,6 +49,7 @@ def test_a_replicated_reduce_over_hosts_of_their_own_runs_as_gloo_s_all_reduce(n
     for dev in ACROSS:
         host = dev.split("/")[0]
         assert native.transports[host].native_reduces == 1, host
+        assert native.runtimes[host].traffic(job).native_reduces == 1, host  # what the job's traffic reports
         assert sum(native.runtimes[host].traffic(job).bytes_out.values()) == 2 * 2 * tile // 3  # the ring's share
         assert np.array_equal(native.stores[host].get("r", 1, dev).array, addends[dev])  # the source as it was
     assert native.transports["host3"].native_reduces == 0  # not a member
