@@ -23,9 +23,17 @@ from reshard.dtypes import holder_name, itemsize
 __all__ = ["np_dtype", "chunk_boxes", "Checksum", "digest", "tile_shape"]
 
 
+_HOLDERS: dict[str, np.dtype] = {}  # dtype name -> np_dtype: an agent asks for it per tile and per piece
+
+
 def np_dtype(dtype) -> np.dtype:
     """The numpy dtype that holds elements of ``dtype`` (bfloat16 as uint16 bits, float8 as uint8 bits)."""
-    return np.dtype(holder_name(dtype))
+    held = _HOLDERS.get(dtype) if type(dtype) is str else None
+    if held is None:
+        held = np.dtype(holder_name(dtype))  # raises for a name reshard does not know: only known ones are kept
+        if type(dtype) is str:
+            _HOLDERS[dtype] = held
+    return held
 
 
 def tile_shape(box: Box) -> tuple[int, ...]:

@@ -83,7 +83,7 @@ from reshard.proto.layout import Checksum, chunk_boxes, digest, tile_shape
 from reshard.server.agent.buckets import BUCKETS_KEY, BYTES, Bucket, bucket_moves
 from reshard.server.agent.matmul import einsum2
 from reshard.server.agent.pace import DevicePace
-from reshard.server.agent.staging import NoTiles, StagedTiles, staged_bytes, staging_owner
+from reshard.server.agent.staging import NoTiles, StagedTiles, staged_bytes, staging_owner, tile_plan
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
@@ -522,15 +522,15 @@ class HostLayout:
         self.committed_names = frozenset(t.name for t in self.committed)
         self.unresharded = [t.name for t in self.committed if not t.is_reshard]
         self.staged = staged_bytes(self.committed, host) if len(self.committed) > 1 else {}
-        # tensor -> this host's devices' destination tiles, and their source tiles where the tensor has a source
+        # tensor -> this host's devices' destination tiles
         self.dst_tiles = {t.name: {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
                           for t in self.committed}
         self.here = [t for t in self.committed if self.dst_tiles[t.name]]  # the tensors this host stages tiles of
         # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
         # (`Run._stage`).
         self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
-        self.src_tiles = {t.name: {d: b for d, b in t.src.tiles(t.shape).items() if d in self.dst_tiles[t.name]}
-                          for t in self.committed if t.src is not None}
+        # tensor -> how this host stages its tiles (`staging.tile_plan`)
+        self.tile_plans = {t.name: tile_plan(t, host, self.dst_tiles[t.name]) for t in self.here}
         # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).
@@ -645,8 +645,10 @@ class Run(Session):
         self.staging: dict[str, StagedTiles] = {}
         owners = []
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
-        # would each pass over everything the store holds.
+        # would each pass over everything the store holds; and they are staged together, under one hold of the
+        # store's lock.
         together = staging_owner(self.job, "", 2) if len(committed) > 1 else None
+        staged: list | None = [] if together is not None else None
         try:
             if together is not None:
                 owners.append(together)
@@ -656,11 +658,11 @@ class Run(Session):
                 owners.append(staging_owner(self.job, decl.name, len(committed)))
                 tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.host, self.store,
                                     self.version(decl.name), self.empty, defer, reserve=together is None,
-                                    tiles=self.layout.dst_tiles[decl.name],
-                                    src_tiles=self.layout.src_tiles.get(decl.name))
+                                    plan=self.layout.tile_plans[decl.name], staged=staged)
                 self.staging[decl.name] = tiles
                 self.fills += tiles.fills
             if together is not None:
+                self.store.stage_many(staged)
                 self.store.abort(together)  # every tile is staged now, and counts as staged
             self._reserve_buckets(tasks_at_once)
         except BaseException:

@@ -11,6 +11,7 @@ so commit can tell a tile that is not complete.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from reshard.proto.layout import tile_shape
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.transport import buffers
 
-__all__ = ["StagedTiles", "NoTiles", "staging_owner"]
+__all__ = ["StagedTiles", "NoTiles", "TilePlan", "tile_plan", "staging_owner"]
 
 
 def staging_owner(job: str, tensor: str, num_committed: int) -> str:
@@ -42,6 +43,37 @@ def staged_bytes(tensors: list[TensorDecl], host: str) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class TilePlan:
+    """How a host stages its destination tiles of one tensor, the same for every run of a program (`tile_plan`,
+    kept by `runtime.HostLayout`): whether the tensor is made whole (see `StagedTiles`), its tiles here, and per
+    device (device, tile, the tile's shape, the part its own source shard holds or None, the elements still to
+    come once that part is in)."""
+
+    made_whole: bool
+    tiles: dict[str, Box]
+    devices: tuple[tuple[str, Box, tuple[int, ...], Box | None, int], ...]
+
+
+def tile_plan(decl: TensorDecl, host: str, tiles: dict[str, Box] | None = None,
+              src_tiles: dict[str, Box] | None = None) -> TilePlan:
+    """`TilePlan` of ``decl`` on ``host``; ``tiles`` (this host's destination tiles) and ``src_tiles`` (their
+    devices' source tiles) when the caller has them."""
+    made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
+    if tiles is None:
+        tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
+    if made_whole:
+        src_tiles = {}
+    elif src_tiles is None:
+        src_tiles = decl.src.tiles(decl.shape)
+    devices = []
+    for dev, tile in tiles.items():
+        held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+        devices.append((dev, tile, tile_shape(tile), held,
+                        boxes.volume(tile) - (boxes.volume(held) if held is not None else 0)))
+    return TilePlan(made_whole, tiles, tuple(devices))
+
+
 class StagedTiles:
     """This host's destination tiles of one tensor a job commits (``decl``, stored as ``name``).
 
@@ -53,28 +85,25 @@ class StagedTiles:
     """
 
     def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, host: str, store: ShardStore,
-                 src_version: int, empty, defer: bool, reserve: bool = True, tiles: dict[str, Box] | None = None,
-                 src_tiles: dict[str, Box] | None = None):
-        """``tiles`` (this host's destination tiles) and ``src_tiles`` (their devices' source tiles) may be
-        given, worked out once for every run of a program (`runtime.HostLayout`)."""
+                 src_version: int, empty, defer: bool, reserve: bool = True, plan: TilePlan | None = None,
+                 staged: list | None = None):
+        """``plan`` may be given, worked out once for every run of a program (`runtime.HostLayout`). With
+        ``staged`` the caller stages the buffers: each (owner, device, buffer) is appended to it for
+        `ShardStore.stage_many`."""
+        plan = plan if plan is not None else tile_plan(decl, host)
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
-        self.made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
-        self.tiles: dict[str, Box] = tiles if tiles is not None else {
-            d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
+        self.made_whole = plan.made_whole
+        self.tiles: dict[str, Box] = plan.tiles
         self.buffers: dict[str, Any] = {}
         self.missing: dict[str, int] = {}
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._lock = threading.Lock()
-        if decl.src is None or self.made_whole:
-            src_tiles = {}
-        elif src_tiles is None:
-            src_tiles = decl.src.tiles(decl.shape)
         if reserve:  # else the caller reserved the room: refused before any buffer exists when over the limit
             store.reserve(owner, {d: boxes.volume(t) * decl.itemsize for d, t in self.tiles.items()},
                           f"job {job[:8]}'s destination tiles of {name!r}")
-        for dev, tile in self.tiles.items():
-            buf = empty(tile_shape(tile), decl.dtype)
-            held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
+        dtype = decl.dtype
+        for dev, tile, shape, held, missing in plan.devices:
+            buf = empty(shape, dtype)
             if held is not None:
                 src = store.get(name, src_version, dev)
                 if defer:
@@ -82,8 +111,11 @@ class StagedTiles:
                 else:
                     buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
             self.buffers[dev] = buf
-            self.missing[dev] = boxes.volume(tile) - (boxes.volume(held) if held else 0)
-            store.stage(owner, dev, TileBuffer(buf, tile, decl.dtype))
+            self.missing[dev] = missing
+            if staged is None:
+                store.stage(owner, dev, TileBuffer(buf, tile, dtype))
+            else:
+                staged.append((owner, dev, TileBuffer(buf, tile, dtype)))
 
     def holding(self, device: str, box: Box) -> tuple[Any, Box] | None:
         """``device``'s staged buffer and its tile, if that tile holds ``box``."""

@@ -204,12 +204,20 @@ class ShardStore:
             self._ended.popitem(last=False)
 
     def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
-        assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
+        self.stage_many([(owner, device, shard)])
+
+    def stage_many(self, shards: list[tuple[str, str, TileBuffer]]) -> None:
+        """`stage` of each (owner, device, buffer) of ``shards``, in order, under one hold of the lock: a job's
+        tiles of a whole state dict."""
+        for _, _, shard in shards:
+            assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
-            self._check_open_locked(owner, f"staging device {device}'s buffer")
-            self._staged_bytes += shard.nbytes - self._staged_nbytes(owner, device)
-            self._staged.setdefault(owner, {})[device] = shard
-            self._reserved.pop((owner, device), None)
+            for owner, device, shard in shards:
+                self._check_open_locked(owner, f"staging device {device}'s buffer")
+                self._staged_bytes += shard.nbytes - self._staged_nbytes(owner, device)
+                self._staged.setdefault(owner, {})[device] = shard
+                if self._reserved:
+                    self._reserved.pop((owner, device), None)
 
     def staged(self, owner: str, device: str) -> TileBuffer | None:
         with self._lock:
@@ -230,13 +238,13 @@ class ShardStore:
                     raise FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} holds "
                                                   f"no shard for devices {missing}")
             for owner, tensor, version, devices in commits:
-                staged = self._staged.get(owner, {})
+                staged = self._unstage_locked(owner)  # a commit of no devices may name one that staged nothing
                 for d in devices:
+                    shard = staged[d]
                     old = self._committed.get((tensor, version, d))
-                    self._committed_bytes += staged[d].nbytes - (old.nbytes if old is not None else 0)
-                    self._committed[(tensor, version, d)] = staged[d]
+                    self._committed_bytes += shard.array.nbytes - (old.array.nbytes if old is not None else 0)
+                    self._committed[(tensor, version, d)] = shard
                     self._devices.setdefault((tensor, version), set()).add(d)
-                self._unstage_locked(owner)  # a commit of no devices may name a transaction that staged nothing
                 self._drop_reserved(owner)
                 self._end_locked(owner)
 
@@ -251,10 +259,13 @@ class ShardStore:
 
     def _unstage_locked(self, owner: str) -> dict[str, TileBuffer]:
         staged = self._staged.pop(owner, {})
-        self._staged_bytes -= sum(shard.nbytes for shard in staged.values())
+        for shard in staged.values():
+            self._staged_bytes -= shard.array.nbytes
         return staged
 
     def _drop_reserved(self, owner: str) -> None:
+        if not self._reserved:
+            return
         for key in [k for k in self._reserved if k[0] == owner]:
             del self._reserved[key]
 

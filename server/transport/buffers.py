@@ -69,6 +69,8 @@ def is_torch(array: Any) -> bool:
 
 
 def device_of(array: Any) -> str:
+    if type(array) is np.ndarray:
+        return "cpu"
     if is_torch(array):
         return str(array.device)
     return "cpu"
