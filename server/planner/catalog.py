@@ -33,6 +33,7 @@ from reshard.sharding import Sharding, normalise_shape
 __all__ = ["TensorRecord", "Catalog", "Upload", "Uploads", "repeated_names"]
 
 KINDS = ("numpy", "torch")
+_quoted = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ class TensorRecord:
 
     def json_text(self) -> str:
         """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
-        saves hundreds of records that share a few layouts."""
-        head = json.dumps({"name": self.name, "shape": list(self.shape), "dtype": self.dtype})
-        return (f'{head[:-1]}, "sharding": {self.sharding.json_text()}, "version": {self.version}, '
-                f'"kind": {json.dumps(self.kind)}, "lost": {json.dumps(sorted(self.lost))}}}')
+        saves hundreds of records that share a few layouts. The strings are escaped as ``json.dumps`` escapes
+        them, without its encoder's set-up per call."""
+        lost = ", ".join(map(_quoted, sorted(self.lost)))
+        return (f'{{"name": {_quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
+                f'"dtype": {_quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
+                f'"version": {self.version}, "kind": {_quoted(self.kind)}, "lost": [{lost}]}}')
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":

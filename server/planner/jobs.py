@@ -185,7 +185,8 @@ class Job:
         (`Sharding.json_text`): a state dict's job, saved as it starts and as it ends, names hundreds of
         destinations that share a few layouts."""
         head = json.dumps(self._fields())
-        dsts = ", ".join(f"{json.dumps(n)}: {d.json_text()}" for n, d in self.dsts.items())
+        quoted = json.encoder.encode_basestring_ascii  # as json.dumps writes a string, without its set-up per call
+        dsts = ", ".join(f"{quoted(n)}: {d.json_text()}" for n, d in self.dsts.items())
         return f'{head[:-1]}, "dsts": {{{dsts}}}}}'
 
     def _fields(self) -> dict:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from reshard import Mesh, Sharding, TensorDecl
 from reshard.many import plan_many
 from reshard.server.agent.runtime import PROGRAMS_KEPT, Runtime
@@ -116,6 +118,8 @@ def test_the_state_store_saves_many_tensors_in_one_transaction_and_reads_them_ba
     recs = [TensorRecord("t0", (8, 4), "float32", Sharding(A, ("x", None)), 1),
             TensorRecord('t1"\u00e9', (8,), "bfloat16", partial, 2, "torch", frozenset({"a1/0", "a0/1"})),
             TensorRecord("t2", (3, 5, 7), "float8_e4m3fn", Sharding(A, (None, ("x",))), 3)]
+    # The text is json.dumps's to the character, escapes included, though written without it.
+    assert [r.json_text() for r in recs] == [json.dumps(r.to_json()) for r in recs]
     store.save_tensors([(r.name, r.json_text()) for r in recs])
     moved = bumped(recs[1], Sharding(A, ("x",)))
     store.save_tensor(moved.name, moved.json_text())  # replaces, in place of the old version
@@ -154,8 +158,6 @@ def test_a_program_is_validated_and_written_out_once_and_a_bad_one_fails_every_t
 def test_an_agent_takes_the_id_a_signed_text_claims_and_the_ticket_refuses_any_other_text():
     """An agent no longer works the id out of the program's content again: the planner's Prepare ticket signs the
     text's hash, so a text changed after signing is refused before it is read, and the id it claims stands."""
-    import json
-
     import pytest
 
     from reshard.proto.errors import PermissionDeniedError
@@ -180,8 +182,6 @@ def test_an_agent_takes_the_id_a_signed_text_claims_and_the_ticket_refuses_any_o
 
 
 def test_the_planner_reads_a_layout_once_and_hands_out_one_object_for_it(monkeypatch):
-    import json
-
     import pytest
 
     from reshard.errors import InvalidShardingError
