@@ -55,17 +55,12 @@ class TilePlan:
     devices: tuple[tuple[str, Box, tuple[int, ...], Box | None, int], ...]
 
 
-def tile_plan(decl: TensorDecl, host: str, tiles: dict[str, Box] | None = None,
-              src_tiles: dict[str, Box] | None = None) -> TilePlan:
-    """`TilePlan` of ``decl`` on ``host``; ``tiles`` (this host's destination tiles) and ``src_tiles`` (their
-    devices' source tiles) when the caller has them."""
+def tile_plan(decl: TensorDecl, host: str, tiles: dict[str, Box] | None = None) -> TilePlan:
+    """`TilePlan` of ``decl`` on ``host``; ``tiles`` (this host's destination tiles) when the caller has them."""
     made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
     if tiles is None:
         tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
-    if made_whole:
-        src_tiles = {}
-    elif src_tiles is None:
-        src_tiles = decl.src.tiles(decl.shape)
+    src_tiles = {} if made_whole else decl.src.tiles(decl.shape)
     devices = []
     for dev, tile in tiles.items():
         held = boxes.intersect(src_tiles[dev], tile) if dev in src_tiles else None
