@@ -47,10 +47,11 @@ class GrpcAgentCalls:
         self._secret_of = secret_of
         self._token, self._tls = token, tls
         self._lock = threading.Lock()
+        self._building = threading.Lock()  # held while a job's Prepare is built (`_made`)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
-        # job -> (its Preparation, the request without tickets and one naming the program by its SHA-256, the
-        # fields its ticket signs, push tickets by peer)
+        # job -> (its Preparation, the request without tickets naming the program by its SHA-256, the fields its
+        # ticket signs, push tickets by peer)
         self._prepared: OrderedDict[str, tuple] = OrderedDict()
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
@@ -74,24 +75,27 @@ class GrpcAgentCalls:
         return sign(self._secret_of(host), kind, *fields)
 
     def _made(self, p: Preparation) -> tuple:
-        """Job ``p``'s Prepare as every host gets it but for its tickets: built once per job (a state dict's program
-        and reads are large), signed per host. (p, the request with the program's text, the same naming the
-        program by its SHA-256 instead, the fields its ticket signs, push tickets by peer)."""
+        """Job ``p``'s Prepare as every host gets it but for its tickets: built once per job (a state dict's
+        reads are large), by the first of the job's calls to get here, and signed per host. (p, the request naming
+        the program by its SHA-256, the fields its ticket signs, push tickets by peer)."""
         with self._lock:
             made = self._prepared.get(p.job)
-        if made is None or made[0] is not p:
+        if made is not None and made[0] is p:
+            return made
+        with self._building:  # the job's calls to its hosts start at once: one builds, the others take its result
+            with self._lock:
+                made = self._prepared.get(p.job)
+            if made is not None and made[0] is p:
+                return made
             digest = self._digest(p)
             by_digest = pb.PrepareRequest(
                 job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
                 job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()})
-            with_text = pb.PrepareRequest(program_json=p.program_json)
-            with_text.MergeFrom(by_digest)
-            with_text.ClearField("program_sha256")
             fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
                                     p.generation, p.job_seq, p.peers, p.reads)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
-            made = (p, with_text, by_digest, fields, pushes)
+            made = (p, by_digest, fields, pushes)
             with self._lock:
                 self._prepared[p.job] = made
                 while len(self._prepared) > _PREPARED_KEPT:
@@ -111,12 +115,16 @@ class GrpcAgentCalls:
                         self._digests.popitem(last=False)
         return digest
 
-    def _prepare_request(self, host: str, p: Preparation, held: bool = False) -> pb.PrepareRequest:
-        """The Prepare of job ``p`` for ``host``: with the program's text, or (``held``) naming the program by its
-        SHA-256 alone."""
-        _, with_text, by_digest, fields, pushes = self._made(p)
-        request = pb.PrepareRequest()
-        request.CopyFrom(by_digest if held else with_text)
+    def _prepare_request(self, host: str, p: Preparation, held: bool = False,
+                         request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
+        """The Prepare of job ``p`` for ``host``, written into ``request`` (default: a new one): with the program's
+        text, or (``held``) naming the program by its SHA-256 alone."""
+        _, by_digest, fields, pushes = self._made(p)
+        request = request if request is not None else pb.PrepareRequest()
+        request.CopyFrom(by_digest)
+        if not held:
+            request.ClearField("program_sha256")
+            request.program_json = p.program_json
         request.ticket = self._sign(host, "prepare", *fields)
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
@@ -145,7 +153,7 @@ class GrpcAgentCalls:
                 held.popitem(last=False)
 
     def _prepared_digest(self, p: Preparation) -> str:
-        return self._made(p)[2].program_sha256
+        return self._made(p)[1].program_sha256
 
     def _by_digest_first(self, address: str, p: Preparation | None, call: Callable[[bool], object]):
         """``call(held)`` naming ``p``'s program by its SHA-256 where the agent should hold it, and again with
@@ -182,7 +190,7 @@ class GrpcAgentCalls:
                                     ticket=self._sign(host, "execute", *execute_fields(job, program_id, commit)),
                                     commit=commit)
         if prepare is not None:
-            request.prepare.CopyFrom(self._prepare_request(host, prepare, held))
+            self._prepare_request(host, prepare, held, request.prepare)
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
