@@ -279,7 +279,6 @@ class CollectiveTransport(Transport):
         # Whether this agent proposes gloo's own all-reduce for a replicated reduce (the module table); it
         # follows whatever the reduce's first member decided either way.
         self.native_reduce = native_reduce and member.backend == "gloo"
-        self.native_reduces = 0  # reduces this host ran as gloo's all-reduce
         self.member = member
         self.torch = member.torch
         self.lanes = 1 if member.backend == "nccl" else lanes
@@ -528,5 +527,3 @@ class CollectiveTransport(Transport):
         s.traffic.add_out(to, sent * itemsize, origin=False)
         s.traffic.add_in(frm, got * itemsize)
         s.traffic.add_native_reduce()
-        with self._lock:
-            self.native_reduces += 1

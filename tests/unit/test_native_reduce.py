@@ -48,11 +48,10 @@ def test_a_replicated_reduce_over_hosts_of_their_own_runs_as_gloo_s_all_reduce(n
     tile = SHAPE[0] * SHAPE[1] * np.dtype(dtype).itemsize
     for dev in ACROSS:
         host = dev.split("/")[0]
-        assert native.transports[host].native_reduces == 1, host
         assert native.runtimes[host].traffic(job).native_reduces == 1, host  # what the job's traffic reports
         assert sum(native.runtimes[host].traffic(job).bytes_out.values()) == 2 * 2 * tile // 3  # the ring's share
         assert np.array_equal(native.stores[host].get("r", 1, dev).array, addends[dev])  # the source as it was
-    assert native.transports["host3"].native_reduces == 0  # not a member
+    assert native.runtimes["host3"].traffic(job).native_reduces == 0  # not a member
     assert gloo.store.get(_held_key(gloo, ("host0", "host1", "host2"))) == b""  # freed for the next reduce
     assert not gloo.store.check([f"reshard/g{gloo.generation}/native-job/{job}/0/decision"])  # keys deleted
 
@@ -66,7 +65,7 @@ def test_a_reduce_that_finds_its_hosts_group_held_runs_the_ring(native, gloo):  
         native.finish(job, runs)
         assert np.array_equal(native.get("h", Sharding(Mesh({"x": 3}, list(ACROSS)), (None, None)), SHAPE),
                               np.full(SHAPE, 6))
-        assert all(native.transports[d.split("/")[0]].native_reduces == 0 for d in ACROSS)
+        assert all(native.runtimes[d.split("/")[0]].traffic(job).native_reduces == 0 for d in ACROSS)
         assert gloo.store.get(held) == b"another-job/3"  # the holder's claim untouched
     finally:
         gloo.store.set(held, "")
@@ -82,7 +81,7 @@ def test_a_float_max_runs_the_ring_which_keeps_every_nan(native):
     native.finish(job, runs)
     got = native.get("m", Sharding(Mesh({"x": 3}, list(ACROSS)), (None, None)), SHAPE)
     assert np.isnan(got[3, 4]) and np.isnan(got[5, 6]) and np.count_nonzero(np.isnan(got)) == 2
-    assert all(t.native_reduces == 0 for t in native.transports.values())
+    assert all(r.traffic(job).native_reduces == 0 for r in native.runtimes.values())
 
 
 def test_a_reduce_whose_members_share_a_host_runs_the_ring(native):
@@ -92,7 +91,7 @@ def test_a_reduce_whose_members_share_a_host_runs_the_ring(native):
     native.finish(job, runs)
     assert np.array_equal(native.get("s", Sharding(Mesh({"x": 4}, list(group)), (None, None)), SHAPE),
                           np.full(SHAPE, 6))
-    assert all(t.native_reduces == 0 for t in native.transports.values())
+    assert all(r.traffic(job).native_reduces == 0 for r in native.runtimes.values())
 
 
 def test_two_jobs_reducing_over_the_same_hosts_at_once_both_come_out_exact(native, gloo):  # noqa: F811
@@ -114,6 +113,7 @@ def test_two_jobs_reducing_over_the_same_hosts_at_once_both_come_out_exact(nativ
         native.finish(*started[k])
         assert np.array_equal(native.get(f"c{k}", Sharding(Mesh({"x": 3}, list(ACROSS)), (None, None)), SHAPE),
                               np.full(SHAPE, 6 * k))
-    counts = {native.transports[d.split("/")[0]].native_reduces for d in ACROSS}
+    counts = {sum(native.runtimes[d.split("/")[0]].traffic(started[k][0]).native_reduces for k in (1, 2))
+              for d in ACROSS}
     assert len(counts) == 1 and counts <= {1, 2}, counts  # every member ran each job the same way
     assert gloo.store.get(_held_key(gloo, ("host0", "host1", "host2"))) == b""
