@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 from reshard.errors import InvalidJsonError, JsonLimitError
 
-__all__ = ["loads", "nesting_bound", "need", "field_of", "describe", "brief", "MAX_BYTES", "MAX_DEPTH"]
+__all__ = ["loads", "nesting_bound", "need", "field_of", "describe", "brief", "quoted", "MAX_BYTES", "MAX_DEPTH"]
 
 # Defaults for callers with no configuration of their own; the planner's come from its config.
 MAX_BYTES = 4 * 2**20
@@ -63,6 +63,10 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 4, 4
 
 _MISSING = object()
+
+# A string as JSON text, exactly as json.dumps writes it, without json.dumps's set-up per call: for documents
+# written piece by piece from hundreds of names (a state dict's tensor records and jobs).
+quoted = json.encoder.encode_basestring_ascii
 
 
 def brief(value) -> str:

@@ -530,7 +530,7 @@ class HostLayout:
         # (`Run._stage`).
         self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
         # tensor -> how this host stages its tiles (`staging.tile_plan`)
-        self.tile_plans = {t.name: tile_plan(t, host, self.dst_tiles[t.name]) for t in self.here}
+        self.tile_plans = {t.name: tile_plan(t, self.dst_tiles[t.name]) for t in self.here}
         # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).
@@ -645,10 +645,10 @@ class Run(Session):
         self.staging: dict[str, StagedTiles] = {}
         owners = []
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
-        # would each pass over everything the store holds; and they are staged together, under one hold of the
+        # would each pass over everything the store holds. Every tile is staged at the end, under one hold of the
         # store's lock.
         together = staging_owner(self.job, "", 2) if len(committed) > 1 else None
-        staged: list | None = [] if together is not None else None
+        staged: list = []
         try:
             if together is not None:
                 owners.append(together)
@@ -656,13 +656,13 @@ class Run(Session):
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
             for decl in self.layout.here:
                 owners.append(staging_owner(self.job, decl.name, len(committed)))
-                tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.host, self.store,
-                                    self.version(decl.name), self.empty, defer, reserve=together is None,
-                                    plan=self.layout.tile_plans[decl.name], staged=staged)
+                tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store,
+                                    self.version(decl.name), self.empty, defer, self.layout.tile_plans[decl.name],
+                                    staged, reserve=together is None)
                 self.staging[decl.name] = tiles
                 self.fills += tiles.fills
+            self.store.stage_many(staged)
             if together is not None:
-                self.store.stage_many(staged)
                 self.store.abort(together)  # every tile is staged now, and counts as staged
             self._reserve_buckets(tasks_at_once)
         except BaseException:

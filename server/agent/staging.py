@@ -55,11 +55,9 @@ class TilePlan:
     devices: tuple[tuple[str, Box, tuple[int, ...], Box | None, int], ...]
 
 
-def tile_plan(decl: TensorDecl, host: str, tiles: dict[str, Box] | None = None) -> TilePlan:
-    """`TilePlan` of ``decl`` on ``host``; ``tiles`` (this host's destination tiles) when the caller has them."""
+def tile_plan(decl: TensorDecl, tiles: dict[str, Box]) -> TilePlan:
+    """`TilePlan` of ``decl`` on the host whose destination tiles are ``tiles``."""
     made_whole = decl.src is None or (decl.src.is_partial and decl.src.partial != decl.dst.partial)
-    if tiles is None:
-        tiles = {d: b for d, b in decl.dst.tiles(decl.shape).items() if host_of(d) == host}
     src_tiles = {} if made_whole else decl.src.tiles(decl.shape)
     devices = []
     for dev, tile in tiles.items():
@@ -79,13 +77,10 @@ class StagedTiles:
     its steps write every element of the staged tiles, each once, and nothing is copied in.
     """
 
-    def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, host: str, store: ShardStore,
-                 src_version: int, empty, defer: bool, reserve: bool = True, plan: TilePlan | None = None,
-                 staged: list | None = None):
-        """``plan`` may be given, worked out once for every run of a program (`runtime.HostLayout`). With
-        ``staged`` the caller stages the buffers: each (owner, device, buffer) is appended to it for
-        `ShardStore.stage_many`."""
-        plan = plan if plan is not None else tile_plan(decl, host)
+    def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, store: ShardStore, src_version: int,
+                 empty, defer: bool, plan: TilePlan, staged: list, reserve: bool = True):
+        """``plan`` is worked out once for every run of a program (`runtime.HostLayout`). The caller stages the
+        buffers: each (owner, device, buffer) is appended to ``staged`` for `ShardStore.stage_many`."""
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
         self.made_whole = plan.made_whole
         self.tiles: dict[str, Box] = plan.tiles
@@ -107,10 +102,7 @@ class StagedTiles:
                     buffers.write(buf, held, tile, buffers.region(src.array, held, src.tile))
             self.buffers[dev] = buf
             self.missing[dev] = missing
-            if staged is None:
-                store.stage(owner, dev, TileBuffer(buf, tile, dtype))
-            else:
-                staged.append((owner, dev, TileBuffer(buf, tile, dtype)))
+            staged.append((owner, dev, TileBuffer(buf, tile, dtype)))
 
     def holding(self, device: str, box: Box) -> tuple[Any, Box] | None:
         """``device``'s staged buffer and its tile, if that tile holds ``box``."""

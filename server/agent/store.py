@@ -242,7 +242,7 @@ class ShardStore:
                 for d in devices:
                     shard = staged[d]
                     old = self._committed.get((tensor, version, d))
-                    self._committed_bytes += shard.array.nbytes - (old.array.nbytes if old is not None else 0)
+                    self._committed_bytes += shard.nbytes - (old.nbytes if old is not None else 0)
                     self._committed[(tensor, version, d)] = shard
                     self._devices.setdefault((tensor, version), set()).add(d)
                 self._drop_reserved(owner)
@@ -259,8 +259,7 @@ class ShardStore:
 
     def _unstage_locked(self, owner: str) -> dict[str, TileBuffer]:
         staged = self._staged.pop(owner, {})
-        for shard in staged.values():
-            self._staged_bytes -= shard.array.nbytes
+        self._staged_bytes -= sum(shard.nbytes for shard in staged.values())
         return staged
 
     def _drop_reserved(self, owner: str) -> None:

@@ -16,7 +16,6 @@ new version (a reshard, or a delete and a new upload) starts with nothing lost.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 import uuid
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field, replace
 
 from reshard.box import Box, volume
 from reshard.dtypes import dtype_name
+from reshard.jsonio import quoted
 from reshard.mesh import host_of
 from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
@@ -33,7 +33,6 @@ from reshard.sharding import Sharding, normalise_shape
 __all__ = ["TensorRecord", "Catalog", "Upload", "Uploads", "repeated_names"]
 
 KINDS = ("numpy", "torch")
-_quoted = json.encoder.encode_basestring_ascii  # a string as json.dumps writes it
 
 
 @dataclass(frozen=True)
@@ -53,12 +52,11 @@ class TensorRecord:
 
     def json_text(self) -> str:
         """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
-        saves hundreds of records that share a few layouts. The strings are escaped as ``json.dumps`` escapes
-        them, without its encoder's set-up per call."""
-        lost = ", ".join(map(_quoted, sorted(self.lost)))
-        return (f'{{"name": {_quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
-                f'"dtype": {_quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
-                f'"version": {self.version}, "kind": {_quoted(self.kind)}, "lost": [{lost}]}}')
+        saves hundreds of records that share a few layouts; the strings are written by `jsonio.quoted`."""
+        lost = ", ".join(map(quoted, sorted(self.lost)))
+        return (f'{{"name": {quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
+                f'"dtype": {quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
+                f'"version": {self.version}, "kind": {quoted(self.kind)}, "lost": [{lost}]}}')
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":

@@ -40,7 +40,7 @@ from typing import Protocol
 from reshard import box as boxes
 from reshard.cost import network_copies, sender_bytes
 from reshard.mesh import host_of
-from reshard.jsonio import loads
+from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plan import Plan, Transfer
@@ -185,7 +185,6 @@ class Job:
         (`Sharding.json_text`): a state dict's job, saved as it starts and as it ends, names hundreds of
         destinations that share a few layouts."""
         head = json.dumps(self._fields())
-        quoted = json.encoder.encode_basestring_ascii  # as json.dumps writes a string, without its set-up per call
         dsts = ", ".join(f"{quoted(n)}: {d.json_text()}" for n, d in self.dsts.items())
         return f'{head[:-1]}, "dsts": {{{dsts}}}}}'
 
