@@ -18,7 +18,10 @@ bucket           move steps that wait for nothing and go between the same sender
                  bytes, packed in step order into groups of at least ``bucket_bytes`` (the last
                  group of each such pair may be smaller); an agent sends a bucket as one stream of
                  its members' bytes, one box after the other in C order, instead of one stream per
-                 box. ``bucket_bytes`` 0 packs nothing
+                 box. A chain of fewer than `SHARED_ROUTE_BYTES` (64 KiB) takes the route of the
+                 first such chain from its sender to the same receivers, so that a state dict's
+                 norms and biases share a bucket instead of one per order their plans chose.
+                 ``bucket_bytes`` 0 packs nothing
 block scale      a weight's scale tensor (``scales={"w": "w_scale"}``, or ``{"w": ("w_scale", 128)}``
                  naming the block) has one entry per block of ``b`` elements of each weight dim: a
                  dim of ``n`` has ``ceil(n / b)`` of them. It is laid out like its weight (same mesh,
@@ -51,7 +54,7 @@ from reshard.strategies import STRATEGIES, Loads, plan
 from reshard.topology import Topology
 
 __all__ = ["ManyProgram", "plan_many", "scale_sharding", "scale_pairs", "follow_scales", "program_from_json",
-           "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES"]
+           "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES", "SHARED_ROUTE_BYTES"]
 
 MiB = 2**20
 # Measured with bench/buckets.py (reshard_many of 500 tensors on 4+4 local agents, the sizes taking turns): see
@@ -62,6 +65,12 @@ MiB = 2**20
 # 16 and 64 MiB took turns being the faster in four runs; 16 holds a quarter of the memory.
 DEFAULT_BUCKET_BYTES = 16 * MiB
 MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; larger ones gain nothing
+# A chain this small takes the route of the first one from its sender to the same receivers (`_Buckets`). The
+# weight sync of bench/weight_sync.py sent its norms and biases by up to 6 orders of the same 4 hosts per sender, each
+# a bucket of a few KiB and a stream per hop. Sharing them took 56 buckets to 38, and the CPU of a move, the planner's
+# and every agent's together, down 6% or more in each of 6 alternating runs. The order of a chain this small balances
+# nothing.
+SHARED_ROUTE_BYTES = 64 * 2**10
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
 _BALANCED = ("broadcast",)  # auto balances as it plans, against one Loads
@@ -390,8 +399,11 @@ class _Buckets:
         self.bucket_bytes = bucket_bytes
         self._open: dict[tuple, list] = {}  # key -> [step ids, bytes so far]
         self._full: list[list[int]] = []
+        self._routes: dict[tuple, Transfer] = {}  # (sender, receivers as a set) -> its first small chain
 
-    def add(self, first: int, transfers: Sequence[Transfer], steps: Sequence[Step], itemsize: int) -> None:
+    def add(self, first: int, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> None:
+        """Pack the moves ``steps`` (ids from ``first`` on) of ``transfers``; a small chain's step is replaced by one
+        along the shared route (`SHARED_ROUTE_BYTES`)."""
         limit, open_ = self.bucket_bytes, self._open
         box, nbytes = None, 0
         for k, t in enumerate(transfers):
@@ -405,6 +417,10 @@ class _Buckets:
                 continue
             key = (t.sender, t.receivers, t.method, t.route)
             group = open_.get(key)
+            if group is None and len(t.route) > 1 and nbytes < SHARED_ROUTE_BYTES:  # a chain's order was a choice
+                t = self._shared_route(t, steps, k)
+                key = (t.sender, t.receivers, t.method, t.route)
+                group = open_.get(key)
             if group is None:
                 group = open_[key] = [[first + k], nbytes]
             else:
@@ -413,6 +429,17 @@ class _Buckets:
             if group[1] >= limit:
                 self._full.append(group[0])
                 del open_[key]
+
+    def _shared_route(self, t: Transfer, steps: list[Step], k: int) -> Transfer:
+        """``t`` along the route of the first small chain from its sender to the same receivers, and step ``k`` of
+        ``steps`` with it."""
+        key = (t.sender, frozenset(t.receivers))
+        first = self._routes.setdefault(key, t)
+        if first.route == t.route and first.receivers == t.receivers:
+            return t
+        t = replace(t, receivers=first.receivers, route=first.route)
+        steps[k] = replace(steps[k], transfer=t)
+        return t
 
     def buckets(self) -> tuple[tuple[int, ...], ...]:
         out = self._full + [ids for ids, _ in self._open.values()]

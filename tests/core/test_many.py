@@ -11,7 +11,7 @@ import pytest
 
 from reshard import Mesh, Program, Sharding, TensorDecl, plan
 from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
-from reshard.many import ManyProgram, plan_many, program_from_json, scale_sharding
+from reshard.many import SHARED_ROUTE_BYTES, ManyProgram, plan_many, program_from_json, scale_sharding
 from reshard.program import MOVE, SRC
 from reshard.strategies import Loads
 from reshard.box import to_slices
@@ -66,12 +66,13 @@ def test_every_tensor_is_delivered_whole_and_exactly():
     assert isinstance(program, ManyProgram) and {t.name for t in program.tensors} == {t.name for t in decls}
     for (name, dev), (got, want) in _run(program).items():
         assert np.array_equal(got, want), (name, dev)
-    # each tensor moves as reshard.plan moves it against one Loads of the tensors before it, largest first
+    # each tensor moves as reshard.plan moves it against one Loads of the tensors before it, largest first (a
+    # small chain may run its receivers in another order: `SHARED_ROUTE_BYTES`)
     nics = Loads(program.topology)
     for decl in program.tensors:
-        mine = sorted((s.transfer.box, s.transfer.sender, s.transfer.receivers)
+        mine = sorted((s.transfer.box, s.transfer.sender, tuple(sorted(s.transfer.receivers)))
                       for s in program.steps if s.tensor == decl.name and s.role == SRC)
-        alone = sorted((t.box, t.sender, t.receivers)
+        alone = sorted((t.box, t.sender, tuple(sorted(t.receivers)))
                        for t in plan(decl.shape, decl.dtype, decl.src, decl.dst, loads=nics).transfers)
         assert mine == alone, decl.name
 
@@ -148,7 +149,8 @@ def test_json_round_trip_and_the_id_covers_the_buckets():
     decls = _state_dict(2)
     a = plan_many(decls, bucket_bytes=64 * 1024)
     b = plan_many(decls, bucket_bytes=0)
-    assert a.steps == b.steps and a.buckets != b.buckets and a.id != b.id
+    assert [_move(s) for s in a.steps] == [_move(s) for s in b.steps]
+    assert a.buckets != b.buckets and a.id != b.id
     back = program_from_json(a.dumps())
     assert isinstance(back, ManyProgram) and back == a and back.id == a.id
     assert type(program_from_json(Program.from_plan(plan((8, 8), "int32", decls[0].src, decls[0].dst)).dumps())) \
@@ -158,6 +160,46 @@ def test_json_round_trip_and_the_id_covers_the_buckets():
     with pytest.raises(PlanValidationError, match="it was altered"):
         program_from_json(doc)
     assert str(a).startswith(f"Program {a.id[:12]} auto: {len(decls)} tensors")
+
+
+def _move(step) -> tuple:
+    """What a move step delivers: its id, tensor, box, sender and receivers (a bucket may change a chain's order)."""
+    t = step.transfer
+    return step.id, step.tensor, t.box, t.sender, frozenset(t.receivers)
+
+
+def test_small_chains_share_one_route_and_bucket_and_large_ones_keep_theirs():
+    train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
+    infer = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"i{i}" for i in range(4)], 1)
+    decls = _state_dict() + [TensorDecl(f"big{i}", (4096, 64), "float32", Sharding(train, ("tp", None)),
+                                        Sharding(infer, ("tp", None))) for i in range(4)]
+    alone = plan_many(decls, bucket_bytes=0)  # every chain as its tensor's plan ordered it
+    packed = plan_many(decls, bucket_bytes=200 * 1024).validate()  # holds all the small moves of two ends
+    assert [_move(s) for s in packed.steps] == [_move(s) for s in alone.steps]
+
+    def chains(program, small: bool) -> dict:
+        """(sender, receivers) -> the routes of its chains under (or from) SHARED_ROUTE_BYTES."""
+        out = defaultdict(set)
+        for s in program.steps:
+            t = s.transfer
+            if len(t.route) > 1 and (math.prod(hi - lo for lo, hi in t.box) * program.tensor(s.tensor).itemsize
+                                     < SHARED_ROUTE_BYTES) == small:
+                out[t.sender, frozenset(t.receivers)].add(t.route)
+        return out
+
+    assert any(len(routes) > 1 for routes in chains(alone, True).values())  # the plans chose several orders
+    assert all(len(routes) == 1 for routes in chains(packed, True).values())
+    buckets = {i: k for k, b in enumerate(packed.buckets) for i in b}
+    small = defaultdict(set)
+    for s in packed.steps:
+        if len(s.transfer.route) > 1 and not s.tensor.startswith("big"):
+            small[s.transfer.sender, frozenset(s.transfer.receivers)].add(buckets.get(s.id))
+    # one bucket each (None: a lone move, which needs none)
+    assert all(len(ks) == 1 for ks in small.values()) and sum(None not in ks for ks in small.values()) >= 3
+    # A larger chain's order balances which host forwards it: kept as its plan chose it.
+    large = {s.id for s in packed.steps if s.tensor.startswith("big")}
+    assert large and all(packed.steps[i] == alone.steps[i] for i in large)
+    assert any(len(routes) > 1 for routes in chains(packed, False).values())
 
 
 def test_bad_buckets_are_refused_naming_the_rule():
