@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from reshard import box as boxes
 from reshard.box import Box
 from reshard.plan import Transfer
 from reshard.program import Program, Step
@@ -60,6 +61,12 @@ class Bucket:
             self.parts.append((s.tensor, s.transfer.box, n, n + size, kind, shape))
             n += size
         self.nbytes = n
+        self.tensors = [s.tensor for s in members]
+        # Whether every member's tensor has source shards, which the sender then packs from (`pack`); and, filled
+        # as runs pack, (member index, the tile of its shard) -> the member's slices in that shard, or None where
+        # the shard lacks the member's box: a weight sync packs the same boxes from the same tiles every run.
+        self.sourced = all(program.tensor(t).src is not None for t in self.tensors)
+        self._regions: dict[tuple[int, Box], tuple | None] = {}
         t = members[0].transfer
         self.step = Step.move(members[0].id, Transfer(((0, n),), t.sender, t.receivers, t.method, 0, t.route),
                               tensor=members[0].tensor)
@@ -68,16 +75,30 @@ class Bucket:
     def ids(self) -> list[int]:
         return [s.id for s in self.members]
 
-    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]],
-             take: Callable[[int], np.ndarray] = _new) -> tuple[np.ndarray, Box]:
+    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]], take: Callable[[int], np.ndarray] = _new,
+             shards: Callable[[str, list[str]], list[Any]] | None = None) -> tuple[np.ndarray, Box]:
         """The members' bytes in one host buffer, and the byte box it holds; ``read(device, tensor, box)`` is the
         sender's buffer holding a member's box and the box that buffer holds, ``take(n)`` a buffer of ``n``
-        bytes."""
+        bytes. ``shards(device, tensors)``, when given, is the sender's source shard (a `TileBuffer`, or None)
+        of each of ``tensors``, looked up at once: a member its shard holds is read from there, the others
+        through ``read``."""
         out = take(self.nbytes)
         sender = self.step.transfer.sender
-        for tensor, box, lo, hi, kind, shape in self.parts:
-            array, origin = read(sender, tensor, box)
-            view = buffers.region(array, box, origin)
+        held = shards(sender, self.tensors) if shards is not None and self.sourced else [None] * len(self.parts)
+        regions = self._regions
+        for k, ((tensor, box, lo, hi, kind, shape), shard) in enumerate(zip(self.parts, held)):
+            where = None
+            if shard is not None:
+                key = (k, shard.tile)
+                where = regions.get(key, False)
+                if where is False:  # not worked out yet
+                    where = regions[key] = boxes.to_slices(box, shard.tile) if boxes.contains(shard.tile, box) \
+                        else None
+            if where is not None:
+                view = shard.array[where]
+            else:
+                array, origin = read(sender, tensor, box)
+                view = buffers.region(array, box, origin)
             if isinstance(view, np.ndarray):  # one copy, strided where the box is not contiguous in the shard
                 out[lo:hi].view(kind).reshape(shape)[...] = view
             else:

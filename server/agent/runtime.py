@@ -84,7 +84,7 @@ from reshard.server.agent.buckets import BUCKETS_KEY, BYTES, Bucket, bucket_move
 from reshard.server.agent.matmul import einsum2
 from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.staging import NoTiles, StagedTiles, staged_bytes, staging_owner, tile_plan
-from reshard.server.agent.store import ShardStore
+from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
 from reshard.server.common.sizes import format_size
@@ -730,6 +730,11 @@ class Run(Session):
             f"{device}"
         )
 
+    def source_shards(self, device: str, tensors: list[str]) -> list[TileBuffer | None]:
+        """``device``'s source shard of each of ``tensors`` (program tensors with a ``src``), at the version this
+        run reads: what `read` looks at first, under one hold of the store's lock."""
+        return self.store.find_many([(self.names.get(t, t), self.version(t), device) for t in tensors])
+
     def _assemble(self, box: Box, pieces: list[tuple[Box, Any]], dtype: str):
         """A new buffer of ``box``, copied from the buffers ``pieces`` (held box, buffer) that cover it together:
         a tile that moves delivered in several boxes, read whole by a compute step."""
@@ -794,7 +799,8 @@ class Run(Session):
         """What the sender of move ``step`` (as `executed` gives it) reads, and the box that buffer holds."""
         bucket = self.buckets.get(step.id)
         if bucket is not None:
-            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box), self.store.host_buffer)
+            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box), self.store.host_buffer,
+                               self.source_shards)
         t = step.transfer
         return self.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
 

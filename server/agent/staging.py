@@ -11,7 +11,7 @@ so commit can tell a tile that is not complete.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -48,11 +48,16 @@ class TilePlan:
     """How a host stages its destination tiles of one tensor, the same for every run of a program (`tile_plan`,
     kept by `runtime.HostLayout`): whether the tensor is made whole (see `StagedTiles`), its tiles here, and per
     device (device, tile, the tile's shape, the part its own source shard holds or None, the elements still to
-    come once that part is in)."""
+    come once that part is in).
+
+    ``places`` fills as runs deliver: (device, box) -> where that box lies in the device's tile (numpy slices) and
+    its elements, for a box already checked to lie inside the tile. A weight sync delivers the same boxes every
+    run, and working these out again took a receiving agent about 3 µs a box of the thousands it unpacks."""
 
     made_whole: bool
     tiles: dict[str, Box]
     devices: tuple[tuple[str, Box, tuple[int, ...], Box | None, int], ...]
+    places: dict[tuple[str, Box], tuple[tuple, int]] = field(default_factory=dict, compare=False)
 
 
 def tile_plan(decl: TensorDecl, tiles: dict[str, Box]) -> TilePlan:
@@ -84,6 +89,7 @@ class StagedTiles:
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
         self.made_whole = plan.made_whole
         self.tiles: dict[str, Box] = plan.tiles
+        self._places = plan.places
         self.buffers: dict[str, Any] = {}
         self.missing: dict[str, int] = {}
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
@@ -131,14 +137,20 @@ class StagedTiles:
 
     # -- the Sink moves deliver through -----------------------------------------------------------------
 
+    def _place(self, device: str, box: Box) -> tuple[tuple, int]:
+        """Where ``box`` lies in ``device``'s tile, and its elements (`TilePlan.places`); checked to lie inside."""
+        place = self._places.get((device, box))
+        if place is None:
+            place = self._places[device, box] = (boxes.to_slices(box, self.tile(device, box)), boxes.volume(box))
+        return place
+
     def write(self, device: str, box: Box, data) -> None:
-        tile = self.tile(device, box)
+        where, n = self._place(device, box)
         buf = self.buffers[device]
         if type(buf) is np.ndarray and type(data) is np.ndarray:  # host to host: the common case, kept short
-            buf[boxes.to_slices(box, tile)] = data
+            buf[where] = data
         else:
-            buffers.write(buf, box, tile, data)
-        n = boxes.volume(box)
+            buffers.write(buf, box, self.tiles[device], data)
         with self._lock:
             self.missing[device] -= n
 
@@ -152,9 +164,9 @@ class StagedTiles:
         return None
 
     def mark(self, device: str, box: Box) -> None:
-        self.tile(device, box)
+        _, n = self._place(device, box)
         with self._lock:
-            self.missing[device] -= boxes.volume(box)
+            self.missing[device] -= n
 
     def short(self) -> dict[str, int]:
         """Devices whose tile still lacks elements, and how many."""

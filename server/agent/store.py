@@ -279,6 +279,11 @@ class ShardStore:
         with self._lock:
             return self._committed.get((tensor, version, device))
 
+    def find_many(self, keys: list[tuple[str, int, str]]) -> list[TileBuffer | None]:
+        """`find` of each (tensor, version, device) of ``keys``, under one hold of the lock."""
+        with self._lock:
+            return [self._committed.get(k) for k in keys]
+
     def release(self, tensor: str, version: int) -> int:
         """Drop every shard of ``tensor`` at ``version``; returns how many."""
         return self.release_many([(tensor, version)])
