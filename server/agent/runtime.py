@@ -108,6 +108,8 @@ __all__ = ["Runtime", "Run", "Task", "KERNELS", "host_tasks", "load_program"]
 
 log = logging.getLogger(__name__)
 
+_IDLE_LANES_KEPT = 4  # a runtime's idle lane pools of each lane count (`Runtime._lanes`), for jobs that overlap
+
 
 # -- kernels ------------------------------------------------------------------------------------------
 #
@@ -925,6 +927,9 @@ class Runtime:
         # `_loaded`'s programs with their ids and this host's layouts, most recent last
         self._programs: OrderedDict[bytes, tuple[Program, str, HostLayout, int]] = OrderedDict()  # + text length
         self._programs_bytes = 0
+        # Lane pools of finished runs (`_in_order`), by lane count, for the next runs: a pool's threads would
+        # otherwise be started for every job, about 0.15 ms of CPU each, eight or nine of them a job.
+        self._idle_lanes: dict[int, list[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]] | None = {}  # None: closed
         for t in self.transports.values():
             t.serve(self.accept)
 
@@ -1094,6 +1099,11 @@ class Runtime:
             t.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._digest_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:  # a run that ends from now on shuts its lanes down (`_lanes_done`)
+            idle, self._idle_lanes = self._idle_lanes or {}, None
+        for pools in idle.values():
+            for pool in (p for pair in pools for p in pair):
+                pool.shutdown(wait=False)
 
     # -- running tasks --------------------------------------------------------------------------------------
 
@@ -1167,12 +1177,35 @@ class Runtime:
             flops = KERNEL_RULES[step.kernel].flops(tuple(tuple(a.shape) for a in inputs), params)
             self.pace.finish(step.device, flops, started, run.check)
 
+    def _lanes(self, n: int) -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
+        """A run's own lanes: ``n`` for its units and ``n`` for its units of small routes, idle until now."""
+        with self._lock:
+            idle = self._idle_lanes.get(n) if self._idle_lanes is not None else None
+            if idle:
+                return idle.pop()
+        return (ThreadPoolExecutor(n, thread_name_prefix=f"lane-{self.host}"),
+                ThreadPoolExecutor(n, thread_name_prefix=f"small-{self.host}"))
+
+    def _lanes_done(self, n: int, lanes: tuple[ThreadPoolExecutor, ThreadPoolExecutor], idle: bool) -> None:
+        """The run that had ``lanes`` is over: kept for the next run when ``idle`` (no unit of the run is still
+        queued or running on them, which could hold up that run's), else, or once the runtime is closed, shut
+        down."""
+        if idle:
+            with self._lock:
+                kept = self._idle_lanes.setdefault(n, []) if self._idle_lanes is not None else None
+                if kept is not None and len(kept) < _IDLE_LANES_KEPT:
+                    kept.append(lanes)
+                    return
+        for pool in lanes:
+            pool.shutdown(wait=False, cancel_futures=True)
+
     def _in_order(self, run: Run) -> None:
         """Active transports: this host's tasks depth by depth, each depth FIFO on the transport's lanes."""
         link = run.transport
-        lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"lane-{run.job[:6]}")
-        small_lanes = ThreadPoolExecutor(max(1, link.lanes), thread_name_prefix=f"small-{run.job[:6]}")
+        n = max(1, link.lanes)
+        lanes, small_lanes = both = self._lanes(n)
         tasks = run.tasks  # in the layout's order: its depths name them by index
+        pending: set = set()
         try:
             if run.layout.calls_peers:
                 # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
@@ -1195,8 +1228,7 @@ class Runtime:
         except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
             run.fail(e)
         finally:
-            lanes.shutdown(wait=False, cancel_futures=True)
-            small_lanes.shutdown(wait=False, cancel_futures=True)
+            self._lanes_done(n, both, not pending)
 
     # -- pushes ------------------------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ read at, and a failure anywhere commits none of them."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -166,6 +168,42 @@ def test_a_repeated_move_packs_and_unpacks_its_buckets_in_the_last_run_s_buffers
         assert reused[2] - reused[1] >= made > 0, (reused, per_run)
     finally:
         hosts.close()
+
+
+def _lane_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith(("lane-", "small-"))}
+
+
+def test_a_run_s_lanes_serve_the_next_runs_and_close_ends_them(gloo_group):
+    """The lanes a run of the collective transport dispatches its streams on are kept once it ends, idle, and
+    serve the next run: their threads are started once, not per job. Closing the runtimes ends them."""
+    hosts = Hosts(group=gloo_group)
+    try:
+        tensors = _state_dict(np.random.default_rng(6))
+
+        def put(version_after: int) -> None:  # every tensor on the training layout, at its version + version_after
+            for name, (a, decl, version) in tensors.items():
+                hosts.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b)
+                                 for d, b in decl.src.tiles(a.shape).items()}, version + version_after)
+
+        put(0)
+        program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=2048).validate()
+        before = _lane_threads()
+        for k in range(3):
+            job, runs = _start(hosts, program, {n: v + k for n, (_, _, v) in tensors.items()})
+            hosts.finish(job, runs)
+            for name, (a, decl, version) in tensors.items():
+                assert np.array_equal(hosts.get(name, decl.dst, a.shape, version + k + 1), a), (k, name)
+            put(k + 1)  # what the next run reads
+            if k == 0:
+                first = _lane_threads() - before
+        assert first and all(t.is_alive() for t in first)  # still there, serving, after two more runs
+    finally:
+        hosts.close()
+    deadline = time.monotonic() + 10
+    while (first & _lane_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not first & _lane_threads()
 
 
 def test_a_failure_commits_none_of_the_tensors():
