@@ -92,17 +92,20 @@ class FrameworkAdapters:
         """Hand over every addressable shard of ``array``, a ``jax.Array`` laid out by a ``NamedSharding``.
 
         ``devices[i]`` is the reshard device of the JAX device whose ``id`` is ``i``: a list indexed by id, or a
-        dict keyed by id or by JAX device (see `Sharding.from_named_sharding`). In multi-process JAX every process
-        calls it for its own shards; the tensor appears once every device's shard is in, and the call that
-        completed it returns True.
+        dict keyed by id or by JAX device (see `Sharding.from_named_sharding`). The ``unreduced`` axes of the
+        spec (a jitted einsum's ``out_sharding=P('x', None, unreduced={'y'})``) are stored as Partial: each device's
+        shard as addends. In multi-process JAX every process calls it for its own shards; the tensor appears once
+        every device's shard is in, and the call that completed it returns True.
         """
-        sharding = Sharding.from_named_sharding(_named_sharding_of(array), devices)
+        named_sharding = _named_sharding_of(array)
+        sharding = Sharding.from_named_sharding(named_sharding, devices)
         shape = tuple(array.shape)
         positions = _jax_positions(array.sharding.mesh)
+        indices = _tiled(named_sharding).addressable_devices_indices_map(shape)
         work = []
         for shard in array.addressable_shards:
             position = positions[shard.device.id]
-            _check_shard(sharding, shape, position, _index_box(shard.index, shape),
+            _check_shard(sharding, shape, position, _index_box(indices[shard.device], shape),
                          f"the shard of JAX device {shard.device.id}", "a layout JAX cut unlike torch.chunk", box=True)
             work.append((sharding.mesh.devices[position], np.asarray(shard.data)))
         with ThreadPoolExecutor(min(len(work), 8) or 1) as pool:
@@ -114,7 +117,9 @@ class FrameworkAdapters:
 
         ``devices`` as in `put_jax`. When the stored layout differs, the process holding the mesh's first device
         reshards the tensor in place (the catalog keeps the new layout) and other processes wait for it, all within
-        ``timeout`` seconds.
+        ``timeout`` seconds. For ``unreduced`` axes, as for ``Partial()`` in `get_dtensor`: a tensor stored as
+        those same addends is returned as it is; otherwise the first device along the unreduced axes holds the
+        value and the others zeros, as ``jax.device_put`` lays it out.
         """
         import jax
 
@@ -129,7 +134,7 @@ class FrameworkAdapters:
                                 f"JAX process {jax.process_index()} (get_jax; the process of the mesh's first device "
                                 f"reshards)")
         dtype = jax.numpy.dtype(info.dtype)
-        wanted = named_sharding.addressable_devices_indices_map(shape)
+        wanted = _tiled(named_sharding).addressable_devices_indices_map(shape)
 
         def read(jax_device):
             position = positions[jax_device.id]
@@ -192,6 +197,16 @@ def _named_sharding_of(array):
             f"put_jax takes a jax.Array laid out by a NamedSharding; this one has {type(sharding).__name__}; "
             f"jax.device_put it to NamedSharding(mesh, PartitionSpec(...)) first")
     return sharding
+
+
+def _tiled(named_sharding):
+    """``named_sharding`` with its ``unreduced`` axes dropped, for JAX's index maps, which refuse an unreduced spec
+    (jax 0.10.2 raises NotImplementedError): every device's tile is the same either way, since an unreduced axis
+    splits no dim (its devices hold addends of the same tile)."""
+    spec = named_sharding.spec
+    if not getattr(spec, "unreduced", None):
+        return named_sharding
+    return named_sharding.update(spec=spec.update(unreduced=frozenset()))
 
 
 def _index_box(index, shape) -> Box:
