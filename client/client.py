@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import grpc
@@ -778,7 +778,8 @@ class Client(FrameworkAdapters):
         all-reduced over them. ``out_sharding`` None keeps the layout's splits of the output dims (replicated over
         the reduced axes); a Partial one leaves the sum pending, one that adds a reduced axis to an output dim
         reduce-scatters onto it, any other layout or mesh is reached by a reshard. Inputs whose layouts conflict
-        are moved first, into the layout the cost model prices lowest (`plan_einsum` shows the program).
+        are moved first, into the layout the cost model prices lowest (`plan_einsum` shows the program). One input
+        is an einsum too: ``einsum("ij->i", "x", out="y")`` sums over ``j``, ``einsum("ij->ji", ...)`` transposes.
         """
         return Job(self, self._planner_call("Compute", self._compute_request(
             "einsum", inputs, out, out_sharding, strategy, {"equation": equation})))
@@ -858,9 +859,10 @@ def _param_text(name: str, value) -> str:
 
 
 def _program(reply: pb.ProgramReply) -> Program:
+    """The program of a dry run, with the layout the planner chose as text (``einsum_layout_text``): its JSON
+    leaves the layout out, for the layout is no part of a program's content."""
     program = Program.from_json(reply.program_json)
-    program.__dict__["einsum_layout_text"] = reply.layout
-    return program
+    return replace(program, einsum_layout_text=reply.layout) if reply.layout else program
 
 
 def _addend_of(sharding: Sharding):

@@ -395,7 +395,7 @@ class _Builder:
         tensors = tuple(dict.fromkeys(p.inputs)) + (out, *self.made)
         if stages:
             tensors += (TensorDecl(partials, p.out_shape, p.dtype),)
-        return Program(tensors, tuple(self.steps), p.strategy, p.topology)
+        return Program(tensors, tuple(self.steps), p.strategy, p.topology, einsum_layout=layout)
 
     def _foldable(self, d: TensorDecl, target: Sharding) -> bool:
         """Whether Partial input ``d`` can stay a pending sum through the local einsum: it lines up, and along its
@@ -535,15 +535,16 @@ def plan_einsum(equation: str, inputs: Sequence[InputLike], out_name: str, out_s
     """The program that computes ``numpy.einsum(equation, *inputs)`` where the inputs' tiles are, into ``out_name``.
 
     ``inputs`` are `TensorDecl` records (name, shape, dtype, and ``src``: the sharding the tensor is held in) or
-    ``(name, shape, dtype, sharding)`` tuples, one per operand of the equation. ``out_sharding`` None keeps the
-    layout's splits of the output dims and all-reduces the summed ones; a sharding on the compute mesh may keep
-    reduced axes Partial or reduce-scatter them onto output dims; any other is reached by a reshard after the
-    reduction. ``strategy`` plans the moves (`reshard.strategies.plan`). ``layout`` pins the op's layout (a
-    `Layout`, or Mesh-TensorFlow rules such as ``{"b": "rows", "h": "cols"}`` on the mesh of ``out_sharding``, else
-    of the first input) instead of the cheapest. See the module docstring for the steps.
+    ``(name, shape, dtype, sharding)`` tuples, one per operand of the equation (one or more: ``"ij->i"`` sums,
+    ``"ij->ji"`` transposes). ``out_sharding`` None keeps the layout's splits of the output dims and all-reduces
+    the summed ones; a sharding on the compute mesh may keep reduced axes Partial or reduce-scatter them onto
+    output dims; any other is reached by a reshard after the reduction. ``strategy`` plans the moves
+    (`reshard.strategies.plan`). ``layout`` pins the op's layout (a `Layout`, or Mesh-TensorFlow rules such as
+    ``{"b": "rows", "h": "cols"}`` on the mesh of ``out_sharding``, else of the first input) instead of the
+    cheapest. See the module docstring for the steps.
 
-    The chosen `Layout` is ``program.einsum_layout``. Raises `EinsumError` (a ``ValueError``) naming the rule,
-    the letters and sizes for an einsum it cannot run.
+    The chosen `Layout` is ``program.einsum_layout`` (a field of the program, not part of its id). Raises
+    `EinsumError` (a ``ValueError``) naming the rule, the letters and sizes for an einsum it cannot run.
     """
     return _cheapest(_problem(equation, inputs, out_name, out_sharding, topology, strategy), layout)
 
@@ -576,7 +577,6 @@ def _cheapest(p: _Problem, layout: Union[Layout, Mapping[str, object], None]) ->
             k = (program.estimate_seconds, _moved_bytes(program))
             if key is None or k < key:
                 best, key = program, k
-                best.__dict__["einsum_layout"] = candidate
     if best is None:
         if lined is not None:
             raise refused

@@ -3,7 +3,7 @@
 A kernel is known to the core by its name, how many input tiles it reads and
 the rule that gives its output shape from the input shapes and its parameters.
 The core checks programs with these rules; agents own the implementations
-(``reshard.server.agent.runtime``). Parameters are strings, as a step carries
+(``reshard.server.agent.kernels``). Parameters are strings, as a step carries
 them. Shapes below are tile shapes: a kernel sees one device's tiles, never the
 sharding; the planner lines tiles up before a kernel runs.
 
@@ -39,7 +39,8 @@ kernel                  inputs     params                         output tile
 
 ``sum`` and ``max`` over a dim the tile holds only part of give a partial
 result; the planner completes it with a reduce step (op ``sum`` or ``max``).
-The softmax kernels need the whole ``axis`` in every tile.
+The softmax kernels need the whole ``axis`` in every tile. An einsum equation
+is at most ``MAX_EQUATION_CHARS`` characters (`parse_equation`).
 
 Each kernel also counts its floating-point operations (``Kernel.flops``), which the
 cost model prices with the device's rate: an einsum of two operands does a multiply
@@ -53,6 +54,7 @@ kernels about ten per logit (exp, log, the sums).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -61,9 +63,12 @@ from typing import Optional
 from reshard.errors import ReshardError
 
 __all__ = ["Kernel", "KERNELS", "KernelShapeError", "parse_equation", "letter_sizes", "float_param", "dims_param",
-           "axis_param"]
+           "axis_param", "MAX_EQUATION_CHARS"]
 
 Shape = tuple[int, ...]
+# The longest einsum equation accepted. A real one is a few dozen characters (an operand names each of the 52 letters
+# at most once); a cap keeps a megabyte of letters from tying up the planner and every agent that checks it.
+MAX_EQUATION_CHARS = 512
 
 
 class KernelShapeError(ReshardError, ValueError):
@@ -169,11 +174,16 @@ def parse_equation(equation: str, error: type[ValueError] = KernelShapeError) ->
     Letters are ``a-z`` and ``A-Z``; spaces are ignored. Without ``->`` the output
     is numpy's implicit one: the letters that appear once, sorted. A letter may
     appear once per operand (no diagonals) and once in the output, and every
-    output letter must appear in an operand. Raises ``error`` saying which rule
-    the equation breaks.
+    output letter must appear in an operand. An equation is at most
+    `MAX_EQUATION_CHARS` long. Raises ``error`` saying which rule the equation
+    breaks; the checks take time linear in its length.
     """
     if not isinstance(equation, str):
         raise error(f"an einsum equation is a string such as 'ij,jk->ik'; got {type(equation).__name__}")
+    if len(equation) > MAX_EQUATION_CHARS:
+        raise error(f"einsum equation {equation[:32]!r}... is {len(equation)} characters long, but an equation may be "
+                    f"at most {MAX_EQUATION_CHARS} characters (an operand names each of the 52 letters at most once, "
+                    f"so a real one is far shorter); name each dim once per operand")
     eq = equation.replace(" ", "")
     if "..." in eq:
         raise error(f"einsum {equation!r}: ellipsis ('...') is not supported; name every dim with a letter")
@@ -187,14 +197,14 @@ def parse_equation(equation: str, error: type[ValueError] = KernelShapeError) ->
             raise error(f"einsum {equation!r}: {bad} are not dim letters; use a-z and A-Z, commas between "
                         f"inputs and one '->' before the output")
     for i, letters in enumerate(operands):
-        twice = sorted({c for c in letters if letters.count(c) > 1})
+        twice = _repeated(letters)
         if twice:
             raise error(f"einsum {equation!r}: input {i} ({letters!r}) repeats letter(s) {twice}; a letter may name "
                         f"one dim of each input (diagonals are not supported)")
-    seen = "".join(operands)
+    seen = Counter("".join(operands))
     if not arrow:
-        return operands, "".join(sorted(c for c in set(seen) if seen.count(c) == 1))
-    twice = sorted({c for c in rhs if rhs.count(c) > 1})
+        return operands, "".join(sorted(c for c, n in seen.items() if n == 1))
+    twice = _repeated(rhs)
     if twice:
         raise error(f"einsum {equation!r}: the output ({rhs!r}) repeats letter(s) {twice}; each output dim needs its "
                     f"own letter")
@@ -203,6 +213,11 @@ def parse_equation(equation: str, error: type[ValueError] = KernelShapeError) ->
         raise error(f"einsum {equation!r}: output letter(s) {unknown} appear in no input; every output dim must be "
                     f"a dim of some input")
     return operands, rhs
+
+
+def _repeated(letters: str) -> list[str]:
+    """The letters that appear more than once, sorted."""
+    return sorted(c for c, n in Counter(letters).items() if n > 1)
 
 
 def letter_sizes(equation: str, operands: tuple[str, ...], shapes: tuple[Shape, ...],

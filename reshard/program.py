@@ -64,7 +64,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, flow_totals, reduce_rounds, transfer_flows
@@ -86,6 +86,9 @@ from reshard.plan import (
 )
 from reshard.sharding import Box, Sharding, normalise_shape
 from reshard.topology import Topology
+
+if TYPE_CHECKING:  # reshard.einsum builds programs: a run-time import would be circular
+    from reshard.einsum import Layout
 
 __all__ = [
     "Program",
@@ -428,12 +431,20 @@ class _StepWhere:
 
 @dataclass(frozen=True)
 class Program(ContentAddressed):
-    """Steps over named tensors; see the module's table for what each field means."""
+    """Steps over named tensors; see the module's table for what each field means.
+
+    ``einsum_layout`` is the op's layout (a `reshard.einsum.Layout`) where `plan_einsum` or `plan_apply` chose
+    one, and ``einsum_layout_text`` that layout as it prints: all a client's dry run is told of it. Like the
+    topology they describe the program without being part of it: not in its id, its JSON or its equality, so a
+    program read back from JSON has neither.
+    """
 
     tensors: tuple[TensorDecl, ...]
     steps: tuple[Step, ...]
     strategy: str = ""
     topology: Topology = field(default_factory=Topology, compare=False)
+    einsum_layout: Optional[Layout] = field(default=None, compare=False, repr=False, kw_only=True)
+    einsum_layout_text: str = field(default="", compare=False, repr=False, kw_only=True)
 
     def __post_init__(self):
         object.__setattr__(self, "tensors", tuple(self.tensors))
@@ -441,6 +452,12 @@ class Program(ContentAddressed):
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise PlanValidationError(f"program tensors {names} repeat a name; each tensor needs its own name")
+        if self.einsum_layout is not None:
+            text = str(self.einsum_layout)
+            if self.einsum_layout_text not in ("", text):
+                raise PlanValidationError(f"einsum_layout_text {self.einsum_layout_text!r} is not the text of "
+                                          f"einsum_layout {text!r}; give the layout alone")
+            object.__setattr__(self, "einsum_layout_text", text)
 
     # -- tensors ------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from reshard.einsum import APPLY_OPS, EinsumError, plan_apply, plan_einsum
+from reshard.kernels import MAX_EQUATION_CHARS
 from reshard.program import COMPUTE, DST, MOVE, SRC, Program, Step, TensorDecl, TileRef
 from reshard.sharding import Sharding
 from reshard.topology import Topology
@@ -62,6 +63,8 @@ class Op:
 
     def __str__(self) -> str:
         what = self.params.get("equation", self.op) if self.op == "einsum" else self.op
+        if len(str(what)) > MAX_EQUATION_CHARS:  # refused for its length: messages quote only its start
+            what = f"{str(what)[:32]}..."
         return f"{self.out} = {what}({', '.join(self.inputs)})"
 
 

@@ -185,8 +185,8 @@ class ProgramView:
 def program_view(program: Program, topology: Optional[Topology] = None) -> ProgramView:
     """The page's data for ``program``, its estimates on ``topology`` (default: the program's own)."""
     estimates = tuple(program.step_estimates(topology))
-    layout = getattr(program, "einsum_layout", None)
-    layout_text = str(layout) if layout is not None else None
+    layout = program.einsum_layout
+    layout_text = program.einsum_layout_text or None
     kinds = _stage_kinds(program.steps)
     main = [s for s, k in zip(program.steps, kinds) if k == COMPUTE_STAGE]
     kernel = main[0].kernel if main else ""

@@ -386,9 +386,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     @servicer_method
     def PlanCompute(self, request, context):
         program, text = self.planner.plan_compute(*self._compute_args(request))
-        layout = program.__dict__.get("einsum_layout")
         return pb.ProgramReply(program_json=text, summary=program.summary(), estimate_s=program.estimate_seconds,
-                               layout=str(layout) if layout is not None else "")
+                               layout=program.einsum_layout_text)
 
 
     @staticmethod

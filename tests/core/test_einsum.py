@@ -6,13 +6,16 @@ runs them on the agents' runtime).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import string
+import time
 
 import pytest
 
 from reshard import InvalidShardingError, Mesh, PlanValidationError, Program, Sharding, Topology, plan_einsum
 from reshard.einsum import EinsumError, Layout
-from reshard.kernels import KERNELS, KernelShapeError, parse_equation
+from reshard.kernels import KERNELS, MAX_EQUATION_CHARS, KernelShapeError, parse_equation
 from reshard.program import COMPUTE, MOVE, REDUCE, TensorDecl
 
 MESH = Mesh.from_hosts({"x": 2, "y": 2}, ["h0", "h1", "h2", "h3"])  # one device per host: every hop is a NIC's
@@ -340,3 +343,76 @@ def test_a_layout_prints_as_rules():
     assert str(Layout(MESH, "ijk", (("x",), (), ("y",)))) == "{i: x, k: y} on (x=2, y=2)"
     assert str(Layout(MESH, "ij", ((), ("y", "x")))) == "{j: (y, x)} on (x=2, y=2)"
     assert Layout(MESH, "ijk", (("x",), (), ("y",))).sharding("ki").spec_str() == "P('y', 'x')"
+
+
+# -- one operand ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eq, spec, layout, groups, out_spec", [
+    # the summed dim split over x: local sums, all-reduced over the devices that differ only in x
+    ("ij->i", (None, "x"), "{j: x} on (x=2, y=2)", {("h0/0", "h2/0"), ("h1/0", "h3/0")}, "P(None)"),
+    ("ij->", ("x", "y"), "{i: x, j: y} on (x=2, y=2)", {("h0/0", "h1/0", "h2/0", "h3/0")}, "P()"),
+    # a transpose: each device transposes its tile, and the output keeps the input's splits
+    ("ij->ji", ("x", "y"), "{i: x, j: y} on (x=2, y=2)", set(), "P('y', 'x')"),
+    ("ij", ("x", None), "{i: x} on (x=2, y=2)", set(), "P('x', None)"),  # implicit: the letters, sorted
+])
+def test_one_operand_einsum_sums_or_transposes_with_the_reductions_of_any_other(eq, spec, layout, groups, out_spec):
+    program = plan_einsum(eq, [decl("a", (6, 4), spec)], "c", topology=TOPOLOGY)
+    assert str(program.einsum_layout) == layout and not moved(program)
+    assert kinds(program) == {"compute einsum": 4, **({"reduce replicate": len(groups)} if groups else {})}
+    assert {tuple(s.devices) for s in program.steps if s.kind == REDUCE} == groups
+    assert program.tensor("c").dst.spec_str() == out_spec
+
+
+def test_one_operand_with_a_diagonal_is_refused_naming_the_rule():
+    with pytest.raises(EinsumError, match=r"einsum 'ii->i': input 0 \('ii'\) repeats letter\(s\) \['i'\]; a letter may "
+                                          r"name one dim of each input \(diagonals are not supported\)"):
+        plan_einsum("ii->i", [decl("a", (4, 4), (None, None))], "c")
+
+
+# -- equation length ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", [
+    lambda eq: parse_equation(eq),
+    lambda eq: plan_einsum(eq, [A, B], "c"),
+    lambda eq: KERNELS["einsum"].output_shape(((2, 3), (3, 4)), {"equation": eq}),  # what every agent checks
+], ids=["parse", "plan", "kernel"])
+def test_a_megabyte_equation_is_refused_at_once_naming_the_cap(check):
+    equation = "ij,jk->ik" + "k" * (2**20 - 9)
+    start = time.perf_counter()
+    with pytest.raises(ValueError) as info:
+        check(equation)
+    assert time.perf_counter() - start < 0.1
+    assert str(info.value) == (
+        f"einsum equation 'ij,jk->ikkkkkkkkkkkkkkkkkkkkkkkk'... is {2**20} characters long, but an equation may be at "
+        f"most {MAX_EQUATION_CHARS} characters (an operand names each of the 52 letters at most once, so a real one "
+        f"is far shorter); name each dim once per operand")
+
+
+def test_an_equation_at_the_cap_is_checked_and_one_past_it_refused():
+    eq = ",".join([string.ascii_lowercase] * 19)  # 19 operands of 26 letters: 512 characters, every letter summed
+    assert len(eq) == MAX_EQUATION_CHARS
+    assert parse_equation(eq) == ((string.ascii_lowercase,) * 19, "")
+    with pytest.raises(KernelShapeError, match=rf"is {MAX_EQUATION_CHARS + 1} characters long, but an equation"):
+        parse_equation(eq + " ")
+
+
+# -- the program carries its layout -----------------------------------------------------------------------
+
+
+def test_the_layout_is_a_declared_field_outside_the_id_json_and_equality():
+    program = plan_einsum("ij,jk->ik", [A, B], "c", topology=TOPOLOGY)
+    assert "einsum_layout" in {f.name for f in dataclasses.fields(Program)}
+    assert program.einsum_layout == Layout(MESH, "ijk", (("x",), (), ("y",)))
+    assert program.einsum_layout_text == "{i: x, k: y} on (x=2, y=2)"
+    read = Program.from_json(program.dumps())
+    assert (read.einsum_layout, read.einsum_layout_text) == (None, "") and read == program and read.id == program.id
+    assert "einsum_layout" not in program.dumps()
+    copied = dataclasses.replace(program, strategy=program.strategy)
+    assert copied.einsum_layout == program.einsum_layout and copied.id == program.id
+    as_text = dataclasses.replace(read, einsum_layout_text="{i: x, k: y} on (x=2, y=2)")  # what a client holds
+    assert as_text.einsum_layout_text == program.einsum_layout_text and as_text.einsum_layout is None
+    with pytest.raises(PlanValidationError, match=r"einsum_layout_text '\{i: x\} on \(x=2, y=2\)' is not the text of "
+                                                  r"einsum_layout '\{i: x, k: y\} on \(x=2, y=2\)'"):
+        dataclasses.replace(program, einsum_layout_text="{i: x} on (x=2, y=2)")

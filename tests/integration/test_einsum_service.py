@@ -10,15 +10,17 @@ letter and the sizes, and change nothing stored.
 from __future__ import annotations
 
 import itertools
+import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reshard import Mesh, Sharding
+from reshard import Mesh, Op, Sharding
 from reshard.einsum import EinsumError
 from reshard.errors import InvalidShardingError
+from reshard.kernels import MAX_EQUATION_CHARS
 from reshard.program import MOVE, REDUCE
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.layout import tile_shape
@@ -152,3 +154,43 @@ def test_bad_requests_are_named_and_change_nothing(client, fresh_name, call, err
 def test_core_errors_are_value_errors():
     """The SDK raises the planner's refusal as InvalidArgumentError; the core's own error is a ValueError too."""
     assert issubclass(EinsumError, ValueError) and issubclass(InvalidArgumentError, ValueError)
+
+
+@pytest.mark.parametrize("eq, spec, reduces", [
+    ("ij->i", (None, "x"), 2),  # the summed dim split over x: all-reduced over x, one ring per y
+    ("ij->", ("x", "y"), 1),  # a sum over every dim: one all-reduce over all four devices
+    ("ij->ji", ("x", "y"), 0),  # a transpose: each device transposes its tile, nothing moves
+], ids=["sum-over-a-split-dim", "sum-over-all", "transpose"])
+def test_one_operand_einsums_equal_numpy_on_every_device(client, fresh_name, eq, spec, reduces):
+    """Mesh-TensorFlow's and numpy's einsum of one operand: a sum over dims or a transpose, with the same reduce
+    over the axes that split a summed dim as an einsum of two operands has."""
+    a = np.random.default_rng(6).integers(-4, 5, (8, 6)).astype(np.float64)
+    client.put(f"{fresh_name}_a", a, Sharding(MESH, spec))
+    program = client.plan_einsum(eq, f"{fresh_name}_a", out=f"{fresh_name}_c")
+    assert [s.kind for s in program.steps].count(REDUCE) == reduces and MOVE not in {s.kind for s in program.steps}
+    client.einsum(eq, f"{fresh_name}_a", out=f"{fresh_name}_c").result(60)
+    assert_every_device(client, f"{fresh_name}_c", np.einsum(eq, a), program.tensor(f"{fresh_name}_c").dst)
+    with pytest.raises(InvalidArgumentError, match=r"einsum 'ii->i': input 0 \('ii'\) repeats letter\(s\) \['i'\]; a "
+                                                   r"letter may name one dim of each input \(diagonals are not"):
+        client.einsum("ii->i", f"{fresh_name}_a", out=f"{fresh_name}_d")
+
+
+def test_a_megabyte_equation_is_refused_at_once_and_the_service_keeps_working(client, fresh_name):
+    """An equation of 1 MiB (under the message limit) is refused by its length before any letter is checked: it once
+    took the planner time quadratic in its length, past the client's deadline."""
+    a, b = np.arange(48.0).reshape(8, 6), np.arange(24.0).reshape(6, 4)
+    client.put(f"{fresh_name}_a", a, Sharding(MESH, ("x", None)))
+    client.put(f"{fresh_name}_b", b, Sharding(MESH, (None, "y")))
+    huge = "ij,jk->ik" + "k" * (2**20 - 9)
+    message = (rf"einsum equation 'ij,jk->ikkkkkkkkkkkkkkkkkkkkkkkk'\.\.\. is {2**20} characters long, but an "
+               rf"equation may be at most {MAX_EQUATION_CHARS} characters")
+    names, out = (f"{fresh_name}_a", f"{fresh_name}_b"), f"{fresh_name}_c"
+    for call in (lambda: client.einsum(huge, *names, out=out), lambda: client.plan_einsum(huge, *names, out=out),
+                 lambda: client.compute_many([Op.einsum(huge, *names, out=out)])):
+        start = time.monotonic()
+        with pytest.raises(InvalidArgumentError, match=message):
+            call()
+        assert time.monotonic() - start < 2.0
+    assert f"{fresh_name}_c" not in {t.name for t in client.tensors()}
+    client.einsum("ij,jk->ik", f"{fresh_name}_a", f"{fresh_name}_b", out=f"{fresh_name}_c").result(60)
+    np.testing.assert_array_equal(client.get(f"{fresh_name}_c"), a @ b)
