@@ -254,7 +254,7 @@ def test_pages_need_the_token_and_a_plan_id_sends_a_program_to_its_page(web):
 
 
 def test_the_jobs_page_lists_the_newest_jobs_and_says_how_many_are_kept(web, monkeypatch):
-    from reshard.server.dashboard import app as app_module
+    from reshard.server.dashboard import resources as app_module
 
     docs = [{**web.source.job_doc, "id": f"job{i}"} for i in range(1, 4)]
     monkeypatch.setattr(web.source, "jobs", lambda limit=None: docs[:limit])
