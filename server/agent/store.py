@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from reshard.box import Box
-from reshard.proto.errors import FailedPreconditionError, NotFoundError, ResourceExhaustedError
+from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, NotFoundError, ResourceExhaustedError
 from reshard.proto.layout import np_dtype
 from reshard.server.common.sizes import format_size
 from reshard.server.transport import buffers
@@ -229,33 +229,60 @@ class ShardStore:
 
     def commit_many(self, commits: list[tuple[str, str, int, Any]]) -> None:
         """`commit` of each (owner, tensor, version, devices) of ``commits``, all or none: a job that commits a
-        state dict, under one hold of the lock."""
-        with self._lock:
-            for owner, tensor, version, devices in commits:
-                staged = self._staged.get(owner, {})
-                missing = [d for d in devices if d not in staged]
-                if missing:
-                    raise FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} holds "
-                                                  f"no shard for devices {missing}")
-            for owner, tensor, version, devices in commits:
-                staged = self._unstage_locked(owner)  # a commit of no devices may name one that staged nothing
-                for d in devices:
-                    shard = staged[d]
-                    old = self._committed.get((tensor, version, d))
-                    self._committed_bytes += shard.nbytes - (old.nbytes if old is not None else 0)
-                    self._committed[(tensor, version, d)] = shard
-                    self._devices.setdefault((tensor, version), set()).add(d)
-                self._drop_reserved(owner)
-                self._end_locked(owner)
+        state dict, under one hold of the lock.
+
+        A version committed here is never written over, whatever this store remembers of ended transactions: a
+        replayed upload, whose ticket outlived the record of its end (`_ENDED_KEPT`), would otherwise replace the
+        bytes the catalog vouches for. Such a commit is refused with `AlreadyExistsError`, and the transaction,
+        which can never commit here, is dropped (its buffers would otherwise stay staged for good)."""
+        dropped: dict[str, TileBuffer] = {}
+        try:
+            with self._lock:
+                coming: set[tuple[str, int, str]] = set()  # and never twice in one call either
+                for owner, tensor, version, devices in commits:
+                    staged = self._staged.get(owner, {})
+                    missing = [d for d in devices if d not in staged]
+                    if missing:
+                        raise FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} "
+                                                      f"holds no shard for devices {missing}")
+                    keys = [(tensor, version, d) for d in devices]
+                    taken = sorted(key[2] for key in keys if key in self._committed or key in coming)
+                    coming.update(keys)
+                    if taken:
+                        dropped = self._drop_locked(owner)
+                        raise AlreadyExistsError(
+                            f"cannot commit {tensor!r} v{version} for devices {taken}: host {self.host} holds that "
+                            f"version already, and a committed version is never written over (a replayed commit is "
+                            f"refused so); transaction {owner[:12]} is dropped. A copy the planner could not free "
+                            f"earlier (a delete or a failed job while this agent was unreachable) goes with the "
+                            f"failed call's cleanup: try the put or job again")
+                for owner, tensor, version, devices in commits:
+                    staged = self._unstage_locked(owner)  # a commit of no devices may name one that staged nothing
+                    for d in devices:
+                        shard = staged[d]
+                        self._committed_bytes += shard.nbytes
+                        self._committed[(tensor, version, d)] = shard
+                        self._devices.setdefault((tensor, version), set()).add(d)
+                    self._drop_reserved(owner)
+                    self._end_locked(owner)
+        finally:
+            self._recycle(dropped)
 
     def abort(self, owner: str) -> None:
         with self._lock:
-            staged = self._unstage_locked(owner)
-            self._drop_reserved(owner)
-            self._end_locked(owner)
+            staged = self._drop_locked(owner)
+        self._recycle(staged)
+
+    def _drop_locked(self, owner: str) -> dict[str, TileBuffer]:
+        """End ``owner`` with nothing committed; returns its staged buffers, for `_recycle` once the lock is free."""
+        staged = self._unstage_locked(owner)
+        self._drop_reserved(owner)
+        self._end_locked(owner)
+        return staged
+
+    def _recycle(self, staged: dict[str, TileBuffer]) -> None:
         for shard in staged.values():
             self.recycler.put(shard.array)
-        del staged
 
     def _unstage_locked(self, owner: str) -> dict[str, TileBuffer]:
         staged = self._staged.pop(owner, {})

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
-from reshard.proto.errors import DataLossError, FailedPreconditionError, ResourceExhaustedError
+from reshard.proto.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, ResourceExhaustedError
 from reshard.server.agent.store import ShardStore
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.sizes import format_size, parse_size
@@ -53,11 +53,14 @@ def test_the_store_counts_what_it_holds_as_versions_come_and_go():
             store.stage(owner, d, _tile(store, MiB))
         store.commit(owner, name, version, devices)
     assert store.held() == [("a", 1), ("a", 2), ("b", 1)] and store.nbytes() == store.used_bytes() == 4 * MiB
-    store.stage("again", "h0/0", _tile(store, 2 * MiB))  # committed again under the same key: the new buffer counts
-    store.commit("again", "a", 2, ["h0/0"])
-    assert store.nbytes() == 5 * MiB and store.get("a", 2, "h0/0").nbytes == 2 * MiB
+    store.stage("again", "h0/0", _tile(store, 2 * MiB))  # a committed version is never written over (a replay)
+    with pytest.raises(AlreadyExistsError, match=r"cannot commit 'a' v2 for devices \['h0/0'\]: host h0 holds that "
+                                                 r"version already, .* transaction again is dropped"):
+        store.commit("again", "a", 2, ["h0/0"])
+    assert store.nbytes() == store.used_bytes() == 4 * MiB and store.get("a", 2, "h0/0").nbytes == MiB
+    assert store.ended("again") and store.staged("again", "h0/0") is None
     assert store.release("a", 1) == 2 and store.release("a", 1) == 0  # every device's shard, once
-    assert store.held() == [("a", 2), ("b", 1)] and store.nbytes() == 3 * MiB
+    assert store.held() == [("a", 2), ("b", 1)] and store.nbytes() == 2 * MiB
     assert store.find("a", 1, "h0/0") is None and store.find("b", 1, "h0/1") is not None
     store.release("a", 2)
     store.release("b", 1)
