@@ -30,8 +30,9 @@ chain       hops one after another, m0 -> m1 -> ... -> m(n-1), each carrying b,
 
 A hop between devices of one host uses the intra-host link, between hosts the NIC.
 
-The move table is written once, as code, in `transfer_flows`: the cost model here,
-the agents' progress accounting (`sender_bytes`), the planner's statistics
+Who sends the box to whom is `reshard.routes` (its copies and hops); the move table
+turns them into flows once, as code, in `transfer_flows`: the cost model here, the
+agents' progress accounting (`sender_bytes`), the planner's statistics
 (`network_copies`, `host_traffic`) and the dashboard all read it. Plans of many
 transfers keep them as columns (`reshard.plan.TransferTable`); `table_phase_loads`
 adds up the same flows on the columns with numpy, and `lower_bound_seconds` reads
@@ -48,6 +49,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.mesh import host_of
+from reshard.routes import HostCache, home_receivers, hops
 from reshard.tasks import UnitTasks
 from reshard.topology import Topology
 
@@ -77,14 +79,6 @@ COLUMNS_FROM = 2048
 
 # Method codes of `reshard.plan.TransferTable`: positions in `reshard.plan.METHODS`.
 _P2P, _BROADCAST, _LOCAL = range(3)
-
-
-class HostCache(dict):
-    """Device id -> host, parsed once per device."""
-
-    def __missing__(self, device: str) -> str:
-        h = self[device] = host_of(device)
-        return h
 
 
 @dataclass
@@ -166,36 +160,25 @@ def _chain_flows(out: list[Flow], devices: list[str], nbytes: int, origin: bool)
 
 
 def transfer_flows(t, itemsize: int, hosts: HostCache | None = None) -> list[Flow]:
-    """The flows of one transfer, as the module docstring's table defines them."""
+    """The flows of one transfer, as the module docstring's table defines them: its copies on the sender's host
+    and its hops (`reshard.routes`), a hop's receivers fanned out along a chain on the host it reaches."""
     hosts = hosts if hosts is not None else HostCache()
     n = _box_bytes(t.box, itemsize)
-    hs = hosts[t.sender]
     out: list[Flow] = []
-    if t.method == "p2p":
-        for r in t.receivers:
-            hr = hosts[r]
-            if hr == hs:
-                out.append(Flow(t.sender, r, n, INTRA, True))
-            else:
-                out.append(Flow(hs, hr, n, NIC, True))
-    elif t.method == "local":
-        _chain_flows(out, [t.sender, *t.receivers], n, True)
-    else:
-        by_host: dict[str, list[str]] = defaultdict(list)
-        for r in t.receivers:
-            by_host[hosts[r]].append(r)
-        if by_host.get(hs):
-            _chain_flows(out, [t.sender, *by_host[hs]], n, True)
-        prev = hs
-        for h in t.route:
-            out.append(Flow(prev, h, n, NIC, prev == hs))
-            _chain_flows(out, by_host.get(h, []), n, False)
-            prev = h
+    home = home_receivers(t, hosts)
+    if t.method == "p2p":  # every copy straight from the sender
+        out += [Flow(t.sender, r, n, INTRA, True) for r in home]
+    elif home:
+        _chain_flows(out, [t.sender, *home], n, True)
+    for h in hops(t, hosts):
+        out.append(Flow(h.src, h.dst, n, NIC, h.origin))
+        if len(h.receivers) > 1:
+            _chain_flows(out, h.receivers, n, False)
     return out
 
 
 def sender_bytes(transfers: Iterable, itemsize: int, host: str, phase: int | None = None) -> int:
-    """Bytes the agent of ``host`` sends as a transfer's sender (copies and first hops).
+    """Bytes the agent of ``host`` sends as a transfer's sender: its copies and the hops it streams itself.
 
     This is what an agent's progress reports count. It is not the sum of the
     origin flows: for a local fan-out the cost model charges a chain (sender ->
@@ -208,23 +191,14 @@ def sender_bytes(transfers: Iterable, itemsize: int, host: str, phase: int | Non
     for t in transfers:
         if hosts[t.sender] != host or (phase is not None and t.phase != phase):
             continue
-        n = _box_bytes(t.box, itemsize)
-        if t.method == "broadcast":
-            total += n * (sum(hosts[r] == host for r in t.receivers) + (1 if t.route else 0))
-        else:
-            total += n * len(t.receivers)
+        copies = len(home_receivers(t, hosts)) + sum(h.origin for h in hops(t, hosts))
+        total += _box_bytes(t.box, itemsize) * copies
     return total
 
 
 def network_copies(t, hosts: HostCache | None = None) -> int:
-    """How many times a transfer's box crosses the network (0: it stays on the sender's host)."""
-    hosts = hosts if hosts is not None else HostCache()
-    if t.method == "broadcast":
-        return len(t.route)
-    if t.method == "p2p":
-        hs = hosts[t.sender]
-        return sum(hosts[r] != hs for r in t.receivers)
-    return 0
+    """How many times a transfer's box crosses the network (0: it stays on the sender's host): its hops."""
+    return len(hops(t, hosts))
 
 
 def flow_totals(flows: Iterable[Flow], hosts: HostCache | None = None) -> dict[str, dict[str, int]]:

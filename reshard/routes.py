@@ -1,0 +1,142 @@
+"""Who sends which box to whom in a transfer: each move method's copies and hops, stated once.
+
+A transfer (``reshard.plan.Transfer``) of ``box`` from ``sender`` on host ``hs`` is, by method:
+
+=========== ==========================================================================
+p2p         the sender copies the box into each receiver on ``hs``; hop ``i`` streams it
+            from ``hs`` to receiver ``i`` when that receiver is on another host
+local       the sender copies the box into every receiver (all on ``hs``); no hop
+broadcast   the sender copies the box into the receivers on ``hs``; hop ``i`` streams it
+            from the route's previous host (``hs`` for hop 0) to ``route[i]``, whose
+            receivers keep it and which forwards it to ``route[i + 1]``
+=========== ==========================================================================
+
+A hop is one stream over the network, numbered within its transfer: hop numbers run
+over the receivers (p2p) or the route (broadcast), and agents key the hop's stream by
+its number. `home_receivers` and `hops` are that table as code; everything else here
+is read from them, and so are the cost model (``reshard.cost.transfer_flows``,
+``sender_bytes``, ``network_copies``), the agents' task graph and every transport.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, NamedTuple
+
+from reshard.mesh import host_of
+
+if TYPE_CHECKING:
+    from reshard.plan import Transfer
+
+__all__ = [
+    "HostCache", "Hop", "home_receivers", "hops", "find_hop", "first_peer", "receiving_hops", "hop_targets",
+    "sending_peers", "stream_count", "interleaved",
+]
+
+
+class HostCache(dict):
+    """Device id -> host, parsed once per device."""
+
+    def __missing__(self, device: str) -> str:
+        h = self[device] = host_of(device)
+        return h
+
+
+class Hop(NamedTuple):
+    """One stream of a transfer's box over the network, as the module docstring's table defines it."""
+
+    index: int  # its number within the transfer: the receiver's index (p2p) or the route's (broadcast)
+    src: str  # the host that sends it
+    dst: str  # the host it arrives at
+    receivers: tuple[str, ...]  # the devices of ``dst`` that keep the box
+    forward_to: str | None  # the host ``dst`` forwards the box to, None where the chain ends
+    origin: bool  # the transfer's sender streams it itself; False: a route host forwards what it received
+
+
+def home_receivers(t: Transfer, hosts: HostCache | None = None) -> tuple[str, ...]:
+    """The receivers the sender copies the box into on its own host."""
+    if t.method == "local":
+        return t.receivers
+    host = hosts.__getitem__ if hosts is not None else host_of
+    hs = host(t.sender)
+    return tuple([r for r in t.receivers if host(r) == hs])
+
+
+def hops(t: Transfer, hosts: HostCache | None = None) -> list[Hop]:
+    """The hops of ``t`` in the order of their numbers (none for a local transfer)."""
+    host = hosts.__getitem__ if hosts is not None else host_of
+    hs = host(t.sender)
+    if t.method == "p2p":
+        return [Hop(i, hs, h, (r,), None, True) for i, r in enumerate(t.receivers) if (h := host(r)) != hs]
+    route = t.route
+    if t.method != "broadcast" or not route:
+        return []
+    if len(route) == 1:  # most broadcasts (one host's receivers): no grouping needed
+        h = route[0]
+        return [Hop(0, hs, h, tuple([r for r in t.receivers if host(r) == h]), None, True)]
+    by_host: dict[str, list[str]] = defaultdict(list)
+    for r in t.receivers:
+        by_host[host(r)].append(r)
+    last = len(route) - 1
+    out = []
+    prev = hs
+    for i, h in enumerate(route):
+        out.append(Hop(i, prev, h, tuple(by_host.get(h, ())), route[i + 1] if i < last else None, i == 0))
+        prev = h
+    return out
+
+
+def find_hop(t: Transfer, index: int) -> Hop | None:
+    """Hop number ``index`` of ``t``, or None where ``t`` has none of that number."""
+    return next((h for h in hops(t) if h.index == index), None)
+
+
+def first_peer(t: Transfer) -> str:
+    """The host a transfer's sender streams to first ('' when it stays on the sender's host)."""
+    first = hops(t)
+    return first[0].dst if first else ""
+
+
+def receiving_hops(t: Transfer, host: str) -> list[int]:
+    """The numbers of the hops of ``t`` that deliver to ``host`` over the network."""
+    return [h.index for h in hops(t) if h.dst == host]
+
+
+def hop_targets(t: Transfer, index: int, host: str) -> tuple[list[str], str | None, str] | None:
+    """For hop ``index`` of ``t`` arriving at ``host``: (its receivers on ``host``, the host it forwards to or None,
+    the host it comes from); None when that hop does not deliver to ``host``."""
+    h = find_hop(t, index)
+    if h is None or h.dst != host:
+        return None
+    return list(h.receivers), h.forward_to, h.src
+
+
+def sending_peers(t: Transfer, host: str) -> set[str]:
+    """The hosts ``host`` streams to as the sender of ``t``."""
+    return {h.dst for h in hops(t) if h.origin and h.src == host}
+
+
+def stream_count(kind: str, transfer: Transfer | None = None, group_size: int = 0) -> int:
+    """How many stream numbers a step may use: a move's hop numbers (its receivers for p2p, its route for a
+    broadcast), or a reduce's ring messages (numbered ``round * group_size + sender``, over up to
+    ``2 * (group_size - 1)`` rounds)."""
+    if kind == "move":
+        return len(transfer.receivers) if transfer.method == "p2p" else len(transfer.route)
+    if kind == "reduce":
+        return 2 * group_size * (group_size - 1)
+    return 0
+
+
+def interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:
+    """Round-robin over (sender host, destination host) pairs, so the transfers running at
+    once (pools are bounded) share every NIC, as the cost model assumes, instead of all
+    going to one host while the others idle. Plans list transfers grouped by destination.
+    The order depends on the transfers alone, so every host computes the same one."""
+    by_peer: dict[tuple[str, str], list[tuple[int, Transfer]]] = defaultdict(list)
+    for it in transfers:
+        by_peer[host_of(it[1].sender), first_peer(it[1])].append(it)
+    queues = list(by_peer.values())
+    out = []
+    for k in range(max(map(len, queues), default=0)):
+        out += [q[k] for q in queues if k < len(q)]
+    return out
