@@ -9,8 +9,9 @@ exactly as one transfer is.
 
 Those buffers are host memory that a job allocates as it runs. On a cpu agent they count against
 ``--memory-limit``: at prepare, a run reserves room for the largest of them that can be in flight at once
-(`Run._reserve_buckets`, under the store key `BUCKETS_KEY`), so a job whose buckets do not fit is refused
-before anything moves instead of taking the process past its limit part way. They come from the store's
+(``reshard.server.agent.run``'s `Run._reserve_buckets`, under the store key `BUCKETS_KEY`, until the job ends
+on that host), so a job whose buckets do not fit is refused before anything moves instead of taking the
+process past its limit part way. They come from the store's
 recycler and go back to it once sent or unpacked (``take``, ``give``): a weight sync packs the same bucket
 sizes every step, and fresh memory pays a page fault per page on its first write.
 """

@@ -28,9 +28,11 @@ from reshard.proto.frames import RawPiece, decode_push_chunk
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
 from reshard.server.common.config import AgentConfig
-from reshard.server.agent.runtime import Run, Runtime
-from reshard.server.transport.base import Piece, PushHeader, Throttle, Trailer, Transport
+from reshard.server.agent.run import Run
+from reshard.server.agent.runtime import Runtime
+from reshard.server.transport.base import Transport
 from reshard.server.transport.faults import wrap
+from reshard.server.transport.streams import Piece, PushHeader, Throttle, Trailer
 from reshard.server.transport.grpc_link import GrpcTransport, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView

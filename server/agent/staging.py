@@ -46,7 +46,7 @@ def staged_bytes(tensors: list[TensorDecl], host: str) -> dict[str, int]:
 @dataclass(frozen=True)
 class TilePlan:
     """How a host stages its destination tiles of one tensor, the same for every run of a program (`tile_plan`,
-    kept by `runtime.HostLayout`): whether the tensor is made whole (see `StagedTiles`), its tiles here, and per
+    kept by `programs.HostLayout`): whether the tensor is made whole (see `StagedTiles`), its tiles here, and per
     device (device, tile, the tile's shape, the part its own source shard holds or None, the elements still to
     come once that part is in).
 
@@ -84,7 +84,7 @@ class StagedTiles:
 
     def __init__(self, job: str, decl: TensorDecl, name: str, owner: str, store: ShardStore, src_version: int,
                  empty, defer: bool, plan: TilePlan, staged: list, reserve: bool = True):
-        """``plan`` is worked out once for every run of a program (`runtime.HostLayout`). The caller stages the
+        """``plan`` is worked out once for every run of a program (`programs.HostLayout`). The caller stages the
         buffers: each (owner, device, buffer) is appended to ``staged`` for `ShardStore.stage_many`."""
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
         self.made_whole = plan.made_whole

@@ -3,7 +3,7 @@
 Owns everything of the transport that touches torch: an agent's membership in the
 group (`GroupMember`) and the data plane (`CollectiveTransport`), point-to-point
 ``send``/``recv`` on the group behind the `Transport` interface, whose base class
-holds what a move, a chain hop and a reduce mean. The planner decides who the
+runs what a move, a chain hop and a reduce mean (`moves`, `reduce`). The planner decides who the
 members are and hosts the store (`reshard.server.planner.membership`,
 ``rendezvous``); this module only follows it.
 
@@ -28,7 +28,7 @@ chain           a route host receives piece k+1 while it forwards piece k to the
                 is received straight into a receiver's buffer where it is contiguous there
 lanes           receives block, so the agent's runtime dispatches a job's tasks in one order
                 every host derives from the program, depth by depth, FIFO on ``lanes``
-                threads (`reshard.server.agent.runtime` proves it cannot deadlock); memory at
+                threads (`reshard.server.agent.task_graph` proves it cannot deadlock); memory at
                 most ``lanes * 2 * window * chunk_bytes``. NCCL ignores tags and orders calls
                 per communicator, so it gets one lane
 all-reduce      a replicated reduce whose members each have a host of their own runs as gloo's
@@ -60,19 +60,14 @@ import numpy as np
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
+from reshard.errors import ReshardError
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, UnavailableError
 from reshard.proto.layout import chunk_boxes, tile_shape
 from reshard.server.common.contract import confirm_prefix
 from reshard.server.common.torch_support import require_torch, seconds_delta, torch_available
-from reshard.server.transport.base import (
-    Outgoing,
-    Piece,
-    Session,
-    StreamKey,
-    Throttle,
-    Trailer,
-    Transport,
-)
+from reshard.server.transport.base import Transport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
 from reshard.server.transport.buffers import host_bytes, region, write
 
 if TYPE_CHECKING:

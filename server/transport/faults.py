@@ -18,7 +18,9 @@ from collections.abc import Iterable, Iterator
 
 from reshard.box import Box
 from reshard.proto.errors import UnavailableError
-from reshard.server.transport.base import Piece, Session, StreamKey, Transport
+from reshard.server.transport.base import Transport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Piece, StreamKey
 
 __all__ = ["Wrapped", "CorruptRelay", "Stall", "Fail", "corrupt_bit", "FAULTS", "wrap"]
 

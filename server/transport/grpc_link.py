@@ -22,16 +22,9 @@ from reshard.proto.errors import FailedPreconditionError
 from reshard.proto.frames import encode_piece
 from reshard.proto.status import domain_error
 from reshard.proto.wire import message_size_options
-from reshard.server.transport.base import (
-    Outgoing,
-    Piece,
-    QueuedOutgoing,
-    Session,
-    StreamKey,
-    Throttle,
-    Trailer,
-    Transport,
-)
+from reshard.server.transport.base import Transport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Outgoing, Piece, QueuedOutgoing, StreamKey, Throttle, Trailer
 
 __all__ = ["GrpcTransport", "channel_options"]
 

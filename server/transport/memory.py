@@ -13,15 +13,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 
 from reshard.proto.errors import UnavailableError
-from reshard.server.transport.base import (
+from reshard.server.transport.base import Transport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import (
     Outgoing,
     Piece,
     PushHeader,
     QueuedOutgoing,
-    Session,
     StreamKey,
     Throttle,
-    Transport,
     in_thread,
 )
 

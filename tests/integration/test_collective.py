@@ -120,7 +120,7 @@ def test_finished_jobs_leave_no_confirmation_keys_in_the_store(planned):
 
 
 def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
-    """The deadlock argument of reshard.server.agent.runtime at its tightest: with one lane (and one for small
+    """The deadlock argument of reshard.server.agent.task_graph at its tightest: with one lane (and one for small
     routes) on every host, every route of a state dict waits for the one before it, and the move still completes,
     bit for bit on every replica."""
     from .every_device import assert_every_device
@@ -329,7 +329,7 @@ def test_lanes_run_an_all_to_all_round_robin_over_host_pairs_in_one_order_on_eve
     from reshard.cases import n_to_m_cases
     from reshard.mesh import host_of
     from reshard.program import Program
-    from reshard.server.agent.runtime import host_tasks
+    from reshard.server.agent.task_graph import host_tasks
 
     def _tasks(plan, depth, host):  # one host's tasks of one depth, in the order it runs them
         return [task for task in host_tasks(Program.from_plan(plan), host) if task.depth == depth]
@@ -359,7 +359,7 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
     from reshard.mesh import host_of
     from reshard.program import MOVE
     from reshard.server.agent.buckets import bucket_moves
-    from reshard.server.agent.runtime import _route, _task_peers, host_tasks, lane_units
+    from reshard.server.agent.task_graph import _route, _task_peers, host_tasks, lane_units
 
     train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
     infer = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"i{i}" for i in range(4)], 1)
@@ -394,7 +394,7 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
         # one unit per route: lanes no longer queue a route's small moves one by one behind other routes' ...
         assert len(units[h]) == len({_route(t.step.transfer) for t in calling}) < len(calling)
     # ... and any two hosts hold the units they share as the same steps, in the same order (the deadlock argument
-    # of reshard.server.agent.runtime's docstring).
+    # of reshard.server.agent.task_graph's docstring).
     seqs = {h: [tuple(t.step.id for t in u) for u in units[h]] for h in hosts}
     for h1 in hosts:
         for h2 in hosts:
@@ -405,7 +405,8 @@ def test_lane_units_of_a_state_dict_run_in_one_order_on_every_host_route_by_rout
     # The runtime runs those units, worked out once per program (`HostLayout.depths`, by index into its tasks),
     # and the memory a job holds for bucket buffers counts the lanes for small routes apart from the others: a
     # bucket task counts on the lanes its unit runs on, and only there.
-    from reshard.server.agent.runtime import SMALL_UNIT_BYTES, HostLayout
+    from reshard.server.agent.programs import HostLayout
+    from reshard.server.agent.task_graph import SMALL_UNIT_BYTES
 
     for h in hosts:
         layout = HostLayout(program, h)

@@ -21,8 +21,9 @@ from reshard.client import JobFailedError
 from reshard.client.cluster import LocalCluster
 from reshard.proto.errors import DeadlineExceededError
 from reshard.server.planner.jobs import WATCH_INTERVAL_S
-from reshard.server.transport.base import Session, StreamKey
 from reshard.server.transport.grpc_link import GrpcTransport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import StreamKey
 
 from .conftest import TRANSPORTS, reshard_in_flight
 

@@ -396,7 +396,7 @@ def _kernel_inputs(shapes, seed=0):
 def test_kernels_compute_what_numpy_does(backend, kernel, shapes, params, reference):
     """numpy on CPU agents; torch where the buffers are torch tensors (CUDA agents: here on the CPU)."""
     from reshard.kernels import KERNELS as RULES
-    from reshard.server.agent.runtime import KERNELS
+    from reshard.server.agent.kernels import KERNELS
 
     assert set(KERNELS) == set(RULES)  # every kernel the core accepts, the agents run
     xs = _kernel_inputs(shapes)
@@ -412,7 +412,7 @@ def test_kernels_compute_what_numpy_does(backend, kernel, shapes, params, refere
 
 
 def test_a_cpu_agent_computes_bfloat16_tiles_in_float32_and_rounds_back():
-    from reshard.server.agent.runtime import KERNELS
+    from reshard.server.agent.kernels import KERNELS
 
     torch = pytest.importorskip("torch")
     x = torch.tensor([[1.5, -2.25, 3.0], [0.1, 7.0, -0.5]], dtype=torch.bfloat16)

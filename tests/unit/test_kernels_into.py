@@ -1,8 +1,8 @@
 """The CPU agent's elementwise kernels written straight into the output tile give the bits the plain path gives.
 
-`runtime._INTO` computes add, sub, mul, scale, relu, relu_grad and axpy into the output tile instead of making a
+`kernels._INTO` computes add, sub, mul, scale, relu, relu_grad and axpy into the output tile instead of making a
 result array and copying it over; relu_grad masks bits instead of calling ``np.where``. Both must agree with
-`runtime._MATH` (and relu_grad with ``np.where``) bit for bit, signed zeros, NaN and infinities included.
+`kernels._MATH` (and relu_grad with ``np.where``) bit for bit, signed zeros, NaN and infinities included.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from reshard.server.agent.runtime import _INTO, _MATH, KERNELS, _Numpy
+from reshard.server.agent.kernels import _INTO, _MATH, KERNELS, _Numpy
 
 OPS = [("add", {}), ("sub", {}), ("mul", {}), ("scale", {"factor": 0.3}), ("relu", {}), ("relu_grad", {}),
        ("axpy", {"alpha": 0.1})]

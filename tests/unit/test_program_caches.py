@@ -6,8 +6,9 @@ import json
 
 from reshard import Mesh, Sharding, TensorDecl
 from reshard.many import plan_many
-from reshard.server.agent.runtime import PROGRAMS_KEPT, Runtime
+from reshard.server.agent.runtime import Runtime
 from reshard.server.agent.store import ShardStore
+from reshard.server.common.contract import PROGRAMS_KEPT
 from reshard.server.planner.jobs import ProgramCache
 from reshard.server.transport.memory import MemoryNetwork, MemoryTransport
 
@@ -161,7 +162,7 @@ def test_an_agent_takes_the_id_a_signed_text_claims_and_the_ticket_refuses_any_o
     import pytest
 
     from reshard.proto.errors import PermissionDeniedError
-    from reshard.server.agent.runtime import load_program
+    from reshard.server.agent.programs import load_program
     from reshard.server.common.tickets import TicketCheck, new_secret, prepare_fields, sign
 
     program = _program(4)

@@ -11,7 +11,7 @@ from reshard import Mesh, Sharding, reshard_program
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.errors import ReshardError
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
-from reshard.server.transport.base import Piece
+from reshard.server.transport.streams import Piece
 from tests.unit.test_runtime import HOSTS, Hosts, hosts, gloo  # noqa: F401 - fixtures
 
 
@@ -79,14 +79,14 @@ def test_a_gathered_part_that_changed_at_a_forwarding_member_fails_the_job_at_th
 
     def corrupting(host, transport):
         if host == "host1":
-            incoming = transport._incoming
+            incoming = transport.incoming
 
             @contextmanager
             def flipping(s, key, peer, part, place):
                 with incoming(s, key, peer, part, place) as items:
                     yield _flip_first_byte(items) if key.hop // len(group) == 2 else items
 
-            transport._incoming = flipping
+            transport.incoming = flipping
         return transport
 
     hosts = Hosts(hosts=("host0", "host1", "host2"), wrap=corrupting)  # noqa: F811 - its own

@@ -358,7 +358,9 @@ def test_a_compute_copy_feeds_a_move_that_waits_for_it(hosts):
     full, top = _full(shape), ((0, 3), (0, 4))
     steps = (
         Step.compute(0, "copy", "host0/0", [TileRef("tensor", SRC, top)], TileRef("copy", "out", top)),
-        Step.move(1, Transfer(top, "host0/0", ("host2/0",), "p2p"), after=[0], tensor="copy"),
+        # to host1, which stages a destination tile, so its run (and the copy it received) lasts until the commit:
+        # a host that stages none ends the job as its run ends, and gives back what the run made
+        Step.move(1, Transfer(top, "host0/0", ("host1/0",), "p2p"), after=[0], tensor="copy"),
         Step.move(2, Transfer(full, "host0/0", ("host1/0",), "p2p")),
     )
     program = Program((TensorDecl("tensor", shape, "float32", src, dst), TensorDecl("copy", shape, "float32")),
@@ -367,7 +369,7 @@ def test_a_compute_copy_feeds_a_move_that_waits_for_it(hosts):
     job, runs = hosts.start(program.dumps(), "t")
     for run in runs.values():
         run.result(STEP_TIMEOUT_S)
-    array, origin = runs["host2"].read("host2/0", "copy", top, DST)
+    array, origin = runs["host1"].read("host1/0", "copy", top, DST)
     assert origin == top and np.array_equal(array, a[:3])
     for r in hosts.runtimes.values():
         r.commit(job)
@@ -377,7 +379,7 @@ def test_a_compute_copy_feeds_a_move_that_waits_for_it(hosts):
 def test_a_push_for_an_unknown_job_or_step_is_refused(memory_hosts):
     hosts = memory_hosts
     from reshard.proto.errors import InvalidArgumentError, NotFoundError
-    from reshard.server.transport.base import PushHeader
+    from reshard.server.transport.streams import PushHeader
 
     with pytest.raises(NotFoundError, match="agent host1 has no prepared job 'nope'"):
         hosts.runtimes["host1"].accept(PushHeader("nope", "x", 0, 0, "host0"), [])

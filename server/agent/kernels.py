@@ -1,0 +1,228 @@
+"""The agent-side implementations of the compute kernels: what a ``compute`` step runs on this host's tiles.
+
+The core's ``reshard.kernels`` holds the same kernels' shape rules, parameters and flop counts, for the same names;
+a program's steps were checked against them when it was validated, so this module only computes.
+
+The math of every kernel is written once, over a backend: numpy on CPU agents, torch on the GPU of a CUDA agent
+(the output buffer says which). numpy holds bfloat16 as uint16 bits (`buffers`), so a CPU agent computes on
+those tiles in float32 and rounds back. Integer einsums run in numpy wherever the tiles live: CUDA has no
+integer matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
+from reshard.kernels import axis_param, dims_param, float_param
+from reshard.server.agent.matmul import einsum2
+from reshard.server.transport import buffers
+
+__all__ = ["KERNELS"]
+
+
+class _Numpy:
+    @staticmethod
+    def operand(x):
+        x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+        if x.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
+            return bfloat16_to_float32(x)
+        return x
+
+    @staticmethod
+    def result(values, output):
+        values = np.asarray(values)
+        if output.dtype == np.uint16 and values.dtype != np.uint16:  # round to nearest even bfloat16
+            return float32_to_bfloat16(values)
+        return values
+
+    @staticmethod
+    def einsum(eq, *xs):
+        return einsum2(eq, *xs) if len(xs) == 2 else np.einsum(eq, *xs, optimize=True)  # BLAS for contractions
+    relu = staticmethod(lambda x: np.maximum(x, np.zeros((), x.dtype)))
+
+    @staticmethod
+    def relu_grad(x, g, out=None):
+        """``g`` where ``x > 0``, else +0, bit for bit as ``np.where`` gives it in about a quarter of its time
+        (``np.where`` on a mask takes a slow path): ``g``'s bits ANDed with all ones where ``x > 0``, all
+        zeros (+0.0) elsewhere. Into ``out`` when given (``g``'s shape and dtype)."""
+        if x.shape != g.shape or g.dtype.kind != "f":
+            values = np.where(x > 0, g, np.zeros((), g.dtype))
+            if out is None:
+                return values
+            out[...] = values
+            return out
+        out = np.empty_like(g) if out is None else out
+        mask = out.view(f"i{g.dtype.itemsize}")  # 1 where x > 0, then -1 (all ones), then g's bits or none
+        np.greater(x, 0, out=mask, casting="unsafe")
+        np.negative(mask, out=mask)
+        np.bitwise_and(g.view(mask.dtype), mask, out=mask)
+        return out
+    exp = staticmethod(np.exp)
+    log = staticmethod(np.log)
+
+    @staticmethod
+    def sum(x, dims, keep=False):
+        return np.sum(x, axis=dims, keepdims=keep)
+
+    @staticmethod
+    def max(x, dims, keep=False):
+        info = np.finfo if np.issubdtype(x.dtype, np.floating) else np.iinfo
+        least = -np.inf if info is np.finfo else (False if x.dtype == bool else info(x.dtype).min)
+        return np.max(x, axis=dims, keepdims=keep, initial=least)
+
+
+class _Torch:
+    @staticmethod
+    def operand(x, device):
+        if buffers.is_torch(x):
+            return x.to(device)
+        x = np.asarray(x)
+        return buffers.to_device(x, "bfloat16" if x.dtype == np.uint16 else x.dtype.name, str(device))
+
+    @staticmethod
+    def result(values, output):
+        return values
+
+    @staticmethod
+    def einsum(eq, *xs):
+        import torch
+
+        if not all(x.is_floating_point() or x.is_complex() for x in xs):  # no integer matmul on CUDA
+            values = np.einsum(eq, *(buffers.host_array(x) for x in xs), optimize=True)
+            return torch.from_numpy(np.ascontiguousarray(values)).to(xs[0].device)
+        return torch.einsum(eq, *xs)
+
+    @staticmethod
+    def relu(x):
+        import torch
+
+        return torch.clamp_min(x, 0)
+
+    @staticmethod
+    def relu_grad(x, g):
+        import torch
+
+        return torch.where(x > 0, g, torch.zeros((), dtype=g.dtype, device=g.device))
+
+    exp = staticmethod(lambda x: x.exp())
+    log = staticmethod(lambda x: x.log())
+
+    @staticmethod
+    def sum(x, dims, keep=False):
+        return x.sum(dim=dims, keepdim=keep)
+
+    @staticmethod
+    def max(x, dims, keep=False):
+        import torch
+
+        if x.numel() == 0 or any(x.shape[d] == 0 for d in dims):
+            shape = tuple(1 if d in dims else n for d, n in enumerate(x.shape)) if keep else \
+                tuple(n for d, n in enumerate(x.shape) if d not in dims)
+            least = float("-inf") if x.is_floating_point() else (False if x.dtype == torch.bool
+                                                                 else torch.iinfo(x.dtype).min)
+            return torch.full(shape, least, dtype=x.dtype, device=x.device)
+        return x.amax(dim=dims, keepdim=keep)
+
+
+def _log_softmax(xp, logits, axis: int):
+    top = xp.max(logits, (axis,), keep=True)
+    shifted = logits - top
+    return shifted - xp.log(xp.sum(xp.exp(shifted), (axis,), keep=True))
+
+
+def _xent(xp, xs, params):
+    logits, targets = xs
+    axis = axis_param("softmax_xent", params, logits.ndim)
+    return -xp.sum(targets * _log_softmax(xp, logits, axis), (axis,))
+
+
+def _xent_grad(xp, xs, params):
+    logits, targets = xs
+    axis = axis_param("softmax_xent_grad", params, logits.ndim)
+    scale = float_param("softmax_xent_grad", params, "scale", 1.0)
+    return (xp.exp(_log_softmax(xp, logits, axis)) - targets) * scale
+
+
+# name -> fn(backend, input tiles as the backend's arrays, params) -> the output tile's values
+_MATH: dict[str, Callable[[Any, list, dict], Any]] = {
+    "einsum": lambda xp, xs, p: xp.einsum(p["equation"].replace(" ", ""), *xs),
+    "add": lambda xp, xs, p: xs[0] + xs[1],
+    "sub": lambda xp, xs, p: xs[0] - xs[1],
+    "mul": lambda xp, xs, p: xs[0] * xs[1],
+    "scale": lambda xp, xs, p: xs[0] * float_param("scale", p, "factor"),
+    "relu": lambda xp, xs, p: xp.relu(xs[0]),
+    "relu_grad": lambda xp, xs, p: xp.relu_grad(xs[0], xs[1]),
+    "axpy": lambda xp, xs, p: xs[0] - float_param("axpy", p, "alpha") * xs[1],
+    "sum": lambda xp, xs, p: xp.sum(xs[0], dims_param("sum", p, xs[0].ndim)),
+    "max": lambda xp, xs, p: xp.max(xs[0], dims_param("max", p, xs[0].ndim)),
+    "softmax_xent": _xent,
+    "softmax_xent_grad": _xent_grad,
+}
+
+
+# name -> fn(input arrays, params, out): the elementwise kernels written straight into a host output tile,
+# as `_MATH` computes them (the same operations in the same order, so the same bits). A result array made
+# and then copied into the tile costs a page fault per 4 KiB and a copy: for a pipeline stage's relu
+# and gradient sums, more than the arithmetic.
+_INTO: dict[str, Callable[[list, dict, np.ndarray], Any]] = {
+    "add": lambda xs, p, out: np.add(xs[0], xs[1], out=out),
+    "sub": lambda xs, p, out: np.subtract(xs[0], xs[1], out=out),
+    "mul": lambda xs, p, out: np.multiply(xs[0], xs[1], out=out),
+    "scale": lambda xs, p, out: np.multiply(xs[0], float_param("scale", p, "factor"), out=out),
+    "relu": lambda xs, p, out: np.maximum(xs[0], np.zeros((), out.dtype), out=out),
+    "relu_grad": lambda xs, p, out: _Numpy.relu_grad(xs[0], xs[1], out=out),
+    "axpy": lambda xs, p, out: np.subtract(xs[0], float_param("axpy", p, "alpha") * xs[1], out=out),
+}
+
+
+def _writes_into(inputs: list, output) -> bool:
+    """Whether an elementwise kernel may write into ``output`` itself: a writable host tile of a float dtype
+    (integers take a float factor through float64; bfloat16 is stored as integer bits), and inputs of its
+    shape and dtype that do not overlap it."""
+    if buffers.is_torch(output) or output.dtype.kind != "f" or not output.flags.writeable:
+        return False
+    return all(isinstance(x, np.ndarray) and x.shape == output.shape and x.dtype == output.dtype
+               and not np.may_share_memory(x, output) for x in inputs)
+
+
+def _kernel(math: Callable[[Any, list, dict], Any], into=None) -> Callable[[list, Any, dict], None]:
+    def run(inputs: list, output, params: dict) -> None:
+        if into is not None and _writes_into(inputs, output):
+            into(inputs, params, output)
+            return
+        whole = tuple((0, n) for n in output.shape)
+        if buffers.is_torch(output):
+            xs = [_Torch.operand(x, output.device) for x in inputs]
+            values = math(_Torch, xs, params)
+        else:
+            values = _Numpy.result(math(_Numpy, [_Numpy.operand(x) for x in inputs], params), output)
+        buffers.write(output, whole, whole, values)
+
+    return run
+
+
+def _einsum(inputs: list, output, params: dict) -> None:
+    """``einsum``, written straight into the output tile where numpy can (a matmul's ``out``): no result array
+    to allocate and copy over, which on fresh memory costs as much as a mid-size matmul."""
+    if (len(inputs) == 2 and not buffers.is_torch(output) and output.dtype != np.uint16 and output.flags.writeable
+            and all(not buffers.is_torch(x) and np.asarray(x).dtype == output.dtype for x in inputs)):
+        einsum2(params["equation"], *inputs, out=output)
+        return
+    _kernel(_MATH["einsum"])(inputs, output, params)
+
+
+def _copy(inputs: list, output, params: dict) -> None:
+    whole = tuple((0, n) for n in output.shape)
+    buffers.write(output, whole, whole, inputs[0])  # bytes as they are, whatever the dtype
+
+
+# name -> fn(input regions, output region, params): the compute steps' implementations on this agent; the
+# core's ``reshard.kernels`` holds their shape rules, for the same names.
+KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
+                                                         **{name: _kernel(m, _INTO.get(name))
+                                                            for name, m in _MATH.items()},
+                                                         "einsum": _einsum}

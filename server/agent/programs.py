@@ -1,0 +1,114 @@
+"""The per-host view of a program: reading a program's text (`load_program`), and what one host works out from the
+program alone for every run of it (`HostLayout`).
+"""
+
+from __future__ import annotations
+
+import copy
+
+from reshard import box as boxes
+from reshard.cost import sender_bytes
+from reshard.jsonio import loads
+from reshard.many import program_from_json
+from reshard.mesh import host_of
+from reshard.program import MOVE, Program, Step
+from reshard.routes import stream_count
+from reshard.server.agent.buckets import BYTES, bucket_moves
+from reshard.server.agent.staging import staged_bytes, tile_plan
+from reshard.server.agent.task_graph import Task, depth_order, host_tasks
+from reshard.server.common.config import AgentConfig, PlannerConfig
+from reshard.server.transport.session import dtype_pairs_of
+
+__all__ = ["load_program", "HostLayout"]
+
+
+def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
+                 max_depth: int = PlannerConfig.max_json_depth) -> tuple[Program, str]:
+    """A program from its JSON (or plan JSON v1), and the id it goes by: the id of the document handed over
+    (a plan's id for plan JSON), which the planner's Execute and every peer name.
+
+    The JSON nests no deeper than the planner reads JSON, and is no larger than the message that brings it:
+    the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB).
+
+    The id the text claims is taken as it is, not worked out again from the content (a quarter of reading a
+    16,000-step program): the planner's ticket for the Prepare signs the text's hash, and every host confirms the
+    id with its peers before it calls them. A text without an id gets its content's."""
+    data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
+    claimed = data.get("id") if isinstance(data, dict) else None
+    program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
+    return program, claimed if isinstance(claimed, str) else program.id
+
+
+class HostLayout:
+    """What a run of ``program`` on ``host`` works out from the program alone: its buckets, streams and each step's
+    dtype, this host's tasks (templates: each run counts down copies), the bytes it sends, and the tiles it stages.
+    A weight sync runs the same program every step, and for a state dict of hundreds of tensors working these out
+    took most of a receiving agent's CPU in a job; the runtime keeps them with the parsed program."""
+
+    def __init__(self, program: Program, host: str):
+        self.program = program
+        self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
+        self.streams, self.dtypes, n = {}, {}, 0
+        for s in program.steps:
+            self.streams[s.id] = n
+            n += stream_count(s.kind, s.transfer, len(s.devices))
+            self.dtypes[s.id] = BYTES if s.id in self.buckets else \
+                program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
+        self.num_streams = n
+        self.dtype_pairs = dtype_pairs_of(self.dtypes)
+        self.tasks = host_tasks(program, host, self.buckets)
+        self.bytes_total = sum(
+            sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
+            if s.kind == MOVE and host_of(s.transfer.sender) == host)
+        self.committed = [t for t in program.tensors if t.dst is not None]
+        self.committed_names = frozenset(t.name for t in self.committed)
+        self.unresharded = [t.name for t in self.committed if not t.is_reshard]
+        self.staged = staged_bytes(self.committed, host) if len(self.committed) > 1 else {}
+        # tensor -> this host's devices' destination tiles
+        self.dst_tiles = {t.name: {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
+                          for t in self.committed}
+        self.here = [t for t in self.committed if self.dst_tiles[t.name]]  # the tensors this host stages tiles of
+        # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
+        # (`Run._stage`).
+        self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
+        # tensor -> how this host stages its tiles (`staging.tile_plan`)
+        self.tile_plans = {t.name: tile_plan(t, self.dst_tiles[t.name]) for t in self.here}
+        # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
+        # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
+        # (whether each runs on the lanes for small routes, and its tasks).
+        self.calls_peers, self.depths = depth_order(self.tasks, host, self.step_bytes)
+        # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
+        # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
+        # device of its own that receives it, until the last byte (`buckets.Bucket`); in all, and apart for the
+        # tasks of units that run on the lanes for small routes and for the others.
+        small = {i for _, _, units in self.depths for on_small, unit in units if on_small for i in unit}
+        held = [(i, self.buckets[t.step.id].nbytes * ((t.role == "send") + sum(host_of(r) == host
+                                                                            for r in t.step.transfer.receivers)))
+                for i, t in enumerate(self.tasks) if t.step.id in self.buckets and t.role in ("send", "recv")]
+        self.bucket_buffers = sorted((n for _, n in held), reverse=True)
+        self.small_bucket_buffers = sorted((n for i, n in held if i in small), reverse=True)
+        self.large_bucket_buffers = sorted((n for i, n in held if i not in small), reverse=True)
+
+    def step_bytes(self, step: Step) -> int:
+        """The bytes a move step carries: its bucket's, when it stands for one."""
+        bucket = self.buckets.get(step.id)
+        if bucket is not None:
+            return bucket.nbytes
+        return boxes.volume(step.transfer.box) * self.program.tensor(step.tensor).itemsize
+
+    def bucket_peak(self, at_once: int, small_at_once: int = 0) -> int:
+        """The most bytes of bucket buffers this host holds when ``at_once`` of its tasks run together, or, with
+        ``small_at_once`` (the active transports), ``at_once`` of the tasks outside the units for small routes
+        and ``small_at_once`` of those."""
+        if not small_at_once:
+            return sum(self.bucket_buffers[:at_once])
+        return sum(self.large_bucket_buffers[:at_once]) + sum(self.small_bucket_buffers[:small_at_once])
+
+    def buckets_at_once(self, at_once: int, small_at_once: int = 0) -> int:
+        """How many bucket tasks `bucket_peak` counts."""
+        if not small_at_once:
+            return min(at_once, len(self.bucket_buffers))
+        return min(at_once, len(self.large_bucket_buffers)) + min(small_at_once, len(self.small_bucket_buffers))
+
+    def fresh_tasks(self) -> list[Task]:
+        return [copy.copy(t) for t in self.tasks]

@@ -1,0 +1,180 @@
+"""What moving a box means, for every transport: the chunk loop that sends a stream, the hop that takes one
+(forwarding it down a chain and checking its trailer), and a transfer's sender and receiving parts.
+
+================= ==========================================================================
+``move``          a transfer's sender part: copies into the receivers on this host, then the
+                  box down every hop this host streams itself (`reshard.routes`)
+``take``          one receiving hop of a transfer: write the pieces into this host's
+                  receivers, forward each piece down the chain before the next arrives,
+                  check the bytes against the sender's trailer (`verify_arrival`)
+``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, the
+                  running XXH3-64, the trailer ``(nbytes, xxh3_64)``, byte accounting
+``relay``         the receiving loop of one stream: forward, write, count, check the trailer
+================= ==========================================================================
+
+A chain hop that forwards hands on the very bytes it keeps, so only the chain's last
+hop digests them: its match covers every hop's copy, and a mismatch anywhere fails the
+job before any host commits. Each function takes the `Transport` it runs on and calls
+the others through its methods, so a wrapper (``faults``) that changes one changes it
+for all. Transfers are ``reshard.plan.Transfer`` values; byte counts follow
+``reshard.cost``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.mesh import host_of
+from reshard.plan import Transfer
+from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
+from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
+from reshard.routes import home_receivers, hop_targets, hops
+from reshard.server.transport.buffers import host_bytes, region
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Sink, StreamKey, Trailer
+
+if TYPE_CHECKING:
+    from reshard.server.transport.base import Transport
+
+__all__ = ["send", "relay", "move", "take", "verify_arrival"]
+
+
+def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box, box: Box,
+         digest: Future | None = None, origin_bytes: bool = True) -> list[str] | None:
+    """Stream ``box`` of ``array`` (which holds ``origin``) to ``peer``; returns who verified it.
+    ``digest`` is the box's XXH3-64 when it is computed elsewhere (the agent digests held shards early)."""
+    out = transport.open(s, key, peer)
+    check = Checksum(digest=digest is None)
+    try:
+        for sub in chunk_boxes(box, s.dtype(key.step)[0], transport.chunk_bytes):
+            s.check()
+            data = host_bytes(region(array, sub, origin))
+            if not data.nbytes:
+                continue
+            transport.throttle.wait(data.nbytes)
+            check.update(data)
+            out.put(sub, data)
+            s.traffic.add_out(peer, data.nbytes, origin_bytes)
+        out.end(check.nbytes, digest.result() if digest is not None else check.xxh3_64)
+        return out.wait(transport.timeout_s)
+    except BaseException:
+        out.cancel()
+        raise
+
+
+def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box, items: Iterable, sink: Sink,
+          local: list[str], forward_to: str | None,
+          verify: Callable[[Checksum, int, int], None]) -> list[str] | None:
+    """Take one incoming stream: forward every piece to ``forward_to`` (under the next hop's key) before
+    writing it into ``local``'s buffers, then check the trailer; returns who verified the box."""
+    forward = transport.open(s, StreamKey(key.job, key.step, key.hop + 1), forward_to) if forward_to else None
+    check = Checksum(digest=forward is None)  # a forwarding hop leaves the digest to the chain's last hop
+    dtype = s.dtype(key.step)[1]
+    try:
+        for item in items:
+            if isinstance(item, Trailer):
+                if forward is not None:
+                    forward.end(item.nbytes, item.digest)
+                verify(check, item.nbytes, item.digest)
+                if forward is None:
+                    return [transport.host]
+                later = forward.wait(transport.timeout_s)
+                return None if later is None else [transport.host, *later]
+            s.check()  # a job that failed elsewhere (a deadline, an abort) stops taking pieces
+            sub, data = item.box, item.data
+            if not boxes.contains(box, sub):
+                raise InvalidArgumentError(
+                    f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
+                )
+            n = memoryview(data).nbytes
+            if n != boxes.volume(sub) * dtype.itemsize:
+                raise InvalidArgumentError(f"job {key.job}: piece {boxes.box_str(sub)} carries {n} bytes, not "
+                                           f"{boxes.volume(sub) * dtype.itemsize}")
+            if forward is not None:
+                forward.put(sub, data, item.wire)
+                s.traffic.add_out(forward_to, n, origin=False)
+            arr = np.frombuffer(data, dtype=dtype).reshape(tile_shape(sub))
+            for r in local:
+                if r == item.landed:
+                    sink.mark(r, sub)
+                else:
+                    sink.write(r, sub, arr)
+            check.update(data)
+            s.traffic.add_in(peer, n)
+        raise InvalidArgumentError(
+            f"job {key.job}: stream {key.hop} of step {key.step} from {peer} ended after {check.nbytes} bytes "
+            f"without a trailer; the sender stopped"
+        )
+    except BaseException:
+        if forward is not None:
+            forward.cancel()
+        raise
+
+
+def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, array, origin: Box,
+         digest: Future | None = None) -> None:
+    """The sender's part of transfer ``t`` (step ``step``), from ``array`` holding ``origin``: its copies on this
+    host, then every hop it streams itself (`reshard.routes`)."""
+    view = region(array, t.box, origin)
+    nbytes = boxes.volume(t.box) * s.dtype(step)[1].itemsize
+    for r in home_receivers(t):
+        sink.write(r, t.box, view)
+        s.traffic.add_local(nbytes)
+    for h in hops(t):
+        if not h.origin:
+            continue
+        confirmed = transport.send(s, StreamKey(s.job, step, h.index), h.dst, array, origin, t.box, digest)
+        if t.method == "broadcast" and confirmed is not None and list(confirmed) != list(t.route):
+            raise FailedPreconditionError(
+                f"job {s.job}: broadcast {step} was confirmed by {confirmed}, expected the route {list(t.route)}"
+            )
+
+
+def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sink: Sink,
+         items: Iterable | None = None) -> list[str] | None:
+    """Hop ``hop`` of transfer ``t`` arriving here: ``items`` as pushed (passive transports), or received
+    now (active ones). Returns who verified the box: this host and every later hop."""
+    targets = hop_targets(t, hop, transport.host)
+    if targets is None:
+        raise InvalidArgumentError(f"job {s.job}: transfer {step} ({t}) hop {hop} does not deliver to host "
+                                   f"{transport.host}")
+    local, nxt, peer = targets
+    key = StreamKey(s.job, step, hop)
+    if items is None:
+        items = transport.arrivals(s, key, peer, t.box, lambda sub: sink.place(local, sub))
+
+    def verify(check: Checksum, nbytes: int, digest: int) -> None:
+        verify_arrival(s.job, step, t, hop, check, nbytes, digest, s.dtype(step)[1].itemsize)
+
+    return transport.relay(s, key, peer, t.box, items, sink, local, nxt, verify)
+
+
+def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, sent_nbytes: int,
+                   sent_digest: int, itemsize: int) -> None:
+    """Check one received stream of transfer ``index`` against its sender's trailer: byte count and XXH3-64.
+
+    ``check`` counts bytes only on a hop that forwards down a chain; the last hop's
+    digest then speaks for the whole route (see the module docstring).
+    """
+    expected = boxes.volume(t.box) * itemsize
+    sender = host_of(t.sender)
+    if not check.nbytes == sent_nbytes == expected:
+        raise DataLossError(
+            f"job {job}: transfer {index} from {sender} arrived with {check.nbytes} bytes; the sender sent "
+            f"{sent_nbytes} and the box holds {expected}"
+        )
+    if check.digests and check.xxh3_64 != sent_digest:
+        if t.method == "broadcast" and hop:
+            where = f"somewhere on the chain {' -> '.join([sender, *t.route[:hop + 1]])}"
+        else:
+            where = f"between {sender} and {t.route[0] if t.method == 'broadcast' else host_of(t.receivers[hop])}"
+        raise DataLossError(
+            f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
+            f"{sent_digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
+        )

@@ -1,0 +1,100 @@
+"""One job on one host, as its transport sees it: the `Session` (ids, dtypes, peers, the first failure) and the
+`Traffic` it counts."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from reshard.proto.layout import np_dtype
+
+if TYPE_CHECKING:
+    from reshard.server.transport.streams import StreamKey
+
+__all__ = ["Session", "Traffic", "dtype_pairs_of"]
+
+
+class Traffic:
+    """Bytes a host moved for one job: over the network per peer host, and between its own devices."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes_in: dict[str, int] = defaultdict(int)
+        self.bytes_out: dict[str, int] = defaultdict(int)
+        self.local_bytes = 0
+        self.sent = 0  # as a transfer's sender: what progress reports (``reshard.cost.sender_bytes``)
+        self.native_reduces = 0  # reduces run as the transport's own all-reduce (`Transport.all_reduce`)
+
+    def add_in(self, peer: str, n: int) -> None:
+        with self._lock:
+            self.bytes_in[peer] += n
+
+    def add_out(self, peer: str, n: int, origin: bool) -> None:
+        with self._lock:
+            self.bytes_out[peer] += n
+            if origin:
+                self.sent += n
+
+    def add_native_reduce(self) -> None:
+        with self._lock:
+            self.native_reduces += 1
+
+    def add_local(self, n: int, origin: bool = True) -> None:
+        with self._lock:
+            self.local_bytes += n
+            if origin:
+                self.sent += n
+
+
+def dtype_pairs_of(dtypes: dict[int, str]) -> dict[int, tuple[str, np.dtype]]:
+    """Each step's dtype name and its numpy dtype, as a `Session` keeps them."""
+    return {step: (name, np_dtype(name)) for step, name in dtypes.items()}
+
+
+class Session:
+    """One job on one host, as its transport sees it: ids, dtype, peers, traffic and the first failure.
+
+    ``dtypes`` gives each step's dtype (the dtype of the tensor it moves or reduces).
+    ``streams`` numbers every stream of the job (step -> its first stream number, see
+    `reshard.routes.stream_count`; ``num_streams`` in all) for transports that tag messages. The agent's
+    runtime extends it.
+    """
+
+    def __init__(self, job: str, program_id: str, dtypes: dict[int, str], peers: dict[str, str], *,
+                 generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0,
+                 push_tickets: dict[str, str] | None = None, dtype_pairs: dict | None = None):
+        self.job = job
+        self.program_id = program_id  # the id of the plan or program the agent was handed
+        # step -> (dtype name, numpy dtype); ``dtype_pairs`` gives them worked out already (`dtype_pairs`)
+        self._dtypes = dtype_pairs if dtype_pairs is not None else dtype_pairs_of(dtypes)
+        self.peers = dict(peers)
+        self.push_tickets = dict(push_tickets or {})  # peer host -> the planner's ticket for pushes to it
+        self.generation = generation
+        self.seq = seq
+        self.streams = streams or {}
+        self.num_streams = num_streams
+        self.traffic = Traffic()
+        self.failed: BaseException | None = None
+        self._fail_lock = threading.Lock()
+
+    def fail(self, error: BaseException) -> BaseException:
+        """Record ``error`` unless an earlier failure was; returns the one that counts."""
+        with self._fail_lock:
+            if self.failed is None:
+                self.failed = error
+            return self.failed
+
+    def check(self) -> None:
+        """Raise the job's failure, if any: every loop calls this between pieces, which is how a job cancels."""
+        if self.failed is not None:
+            raise self.failed
+
+    def stream(self, key: StreamKey) -> int:
+        return self.streams.get(key.step, 0) + key.hop
+
+    def dtype(self, step: int) -> tuple[str, np.dtype]:
+        """Step ``step``'s dtype: its reshard name and the numpy dtype that holds its elements."""
+        return self._dtypes[step]
