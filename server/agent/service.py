@@ -457,6 +457,10 @@ class Agent:
         """Register again from the heartbeat loop; a failure is logged and retried at the next beat, so the loop
         never dies (it is what brings the agent back after the planner or another registrant forgot it)."""
         log.info("host %s registers again: %s", self.config.host, why)
+        if self.collective is not None:
+            # A planner that forgot this agent (it restarted) numbers and hosts its groups anew: the one this agent
+            # is in hangs on the dead planner's store, even where the new one names the same port and generation.
+            self.collective.member.leave(f"it registers again ({why})")
         try:
             self.register()
         except Exception as e:  # noqa: BLE001 - the next heartbeat tries again

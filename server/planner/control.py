@@ -51,6 +51,7 @@ __all__ = ["Planner", "parse_sharding", "check_plan_size"]
 
 log = logging.getLogger(__name__)
 
+GENERATION = "process group generation"  # the state's counter of `GroupCoordinator` generations
 _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
 
 
@@ -111,10 +112,12 @@ class Planner:
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
-        self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
-                                      "it runs with --no-rendezvous")
-        self.catalog = Catalog()
         self.store = StateStore(config.state_path)
+        # Generations number on across restarts (--state): agents may still hold a group of the planner before this
+        self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
+                                      "it runs with --no-rendezvous", generation=self.store.counter(GENERATION),
+                                      saved=lambda generation: self.store.save_counter(GENERATION, generation))
+        self.catalog = Catalog()
         self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,

@@ -9,6 +9,11 @@ generation from their heartbeat replies, form it through the planner's store,
 and report the generation they joined; the group is *up* when every member
 joined the current generation.
 
+A generation names one group formed through one store, so a number is never announced twice: the planner saves
+each generation in its state before announcing it (``--state``), and a restarted planner numbers on above the
+last it saved. Agents still in a group of the dead planner (its store is gone) then see a new generation and
+form it, instead of reporting the old one joined and running the next job on a group whose store is closed.
+
 Two members on one GPU (agents report their GPU's uuid) would make NCCL fail
 every job ("Duplicate GPU detected"), and one group has one backend. An agent
 that would break either rule is refused at registration when it asks for
@@ -62,7 +67,9 @@ NO_TORCH = "torch is not installed where it runs: pip install 'reshard[torch]'"
 
 class GroupCoordinator:
     def __init__(self, registry: Registry, store_port: int, clock: Callable[[], float] = time.monotonic,
-                 no_store: str = NO_TORCH):
+                 no_store: str = NO_TORCH, generation: int = 0, saved: Callable[[int], None] = lambda generation: None):
+        """``generation`` is the last one a planner before this one announced (from its state); ``saved(n)`` makes
+        generation ``n`` durable and returns before any agent hears of it."""
         self.registry = registry
         self.store_port = store_port
         self.no_store = no_store  # why there is no rendezvous store, when store_port is 0
@@ -72,7 +79,8 @@ class GroupCoordinator:
         self._backends: dict[str, str] = {}
         self._gpus: dict[str, str] = {}  # host -> uuid of the GPU its shards live on ("" for cpu)
         self._reasons: dict[str, str] = {}  # host -> why it runs gRPC although it asked for auto
-        self._generation = 0
+        self._generation = generation
+        self._save_generation = saved
         self._members: tuple[str, ...] = ()
         self._joined: set[str] = set()
         self._seq = 0
@@ -156,6 +164,7 @@ class GroupCoordinator:
 
     def _reform(self, why: str) -> None:
         self._generation += 1
+        self._save_generation(self._generation)
         self._joined = set()
         self._reformed_at = self._clock()
         log.info("process group generation %d: %s; members %s", self._generation, why, list(self._members))

@@ -1,4 +1,4 @@
-"""The planner's durable state: tensors, jobs and plans in SQLite (``--state PATH``).
+"""The planner's durable state: tensors, jobs, plans and counters in SQLite (``--state PATH``).
 
 Without a path the same tables live in memory, so one code path serves both.
 Rows hold JSON documents; no pickle.
@@ -16,6 +16,7 @@ _SCHEMA = """
 CREATE TABLE IF NOT EXISTS tensors (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created REAL NOT NULL, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS plans (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
@@ -72,6 +73,17 @@ class StateStore:
         with self._lock:
             row = self._db.execute("SELECT doc FROM plans WHERE id = ?", (plan_id,)).fetchone()
         return row[0] if row else None
+
+    def counter(self, name: str) -> int:
+        """The last value saved of counter ``name`` (0 if never saved)."""
+        with self._lock:
+            row = self._db.execute("SELECT value FROM counters WHERE name = ?", (name,)).fetchone()
+        return row[0] if row else 0
+
+    def save_counter(self, name: str, value: int) -> None:
+        """Counter ``name`` is now ``value``: saved before anyone is told of it, so a restarted planner starts above
+        every value its agents may have seen (the process group's generation)."""
+        self._write("INSERT OR REPLACE INTO counters (name, value) VALUES (?, ?)", (name, value))
 
     def close(self) -> None:
         with self._lock:

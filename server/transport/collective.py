@@ -214,6 +214,15 @@ class GroupMember:
             )
         return group
 
+    def leave(self, why: str) -> None:
+        """Drop the group and the generation wanted, reporting nothing broken: the planner that announced them
+        forgot this agent (it restarted, and its store went with it), so the next view is formed anew even where
+        it names the same store port and generation."""
+        with self._lock:
+            group, self._group, self._target = self._group, None, None
+        if group is not None:
+            log.info("host %s leaves process group generation %d: %s", self.host, group.generation, why)
+
     def mark_broken(self, group: Group, why: str) -> None:
         with self._lock:
             if self._group is not group:
@@ -312,9 +321,26 @@ class CollectiveTransport(Transport):
         return group
 
     def handshake(self, s: Session, peers: set[str]) -> None:
-        """Publish this agent's plan id for the job (once) and check every new peer's before any call."""
+        """Publish this agent's plan id for the job (once) and check every new peer's before any call; a store
+        that no longer answers fails the job with `UnavailableError` and drops the group (the planner re-forms it)."""
         me = self.host
         group = self._group(s)
+        try:
+            self._confirm(s, group, peers)
+        except ReshardError:  # a refusal of this agent's or a peer's, or the run failed meanwhile
+            raise
+        except Exception as e:  # noqa: BLE001 - torch raises DistNetworkError, DistStoreError or RuntimeError
+            # The store answers no more (the planner restarted or is down): the group cannot confirm a job again.
+            self.member.mark_broken(group, "its rendezvous store failed")
+            text = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise UnavailableError(
+                f"job {s.job}: agent {me} cannot reach the rendezvous store of process group generation "
+                f"{s.generation} on the planner ({type(e).__name__}: {text}); the planner may have restarted or be "
+                f"down: the group is re-formed once it answers, then submit the job again") from None
+
+    def _confirm(self, s: Session, group: Group, peers: set[str]) -> None:
+        """The handshake's calls on the store (see the module table's ``confirm``)."""
+        me = self.host
         prefix = confirm_prefix(s.generation, s.job, 0)
         mine = s.program_id
         try:
