@@ -41,7 +41,7 @@ from reshard.server.common.tickets import put_fields, sign
 from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name, repeated_names
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import NO_TORCH, GroupCoordinator
-from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, ProgramCache
+from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, Planned, ProgramCache, planned_from
 from reshard.server.planner.registry import AgentRecord, Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
@@ -451,17 +451,14 @@ class Planner:
 
     def _check_op(self, op: str, inputs: list[str], out: str, out_sharding_json: str, params: dict[str, str],
                   where: str = "") -> Sharding | None:
-        """Refuse a compute op that names no input, an unknown op, an einsum without its equation or with one
-        input, or a bad output name or sharding (``where`` names the op in a sequence); returns its out_sharding."""
+        """Refuse a compute op that names no input, an unknown op, an einsum without its equation, or a bad output
+        name or sharding (``where`` names the op in a sequence); returns its out_sharding."""
         if not inputs:
             raise InvalidArgumentError(f"{where}{op or 'compute'} needs input tensors; none given")
         if op == "einsum":
             if not params.get("equation"):
                 raise InvalidArgumentError(f"{where}einsum needs params['equation'], in numpy notation such as "
                                            f"'ij,jk->ik'")
-            if len(inputs) < 2:
-                raise InvalidArgumentError(f"{where}einsum takes two or more inputs; {len(inputs)} given (a kernel "
-                                           f"of one input runs through apply: {list(APPLY_OPS)})")
         elif op not in APPLY_OPS:
             raise InvalidArgumentError(f"{where}unknown op {op!r}; compute runs 'einsum' or one of "
                                        f"{list(APPLY_OPS)}")
@@ -519,12 +516,15 @@ class Planner:
 
     def compute(self, op: str, inputs: list[str], out: str, out_sharding_json: str, strategy: str,
                 params: dict[str, str]) -> Job:
-        """Queue a compute job; planned here first, so a request the planner cannot run is refused at once."""
+        """Queue a compute job; planned here first, so a request the planner cannot run is refused at once, and
+        the job runs that program unless a job before it changes what it was planned from (`Planned`)."""
         make = self._compute_planner(op, inputs, out, out_sharding_json, strategy, params)
-        program = make(self._compute_inputs(inputs), self.registry.topology())
+        records, topology = self._compute_inputs(inputs), self.registry.topology()
+        program = make(records, topology)
         result = next(t for t in program.tensors if t.dst is not None)
         self._check_memory(result.dst, result.shape, result.dtype, f"the output {out!r} of {op}")
-        return self.jobs.submit_compute(op, list(inputs), out, check_strategy(strategy), make)
+        return self.jobs.submit_compute(op, list(inputs), out, check_strategy(strategy), make,
+                                        planned=Planned(program, planned_from(records.values(), topology)))
 
     def _sequence_planner(self, ops: list[tuple[str, list[str], str, str, dict[str, str]]], strategy: str
                           ) -> tuple[list[Op], list[str], Callable[[dict[str, TensorRecord], Topology], Program]]:
@@ -569,15 +569,18 @@ class Planner:
 
     def compute_many(self, ops, strategy: str) -> Job:
         """Queue one job that runs every op in order as one program and commits every output together; planned
-        here first, so a sequence the planner cannot run is refused at once."""
+        here first, so a sequence the planner cannot run is refused at once, and the job runs that program unless
+        a job before it changes what it was planned from (`Planned`)."""
         strategy = check_strategy(strategy)
         parsed, stored, make = self._sequence_planner(ops, strategy)
-        program = make(self._compute_inputs(stored), self.registry.topology())
+        records, topology = self._compute_inputs(stored), self.registry.topology()
+        program = make(records, topology)
         outputs = [t for t in program.tensors if t.dst is not None]
         self._check_memory_together([(t.dst, t.shape, t.dtype, f"the output {t.name!r}") for t in outputs],
                                     f"compute_many of {len(parsed)} ops")
         return self.jobs.submit_compute("compute_many", stored, parsed[0].out, strategy, make,
-                                        outputs=[op.out for op in parsed])
+                                        outputs=[op.out for op in parsed],
+                                        planned=Planned(program, planned_from(records.values(), topology)))
 
     def reshard(self, name: str, dst_json: str, strategy: str) -> Job:
         rec = self.catalog.get(name)
@@ -588,10 +591,15 @@ class Planner:
         strategy = check_strategy(strategy)
         check_plan_size(rec.shape, rec.sharding.without_partial(), dst.without_partial(), strategy,
                         self.config.max_plan_tasks, f"resharding {name!r} of shape {rec.shape}")
+        planned = None
         if dst.is_partial or rec.sharding.is_partial:
-            reshard_program(rec.shape, rec.dtype, rec.sharding, dst, self.registry.topology(), strategy)
+            # Planned here so that a reshard no program can do is refused at once; the job runs this program
+            # unless a job queued before it on the tensor changes its sharding (`Planned`).
+            topology = self.registry.topology()
+            planned = Planned(reshard_program(rec.shape, rec.dtype, rec.sharding, dst, topology, strategy),
+                              planned_from([rec], topology))
         self._check_memory(dst, rec.shape, rec.dtype, f"resharding {name!r}")
-        return self.jobs.submit(name, dst, strategy)
+        return self.jobs.submit(name, dst, strategy, planned)
 
     def reshard_many(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
                      scales: list[tuple[str, str, tuple[int, ...] | None]]) -> Job:

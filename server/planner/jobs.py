@@ -5,9 +5,10 @@ program (`reshard.many`): it locks them all, runs once, and commits every tensor
 step, so a reader sees all of them old or all of them new, and a failure leaves every one at its old version.
 
 A job's life: ``queued`` (waiting for earlier jobs on the same tensor) ->
-``running`` -> ``succeeded`` or ``failed``. Running, the planner makes the plan,
-picks the transport, hands every host of the job the plan once (its program of
-moves: ``reshard.program``) and starts it with ONE Execute per host; each agent
+``running`` -> ``succeeded`` or ``failed``. Running, the planner makes the plan (or
+takes the program planned as the request was checked, while what it was planned
+from still holds: `Planned`), picks the transport, hands every host of the job the
+plan once (its program of moves: ``reshard.program``) and starts it with ONE Execute per host; each agent
 then runs its steps as their dependencies allow, so the planner is no barrier
 between phases; it only collects progress and results. The commit point is the
 catalog swap: agents stage the new version's shards and make them visible only on
@@ -30,7 +31,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from collections import Counter, OrderedDict, defaultdict
 from contextlib import ExitStack
@@ -57,7 +58,7 @@ from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 
-__all__ = ["Job", "JobRunner", "AgentCalls", "Preparation", "STATES", "WATCH_INTERVAL_S"]
+__all__ = ["Job", "JobRunner", "AgentCalls", "Planned", "Preparation", "STATES", "WATCH_INTERVAL_S", "planned_from"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,23 @@ class _NotAnswering(UnavailableError):
     def __init__(self, host: str, why: str):
         super().__init__(f"host {host} stopped answering: {why}")
         self.host = host
+
+
+def planned_from(records: Iterable[TensorRecord], topology: Topology) -> tuple:
+    """What a job's program is planned from besides its request: each tensor's name, shape, dtype and sharding,
+    and the topology (a version or a lost shard changes no program)."""
+    return tuple((r.name, r.shape, r.dtype, r.sharding) for r in records), topology
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A job's program as its request was checked, and what it was planned from (`planned_from`).
+
+    The job runs it if its tensors and the topology are still those when it starts; a job queued before it on
+    the same tensors (or an agent that registered meanwhile) may have changed them, and then it plans again."""
+
+    program: Program
+    basis: tuple
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,7 @@ class Job:
     inputs: list[str] = field(default_factory=list)  # a compute job's inputs; every tensor of a reshard_many
     program: Program | None = None  # what ran where it is no plan of moves: a compute job, a Partial tensor's reshard
     make_program: Callable[[dict[str, TensorRecord], Topology], Program] | None = field(default=None, repr=False)
+    planned: Planned | None = field(default=None, repr=False)  # the program its request was checked with, if any
     dsts: dict[str, Sharding] = field(default_factory=dict)  # reshard_many: tensor -> destination
     scales: dict[str, list] = field(default_factory=dict)  # reshard_many: weight -> [its scale tensor, block or None]
     bucket_bytes: int = 0  # reshard_many: moves smaller than this are packed into buckets of at least this
@@ -306,17 +325,20 @@ class JobRunner:
             job = Job.from_json(doc, _ran_from_json(plan_doc) if plan_doc else None)
             self._jobs[job.id] = job
 
-    def submit(self, tensor: str, dst: Sharding, strategy: str) -> Job:
-        return self._submit(Job(uuid.uuid4().hex, tensor, dst, strategy))
+    def submit(self, tensor: str, dst: Sharding, strategy: str, planned: Planned | None = None) -> Job:
+        """Queue a reshard of ``tensor`` into ``dst``; ``planned``, its program planned as the request was checked
+        (a Partial tensor's), runs unless what it was planned from changed by the time the job starts."""
+        return self._submit(Job(uuid.uuid4().hex, tensor, dst, strategy, planned=planned))
 
     def submit_compute(self, kind: str, inputs: list[str], out: str, strategy: str,
                        make_program: Callable[[dict[str, TensorRecord], Topology], Program],
-                       outputs: list[str] | None = None) -> Job:
-        """Queue a compute job: it waits for the jobs before it on any of its tensors, then plans with the inputs'
-        records as they are then (`Job`). A ``compute_many`` job writes every tensor of ``outputs`` (``out`` is
-        the first) and commits them together."""
+                       outputs: list[str] | None = None, planned: Planned | None = None) -> Job:
+        """Queue a compute job: it waits for the jobs before it on any of its tensors, then runs ``planned`` (the
+        program its request was checked with) if the inputs' records and the topology are still what it was
+        planned from, else plans again from them as they are then (`Job`). A ``compute_many`` job writes every
+        tensor of ``outputs`` (``out`` is the first) and commits them together."""
         return self._submit(Job(uuid.uuid4().hex, out, None, strategy, kind=kind, inputs=list(inputs),
-                                make_program=make_program, outputs=list(outputs or [])))
+                                make_program=make_program, outputs=list(outputs or []), planned=planned))
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list]) -> Job:
@@ -546,8 +568,10 @@ class JobRunner:
         return [old for old, _ in work.commits if old is not None]
 
     def _work(self, job: Job) -> "_Work":
-        """What the job runs, planned now: a plan of moves for a reshard between value shardings, else a program
-        (a Partial tensor's reshard: `reshard_program`; a compute job: its ``make_program``)."""
+        """What the job runs: a plan of moves for a reshard between value shardings, else a program (a Partial
+        tensor's reshard: `reshard_program`; a compute job: its ``make_program``), the one its request was checked
+        with (`Planned`) where it still fits the records and the topology, else planned now."""
+        planned, job.planned = job.planned, None  # used once: the job then holds what ran (``plan``, ``program``)
         if job.kind == "reshard":
             rec: TensorRecord = self.catalog.get(job.tensor)
             job.version = rec.version + 1
@@ -556,9 +580,11 @@ class JobRunner:
                 moves = _Moves.of([(t, plan.itemsize) for t in plan.transfers], set(job.dst.mesh.hosts))
                 return _Work(plan_json, plan.id, moves, sorted(moves.hosts), rec.version, {},
                              [(rec, bumped(rec, job.dst))])
-            program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, self.registry.topology(),
-                                      job.strategy).validate()
-            return self._program_work(job, program, rec.version, {}, [(rec, bumped(rec, job.dst))])
+            topology = self.registry.topology()
+            program = _still_fits(planned, [rec], topology)
+            if program is None:
+                program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, topology, job.strategy)
+            return self._program_work(job, program.validate(), rec.version, {}, [(rec, bumped(rec, job.dst))])
         if job.kind == "reshard_many":
             records = dict(zip(job.inputs, self.catalog.snapshot(job.inputs)))
             topology = self.registry.topology()
@@ -579,7 +605,11 @@ class JobRunner:
             commits = [(r, bumped(r, job.dsts[n])) for n, r in records.items()]
             return self._program_work(job, program, records[job.tensor].version, reads, commits, text)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
-        program = job.make_program(inputs, self.registry.topology()).validate()
+        topology = self.registry.topology()
+        program = _still_fits(planned, inputs.values(), topology)
+        if program is None:
+            program = job.make_program(inputs, topology)
+        program = program.validate()
         if job.kind == "compute_many":
             return self._many_outputs_work(job, program, inputs)
         out = next(t for t in program.tensors if t.dst is not None)
@@ -777,6 +807,11 @@ class _Moves:
             network_bytes += n * copies
             local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
         return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes)
+
+
+def _still_fits(planned: Planned | None, records: Iterable[TensorRecord], topology: Topology) -> Program | None:
+    """``planned``'s program if it was planned from ``records`` and ``topology`` as they are now, else None."""
+    return planned.program if planned is not None and planned.basis == planned_from(records, topology) else None
 
 
 def _ran_from_json(doc) -> Plan | Program:

@@ -39,7 +39,7 @@ class RuntimeCalls:
 
     def prepare(self, host, address, prep: Preparation, timeout):
         self._record("prepare", host).prepare(prep.job, prep.program_json, prep.tensor, prep.src_version,
-                                              prep.dst_version, prep.peers, "memory")
+                                              prep.dst_version, prep.peers, "memory", reads=prep.reads)
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         runtime = self._record("execute+commit" if commit else "execute", host)
@@ -389,4 +389,120 @@ def test_a_job_in_flight_when_the_planner_restarts_reads_back_failed_and_one_tha
         assert done.state == "succeeded" and done.started == running.started and list(done.phases) == list(PHASES)
     finally:
         calls.go.set()
+        hosts.close()
+
+
+# -- one plan per job: the program a request was checked with is the one its job runs ---------------------
+
+
+def _planner(hosts: Hosts, calls: RuntimeCalls):
+    from reshard.server.common.config import PlannerConfig
+    from reshard.server.planner.control import Planner
+
+    planner = Planner(PlannerConfig(heartbeat_timeout_s=60.0), calls)
+    for h in HOSTS:
+        planner.register(h, 2, h, 10.0, secret=f"{h}-secret-0123456789".encode())
+    return planner
+
+
+def _counted(monkeypatch, name: str) -> list[int]:
+    """Count the calls of ``name`` from every planner module that calls it (each binds it at import)."""
+    from reshard.server.planner import control, jobs
+
+    made = [0]
+    for module in (control, jobs):
+        if hasattr(module, name):
+            real = getattr(module, name)
+
+            def counted(*args, _real=real, **kw):
+                made[0] += 1
+                return _real(*args, **kw)
+
+            monkeypatch.setattr(module, name, counted)
+    return made
+
+
+PARTIAL = Sharding(SRC.mesh, ("x", None), partial=("y",))  # host0 and host1 hold addends summed over y
+
+
+def _put_partial(planner, hosts: Hosts, name: str) -> np.ndarray:
+    from tests.core.test_partial import addends
+
+    tiles, whole = addends(PARTIAL, SHAPE, np.random.default_rng(0))
+    hosts.put(name, {dev: (a, PARTIAL.tile(SHAPE, dev)) for dev, a in tiles.items()})
+    planner.catalog.add(TensorRecord(name, SHAPE, "float32", PARTIAL, 1))
+    return sum(whole.values())
+
+
+def test_a_partial_reshard_is_planned_once_when_its_request_is_checked_and_its_job_runs_that_program(monkeypatch):
+    import json
+
+    made = _counted(monkeypatch, "reshard_program")
+    hosts = Hosts()
+    planner = _planner(hosts, RuntimeCalls(hosts))
+    try:
+        value = _put_partial(planner, hosts, "p")
+        job = planner.reshard("p", json.dumps(DST.to_json()), "auto")
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert made[0] == 1, f"the reshard of a Partial tensor was planned {made[0]} times"
+        assert job.plan is None and planner.stored_program(job.program.id) == job.program
+        assert np.array_equal(hosts.get("p", DST, SHAPE), value)
+    finally:
+        planner.close()
+        hosts.close()
+
+
+def test_a_partial_reshard_queued_behind_one_that_changes_its_sharding_plans_again_from_the_new_one(monkeypatch):
+    """Both are planned from the Partial layout as they are asked for; when the second starts, the first has
+    summed the tensor into DST, so the program planned for it no longer fits and it plans a move from DST."""
+    import json
+
+    made = _counted(monkeypatch, "reshard_program")
+    hosts = Hosts()
+    calls = _HeldCalls(hosts)
+    planner = _planner(hosts, calls)
+    try:
+        value = _put_partial(planner, hosts, "p")
+        back = Sharding(SRC.mesh, (None, None))
+        first = planner.reshard("p", json.dumps(DST.to_json()), "auto")
+        second = planner.reshard("p", json.dumps(back.to_json()), "auto")
+        assert made[0] == 2 and second.state == "queued"
+        calls.go.set()
+        for job in (first, second):
+            assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert made[0] == 2  # the second job's program was stale: it ran a plan of moves, planned as it started
+        assert first.program is not None and second.program is None and second.plan is not None
+        assert second.plan.src == DST and second.plan.dst == back
+        assert np.array_equal(hosts.get("p", back, SHAPE, version=3), value)
+    finally:
+        calls.go.set()
+        planner.close()
+        hosts.close()
+
+
+def test_a_compute_job_runs_the_program_its_request_was_checked_with(monkeypatch):
+    """Even where the planner's program cache kept nothing (a pipeline step plans more programs than it keeps)."""
+    import json
+
+    from reshard.server.planner import control
+
+    monkeypatch.setattr(control, "SEQUENCES_KEPT", 0)
+    made = _counted(monkeypatch, "plan_einsum")
+    hosts = Hosts()
+    planner = _planner(hosts, RuntimeCalls(hosts))
+    try:
+        rows = Sharding(SRC.mesh, ("x", None))
+        a = np.arange(6 * 4, dtype=np.float32).reshape(6, 4)
+        b = np.arange(4 * 5, dtype=np.float32).reshape(4, 5) - 7
+        for name, x in (("a", a), ("b", b)):
+            hosts.put_tensor(name, x, rows if name == "a" else Sharding(SRC.mesh, (None, None)))
+            planner.catalog.add(TensorRecord(name, x.shape, "float32", rows if name == "a" else
+                                             Sharding(SRC.mesh, (None, None)), 1))
+        job = planner.compute("einsum", ["a", "b"], "c", json.dumps(rows.to_json()), "auto",
+                              {"equation": "ij,jk->ik"})
+        assert job.done_event.wait(30) and job.state == "succeeded", job.error
+        assert made[0] == 1, f"the einsum was planned {made[0]} times"
+        assert np.array_equal(hosts.get("c", rows, (6, 5), version=1), a @ b)
+    finally:
+        planner.close()
         hosts.close()
