@@ -37,7 +37,7 @@ from reshard.dtypes import bfloat16_to_float32, dtype_name, float32_to_bfloat16
 from reshard.errors import ReshardError, ScaleLayoutError
 from reshard.many import scale_pairs, scale_sharding
 from reshard.mesh import host_of
-from reshard.plan import Plan
+from reshard.plans import Plan
 from reshard.program import Program
 from reshard.sequence import Op
 from reshard.proto import reshard_pb2 as pb

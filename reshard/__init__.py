@@ -19,7 +19,7 @@ from reshard.einsum import plan_apply, plan_einsum
 from reshard.many import ManyProgram, plan_many
 from reshard.mesh import Mesh, host_of
 from reshard.partial_plan import reshard_program
-from reshard.plan import Plan, Transfer
+from reshard.plans import Plan, Transfer
 from reshard.program import (
     COMPUTE,
     MOVE,

@@ -34,7 +34,7 @@ Who sends the box to whom is `reshard.routes` (its copies and hops); the move ta
 turns them into flows once, as code, in `transfer_flows`: the cost model here, the
 agents' progress accounting (`sender_bytes`), the planner's statistics
 (`network_copies`, `host_traffic`) and the dashboard all read it. Plans of many
-transfers keep them as columns (`reshard.plan.TransferTable`); `table_phase_loads`
+transfers keep them as columns (`reshard.plans.TransferTable`); `table_phase_loads`
 adds up the same flows on the columns with numpy, and `lower_bound_seconds` reads
 columnar unit tasks (`reshard.tasks.UnitTasks`) the same way.
 """
@@ -77,7 +77,7 @@ NIC, INTRA = "nic", "intra"
 # calls is more than the per-item loop they save.
 COLUMNS_FROM = 2048
 
-# Method codes of `reshard.plan.TransferTable`: positions in `reshard.plan.METHODS`.
+# Method codes of `reshard.plans.TransferTable`: positions in `reshard.plans.METHODS`.
 _P2P, _BROADCAST, _LOCAL = range(3)
 
 
@@ -285,7 +285,7 @@ def _sums(index: np.ndarray, weights: np.ndarray, size: int) -> np.ndarray:
 
 
 def table_phase_loads(table, itemsize: int) -> list[PhaseLoad]:
-    """`phase_loads` of a `reshard.plan.TransferTable`, added up on its columns: the flows of `transfer_flows`,
+    """`phase_loads` of a `reshard.plans.TransferTable`, added up on its columns: the flows of `transfer_flows`,
     for any table (a route that misses a receiver's host, or names one twice, counts as `transfer_flows` counts
     it). A flow is numbered by the link end it loads: host ``h``'s NIC is ``h``, device ``d``'s intra-host link
     is ``num_hosts + d``."""

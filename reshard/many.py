@@ -47,7 +47,7 @@ from reshard import box as boxes
 from reshard.cost import HostCache
 from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
-from reshard.plan import Transfer, check_claimed_id, check_version
+from reshard.plans import Transfer, check_claimed_id, check_version
 from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
 from reshard.sharding import Sharding
 from reshard.strategies import STRATEGIES, Loads, plan

@@ -42,7 +42,7 @@ from reshard import box as boxes
 from reshard.dtypes import check_computable, dtype_name
 from reshard.errors import InvalidShardingError
 from reshard.mesh import Mesh
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.program import DST, RESHARD_TENSOR, SRC, Program, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
 from reshard.strategies import STRATEGIES, plan

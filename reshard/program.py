@@ -73,7 +73,7 @@ from reshard.errors import InvalidMeshError, PlanValidationError
 from reshard.jsonio import brief, field_of, loads, need
 from reshard.kernels import KERNELS, KernelShapeError
 from reshard.mesh import host_of
-from reshard.plan import (
+from reshard.plans import (
     ContentAddressed,
     Plan,
     Transfer,

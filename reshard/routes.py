@@ -1,6 +1,6 @@
 """Who sends which box to whom in a transfer: each move method's copies and hops, stated once.
 
-A transfer (``reshard.plan.Transfer``) of ``box`` from ``sender`` on host ``hs`` is, by method:
+A transfer (``reshard.plans.Transfer``) of ``box`` from ``sender`` on host ``hs`` is, by method:
 
 =========== ==========================================================================
 p2p         the sender copies the box into each receiver on ``hs``; hop ``i`` streams it
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from reshard.mesh import host_of
 
 if TYPE_CHECKING:
-    from reshard.plan import Transfer
+    from reshard.plans import Transfer
 
 __all__ = [
     "HostCache", "Hop", "home_receivers", "hops", "find_hop", "first_peer", "receiving_hops", "hop_targets",

@@ -51,7 +51,7 @@ from reshard.cost import (
 )
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidShardingError, InvalidTopologyError
-from reshard.plan import LOCAL, P2P, DeviceSpace, Plan, Transfer, TransferTable, device_space
+from reshard.plans import LOCAL, P2P, DeviceSpace, Plan, Transfer, TransferTable, device_space
 from reshard.sharding import Sharding
 from reshard.tasks import UnitTask, UnitTasks, decompose
 from reshard.topology import Topology

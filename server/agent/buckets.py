@@ -27,7 +27,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.program import Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.server.transport import buffers

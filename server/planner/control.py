@@ -21,7 +21,7 @@ from reshard.mesh import host_of
 from reshard.einsum import APPLY_OPS, EinsumError, plan_apply, plan_einsum
 from reshard.sequence import Op, check_ops, plan_sequence
 from reshard.partial_plan import reshard_program
-from reshard.plan import Plan
+from reshard.plans import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
 from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text

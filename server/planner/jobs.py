@@ -44,7 +44,7 @@ from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
-from reshard.plan import Plan, Transfer
+from reshard.plans import Plan, Transfer
 from reshard.program import MOVE, Program, TensorDecl
 from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from reshard.box import Box
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.proto.layout import Checksum
 from reshard.server.transport import moves
 from reshard.server.transport import reduce as ring

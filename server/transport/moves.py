@@ -16,7 +16,7 @@ A chain hop that forwards hands on the very bytes it keeps, so only the chain's 
 hop digests them: its match covers every hop's copy, and a mismatch anywhere fails the
 job before any host commits. Each function takes the `Transport` it runs on and calls
 the others through its methods, so a wrapper (``faults``) that changes one changes it
-for all. Transfers are ``reshard.plan.Transfer`` values; byte counts follow
+for all. Transfers are ``reshard.plans.Transfer`` values; byte counts follow
 ``reshard.cost``.
 """
 
@@ -31,7 +31,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops

@@ -25,7 +25,7 @@ from reshard import STRATEGIES, Mesh, Plan, PlanValidationError, Sharding, Topol
 from reshard.box import intersect
 from reshard.cost import phase_loads, table_phase_loads
 from reshard.errors import InvalidShardingError, InvalidTopologyError
-from reshard.plan import TransferTable, _delivers, check_delivery, device_space
+from reshard.plans import TransferTable, _delivers, check_delivery, device_space
 from reshard.strategies import Loads
 from reshard.tasks import decompose
 
@@ -352,7 +352,7 @@ def _tile_and_pieces(draw):
 def test_coverage_of_a_tile_counts_missing_and_repeated_elements_exactly(case):
     """`_coverage` (whose few-piece exact tilings skip the numpy pass) against counting every element: what no
     piece covers, and every extra cover inside the tile plus every element a piece has outside it."""
-    from reshard.plan import _coverage
+    from reshard.plans import _coverage
 
     tile, pieces = case
     lo = np.array([a for a, _ in tile]) - 2

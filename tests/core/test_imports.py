@@ -73,7 +73,7 @@ def test_the_static_check_sees_what_it_must_refuse(tmp_path):
     """Guards the checker itself, so a test that passes means something."""
     sample = tmp_path / "sample.py"
     sample.write_text(
-        "import grpc\nfrom reshard.server import cli\nfrom . import proto\nfrom reshard import plan, client\n"
+        "import grpc\nfrom reshard.server import cli\nfrom . import proto\nfrom reshard import plans, client\n"
         "import os, numpy.linalg\nfrom .sharding import Sharding\n"
         "try:\n    import torch\nexcept ImportError:\n    pass\n"
         "def lazy():\n    from reshard import client\n"
@@ -119,3 +119,13 @@ def test_public_api_is_listed_and_resolves_without_the_sdk():
         assert getattr(reshard, name) is not None, name
     with pytest.raises(AttributeError, match="module 'reshard' has no attribute 'nope'"):
         reshard.nope
+
+
+def test_no_core_module_is_shadowed_by_a_name_the_package_exports():
+    """``reshard.plan`` is a function; a module ``reshard/plan.py`` beside it would be reachable by
+    ``from reshard.plans import ...`` yet not by ``import reshard.plan as m`` (the attribute is the function)."""
+    assert not CORE_MODULES & set(reshard.__all__), "rename the module, not the public name"
+    import importlib
+
+    plans = importlib.import_module("reshard.plans")
+    assert plans.Plan is reshard.Plan and callable(reshard.plan) and reshard.plan.__module__ == "reshard.strategies"

@@ -12,7 +12,7 @@ import pytest
 
 from reshard import Mesh, Sharding, TensorDecl, Topology, plan
 from reshard.many import plan_many
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.program import MOVE, SRC, Program, Step, move_steps
 from reshard.strategies import Loads, _long_routes
 

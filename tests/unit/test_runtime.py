@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
-from reshard.plan import Transfer
+from reshard.plans import Transfer
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.agent.runtime import Runtime
