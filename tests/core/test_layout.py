@@ -19,6 +19,12 @@ The rules come from the issue that made the rooms: the planner and the agent
 never import each other, transports never import the planner (nor the agent, whose
 runtime they serve), and what both sides share lives in ``common``. Modules are
 found by walking the folders, so a new module is checked without listing it.
+
+Inside the agent's engine each module owns one concern (`INNER`): the transport
+interface and the move protocol never import a concrete transport (a new backend is
+a file of its own), the agent's kernels, task graph and program view never import
+the run or the runtime that use them, no module of the engine grows past
+`ENGINE_MAX_LINES`, and who sends what to whom (``reshard.routes``) is defined once.
 """
 
 from __future__ import annotations
@@ -118,3 +124,85 @@ def test_relative_imports_are_resolved_to_their_room(tmp_path):
     (fake / "planner" / "x.py").write_text("from ..agent import store\nfrom . import jobs\n")
     bad = violations(fake)
     assert bad == ["server/planner/x.py:1 (planner) imports reshard.server.agent (agent)"]
+
+
+ENGINE_ROOMS = ("agent", "transport")
+ENGINE_MAX_LINES = 700
+CONCRETE_TRANSPORTS = ("grpc_link", "collective", "memory", "faults", "nixl")
+# module of a room -> modules of the same room it must not import
+INNER = {
+    **{f"transport/{m}": {f"transport/{t}" for t in CONCRETE_TRANSPORTS}
+       for m in ("base", "streams", "session", "moves", "reduce", "buffers")},
+    **{f"agent/{m}": {"agent/run", "agent/runtime"} for m in ("kernels", "task_graph", "programs", "staging")},
+    "agent/run": {"agent/runtime"},
+}
+
+
+def inner_violations(root: Path = SERVER) -> list[str]:
+    """Every import inside an engine room that `INNER` forbids, as 'file:line imports name'."""
+    bad = []
+    for module, forbidden in sorted(INNER.items()):
+        path = root / f"{module}.py"
+        if not path.exists():
+            continue
+        for line, name, _ in _imports(path, _package(path, root)):
+            # `from reshard.server.agent import run` names the module run: try the name and the name with each alias
+            for candidate in (name, *(f"{name}.{alias}" for alias in _aliases(path, line))):
+                parts = candidate.split(".")
+                found = f"{path.relative_to(root.parent)}:{line} imports {candidate}"
+                if parts[:2] == ["reshard", "server"] and "/".join(parts[2:4]) in forbidden and found not in bad:
+                    bad.append(found)
+                    break
+    return bad
+
+
+def _aliases(path: Path, line: int) -> list[str]:
+    """The names a ``from ... import`` statement at ``line`` of ``path`` imports."""
+    import ast
+
+    return [a.name for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom) and node.lineno == line for a in node.names]
+
+
+def test_the_engines_modules_import_only_downwards():
+    for module in INNER:
+        assert (SERVER / f"{module}.py").exists(), f"server/{module}.py is missing; update INNER"
+    bad = inner_violations()
+    assert not bad, "imports inside the engine that its layering forbids:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module, planted", [
+    ("transport/moves", "from reshard.server.transport.grpc_link import GrpcTransport"),
+    ("transport/base", "from reshard.server.transport import collective"),
+    ("agent/kernels", "from reshard.server.agent.runtime import Runtime"),
+    ("agent/task_graph", "from reshard.server.agent import run"),
+])
+def test_a_planted_inner_import_is_caught(tmp_path, module, planted):
+    fake = tmp_path / "server"
+    room, name = module.split("/")
+    (fake / room).mkdir(parents=True)
+    (fake / room / f"{name}.py").write_text(f"import os\n{planted}\n")
+    bad = inner_violations(fake)
+    assert len(bad) == 1 and bad[0].startswith(f"server/{module}.py:2 imports"), bad
+
+
+def test_no_module_of_the_engine_outgrows_one_concern():
+    long = [f"{p.relative_to(SERVER.parent)}: {n} lines"
+            for room in ENGINE_ROOMS for p in sorted((SERVER / room).glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > ENGINE_MAX_LINES]
+    assert not long, f"modules of the engine over {ENGINE_MAX_LINES} lines; split them by concern:\n" + "\n".join(long)
+
+
+def test_who_sends_what_to_whom_is_defined_once():
+    """The hop facts live in ``reshard.routes``; a server module that defines a function of the same name
+    restates them (as the transport's base module once did)."""
+    import ast
+
+    import reshard.routes as routes
+
+    facts = {name for name in routes.__all__ if callable(getattr(routes, name))}
+    again = [f"{p.relative_to(SERVER.parent)}:{node.lineno} defines {node.name}"
+             for p in sorted(SERVER.rglob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.FunctionDef) and node.name in facts]
+    assert facts >= {"hops", "first_peer", "hop_targets", "receiving_hops", "sending_peers", "stream_count"}
+    assert not again, "route facts restated outside reshard.routes:\n" + "\n".join(again)
