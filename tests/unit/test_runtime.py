@@ -5,7 +5,9 @@ the runtime's scheduling (dependencies, overlap, cancellation, deadlines, many
 programs at once) and the transport base class's moves, chains, reduces and
 checks. The tests that end well run again over the collective transport on a
 real gloo group formed in this process, where receives block and every host runs
-its tasks in the one order the runtime derives.
+its tasks in the one order the runtime derives, and over the nixl transport (NIXL
+agents in this process writing into each other's registered memory), whose
+receivers post their receives as the collective transport's do.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.agent.runtime import Runtime
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.common.contract import GroupView
-from reshard.server.transport.faults import Fail, Stall
+from reshard.server.transport.faults import Fail, Stall, Wrapped
 from reshard.server.transport.memory import MemoryNetwork, MemoryTransport
+from reshard.server.transport.nixl import nixl_missing
 from reshard.strategies import plan as make_plan
 
 HOSTS = ("host0", "host1", "host2", "host3")
@@ -34,15 +37,15 @@ _SEQ = itertools.count(1)  # collective jobs need distinct numbers: they tag the
 
 
 class Hosts:
-    """One runtime and store per host, on one in-memory network or (``group``) on a gloo group;
+    """One runtime and store per host, on one in-memory network or (``group``) on a gloo group or on NIXL agents;
     ``wrap(host, transport)`` adds faults. On the gloo group every reduce runs as the ring of streams unless
     ``native_reduce`` (gloo's own all-reduce where it can: tests/unit/test_native_reduce.py)."""
 
     def __init__(self, hosts=HOSTS, wrap=lambda host, transport: transport, step_timeout_s=STEP_TIMEOUT_S,
-                 group: "Gloo | None" = None, native_reduce: bool = False):
+                 group: "Gloo | Nixl | None" = None, native_reduce: bool = False):
         net = MemoryNetwork()
         self.group = group
-        self.kind = "collective" if group else "memory"
+        self.kind = group.kind if group else "memory"
         self.stores = {h: ShardStore() for h in hosts}
         self.transports = {h: wrap(h, group.transport(h, native_reduce) if group else
                                    MemoryTransport(h, net, chunk_bytes=4096, timeout_s=step_timeout_s))
@@ -74,7 +77,7 @@ class Hosts:
         """Prepare on every host, then execute on every host; returns (job, {host: run})."""
         job = job or uuid.uuid4().hex
         peers = {h: h for h in self.runtimes}
-        extra = (self.group.generation, next(_SEQ)) if self.group else ()
+        extra = (self.group.generation, next(_SEQ)) if self.kind == "collective" else ()
         runs = {h: r.prepare(job, program_json, tensor, src_version, src_version + 1, peers, self.kind, *extra)
                 for h, r in self.runtimes.items()}
         ident = program_id or next(iter(runs.values())).program_id
@@ -116,6 +119,7 @@ class Gloo:
     """A gloo process group of ``HOSTS`` formed in this process, as the agents' `GroupMember`s form it."""
 
     generation = 1
+    kind = "collective"
 
     def __init__(self):
         import torch.distributed as dist
@@ -140,23 +144,68 @@ class Gloo:
                                    native_reduce=native_reduce)
 
 
+class Nixl:
+    """A NIXL agent per host of ``HOSTS`` in this process, each introduced to the others as the planner does."""
+
+    kind = "nixl"
+    generation = 0  # no process group: what a prepare passes where the collective transport passes its own
+
+    def __init__(self, hosts=HOSTS):
+        from reshard.server.transport.nixl import NixlTransport
+
+        self.agents = {h: NixlTransport(h, chunk_bytes=4096, timeout_s=STEP_TIMEOUT_S) for h in hosts}
+        for h, t in self.agents.items():
+            for peer, other in self.agents.items():
+                if peer != h:
+                    t.add_peer(peer, other.metadata())
+
+    def transport(self, host: str, native_reduce: bool = False):
+        return _Kept(self.agents[host])
+
+
+class _Kept(Wrapped):
+    """A NIXL agent a runtime uses but does not close: one set serves every test (an agent takes a fifth of a
+    second to make, and costs nothing idle)."""
+
+    def close(self) -> None:
+        pass
+
+
+_NIXL: list[Nixl] = []
+
+
+def nixl_agents() -> Nixl:
+    """The session's NIXL agents, made at first use; the test skips where NIXL is not installed."""
+    missing = nixl_missing()
+    if missing:
+        pytest.skip(missing)
+    if not _NIXL:
+        _NIXL.append(Nixl())
+    return _NIXL[0]
+
+
 @pytest.fixture(scope="module")
 def gloo():
     pytest.importorskip("torch", reason="the collective transport needs torch")
     return Gloo()
 
 
-@pytest.fixture(params=["memory", "collective"])
+def _group(request):
+    return (request.getfixturevalue("gloo") if request.param == "collective"
+            else nixl_agents() if request.param == "nixl" else None)
+
+
+@pytest.fixture(params=["memory", "collective", "nixl"])
 def hosts(request):
-    h = Hosts(group=request.getfixturevalue("gloo") if request.param == "collective" else None)
+    h = Hosts(group=_group(request))
     yield h
     h.close()
 
 
-@pytest.fixture(params=["memory", "collective"])
+@pytest.fixture(params=["memory", "collective", "nixl"])
 def group(request):
-    """None for the in-memory transport, else the gloo group."""
-    return request.getfixturevalue("gloo") if request.param == "collective" else None
+    """None for the in-memory transport, else the gloo group or the NIXL agents."""
+    return _group(request)
 
 
 @pytest.fixture()

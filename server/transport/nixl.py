@@ -1,0 +1,695 @@
+"""The NIXL transport: a job's streams as one-sided WRITEs into the receiver's registered memory, one NIXL agent
+per reshard agent.
+
+The receiver offers the region a box lands in and the sender writes each chunk straight
+into it; what a move, a chain hop and a reduce mean stays the `Transport` base class's
+(`moves`, `reduce`: the ring runs over these streams).
+
+=============== ==============================================================================
+agent           one ``nixl_agent`` per transport, named by the host, UCX by default, with no
+                progress thread and no listen thread: an idle agent burns no CPU, and progress
+                is made only by the calls that poll while a transfer is in flight (`_Backoff`:
+                20 us, doubling to 1 ms, so a wait does not burn a core either)
+peers           whole metadata travels through the planner (`metadata`, `add_peer`,
+                `drop_peer`); memory registered later travels to a peer as NIXL partial
+                metadata inside the first post that names it, loaded as the post arrives
+post ``D``      the receiver registers the buffer the box lands in (the destination tile that
+                ``place`` offers, else a scratch buffer of ``scratch``) and notifies the sender
+                of the box's contiguous runs in that buffer, in C order (a strided box is a
+                list of runs, not a packed copy); an empty box is posted too
+chunk ``C``     the sender WRITEs each chunk into the part of the runs its bytes fill, at most
+                `WINDOW` WRITEs in flight per stream; the WRITE's notification names the
+                chunk's byte range and sub-box, and arrives after its bytes, so the receiver
+                yields the chunk as a `Piece` of the landed bytes, in stream order: a chain
+                hop forwards chunk k (WRITE from its own region) while k + 1 arrives
+trailer ``T``   bytes, XXH3-64 and chunk count, a notification of its own after the last
+                chunk; the receiver yields the `Trailer` once every chunk landed
+confirm ``K``   the receiver has every chunk and the trailer; the sender's ``wait`` waits for
+                it: a message leaves an agent only while the agent makes progress, so the
+                sender polls until its trailer is known to be out (``K`` itself goes down the
+                connection the post already went down)
+cancel ``X``    the sender gave up: the receiver fails the stream at once
+registration    a buffer is registered once, cached by (address, size) and reused across
+                jobs; the cache holds it weakly and deregisters it as it is freed (before its
+                memory can be handed out again), or when the transport closes: a strong
+                reference would keep the shard store's released tiles and the ring's scratch
+                from their recyclers, which hand out only buffers nothing else holds
+source          a sender WRITEs from the chunk's own buffer where it is a view into a larger
+                host buffer (a source tile, a chain hop's landed region): registered through
+                the same cache; else from a registered staging copy (`_source`)
+messages        kind byte, step, hop, job, payload in our own layout (`_encode`): NIXL's own
+                descriptor serialisation pickles, and no pickle goes on a wire
+=============== ==============================================================================
+
+A peer that never posts its receive, goes silent or whose WRITE fails fails the stream
+within ``stall_timeout_s`` (else ``timeout_s``) with `UnavailableError` naming the host;
+a digest mismatch is the base class's DATA_LOSS.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import logging
+import struct
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from reshard import box as boxes
+from reshard.box import Box
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from reshard.server.transport.base import Transport
+from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
+
+__all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES"]
+
+log = logging.getLogger(__name__)
+
+WINDOW = 4  # WRITEs in flight per stream: bounds a stream's staging and keeps the receiver's pieces coming
+# A box whose runs in the destination average fewer bytes lands in a scratch buffer and is copied into place:
+# below this a descriptor per run costs more than the copy
+MIN_RUN_BYTES = 1024
+STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
+_POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
+_LINGER_S = 0.02
+_ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
+_HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
+_CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
+_TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
+_POST = struct.Struct("<II")  # device id, len(partial metadata); then uint64 (address, length) per run
+_INSTALL = "pip install 'reshard[nixl]'"
+
+
+def _api():
+    """NIXL's Python API: the ``nixl_cu12`` wheel the extra pins, or the ``nixl`` meta package's pick."""
+    try:
+        from nixl_cu12 import _api
+    except ImportError:
+        from nixl import _api
+    return _api
+
+
+def nixl_missing() -> str | None:
+    """None when NIXL imports here; else why not, ending with the command to run: pip install 'reshard[nixl]'"""
+    try:
+        _api()
+    except (ImportError, OSError) as e:  # OSError: the wheel is there but its shared libraries do not load
+        return f"NIXL does not import in this Python ({type(e).__name__}: {e}); {_INSTALL}"
+    return None
+
+
+# -- notifications ----------------------------------------------------------------------------------------
+
+
+def _encode(kind: bytes, key: StreamKey, payload: bytes = b"") -> bytes:
+    job = key.job.encode()
+    return _HEAD.pack(kind, key.step, key.hop, len(job)) + job + payload
+
+
+def _decode(msg: bytes) -> tuple[bytes, StreamKey, memoryview]:
+    kind, step, hop, n = _HEAD.unpack_from(msg)
+    end = _HEAD.size + n
+    return kind, StreamKey(bytes(msg[_HEAD.size:end]).decode(), step, hop), memoryview(msg)[end:]
+
+
+def _box_bytes(box: Box) -> bytes:
+    return np.asarray(box, dtype=np.int64).reshape(-1).tobytes()
+
+
+def _box_of(data, ndim: int) -> Box:
+    flat = np.frombuffer(data, dtype=np.int64, count=2 * ndim).tolist()
+    return tuple((flat[2 * i], flat[2 * i + 1]) for i in range(ndim))
+
+
+class _Backoff:
+    """A poll's pause: short while things happen, doubling to `_POLL_MAX_S` while nothing does."""
+
+    def __init__(self):
+        self.pause = _POLL_MIN_S
+
+    def idle(self) -> None:
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, _POLL_MAX_S)
+
+    def busy(self) -> None:
+        self.pause = _POLL_MIN_S
+
+
+# -- memory ---------------------------------------------------------------------------------------------
+
+
+class _Registration:
+    """One registered host buffer: its NIXL descriptors, and the peers that loaded its partial metadata."""
+
+    def __init__(self, ident: int, descs, metadata: bytes):
+        self.ident = ident
+        self.descs = descs
+        self.metadata = metadata
+        self.peers: set[str] = set()
+
+
+def _owner(data) -> tuple[np.ndarray | None, np.ndarray]:
+    """The C-contiguous numpy buffer that owns ``data``'s memory (None where it is not one), and ``data``'s bytes
+    as a uint8 array (a view)."""
+    flat = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
+    obj = data.obj if isinstance(data, memoryview) else data
+    while isinstance(obj, np.ndarray) and obj.base is not None:
+        obj = obj.base
+    if isinstance(obj, np.ndarray) and obj.flags.owndata and obj.flags.c_contiguous and obj.nbytes:
+        lo = obj.ctypes.data
+        if lo <= flat.ctypes.data and flat.ctypes.data + flat.nbytes <= lo + obj.nbytes:
+            return obj, flat
+    return None, flat
+
+
+def _forget(ref: weakref.ref, key: tuple[int, int], ident: int) -> None:
+    transport = ref()
+    if transport is not None:
+        transport._deregister(key, ident)
+
+
+def _segments(addrs: list[int], cum: list[int], off: int, n: int) -> list[tuple[int, int]]:
+    """The (address, length) pieces of bytes ``[off, off + n)`` of runs at ``addrs`` whose offsets are ``cum``."""
+    out = []
+    i = bisect.bisect_right(cum, off) - 1
+    while n > 0:
+        start = off - cum[i]
+        take = min(cum[i + 1] - cum[i] - start, n)
+        out.append((addrs[i] + start, take))
+        off, n, i = off + take, n - take, i + 1
+    return out
+
+
+class _Landing:
+    """Where one incoming box lands: runs in one registered buffer, and the device that holds it (None: a scratch
+    buffer, handed back by ``release``)."""
+
+    def __init__(self, buffer: np.ndarray, runs: list[tuple[int, int]], device: str | None,
+                 registration: _Registration, release: Callable[[], None] = lambda: None):
+        self.buffer = buffer  # uint8, the whole registered buffer
+        self.base = buffer.ctypes.data
+        self.addrs = [a for a, _ in runs]
+        self.cum = [0, *itertools.accumulate(n for _, n in runs)]
+        self.device = device
+        self.registration = registration
+        self.release = release
+
+    def piece(self, off: int, n: int):
+        """Bytes ``[off, off + n)`` of the box as landed: a view where they are one run (a chain hop forwards
+        and a fault corrupts what is kept), else a read-only copy of them in C order."""
+        segs = _segments(self.addrs, self.cum, off, n)
+        if len(segs) == 1:
+            a = segs[0][0] - self.base
+            return self.buffer[a:a + n]
+        out = np.concatenate([self.buffer[a - self.base:a - self.base + k] for a, k in segs])
+        out.flags.writeable = False
+        return out
+
+
+# -- the sending end --------------------------------------------------------------------------------------
+
+
+class _Remote:
+    """A receiver's post: the runs its box lands in."""
+
+    def __init__(self, device: int, runs: np.ndarray):
+        self.device = device
+        self.addrs = runs[:, 0].tolist()
+        self.cum = [0, *itertools.accumulate(runs[:, 1].tolist())]
+
+
+class _Out(Outgoing):
+    """One stream to a peer: each chunk a WRITE into the runs the peer posted, then the trailer."""
+
+    def __init__(self, transport: NixlTransport, s: Session, key: StreamKey, peer: str):
+        self.t, self.s, self.key, self.peer = transport, s, key, peer
+        self.remote: _Remote | None = None
+        self.offset = 0
+        self.chunks = 0
+        self.pending: deque = deque()  # (handle, what keeps its source alive, staging buffer or None)
+
+    def _posted(self) -> _Remote:
+        if self.remote is None:
+            # The first wait is the stream's: the receiver may still be busy with an earlier unit of its lanes
+            kind, msg = self.t._await(self.s, self.peer, "out", self.key, "did not post its receive of",
+                                      self.t.timeout_s)
+            assert kind == b"D", kind
+            device, mdlen = _POST.unpack_from(msg)
+            self.remote = _Remote(device, np.frombuffer(msg[_POST.size + mdlen:], dtype=np.uint64).reshape(-1, 2))
+        return self.remote
+
+    def put(self, box: Box, data, wire=None) -> None:
+        n = memoryview(data).nbytes
+        if not n:
+            return
+        remote = self._posted()
+        if self.offset + n > remote.cum[-1]:
+            raise InvalidArgumentError(
+                f"job {self.key.job}: stream {self.key.hop} of step {self.key.step} to host {self.peer} would "
+                f"write {self.offset + n} bytes into a receive of {remote.cum[-1]}")
+        while len(self.pending) >= WINDOW:
+            self._finish(self.pending.popleft(), self.t.timeout_s)
+        addr, keep, staged = self.t._source(data)
+        remote_segs = _segments(remote.addrs, remote.cum, self.offset, n)
+        local = np.empty((len(remote_segs), 3), dtype=np.uint64)
+        remote_descs = np.empty((len(remote_segs), 3), dtype=np.uint64)
+        at = addr
+        for i, (raddr, k) in enumerate(remote_segs):
+            local[i] = (at, k, 0)
+            remote_descs[i] = (raddr, k, remote.device)
+            at += k
+        note = _encode(b"C", self.key, _CHUNK.pack(self.offset, n, len(box)) + _box_bytes(box))
+        handle = self.t._write(self.s, self.peer, self.key, local, remote_descs, note)
+        self.pending.append((handle, keep, staged))
+        self.offset += n
+        self.chunks += 1
+
+    def end(self, nbytes: int, digest: int) -> None:
+        self._posted()  # an empty stream too: the trailer then goes down a connection the post proved
+        self.t._notify(self.peer, _encode(b"T", self.key, _TRAILER.pack(nbytes, digest, self.chunks)))
+
+    def _finish(self, entry, timeout: float) -> None:
+        handle, _, staged = entry
+        self.t._complete(self.s, self.peer, self.key, handle, timeout)
+        if staged is not None:
+            self.t.scratch.put(staged)
+
+    def wait(self, timeout: float) -> None:
+        """Wait for the WRITEs, then for the receiver's word that every chunk and the trailer arrived: a message
+        leaves only while its agent makes progress, so a sender that stopped polling after its trailer could
+        leave it unsent."""
+        while self.pending:
+            self._finish(self.pending.popleft(), timeout)
+        kind, _ = self.t._await(self.s, self.peer, "out", self.key, "did not confirm", min(timeout, self.t._limit()))
+        assert kind == b"K", kind
+        return None  # every receiving host reports to the planner itself
+
+    def cancel(self) -> None:
+        try:
+            self.t._notify(self.peer, _encode(b"X", self.key))
+        except Exception as e:  # noqa: BLE001 - the receiver then fails on its own deadline
+            log.debug("host %s could not tell host %s that stream %s ended: %s", self.t.host, self.peer, self.key, e)
+        while self.pending:
+            handle, _, _ = self.pending.popleft()
+            self.t._abandon(handle)
+        self.t._linger()
+
+
+# -- the transport --------------------------------------------------------------------------------------
+
+
+class NixlTransport(Transport):
+    """Streams as one-sided WRITEs into the receiver's registered memory (see the module table)."""
+
+    name = "nixl"
+    passive = False  # receivers post their receives (`arrivals`), as the collective transport's do
+
+    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 4, chunk_bytes: int, timeout_s: float,
+                 throttle: Throttle | None = None, stall_timeout_s: float | None = None):
+        super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
+                         stall_timeout_s=stall_timeout_s)
+        missing = nixl_missing()
+        if missing:
+            raise FailedPreconditionError(f"agent {host} asks for the nixl transport, but {missing}")
+        api = _api()
+        self.lanes = lanes
+        self.backend = backend
+        config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[backend],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._agent = api.nixl_agent(host, config)
+        if backend not in self._agent.backends:
+            raise FailedPreconditionError(
+                f"agent {host} asks for NIXL backend {backend!r}, which this NIXL does not have; its plugins are "
+                f"{sorted(self._agent.plugin_list)}")
+        self._lock = threading.Lock()  # peers, inbox, ended jobs
+        self._pump_lock = threading.Lock()  # one thread takes and routes the agent's notifications at a time
+        # WRITEs under way: NIXL sends a WRITE's notification only when a poll of its state finds it done, so
+        # every poll for notifications polls them all (a ring's sender waits for the next round's post while
+        # its last round's WRITEs still need polls); a handle leaves the set, under the lock, before its release
+        self._xfer_lock = threading.Lock()
+        self._inflight: set = set()
+        self._reg_lock = threading.RLock()  # a buffer freed on this thread deregisters under it (`_deregister`)
+        self._peers: dict[str, bytes] = {}
+        self._inbox: dict[tuple, deque] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._regs: dict[tuple[int, int], _Registration] = {}
+        self._reg_ids = itertools.count(1)
+        self.registered = 0  # registrations made, for tests and stats
+
+    @property
+    def registrations(self) -> int:
+        """How many buffers are registered now."""
+        with self._reg_lock:
+            return len(self._regs)
+
+    # -- peers ---------------------------------------------------------------------------------------------
+
+    def metadata(self) -> bytes:
+        """This agent's NIXL metadata, which the planner hands to its peers."""
+        return self._agent.get_agent_metadata()
+
+    def add_peer(self, host: str, metadata: bytes) -> None:
+        """Let ``host`` be written to and notified (idempotent; new metadata for a host replaces the old)."""
+        with self._lock:
+            if self._peers.get(host) == metadata:
+                return
+            if host in self._peers:
+                self._agent.remove_remote_agent(host)
+                del self._peers[host]
+            name = self._agent.add_remote_agent(metadata)
+            name = name.decode() if isinstance(name, bytes) else name
+            if name != host:
+                self._agent.remove_remote_agent(name)
+                raise InvalidArgumentError(f"the NIXL metadata given for host {host} is agent {name!r}'s; each "
+                                           f"agent's NIXL agent is named by its host")
+            self._peers[host] = metadata
+            self._agent.make_connection(host)  # starts connecting now; it completes as both sides poll
+        with self._reg_lock:  # a new agent there knows none of this agent's memory
+            for reg in self._regs.values():
+                reg.peers.discard(host)
+
+    def drop_peer(self, host: str) -> None:
+        with self._lock:
+            if self._peers.pop(host, None) is None:
+                return
+            self._agent.remove_remote_agent(host)
+        with self._reg_lock:
+            for reg in self._regs.values():
+                reg.peers.discard(host)
+
+    def _require_peer(self, s: Session, peer: str) -> None:
+        with self._lock:
+            known = peer in self._peers
+        if not known:
+            raise FailedPreconditionError(
+                f"job {s.job}: host {peer} is not a NIXL peer of agent {self.host}: the planner introduces a job's "
+                f"peers before it runs (add_peer), and it introduced none by that name")
+
+    def detach(self, s: Session) -> None:
+        """Drop what is left of the job's notifications, and those that come late."""
+        with self._lock:
+            self._ended[s.job] = None
+            while len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
+            for k in [k for k in self._inbox if k[2].job == s.job]:
+                del self._inbox[k]
+
+    def close(self) -> None:
+        """Deregister every buffer and let the agent go; a buffer freed later has nothing to deregister."""
+        with self._reg_lock:
+            regs, self._regs = list(self._regs.values()), {}
+        agent, self._agent = self._agent, None
+        if agent is None:
+            return
+        for reg in regs:
+            try:
+                agent.deregister_memory(reg.descs)
+            except Exception as e:  # noqa: BLE001 - the agent goes away with its registrations anyway
+                log.debug("host %s: deregistering a buffer at close failed: %s", self.host, e)
+        with self._lock:
+            self._peers.clear()  # the agent's connections go with it
+
+    # -- notifications ---------------------------------------------------------------------------------------
+
+    def _notify(self, peer: str, msg: bytes) -> None:
+        try:
+            self._agent.send_notif(peer, msg)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+            raise UnavailableError(f"agent {self.host} could not notify host {peer} over NIXL: {e}") from None
+
+    def _pump(self) -> bool:
+        """Poll the WRITEs under way, take the agent's new notifications (both make progress) and file each under
+        its stream; whether any came. Routing happens under the pump's lock, so a post's metadata is loaded
+        before a later post that relies on it is filed."""
+        if not self._pump_lock.acquire(blocking=False):
+            return False
+        try:
+            with self._xfer_lock:
+                for handle in self._inflight:
+                    self._agent.check_xfer_state(handle)
+            notifs = self._agent.get_new_notifs()
+            for peer, msgs in notifs.items():
+                peer = peer.decode() if isinstance(peer, bytes) else peer
+                for msg in msgs:
+                    self._route(peer, msg)
+            return bool(notifs)
+        finally:
+            self._pump_lock.release()
+
+    def _route(self, peer: str, msg: bytes) -> None:
+        kind, key, payload = _decode(msg)
+        if kind == b"D":
+            _, mdlen = _POST.unpack_from(payload)
+            if mdlen:  # memory the peer registered since: known here before any WRITE into it
+                self._agent.add_remote_agent(bytes(payload[_POST.size:_POST.size + mdlen]))
+        role = "out" if kind in (b"D", b"K") else "in"
+        with self._lock:
+            if key.job in self._ended:
+                return
+            self._inbox.setdefault((peer, role, key), deque()).append((kind, payload))
+
+    def _take(self, peer: str, role: str, key: StreamKey):
+        with self._lock:
+            q = self._inbox.get((peer, role, key))
+            if not q:
+                return None
+            item = q.popleft()
+            if not q:
+                del self._inbox[peer, role, key]
+            return item
+
+    def _linger(self) -> None:
+        """Make progress a moment longer, so the last message this agent sent (a cancel) leaves it."""
+        backoff, end = _Backoff(), time.monotonic() + _LINGER_S
+        while time.monotonic() < end:
+            self._pump()
+            backoff.idle()
+
+    def _limit(self) -> float:
+        return self.stall_timeout_s if self.stall_timeout_s is not None else self.timeout_s
+
+    def _await(self, s: Session, peer: str, role: str, key: StreamKey, what: str, limit: float):
+        """The next notification (kind, payload) of stream ``key`` from ``peer``, polling with backoff;
+        `UnavailableError` naming the host when none comes within ``limit`` seconds."""
+        backoff = _Backoff()
+        deadline = time.monotonic() + limit
+        while True:
+            item = self._take(peer, role, key)
+            if item is not None:
+                kind, payload = item
+                if kind == b"X":
+                    raise UnavailableError(f"job {key.job}: host {peer} gave up stream {key.hop} of step "
+                                           f"{key.step} (its job failed there)")
+                return item
+            s.check()  # a job that failed elsewhere stops waiting at once
+            if self._pump():
+                backoff.busy()
+                continue
+            if time.monotonic() > deadline:
+                raise UnavailableError(
+                    f"job {key.job}: host {peer} {what} stream {key.hop} of step {key.step} within {limit:g}s: its "
+                    f"agent is down, paused, cut off or behind, so the stream gives up (agent --stall-timeout)")
+            backoff.idle()
+
+    # -- memory ------------------------------------------------------------------------------------------------
+
+    def _register(self, owner: np.ndarray) -> _Registration:
+        """``owner``'s registration, made at its first use (see the module table)."""
+        key = (owner.ctypes.data, owner.nbytes)
+        with self._reg_lock:
+            reg = self._regs.get(key)
+            if reg is None:
+                descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
+                metadata = self._agent.get_partial_agent_metadata(descs, False)
+                reg = self._regs[key] = _Registration(next(self._reg_ids), descs, metadata)
+                self.registered += 1
+                weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
+            return reg
+
+    def _deregister(self, key: tuple[int, int], ident: int) -> None:
+        with self._reg_lock:
+            reg = self._regs.get(key)
+            if reg is None or reg.ident != ident or self._agent is None:
+                return
+            del self._regs[key]
+            self._agent.deregister_memory(reg.descs)
+
+    def _scratch(self, nbytes: int) -> np.ndarray:
+        """A host buffer of at least ``nbytes`` from ``scratch``, sized so the recycler keeps it."""
+        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        buf = self.scratch.take(size)
+        return np.empty(size, dtype=np.uint8) if buf is None else buf
+
+    def _source(self, data) -> tuple[int, Any, np.ndarray | None]:
+        """Where a chunk is written from: its own buffer where that is a view into a host buffer worth registering,
+        else a registered staging copy. Returns (address, what to keep alive until the WRITE ends, staging)."""
+        owner, flat = _owner(data)
+        if owner is not None and (owner.nbytes > flat.nbytes or flat.nbytes >= STAGE_REGISTER_BYTES):
+            self._register(owner)
+            return flat.ctypes.data, data, None
+        staged = self._scratch(flat.nbytes)
+        staged[:flat.nbytes] = flat
+        self._register(staged)
+        return staged.ctypes.data, None, staged
+
+    # -- transfers ---------------------------------------------------------------------------------------------
+
+    def _write(self, s: Session, peer: str, key: StreamKey, local: np.ndarray, remote: np.ndarray, note: bytes):
+        agent = self._agent
+        try:
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
+                                           agent.get_xfer_descs(remote, "DRAM"), peer, note)
+            state = agent.transfer(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+            raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host {peer} "
+                                   f"could not start: {e}") from None
+        if state == "ERR":
+            self._abandon(handle)
+            raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host {peer} "
+                                   f"failed as it was posted (NIXL state ERR)")
+        with self._xfer_lock:
+            self._inflight.add(handle)
+        return handle
+
+    def _complete(self, s: Session, peer: str, key: StreamKey, handle, timeout: float) -> None:
+        """Poll ``handle`` until its WRITE is done; `UnavailableError` naming the host when it fails or hangs."""
+        backoff = _Backoff()
+        deadline = time.monotonic() + min(timeout, self._limit())
+        while True:
+            state = self._agent.check_xfer_state(handle)
+            if state == "DONE":
+                self._release(handle)
+                return
+            if state == "ERR":
+                self._abandon(handle)
+                raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
+                                       f"{peer} failed (NIXL state ERR): the peer's agent went away or its "
+                                       f"memory is no longer registered")
+            try:
+                s.check()
+            except BaseException:
+                self._abandon(handle)
+                raise
+            if time.monotonic() > deadline:
+                self._abandon(handle)
+                raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
+                                       f"{peer} did not finish within {min(timeout, self._limit()):g}s")
+            backoff.idle()
+
+    def _release(self, handle) -> None:
+        with self._xfer_lock:
+            self._inflight.discard(handle)
+        self._agent.release_xfer_handle(handle)
+
+    def _abandon(self, handle) -> None:
+        """Release ``handle``, which NIXL cancels where the WRITE is still under way."""
+        try:
+            self._release(handle)
+        except Exception as e:  # noqa: BLE001 - a handle NIXL cannot cancel is freed with the agent
+            log.debug("host %s: a WRITE could not be released: %s", self.host, e)
+
+    # -- primitives ------------------------------------------------------------------------------------------
+
+    def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
+        self._require_peer(s, peer)
+        return _Out(self, s, key, peer)
+
+    def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None]) -> _Landing:
+        """The region ``box`` lands in: its runs in the buffer ``place`` offers where one holds them all, else
+        a registered scratch buffer."""
+        found = _runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
+        if found is not None:
+            device, owner, runs = found
+            return _Landing(owner.reshape(-1).view(np.uint8), runs, device, self._register(owner))
+        buf = self._scratch(nbytes)
+        return _Landing(buf, [(buf.ctypes.data, nbytes)], None, self._register(buf), lambda: self.scratch.put(buf))
+
+    def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
+        """Post the region the box lands in, then yield each chunk once it landed, in stream order, then the
+        trailer (see the module table)."""
+        self._require_peer(s, peer)
+        nbytes = boxes.volume(box) * s.dtype(key.step)[1].itemsize
+        landing = self._landing(box, nbytes, place) if nbytes else None
+        try:
+            metadata, runs = b"", np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`_Out.end`)
+            if landing is not None:
+                reg = landing.registration
+                with self._reg_lock:
+                    metadata = b"" if peer in reg.peers else reg.metadata
+                    reg.peers.add(peer)
+                runs = np.array([(a, landing.cum[i + 1] - landing.cum[i]) for i, a in enumerate(landing.addrs)],
+                                dtype=np.uint64)
+            self._notify(peer, _encode(b"D", key, _POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
+            waiting: dict[int, tuple[Box, int]] = {}
+            got = chunks = 0
+            trailer = None
+            while trailer is None or chunks < trailer[2]:
+                # the first notification may wait as long as the stream may take (the sender's lanes may be busy
+                # with an earlier unit), each later one the stall limit
+                kind, payload = self._await(s, peer, "in", key, "sent nothing more of" if got else "sent nothing of",
+                                            self._limit() if got else self.timeout_s)
+                if kind == b"T":
+                    trailer = _TRAILER.unpack_from(payload)
+                    continue
+                off, n, ndim = _CHUNK.unpack_from(payload)
+                if landing is None or off + n > nbytes:
+                    raise InvalidArgumentError(f"job {key.job}: host {peer} wrote bytes {off}..{off + n} of stream "
+                                               f"{key.hop} of step {key.step}, whose box holds {nbytes}")
+                waiting[off] = (_box_of(payload[_CHUNK.size:], ndim), n)
+                while got in waiting:
+                    sub, n = waiting.pop(got)
+                    yield Piece(sub, landing.piece(got, n), None, landing.device)
+                    got += n
+                    chunks += 1
+            self._notify(peer, _encode(b"K", key))  # on the connection the post went down (`_Out.wait`)
+            yield Trailer(trailer[0], trailer[1])
+        finally:
+            if landing is not None:
+                landing.release()
+
+
+def _runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
+          most: int) -> tuple[str, np.ndarray, list[tuple[int, int]]] | None:
+    """The device, owning buffer and C-ordered contiguous runs (address, length) that ``place`` offers for
+    ``box``: one region where the box is contiguous there, else the regions of its slices along its first dim
+    of more than one index, recursively. None where a part has no region, the parts lie in more than one
+    buffer, or there would be more than ``most`` runs."""
+    runs: list[tuple[int, int]] = []
+    where: list = []  # [device, owner]
+    if not _visit(box, place, most, runs, where):
+        return None
+    return where[0], where[1], runs
+
+
+def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -> bool:
+    """`_runs` of ``b``, appended to ``runs``; False where it has none (a function of its own, not a closure: a
+    recursive closure is a reference cycle, which would keep a freed tile registered until the next collection)."""
+    got = place(b)
+    if got is not None:
+        device, view = got
+        if not isinstance(view, np.ndarray) or not view.flags.c_contiguous:
+            return False
+        owner, flat = _owner(view)
+        if owner is None or (where and (where[0] != device or where[1] is not owner)):
+            return False
+        if not where:
+            where.extend((device, owner))
+        addr = flat.ctypes.data
+        if runs and runs[-1][0] + runs[-1][1] == addr:
+            runs[-1] = (runs[-1][0], runs[-1][1] + flat.nbytes)
+        else:
+            runs.append((addr, flat.nbytes))
+        return len(runs) <= most
+    d = next((i for i, (lo, hi) in enumerate(b) if hi - lo > 1), None)
+    if d is None:
+        return False
+    lo, hi = b[d]
+    return all(_visit(b[:d] + ((i, i + 1),) + b[d + 1:], place, most, runs, where) for i in range(lo, hi))

@@ -1,0 +1,194 @@
+"""What is the nixl transport's own: memory registered once and reused across jobs, a strided box written run by run
+into the middle of a destination tile, chains and buckets over one-sided WRITEs, a corrupting middle hop caught at
+the chain's end, a peer that never takes its stream named within the timeout, and agents that cost nothing idle.
+
+NIXL agents in this process write into each other's memory (UCX, no GPU needed); the tests the other transports
+run (chains, reduces, uneven tiles, many jobs at once) run on nixl too, through tests/unit/test_runtime.py's
+``hosts`` and ``group`` fixtures."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import xxhash
+
+from reshard import Mesh, Sharding
+from reshard.proto.errors import DataLossError, UnavailableError
+from reshard.server.transport.faults import CorruptRelay
+from reshard.server.transport.nixl import NixlTransport, nixl_missing
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
+from reshard.strategies import plan as make_plan
+from tests.unit.test_many_runtime import _move_bucket_by_bucket
+from tests.unit.test_runtime import Hosts, nixl_agents
+
+pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
+
+@pytest.fixture()
+def pair():
+    """Two agents, a and b, introduced to each other; streams wait 0.5 s for a peer."""
+    a, b = (NixlTransport(h, chunk_bytes=64 << 10, timeout_s=0.5, stall_timeout_s=0.5) for h in ("a", "b"))
+    a.add_peer("b", b.metadata())
+    b.add_peer("a", a.metadata())
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _placing(device: str, tile: np.ndarray):
+    """A `Sink.place` of one tile that holds the whole array: the region of a sub-box where it is contiguous."""
+    def place(sub):
+        view = tile[tuple(slice(lo, hi) for lo, hi in sub)]
+        return (device, view) if view.flags.c_contiguous else None
+    return place
+
+
+def _move(a: NixlTransport, b: NixlTransport, job: str, src: np.ndarray, box, place) -> tuple[list[Piece], Trailer]:
+    """Stream ``box`` of ``src`` (the whole array) from a to b; b's pieces and trailer."""
+    s = Session(job, "p", {0: src.dtype.name}, {})
+    key = StreamKey(job, 0, 0)
+    sent = in_thread("send", a.send, s, key, "b", src, tuple((0, n) for n in src.shape), box)
+    items = list(b.arrivals(s, key, "a", box, place))
+    sent.result(5)
+    return items[:-1], items[-1]
+
+
+def test_each_buffer_is_registered_once_and_reused_by_the_next_job(pair):
+    a, b = pair
+    src = np.random.default_rng(0).standard_normal((256, 512)).astype(np.float32)  # 512 KiB: 8 chunks
+    dst = np.zeros_like(src)
+    full = ((0, 256), (0, 512))
+    for job in ("job-1", "job-2"):
+        src += 1  # the second job moves other bytes into the same buffers
+        pieces, trailer = _move(a, b, job, src, full, _placing("b/0", dst))
+        assert len(pieces) == 8 and all(p.landed == "b/0" for p in pieces)  # written in place, no scratch
+        assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()))
+        assert np.array_equal(dst, src)
+    # the source tile (written from directly, not staged) and the destination tile, once each for both jobs
+    assert (a.registered, b.registered) == (1, 1)
+    del pieces, dst
+    assert b.registrations == 0  # a buffer that is freed is deregistered first
+
+
+def test_a_strided_box_lands_run_by_run_in_the_middle_of_a_destination_tile(pair):
+    a, b = pair
+    src = np.random.default_rng(1).standard_normal((64, 1024)).astype(np.float32)
+    tile = np.full((64, 1024), -1.0, np.float32)
+    box = ((16, 48), (256, 768))  # 32 runs of 2 KiB, 2 KiB apart
+    pieces, trailer = _move(a, b, "strided", src, box, _placing("b/0", tile))
+    inside = (slice(16, 48), slice(256, 768))
+    assert np.array_equal(tile[inside], src[inside])
+    tile[inside] = -1.0
+    assert (tile == -1.0).all()  # not a byte written outside the box
+    assert all(p.landed == "b/0" for p in pieces) and b.scratch.nbytes == 0  # in place: no scratch buffer
+    joined = b"".join(bytes(memoryview(p.data)) for p in pieces)  # pieces in C order of the box
+    assert joined == np.ascontiguousarray(src[inside]).tobytes()
+    assert trailer.digest == xxhash.xxh3_64_intdigest(joined)
+
+
+def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
+    a, b = pair
+    src = np.arange(100_000, dtype=np.int64).reshape(1000, 100)
+    pieces, trailer = _move(a, b, "scratch", src, ((0, 1000), (0, 100)), lambda sub: None)
+    assert all(p.landed is None for p in pieces)
+    assert b"".join(bytes(memoryview(p.data)) for p in pieces) == src.tobytes()
+    assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()))
+    assert b.scratch.nbytes >= src.nbytes  # handed back for the next stream
+
+
+def _broadcast_to_three(hosts: Hosts, shape=(256, 64)):
+    """A broadcast from host0 down the chain host1 -> host2 -> host3; returns (array, job, runs, dst)."""
+    src = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
+    dst = Sharding(Mesh.from_hosts({"x": 3}, ["host1", "host2", "host3"], 1), (None, None))
+    a = np.random.default_rng(2).standard_normal(shape).astype(np.float32)
+    hosts.put_tensor("w", a, src)
+    plan = make_plan(a.shape, a.dtype, src, dst, strategy="broadcast").validate()
+    assert [t.route for t in plan.transfers] == [("host1", "host2", "host3")]
+    job, runs = hosts.start(plan.dumps(), "w")
+    return a, job, runs, dst
+
+
+def test_a_chain_of_three_hosts_forwards_every_chunk_and_delivers_bit_exact():
+    hosts = Hosts(group=nixl_agents())
+    try:
+        a, job, runs, dst = _broadcast_to_three(hosts)
+        hosts.finish(job, runs)
+        assert np.array_equal(hosts.get("w", dst, a.shape), a)
+        # each hop forwarded the whole box once (64 KiB in 16 chunks), the sender sent it once
+        assert dict(runs["host0"].traffic.bytes_out) == {"host1": a.nbytes}
+        assert dict(runs["host1"].traffic.bytes_out) == {"host2": a.nbytes}
+        assert dict(runs["host2"].traffic.bytes_out) == {"host3": a.nbytes}
+        assert dict(runs["host3"].traffic.bytes_in) == {"host2": a.nbytes}
+    finally:
+        hosts.close()
+
+
+def test_a_bucketed_state_dict_moves_over_nixl():
+    hosts = Hosts(group=nixl_agents())
+    try:
+        _move_bucket_by_bucket(hosts)
+    finally:
+        hosts.close()
+
+
+def test_a_middle_hop_that_corrupts_a_byte_fails_the_job_with_data_loss_and_nothing_commits():
+    hosts = Hosts(group=nixl_agents(), wrap=lambda host, t: CorruptRelay(t) if host == "host2" else t)
+    try:
+        a, job, runs, dst = _broadcast_to_three(hosts)
+        with pytest.raises(DataLossError, match=r"the bytes changed somewhere on the chain host0 -> host1 -> host2 "
+                                                r"-> host3, so the job fails and no host commits them"):
+            hosts.finish(job, runs)
+        for h in ("host1", "host2", "host3"):
+            assert hosts.stores[h].find("w", 2, f"{h}/0") is None, h
+        assert np.array_equal(hosts.stores["host0"].get("w", 1, "host0/0").array, a)
+    finally:
+        hosts.close()
+
+
+def test_a_peer_that_never_takes_its_stream_fails_it_within_the_timeout_naming_the_host(pair):
+    a, b = pair
+    s = Session("lost", "p", {0: "float32"}, {})
+    key = StreamKey("lost", 0, 0)
+    data = np.ones(1024, np.float32)
+    out = a.open(s, key, "b")
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match=r"job lost: host b did not post its receive of stream 0 of step 0 "
+                                               r"within 0.5s: its agent is down, paused, cut off or behind"):
+        out.put(((0, 1024),), data)
+    assert time.monotonic() - t0 < 1.5
+    out.cancel()
+    # and a receiver whose sender never sends
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match=r"job lost: host a sent nothing of stream 1 of step 0 within 0.5s"):
+        list(b.arrivals(s, StreamKey("lost", 0, 1), "a", ((0, 1024),), lambda sub: None))
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_sender_that_gives_up_midway_fails_its_receiver_at_once(pair):
+    a, b = pair
+    s = Session("gone", "p", {0: "float32"}, {})
+    key = StreamKey("gone", 0, 0)
+    got: list = []
+
+    def receive():
+        got.extend(b.arrivals(s, key, "a", ((0, 4096),), lambda sub: None))
+
+    receiving = in_thread("receive", receive)
+    out = a.open(s, key, "b")
+    out.put(((0, 1024),), np.ones(1024, np.float32))  # the receiver posted; a first chunk, then the job fails
+    out.cancel()
+    t0 = time.monotonic()
+    with pytest.raises(UnavailableError, match="job gone: host a gave up stream 0 of step 0"):
+        receiving.result(5)
+    assert time.monotonic() - t0 < 0.3  # not the 0.5 s stall limit
+    assert not any(isinstance(item, Trailer) for item in got)
+
+
+def test_idle_agents_burn_no_cpu(pair):
+    a, b = pair
+    _move(a, b, "warm", np.ones((64, 64), np.float32), ((0, 64), (0, 64)), lambda sub: None)  # connected
+    t0 = time.process_time()
+    time.sleep(1.0)
+    assert time.process_time() - t0 < 0.1  # no progress thread: nothing runs between transfers
