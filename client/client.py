@@ -120,8 +120,9 @@ class JobResult:
     # many of the host's reduces ran as the transport's own all-reduce (gloo's) rather than the agents' ring
     traffic: dict[str, dict]
     error: str = ""
-    transport: str = ""  # what carried the network transfers: "grpc" or "collective"
-    transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", or "local" (stayed on a host)
+    transport: str = ""  # what carried the network transfers: "grpc", "collective" or "nixl"
+    transports: tuple[str, ...] = ()  # per plan transfer: "grpc", "collective", "nixl", or "local" (stayed on a host)
+    transport_reason: str = ""  # why the job ran on `transport` (its hosts' modes, the group's state)
     versions: dict[str, int] = field(default_factory=dict)  # reshard_many: tensor -> the version it committed as
     # Where the job's seconds went, in order: waiting (for earlier jobs on its tensors), planning, running (every
     # host's part), committing; and each host's part of running, seconds (the slowest host sets the pace)
@@ -140,7 +141,8 @@ def _result(info: pb.JobInfo) -> JobResult:
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
         traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
                           "native_reduces": t.native_reduces} for t in info.traffic},
-        error=info.error, transport=info.transport, transports=tuple(info.transports), versions=dict(info.versions),
+        error=info.error, transport=info.transport, transport_reason=info.transport_reason,
+        transports=tuple(info.transports), versions=dict(info.versions),
         phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())))
 
 

@@ -135,10 +135,11 @@ class LocalCluster:
                                        f"give one for every host, or one per host")
         self.device_by_host = dict(zip(self.host_names, devices))
         self.devices_per_host = devices_per_host
-        # Agents that all run gRPC need no process group: the planner then hosts no store and imports no torch.
-        self.planner_args = list(planner_args) + (["--no-rendezvous"] if transport == "grpc" and
+        # Agents that all run gRPC or NIXL need no process group: the planner then hosts no store and imports no
+        # torch.
+        self.planner_args = list(planner_args) + (["--no-rendezvous"] if transport in ("grpc", "nixl") and
                                                   "--no-rendezvous" not in planner_args else [])
-        # grpc, collective or auto (the agents' default); with collective or auto the cluster is
+        # grpc, collective, auto (the agents' default) or nixl; with collective or auto the cluster is
         # ready once the agents' process group has formed, so the first job can use it.
         self.transport = transport
         # The agents share this machine's cores: each one's kernels get its share (BLAS threads spin).
@@ -246,7 +247,7 @@ class LocalCluster:
             while True:
                 try:
                     up = {a["host"] for a in c.agents() if a["up"] and a["address"] == self.agent_addresses[a["host"]]
-                          and (a["transport"] == "grpc" or a["in_group"])}
+                          and (a["transport"] in ("grpc", "nixl") or a["in_group"])}
                 except Exception:  # noqa: BLE001 - the planner may still be starting
                     up = set()
                 for h in sorted(want & up - reported, key=self.host_names.index):

@@ -115,9 +115,17 @@ def _add_agent_command(sub) -> None:
                         "should split its cores (reshard up and local_cluster give each its share)")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
-    p.add_argument("--transport", choices=("grpc", "collective", "auto"), default=d.transport,
+    p.add_argument("--transport", choices=("grpc", "collective", "auto", "nixl"), default=d.transport,
                    help="what carries transfers between agents: gRPC streams, the torch.distributed process group "
-                        "(needs torch), or auto (the group when it is up, gRPC otherwise)")
+                        "(needs torch), auto (the group when it is up, gRPC otherwise), or nixl (one-sided writes "
+                        "over UCX: shared memory, TCP, RDMA; needs pip install 'reshard[nixl]', and every host of a "
+                        "job on it)")
+    p.add_argument("--nixl-backend", default=d.nixl_backend, metavar="PLUGIN",
+                   help="nixl transport: NIXL's backend plugin")
+    p.add_argument("--nixl-tcp-only", action="store_true",
+                   help="nixl transport: UCX over TCP only (UCX_TLS=tcp), never shared memory, for hosts that share "
+                        "a kernel but not a network (the emulated lab). UCX uses the interface of --listen either "
+                        "way (UCX_NET_DEVICES); UCX_* variables already set are kept")
     p.add_argument("--device", default=d.device,
                    help="where this host's shards live: cpu (numpy arrays; gloo) or cuda[:N] (torch tensors on that "
                         "GPU; NCCL, one agent per GPU); checked at start")
@@ -147,8 +155,9 @@ def _run_agent(args) -> int:
                          device_gflops=args.device_gflops, memory_gb_per_s=args.memory_gbps,
                          emulate_gflops=args.emulate_gflops,
                          compute_threads=args.compute_threads, rate_limit_bytes_per_s=args.rate_limit_mib_s * 2**20,
-                         transport=args.transport,
-                         device=args.device, collective_timeout_s=args.collective_timeout,
+                         transport=args.transport, nixl_backend=args.nixl_backend,
+                         nixl_tcp_only=args.nixl_tcp_only, device=args.device,
+                         collective_timeout_s=args.collective_timeout,
                          stall_timeout_s=args.stall_timeout,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20),
                          collective_lanes=args.collective_lanes, native_reduce=args.native_reduce, fault=args.fault,
@@ -250,7 +259,7 @@ def _add_up_command(sub) -> None:
     p.add_argument("--devices-per-host", type=positive_int, default=4, help="devices per agent (HOST/0 ..)")
     p.add_argument("--state", default=None, help="planner state file (SQLite)")
     p.add_argument("--log-dir", default=None, help="where the processes log (default: a temporary folder)")
-    p.add_argument("--transport", choices=("grpc", "collective", "auto"), default="auto",
+    p.add_argument("--transport", choices=("grpc", "collective", "auto", "nixl"), default="auto",
                    help="the agents' transport (see reshard agent --help)")
     p.add_argument("--device", default="cpu", metavar="DEVICE[,DEVICE...]",
                    help="where the agents' shards live: cpu, cuda:N for every agent, or one per agent in host order "

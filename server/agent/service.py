@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -23,7 +25,7 @@ from reshard import box as boxes
 from reshard.dtypes import dtype_name, itemsize
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
-from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
@@ -43,12 +45,13 @@ from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
 from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.threads import limit_compute_threads
+from reshard.server.agent.ucx import ucx_environment
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
 from reshard.proto.devices import CudaIpcHandle
 from reshard.server.transport import buffers
 
-__all__ = ["Agent", "serve_agent"]
+__all__ = ["Agent", "NixlPeers", "serve_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -63,12 +66,51 @@ def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
     return first.header, it
 
 
+class NixlPeers:
+    """The remote NIXL agents this agent's NIXL transport knows: only the hosts a Prepare from the planner named,
+    with the metadata the planner gave for them (UCX authenticates no one: docs/security.md)."""
+
+    def __init__(self, host: str, transport: Transport | None):
+        self.host = host
+        self.transport = transport
+        self._lock = threading.Lock()
+        self._known: set[str] = set()
+
+    def introduce(self, job: str, peers: dict[str, bytes]) -> None:
+        """Add the peers of ``job``'s Prepare before it runs; new metadata for a known host replaces the old
+        (its agent restarted), the same again changes nothing (`NixlTransport.add_peer`)."""
+        if self.transport is None:
+            raise FailedPreconditionError(
+                f"job {job[:12]!r} runs on the nixl transport, but the agent of host {self.host} has none; start it "
+                f"with --transport nixl")
+        for host, metadata in sorted(peers.items()):
+            if host == self.host:
+                continue  # a NIXL agent writes to itself through no peer
+            if not metadata:
+                raise InvalidArgumentError(f"the Prepare of job {job[:12]!r} names host {host!r} as a nixl peer "
+                                           f"without its NIXL metadata")
+            with self._lock:
+                self.transport.add_peer(host, metadata)
+                self._known.add(host)
+
+    def forget_all(self, why: str) -> None:
+        """Drop every peer (this agent registers again: the planner introduces the peers of its next jobs anew,
+        and a host it no longer lists stays dropped)."""
+        with self._lock:
+            known, self._known = sorted(self._known), set()
+            for host in known:
+                self.transport.drop_peer(host)
+        if known:
+            log.info("host %s dropped its nixl peers %s: %s", self.host, known, why)
+
+
 class AgentServicer(pb_grpc.AgentServicer):
     def __init__(self, config: AgentConfig, store: ShardStore, runtime: Runtime, tickets: TicketCheck):
         self.config = config
         self.store = store
         self.runtime = runtime
         self.tickets = tickets  # calls that change what this agent holds carry the planner's ticket
+        self.nixl_peers = NixlPeers(config.host, runtime.transports.get("nixl"))
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
         self.handover = CudaHandover(config.host, store)
 
@@ -181,7 +223,10 @@ class AgentServicer(pb_grpc.AgentServicer):
                                        f"one this agent holds, and not two that differ")
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
-                                                                r.peers, reads), what=f"Prepare of job {r.job[:12]!r}")
+                                                                r.peers, reads, dict(r.nixl_peers)),
+                          what=f"Prepare of job {r.job[:12]!r}")
+        if r.transport == "nixl":
+            self.nixl_peers.introduce(r.job, dict(r.nixl_peers))
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
                                     r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads,
                                     program_sha256=sha256)
@@ -290,8 +335,13 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
     """Build and start an agent's gRPC server; returns (server, bound port, runtime).
 
     ``secret`` is the registration secret the planner signs this agent's tickets with (a fresh one by
-    default). Fails at once, naming the host's CUDA devices, when ``config.device`` is not here.
+    default). Fails at once, naming the host's CUDA devices, when ``config.device`` is not here, and naming the
+    install when ``--transport nixl`` finds no NIXL.
     """
+    return _serve(config, secret)[:3]
+
+
+def _serve(config: AgentConfig, secret: bytes | None) -> tuple[grpc.Server, int, Runtime, "AgentServicer"]:
     device = buffers.check_device(config.device)
     store = ShardStore(device, config.memory_limit_bytes or default_memory_limit(device), config.host)
     throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
@@ -302,6 +352,9 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
     collective = collective_transport(config, throttle)
     if collective is not None:
         transports["collective"] = collective
+    nixl = nixl_transport(config, throttle)
+    if nixl is not None:
+        transports["nixl"] = nixl
     # --fault (tests only) wraps the transports; the production loops have no fault branch.
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
                       workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device,
@@ -312,10 +365,11 @@ def serve_agent(config: AgentConfig, secret: bytes | None = None) -> tuple[grpc.
                          interceptors=[Authenticator(config.token, f"the agent of host {config.host}"),
                                        RequestDecoding()])
     tickets = TicketCheck(config.host, secret or new_secret())
-    _add_agent_servicer(AgentServicer(config, store, runtime, tickets), server)
+    servicer = AgentServicer(config, store, runtime, tickets)
+    _add_agent_servicer(servicer, server)
     port = start_server(server, config.listen, "reshard.v1.Agent",
                         config.tls.server_credentials() if config.tls else None)
-    return server, port, runtime
+    return server, port, runtime, servicer
 
 
 def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
@@ -327,7 +381,8 @@ def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport |
     """
     from reshard.server.transport.collective import CollectiveTransport, GroupMember
 
-    if config.transport == "grpc" or (config.transport == "auto" and buffers.backend_refusal(config.backend)):
+    if config.transport in ("grpc", "nixl") or (config.transport == "auto"
+                                                 and buffers.backend_refusal(config.backend)):
         if config.transport == "auto":
             log.info("agent %s runs the gRPC transport only: %s", config.host, buffers.backend_refusal(config.backend))
         return None
@@ -338,6 +393,33 @@ def collective_transport(config: AgentConfig, throttle: Throttle) -> Transport |
                                chunk_bytes=config.collective_chunk, confirm_timeout_s=config.collective_timeout_s,
                                timeout_s=config.transfer_timeout_s, throttle=throttle,
                                native_reduce=config.native_reduce)
+
+
+def nixl_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
+    """The agent's NIXL transport for ``--transport nixl`` (None otherwise), with UCX bound to the interface of
+    the listen address (`reshard.server.agent.ucx`); refuses at start, naming the install, where NIXL does not
+    import. ``auto`` does not start one: NIXL is asked for by name (README, "Which transport")."""
+    if config.transport != "nixl":
+        return None
+    try:
+        from reshard.server.transport import nixl
+    except ImportError as e:
+        missing = f"NIXL's transport does not import here ({e}): pip install 'reshard[nixl]'"
+    else:
+        missing = nixl.nixl_missing()
+    if missing:
+        raise FailedPreconditionError(f"host {config.host} asks for --transport nixl, but {missing}")
+    # NIXL's Python logger, configured as it imported, writes to stdout; the agent's stdout carries its "listening
+    # on" line alone, which local clusters and reshard up read: NIXL's lines join the agent's own on stderr.
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+    env, said = ucx_environment(config.listen, config.advertise, config.nixl_tcp_only, os.environ)
+    os.environ.update(env)  # UCX reads its environment as the NIXL agent is made, which is next
+    log.info("agent %s: nixl transport on backend %s; %s", config.host, config.nixl_backend, said)
+    return nixl.NixlTransport(config.host, backend=config.nixl_backend, lanes=config.collective_lanes,
+                              chunk_bytes=config.collective_chunk, timeout_s=config.transfer_timeout_s,
+                              throttle=throttle, stall_timeout_s=config.stall_timeout_s)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:
@@ -357,8 +439,10 @@ class Agent:
         keep_freed_memory()
         limit_compute_threads(config.compute_threads)  # before serve_agent: the probe measures with the limit
         self.secret = new_secret()
-        self.server, self.port, self.runtime = serve_agent(config, self.secret)
+        self.server, self.port, self.runtime, servicer = _serve(config, self.secret)
         self.collective = self.runtime.transports.get("collective")
+        self.nixl = self.runtime.transports.get("nixl")
+        self.nixl_peers = servicer.nixl_peers
         self.address = advertised_address(config, self.port)
         self._stop = threading.Event()
         self._wake = threading.Event()  # beat now: stopping, or the process group changed under this agent
@@ -395,7 +479,8 @@ class Agent:
                     device=self.device, gpu_uuid=self.gpu_uuid, transport_reason=self.transport_reason,
                     secret=self.secret, memory_limit_bytes=self.runtime.store.limit_bytes,
                     device_gflops=self.rates.gflops, memory_gb_per_s=self.rates.memory_gb_per_s,
-                    held=[pb.TensorVersion(tensor=t, version=v) for t, v in self.runtime.store.held()]),
+                    held=[pb.TensorVersion(tensor=t, version=v) for t, v in self.runtime.store.held()],
+                    nixl_metadata=self.nixl.metadata() if self.nixl is not None else b""),
                     timeout=5.0, wait_for_ready=True)
                 self._interval = reply.heartbeat_interval_s or self.config.heartbeat_interval_s
                 self._follow_group(reply.group)
@@ -414,8 +499,8 @@ class Agent:
 
     @property
     def transport(self) -> str:
-        """What this agent registers: its --transport, or grpc when it cannot join a group."""
-        return "grpc" if self.collective is None else self.config.transport
+        """What this agent registers: its --transport, or grpc when it has neither a group to join nor NIXL."""
+        return "grpc" if self.collective is None and self.nixl is None else self.config.transport
 
     def _follow_group(self, info: pb.GroupInfo) -> None:
         if self.collective is not None:
@@ -461,6 +546,7 @@ class Agent:
             # A planner that forgot this agent (it restarted) numbers and hosts its groups anew: the one this agent
             # is in hangs on the dead planner's store, even where the new one names the same port and generation.
             self.collective.member.leave(f"it registers again ({why})")
+        self.nixl_peers.forget_all(f"it registers again ({why})")
         try:
             self.register()
         except Exception as e:  # noqa: BLE001 - the next heartbeat tries again

@@ -43,8 +43,15 @@ class AgentConfig:
     forward_queue_chunks: int = 4  # chunks a chain hop buffers before it pushes back
     rate_limit_bytes_per_s: float = 0.0  # 0: unlimited; tests slow transfers down to interrupt them
     # The collective transport (reshard.server.transport.collective): grpc, collective, or auto (collective when
-    # torch is installed and the process group is up, gRPC otherwise).
+    # torch is installed and the process group is up, gRPC otherwise); nixl: the NIXL transport
+    # (reshard.server.transport.nixl, pip install 'reshard[nixl]'), for jobs whose hosts all run it.
     transport: str = "auto"
+    # The NIXL transport's backend plugin (UCX: shared memory, TCP, RDMA, as UCX finds them), and whether UCX may
+    # use TCP only (UCX_TLS=tcp): for hosts that share a kernel but not a network, as the emulated lab's do, whose
+    # bytes must cross the shaped links. UCX is bound to the interface of the listen address either way
+    # (reshard.server.agent.ucx); UCX_* variables set in the agent's environment are kept.
+    nixl_backend: str = "UCX"
+    nixl_tcp_only: bool = False
     # Where the agent's shards live, and so its collective backend: cpu (numpy arrays, gloo) or cuda[:N]
     # (torch tensors on that GPU, NCCL; one agent per GPU). Checked at start-up.
     device: str = "cpu"
@@ -99,8 +106,11 @@ class AgentConfig:
         return "nccl" if self.device.startswith("cuda") else "gloo"
 
     def __post_init__(self):
-        if self.transport not in ("grpc", "collective", "auto"):
-            raise ValueError(f"transport {self.transport!r} is not one of grpc, collective, auto")
+        if self.transport not in ("grpc", "collective", "auto", "nixl"):
+            raise ValueError(f"transport {self.transport!r} is not one of grpc, collective, auto, nixl")
+        if not (self.nixl_backend.isidentifier() and len(self.nixl_backend) <= 64):
+            raise ValueError(f"nixl_backend {self.nixl_backend[:80]!r} is not a NIXL backend plugin's name, such as "
+                             f"UCX")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device {self.device!r} is neither cpu nor cuda[:N]")
         if self.num_devices <= 0:

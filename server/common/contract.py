@@ -3,7 +3,7 @@
 ======================= ==========================================================================
 ``GroupView``           the process group the planner wants an agent in (store port, generation,
                         members in rank order, backend)
-``TRANSPORT_MODES``     what an agent may register: ``grpc``, ``collective``, ``auto``
+``TRANSPORT_MODES``     what an agent may register: ``grpc``, ``collective``, ``auto``, ``nixl``
 ``BACKENDS``            the collective backends: ``gloo`` (CPU shards), ``nccl`` (CUDA shards)
 ``Staging``             an upload id or a job id: who staged shards on an agent
 ``confirm_prefix``      the rendezvous keys under which a job's hosts confirm its plan id before a
@@ -27,7 +27,7 @@ from reshard.proto.errors import InvalidArgumentError
 __all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
            "PROGRAMS_KEPT_BYTES", "confirm_prefix", "check_host_name"]
 
-TRANSPORT_MODES = ("grpc", "collective", "auto")
+TRANSPORT_MODES = ("grpc", "collective", "auto", "nixl")
 BACKENDS = ("gloo", "nccl")
 PROGRAM_NOT_HELD = "program not held"
 # A pipeline stage runs a dozen small programs in turn every step; a state dict's program is megabytes of JSON, and

@@ -322,6 +322,12 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
     agent_args = sharing_cores(extra_agent_args, lab.config.num_hosts)
     if lab.config.device_gflops:
         agent_args = [*agent_args, "--emulate-gflops", str(lab.config.device_gflops)]
+    flags = [*agent_args, ""]
+    transport = next((b for a, b in zip(flags, flags[1:]) if a == "--transport"), None) or next(
+        (a.split("=", 1)[1] for a in flags if a.startswith("--transport=")), None)
+    if transport == "nixl" and "--nixl-tcp-only" not in agent_args:
+        # The namespaces share one kernel: UCX's shared memory would bypass the shaped links altogether.
+        agent_args = [*agent_args, "--nixl-tcp-only"]
     for i in range(lab.config.num_hosts):
         host = lab.host_name(i)
         agent = lab.spawn(lab.host_ns(i), [

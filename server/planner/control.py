@@ -164,20 +164,25 @@ class Planner:
                  backend: str = "gloo", device: str = "cpu", gpu_uuid: str = "",
                  transport_reason: str = "", secret: bytes = b"", memory_limit_bytes: int = 0,
                  held: Iterable[tuple[str, int]] = (), device_gflops: float = 0.0,
-                 memory_gb_per_s: float = 0.0) -> AgentRecord:
+                 memory_gb_per_s: float = 0.0, nixl_metadata: bytes = b"") -> AgentRecord:
         """Admit an agent; the group's checks run first, so an agent they refuse never shows as up.
 
         ``secret`` binds the host name to this agent while it is up (another registrant is refused) and
         keys the tickets of the calls the planner makes to it. ``held`` lists the tensor versions the agent
         holds: the host's shards of every other catalogued version are lost (a restarted agent holds none,
-        also one that restarted while the planner was down), and those it holds are not.
+        also one that restarted while the planner was down), and those it holds are not. ``nixl_metadata`` is
+        what the agent's NIXL transport tells its peers (``--transport nixl``), handed to the other hosts of its
+        nixl jobs.
         """
         self.registry.check(host, secret)
+        if transport == "nixl" and not nixl_metadata:
+            raise InvalidArgumentError(f"host {host} registers the nixl transport without its NIXL metadata; an "
+                                       f"agent started with --transport nixl sends it")
         before = self.registry.get(host)
         admitted: list[AgentRecord] = []
         self.group.register(host, transport, backend, gpu_uuid, transport_reason, admit=lambda: admitted.append(
             self.registry.register(host, num_devices, address, nic_gbps, device, gpu_uuid, secret,
-                                   memory_limit_bytes, device_gflops, memory_gb_per_s)))
+                                   memory_limit_bytes, device_gflops, memory_gb_per_s, nixl_metadata)))
         self._reconcile(host, held)
         if before is not None and before.address != address:
             self.agents.forget(before.address)

@@ -111,6 +111,7 @@ class Preparation:
     program_id: str = ""  # the program's id (the plan's): pushes of the job name it, and their tickets sign it
     # a compute program: program tensor -> (stored name, version) it reads, or the name its output commits as
     reads: dict[str, tuple[str, int]] = field(default_factory=dict)
+    nixl_peers: dict[str, bytes] = field(default_factory=dict)  # nixl: host -> the NIXL metadata it registered
 
 
 class AgentCalls(Protocol):
@@ -158,8 +159,8 @@ class Job:
     progress: dict[str, list[int]] = field(default_factory=dict)  # host -> [bytes done, bytes to send]
     steps: dict[str, list[int]] = field(default_factory=dict)  # host -> [steps done, steps with a part there]
     traffic: dict[str, dict] = field(default_factory=dict)  # host -> {bytes_in, bytes_out, local_bytes, native_reduces}
-    transport: str = ""  # grpc or collective, once chosen
-    transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective or local
+    transport: str = ""  # grpc, collective or nixl, once chosen
+    transports: list[str] = field(default_factory=list)  # per plan transfer: grpc, collective, nixl or local
     kind: str = "reshard"  # or "reshard_many", "einsum", or the kernel of an apply
     inputs: list[str] = field(default_factory=list)  # a compute job's inputs; every tensor of a reshard_many
     program: Program | None = None  # what ran where it is no plan of moves: a compute job, a Partial tensor's reshard
@@ -173,6 +174,7 @@ class Job:
     # Where the job's seconds went, in `PHASES` order (those it reached), and each host's Execute call, seconds
     phases: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
+    transport_reason: str = ""  # why the job runs on ``transport`` (`GroupCoordinator.choose`)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -217,7 +219,7 @@ class Job:
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
                 "kind": self.kind, "inputs": self.inputs, "scales": self.scales, "bucket_bytes": self.bucket_bytes,
                 "versions": self.versions, "outputs": self.outputs, "phases": self.phases,
-                "host_seconds": self.host_seconds}
+                "host_seconds": self.host_seconds, "transport_reason": self.transport_reason}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -228,7 +230,8 @@ class Job:
                   d.get("kind", "reshard"), d.get("inputs", []), program,
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
                   bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
-                  outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}))
+                  outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}),
+                  transport_reason=d.get("transport_reason", ""))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -522,8 +525,11 @@ class JobRunner:
         # only a move's sender's host sends its first copies
         job.progress = {h: [0, work.moves.to_send.get(h, 0)] for h in hosts}
         transport, generation, seq = self._transport(job, work.moves.network, hosts)
+        # The NIXL metadata of every host, as it registered: each agent adds the others as peers before the job.
+        nixl_peers = ({h: self.registry.require_up(h).nixl_metadata for h in hosts} if transport == "nixl"
+                      else {})
         prep = Preparation(job.id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
-                           generation, seq, program_id=work.program_id, reads=work.reads)
+                           generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -682,9 +688,12 @@ class JobRunner:
         return hit
 
     def _transport(self, job: Job, network: list[bool], hosts: list[str]) -> tuple[str, int, int]:
-        """(transport, group generation, job number) for the job; records it and what carries each transfer
+        """(transport, group generation, job number) for the job; records it, why, and what carries each transfer
         (``network``: whether each crosses a NIC)."""
-        transport, generation, seq = self.group.choose(hosts, self.group_wait_s) if self.group else ("grpc", 0, 0)
+        if self.group is not None:
+            transport, generation, seq, job.transport_reason = self.group.choose(hosts, self.group_wait_s)
+        else:
+            transport, generation, seq, job.transport_reason = "grpc", 0, 0, "the planner runs no process group"
         job.transport = transport
         job.transports = [transport if net else "local" for net in network]
         return transport, generation, seq

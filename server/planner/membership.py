@@ -1,9 +1,10 @@
 """The planner's view of the agents' process group: members, generations, and each job's transport.
 
 Agents that registered with ``--transport collective`` or ``auto`` (and have
-torch) are the members, in host order; a member's rank is its index. Whenever
-the members change, a member registers again (a new process), or a member
-reports its group broken (a collective call failed, which closes gloo's pairs),
+torch) are the members, in host order (``nixl`` agents are not: their jobs need no
+group); a member's rank is its index. Whenever the members change, a member
+registers again (a new process), or a member reports its group broken (a
+collective call failed, which closes gloo's pairs),
 the group is re-formed under the next generation. Agents learn the wanted
 generation from their heartbeat replies, form it through the planner's store,
 and report the generation they joined; the group is *up* when every member
@@ -22,12 +23,18 @@ that would break either rule is refused at registration when it asks for
 so is an ``auto`` agent that found NCCL unusable itself. Every check runs before
 the registry admits the agent, so a refused agent never shows as up.
 
-A job's transport is chosen once, from the modes of its hosts:
+A job's transport is chosen once, from the modes of its hosts and whether each registered NIXL metadata (an
+agent with ``--transport nixl`` does; one with ``auto`` does not start NIXL today, so the third row waits for
+agents that do), and the job records it with the reason:
 
 ============================ ===============================================
 hosts' modes                 transport
 ============================ ===============================================
+any ``nixl``                 nixl; error if a host has no NIXL (it runs
+                             ``grpc``, ``collective``, or ``auto`` without)
 all ``grpc``                 gRPC
+all ``auto``, every one      nixl
+with NIXL metadata
 any ``collective``           collective; error if the group is not up with
                              every host in time, or if a host is ``grpc``
 all ``auto``                 collective if the group is up with every host,
@@ -45,12 +52,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
 from reshard.server.common.contract import BACKENDS, TRANSPORT_MODES, GroupView
 from reshard.server.planner.registry import Registry
 
-__all__ = ["GroupCoordinator"]
+__all__ = ["GroupCoordinator", "Choice"]
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +69,18 @@ log = logging.getLogger(__name__)
 FORMING_BEAT_S = 0.1
 FORMING_FAST_S = 10.0
 FORMING_BEATS_PER_S = 200.0
+GROUP_MODES = ("collective", "auto")  # the modes whose agents are the process group's members
 # Why a planner hosts no rendezvous store (`GroupCoordinator.no_store`), unless it was started without one.
 NO_TORCH = "torch is not installed where it runs: pip install 'reshard[torch]'"
+
+
+class Choice(NamedTuple):
+    """A job's transport, why, and (collective) the group generation it runs on and its number there."""
+
+    transport: str
+    generation: int
+    seq: int
+    reason: str
 
 
 class GroupCoordinator:
@@ -114,7 +132,7 @@ class GroupCoordinator:
             transport, reason = "grpc", f"this planner hosts no rendezvous store ({self.no_store})"
         with self._cond:
             self._sync_locked()
-            conflict = self._conflict_locked(host, backend, gpu_uuid) if transport != "grpc" else ""
+            conflict = self._conflict_locked(host, backend, gpu_uuid) if transport in GROUP_MODES else ""
             if conflict and transport == "collective":
                 raise FailedPreconditionError(
                     f"{conflict}; or start host {host} with --transport auto (it then runs gRPC) or grpc")
@@ -171,7 +189,7 @@ class GroupCoordinator:
         self._cond.notify_all()
 
     def _sync_locked(self) -> None:
-        up = sorted(h for h, mode in self._modes.items() if mode != "grpc"
+        up = sorted(h for h, mode in self._modes.items() if mode in GROUP_MODES
                     and (rec := self.registry.get(h)) is not None and self.registry.is_up(rec))
         # A member that was down while another agent took its GPU stays out when it comes back.
         taken: set[str] = set()
@@ -226,10 +244,25 @@ class GroupCoordinator:
 
     # -- jobs ---------------------------------------------------------------------------------
 
-    def choose(self, hosts: Iterable[str], wait_s: float) -> tuple[str, int, int]:
-        """(transport, generation, job number) for a job over ``hosts``; see the module table."""
+    def has_nixl(self, host: str) -> bool:
+        """Whether ``host``'s agent registered NIXL metadata (its jobs may run on nixl)."""
+        rec = self.registry.get(host)
+        return rec is not None and bool(rec.nixl_metadata)
+
+    def choose(self, hosts: Iterable[str], wait_s: float) -> Choice:
+        """The transport of a job over ``hosts`` and why, with its group generation and job number; see the
+        module table."""
         hosts = sorted(set(hosts))
         modes = {h: self.mode(h) for h in hosts}
+        nixl = sorted(h for h, m in modes.items() if m == "nixl")
+        without = sorted(h for h in hosts if not self.has_nixl(h))
+        if nixl and without:
+            raise FailedPreconditionError(
+                f"hosts {nixl} run --transport nixl but hosts {without} have no NIXL (they run --transport "
+                f"{'/'.join(sorted({modes[h] for h in without}))}); a job's hosts must share a transport: start "
+                f"those with --transport nixl (pip install 'reshard[nixl]'), or the others with another transport")
+        if nixl:
+            return Choice("nixl", 0, 0, f"hosts {nixl} run --transport nixl, and every host of the job has NIXL")
         strict = sorted(h for h, m in modes.items() if m == "collective")
         plain = sorted(h for h, m in modes.items() if m == "grpc")
         if strict and plain:
@@ -237,21 +270,30 @@ class GroupCoordinator:
                 f"hosts {strict} run --transport collective but hosts {plain} run --transport grpc; a job's hosts "
                 f"must share a transport: restart one side with --transport auto"
             )
-        if plain or not hosts:
-            return "grpc", 0, 0
+        if not hosts:
+            return Choice("grpc", 0, 0, "the job has no host")
+        if plain:
+            why = [f"{h}: {self.reason(h)}" for h in plain if self.reason(h)]
+            return Choice("grpc", 0, 0, f"hosts {plain} run gRPC only" + (f" ({'; '.join(why)})" if why else ""))
+        if not without:
+            return Choice("nixl", 0, 0, "every host of the job runs --transport auto and has NIXL")
         deadline = self._clock() + (wait_s if strict else 0.0)
         with self._cond:
             while True:
                 self._sync_locked()
                 if self.up_locked() and set(hosts) <= set(self._members):
                     self._seq += 1
-                    return "collective", self._generation, self._seq
+                    return Choice("collective", self._generation, self._seq,
+                                  f"the process group (generation {self._generation}) is up with every host of the "
+                                  f"job" + (f", and hosts {strict} run --transport collective" if strict else ""))
                 left = deadline - self._clock()
                 if left <= 0:
                     break
                 self._cond.wait(min(left, 0.1))
             if not strict:
-                return "grpc", 0, 0
+                missing = sorted(set(hosts) - set(self._members)) or sorted(set(hosts) - self._joined)
+                return Choice("grpc", 0, 0, f"the process group (generation {self._generation}) is not up with "
+                                            f"hosts {missing}")
             missing = sorted(set(hosts) - set(self._members))
             waiting = sorted(set(self._members) - self._joined)
             raise FailedPreconditionError(

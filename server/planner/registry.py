@@ -39,6 +39,8 @@ class AgentRecord:
     memory_used_bytes: int = 0  # as of its last heartbeat
     device_gflops: float = 0.0  # one device's compute and memory rates, as registered (0: not known)
     memory_gb_per_s: float = 0.0
+    # The agent's NIXL metadata as it registered it, handed to the other hosts of its nixl jobs; b"": no NIXL.
+    nixl_metadata: bytes = field(default=b"", repr=False)
 
     @property
     def devices(self) -> list[str]:
@@ -46,6 +48,7 @@ class AgentRecord:
 
 
 MIN_SECRET_BYTES = 16
+MAX_NIXL_METADATA_BYTES = 1 << 20  # a NIXL agent's metadata is a few KiB: its name, backend and connection info
 
 
 def _rate(value: float) -> float:
@@ -81,8 +84,12 @@ class Registry:
 
     def register(self, host: str, num_devices: int, address: str, nic_gbps: float, device: str = "cpu",
                  gpu_uuid: str = "", secret: bytes = b"", memory_limit_bytes: int = 0,
-                 device_gflops: float = 0.0, memory_gb_per_s: float = 0.0) -> AgentRecord:
+                 device_gflops: float = 0.0, memory_gb_per_s: float = 0.0,
+                 nixl_metadata: bytes = b"") -> AgentRecord:
         self.check(host, secret)
+        if len(nixl_metadata) > MAX_NIXL_METADATA_BYTES:
+            raise InvalidArgumentError(f"host {host} registers {len(nixl_metadata)} bytes of NIXL metadata; the "
+                                       f"planner takes at most {MAX_NIXL_METADATA_BYTES}")
         if not 0 < num_devices <= MAX_DEVICES_PER_HOST:
             raise InvalidArgumentError(f"host {host} registers {num_devices} devices; a host has 1 to "
                                        f"{MAX_DEVICES_PER_HOST}")
@@ -91,7 +98,8 @@ class Registry:
                                        f"peers reach them, as host:port")
         rec = AgentRecord(host, address, num_devices, nic_gbps if 0 < nic_gbps < 1e6 else 10.0, self._clock(),
                           device or "cpu", gpu_uuid, secret, max(0, memory_limit_bytes),
-                          device_gflops=_rate(device_gflops), memory_gb_per_s=_rate(memory_gb_per_s))
+                          device_gflops=_rate(device_gflops), memory_gb_per_s=_rate(memory_gb_per_s),
+                          nixl_metadata=bytes(nixl_metadata))
         with self._lock:
             self._check_locked(host, secret)  # again, with the write: two registrants of a free name race here
             self._agents[host] = rec

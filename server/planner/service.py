@@ -91,9 +91,10 @@ class GrpcAgentCalls:
             by_digest = pb.PrepareRequest(
                 job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
-                job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()})
+                job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
+                nixl_peers=p.nixl_peers)
             fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
-                                    p.generation, p.job_seq, p.peers, p.reads)
+                                    p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, by_digest, fields, pushes)
             with self._lock:
@@ -257,6 +258,7 @@ def job_info(job: Job) -> pb.JobInfo:
                                 native_reduces=t.get("native_reduces", 0))  # a record from before the count
                  for h, t in sorted(job.traffic.items())],
         seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
+        transport_reason=job.transport_reason,
         kind=job.kind, inputs=job.inputs, versions=job.versions,
         phases=[pb.JobPhase(name=n, seconds=s) for n, s in dict(job.phases).items()],
         host_seconds=dict(job.host_seconds))
@@ -277,7 +279,7 @@ class PlannerServicer(pb_grpc.PlannerServicer):
                               request.transport, request.backend, request.device, request.gpu_uuid,
                               request.transport_reason, request.secret, request.memory_limit_bytes,
                               [(h.tensor, h.version) for h in request.held], request.device_gflops,
-                              request.memory_gb_per_s)
+                              request.memory_gb_per_s, request.nixl_metadata)
         return pb.RegisterReply(heartbeat_interval_s=self._next_beat(), group=group_info(self.planner.group.view()))
 
     @servicer_method
