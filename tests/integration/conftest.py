@@ -15,18 +15,33 @@ from reshard.client.cluster import LocalCluster
 HOSTS = 4
 DEVICES_PER_HOST = 2
 HEARTBEAT_TIMEOUT_S = 2.0
-# Every test on a shared cluster runs once per transport; explicit, so neither can fall back to the other.
-TRANSPORTS = ("grpc", "collective")
-# A light install (pip install reshard, no torch extra) runs the gRPC half of every such test.
+# Every test on a shared cluster runs once per transport; explicit, so none can fall back to another.
+TRANSPORTS = ("grpc", "collective", "nixl")
+# A light install (pip install reshard, no torch extra) runs the gRPC third of every such test.
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def _nixl_missing() -> str | None:
+    """Why the nixl transport cannot run here (its own words, ending with the install), or None."""
+    if not HAS_TORCH:
+        return "the nixl transport comes with torch: pip install 'reshard[nixl]'"
+    from reshard.server.transport.nixl import nixl_missing
+
+    return nixl_missing()
+
+
 def pytest_collection_modifyitems(items):
-    if HAS_TORCH:
-        return
-    skip = pytest.mark.skip(reason="the collective transport needs torch: pip install 'reshard[torch]'")
-    for item in items:
-        if "collective" in getattr(getattr(item, "callspec", None), "params", {}).values():
+    params = [(item, getattr(getattr(item, "callspec", None), "params", {}).values()) for item in items]
+    if not HAS_TORCH:
+        skip = pytest.mark.skip(reason="the collective transport needs torch: pip install 'reshard[torch]'")
+        for item, values in params:
+            if "collective" in values:
+                item.add_marker(skip)
+    uses_nixl = [item for item, values in params if "nixl" in values]
+    missing = _nixl_missing() if uses_nixl else None
+    if missing:
+        skip = pytest.mark.skip(reason=missing)
+        for item in uses_nixl:
             item.add_marker(skip)
 
 

@@ -1,4 +1,4 @@
-"""Several einsum and kernel ops as ONE job (``c.compute_many``): real planner and agent processes, both transports.
+"""Several einsum and kernel ops as ONE job (``c.compute_many``): real planner and agent processes, every transport.
 
 A layer's forward (einsum, relu, the loss) and its backward run as one job each and must equal numpy; every
 output commits together (new tensors at version 1, a replaced one at its next version); an op that reads an

@@ -1,4 +1,4 @@
-"""bfloat16, float16 and float8 through real agents, on both transports: put, put_shard, reshard, get, get_shard
+"""bfloat16, float16 and float8 through real agents, on every transport: put, put_shard, reshard, get, get_shard
 and the agents' digests, bit for bit (every byte pattern, NaNs included), across hosts and layouts.
 
 torch in, torch out; an ml_dtypes array (what JAX arrays convert to) in, an ml_dtypes array out; the agents hold

@@ -1,4 +1,4 @@
-"""Split einsum and kernels through the service: real planner and agent processes, both transports.
+"""Split einsum and kernels through the service: real planner and agent processes, every transport.
 
 Random two-input equations on random layouts (the strategy of tests/unit/test_einsum_programs.py,
 whose meshes use this cluster's hosts) run through ``c.einsum`` and must equal ``numpy.einsum``

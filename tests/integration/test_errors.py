@@ -92,8 +92,10 @@ def test_unknown_device(client, tensor):
     _untouched(client, tensor)
 
 
-# The planner refuses the mesh before any transport is chosen: the collective run repeats it (make bench runs it).
-@pytest.mark.parametrize("cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow)], indirect=True)
+# The planner refuses the mesh before any transport is chosen: the collective and nixl runs repeat it (make bench
+# runs them).
+@pytest.mark.parametrize("cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow),
+                                     pytest.param("nixl", marks=pytest.mark.slow)], indirect=True)
 def test_mesh_on_a_host_that_is_down(client, tensor):
     with channel(client.address, token=client.cluster.token) as ch:
         pb_grpc.PlannerStub(ch).Register(pb.RegisterRequest(host="ghost", num_devices=2, address="127.0.0.1:9",

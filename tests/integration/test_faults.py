@@ -79,10 +79,10 @@ _DYING_CLIENT = textwrap.dedent("""
 """)
 
 
-# An upload goes from the client to the agents over gRPC whatever the transport; the collective run repeats it
-# (7 s of make test's 10 minutes) and runs from make bench (pytest -m slow).
+# An upload goes from the client to the agents over gRPC whatever the transport; the collective and nixl runs
+# repeat it (7 s each of make test's 10 minutes) and run from make bench (pytest -m slow).
 UPLOAD_CLUSTERS = pytest.mark.parametrize(
-    "slow_cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow)], indirect=True)
+    "slow_cluster", ["grpc", *(pytest.param(t, marks=pytest.mark.slow) for t in ("collective", "nixl"))], indirect=True)
 
 
 @UPLOAD_CLUSTERS

@@ -122,7 +122,7 @@ POOLS = {
     "address": ["127.0.0.1:1", "", "[::1]:0", "unix:/nonexistent", "x:99999999", "256.0.0.1:80", "\x00:1"],
     "dtype": ["float32", "int64", "bool", "", "object", "float32\x00", "S10", "x" * 500],
     "strategy": ["", *STRATEGIES, "fastest"],
-    "transport": ["", "grpc", "collective", "auto", "pigeon"],
+    "transport": ["", "grpc", "collective", "nixl", "auto", "pigeon"],
     "backend": ["gloo", "nccl", "", "mpi"],
     "kind": ["numpy", "torch", "", "pickle"],
     "secret": [b"s" * 32, b"t" * 16, b"", b"\x00" * 15],

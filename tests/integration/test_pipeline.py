@@ -68,7 +68,7 @@ def _numpy_losses(weights, batches) -> list[float]:
 
 
 # The collective transport's run adds 15 s to make test: it runs from make bench (pytest -m slow).
-@pytest.mark.parametrize("cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow)], indirect=True)
+@pytest.mark.parametrize("cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow), "nixl"], indirect=True)
 @pytest.mark.parametrize("kind", schedule.KINDS)
 def test_a_four_stage_mlp_trains_as_numpy_does(client, kind):
     weights, batches = _data()

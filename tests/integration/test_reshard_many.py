@@ -188,7 +188,7 @@ ONE_HOST = Mesh.from_hosts({"tp": 4}, ["host0"], 4)  # the training job on one h
 TWO_REPLICAS = Mesh.from_hosts({"dp": 2, "tp": 2}, ["host1", "host2"], 2)
 
 
-@pytest.fixture(scope="module", params=["grpc", pytest.param("collective", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["grpc", pytest.param("collective", marks=pytest.mark.slow), "nixl"])
 def throttled(request):
     with LocalCluster(3, 4, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25",
                                         "--collective-chunk-mib", "0.25"],

@@ -1,4 +1,4 @@
-"""A paused agent fails its job within the documented bound, on both transports, and the cluster recovers.
+"""A paused agent fails its job within the documented bound, on every transport, and the cluster recovers.
 
 SIGSTOP on the receiving agent mid-transfer: its TCP connections stay open but nothing answers, so
 only the planner's watch of the job's hosts ends the job (``PlannerConfig.stall_timeout_s`` documents
