@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
 	$(PY) bench/pipeline.py  # emulated hosts: needs root, else prints why it skipped
 	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
+	$(PY) bench/weight_sync.py --transport nixl  # the same on the NIXL transport: a section of its own
 	$(PY) bench/small_tensors.py
 
 clean:

@@ -28,13 +28,14 @@ def turns(ours: list[float], theirs: list[float], what: str, baseline: str, wher
             f"{max(ratios):.2f}x {baseline}'s speed.")
 
 
-def write_section(name: str, title: str, body: str) -> None:
-    """Replace (or append) the section ``name`` of BENCHMARKS.md."""
+def write_section(name: str, title: str, body: str, script: str | None = None) -> None:
+    """Replace (or append) the section ``name`` of BENCHMARKS.md, written by ``bench/{script}.py`` (default: the
+    script named ``name``; one script may write several sections, e.g. one per transport)."""
     text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (
         f"<!-- bench:{name} -->\n## {title}\n\n"
-        f"_Written by `bench/{name}.py` on {stamp} ({machine()})._\n\n{body.rstrip()}\n<!-- /bench:{name} -->\n"
+        f"_Written by `bench/{script or name}.py` on {stamp} ({machine()})._\n\n{body.rstrip()}\n<!-- /bench:{name} -->\n"
     )
     pattern = re.compile(rf"<!-- bench:{re.escape(name)} -->.*?<!-- /bench:{re.escape(name)} -->\n", re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section

@@ -16,6 +16,11 @@ with a plot of effective bandwidth per case and strategy, to BENCHMARKS.md.
 Needs root (``reshard lab`` does). Run by ``make bench``:
 
     python bench/paper.py [--gbps 1] [--nbytes 134217728] [--runs 3] [--cases case1,1to4x2]
+    python bench/paper.py --transport nixl --no-write   # NIXL's agents, UCX on TCP over each host's own link
+
+Beside each plan's network bytes the table gives what the links' counters saw over the timed runs (every
+emulated host's link, bytes received; median): on nixl the hosts' shared kernel would let UCX move bytes through
+shared memory around the shaped links, so the lab runs UCX on TCP only and the counters show the bytes crossed.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,6 +58,7 @@ class Result:
     lower_bound: float
     network_bytes: int
     verified: bool
+    link_bytes: int = 0  # the links' counters over a timed run (median): bytes every host received
 
     @property
     def median(self) -> float:
@@ -73,9 +80,11 @@ def verify(client, name: str, expected: dict[str, str]) -> bool:
     return client.digests(name) == expected
 
 
-def run_case(client, case: Case, strategy: str, runs: int, warmup: int = 0) -> Result:
+def run_case(client, case: Case, strategy: str, runs: int, warmup: int = 0,
+             link_bytes: Callable[[], int] = lambda: 0) -> Result:
     """Timed runs of one case; the estimate is of the plan the service runs (its topology: the agents' NIC rates
-    and measured copy rates), and every run must run that very plan."""
+    and measured copy rates), and every run must run that very plan. ``link_bytes()``: the bytes the hosts' links
+    have received so far (`Lab.link_bytes`), read around each timed reshard."""
     data = np.arange(int(np.prod(case.shape))).astype(case.dtype).reshape(case.shape)
     expected = tile_digests(data, case.dst)
     p = client.plan(case.shape, case.dst, strategy, dtype=case.dtype, src=case.src)
@@ -84,33 +93,36 @@ def run_case(client, case: Case, strategy: str, runs: int, warmup: int = 0) -> R
         client.put(name, data, case.src)
         client.reshard(name, case.dst, strategy).result(timeout=600)
         client.delete(name)
-    seconds, verified, moved = [], True, 0
+    seconds, verified, moved, crossed = [], True, 0, []
     for i in range(runs):
         name = f"{case.name}-{strategy}-{i}"
         client.put(name, data, case.src)
+        before = link_bytes()
         t0 = time.perf_counter()
         result = client.reshard(name, case.dst, strategy).result(timeout=600)
         seconds.append(time.perf_counter() - t0)
+        crossed.append(link_bytes() - before)
         if result.plan_id != p.id:
             raise AssertionError(f"{case.name} {strategy}: the service ran plan {result.plan_id[:12]}, not the plan "
                                  f"{p.id[:12]} whose estimate the table shows")
         moved = result.network_bytes
         verified = verified and verify(client, name, expected)
         client.delete(name)
-    return Result(case.name, strategy, case.nbytes, seconds, p.estimate_seconds, p.lower_bound_seconds, moved, verified)
+    return Result(case.name, strategy, case.nbytes, seconds, p.estimate_seconds, p.lower_bound_seconds, moved, verified,
+                  int(statistics.median(crossed)))
 
 
 def table(results: list[Result], markdown: bool) -> str:
     by = {(r.case, r.strategy): r for r in results}
     header = ["case", "strategy", "median s", "Gbit/s", "estimate s", "measured / estimate",
-              "vs send_recv", "vs local_allgather", "network MiB", "verified"]
+              "vs send_recv", "vs local_allgather", "network MiB", "link MiB", "verified"]
     rows = []
     for r in results:
         sr, la = by.get((r.case, "send_recv")), by.get((r.case, "local_allgather"))
         rows.append([r.case, r.strategy, f"{r.median:.3f}", f"{r.gbps:.2f}", f"{r.estimate:.3f}",
                      f"{r.median / r.estimate:.2f}", f"{sr.median / r.median:.2f}x" if sr else "-",
                      f"{la.median / r.median:.2f}x" if la else "-", f"{r.network_bytes / 2**20:.1f}",
-                     "yes" if r.verified else "NO"])
+                     f"{r.link_bytes / 2**20:.1f}", "yes" if r.verified else "NO"])
     if markdown:
         return "\n".join(["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
                          + ["| " + " | ".join(row) + " |" for row in rows])
@@ -148,9 +160,10 @@ def main() -> int:
     ap.add_argument("--nbytes", type=int, default=128 * 2**20, help="N-to-M tensor size")
     ap.add_argument("--one-to-m-nbytes", type=int, default=128 * 2**20, help="1-to-M tensor size")
     ap.add_argument("--warmup", type=int, default=1, help="untimed runs of each case before the timed ones")
-    ap.add_argument("--transport", default="auto", choices=("grpc", "collective", "auto"),
+    ap.add_argument("--transport", default="auto", choices=("grpc", "collective", "auto", "nixl"),
                     help="the agents' transport (reshard agent --transport); auto, the agents' default, is the "
-                         "collective transport once the process group is up")
+                         "collective transport once the process group is up; nixl: NIXL, UCX on TCP over each "
+                         "emulated host's own link (the lab adds --nixl-tcp-only)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
@@ -171,10 +184,12 @@ def main() -> int:
         with lab.connect(address) as client:
             for case in cases_for(hosts, args.nbytes, args.one_to_m_nbytes, names):
                 for k, s in enumerate(strategies):
-                    r = run_case(client, case, s, args.runs, warmup=args.warmup if k == 0 else 0)
+                    r = run_case(client, case, s, args.runs, warmup=args.warmup if k == 0 else 0,
+                                 link_bytes=lambda: sum(got for _, got in lab.link_bytes().values()))
                     results.append(r)
                     print(f"{case.name:8} {s:16} median {r.median:.3f}s  estimate {r.estimate:.3f}s  "
-                          f"ratio {r.median / r.estimate:.2f}  verified {r.verified}", flush=True)
+                          f"ratio {r.median / r.estimate:.2f}  network {r.network_bytes / 2**20:.1f} MiB  links "
+                          f"{r.link_bytes / 2**20:.1f} MiB  verified {r.verified}", flush=True)
     print(table(results, markdown=False))
     overlap_names = {c.name for c in overlap_cases()}
     paper = [r for r in results if r.case not in overlap_names]
@@ -190,7 +205,9 @@ def main() -> int:
             f"{args.one_to_m_nbytes / 2**20:.0f} MiB; median of {args.runs} runs after {args.warmup} untimed "
             "run(s) per case, each timed from the reshard request to the committed result and verified bit for "
             "bit. Estimate is the planner's fluid-model figure for the plan it ran (every run checks the plan id). "
-            f"Reproduce with `python bench/paper.py --runs {args.runs}` (root).\n\n"
+            "Network MiB is the plan's bytes between hosts; link MiB what the shaped links' counters saw received "
+            "over a timed run (median; headers and control messages included). "
+            f"Reproduce with `python bench/paper.py --runs {args.runs} --transport {args.transport}` (root).\n\n"
             + table(paper, markdown=True) + "\n\n![effective bandwidth per case and strategy](docs/paper-bench.png)\n"
         )
         if shared:

@@ -258,6 +258,15 @@ class Lab:
         self.processes.append(proc)
         return proc
 
+    def link_bytes(self) -> dict[str, tuple[int, int]]:
+        """Bytes each emulated host has sent and received over its shaped link so far, from the counters of the
+        link's bridge end (what the bridge receives, the host sent): benches compare them with a plan's network
+        bytes to show that the bytes crossed the links, not shared memory around them."""
+        ports = {link["ifname"]: link["stats64"]
+                 for link in json.loads(_run("ip", "-j", "-s", "link", "show", ns=self.bridge_ns).stdout)}
+        return {self.host_name(i): (ports[f"vh{i}"]["rx"]["bytes"], ports[f"vh{i}"]["tx"]["bytes"])
+                for i in range(self.config.num_hosts)}
+
     def connect(self, address: str, **kwargs):
         """A client of the lab's planner at ``address``, holding the lab's token."""
         import reshard
@@ -339,17 +348,18 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
     return address
 
 
-def wait_for_group(client, hosts: Sequence[str], timeout_s: float = 60.0) -> None:
+def wait_for_group(client, hosts: Sequence[str], timeout_s: float = 60.0, group: bool = True) -> None:
     """Wait until the agents of ``hosts`` are up and in the collective transport's process group (a lab started
-    with ``--transport collective``), or raise `LabError` naming those that are not."""
+    with ``--transport collective``; ``group=False``: up only, for agents on nixl or gRPC, which form no group),
+    or raise `LabError` naming those that are not."""
     deadline = time.monotonic() + timeout_s
     while True:
-        ready = {a["host"] for a in client.agents() if a["up"] and a["in_group"]}
+        ready = {a["host"] for a in client.agents() if a["up"] and (a["in_group"] or not group)}
         if ready >= set(hosts):
             return
         if time.monotonic() > deadline:
-            raise LabError(f"the agents of {sorted(set(hosts) - ready)} did not join the process group within "
-                           f"{timeout_s:g} s")
+            raise LabError(f"the agents of {sorted(set(hosts) - ready)} did not "
+                           f"{'join the process group' if group else 'come up'} within {timeout_s:g} s")
         time.sleep(0.1)
 
 
