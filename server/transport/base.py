@@ -6,7 +6,9 @@ implements the primitives of the first table, and inherits from `Transport` the 
 what moving a box means, written once for every transport in the modules beside this one.
 
 ================= ==========================================================================
-``open``          an `Outgoing` stream of pieces to a peer host under a `StreamKey`
+``open``          an `Outgoing` stream of pieces to a peer host under a `StreamKey`: each piece
+                  as bytes, or as its region of a source tile (``put_region``), which a
+                  one-sided transport writes from in place and the others pack
 ``arrivals``      (active transports) post the receives of a stream and yield its pieces;
                   passive ones (``passive = True``: gRPC, memory) have pushes arrive by
                   themselves, and the agent hands their pieces to ``take``

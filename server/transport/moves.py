@@ -7,8 +7,10 @@
 ``take``          one receiving hop of a transfer: write the pieces into this host's
                   receivers, forward each piece down the chain before the next arrives,
                   check the bytes against the sender's trailer (`verify_arrival`)
-``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, the
-                  running XXH3-64, the trailer ``(nbytes, xxh3_64)``, byte accounting
+``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, each
+                  chunk as its region of the source tile where the agent digested the box
+                  early (``Outgoing.put_region``), else packed and digested as it goes, the
+                  trailer ``(nbytes, xxh3_64)``, byte accounting
 ``relay``         the receiving loop of one stream: forward, write, count, check the trailer
 ================= ==========================================================================
 
@@ -48,20 +50,30 @@ __all__ = ["send", "relay", "move", "take", "verify_arrival"]
 def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box, box: Box,
          digest: Future | None = None, origin_bytes: bool = True) -> list[str] | None:
     """Stream ``box`` of ``array`` (which holds ``origin``) to ``peer``; returns who verified it.
-    ``digest`` is the box's XXH3-64 when it is computed elsewhere (the agent digests held shards early)."""
+    ``digest`` is the box's XXH3-64 when it is computed elsewhere (the agent digests held shards early): each chunk
+    then goes as its region of ``array`` (`Outgoing.put_region`: a one-sided transport writes it from the tile, with
+    no packed copy); without it the running digest reads each chunk's bytes, which then go packed (`Outgoing.put`)."""
     out = transport.open(s, key, peer)
     check = Checksum(digest=digest is None)
+    dtype, np_type = s.dtype(key.step)
+    sent = 0
     try:
-        for sub in chunk_boxes(box, s.dtype(key.step)[0], transport.chunk_bytes):
+        for sub in chunk_boxes(box, dtype, transport.chunk_bytes):
             s.check()
-            data = host_bytes(region(array, sub, origin))
-            if not data.nbytes:
+            n = boxes.volume(sub) * np_type.itemsize
+            if not n:
                 continue
-            transport.throttle.wait(data.nbytes)
-            check.update(data)
-            out.put(sub, data)
-            s.traffic.add_out(peer, data.nbytes, origin_bytes)
-        out.end(check.nbytes, digest.result() if digest is not None else check.xxh3_64)
+            transport.throttle.wait(n)
+            view = region(array, sub, origin)
+            if digest is None:
+                data = host_bytes(view)
+                check.update(data)
+                out.put(sub, data)
+            else:
+                out.put_region(sub, view)
+            sent += n
+            s.traffic.add_out(peer, n, origin_bytes)
+        out.end(sent, digest.result() if digest is not None else check.xxh3_64)
         return out.wait(transport.timeout_s)
     except BaseException:
         out.cancel()

@@ -30,15 +30,15 @@ confirm ``K``   the receiver has every chunk and the trailer; the sender's ``wai
                 connection the post already went down)
 cancel ``X``    the sender gave up: the receiver fails the stream at once
 registration    a buffer is registered once, cached by (address, size) and reused across
-                jobs; the cache holds it weakly and deregisters it as it is freed (before its
-                memory can be handed out again), or when the transport closes: a strong
-                reference would keep the shard store's released tiles and the ring's scratch
-                from their recyclers, which hand out only buffers nothing else holds
-source          a sender WRITEs from the chunk's own buffer where it is a view into a larger
-                host buffer (a source tile, a chain hop's landed region): registered through
-                the same cache; else from a registered staging copy (`_source`)
-messages        kind byte, step, hop, job, payload in our own layout (`_encode`): NIXL's own
-                descriptor serialisation pickles, and no pickle goes on a wire
+                jobs, deregistered as it is freed or the transport closes
+                (`nixl_memory.Registry`)
+source          a chunk of a source tile (``put_region``) is written from the tile's own
+                contiguous runs, a descriptor each, registered through the same cache; a
+                chunk handed over as bytes (``put``: a chain hop's landed region, a ring's
+                part) from its own buffer where it is a view into a larger host buffer, else
+                from a registered staging copy (`_source`)
+messages        our own byte layout (`nixl_memory.encode`): NIXL's own descriptor
+                serialisation pickles, and no pickle goes on a wire
 =============== ==============================================================================
 
 A peer that never posts its receive, goes silent or whose WRITE fails fails the stream
@@ -48,13 +48,9 @@ a digest mismatch is the base class's DATA_LOSS.
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import logging
-import struct
 import threading
 import time
-import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -66,6 +62,21 @@ from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+from reshard.server.transport.nixl_memory import (
+    CHUNK,
+    POST,
+    TRAILER,
+    Landing,
+    Registry,
+    box_bytes,
+    box_of,
+    decode,
+    encode,
+    owner_of,
+    pair_runs,
+    place_runs,
+    source_runs,
+)
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
 
@@ -77,14 +88,13 @@ WINDOW = 4  # WRITEs in flight per stream: bounds a stream's staging and keeps t
 # A box whose runs in the destination average fewer bytes lands in a scratch buffer and is copied into place:
 # below this a descriptor per run costs more than the copy
 MIN_RUN_BYTES = 1024
+# A chunk of a source tile whose runs average fewer bytes is packed and staged rather than written run by run: below
+# this (measured on loopback, bench/nixl_path.py) UCX's cost per descriptor outweighs the copy it saves
+SOURCE_RUN_BYTES = 8192
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
 _ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
-_HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
-_CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
-_TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
-_POST = struct.Struct("<II")  # device id, len(partial metadata); then uint64 (address, length) per run
 _INSTALL = "pip install 'reshard[nixl]'"
 
 
@@ -106,29 +116,6 @@ def nixl_missing() -> str | None:
     return None
 
 
-# -- notifications ----------------------------------------------------------------------------------------
-
-
-def _encode(kind: bytes, key: StreamKey, payload: bytes = b"") -> bytes:
-    job = key.job.encode()
-    return _HEAD.pack(kind, key.step, key.hop, len(job)) + job + payload
-
-
-def _decode(msg: bytes) -> tuple[bytes, StreamKey, memoryview]:
-    kind, step, hop, n = _HEAD.unpack_from(msg)
-    end = _HEAD.size + n
-    return kind, StreamKey(bytes(msg[_HEAD.size:end]).decode(), step, hop), memoryview(msg)[end:]
-
-
-def _box_bytes(box: Box) -> bytes:
-    return np.asarray(box, dtype=np.int64).reshape(-1).tobytes()
-
-
-def _box_of(data, ndim: int) -> Box:
-    flat = np.frombuffer(data, dtype=np.int64, count=2 * ndim).tolist()
-    return tuple((flat[2 * i], flat[2 * i + 1]) for i in range(ndim))
-
-
 class _Backoff:
     """A poll's pause: short while things happen, doubling to `_POLL_MAX_S` while nothing does."""
 
@@ -143,77 +130,6 @@ class _Backoff:
         self.pause = _POLL_MIN_S
 
 
-# -- memory ---------------------------------------------------------------------------------------------
-
-
-class _Registration:
-    """One registered host buffer: its NIXL descriptors, and the peers that loaded its partial metadata."""
-
-    def __init__(self, ident: int, descs, metadata: bytes):
-        self.ident = ident
-        self.descs = descs
-        self.metadata = metadata
-        self.peers: set[str] = set()
-
-
-def _owner(data) -> tuple[np.ndarray | None, np.ndarray]:
-    """The C-contiguous numpy buffer that owns ``data``'s memory (None where it is not one), and ``data``'s bytes
-    as a uint8 array (a view)."""
-    flat = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    obj = data.obj if isinstance(data, memoryview) else data
-    while isinstance(obj, np.ndarray) and obj.base is not None:
-        obj = obj.base
-    if isinstance(obj, np.ndarray) and obj.flags.owndata and obj.flags.c_contiguous and obj.nbytes:
-        lo = obj.ctypes.data
-        if lo <= flat.ctypes.data and flat.ctypes.data + flat.nbytes <= lo + obj.nbytes:
-            return obj, flat
-    return None, flat
-
-
-def _forget(ref: weakref.ref, key: tuple[int, int], ident: int) -> None:
-    transport = ref()
-    if transport is not None:
-        transport._deregister(key, ident)
-
-
-def _segments(addrs: list[int], cum: list[int], off: int, n: int) -> list[tuple[int, int]]:
-    """The (address, length) pieces of bytes ``[off, off + n)`` of runs at ``addrs`` whose offsets are ``cum``."""
-    out = []
-    i = bisect.bisect_right(cum, off) - 1
-    while n > 0:
-        start = off - cum[i]
-        take = min(cum[i + 1] - cum[i] - start, n)
-        out.append((addrs[i] + start, take))
-        off, n, i = off + take, n - take, i + 1
-    return out
-
-
-class _Landing:
-    """Where one incoming box lands: runs in one registered buffer, and the device that holds it (None: a scratch
-    buffer, handed back by ``release``)."""
-
-    def __init__(self, buffer: np.ndarray, runs: list[tuple[int, int]], device: str | None,
-                 registration: _Registration, release: Callable[[], None] = lambda: None):
-        self.buffer = buffer  # uint8, the whole registered buffer
-        self.base = buffer.ctypes.data
-        self.addrs = [a for a, _ in runs]
-        self.cum = [0, *itertools.accumulate(n for _, n in runs)]
-        self.device = device
-        self.registration = registration
-        self.release = release
-
-    def piece(self, off: int, n: int):
-        """Bytes ``[off, off + n)`` of the box as landed: a view where they are one run (a chain hop forwards
-        and a fault corrupts what is kept), else a read-only copy of them in C order."""
-        segs = _segments(self.addrs, self.cum, off, n)
-        if len(segs) == 1:
-            a = segs[0][0] - self.base
-            return self.buffer[a:a + n]
-        out = np.concatenate([self.buffer[a - self.base:a - self.base + k] for a, k in segs])
-        out.flags.writeable = False
-        return out
-
-
 # -- the sending end --------------------------------------------------------------------------------------
 
 
@@ -222,8 +138,9 @@ class _Remote:
 
     def __init__(self, device: int, runs: np.ndarray):
         self.device = device
-        self.addrs = runs[:, 0].tolist()
-        self.cum = [0, *itertools.accumulate(runs[:, 1].tolist())]
+        self.addrs = runs[:, 0].astype(np.int64)
+        self.cum = np.concatenate(([0], np.cumsum(runs[:, 1].astype(np.int64))))  # where each run starts, and the end
+        self.nbytes = int(self.cum[-1])
 
 
 class _Out(Outgoing):
@@ -242,39 +159,58 @@ class _Out(Outgoing):
             kind, msg = self.t._await(self.s, self.peer, "out", self.key, "did not post its receive of",
                                       self.t.timeout_s)
             assert kind == b"D", kind
-            device, mdlen = _POST.unpack_from(msg)
-            self.remote = _Remote(device, np.frombuffer(msg[_POST.size + mdlen:], dtype=np.uint64).reshape(-1, 2))
+            device, mdlen = POST.unpack_from(msg)
+            self.remote = _Remote(device, np.frombuffer(msg[POST.size + mdlen:], dtype=np.uint64).reshape(-1, 2))
         return self.remote
 
     def put(self, box: Box, data, wire=None) -> None:
         n = memoryview(data).nbytes
         if not n:
             return
+        self._ready(n)
+        addr, keep, staged = self.t._source(data)
+        self._write(box, (np.array([addr], np.int64), np.array([0, n], np.int64)), n, keep, staged)
+
+    def put_region(self, box: Box, view) -> None:
+        """WRITE ``box`` from the source tile's own runs, registered through the cache, where ``view`` is a numpy
+        view of a host buffer whose runs average `SOURCE_RUN_BYTES` or more: no staging copy; else packed (the
+        default)."""
+        found = source_runs(view, max(1, view.nbytes // SOURCE_RUN_BYTES)) if isinstance(view, np.ndarray) else None
+        if found is None:
+            super().put_region(box, view)
+            return
+        owner, addrs, lens = found
+        self._ready(view.nbytes)
+        self.t._memory.register(owner)
+        self._write(box, (addrs, np.concatenate(([0], np.cumsum(lens)))), view.nbytes, view, None)
+
+    def _ready(self, n: int) -> None:
+        """Wait for the receiver's post and for room in the window for ``n`` more bytes."""
         remote = self._posted()
-        if self.offset + n > remote.cum[-1]:
+        if self.offset + n > remote.nbytes:
             raise InvalidArgumentError(
                 f"job {self.key.job}: stream {self.key.hop} of step {self.key.step} to host {self.peer} would "
-                f"write {self.offset + n} bytes into a receive of {remote.cum[-1]}")
+                f"write {self.offset + n} bytes into a receive of {remote.nbytes}")
         while len(self.pending) >= WINDOW:
             self._finish(self.pending.popleft(), self.t.timeout_s)
-        addr, keep, staged = self.t._source(data)
-        remote_segs = _segments(remote.addrs, remote.cum, self.offset, n)
-        local = np.empty((len(remote_segs), 3), dtype=np.uint64)
-        remote_descs = np.empty((len(remote_segs), 3), dtype=np.uint64)
-        at = addr
-        for i, (raddr, k) in enumerate(remote_segs):
-            local[i] = (at, k, 0)
-            remote_descs[i] = (raddr, k, remote.device)
-            at += k
-        note = _encode(b"C", self.key, _CHUNK.pack(self.offset, n, len(box)) + _box_bytes(box))
-        handle = self.t._write(self.s, self.peer, self.key, local, remote_descs, note)
+
+    def _write(self, box: Box, local: tuple[np.ndarray, np.ndarray], n: int, keep, staged) -> None:
+        """One WRITE of chunk ``box``, ``n`` bytes in the ``local`` runs (addresses, offsets), into the next bytes
+        of the receiver's runs; ``keep`` stays referenced until it ends, ``staged`` goes back to scratch then."""
+        mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
+        local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
+        local_descs[:, :2] = mine
+        remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
+        remote_descs[:, :2] = theirs
+        note = encode(b"C", self.key, CHUNK.pack(self.offset, n, len(box)) + box_bytes(box))
+        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, note)
         self.pending.append((handle, keep, staged))
         self.offset += n
         self.chunks += 1
 
     def end(self, nbytes: int, digest: int) -> None:
         self._posted()  # an empty stream too: the trailer then goes down a connection the post proved
-        self.t._notify(self.peer, _encode(b"T", self.key, _TRAILER.pack(nbytes, digest, self.chunks)))
+        self.t._notify(self.peer, encode(b"T", self.key, TRAILER.pack(nbytes, digest, self.chunks)))
 
     def _finish(self, entry, timeout: float) -> None:
         handle, _, staged = entry
@@ -294,7 +230,7 @@ class _Out(Outgoing):
 
     def cancel(self) -> None:
         try:
-            self.t._notify(self.peer, _encode(b"X", self.key))
+            self.t._notify(self.peer, encode(b"X", self.key))
         except Exception as e:  # noqa: BLE001 - the receiver then fails on its own deadline
             log.debug("host %s could not tell host %s that stream %s ended: %s", self.t.host, self.peer, self.key, e)
         while self.pending:
@@ -336,19 +272,20 @@ class NixlTransport(Transport):
         # its last round's WRITEs still need polls); a handle leaves the set, under the lock, before its release
         self._xfer_lock = threading.Lock()
         self._inflight: set = set()
-        self._reg_lock = threading.RLock()  # a buffer freed on this thread deregisters under it (`_deregister`)
         self._peers: dict[str, bytes] = {}
         self._inbox: dict[tuple, deque] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
-        self._regs: dict[tuple[int, int], _Registration] = {}
-        self._reg_ids = itertools.count(1)
-        self.registered = 0  # registrations made, for tests and stats
+        self._memory = Registry(self._agent, host)
 
     @property
     def registrations(self) -> int:
         """How many buffers are registered now."""
-        with self._reg_lock:
-            return len(self._regs)
+        return len(self._memory)
+
+    @property
+    def registered(self) -> int:
+        """Registrations made, for tests and stats."""
+        return self._memory.registered
 
     # -- peers ---------------------------------------------------------------------------------------------
 
@@ -364,7 +301,12 @@ class NixlTransport(Transport):
             if host in self._peers:
                 self._agent.remove_remote_agent(host)
                 del self._peers[host]
-            name = self._agent.add_remote_agent(metadata)
+            try:
+                name = self._agent.add_remote_agent(metadata)
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own nixlMismatchError, nixlInvalidParamError
+                raise InvalidArgumentError(f"the NIXL metadata given for host {host} ({len(metadata)} bytes) is not "
+                                           f"an agent's that NIXL can load here ({type(e).__name__}: {e}); the host's "
+                                           f"agent registers it from its own NIXL agent") from None
             name = name.decode() if isinstance(name, bytes) else name
             if name != host:
                 self._agent.remove_remote_agent(name)
@@ -372,18 +314,14 @@ class NixlTransport(Transport):
                                            f"agent's NIXL agent is named by its host")
             self._peers[host] = metadata
             self._agent.make_connection(host)  # starts connecting now; it completes as both sides poll
-        with self._reg_lock:  # a new agent there knows none of this agent's memory
-            for reg in self._regs.values():
-                reg.peers.discard(host)
+        self._memory.forget_peer(host)  # a new agent there knows none of this agent's memory
 
     def drop_peer(self, host: str) -> None:
         with self._lock:
             if self._peers.pop(host, None) is None:
                 return
             self._agent.remove_remote_agent(host)
-        with self._reg_lock:
-            for reg in self._regs.values():
-                reg.peers.discard(host)
+        self._memory.forget_peer(host)
 
     def _require_peer(self, s: Session, peer: str) -> None:
         with self._lock:
@@ -404,16 +342,10 @@ class NixlTransport(Transport):
 
     def close(self) -> None:
         """Deregister every buffer and let the agent go; a buffer freed later has nothing to deregister."""
-        with self._reg_lock:
-            regs, self._regs = list(self._regs.values()), {}
         agent, self._agent = self._agent, None
         if agent is None:
             return
-        for reg in regs:
-            try:
-                agent.deregister_memory(reg.descs)
-            except Exception as e:  # noqa: BLE001 - the agent goes away with its registrations anyway
-                log.debug("host %s: deregistering a buffer at close failed: %s", self.host, e)
+        self._memory.close()
         with self._lock:
             self._peers.clear()  # the agent's connections go with it
 
@@ -445,11 +377,11 @@ class NixlTransport(Transport):
             self._pump_lock.release()
 
     def _route(self, peer: str, msg: bytes) -> None:
-        kind, key, payload = _decode(msg)
+        kind, key, payload = decode(msg)
         if kind == b"D":
-            _, mdlen = _POST.unpack_from(payload)
+            _, mdlen = POST.unpack_from(payload)
             if mdlen:  # memory the peer registered since: known here before any WRITE into it
-                self._agent.add_remote_agent(bytes(payload[_POST.size:_POST.size + mdlen]))
+                self._agent.add_remote_agent(bytes(payload[POST.size:POST.size + mdlen]))
         role = "out" if kind in (b"D", b"K") else "in"
         with self._lock:
             if key.job in self._ended:
@@ -501,27 +433,6 @@ class NixlTransport(Transport):
 
     # -- memory ------------------------------------------------------------------------------------------------
 
-    def _register(self, owner: np.ndarray) -> _Registration:
-        """``owner``'s registration, made at its first use (see the module table)."""
-        key = (owner.ctypes.data, owner.nbytes)
-        with self._reg_lock:
-            reg = self._regs.get(key)
-            if reg is None:
-                descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
-                metadata = self._agent.get_partial_agent_metadata(descs, False)
-                reg = self._regs[key] = _Registration(next(self._reg_ids), descs, metadata)
-                self.registered += 1
-                weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
-            return reg
-
-    def _deregister(self, key: tuple[int, int], ident: int) -> None:
-        with self._reg_lock:
-            reg = self._regs.get(key)
-            if reg is None or reg.ident != ident or self._agent is None:
-                return
-            del self._regs[key]
-            self._agent.deregister_memory(reg.descs)
-
     def _scratch(self, nbytes: int) -> np.ndarray:
         """A host buffer of at least ``nbytes`` from ``scratch``, sized so the recycler keeps it."""
         size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
@@ -531,13 +442,13 @@ class NixlTransport(Transport):
     def _source(self, data) -> tuple[int, Any, np.ndarray | None]:
         """Where a chunk is written from: its own buffer where that is a view into a host buffer worth registering,
         else a registered staging copy. Returns (address, what to keep alive until the WRITE ends, staging)."""
-        owner, flat = _owner(data)
+        owner, flat = owner_of(data)
         if owner is not None and (owner.nbytes > flat.nbytes or flat.nbytes >= STAGE_REGISTER_BYTES):
-            self._register(owner)
+            self._memory.register(owner)
             return flat.ctypes.data, data, None
         staged = self._scratch(flat.nbytes)
         staged[:flat.nbytes] = flat
-        self._register(staged)
+        self._memory.register(staged)
         return staged.ctypes.data, None, staged
 
     # -- transfers ---------------------------------------------------------------------------------------------
@@ -602,15 +513,16 @@ class NixlTransport(Transport):
         self._require_peer(s, peer)
         return _Out(self, s, key, peer)
 
-    def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None]) -> _Landing:
+    def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None]) -> Landing:
         """The region ``box`` lands in: its runs in the buffer ``place`` offers where one holds them all, else
         a registered scratch buffer."""
-        found = _runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
+        found = place_runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
         if found is not None:
             device, owner, runs = found
-            return _Landing(owner.reshape(-1).view(np.uint8), runs, device, self._register(owner))
+            return Landing(owner.reshape(-1).view(np.uint8), runs, device, self._memory.register(owner))
         buf = self._scratch(nbytes)
-        return _Landing(buf, [(buf.ctypes.data, nbytes)], None, self._register(buf), lambda: self.scratch.put(buf))
+        return Landing(buf, [(buf.ctypes.data, nbytes)], None, self._memory.register(buf),
+                       lambda: self.scratch.put(buf))
 
     def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
         """Post the region the box lands in, then yield each chunk once it landed, in stream order, then the
@@ -621,13 +533,10 @@ class NixlTransport(Transport):
         try:
             metadata, runs = b"", np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`_Out.end`)
             if landing is not None:
-                reg = landing.registration
-                with self._reg_lock:
-                    metadata = b"" if peer in reg.peers else reg.metadata
-                    reg.peers.add(peer)
+                metadata = self._memory.metadata_for(landing.registration, peer)
                 runs = np.array([(a, landing.cum[i + 1] - landing.cum[i]) for i, a in enumerate(landing.addrs)],
                                 dtype=np.uint64)
-            self._notify(peer, _encode(b"D", key, _POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
+            self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0
             trailer = None
@@ -637,59 +546,21 @@ class NixlTransport(Transport):
                 kind, payload = self._await(s, peer, "in", key, "sent nothing more of" if got else "sent nothing of",
                                             self._limit() if got else self.timeout_s)
                 if kind == b"T":
-                    trailer = _TRAILER.unpack_from(payload)
+                    trailer = TRAILER.unpack_from(payload)
                     continue
-                off, n, ndim = _CHUNK.unpack_from(payload)
+                off, n, ndim = CHUNK.unpack_from(payload)
                 if landing is None or off + n > nbytes:
                     raise InvalidArgumentError(f"job {key.job}: host {peer} wrote bytes {off}..{off + n} of stream "
                                                f"{key.hop} of step {key.step}, whose box holds {nbytes}")
-                waiting[off] = (_box_of(payload[_CHUNK.size:], ndim), n)
+                waiting[off] = (box_of(payload[CHUNK.size:], ndim), n)
                 while got in waiting:
                     sub, n = waiting.pop(got)
                     yield Piece(sub, landing.piece(got, n), None, landing.device)
                     got += n
                     chunks += 1
-            self._notify(peer, _encode(b"K", key))  # on the connection the post went down (`_Out.wait`)
+            self._notify(peer, encode(b"K", key))  # on the connection the post went down (`_Out.wait`)
             yield Trailer(trailer[0], trailer[1])
         finally:
             if landing is not None:
                 landing.release()
 
-
-def _runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
-          most: int) -> tuple[str, np.ndarray, list[tuple[int, int]]] | None:
-    """The device, owning buffer and C-ordered contiguous runs (address, length) that ``place`` offers for
-    ``box``: one region where the box is contiguous there, else the regions of its slices along its first dim
-    of more than one index, recursively. None where a part has no region, the parts lie in more than one
-    buffer, or there would be more than ``most`` runs."""
-    runs: list[tuple[int, int]] = []
-    where: list = []  # [device, owner]
-    if not _visit(box, place, most, runs, where):
-        return None
-    return where[0], where[1], runs
-
-
-def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -> bool:
-    """`_runs` of ``b``, appended to ``runs``; False where it has none (a function of its own, not a closure: a
-    recursive closure is a reference cycle, which would keep a freed tile registered until the next collection)."""
-    got = place(b)
-    if got is not None:
-        device, view = got
-        if not isinstance(view, np.ndarray) or not view.flags.c_contiguous:
-            return False
-        owner, flat = _owner(view)
-        if owner is None or (where and (where[0] != device or where[1] is not owner)):
-            return False
-        if not where:
-            where.extend((device, owner))
-        addr = flat.ctypes.data
-        if runs and runs[-1][0] + runs[-1][1] == addr:
-            runs[-1] = (runs[-1][0], runs[-1][1] + flat.nbytes)
-        else:
-            runs.append((addr, flat.nbytes))
-        return len(runs) <= most
-    d = next((i for i, (lo, hi) in enumerate(b) if hi - lo > 1), None)
-    if d is None:
-        return False
-    lo, hi = b[d]
-    return all(_visit(b[:d] + ((i, i + 1),) + b[d + 1:], place, most, runs, where) for i in range(lo, hi))

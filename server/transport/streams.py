@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from reshard.box import Box
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
+from reshard.server.transport.buffers import host_bytes
 
 if TYPE_CHECKING:
     from reshard.server.transport.session import Session
@@ -109,10 +110,21 @@ class Sink(Protocol):
 
 
 class Outgoing(ABC):
-    """One stream to a peer: pieces, then the trailer, then wait for the far end."""
+    """One stream to a peer: pieces, then the trailer, then wait for the far end.
+
+    A piece is handed over as bytes (``put``: what a chain hop received, a ring's part) or as
+    the region of a source tile that holds it (``put_region``): a one-sided transport writes
+    that region from the tile's own memory, run by run, where a stream-shaped one packs it.
+    """
 
     @abstractmethod
-    def put(self, box: Box, data, wire=None) -> None: ...
+    def put(self, box: Box, data, wire=None) -> None:
+        """Send sub-box ``box`` as ``data``, its bytes in C order; ``wire`` is the form it arrived in (a chain hop)."""
+
+    def put_region(self, box: Box, view) -> None:
+        """Send sub-box ``box`` from ``view``, the region of a source tile that holds it (strided where the tile is
+        wider than the box; numpy or torch, any device). This default packs it into host bytes for ``put``."""
+        self.put(box, host_bytes(view))
 
     @abstractmethod
     def end(self, nbytes: int, digest: int) -> None:

@@ -9,6 +9,7 @@ run (chains, reduces, uneven tiles, many jobs at once) run on nixl too, through 
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from reshard import Mesh, Sharding
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import NixlTransport, nixl_missing
+from reshard.server.transport.nixl_memory import pair_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
@@ -86,6 +88,36 @@ def test_a_strided_box_lands_run_by_run_in_the_middle_of_a_destination_tile(pair
     joined = b"".join(bytes(memoryview(p.data)) for p in pieces)  # pieces in C order of the box
     assert joined == np.ascontiguousarray(src[inside]).tobytes()
     assert trailer.digest == xxhash.xxh3_64_intdigest(joined)
+
+
+def test_a_strided_source_box_is_written_from_the_tile_itself_with_no_staging_copy(pair):
+    """With the box's digest known (the agent digests held shards early) the sender hands each chunk over as its
+    region of the source tile (`Outgoing.put_region`): WRITEs from the tile's runs, no packed or staged copy."""
+    a, b = pair
+    src = np.random.default_rng(3).standard_normal((8, 8192)).astype(np.float32)
+    box = ((0, 8), (2048, 6144))  # 8 runs of 16 KiB in the source tile, 16 KiB apart: two chunks of 64 KiB
+    want = np.ascontiguousarray(src[:, 2048:6144])
+    digest: Future = Future()
+    digest.set_result(xxhash.xxh3_64_intdigest(want.tobytes()))
+    s = Session("in-place", "p", {0: "float32"}, {})
+    key = StreamKey("in-place", 0, 0)
+    sent = in_thread("send", a.send, s, key, "b", src, ((0, 8), (0, 8192)), box, digest)
+    items = list(b.arrivals(s, key, "a", box, lambda sub: None))
+    sent.result(5)
+    pieces, trailer = items[:-1], items[-1]
+    assert [p.box for p in pieces] == [((0, 4), (2048, 6144)), ((4, 8), (2048, 6144))]
+    assert b"".join(bytes(memoryview(p.data)) for p in pieces) == want.tobytes()
+    assert trailer == (want.nbytes, digest.result())
+    assert a.scratch.nbytes == 0  # nothing staged on the sender
+    assert a.registered == 1  # the source tile itself, once
+
+
+def test_one_write_pairs_local_and_remote_runs_cut_wherever_either_ends():
+    local = (np.array([1000, 2000], np.int64), np.array([0, 6, 10], np.int64))  # runs of 6 and 4 bytes
+    remote = (np.array([50, 80, 90], np.int64), np.array([0, 3, 8, 20], np.int64))  # 3, 5, 12 bytes
+    mine, theirs = pair_runs(local, remote, 2, 10)  # the chunk is bytes 2..12 of the remote runs
+    assert mine.tolist() == [[1000, 1], [1001, 5], [2000, 4]]
+    assert theirs.tolist() == [[52, 1], [80, 5], [90, 4]]
 
 
 def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
@@ -192,3 +224,19 @@ def test_idle_agents_burn_no_cpu(pair):
     t0 = time.process_time()
     time.sleep(1.0)
     assert time.process_time() - t0 < 0.1  # no progress thread: nothing runs between transfers
+
+
+def test_metadata_nixl_cannot_load_is_refused_naming_the_host(pair):
+    """The planner hands out what agents registered; bytes that are no NIXL agent's are a caller's mistake, named
+    as such, and the peers already known stay usable."""
+    from reshard.proto.errors import InvalidArgumentError
+
+    a, b = pair
+    with pytest.raises(InvalidArgumentError, match=r"the NIXL metadata given for host c \(9 bytes\) is not an "
+                                                   r"agent's that NIXL can load here"):
+        a.add_peer("c", b"not nixl!")
+    src = np.arange(64, dtype=np.float32).reshape(8, 8)
+    dst = np.zeros_like(src)
+    whole = ((0, 8), (0, 8))
+    _move(a, b, "after-bad-metadata", src, whole, _placing("b/0", dst))
+    assert np.array_equal(dst, src)
