@@ -18,9 +18,10 @@ sizes every step, and fresh memory pays a page fault per page on its first write
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,11 +32,15 @@ from reshard.plans import Transfer
 from reshard.program import Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.server.transport import buffers
+from reshard.server.transport.streams import Gather, Segments
 
 __all__ = ["Bucket", "bucket_moves", "BYTES", "BUCKETS_KEY"]
 
 BYTES = "uint8"  # the dtype a bucket's stream carries
 BUCKETS_KEY = "bucket buffers"  # what a job's reservation for its bucket buffers is held under in the store
+# A member smaller than this lands in the bucket's buffer and is copied into place, even where the transport
+# scatters: below it a descriptor of its own costs more than the copy (the NIXL transport's MIN_RUN_BYTES)
+IN_PLACE_BYTES = 1024
 
 
 def _new(nbytes: int) -> np.ndarray:
@@ -76,18 +81,14 @@ class Bucket:
     def ids(self) -> list[int]:
         return [s.id for s in self.members]
 
-    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]], take: Callable[[int], np.ndarray] = _new,
-             shards: Callable[[str, list[str]], list[Any]] | None = None) -> tuple[np.ndarray, Box]:
-        """The members' bytes in one host buffer, and the byte box it holds; ``read(device, tensor, box)`` is the
-        sender's buffer holding a member's box and the box that buffer holds, ``take(n)`` a buffer of ``n``
-        bytes. ``shards(device, tensors)``, when given, is the sender's source shard (a `TileBuffer`, or None)
-        of each of ``tensors``, looked up at once: a member its shard holds is read from there, the others
-        through ``read``."""
-        out = take(self.nbytes)
+    def _views(self, read: Callable[[str, str, Box], tuple[Any, Box]],
+               shards: Callable[[str, list[str]], list[Any]] | None) -> Iterator[tuple[int, Any]]:
+        """(member index, the member's region of the sender's buffer that holds it): from its source shard where
+        ``shards`` has it, else through ``read`` (see `pack`)."""
         sender = self.step.transfer.sender
         held = shards(sender, self.tensors) if shards is not None and self.sourced else [None] * len(self.parts)
         regions = self._regions
-        for k, ((tensor, box, lo, hi, kind, shape), shard) in enumerate(zip(self.parts, held)):
+        for k, ((tensor, box, _, _, _, _), shard) in enumerate(zip(self.parts, held)):
             where = None
             if shard is not None:
                 key = (k, shard.tile)
@@ -96,50 +97,122 @@ class Bucket:
                     where = regions[key] = boxes.to_slices(box, shard.tile) if boxes.contains(shard.tile, box) \
                         else None
             if where is not None:
-                view = shard.array[where]
+                yield k, shard.array[where]
             else:
                 array, origin = read(sender, tensor, box)
-                view = buffers.region(array, box, origin)
+                yield k, buffers.region(array, box, origin)
+
+    def pack(self, read: Callable[[str, str, Box], tuple[Any, Box]], take: Callable[[int], np.ndarray] = _new,
+             shards: Callable[[str, list[str]], list[Any]] | None = None) -> tuple[np.ndarray, Box]:
+        """The members' bytes in one host buffer, and the byte box it holds; ``read(device, tensor, box)`` is the
+        sender's buffer holding a member's box and the box that buffer holds, ``take(n)`` a buffer of ``n``
+        bytes. ``shards(device, tensors)``, when given, is the sender's source shard (a `TileBuffer`, or None)
+        of each of ``tensors``, looked up at once: a member its shard holds is read from there, the others
+        through ``read``."""
+        out = take(self.nbytes)
+        for k, view in self._views(read, shards):
+            _, _, lo, hi, kind, shape = self.parts[k]
             if isinstance(view, np.ndarray):  # one copy, strided where the box is not contiguous in the shard
                 out[lo:hi].view(kind).reshape(shape)[...] = view
             else:
                 out[lo:hi] = np.frombuffer(buffers.host_bytes(view), dtype=np.uint8)
         return out, self.step.transfer.box
 
+    def gather(self, read: Callable[[str, str, Box], tuple[Any, Box]],
+               shards: Callable[[str, list[str]], list[Any]] | None = None) -> Gather | None:
+        """The members' regions where they lie, not packed, for a transport that `scatters` (``read`` and
+        ``shards`` as in `pack`); None where one is not a host numpy view (a torch or CUDA tensor)."""
+        parts = []
+        for _, view in self._views(read, shards):
+            if not isinstance(view, np.ndarray):
+                return None
+            parts.append(view)
+        return Gather(tuple(parts), (*(p[2] for p in self.parts), self.nbytes))
+
     def sink(self, destination: Callable[[str, Box], Any], take: Callable[[int], np.ndarray] = _new,
-             give: Callable[[np.ndarray], None] = _drop) -> "_Unpack":
+             give: Callable[[np.ndarray], None] = _drop, scatter: bool = False) -> "_Unpack":
         """Where the bucket's bytes land on this host; ``destination(tensor, box)`` is the `Sink` of a member,
-        ``take(n)`` a buffer of ``n`` bytes and ``give(buffer)`` hands one back once it is unpacked."""
-        return _Unpack(self, destination, take, give)
+        ``take(n)`` a buffer of ``n`` bytes and ``give(buffer)`` hands one back once it is unpacked. ``scatter``:
+        the transport lands a whole bucket in its members' destination tiles where it can (`_Unpack.place`)."""
+        return _Unpack(self, destination, take, give, scatter)
 
 
 class _Unpack:
     """The `Sink` of a bucket's byte box: a buffer per receiving device, unpacked into the members' destinations
-    once the device has every byte."""
+    once the device has every byte; or, for a transport that `scatters`, the members' own destination regions
+    (`Segments`), each member of at least `IN_PLACE_BYTES` contiguous there landing in place and the others in one
+    buffer, unpacked once the device has every byte."""
 
     def __init__(self, bucket: Bucket, destination: Callable[[str, Box], Any], take: Callable[[int], np.ndarray],
-                 give: Callable[[np.ndarray], None]):
+                 give: Callable[[np.ndarray], None], scatter: bool = False):
         self.bucket = bucket
         self.destination = destination
         self._take, self._give = take, give
+        self.scatter = scatter
         self._lock = threading.Lock()
         self._bytes: dict[str, np.ndarray] = {}
         self._got: dict[str, int] = {}
+        # device -> (its regions, where each starts in the bucket and the end, the members landing in place)
+        self._regions: dict[str, tuple[Segments, list[int], list[bool]]] = {}
 
-    def _buffer(self, device: str) -> np.ndarray:
+    def _buffer(self, device: str, nbytes: int | None = None) -> np.ndarray:
         with self._lock:
             buf = self._bytes.get(device)
             if buf is None:
-                buf = self._bytes[device] = self._take(self.bucket.nbytes)
+                buf = self._bytes[device] = self._take(self.bucket.nbytes if nbytes is None else nbytes)
             return buf
+
+    def _scattered(self, device: str) -> Segments | None:
+        """``device``'s regions for the whole bucket (made at the first ask); None where no member lands in
+        place (the bucket then lands in one buffer)."""
+        with self._lock:
+            known = self._regions.get(device)
+        if known is not None:
+            return known[0]
+        places = []
+        for tensor, box, lo, hi, _, _ in self.bucket.parts:
+            got = self.destination(tensor, box).place([device], box) if hi - lo >= IN_PLACE_BYTES else None
+            view = got[1] if got is not None else None
+            ok = isinstance(view, np.ndarray) and view.flags.c_contiguous and view.nbytes == hi - lo
+            places.append(view.reshape(-1).view(np.uint8) if ok else None)
+        if all(v is None for v in places):
+            return None
+        rest = sum(hi - lo for (_, _, lo, hi, _, _), v in zip(self.bucket.parts, places) if v is None)
+        buf = self._buffer(device, rest) if rest else None
+        parts, at = [], 0
+        for (_, _, lo, hi, _, _), v in zip(self.bucket.parts, places):
+            if v is None:
+                v, at = buf[at:at + hi - lo], at + hi - lo
+            parts.append(v)
+        regions = Segments(parts)
+        with self._lock:
+            self._regions[device] = (regions, [p[2] for p in self.bucket.parts] + [self.bucket.nbytes],
+                                     [v is not None for v in places])
+        return regions
 
     def write(self, device: str, box: Box, data) -> None:
         (lo, hi), = box
-        self._buffer(device)[lo:hi] = np.frombuffer(buffers.host_bytes(data), dtype=np.uint8)
-        self._arrived(device, hi - lo)
+        with self._lock:
+            known = self._regions.get(device)
+        src = data.packed() if isinstance(data, Segments) else np.frombuffer(buffers.host_bytes(data), dtype=np.uint8)
+        if known is None:
+            self._buffer(device)[lo:hi] = src
+        else:  # into the regions the bytes [lo, hi) fall in
+            regions, starts, _ = known
+            k = bisect.bisect_right(starts, lo) - 1
+            while lo < hi:
+                take = min(starts[k + 1], hi) - lo
+                at = lo - starts[k]
+                regions[k][at:at + take] = src[:take]
+                src, lo, k = src[take:], lo + take, k + 1
+        self._arrived(device, box[0][1] - box[0][0])
 
     def place(self, devices: list[str], box: Box):
         (lo, hi), = box
+        if self.scatter and (lo, hi) == (0, self.bucket.nbytes):
+            regions = self._scattered(devices[0])
+            if regions is not None:
+                return devices[0], regions
         return devices[0], self._buffer(devices[0])[lo:hi]
 
     def mark(self, device: str, box: Box) -> None:
@@ -150,15 +223,25 @@ class _Unpack:
         with self._lock:
             self._got[device] = self._got.get(device, 0) + n
             whole = self._got[device] == self.bucket.nbytes
-            buf = self._bytes.pop(device) if whole else None
+            buf = self._bytes.pop(device, None) if whole else None
+            known = self._regions.get(device) if whole else None
         if whole:
-            self._unpack(device, buf)
-            # Views of it a chain hop still forwards keep it from being handed out again until they end.
-            self._give(buf)
+            self._unpack(device, buf, known)
+            if buf is not None:
+                # Views of it a chain hop still forwards keep it from being handed out again until they end.
+                self._give(buf)
 
-    def _unpack(self, device: str, buf: np.ndarray) -> None:
-        for tensor, box, lo, hi, kind, shape in self.bucket.parts:
-            self.destination(tensor, box).write(device, box, buf[lo:hi].view(kind).reshape(shape))
+    def _unpack(self, device: str, buf: np.ndarray | None, known) -> None:
+        if known is None:
+            for tensor, box, lo, hi, kind, shape in self.bucket.parts:
+                self.destination(tensor, box).write(device, box, buf[lo:hi].view(kind).reshape(shape))
+            return
+        regions, _, in_place = known
+        for (tensor, box, _, _, kind, shape), region, landed in zip(self.bucket.parts, regions, in_place):
+            if landed:
+                self.destination(tensor, box).mark(device, box)
+            else:
+                self.destination(tensor, box).write(device, box, region.view(kind).reshape(shape))
 
 
 def bucket_moves(program: Program) -> dict[int, Bucket]:

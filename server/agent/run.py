@@ -13,6 +13,7 @@ from reshard.box import Box
 from reshard.program import DST, SRC, Program, Step
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
 from reshard.proto.layout import tile_shape
+from reshard.routes import home_receivers
 from reshard.server.agent.buckets import BUCKETS_KEY
 from reshard.server.agent.programs import HostLayout
 from reshard.server.agent.staging import NoTiles, StagedTiles, staging_owner
@@ -273,8 +274,14 @@ class Run(Session):
         """What the sender of move ``step`` (as `executed` gives it) reads, and the box that buffer holds."""
         bucket = self.buckets.get(step.id)
         if bucket is not None:
-            return bucket.pack(lambda device, tensor, box: self.read(device, tensor, box), self.store.host_buffer,
-                               self.source_shards)
+            def read(device: str, tensor: str, box: Box):
+                return self.read(device, tensor, box)
+
+            if self.transport.scatters and not home_receivers(bucket.step.transfer):
+                gathered = bucket.gather(read, self.source_shards)
+                if gathered is not None:
+                    return gathered, bucket.step.transfer.box
+            return bucket.pack(read, self.store.host_buffer, self.source_shards)
         t = step.transfer
         return self.read(t.sender, step.tensor, t.box, None if step.role == SRC else step.role)
 
@@ -282,7 +289,7 @@ class Run(Session):
         """Where move ``step`` (as `executed` gives it) delivers on this host."""
         bucket = self.buckets.get(step.id)
         if bucket is not None:
-            return bucket.sink(self.sink, self.store.host_buffer, self.store.recycle)
+            return bucket.sink(self.sink, self.store.host_buffer, self.store.recycle, self.transport.scatters)
         return self.sink(step.tensor, step.transfer.box)
 
     def fill(self) -> None:

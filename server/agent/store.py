@@ -75,6 +75,7 @@ class ShardStore:
         self.host = host  # named in refusals
         # a GPU's caching allocator reuses memory by itself
         self.recycler = Recycler(recycle_bytes if device == "cpu" else 0)
+        self.host_bytes = 0  # bytes of host buffers handed out (`host_buffer`), for tests and stats
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
         # (tensor, version) -> its devices here, and the committed bytes: kept as shards come and go, so a release
@@ -168,6 +169,7 @@ class ShardStore:
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes of host memory whatever this store's device (a bucket's, `buckets.Bucket`): a recycled
         buffer when one of that size is free (a cuda store keeps none); `recycle` takes it back."""
+        self.host_bytes += nbytes
         free = self.recycler.take(nbytes)
         return free if free is not None else np.empty(nbytes, dtype=np.uint8)
 

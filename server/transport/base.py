@@ -62,6 +62,9 @@ class Transport(ABC):
 
     name = ""
     passive = True  # pushes arrive by themselves; False: the receiver posts its receives (`arrivals`)
+    # A bucket travels gathered from its members' source regions (`streams.Gather`, ``Outgoing.put_parts``) and
+    # lands in their destination tiles (`streams.Segments`), with no packed copy at either end; False: packed
+    scatters = False
     lanes = 0  # active transports: how many of a job's tasks may run at once
 
     def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None,

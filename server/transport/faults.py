@@ -20,7 +20,7 @@ from reshard.box import Box
 from reshard.proto.errors import UnavailableError
 from reshard.server.transport.base import Transport
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Piece, StreamKey
+from reshard.server.transport.streams import Piece, Segments, StreamKey
 
 __all__ = ["Wrapped", "CorruptRelay", "Stall", "Fail", "corrupt_bit", "FAULTS", "wrap"]
 
@@ -37,7 +37,7 @@ class Wrapped(Transport):
 
     def __init__(self, inner: Transport):
         self.inner = inner
-        self.name, self.passive, self.lanes = inner.name, inner.passive, inner.lanes
+        self.name, self.passive, self.lanes, self.scatters = inner.name, inner.passive, inner.lanes, inner.scatters
         self.host, self.chunk_bytes, self.timeout_s = inner.host, inner.chunk_bytes, inner.timeout_s
         self.throttle, self.mailbox, self.scratch = inner.throttle, inner.mailbox, inner.scratch
 
@@ -72,9 +72,11 @@ class Wrapped(Transport):
 def _corrupt_first(items: Iterable, hop: int) -> Iterator:
     pending = True
     for item in items:
-        if pending and isinstance(item, Piece) and memoryview(item.data).nbytes:
+        data = item.data[0] if isinstance(item, Piece) and isinstance(item.data, Segments) else \
+            item.data if isinstance(item, Piece) else None
+        if pending and data is not None and memoryview(data).nbytes:
             pending = False
-            view = memoryview(item.data).cast("B")
+            view = memoryview(data).cast("B")
             if view.readonly:  # bytes as received (gRPC): change a copy, kept and forwarded
                 out = bytearray(view)
                 out[0] ^= corrupt_bit(hop)

@@ -9,7 +9,8 @@
                   check the bytes against the sender's trailer (`verify_arrival`)
 ``send``          the chunk loop: C-ordered sub-boxes (``chunk_boxes``), the throttle, each
                   chunk as its region of the source tile where the agent digested the box
-                  early (``Outgoing.put_region``), else packed and digested as it goes, the
+                  early (``Outgoing.put_region``), else packed and digested as it goes (a
+                  gathered bucket: whole members per chunk, ``Outgoing.put_parts``), the
                   trailer ``(nbytes, xxh3_64)``, byte accounting
 ``relay``         the receiving loop of one stream: forward, write, count, check the trailer
 ================= ==========================================================================
@@ -39,7 +40,7 @@ from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops
 from reshard.server.transport.buffers import host_bytes, region
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Sink, StreamKey, Trailer
+from reshard.server.transport.streams import Gather, Segments, Sink, StreamKey, Trailer, feed
 
 if TYPE_CHECKING:
     from reshard.server.transport.base import Transport
@@ -58,6 +59,18 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
     dtype, np_type = s.dtype(key.step)
     sent = 0
     try:
+        if isinstance(array, Gather):  # a bucket from its members' regions: whole members per chunk
+            for sub, parts in array.chunks(transport.chunk_bytes):
+                s.check()
+                (lo, hi), = sub
+                transport.throttle.wait(hi - lo)
+                for p in parts:
+                    check.update(np.ascontiguousarray(p))
+                out.put_parts(sub, parts)
+                sent += hi - lo
+                s.traffic.add_out(peer, hi - lo, origin_bytes)
+            out.end(sent, check.xxh3_64)
+            return out.wait(transport.timeout_s)
         for sub in chunk_boxes(box, dtype, transport.chunk_bytes):
             s.check()
             n = boxes.volume(sub) * np_type.itemsize
@@ -104,20 +117,23 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
                 raise InvalidArgumentError(
                     f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
                 )
-            n = memoryview(data).nbytes
+            n = data.nbytes if isinstance(data, Segments) else memoryview(data).nbytes
             if n != boxes.volume(sub) * dtype.itemsize:
                 raise InvalidArgumentError(f"job {key.job}: piece {boxes.box_str(sub)} carries {n} bytes, not "
                                            f"{boxes.volume(sub) * dtype.itemsize}")
             if forward is not None:
                 forward.put(sub, data, item.wire)
                 s.traffic.add_out(forward_to, n, origin=False)
-            arr = np.frombuffer(data, dtype=dtype).reshape(tile_shape(sub))
+            arr = None
             for r in local:
                 if r == item.landed:
                     sink.mark(r, sub)
-                else:
-                    sink.write(r, sub, arr)
-            check.update(data)
+                    continue
+                if arr is None:  # `Segments` go to a bucket's sink as they are
+                    arr = data if isinstance(data, Segments) else \
+                        np.frombuffer(data, dtype=dtype).reshape(tile_shape(sub))
+                sink.write(r, sub, arr)
+            feed(check, data)
             s.traffic.add_in(peer, n)
         raise InvalidArgumentError(
             f"job {key.job}: stream {key.hop} of step {key.step} from {peer} ended after {check.nbytes} bytes "
@@ -133,11 +149,13 @@ def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, a
          digest: Future | None = None) -> None:
     """The sender's part of transfer ``t`` (step ``step``), from ``array`` holding ``origin``: its copies on this
     host, then every hop it streams itself (`reshard.routes`)."""
-    view = region(array, t.box, origin)
-    nbytes = boxes.volume(t.box) * s.dtype(step)[1].itemsize
-    for r in home_receivers(t):
-        sink.write(r, t.box, view)
-        s.traffic.add_local(nbytes)
+    home = home_receivers(t)
+    if home:  # a gathered bucket (`streams.Gather`) is packed where it has receivers on its sender's host
+        view = region(array, t.box, origin)
+        nbytes = boxes.volume(t.box) * s.dtype(step)[1].itemsize
+        for r in home:
+            sink.write(r, t.box, view)
+            s.traffic.add_local(nbytes)
     for h in hops(t):
         if not h.origin:
             continue

@@ -68,6 +68,7 @@ from reshard.server.transport.nixl_memory import (
     TRAILER,
     Landing,
     Registry,
+    blobs,
     box_bytes,
     box_of,
     decode,
@@ -76,9 +77,10 @@ from reshard.server.transport.nixl_memory import (
     pair_runs,
     place_runs,
     source_runs,
+    unblob,
 )
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
+from reshard.server.transport.streams import Outgoing, Piece, Segments, StreamKey, Throttle, Trailer
 
 __all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES"]
 
@@ -94,6 +96,7 @@ SOURCE_RUN_BYTES = 8192
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
+_SCRATCH_TRIES = 8
 _ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
 _INSTALL = "pip install 'reshard[nixl]'"
 
@@ -164,6 +167,9 @@ class _Out(Outgoing):
         return self.remote
 
     def put(self, box: Box, data, wire=None) -> None:
+        if isinstance(data, Segments):  # a chain hop forwards a bucket from where it landed
+            self.put_parts(box, list(data))
+            return
         n = memoryview(data).nbytes
         if not n:
             return
@@ -183,6 +189,40 @@ class _Out(Outgoing):
         self._ready(view.nbytes)
         self.t._memory.register(owner)
         self._write(box, (addrs, np.concatenate(([0], np.cumsum(lens)))), view.nbytes, view, None)
+
+    def put_parts(self, box: Box, parts: list) -> None:
+        """WRITE byte box ``box`` from ``parts`` in one go: each part whose runs average `SOURCE_RUN_BYTES` or more
+        from where it lies (its tile, registered through the cache), the others packed, in their places, into one
+        registered staging buffer."""
+        n = sum(p.nbytes for p in parts)
+        if not n:
+            return
+        self._ready(n)
+        addrs, lens, small = [], [], []
+        for p in parts:
+            found = source_runs(p, max(1, p.nbytes // SOURCE_RUN_BYTES)) if p.nbytes else None
+            if found is None:
+                if p.nbytes:
+                    small.append((len(addrs), p))
+                    addrs.append(None)
+                    lens.append(p.nbytes)
+                continue
+            owner, a, ln = found
+            self.t._memory.register(owner)
+            addrs.extend(a.tolist())
+            lens.extend(ln.tolist())
+        staged = None
+        if small:
+            staged = self.t._scratch(sum(p.nbytes for _, p in small))
+            self.t._memory.register(staged)
+            at = 0
+            for i, p in small:
+                out = staged[at:at + p.nbytes]
+                out.view(p.dtype).reshape(p.shape)[...] = p
+                addrs[i] = out.ctypes.data
+                at += p.nbytes
+        cum = np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64))))
+        self._write(box, (np.asarray(addrs, dtype=np.int64), cum), n, parts, staged)
 
     def _ready(self, n: int) -> None:
         """Wait for the receiver's post and for room in the window for ``n`` more bytes."""
@@ -247,6 +287,7 @@ class NixlTransport(Transport):
 
     name = "nixl"
     passive = False  # receivers post their receives (`arrivals`), as the collective transport's do
+    scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
 
     def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 4, chunk_bytes: int, timeout_s: float,
                  throttle: Throttle | None = None, stall_timeout_s: float | None = None):
@@ -266,6 +307,7 @@ class NixlTransport(Transport):
                 f"agent {host} asks for NIXL backend {backend!r}, which this NIXL does not have; its plugins are "
                 f"{sorted(self._agent.plugin_list)}")
         self._lock = threading.Lock()  # peers, inbox, ended jobs
+        self._post_lock = threading.Lock()  # a post's metadata and its sending, one post at a time (`arrivals`)
         self._pump_lock = threading.Lock()  # one thread takes and routes the agent's notifications at a time
         # WRITEs under way: NIXL sends a WRITE's notification only when a poll of its state finds it done, so
         # every poll for notifications polls them all (a ring's sender waits for the next round's post while
@@ -380,8 +422,8 @@ class NixlTransport(Transport):
         kind, key, payload = decode(msg)
         if kind == b"D":
             _, mdlen = POST.unpack_from(payload)
-            if mdlen:  # memory the peer registered since: known here before any WRITE into it
-                self._agent.add_remote_agent(bytes(payload[POST.size:POST.size + mdlen]))
+            for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
+                self._agent.add_remote_agent(blob)  # here before any WRITE into it
         role = "out" if kind in (b"D", b"K") else "in"
         with self._lock:
             if key.job in self._ended:
@@ -434,10 +476,20 @@ class NixlTransport(Transport):
     # -- memory ------------------------------------------------------------------------------------------------
 
     def _scratch(self, nbytes: int) -> np.ndarray:
-        """A host buffer of at least ``nbytes`` from ``scratch``, sized so the recycler keeps it."""
+        """A host buffer of at least ``nbytes`` from ``scratch``, sized so the recycler keeps it, that may be offered
+        to peers (`Registry.usable`)."""
         size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
         buf = self.scratch.take(size)
-        return np.empty(size, dtype=np.uint8) if buf is None else buf
+        if buf is not None:
+            return buf
+        tried = []  # held until a usable one is found, so malloc hands out other memory
+        for _ in range(_SCRATCH_TRIES):
+            buf = np.empty(size, dtype=np.uint8)
+            if self._memory.usable(buf):
+                return buf
+            tried.append(buf)
+        raise UnavailableError(f"agent {self.host} found no memory for a {size}-byte NIXL buffer outside the regions "
+                               f"its peers knew before ({_SCRATCH_TRIES} tries); restart the agent to start afresh")
 
     def _source(self, data) -> tuple[int, Any, np.ndarray | None]:
         """Where a chunk is written from: its own buffer where that is a view into a host buffer worth registering,
@@ -514,14 +566,14 @@ class NixlTransport(Transport):
         return _Out(self, s, key, peer)
 
     def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None]) -> Landing:
-        """The region ``box`` lands in: its runs in the buffer ``place`` offers where one holds them all, else
-        a registered scratch buffer."""
+        """The region ``box`` lands in: its runs in the buffers ``place`` offers (a tile, or a bucket's members'
+        tiles) where they hold it all, else a registered scratch buffer."""
         found = place_runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
-        if found is not None:
-            device, owner, runs = found
-            return Landing(owner.reshape(-1).view(np.uint8), runs, device, self._memory.register(owner))
+        if found is not None and all(self._memory.usable(o) for o in found[1]):
+            device, owners, runs, segments = found
+            return Landing(owners, runs, device, [self._memory.register(o) for o in owners], segments=segments)
         buf = self._scratch(nbytes)
-        return Landing(buf, [(buf.ctypes.data, nbytes)], None, self._memory.register(buf),
+        return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
                        lambda: self.scratch.put(buf))
 
     def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
@@ -531,12 +583,17 @@ class NixlTransport(Transport):
         nbytes = boxes.volume(box) * s.dtype(key.step)[1].itemsize
         landing = self._landing(box, nbytes, place) if nbytes else None
         try:
-            metadata, runs = b"", np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`_Out.end`)
+            runs = np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`_Out.end`)
             if landing is not None:
-                metadata = self._memory.metadata_for(landing.registration, peer)
                 runs = np.array([(a, landing.cum[i + 1] - landing.cum[i]) for i, a in enumerate(landing.addrs)],
                                 dtype=np.uint64)
-            self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
+            # A buffer's metadata goes to a peer with the first post that names it, and a post that names it later
+            # goes without: the two must leave in that order, or the peer may WRITE into memory it cannot find yet
+            # (NIXL_ERR_NOT_FOUND) while two streams post regions of one new tile at once.
+            with self._post_lock:
+                metadata = b"" if landing is None else \
+                    blobs([self._memory.metadata_for(r, peer) for r in landing.registrations])
+                self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0
             trailer = None

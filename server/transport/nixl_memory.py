@@ -9,8 +9,8 @@ them, and the byte layout of the notifications that name those runs.
                  scratch from their recyclers, which hand out only buffers nothing else holds
 ``source_runs``  a source region's contiguous runs in its tile, in C order (a sender WRITEs
                  from them: a strided box is a descriptor list, not a packed copy)
-``place_runs``   a destination box's runs in the tile that ``place`` offers (a receiver posts
-                 them)
+``place_runs``   a destination box's runs in the buffers that ``place`` offers: a tile, or a
+                 bucket's members' tiles (a receiver posts them)
 ``pair_runs``    a chunk's local runs against the receiver's runs, cut where either ends: the
                  two descriptor lists of one WRITE
 ``Landing``      where one incoming box lands, and its bytes as landed
@@ -34,17 +34,18 @@ from typing import Any
 import numpy as np
 
 from reshard.box import Box
-from reshard.server.transport.streams import StreamKey
+from reshard.server.transport.streams import Segments, StreamKey
 
-__all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "encode", "decode", "box_bytes", "box_of", "Registration", "Registry",
-           "owner_of", "source_runs", "place_runs", "pair_runs", "Landing"]
+__all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "blobs", "unblob", "encode", "decode", "box_bytes", "box_of",
+           "Registration", "Registry", "owner_of", "source_runs", "place_runs", "pair_runs", "Landing"]
 
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
 CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
 TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
-POST = struct.Struct("<II")  # device id, len(partial metadata); then uint64 (address, length) per run
+POST = struct.Struct("<II")  # device id, len(metadata blobs); then uint64 (address, length) per run
+BLOB = struct.Struct("<I")  # the length of one partial metadata blob, before its bytes
 
 
 # -- notifications ----------------------------------------------------------------------------------------
@@ -59,6 +60,21 @@ def decode(msg: bytes) -> tuple[bytes, StreamKey, memoryview]:
     kind, step, hop, n = HEAD.unpack_from(msg)
     end = HEAD.size + n
     return kind, StreamKey(bytes(msg[HEAD.size:end]).decode(), step, hop), memoryview(msg)[end:]
+
+
+def blobs(parts: list[bytes]) -> bytes:
+    """Partial metadata blobs (one per newly registered buffer a post names) as one length-prefixed run."""
+    return b"".join(BLOB.pack(len(p)) + p for p in parts if p)
+
+
+def unblob(data) -> list[bytes]:
+    """The blobs of `blobs`."""
+    out, i = [], 0
+    while i < len(data):
+        (n,) = BLOB.unpack_from(data, i)
+        out.append(bytes(data[i + BLOB.size:i + BLOB.size + n]))
+        i += BLOB.size + n
+    return out
 
 
 def box_bytes(box: Box) -> bytes:
@@ -91,6 +107,11 @@ class Registry:
         self._host = host
         self._lock = threading.RLock()  # a buffer freed on this thread deregisters under it (`_forget`)
         self._regs: dict[tuple[int, int], Registration] = {}
+        # Address ranges, merged and sorted, of buffers deregistered after a peer loaded their metadata. NIXL gives
+        # no way to make a peer forget one buffer's, and a peer that knows a stale region overlapping a new one
+        # may match a WRITE against the stale one (NIXL_ERR_NOT_FOUND, or under RDMA a dead key): memory there
+        # is never offered to a peer again (`usable`), and what would land in it lands in scratch instead.
+        self._dead: list[tuple[int, int]] = []
         self._ids = itertools.count(1)
         self.registered = 0  # registrations made, for tests and stats
 
@@ -111,6 +132,27 @@ class Registry:
                 weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
+    def usable(self, owner: np.ndarray) -> bool:
+        """Whether ``owner`` may be offered to peers: registered already, or clear of every buffer a peer knew
+        that is gone (see ``_dead``)."""
+        lo, n = owner.ctypes.data, owner.nbytes
+        with self._lock:
+            if (lo, n) in self._regs:
+                return True
+            i = bisect.bisect_right(self._dead, (lo, lo + n))
+            return not any(a < lo + n and lo < b for a, b in self._dead[max(0, i - 1):i + 1])
+
+    def _bury(self, lo: int, hi: int) -> None:
+        """Add [lo, hi) to ``_dead``, merged with what it touches."""
+        i = bisect.bisect_left(self._dead, (lo, hi))
+        j = i
+        if i and self._dead[i - 1][1] >= lo:
+            i -= 1
+        while j < len(self._dead) and self._dead[j][0] <= hi:
+            j += 1
+        merged = self._dead[i:j]
+        self._dead[i:j] = [(min([lo, *(a for a, _ in merged)]), max([hi, *(b for _, b in merged)]))]
+
     def metadata_for(self, reg: Registration, peer: str) -> bytes:
         """The partial metadata ``peer`` needs before it may write into ``reg``: empty where it has it already."""
         with self._lock:
@@ -130,6 +172,8 @@ class Registry:
             if reg is None or reg.ident != ident or self._agent is None:
                 return
             del self._regs[key]
+            if reg.peers:
+                self._bury(key[0], key[0] + key[1])
             self._agent.deregister_memory(reg.descs)
 
     def close(self) -> None:
@@ -215,16 +259,17 @@ def pair_runs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np
 
 
 def place_runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
-               most: int) -> tuple[str, np.ndarray, list[tuple[int, int]]] | None:
-    """The device, owning buffer and C-ordered contiguous runs (address, length) that ``place`` offers for
-    ``box``: one region where the box is contiguous there, else the regions of its slices along its first dim
-    of more than one index, recursively. None where a part has no region, the parts lie in more than one
-    buffer, or there would be more than ``most`` runs."""
+               most: int) -> tuple[str, list[np.ndarray], list[tuple[int, int]], bool] | None:
+    """The device, the buffers that own them, and the C-ordered contiguous runs (address, length) that ``place``
+    offers for ``box``: one region where the box is contiguous there, or a bucket's members' regions (`Segments`),
+    else the regions of its slices along its first dim of more than one index, recursively; and whether the
+    place gave `Segments`. None where a part has no region, the parts lie on more than one device, or there would
+    be more than ``most`` runs."""
     runs: list[tuple[int, int]] = []
-    where: list = []  # [device, owner]
+    where: list = []  # [device, owners, scattered]
     if not _visit(box, place, most, runs, where):
         return None
-    return where[0], where[1], runs
+    return where[0], where[1], runs, where[2]
 
 
 def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -> bool:
@@ -233,18 +278,24 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
     got = place(b)
     if got is not None:
         device, view = got
-        if not isinstance(view, np.ndarray) or not view.flags.c_contiguous:
-            return False
-        owner, flat = owner_of(view)
-        if owner is None or (where and (where[0] != device or where[1] is not owner)):
-            return False
+        parts = view if isinstance(view, Segments) else (view,)
         if not where:
-            where.extend((device, owner))
-        addr = flat.ctypes.data
-        if runs and runs[-1][0] + runs[-1][1] == addr:
-            runs[-1] = (runs[-1][0], runs[-1][1] + flat.nbytes)
-        else:
-            runs.append((addr, flat.nbytes))
+            where.extend((device, [], isinstance(view, Segments)))
+        elif where[0] != device:
+            return False
+        for part in parts:
+            if not isinstance(part, np.ndarray) or not part.flags.c_contiguous:
+                return False
+            owner, flat = owner_of(part)
+            if owner is None:
+                return False
+            if not any(o is owner for o in where[1]):
+                where[1].append(owner)
+            addr = flat.ctypes.data
+            if runs and runs[-1][0] + runs[-1][1] == addr:
+                runs[-1] = (runs[-1][0], runs[-1][1] + flat.nbytes)
+            elif flat.nbytes:
+                runs.append((addr, flat.nbytes))
         return len(runs) <= most
     d = next((i for i, (lo, hi) in enumerate(b) if hi - lo > 1), None)
     if d is None:
@@ -253,39 +304,42 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
     return all(_visit(b[:d] + ((i, i + 1),) + b[d + 1:], place, most, runs, where) for i in range(lo, hi))
 
 
-def _segments(addrs: list[int], cum: list[int], off: int, n: int) -> list[tuple[int, int]]:
-    """The (address, length) pieces of bytes ``[off, off + n)`` of runs at ``addrs`` whose offsets are ``cum``."""
-    out = []
-    i = bisect.bisect_right(cum, off) - 1
-    while n > 0:
-        start = off - cum[i]
-        take = min(cum[i + 1] - cum[i] - start, n)
-        out.append((addrs[i] + start, take))
-        off, n, i = off + take, n - take, i + 1
-    return out
-
-
 class Landing:
-    """Where one incoming box lands: runs in one registered buffer, and the device that holds it (None: a scratch
-    buffer, handed back by ``release``)."""
+    """Where one incoming box lands: runs in registered buffers (``owners``), and the device that holds them (None:
+    a scratch buffer, handed back by ``release``). ``segments``: a piece over several runs is handed on as
+    `Segments` of them (a bucket's sink takes those) rather than copied into one buffer."""
 
-    def __init__(self, buffer: np.ndarray, runs: list[tuple[int, int]], device: str | None,
-                 registration: Registration, release: Callable[[], None] = lambda: None):
-        self.buffer = buffer  # uint8, the whole registered buffer
-        self.base = buffer.ctypes.data
+    def __init__(self, owners: list[np.ndarray], runs: list[tuple[int, int]], device: str | None,
+                 registrations: list[Registration], release: Callable[[], None] = lambda: None,
+                 segments: bool = False):
+        flats = sorted((o.ctypes.data, o.reshape(-1).view(np.uint8)) for o in owners)
+        bases = [b for b, _ in flats]
+        self.views = []  # per run, its bytes
+        for addr, n in runs:
+            base, flat = flats[bisect.bisect_right(bases, addr) - 1]
+            self.views.append(flat[addr - base:addr - base + n])
         self.addrs = [a for a, _ in runs]
         self.cum = [0, *itertools.accumulate(n for _, n in runs)]
         self.device = device
-        self.registration = registration
+        self.registrations = registrations
         self.release = release
+        self.segments = segments
 
     def piece(self, off: int, n: int):
         """Bytes ``[off, off + n)`` of the box as landed: a view where they are one run (a chain hop forwards
-        and a fault corrupts what is kept), else a read-only copy of them in C order."""
-        segs = _segments(self.addrs, self.cum, off, n)
-        if len(segs) == 1:
-            a = segs[0][0] - self.base
-            return self.buffer[a:a + n]
-        out = np.concatenate([self.buffer[a - self.base:a - self.base + k] for a, k in segs])
+        and a fault corrupts what is kept), `Segments` of views where the landing hands them on so, else a
+        read-only copy of them in C order."""
+        parts = []
+        i = bisect.bisect_right(self.cum, off) - 1
+        while n > 0:
+            start = off - self.cum[i]
+            take = min(self.cum[i + 1] - self.cum[i] - start, n)
+            parts.append(self.views[i][start:start + take])
+            off, n, i = off + take, n - take, i + 1
+        if len(parts) == 1:
+            return parts[0]
+        if self.segments:
+            return Segments(parts)
+        out = np.concatenate(parts)
         out.flags.writeable = False
         return out

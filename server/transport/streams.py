@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+import numpy as np
+
 from reshard.box import Box
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
 from reshard.server.transport.buffers import host_bytes
@@ -29,8 +31,8 @@ if TYPE_CHECKING:
     from reshard.server.transport.session import Session
 
 __all__ = [
-    "StreamKey", "PushHeader", "Piece", "Trailer", "Throttle", "Sink", "Outgoing", "QueuedOutgoing", "Mailbox",
-    "in_thread",
+    "StreamKey", "PushHeader", "Piece", "Trailer", "Segments", "Gather", "Throttle", "Sink", "Outgoing",
+    "QueuedOutgoing", "Mailbox", "in_thread", "feed",
 ]
 
 
@@ -67,9 +69,51 @@ class Piece(NamedTuple):
     arrived (a chain hop hands it on unchanged); ``landed`` the receiver whose buffer it was received into."""
 
     box: Box
-    data: Any  # a C-contiguous bytes-like object
+    data: Any  # a C-contiguous bytes-like object, or `Segments` (a bucket landed in its members' tiles)
     wire: Any = None
     landed: str | None = None
+
+
+class Segments(tuple):
+    """Bytes that lie in several buffers: C-contiguous numpy views whose bytes, in order, are a piece's. A
+    one-sided transport lands a bucket this way, each member straight in its destination tile
+    (`Sink.place` of a whole bucket); nothing copies them into one buffer unless it must."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self)
+
+    def packed(self) -> np.ndarray:
+        """The bytes in one new buffer (uint8)."""
+        return np.concatenate([p.reshape(-1).view(np.uint8) for p in self]) if self else np.empty(0, np.uint8)
+
+
+class Gather(NamedTuple):
+    """A byte box a sender streams from where its bytes lie, not packed: a bucket's members' regions of their
+    source tiles (numpy views, strided or not) in order, ``starts`` where each one's bytes begin in the box, and
+    its end. A transport that `scatters` sends it (`moves.send`), one chunk of whole members at a time."""
+
+    parts: tuple
+    starts: tuple[int, ...]
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[Box, list]]:
+        """(byte box, parts) of each chunk: whole members, as many as fit in ``chunk_bytes`` (at least one)."""
+        i, k = 0, len(self.parts)
+        while i < k:
+            j = i + 1
+            while j < k and self.starts[j + 1] - self.starts[i] <= chunk_bytes:
+                j += 1
+            yield ((self.starts[i], self.starts[j]),), list(self.parts[i:j])
+            i = j
+
+
+def feed(check, data) -> None:
+    """Add a piece's bytes to a running digest (`Checksum`), ``data`` one buffer or `Segments`."""
+    if isinstance(data, Segments):
+        for p in data:
+            check.update(p)
+    else:
+        check.update(data)
 
 
 class Trailer(NamedTuple):
@@ -103,7 +147,8 @@ class Sink(Protocol):
 
     def place(self, devices: list[str], box: Box) -> tuple[str, Any] | None:
         """One of ``devices`` whose buffer holds ``box`` contiguously, and that region (a transport may receive
-        into it directly), or None."""
+        into it directly), or None. A bucket's sink made for a transport that `scatters` offers its whole byte
+        box as `Segments` (its members' regions, in order)."""
 
     def mark(self, device: str, box: Box) -> None:
         """Count ``box`` as arrived in ``device``'s buffer, which a transport received into in place."""
@@ -125,6 +170,12 @@ class Outgoing(ABC):
         """Send sub-box ``box`` from ``view``, the region of a source tile that holds it (strided where the tile is
         wider than the box; numpy or torch, any device). This default packs it into host bytes for ``put``."""
         self.put(box, host_bytes(view))
+
+    def put_parts(self, box: Box, parts: list) -> None:
+        """Send byte box ``box`` from ``parts``, regions of source tiles (numpy views, strided or not) whose bytes
+        in order are the box's: a bucket's members, gathered where they lie (`buckets.Gather`). This default
+        packs them into one buffer for ``put``."""
+        self.put(box, Segments(np.ascontiguousarray(p) for p in parts).packed())
 
     @abstractmethod
     def end(self, nbytes: int, digest: int) -> None:

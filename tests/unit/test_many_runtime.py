@@ -20,10 +20,19 @@ from reshard.proto.errors import UnavailableError
 from reshard.server.agent.buckets import bucket_moves
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.faults import Fail
-from tests.unit.test_runtime import _SEQ, HOSTS, STEP_TIMEOUT_S, Gloo, Hosts
+from reshard.server.transport.nixl import nixl_missing
+from tests.unit.test_runtime import _SEQ, HOSTS, STEP_TIMEOUT_S, Gloo, Hosts, nixl_agents
 
 TRAIN = Mesh.from_hosts({"tp": 4}, HOSTS[:2], 2)
 INFER = Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[2:], 2)
+
+
+def _group(transport: str, request):
+    if transport == "nixl":
+        if nixl_missing() is not None:
+            pytest.skip(nixl_missing())
+        return nixl_agents()
+    return request.getfixturevalue("gloo_group") if transport == "collective" else None
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +55,18 @@ def _state_dict(rng) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
         a = rng.standard_normal((257, 96)).astype(np.float32)
         out[f"large{i}"] = (a, TensorDecl(f"large{i}", a.shape, "float32", Sharding(TRAIN, ("tp", None)),
                                           Sharding(INFER, (None, "tp"))), 2)
+    return out
+
+
+def row_split_state_dict(n: int) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
+    """``n`` float32 tensors of 256 x 64 split by rows at both ends (source tiles of 16 KiB, destination of
+    32 KiB), as `_state_dict` gives them."""
+    rng = np.random.default_rng(5)
+    out = {}
+    for i in range(n):
+        a = rng.standard_normal((256, 64)).astype(np.float32)
+        out[f"t{i}"] = (a, TensorDecl(f"t{i}", a.shape, "float32", Sharding(TRAIN, ("tp", None)),
+                                      Sharding(INFER, ("tp", None))), 1)
     return out
 
 
@@ -93,12 +114,14 @@ def _move_bucket_by_bucket(hosts: Hosts) -> None:
     assert sum(sum(run.traffic.bytes_in.values()) for run in runs.values()) == want
 
 
-@pytest.mark.parametrize("transport", ["memory", "collective"])
+@pytest.mark.parametrize("transport", ["memory", "collective", "nixl"])
 def test_bucket_members_cut_by_the_pieces_of_their_stream_arrive_whole(transport, request):
     """Buckets of 64 KiB streamed in 4 KiB pieces: members of odd byte sizes (float16 and uint8 of odd lengths,
     float32 and int64 beside them) start at unaligned offsets, and most span two or more pieces; every one lands
-    whole, on both replicas (a host's second device takes the same pieces)."""
-    hosts = Hosts(group=request.getfixturevalue("gloo_group") if transport == "collective" else None)
+    whole, on both replicas (a host's second device takes the same pieces). On nixl the buckets are not packed:
+    the members go from their source tiles into their destination tiles, those whose region there is strided
+    through the bucket's buffer."""
+    hosts = Hosts(group=_group(transport, request))
     try:
         rng = np.random.default_rng(11)
         tensors = {}
@@ -135,12 +158,7 @@ def test_a_repeated_move_packs_and_unpacks_its_buckets_in_the_last_run_s_buffers
     counts the buckets alone. The second run still delivers every tensor whole."""
     hosts = Hosts(group=request.getfixturevalue("gloo_group") if transport == "collective" else None)
     try:
-        rng = np.random.default_rng(5)
-        tensors = {}
-        for i in range(40):
-            a = rng.standard_normal((256, 64)).astype(np.float32)  # source tiles of 16 KiB, destination of 32 KiB
-            tensors[f"t{i}"] = (a, TensorDecl(f"t{i}", a.shape, "float32", Sharding(TRAIN, ("tp", None)),
-                                              Sharding(INFER, ("tp", None))), 1)
+        tensors = row_split_state_dict(40)
         for name, (a, decl, version) in tensors.items():
             tiles = decl.src.tiles(a.shape)
             hosts.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()},

@@ -16,6 +16,7 @@ import pytest
 import xxhash
 
 from reshard import Mesh, Sharding
+from reshard.many import plan_many
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import NixlTransport, nixl_missing
@@ -23,7 +24,7 @@ from reshard.server.transport.nixl_memory import pair_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
-from tests.unit.test_many_runtime import _move_bucket_by_bucket
+from tests.unit.test_many_runtime import _move_bucket_by_bucket, _start, row_split_state_dict
 from tests.unit.test_runtime import Hosts, nixl_agents
 
 pytestmark = pytest.mark.skipif(nixl_missing() is not None, reason=str(nixl_missing()))
@@ -161,6 +162,56 @@ def test_a_bucketed_state_dict_moves_over_nixl():
     hosts = Hosts(group=nixl_agents())
     try:
         _move_bucket_by_bucket(hosts)
+    finally:
+        hosts.close()
+
+
+def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
+    """A peer that loaded a buffer's metadata keeps it after the buffer is freed (NIXL cannot make it forget one),
+    and would match a WRITE into a new buffer overlapping it against the stale one (NIXL_ERR_NOT_FOUND: seen as
+    "could not start" when glibc handed a freed 1 KiB tile's memory to a 1.5 KiB one). Such memory is never offered
+    again; memory no peer knew is reused freely."""
+    import gc
+
+    a, _ = pair
+    memory = a._memory
+    base = np.zeros(1 << 20, dtype=np.uint8)  # the "heap": tiles below are views of it, freed as they go
+    known, unknown = base[4096:8192], base[16384:20480]
+    memory.metadata_for(memory.register(known), "b")
+    memory.register(unknown)
+    del known, unknown
+    gc.collect()
+    assert not memory.usable(base[6000:10000]) and not memory.usable(base[4096:8192])
+    assert not memory.usable(base[0:4097])
+    assert memory.usable(base[0:4096]) and memory.usable(base[8192:12288]) and memory.usable(base[16384:20480])
+    # what would land there lands in scratch, which is always usable
+    place = _placing("b/0", base[6000:10000].view(np.uint8))
+    landing = a._landing(((0, 4000),), 4000, place)
+    assert landing.device is None and memory.usable(landing.views[0])
+    landing.release()
+
+
+@pytest.mark.parametrize("kind", ["nixl", "memory"])
+def test_a_bucket_goes_from_its_members_source_tiles_into_their_destination_tiles(kind):
+    """A weight sync's buckets on nixl: every member contiguous at both ends, so the sender WRITEs each from its
+    source tile into its destination tile and no host takes a bucket buffer (packed bytes, or bytes waiting to be
+    unpacked); the memory transport, which packs, takes one per bucket on each end."""
+    hosts = Hosts(group=nixl_agents() if kind == "nixl" else None)
+    try:
+        tensors = row_split_state_dict(24)
+        for name, (a, decl, _) in tensors.items():
+            hosts.put_tensor(name, a, decl.src)
+        program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=128 * 1024).validate()
+        assert len(program.buckets) >= 4
+        job, runs = _start(hosts, program, {n: 1 for n in tensors})
+        hosts.finish(job, runs)
+        for name, (a, decl, _) in tensors.items():
+            assert np.array_equal(hosts.get(name, decl.dst, a.shape, 2), a), name
+        taken = {h: store.host_bytes for h, store in hosts.stores.items()}
+        if kind == "nixl":
+            assert taken == dict.fromkeys(hosts.stores, 0)
+        else:
+            assert all(taken.values()), taken
     finally:
         hosts.close()
 
