@@ -3,7 +3,7 @@
 Imports the core and the wire contract (``reshard.proto``), never the services.
 """
 
-from reshard.client.client import Client, Job, JobFailedError, JobResult, TensorInfo, connect
+from reshard.client.client import Client, Job, JobFailedError, JobResult, Pin, TensorInfo, connect
 from reshard.client.cluster import LocalCluster, local_cluster
 from reshard.proto.errors import (
     AlreadyExistsError,
@@ -27,6 +27,7 @@ __all__ = [
     "JobResult",
     "JobFailedError",
     "TensorInfo",
+    "Pin",
     "InvalidArgumentError",
     "NotFoundError",
     "AlreadyExistsError",

@@ -12,6 +12,10 @@ from an agent on this machine that keeps its shards on a GPU: there it is handed
 over by CUDA IPC (``ipc="auto"``, the default; ``ipc=True`` insists, ``False``
 never tries), copied on the GPU and checked by a digest computed on the GPU at
 both ends (`reshard.proto.devices`).
+
+A put of a name that exists publishes its next version (optionally labeled with a
+``step``); a reader pins versions (`Client.pin`) to keep reading them while newer
+ones are published, and names them with ``version=`` (a `Pin` or a step label).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from reshard.client.frameworks import FrameworkAdapters
 from reshard.proto import devices
 from reshard.dtypes import bfloat16_to_float32, dtype_name, float32_to_bfloat16
 from reshard.errors import ReshardError, ScaleLayoutError
+from reshard.manifest import Manifest
 from reshard.many import scale_pairs, scale_sharding
 from reshard.mesh import host_of
 from reshard.plans import Plan
@@ -56,7 +61,7 @@ from reshard.proto.status import domain_error
 from reshard.proto.wire import box_from_pb, message_size_options, read_shard_stream, shard_stream
 from reshard.sharding import Sharding
 
-__all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo"]
+__all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin"]
 
 MiB = 2**20
 # Tiles up to this size that go to one agent share a stream in put and put_many: a stream's set-up costs more
@@ -100,10 +105,52 @@ class TensorInfo:
     version: int
     kind: str
     lost: bool = False  # some tile has no copy left (every agent that held one restarted): get() raises DataLossError
+    step: Optional[int] = None  # the version's label, as its publisher gave it (put(step=)); None: unlabeled
+    pins: int = 0  # versions(): the pins holding this version (0 elsewhere)
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.dtype}{list(self.shape)} {self.sharding} v{self.version}"
-                + (" LOST" if self.lost else ""))
+                + (f" step {self.step}" if self.step is not None else "") + (" LOST" if self.lost else ""))
+
+
+@dataclass(frozen=True)
+class Pin:
+    """Versions held for a reader (`Client.pin`): ``versions`` maps each tensor to the version held, which stays
+    readable (``get(..., version=pin)``) while newer ones are published, until the pin is released (`Client.release`,
+    or leaving a ``with`` block) or goes unused for the planner's ``--pin-timeout-s``."""
+
+    id: str
+    versions: dict[str, int]
+    step: Optional[int] = None  # the step label it was pinned by, if any
+    client: Optional["Client"] = field(default=None, repr=False, compare=False)  # what `__exit__` releases it with
+
+    def __enter__(self) -> "Pin":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.client is not None:
+            self.client.release(self)
+
+
+def _version_fields(version) -> dict:
+    """The request fields that name a read's version: a `Pin`'s id, or a step label; None: none (current)."""
+    if version is None:
+        return {}
+    if isinstance(version, Pin):
+        return {"pin": version.id}
+    if isinstance(version, int) and not isinstance(version, bool) and version >= 0:
+        return {"step": version}
+    raise InvalidArgumentError(f"version={version!r}: give a Pin (c.pin(...)), a step label (an int >= 0), or None "
+                               f"for the current versions")
+
+
+def _step_fields(step) -> dict:
+    """The request field of a version label to publish with (None: unlabeled)."""
+    if step is None:
+        return {}
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidArgumentError(f"step={step!r} must be an int >= 0 (such as the training step), or None")
+    return {"step": step}
 
 
 @dataclass(frozen=True)
@@ -128,6 +175,7 @@ class JobResult:
     # host's part), committing; and each host's part of running, seconds (the slowest host sets the pace)
     phases: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
+    manifest_digest: str = ""  # reshard_many(manifest=): SHA-256 of the manifest the job was checked against
 
     @property
     def network_bytes(self) -> int:
@@ -143,7 +191,8 @@ def _result(info: pb.JobInfo) -> JobResult:
                           "native_reduces": t.native_reduces} for t in info.traffic},
         error=info.error, transport=info.transport, transport_reason=info.transport_reason,
         transports=tuple(info.transports), versions=dict(info.versions),
-        phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())))
+        phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())),
+        manifest_digest=info.manifest_digest)
 
 
 class Job:
@@ -447,16 +496,22 @@ class Client(FrameworkAdapters):
 
     # -- tensors ---------------------------------------------------------------------------
 
-    def put(self, name: str, array, sharding: Sharding, *, ipc: Ipc = "auto") -> TensorInfo:
-        """Scatter a whole tensor: every device of ``sharding`` gets its tile, then the tensor appears.
+    def put(self, name: str, array, sharding: Sharding, *, step: Optional[int] = None,
+            ipc: Ipc = "auto") -> TensorInfo:
+        """Scatter a whole tensor: every device of ``sharding`` gets its tile, then the tensor appears; a name
+        that exists gets its next version (same shape and dtype, any sharding), and readers that pinned the
+        older one keep reading it.
 
-        ``array`` is a numpy array or a torch tensor on any device; ``ipc`` as in `put_shard`.
+        ``array`` is a numpy array or a torch tensor on any device; ``step`` labels the version (an int >= 0,
+        such as the training step: ``get(name, version=step)`` reads it); ``ipc`` as in `put_shard`.
         """
         arr, dtype, kind = _source(array, ipc)
+        step_fields = _step_fields(step)
         if ipc is True:
             self._require_ipc(_sharding_of(sharding).mesh.hosts)
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
-            name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind))
+            name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
+            **step_fields))
         self._upload_all([(reply.upload_id, name, p, dtype, arr[to_slices(box_from_pb(p.box))])
                           for p in reply.locations], ipc)
         self._planner_call("FinishUpload", pb.FinishUploadRequest(
@@ -464,7 +519,7 @@ class Client(FrameworkAdapters):
         return self.info(name)
 
     def put_shard(self, name: str, device: str, array, sharding: Sharding,
-                  shape: Optional[Sequence[int]] = None, *, ipc: Ipc = "auto") -> bool:
+                  shape: Optional[Sequence[int]] = None, *, step: Optional[int] = None, ipc: Ipc = "auto") -> bool:
         """Hand over one device's shard, as a training rank does.
 
         The tensor appears in the catalog once every device of ``sharding`` has
@@ -478,8 +533,11 @@ class Client(FrameworkAdapters):
         GPU by CUDA IPC under ``ipc="auto"``, and streams through pinned host memory
         otherwise; ``ipc=True`` fails rather than stream, ``ipc=False`` always
         streams. Either way the tensor may be freed once the call returns.
+
+        A name that exists gets its next version, as with `put`; ``step`` labels it (every rank gives the same).
         """
         arr, dtype, kind = _source(array, ipc)
+        step_fields = _step_fields(step)
         if ipc is True:
             self._require_ipc([host_of(device)])
         if shape is None:
@@ -494,27 +552,29 @@ class Client(FrameworkAdapters):
             shape = arr.shape
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
-            device=device, shard_shape=arr.shape))
+            device=device, shard_shape=arr.shape, **step_fields))
         placement = next(p for p in reply.locations if p.device == device)
         self._upload(reply.upload_id, name, device, placement, dtype, arr, ipc)
         done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 
-    def _tensor(self, name: str) -> pb.TensorInfo:
-        return self._planner_call("GetTensor", pb.TensorRequest(name=name))
+    def _tensor(self, name: str, version=None) -> pb.TensorInfo:
+        return self._planner_call("GetTensor", pb.TensorRequest(name=name, **_version_fields(version)))
 
     def info(self, name: str) -> TensorInfo:
         return _info(self._tensor(name))
 
-    def get(self, name: str, device: Optional[str] = None, *, ipc: Ipc = "auto"):
+    def get(self, name: str, device: Optional[str] = None, *, ipc: Ipc = "auto", version=None):
         """Gather the whole tensor (one replica of each tile).
 
         By default numpy or torch on the CPU, as it was put; ``device`` (``"cpu"``,
         ``"cuda:0"``) returns a torch tensor there, its tiles read by CUDA IPC where
-        ``ipc`` allows (see `put_shard`).
+        ``ipc`` allows (see `put_shard`). ``version``: a `Pin` reads the version it holds
+        (and renews it), an int reads the version labeled that step (still held: current
+        or pinned); None reads the current version.
         """
         to = _target(device, ipc)
-        finish, fetches, reads = self._gather(self._tensor(name), to, ipc)
+        finish, fetches, reads = self._gather(self._tensor(name, version), to, ipc)
         self._read_all(fetches, reads)
         return finish()
 
@@ -605,9 +665,10 @@ class Client(FrameworkAdapters):
     # -- many tensors at once -------------------------------------------------------------------
 
     def put_many(self, tensors: Mapping[str, Any], *, scales: Optional[Mapping[str, str]] = None,
-                 ipc: Ipc = "auto") -> dict[str, TensorInfo]:
+                 step: Optional[int] = None, ipc: Ipc = "auto") -> dict[str, TensorInfo]:
         """Scatter several whole tensors in one transaction: ``{name: (array, sharding)}``. They enter the catalog
-        together, or none does (a failure, or a client that dies midway, leaves no tensor of them).
+        together, or none does (a failure, or a client that dies midway, leaves no tensor of them). Names that
+        exist get their next versions, all visible at once, each labeled ``step`` (as in `put`).
 
         ``scales`` maps a weight's name to its block-scale tensor's, or to (name, block) where the block is not
         the weight's dim over the scale's: the scale's value may be the array alone, and takes the layout that
@@ -618,6 +679,7 @@ class Client(FrameworkAdapters):
         if not isinstance(tensors, Mapping) or not tensors:
             raise InvalidArgumentError(f"put_many takes a non-empty dict {{name: (array, sharding)}}; got "
                                        f"{type(tensors).__name__} {'(empty)' if not tensors else ''}")
+        step_fields = _step_fields(step)
         follows = {s: (w, block) for w, (s, block) in scale_pairs(scales or {}).items()}
         arrays: dict[str, tuple[Any, str, str]] = {}
         shardings: dict[str, Optional[Sharding]] = {}
@@ -648,7 +710,7 @@ class Client(FrameworkAdapters):
             self._require_ipc({h for s in shardings.values() for h in s.mesh.hosts})
         reply = self._planner_call("BeginUploads", pb.BeginUploadsRequest(tensors=[
             pb.BeginUploadRequest(name=name, shape=arr.shape, dtype=dtype, sharding_json=_sharding_json(shardings[name]),
-                                  kind=kind) for name, (arr, dtype, kind) in arrays.items()]))
+                                  kind=kind) for name, (arr, dtype, kind) in arrays.items()], **step_fields))
         shards = []
         for name, opened in zip(arrays, reply.uploads):
             arr, dtype, _ = arrays[name]
@@ -658,13 +720,16 @@ class Client(FrameworkAdapters):
         infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(arrays))).tensors
         return {t.name: _info(t) for t in infos}
 
-    def get_many(self, names: Sequence[str], device: Optional[str] = None, *, ipc: Ipc = "auto") -> dict[str, Any]:
+    def get_many(self, names: Sequence[str], device: Optional[str] = None, *, ipc: Ipc = "auto",
+                 version=None) -> dict[str, Any]:
         """Gather several whole tensors, as the catalog holds them at one instant: each at the version a
-        `reshard_many` committed them together, never some old and some new. ``device`` and ``ipc`` as in `get`."""
+        `reshard_many` committed them together, never some old and some new. ``device``, ``ipc`` and ``version``
+        (a `Pin`, a step label, or None for the current versions) as in `get`."""
         if isinstance(names, str):
             raise InvalidArgumentError(f"get_many takes a list of tensor names; got the string {names!r} (use get)")
         to = _target(device, ipc)
-        infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(names))).tensors
+        infos = self._planner_call("GetTensors", pb.TensorsRequest(names=list(names),
+                                                                   **_version_fields(version))).tensors
         plans = {t.name: self._gather(t, to, ipc) for t in infos}
         self._read_all([f for _, fetches, _ in plans.values() for f in fetches],
                        [r for _, _, reads in plans.values() for r in reads])
@@ -710,7 +775,33 @@ class Client(FrameworkAdapters):
         return [_info(t) for t in self._planner_call("ListTensors", pb.Empty()).tensors]
 
     def delete(self, name: str) -> None:
+        """Take ``name`` out of the catalog and free its version, unless a pin holds it: then it stays readable
+        through the pin until released."""
         self._planner_call("DeleteTensor", pb.TensorRequest(name=name))
+
+    # -- versions ------------------------------------------------------------------------------
+
+    def pin(self, names: Optional[Sequence[str]] = None, *, step: Optional[int] = None) -> Pin:
+        """Hold, for each of ``names`` (None: every tensor in the catalog), its current version, or the version
+        labeled ``step`` (NotFoundError naming the steps held when there is none), so that it stays readable
+        (``get_many(names, version=pin)``) while newer versions are published and resharded. Release it with
+        `release` or a ``with`` block; it expires after the planner's ``--pin-timeout-s`` without a read."""
+        if isinstance(names, str):
+            raise InvalidArgumentError(f"pin takes a list of tensor names; got the string {names!r} (use [{names!r}])")
+        request = pb.PinRequest(names=list(names or ()), every=names is None, **_step_fields(step))
+        info = self._planner_call("Pin", request)
+        return Pin(info.id, dict(info.versions), info.step if info.HasField("step") else None, client=self)
+
+    def release(self, pin: Pin) -> None:
+        """Let go of ``pin``: the older versions no other pin holds are freed on their agents. Idempotent."""
+        if not isinstance(pin, Pin):
+            raise InvalidArgumentError(f"release takes a Pin (from c.pin()); got {type(pin).__name__}")
+        self._planner_call("ReleasePin", pb.PinReleaseRequest(id=pin.id))
+
+    def versions(self, name: str) -> list[TensorInfo]:
+        """The versions held of ``name`` (current last, older ones while a pin holds them), each with its version,
+        step label, sharding and the number of pins on it."""
+        return [_info(t) for t in self._planner_call("Versions", pb.TensorRequest(name=name)).tensors]
 
     # -- resharding ---------------------------------------------------------------------------
 
@@ -721,7 +812,8 @@ class Client(FrameworkAdapters):
         return Job(self, info)
 
     def reshard_many(self, shardings: Mapping[str, Sharding], strategy: str = "auto",
-                     bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None) -> Job:
+                     bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None, *,
+                     manifest: Optional[Manifest] = None, version=None) -> Job:
         """Start moving every tensor of ``shardings`` (``{name: sharding}``) to its sharding in one job; returns a
         `Job` at once.
 
@@ -731,13 +823,28 @@ class Client(FrameworkAdapters):
         none does and each stays readable at its old one (``JobResult.versions`` has the new ones). ``scales``
         maps a weight to its block-scale tensor (or to (name, block), as in `put_many`), which follows the
         weight's new layout block for block: leave the scale out of ``shardings``.
+
+        ``manifest`` (a `reshard.Manifest`, e.g. ``Manifest.from_module(model)``) is what the consumer expects: the
+        planner refuses the job before any byte moves when a tensor it lists is not moved or not in the catalog,
+        one moved is not in it, or one has another shape or dtype, listing each (INVALID_ARGUMENT, raised here as
+        `InvalidArgumentError`), and the job records its digest (``JobResult.manifest_digest``).
+
+        ``version`` (a `Pin` or a step label, as in `get_many`) names the versions to move, which must be the
+        current ones (FailedPreconditionError otherwise: a newer version was published); the versions it commits
+        carry their step label, and the ones they supersede stay readable while a pin holds them.
         """
         if not isinstance(shardings, Mapping):
             raise InvalidArgumentError(f"reshard_many takes a dict {{name: sharding}}; got {type(shardings).__name__}")
         request = pb.ReshardManyRequest(
             targets=[pb.TensorTarget(name=n, dst_json=_sharding_json(s)) for n, s in shardings.items()],
             strategy=strategy, scales=[pb.ScalePair(weight=w, scale=s, block=block or ())
-                                       for w, (s, block) in scale_pairs(scales or {}).items()])
+                                       for w, (s, block) in scale_pairs(scales or {}).items()],
+            **_version_fields(version))
+        if manifest is not None:
+            if not isinstance(manifest, Manifest):
+                raise InvalidArgumentError(f"manifest must be a reshard.Manifest (Manifest.from_module(model)); got "
+                                           f"{type(manifest).__name__}")
+            request.manifest_json = manifest.json_text()
         if bucket_mib is not None:
             if isinstance(bucket_mib, bool) or not isinstance(bucket_mib, (int, float)) or not bucket_mib >= 0:
                 raise InvalidArgumentError(f"bucket_mib={bucket_mib!r}: give a size in MiB, 0 for no buckets, or None "
@@ -892,7 +999,7 @@ def _check_not_lost(t: pb.TensorInfo) -> None:
 
 def _info(t: pb.TensorInfo) -> TensorInfo:
     return TensorInfo(t.name, tuple(t.shape), t.dtype, Sharding.from_json(json.loads(t.sharding_json)), t.version,
-                      t.kind, t.lost)
+                      t.kind, t.lost, t.step if t.HasField("step") else None, t.pins)
 
 
 def connect(address: str, **kwargs) -> Client:

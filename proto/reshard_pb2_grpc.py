@@ -719,6 +719,21 @@ class PlannerStub:
                 request_serializer=reshard__pb2.TensorsRequest.SerializeToString,
                 response_deserializer=reshard__pb2.TensorList.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/reshard.v1.Planner/Pin',
+                request_serializer=reshard__pb2.PinRequest.SerializeToString,
+                response_deserializer=reshard__pb2.PinInfo.FromString,
+                _registered_method=True)
+        self.ReleasePin = channel.unary_unary(
+                '/reshard.v1.Planner/ReleasePin',
+                request_serializer=reshard__pb2.PinReleaseRequest.SerializeToString,
+                response_deserializer=reshard__pb2.Empty.FromString,
+                _registered_method=True)
+        self.Versions = channel.unary_unary(
+                '/reshard.v1.Planner/Versions',
+                request_serializer=reshard__pb2.TensorRequest.SerializeToString,
+                response_deserializer=reshard__pb2.TensorList.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -839,6 +854,25 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Versions: pin, release a pin (idempotent), and list the versions held of one tensor (current last).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePin(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Versions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -935,6 +969,21 @@ def add_PlannerServicer_to_server(servicer, server):
             'GetTensors': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTensors,
                     request_deserializer=reshard__pb2.TensorsRequest.FromString,
+                    response_serializer=reshard__pb2.TensorList.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=reshard__pb2.PinRequest.FromString,
+                    response_serializer=reshard__pb2.PinInfo.SerializeToString,
+            ),
+            'ReleasePin': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePin,
+                    request_deserializer=reshard__pb2.PinReleaseRequest.FromString,
+                    response_serializer=reshard__pb2.Empty.SerializeToString,
+            ),
+            'Versions': grpc.unary_unary_rpc_method_handler(
+                    servicer.Versions,
+                    request_deserializer=reshard__pb2.TensorRequest.FromString,
                     response_serializer=reshard__pb2.TensorList.SerializeToString,
             ),
     }
@@ -1450,6 +1499,87 @@ class Planner:
             target,
             '/reshard.v1.Planner/GetTensors',
             reshard__pb2.TensorsRequest.SerializeToString,
+            reshard__pb2.TensorList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/Pin',
+            reshard__pb2.PinRequest.SerializeToString,
+            reshard__pb2.PinInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/ReleasePin',
+            reshard__pb2.PinReleaseRequest.SerializeToString,
+            reshard__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Versions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/Versions',
+            reshard__pb2.TensorRequest.SerializeToString,
             reshard__pb2.TensorList.FromString,
             options,
             channel_credentials,

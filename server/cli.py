@@ -189,6 +189,9 @@ def _add_planner_command(sub) -> None:
                    help="seconds without a heartbeat before an agent is down")
     p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,
                    help="seconds an idle upload is kept before its staged shards are dropped")
+    p.add_argument("--pin-timeout-s", type=float, default=d.pin_timeout_s,
+                   help="seconds a pin (c.pin(): a reader's hold on tensor versions) is kept without a read through "
+                        "it before it expires and frees the older versions it held")
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
     p.add_argument("--group-wait", type=float, default=d.group_wait_s,
                    help="seconds a job on --transport collective agents waits for their process group to form")
@@ -216,7 +219,8 @@ def _run_planner(args) -> int:
     from reshard.server.planner.service import serve_planner
 
     config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
-                           upload_timeout_s=args.upload_timeout, job_timeout_s=args.job_timeout,
+                           upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
+                           job_timeout_s=args.job_timeout,
                            group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
                            max_plan_tasks=args.max_plan_tasks, rendezvous=args.rendezvous, **_security(args))
     token = None

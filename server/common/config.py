@@ -137,6 +137,9 @@ class PlannerConfig:
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 5.0  # an agent silent this long is down
     upload_timeout_s: float = 120.0  # an upload idle this long is aborted
+    # A pin (a reader's hold on older versions) unused this long expires and frees what it held: a reader that
+    # died lets go; every read through a pin renews it.
+    pin_timeout_s: float = 600.0
     job_timeout_s: float = 600.0  # a reshard job still moving data after this long fails
     agent_rpc_timeout_s: float = 30.0  # control calls to agents (prepare, commit, release)
     max_wait_s: float = 10.0  # longest a GetJob call blocks

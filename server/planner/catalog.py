@@ -12,15 +12,21 @@ host whose agent restarted, as a new process holds nothing of the old one's. A
 tile whose every copy is lost makes the tensor lost: reads raise a data-loss
 error naming the tiles, and reshards are refused (see `Planner.reshard`); a
 new version (a reshard, or a delete and a new upload) starts with nothing lost.
+
+A name holds versions: an upload of a name that exists publishes its next version (of the same shape and
+dtype), labeled with an optional ``step`` (the training step) that a reshard carries over. Readers may pin
+versions (`Catalog.pin`), which keeps them on their agents after newer ones commit, until released or expired.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 from reshard.box import Box, volume
@@ -30,7 +36,7 @@ from reshard.mesh import host_of
 from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
 
-__all__ = ["TensorRecord", "Catalog", "Upload", "Uploads", "repeated_names"]
+__all__ = ["TensorRecord", "PinRecord", "Catalog", "Upload", "Uploads", "repeated_names", "check_step"]
 
 KINDS = ("numpy", "torch")
 
@@ -44,11 +50,12 @@ class TensorRecord:
     version: int
     kind: str = "numpy"
     lost: frozenset[str] = frozenset()  # devices whose shard of this version is gone with their agent
+    step: int | None = None  # the label its publisher gave it (a training step); None: unlabeled
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
-                "lost": sorted(self.lost)}
+                "lost": sorted(self.lost), "step": self.step}
 
     def json_text(self) -> str:
         """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
@@ -56,12 +63,14 @@ class TensorRecord:
         lost = ", ".join(map(quoted, sorted(self.lost)))
         return (f'{{"name": {quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
                 f'"dtype": {quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
-                f'"version": {self.version}, "kind": {quoted(self.kind)}, "lost": [{lost}]}}')
+                f'"version": {self.version}, "kind": {quoted(self.kind)}, "lost": [{lost}], '
+                f'"step": {"null" if self.step is None else self.step}}}')
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
         return cls(data["name"], tuple(data["shape"]), data["dtype"], Sharding.from_json(data["sharding"]),
-                   int(data["version"]), data.get("kind", "numpy"), frozenset(data.get("lost", ())))
+                   int(data["version"]), data.get("kind", "numpy"), frozenset(data.get("lost", ())),
+                   data.get("step"))
 
     def lost_tiles(self) -> dict[Box, list[str]]:
         """The non-empty tiles whose every copy is lost, with the devices that held them."""
@@ -80,6 +89,49 @@ def check_name(name: str) -> str:
     return name
 
 
+def check_step(step) -> int | None:
+    """A version label as given: None, or an int >= 0 (the training step)."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise InvalidArgumentError(f"step {step!r} must be an int >= 0 (such as the training step), or None")
+    return step
+
+
+def check_same_layout(current: TensorRecord, new: TensorRecord) -> None:
+    """Refuse a new version of ``current``'s name whose shape or dtype differs (its sharding may)."""
+    if (current.shape, current.dtype) != (new.shape, new.dtype):
+        raise InvalidArgumentError(
+            f"tensor {new.name!r} is {current.dtype}{list(current.shape)} (v{current.version}), and a new version "
+            f"keeps its shape and dtype: this one is {new.dtype}{list(new.shape)}; delete it first to change its "
+            f"shape or dtype, or put it under another name")
+
+
+def label(rec: TensorRecord) -> str:
+    return "unlabeled" if rec.step is None else f"step {rec.step}"
+
+
+def held_text(held: list[TensorRecord]) -> str:
+    """Versions held, as an error names them: ``v3 (step 5), v4 (step 6)``."""
+    shown = [f"v{r.version} ({label(r)})" for r in held[-10:]]
+    return ("..., " if len(held) > 10 else "") + ", ".join(shown)
+
+
+@dataclass(frozen=True)
+class PinRecord:
+    """A reader's hold on one version of each of its tensors (`Catalog.pin`): a lease that keeps those versions
+    on their agents, renewed by every read through it, until released or expired."""
+
+    id: str
+    versions: dict[str, int]  # tensor -> the version held
+    step: int | None = None  # the label it was pinned by, if any
+
+    def to_json(self) -> dict:
+        return {"id": self.id, "versions": self.versions, "step": self.step}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "PinRecord":
+        return cls(data["id"], {n: int(v) for n, v in data["versions"].items()}, data.get("step"))
+
+
 def repeated_names(names: list[str]) -> list[str]:
     """The names that appear more than once in ``names``, sorted: in linear time, as a state dict of ten thousand
     tensors is one request (counting each name's copies took 1.7 s there)."""
@@ -87,9 +139,42 @@ def repeated_names(names: list[str]) -> list[str]:
 
 
 class Catalog:
-    def __init__(self):
+    """The current version of every tensor, the older versions pins still hold, and the pins.
+
+    A name's versions number on from its highest version ever held (a job's or an upload's new version is
+    claimed first: `claim`, `publishing`), so no two versions of a name ever share a number on an agent, also
+    after a delete while a pin holds one. A version that stops being current (superseded by a commit, or its
+    name deleted) is freed at once unless a pin holds it; then it is kept, readable through the pin or by its
+    step label, until the last pin on it is released or expires (`release_pin`, `expired_pins`). With a
+    ``store`` the kept versions and the pins are saved as they change, and `restore` reads them back."""
+
+    def __init__(self, store=None, pin_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # an upload's commit ended (`publishing`)
         self._tensors: dict[str, TensorRecord] = {}
+        self._old: dict[str, dict[int, TensorRecord]] = {}  # name -> version -> one no longer current, pinned
+        self._pins: dict[str, PinRecord] = {}
+        self._used: dict[str, float] = {}  # pin id -> when it was last used (clock)
+        self._holds: Counter[tuple[str, int]] = Counter()  # (name, version) -> pins on it
+        self._claims: dict[str, int] = {}  # name -> the version a job in flight commits it as
+        self._publishing: Counter[str] = Counter()  # names an upload is committing now
+        self._store = store
+        self.pin_timeout_s = pin_timeout_s
+        self._clock = clock
+
+    def restore(self) -> None:
+        """Read the current versions, the kept older ones and the pins back from the store (a restarted planner);
+        every pin's lease starts again now."""
+        self.load(TensorRecord.from_json(d) for d in self._store.tensors())
+        now = self._clock()
+        with self._lock:
+            for d in self._store.held_versions():
+                self._keep_locked(TensorRecord.from_json(d))
+            for d in self._store.pins():
+                pin = PinRecord.from_json(d)
+                self._pins[pin.id] = pin
+                self._used[pin.id] = now
+                self._holds.update(pin.versions.items())
 
     def get(self, name: str) -> TensorRecord:
         with self._lock:
@@ -115,21 +200,29 @@ class Catalog:
         """Replace ``old`` by ``new`` if ``old`` is still current (the commit point of a reshard)."""
         self.commit([(old, new)])
 
-    def commit(self, changes: list[tuple[TensorRecord | None, TensorRecord]]) -> None:
+    def commit(self, changes: list[tuple[TensorRecord | None, TensorRecord]]) -> list[TensorRecord]:
         """Make every new record current at once, or none: the commit point of a job (one tensor, or many in a
-        reshard_many) and of an upload (one tensor, or a put_many). Each old record must still be current, and
-        a name without one must be free."""
+        reshard_many) and of an upload (one tensor, or a put_many). Each old record must still be current; a new
+        record without one publishes its name's next version, of the current one's shape and dtype. Returns the
+        versions this made free (superseded, and held by no pin): the caller releases them on their agents."""
         with self._lock:
             for old, new in changes:
                 current = self._tensors.get(new.name)
                 if old is None and current is not None:
-                    raise AlreadyExistsError(f"tensor name {new.name!r} is taken; delete it first or pick another "
-                                             f"name")
+                    check_same_layout(current, new)
                 if old is not None and current != old:
                     raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the "
                                         f"reshard")
+            freed, kept = [], []
             for _, new in changes:
+                current = self._tensors.get(new.name)
                 self._tensors[new.name] = new
+                if current is not None and current.version != new.version:
+                    (kept if self._holds[current.name, current.version] else freed).append(current)
+            for rec in kept:
+                self._keep_locked(rec)
+        self._save_old(kept)
+        return freed
 
     def snapshot(self, names) -> list[TensorRecord]:
         """The records of ``names`` as they are at one instant (no commit between two of them)."""
@@ -144,33 +237,236 @@ class Catalog:
                                 f"the catalog holds {shown}")
         return records
 
-    def remove(self, name: str) -> TensorRecord:
+    def remove(self, name: str) -> tuple[TensorRecord, bool]:
+        """Take ``name`` out of the catalog; returns its record and whether its version is free now (a pin on it
+        keeps it readable through the pin until released)."""
         with self._lock:
             rec = self._tensors.pop(name, None)
+            pinned = rec is not None and bool(self._holds[rec.name, rec.version])
+            if pinned:
+                self._keep_locked(rec)
         if rec is None:
             raise NotFoundError(f"no tensor named {name!r} to delete")
-        return rec
+        if pinned:
+            self._save_old([rec])
+        return rec, not pinned
 
     def reconcile(self, host: str, held: Collection[tuple[str, int]]) -> list[TensorRecord]:
         """What the agent of ``host`` says it holds (tensor, version): every catalogued version it does not hold
         has lost its shards on ``host``'s devices, and every one it does hold has them back (an agent that came
-        back after another registrant took its name for a while). Returns the records that changed."""
+        back after another registrant took its name for a while). Returns the current records that changed (the
+        kept older versions that changed are saved here)."""
         held = set(held)
-        out = []
+
+        def reconciled(rec: TensorRecord) -> TensorRecord | None:
+            devices = {d for d in rec.sharding.mesh.require_devices() if host_of(d) == host}
+            lost = (rec.lost - devices) if (rec.name, rec.version) in held else (rec.lost | devices)
+            return replace(rec, lost=frozenset(lost)) if lost != rec.lost else None
+
         with self._lock:
-            for rec in self._tensors.values():
-                devices = {d for d in rec.sharding.mesh.require_devices() if host_of(d) == host}
-                lost = (rec.lost - devices) if (rec.name, rec.version) in held else (rec.lost | devices)
-                if lost != rec.lost:
-                    out.append(replace(rec, lost=frozenset(lost)))
+            out = [r for r in map(reconciled, self._tensors.values()) if r is not None]
+            old = [r for kept in self._old.values() for r in map(reconciled, kept.values()) if r is not None]
             for rec in out:
                 self._tensors[rec.name] = rec
+            for rec in old:
+                self._keep_locked(rec)
+        self._save_old(old)
         return out
 
     def load(self, records) -> None:
         with self._lock:
             for r in records:
                 self._tensors[r.name] = r
+
+    # -- version numbers ------------------------------------------------------------------------------------------
+
+    def _top_locked(self, name: str) -> int:
+        """The highest version of ``name`` held, current or kept, or claimed by a job in flight (0: none)."""
+        current = self._tensors.get(name)
+        return max(current.version if current is not None else 0, self._claims.get(name, 0),
+                   max(self._old.get(name, {0: None})))
+
+    def next_version(self, name: str) -> int:
+        """The version an upload of ``name`` opened now would likely commit as (`publishing` decides)."""
+        with self._lock:
+            return self._top_locked(name) + 1
+
+    def claim(self, names) -> dict[str, int]:
+        """The version each of ``names`` commits as in a job starting now (one job per name at a time: the job
+        runner's locks); waits while an upload of one of them commits, so a job that reads a current version
+        commits the version after it (the agents' rule for a job that commits several tensors)."""
+        with self._changed:
+            self._changed.wait_for(lambda: not any(self._publishing[n] for n in names))
+            claimed = {n: self._top_locked(n) + 1 for n in names}
+            self._claims.update(claimed)
+        return claimed
+
+    def unclaim(self, names) -> None:
+        """The job that claimed ``names`` ended (its versions committed, or released on failure)."""
+        with self._lock:
+            for n in names:
+                self._claims.pop(n, None)
+
+    @contextmanager
+    def publishing(self, names) -> Iterator[dict[str, int]]:
+        """While an upload of ``names`` commits: the version each commits as, above any a job in flight claimed
+        (whose commit then finds its source superseded, and fails); jobs starting meanwhile wait (`claim`)."""
+        with self._lock:
+            versions = {n: self._top_locked(n) + 1 for n in names}
+            self._publishing.update(names)
+        try:
+            yield versions
+        finally:
+            with self._changed:
+                self._publishing.subtract(names)
+                self._publishing += Counter()  # drop the names at zero
+                self._changed.notify_all()
+
+    # -- versions held and pins -----------------------------------------------------------------------------------
+
+    def _held_locked(self, name: str) -> list[TensorRecord]:
+        """Every version of ``name`` held, oldest first: the kept ones, then the current one."""
+        kept = [r for _, r in sorted(self._old.get(name, {}).items())]
+        current = self._tensors.get(name)
+        return kept + ([current] if current is not None else [])
+
+    def _labeled_locked(self, name: str, step: int) -> TensorRecord:
+        """The newest held version of ``name`` labeled ``step`` (a reshard_many commits the label again)."""
+        held = self._held_locked(name)
+        for rec in reversed(held):
+            if rec.step == step:
+                return rec
+        if not held:
+            raise NotFoundError(f"no tensor named {name!r}")
+        raise NotFoundError(f"tensor {name!r} holds no version labeled step {step}; it holds "
+                            f"{held_text(held)} (a version is held while it is current or pinned)")
+
+    def pin(self, names: list[str] | None, step: int | None) -> PinRecord:
+        """Hold, for each of ``names`` (None: every tensor in the catalog), its current version, or its version
+        labeled ``step``; the pin is a lease, renewed by every read through it (`resolve`)."""
+        with self._lock:
+            if names is None:
+                names = sorted(self._tensors)
+                if not names:
+                    raise NotFoundError("the catalog holds no tensor to pin")
+            repeated = repeated_names(names)
+            if repeated:
+                raise InvalidArgumentError(f"pin names tensors {repeated[:5]} more than once; name each once")
+            versions = {}
+            for n in names:
+                if step is None:
+                    rec = self._tensors.get(n)
+                    if rec is None:
+                        shown = sorted(self._tensors)[:10]
+                        raise NotFoundError(f"no tensor named {n!r} to pin; the catalog holds {shown}")
+                else:
+                    rec = self._labeled_locked(n, step)
+                versions[n] = rec.version
+            pin = PinRecord(uuid.uuid4().hex, versions, step)
+            self._pins[pin.id] = pin
+            self._used[pin.id] = self._clock()
+            self._holds.update(versions.items())
+        if self._store is not None:
+            self._store.save_pin(pin.id, json.dumps(pin.to_json()))
+        return pin
+
+    def release_pin(self, pin_id: str) -> list[TensorRecord]:
+        """Let go of pin ``pin_id`` (unknown: nothing to do, a release is idempotent); returns the versions this
+        made free, for the caller to release on their agents."""
+        return self._drop_pins([pin_id])
+
+    def expired_pins(self) -> tuple[list[str], list[TensorRecord]]:
+        """The pins unused for ``pin_timeout_s`` (a reader that died), dropped, and the versions that made free."""
+        now = self._clock()
+        with self._lock:
+            gone = [p for p, used in self._used.items() if now - used > self.pin_timeout_s]
+        return gone, self._drop_pins(gone)
+
+    def _drop_pins(self, pin_ids: list[str]) -> list[TensorRecord]:
+        freed = []
+        with self._lock:
+            dropped = [self._pins.pop(p) for p in pin_ids if p in self._pins]
+            for pin in dropped:
+                del self._used[pin.id]
+                for key in pin.versions.items():
+                    self._holds[key] -= 1
+                    if self._holds[key] <= 0:
+                        del self._holds[key]
+                        rec = self._unkeep_locked(*key)
+                        if rec is not None:
+                            freed.append(rec)
+        if self._store is not None:
+            for pin in dropped:
+                self._store.delete_pin(pin.id)
+            self._store.delete_held_versions([(r.name, r.version) for r in freed])
+        return freed
+
+    def resolve(self, names: list[str], pin_id: str = "", step: int | None = None) -> list[TensorRecord]:
+        """The records of ``names`` that a read names: the versions pin ``pin_id`` holds (and the read renews it),
+        or the versions labeled ``step``, or (neither) the current ones; all at one instant."""
+        if not pin_id and step is None:
+            return self.snapshot(names)
+        with self._lock:
+            if pin_id:
+                pin = self._pins.get(pin_id)
+                if pin is None:
+                    raise NotFoundError(f"pin {pin_id[:12]} is not held: it was released, or it expired after "
+                                        f"{self.pin_timeout_s:g}s without a read (the planner's --pin-timeout-s); "
+                                        f"pin again")
+                self._used[pin_id] = self._clock()
+                missing = [n for n in names if n not in pin.versions]
+                if missing:
+                    shown = sorted(pin.versions)[:10] + (["..."] if len(pin.versions) > 10 else [])
+                    raise NotFoundError(f"pin {pin_id[:12]} holds no version of {missing[0]!r}; it holds {shown}; "
+                                        f"pin that tensor too")
+                out = []
+                for n in names:
+                    v = pin.versions[n]
+                    current = self._tensors.get(n)
+                    out.append(current if current is not None and current.version == v else self._old[n][v])
+                return out
+            return [self._labeled_locked(n, step) for n in names]
+
+    def current_named(self, names: list[str], pin_id: str = "", step: int | None = None) -> list[TensorRecord]:
+        """The current records of ``names``, each checked to be the version ``pin_id`` or ``step`` names: a job
+        moves a tensor's current version (moving an older one would commit it over a newer one)."""
+        named = self.resolve(names, pin_id, step)
+        current = self.snapshot(names)
+        for old, now in zip(named, current):
+            if old.version != now.version:
+                what = f"pin {pin_id[:12]}" if pin_id else f"step {step}"
+                raise FailedPreconditionError(
+                    f"{what} names {old.name!r} v{old.version} ({label(old)}), but v{now.version} ({label(now)}) is "
+                    f"current, and a reshard moves the current version; reshard the current one, or read the older "
+                    f"one with get_many(version=...)")
+        return current
+
+    def versions(self, name: str) -> list[tuple[TensorRecord, int]]:
+        """Every version of ``name`` held, current last, each with the number of pins on it."""
+        with self._lock:
+            held = self._held_locked(name)
+            out = [(r, self._holds[r.name, r.version]) for r in held]
+        if not out:
+            raise NotFoundError(f"no tensor named {name!r} holds any version")
+        return out
+
+    def pins_on(self, rec: TensorRecord) -> int:
+        with self._lock:
+            return self._holds[rec.name, rec.version]
+
+    def _keep_locked(self, rec: TensorRecord) -> None:
+        self._old.setdefault(rec.name, {})[rec.version] = rec
+
+    def _unkeep_locked(self, name: str, version: int) -> TensorRecord | None:
+        kept = self._old.get(name)
+        rec = kept.pop(version, None) if kept else None
+        if kept is not None and not kept:
+            del self._old[name]
+        return rec
+
+    def _save_old(self, records: list[TensorRecord]) -> None:
+        if self._store is not None and records:
+            self._store.save_held_versions([(r.name, r.version, r.json_text()) for r in records])
 
 
 @dataclass
@@ -197,20 +493,23 @@ class Uploads:
         self._by_name: dict[str, Upload] = {}
         self._groups: dict[str, list[Upload]] = {}
 
-    @staticmethod
-    def _record(name: str, shape, dtype: str, sharding: Sharding, kind: str) -> TensorRecord:
+    def _record(self, name: str, shape, dtype: str, sharding: Sharding, kind: str,
+                step: int | None = None) -> TensorRecord:
+        """The record an upload would commit; its version is the likely one (`Catalog.publishing` decides)."""
         check_name(name)
         shape = sharding.check_shape(normalise_shape(shape))
         dtype = dtype_name(dtype)
         if kind not in KINDS:
             raise InvalidArgumentError(f"kind {kind!r} must be one of {list(KINDS)}")
-        return TensorRecord(name, shape, dtype, sharding, 1, kind)
+        return TensorRecord(name, shape, dtype, sharding, self._catalog.next_version(name), kind,
+                            step=check_step(step))
 
-    def _check_free_locked(self, name: str) -> Upload | None:
-        """Raise if ``name`` is catalogued; returns the upload of that name in progress, if any."""
-        if self._catalog.contains(name):
-            raise AlreadyExistsError(f"tensor name {name!r} is taken; delete it first or pick another name")
-        return self._by_name.get(name)
+    def _pending_locked(self, rec: TensorRecord) -> Upload | None:
+        """Refuse a new version of a catalogued name in another shape or dtype; returns the upload of that name
+        in progress, if any."""
+        if self._catalog.contains(rec.name):
+            check_same_layout(self._catalog.get(rec.name), rec)
+        return self._by_name.get(rec.name)
 
     def _busy(self, pending: Upload) -> AlreadyExistsError:
         return AlreadyExistsError(
@@ -218,10 +517,11 @@ class Uploads:
             f"or for it to expire {self._timeout:g}s after its last activity"
         )
 
-    def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool) -> Upload:
-        rec = self._record(name, shape, dtype, sharding, kind)
+    def begin(self, name: str, shape, dtype: str, sharding: Sharding, kind: str, per_shard: bool,
+              step: int | None = None) -> Upload:
+        rec = self._record(name, shape, dtype, sharding, kind, step)
         with self._lock:
-            pending = self._check_free_locked(name)
+            pending = self._pending_locked(rec)
             if pending is not None:
                 if per_shard and pending.per_shard:
                     self._check_same(pending.record, rec)
@@ -233,17 +533,19 @@ class Uploads:
             self._by_name[name] = up
             return up
 
-    def begin_group(self, tensors: list[tuple[str, tuple, str, Sharding, str]]) -> tuple[str, list[Upload]]:
-        """Open an upload of every (name, shape, dtype, sharding, kind) as one group (put_many): they commit
-        together (`group`, then `Catalog.commit`) and expire together. Returns the group's id and its uploads."""
-        records = [self._record(*t) for t in tensors]
+    def begin_group(self, tensors: list[tuple[str, tuple, str, Sharding, str]],
+                    step: int | None = None) -> tuple[str, list[Upload]]:
+        """Open an upload of every (name, shape, dtype, sharding, kind) as one group (put_many), each labeled
+        ``step``: they commit together (`group`, then `Catalog.commit`) and expire together. Returns the group's
+        id and its uploads."""
+        records = [self._record(*t, step) for t in tensors]
         names = [r.name for r in records]
         repeated = repeated_names(names)
         if repeated:
             raise InvalidArgumentError(f"put_many names tensors {repeated[:5]} more than once; each tensor once")
         with self._lock:
-            for name in names:
-                pending = self._check_free_locked(name)
+            for rec in records:
+                pending = self._pending_locked(rec)
                 if pending is not None:
                     raise self._busy(pending)
             group = uuid.uuid4().hex
@@ -270,7 +572,7 @@ class Uploads:
 
     @staticmethod
     def _check_same(old: TensorRecord, new: TensorRecord) -> None:
-        for what in ("shape", "dtype", "sharding"):
+        for what in ("shape", "dtype", "sharding", "step"):
             a, b = getattr(old, what), getattr(new, what)
             if a != b:
                 raise InvalidArgumentError(
@@ -333,7 +635,8 @@ class Uploads:
         return out
 
 
-def bumped(rec: TensorRecord, sharding: Sharding) -> TensorRecord:
-    """``rec``'s next version, held in ``sharding`` with nothing lost (built directly: `dataclasses.replace` took
-    a millisecond of every state dict's job)."""
-    return TensorRecord(rec.name, rec.shape, rec.dtype, sharding, rec.version + 1, rec.kind)
+def bumped(rec: TensorRecord, sharding: Sharding, version: int | None = None) -> TensorRecord:
+    """``rec``'s next version (``version``, default the one after it), held in ``sharding`` with nothing lost and
+    ``rec``'s step label (built directly: `dataclasses.replace` took a millisecond of every state dict's job)."""
+    return TensorRecord(rec.name, rec.shape, rec.dtype, sharding, rec.version + 1 if version is None else version,
+                        rec.kind, step=rec.step)

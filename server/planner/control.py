@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from dataclasses import replace
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -17,6 +18,7 @@ from reshard.box import Box, box_str, volume
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, InvalidShardingError
 from reshard.jsonio import loads
+from reshard.manifest import Manifest
 from reshard.mesh import host_of
 from reshard.einsum import APPLY_OPS, EinsumError, plan_apply, plan_einsum
 from reshard.sequence import Op, check_ops, plan_sequence
@@ -38,7 +40,8 @@ from reshard.proto.layout import tile_shape
 from reshard.server.common.contract import Staging
 from reshard.server.common.sizes import format_size
 from reshard.server.common.tickets import put_fields, sign
-from reshard.server.planner.catalog import Catalog, TensorRecord, Upload, Uploads, check_name, repeated_names
+from reshard.server.planner.catalog import (Catalog, PinRecord, TensorRecord, Upload, Uploads, check_name,
+                                            check_step, repeated_names)
 from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.membership import NO_TORCH, GroupCoordinator
 from reshard.server.planner.jobs import JOBS_KEPT, AgentCalls, Job, JobRunner, Planned, ProgramCache, planned_from
@@ -117,8 +120,8 @@ class Planner:
         self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
                                       "it runs with --no-rendezvous", generation=self.store.counter(GENERATION),
                                       saved=lambda generation: self.store.save_counter(GENERATION, generation))
-        self.catalog = Catalog()
-        self.catalog.load(TensorRecord.from_json(d) for d in self.store.tensors())
+        self.catalog = Catalog(self.store, config.pin_timeout_s)
+        self.catalog.restore()  # the current versions, the older ones pins hold, and the pins
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
@@ -252,7 +255,8 @@ class Planner:
     # -- uploads -----------------------------------------------------------------------------
 
     def begin_upload(self, name: str, shape, dtype: str, sharding_json: str, kind: str,
-                     device: str = "", shard_shape=()) -> tuple[Upload, list[TileLocation]]:
+                     device: str = "", shard_shape=(), step: int | None = None) -> tuple[Upload, list[TileLocation]]:
+        """Open an upload of ``name`` (its next version when it exists), labeled ``step``."""
         sharding = self._sharding(sharding_json, "sharding")
         sharding.check_shape(shape)
         self.registry.check_mesh(sharding.mesh)
@@ -274,7 +278,7 @@ class Planner:
                     f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
                 )
         self._check_memory(sharding, sharding.check_shape(shape), dtype, f"tensor {name!r}")
-        upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device))
+        upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device), step=step)
         return upload, self._upload_locations(upload)
 
     def finish_upload(self, upload_id: str, devices) -> tuple[bool, int]:
@@ -289,10 +293,10 @@ class Planner:
                 self.uploads.close(upload_id)
         return True, 0
 
-    def begin_uploads(self, tensors: list[tuple[str, tuple, str, str, str]]
+    def begin_uploads(self, tensors: list[tuple[str, tuple, str, str, str]], step: int | None = None
                       ) -> tuple[str, list[tuple[Upload, list[TileLocation]]]]:
-        """Open a put_many: an upload of every (name, shape, dtype, sharding JSON, kind), all committed at once by
-        `finish_uploads`."""
+        """Open a put_many: an upload of every (name, shape, dtype, sharding JSON, kind), each labeled ``step``,
+        all committed at once by `finish_uploads`."""
         if not tensors:
             raise InvalidArgumentError("put_many needs at least one tensor; got none")
         if len(tensors) > self.config.max_plan_tasks:
@@ -310,7 +314,7 @@ class Planner:
             parsed.append((name, shape, dtype, sharding, kind or "numpy"))
         self._check_memory_together([(sharding, shape, dtype, f"tensor {name!r}") for name, shape, dtype, sharding, _
                                      in parsed], f"put_many of {len(parsed)} tensors")
-        group, uploads = self.uploads.begin_group(parsed)
+        group, uploads = self.uploads.begin_group(parsed, step)
         return group, [(up, self._upload_locations(up)) for up in uploads]
 
     def finish_uploads(self, group: str) -> None:
@@ -323,8 +327,19 @@ class Planner:
                 self.uploads.close_group(group)
 
     def _commit_uploads(self, uploads: list[Upload]) -> None:
-        """Commit the uploads' staged shards on their agents (hosts at once), then add every tensor to the catalog
-        in one step; on any failure nothing stays: committed shards are released and staged ones dropped."""
+        """Number the uploads' versions, commit their staged shards on their agents (hosts at once), then publish
+        every tensor in the catalog in one step and release the versions that superseded (unless pinned); on any
+        failure nothing stays: committed shards are released and staged ones dropped."""
+        with self.catalog.publishing([up.record.name for up in uploads]) as versions:
+            for up in uploads:
+                if up.record.version != versions[up.record.name]:
+                    up.record = replace(up.record, version=versions[up.record.name])
+            freed = self._publish(uploads)
+        if freed:
+            self.jobs.release(*freed)
+
+    def _publish(self, uploads: list[Upload]) -> list[TensorRecord]:
+        """`_commit_uploads` once the versions are numbered; returns the versions it made free."""
         by_host: dict[str, list[tuple[Upload, list[str]]]] = {}
         for up in uploads:
             devices: dict[str, list[str]] = {}
@@ -349,11 +364,12 @@ class Planner:
         try:
             for f in [self._commit_pool.submit(commit, h) for h in by_host]:
                 f.result()
-            self.catalog.commit([(None, up.record) for up in uploads])
+            freed = self.catalog.commit([(None, up.record) for up in uploads])
         except BaseException:
             self._drop_uploads(uploads, committed)
             raise
         self.store.save_tensors([(up.record.name, up.record.json_text()) for up in uploads])
+        return freed
 
     def _drop_upload(self, upload: Upload) -> None:
         self._drop_uploads([upload], {})
@@ -388,15 +404,40 @@ class Planner:
                 log.warning("upload of %r expired after %gs without activity; dropping its staged shards",
                             up.record.name, self.config.upload_timeout_s)
                 self._drop_upload(up)
+            expired, freed = self.catalog.expired_pins()
+            if expired:
+                log.warning("pins %s expired after %gs without a read; %d versions they held are freed",
+                            [p[:8] for p in expired], self.config.pin_timeout_s, len(freed))
+            if freed:
+                self.jobs.release(*freed)
 
     # -- catalog ---------------------------------------------------------------------------------
 
-    def tensor(self, name: str) -> tuple[TensorRecord, list[TileLocation]]:
-        return self._located(self.catalog.get(name))
+    def tensor(self, name: str, pin: str = "", step: int | None = None) -> tuple[TensorRecord, list[TileLocation]]:
+        """``name``'s current version, or the one pin ``pin`` holds, or the one labeled ``step``, with its tiles."""
+        if not pin and step is None:
+            return self._located(self.catalog.get(name))
+        return self._located(self.catalog.resolve([name], pin, step)[0])
 
-    def tensors_at_once(self, names: list[str]) -> list[tuple[TensorRecord, list[TileLocation]]]:
-        """Several tensors as the catalog holds them at one instant (`Catalog.snapshot`), each with its tiles."""
-        return [self._located(rec) for rec in self.catalog.snapshot(list(dict.fromkeys(names)))]
+    def tensors_at_once(self, names: list[str], pin: str = "", step: int | None = None
+                        ) -> list[tuple[TensorRecord, list[TileLocation]]]:
+        """Several tensors as the catalog holds them at one instant (`Catalog.snapshot`), or the versions pin
+        ``pin`` holds or step ``step`` labels (`Catalog.resolve`), each with its tiles."""
+        return [self._located(rec) for rec in self.catalog.resolve(list(dict.fromkeys(names)), pin, step)]
+
+    def pin(self, names: list[str] | None, step: int | None = None) -> PinRecord:
+        """Pin, for each of ``names`` (None: every tensor), its current version or the one labeled ``step``."""
+        return self.catalog.pin(names, check_step(step))
+
+    def release_pin(self, pin_id: str) -> None:
+        """Let go of a pin (idempotent), freeing on their agents the older versions no other pin holds."""
+        freed = self.catalog.release_pin(pin_id)
+        if freed:
+            self.jobs.release(*freed)
+
+    def versions(self, name: str) -> list[tuple[TensorRecord, int]]:
+        """Every version of ``name`` held, current last, with the pins on each."""
+        return self.catalog.versions(name)
 
     def _located(self, rec: TensorRecord) -> tuple[TensorRecord, list[TileLocation]]:
         tiles = rec.sharding.tiles(rec.shape)
@@ -413,9 +454,10 @@ class Planner:
     def delete(self, name: str) -> None:
         if self.jobs.busy(name):
             raise FailedPreconditionError(f"tensor {name!r} has a reshard job queued or running; wait for it first")
-        rec = self.catalog.remove(name)
+        rec, free = self.catalog.remove(name)
         self.store.delete_tensor(name)
-        self.jobs.release(rec)  # best effort: the catalog entry is gone; memory is reclaimed on restart
+        if free:  # else a pin holds it: readable through the pin until released
+            self.jobs.release(rec)  # best effort: the catalog entry is gone; memory is reclaimed on restart
 
     # -- planning and jobs -------------------------------------------------------------------------
 
@@ -607,11 +649,14 @@ class Planner:
         return self.jobs.submit(name, dst, strategy, planned)
 
     def reshard_many(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
-                     scales: list[tuple[str, str, tuple[int, ...] | None]]) -> Job:
+                     scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
+                     pin: str = "", step: int | None = None) -> Job:
         """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
         commits them together (`reshard.many`). ``scales`` pairs a weight with its block-scale tensor and block
         (None: from the shapes), which follows the weight's destination (its own may be left empty, or out of
-        ``targets``). ``bucket_bytes`` None is the default bucket size, 0 packs nothing."""
+        ``targets``). ``bucket_bytes`` None is the default bucket size, 0 packs nothing. ``manifest_json`` (a
+        `reshard.Manifest`'s JSON, or empty) is the consumer's manifest, checked before anything else is
+        (`_check_manifest`); the job records its digest."""
         if not targets:
             raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
         names = [n for n, _ in targets]
@@ -631,7 +676,9 @@ class Planner:
                                        f"({[w for w, _, _ in scales][:5]}); give each weight one")
         given = set(names)
         names += [s for s, _ in pairs.values() if s not in given]
-        records = dict(zip(names, self.catalog.snapshot(names)))
+        manifest = self._check_manifest(manifest_json, names, f"reshard_many of {len(names)} tensors")
+        # With a pin or a step: the versions they name, which must be current (a job moves the current version)
+        records = dict(zip(names, self.catalog.current_named(names, pin, check_step(step))))
         for rec in records.values():
             self._check_not_lost(rec)
         followers = {s for s, _ in pairs.values()}
@@ -668,7 +715,33 @@ class Planner:
         self._check_memory_together([(d.dst, d.shape, d.dtype, f"resharding {d.name!r}") for d in decls],
                                     f"reshard_many of {len(decls)} tensors")
         return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
-                                     {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()})
+                                     {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()},
+                                     manifest_digest=manifest.digest if manifest is not None else "", pin=pin,
+                                     step=step)
+
+    def _check_manifest(self, manifest_json: str, names: list[str], what: str) -> Manifest | None:
+        """The consumer's manifest, once every tensor ``names`` moves is in it with the catalog's shape and dtype
+        and none it lists is left out; else `ManifestError` (INVALID_ARGUMENT) listing each difference. Checked
+        before the catalog is read for the job, so a name the trainer never published is listed with the rest
+        rather than failing alone as NOT_FOUND; nothing is planned or moved."""
+        if not manifest_json:
+            return None
+        manifest = Manifest.from_json(manifest_json, max_bytes=self.config.max_json_bytes,
+                                      max_depth=self.config.max_json_depth)
+        offered, absent = {}, []
+        for name in names:
+            if self.catalog.contains(name):
+                rec = self.catalog.get(name)
+                offered[name] = (rec.shape, rec.dtype)
+            else:
+                offered[name] = None
+        for name in manifest:
+            if name not in offered:
+                absent.append((name, "not among the tensors moved"))
+            elif offered[name] is None:
+                absent.append((name, "not in the catalog"))
+        manifest.check({n: e for n, e in offered.items() if e is not None or n not in manifest}, what, absent)
+        return manifest
 
     def _check_memory_together(self, items: list[tuple[Sharding, tuple[int, ...], str, str]], what: str) -> None:
         """`_check_memory` of each (sharding, shape, dtype, what), then of all of them together on every host."""

@@ -3,6 +3,8 @@
 A job reshards one tensor, runs a compute program, or (kind ``reshard_many``) reshards many tensors in one
 program (`reshard.many`): it locks them all, runs once, and commits every tensor's new version in one catalog
 step, so a reader sees all of them old or all of them new, and a failure leaves every one at its old version.
+A job claims the versions it commits as it starts (`Catalog.claim`); the versions its commit supersedes are
+released on their agents unless a pin holds them (`Catalog.commit`).
 
 A job's life: ``queued`` (waiting for earlier jobs on the same tensor) ->
 ``running`` -> ``succeeded`` or ``failed``. Running, the planner makes the plan (or
@@ -171,10 +173,14 @@ class Job:
     bucket_bytes: int = 0  # reshard_many: moves smaller than this are packed into buckets of at least this
     versions: dict[str, int] = field(default_factory=dict)  # reshard_many, compute_many: tensor -> its new version
     outputs: list[str] = field(default_factory=list)  # compute_many: every tensor its ops write, in order
+    # reshard_many: the pin or step label that names the versions it moves (each must still be current)
+    pin: str = ""
+    step: int | None = None
     # Where the job's seconds went, in `PHASES` order (those it reached), and each host's Execute call, seconds
     phases: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
     transport_reason: str = ""  # why the job runs on ``transport`` (`GroupCoordinator.choose`)
+    manifest_digest: str = ""  # reshard_many: SHA-256 of the consumer's manifest it was checked against, if any
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -219,7 +225,8 @@ class Job:
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
                 "kind": self.kind, "inputs": self.inputs, "scales": self.scales, "bucket_bytes": self.bucket_bytes,
                 "versions": self.versions, "outputs": self.outputs, "phases": self.phases,
-                "host_seconds": self.host_seconds, "transport_reason": self.transport_reason}
+                "host_seconds": self.host_seconds, "transport_reason": self.transport_reason,
+                "manifest_digest": self.manifest_digest}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -231,7 +238,7 @@ class Job:
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
                   bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
                   outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}),
-                  transport_reason=d.get("transport_reason", ""))
+                  transport_reason=d.get("transport_reason", ""), manifest_digest=d.get("manifest_digest", ""))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -344,11 +351,14 @@ class JobRunner:
                                 make_program=make_program, outputs=list(outputs or []), planned=planned))
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
-                    scales: dict[str, list]) -> Job:
-        """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit."""
+                    scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
+                    step: int | None = None) -> Job:
+        """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
+        ``pin`` or ``step``, of the versions they name (still current as the job starts)."""
         names = sorted(dsts)
         return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
-                                dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes))
+                                dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes,
+                                manifest_digest=manifest_digest, pin=pin, step=step))
 
     def _submit(self, job: Job) -> Job:
         with self._lock:
@@ -413,6 +423,8 @@ class JobRunner:
                 self._finish(job, e)
             else:
                 self._finish(job)
+            finally:
+                self.catalog.unclaim(_commits_of(job))
             if superseded:
                 # The new versions are committed and the caller has them; freeing the old ones is housekeeping,
                 # still under the tensors' locks so the next job on them starts after it.
@@ -515,8 +527,8 @@ class JobRunner:
         return watch
 
     def _reshard(self, job: Job) -> list[TensorRecord]:
-        """Run the job up to its commit; returns the records it replaced, whose versions are now free (none when
-        the job made a new tensor)."""
+        """Run the job up to its commit; returns the records it replaced whose versions are now free (none when
+        the job made a new tensor, or a pin holds them)."""
         began = time.monotonic()
         deadline = began + self.job_timeout_s
         work = self._work(job)
@@ -557,7 +569,7 @@ class JobRunner:
                 job.phases["running"] = committed - ran
                 if not at_once:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
-                self.catalog.commit(work.commits)
+                freed = self.catalog.commit(work.commits)
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
                 self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
@@ -571,28 +583,30 @@ class JobRunner:
                         log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
         self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits])
         self._count_moved(job, work.moves)
-        return [old for old, _ in work.commits if old is not None]
+        return freed
 
     def _work(self, job: Job) -> "_Work":
         """What the job runs: a plan of moves for a reshard between value shardings, else a program (a Partial
         tensor's reshard: `reshard_program`; a compute job: its ``make_program``), the one its request was checked
         with (`Planned`) where it still fits the records and the topology, else planned now."""
         planned, job.planned = job.planned, None  # used once: the job then holds what ran (``plan``, ``program``)
+        claimed = self.catalog.claim(_commits_of(job))
         if job.kind == "reshard":
             rec: TensorRecord = self.catalog.get(job.tensor)
-            job.version = rec.version + 1
+            job.version = claimed[job.tensor]
             if not (rec.sharding.is_partial or job.dst.is_partial):
                 plan, plan_json = self._plan(job, rec)
                 moves = _Moves.of([(t, plan.itemsize) for t in plan.transfers], set(job.dst.mesh.hosts))
                 return _Work(plan_json, plan.id, moves, sorted(moves.hosts), rec.version, {},
-                             [(rec, bumped(rec, job.dst))])
+                             [(rec, bumped(rec, job.dst, job.version))])
             topology = self.registry.topology()
             program = _still_fits(planned, [rec], topology)
             if program is None:
                 program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, topology, job.strategy)
-            return self._program_work(job, program.validate(), rec.version, {}, [(rec, bumped(rec, job.dst))])
+            return self._program_work(job, program.validate(), rec.version, {},
+                                      [(rec, bumped(rec, job.dst, job.version))])
         if job.kind == "reshard_many":
-            records = dict(zip(job.inputs, self.catalog.snapshot(job.inputs)))
+            records = dict(zip(job.inputs, self.catalog.current_named(job.inputs, job.pin, job.step)))
             topology = self.registry.topology()
             key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()), topology,
                    job.strategy, job.bucket_bytes,
@@ -603,12 +617,13 @@ class JobRunner:
                 hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
                                                              job.scales).validate())
             program, text = hit
-            job.versions = {n: r.version + 1 for n, r in records.items()}
+            job.versions = claimed
             job.version = job.versions[job.tensor]
             # Each tensor is read at its own version and commits as the next (the agents' rule for a program
-            # that commits several tensors).
+            # that commits several tensors): what a claim gives a current version, as no upload commits meanwhile.
+            assert all(claimed[n] == r.version + 1 for n, r in records.items()), (claimed, records)
             reads = {n: (n, r.version) for n, r in records.items()}
-            commits = [(r, bumped(r, job.dsts[n])) for n, r in records.items()]
+            commits = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in records.items()]
             return self._program_work(job, program, records[job.tensor].version, reads, commits, text)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         topology = self.registry.topology()
@@ -617,19 +632,20 @@ class JobRunner:
             program = job.make_program(inputs, topology)
         program = program.validate()
         if job.kind == "compute_many":
-            return self._many_outputs_work(job, program, inputs)
+            return self._many_outputs_work(job, program, inputs, claimed)
         out = next(t for t in program.tensors if t.dst is not None)
         job.dst = out.dst
         old = self.catalog.get(job.tensor) if self.catalog.contains(job.tensor) else None
-        job.version = old.version + 1 if old is not None else 1
+        job.version = claimed[job.tensor]
         reads = {n: (n, r.version) for n, r in inputs.items()}
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
         return self._program_work(job, program, 0, reads, [(old, new)])
 
-    def _many_outputs_work(self, job: Job, program: Program, inputs: dict[str, TensorRecord]) -> "_Work":
+    def _many_outputs_work(self, job: Job, program: Program, inputs: dict[str, TensorRecord],
+                           claimed: dict[str, int]) -> "_Work":
         """A compute_many job's work: op ``k`` reads catalog tensor ``n`` as ``n@k`` (`reshard.sequence`) at its
-        version now, and every output commits as its next version (1 for a new tensor), all together."""
+        version now, and every output commits as the version it claimed (1 for a new tensor), all together."""
         reads: dict[str, tuple[str, int]] = {}
         for t in program.tensors:
             base = aliased(t.name)
@@ -641,7 +657,7 @@ class JobRunner:
             if t.dst is None:
                 continue
             old = self.catalog.get(t.name) if self.catalog.contains(t.name) else None
-            version = old.version + 1 if old is not None else 1
+            version = claimed[t.name]
             job.versions[t.name] = version
             reads[t.name] = (t.name, version)
             commits.append((old, TensorRecord(t.name, t.shape, t.dtype, t.dst, version, kind)))
@@ -816,6 +832,15 @@ class _Moves:
             network_bytes += n * copies
             local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
         return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes)
+
+
+def _commits_of(job: Job) -> list[str]:
+    """The tensors ``job`` commits new versions of (what it claims versions for)."""
+    if job.kind == "reshard_many":
+        return list(job.inputs)
+    if job.kind == "compute_many":
+        return list(job.outputs)
+    return [job.tensor]
 
 
 def _still_fits(planned: Planned | None, records: Iterable[TensorRecord], topology: Topology) -> Program | None:

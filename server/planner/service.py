@@ -244,6 +244,11 @@ def _staging(staging: Staging, **fields) -> pb.StagingRequest:
     return pb.StagingRequest(upload_id=staging.upload, job_id=staging.job, **fields)
 
 
+def _step(request) -> int | None:
+    """A request's optional version label (``step``), None when unset."""
+    return request.step if request.HasField("step") else None
+
+
 def _locations(items: list[TileLocation]) -> list[pb.TileLocation]:
     return [pb.TileLocation(device=t.device, address=t.address, box=box_to_pb(t.box), ticket=t.ticket, lost=t.lost)
             for t in items]
@@ -261,7 +266,7 @@ def job_info(job: Job) -> pb.JobInfo:
         transport_reason=job.transport_reason,
         kind=job.kind, inputs=job.inputs, versions=job.versions,
         phases=[pb.JobPhase(name=n, seconds=s) for n, s in dict(job.phases).items()],
-        host_seconds=dict(job.host_seconds))
+        host_seconds=dict(job.host_seconds), manifest_digest=job.manifest_digest)
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:
@@ -308,7 +313,7 @@ class PlannerServicer(pb_grpc.PlannerServicer):
     def BeginUpload(self, request, context):
         upload, locations = self.planner.begin_upload(
             request.name, tuple(request.shape), request.dtype, request.sharding_json, request.kind,
-            request.device, tuple(request.shard_shape))
+            request.device, tuple(request.shard_shape), _step(request))
         return pb.BeginUploadReply(upload_id=upload.id, version=upload.record.version, locations=_locations(locations))
 
     @servicer_method
@@ -316,15 +321,31 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         complete, missing = self.planner.finish_upload(request.upload_id, list(request.devices))
         return pb.FinishUploadReply(complete=complete, num_missing=missing)
 
-    def _tensor_info(self, rec, locations=()) -> pb.TensorInfo:
+    def _tensor_info(self, rec, locations=(), pins: int = 0) -> pb.TensorInfo:
         return pb.TensorInfo(name=rec.name, shape=rec.shape, dtype=rec.dtype, version=rec.version, kind=rec.kind,
                              sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), locations=_locations(locations),
-                             lost=bool(rec.lost_tiles()))
+                             lost=bool(rec.lost_tiles()), step=rec.step, pins=pins)
 
     @servicer_method
     def GetTensor(self, request, context):
-        rec, locations = self.planner.tensor(request.name)
+        rec, locations = self.planner.tensor(request.name, request.pin, _step(request))
         return self._tensor_info(rec, locations)
+
+    @servicer_method
+    def Versions(self, request, context):
+        return pb.TensorList(tensors=[self._tensor_info(rec, pins=n) for rec, n in self.planner.versions(request.name)])
+
+    @servicer_method
+    def Pin(self, request, context):
+        if request.every and request.names:
+            raise InvalidArgumentError("a pin names its tensors or sets every (all of the catalog's), not both")
+        pin = self.planner.pin(None if request.every else list(request.names), _step(request))
+        return pb.PinInfo(id=pin.id, versions=pin.versions, step=pin.step)
+
+    @servicer_method
+    def ReleasePin(self, request, context):
+        self.planner.release_pin(request.id)
+        return pb.Empty()
 
     @servicer_method
     def ListTensors(self, request, context):
@@ -350,7 +371,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         return job_info(self.planner.reshard_many(
             [(t.name, t.dst_json) for t in request.targets], request.strategy,
             request.bucket_bytes if request.HasField("bucket_bytes") else None,
-            [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales]))
+            [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
+            manifest_json=request.manifest_json, pin=request.pin, step=_step(request)))
 
     @servicer_method
     def BeginUploads(self, request, context):
@@ -358,7 +380,7 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             raise InvalidArgumentError("BeginUploads opens uploads of whole tensors; a device and a shard shape "
                                        "belong to BeginUpload (put_shard)")
         group, opened = self.planner.begin_uploads(
-            [(t.name, tuple(t.shape), t.dtype, t.sharding_json, t.kind) for t in request.tensors])
+            [(t.name, tuple(t.shape), t.dtype, t.sharding_json, t.kind) for t in request.tensors], _step(request))
         return pb.BeginUploadsReply(group_id=group, uploads=[
             pb.BeginUploadReply(upload_id=up.id, version=up.record.version, locations=_locations(locations))
             for up, locations in opened])
@@ -370,8 +392,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def GetTensors(self, request, context):
-        return pb.TensorList(tensors=[self._tensor_info(rec, locations)
-                                      for rec, locations in self.planner.tensors_at_once(list(request.names))])
+        return pb.TensorList(tensors=[self._tensor_info(rec, locations) for rec, locations in
+                                      self.planner.tensors_at_once(list(request.names), request.pin, _step(request))])
 
     @servicer_method
     def GetJob(self, request, context):

@@ -1,4 +1,5 @@
-"""The planner's durable state: tensors, jobs, plans and counters in SQLite (``--state PATH``).
+"""The planner's durable state: tensors (current and pinned versions), pins, jobs, plans and counters in SQLite
+(``--state PATH``).
 
 Without a path the same tables live in memory, so one code path serves both.
 Rows hold JSON documents; no pickle.
@@ -17,6 +18,9 @@ CREATE TABLE IF NOT EXISTS tensors (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, created REAL NOT NULL, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS plans (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS held_versions (name TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
+                                          PRIMARY KEY (name, version));
+CREATE TABLE IF NOT EXISTS pins (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
 """
 
 
@@ -52,6 +56,31 @@ class StateStore:
 
     def tensors(self) -> list[dict]:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM tensors ORDER BY name")]
+
+    def save_held_versions(self, docs: list[tuple[str, int, str]]) -> None:
+        """Versions no longer current that pins hold (name, version, the record's JSON text), in one transaction."""
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO held_versions (name, version, doc) VALUES (?, ?, ?)", docs)
+            self._db.commit()
+
+    def delete_held_versions(self, keys: list[tuple[str, int]]) -> None:
+        if not keys:
+            return
+        with self._lock:
+            self._db.executemany("DELETE FROM held_versions WHERE name = ? AND version = ?", keys)
+            self._db.commit()
+
+    def held_versions(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._read("SELECT doc FROM held_versions ORDER BY name, version")]
+
+    def save_pin(self, pin_id: str, text: str) -> None:
+        self._write("INSERT OR REPLACE INTO pins (id, doc) VALUES (?, ?)", (pin_id, text))
+
+    def delete_pin(self, pin_id: str) -> None:
+        self._write("DELETE FROM pins WHERE id = ?", (pin_id,))
+
+    def pins(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._read("SELECT doc FROM pins")]
 
     def save_job(self, job_id: str, created: float, text: str) -> None:
         """The job ``job_id``'s document, as its JSON text (`Job.json_text`)."""

@@ -10,7 +10,6 @@ import pytest
 import reshard
 from reshard import Mesh, Sharding
 from reshard.client import (
-    AlreadyExistsError,
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
@@ -47,9 +46,11 @@ def test_unknown_tensor(client):
         client.delete("nope")
 
 
-def test_name_taken(client, tensor):
-    with pytest.raises(AlreadyExistsError, match=f"tensor name '{tensor}' is taken"):
-        client.put(tensor, A * 2, SRC)
+def test_a_new_version_of_another_shape_or_dtype(client, tensor):
+    with pytest.raises(InvalidArgumentError, match=rf"tensor '{tensor}' is float32\[8, 5\] \(v1\), and a new version "
+                                                   rf"keeps its shape and dtype: this one is float64\[8, 5\]; delete "
+                                                   rf"it first to change its shape or dtype"):
+        client.put(tensor, A.astype(np.float64) * 2, SRC)
     _untouched(client, tensor)
 
 

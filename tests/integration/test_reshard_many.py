@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
-from reshard.client import AlreadyExistsError, JobFailedError, NotFoundError
+from reshard.client import AlreadyExistsError, InvalidArgumentError, JobFailedError, NotFoundError
 from reshard.client.cluster import LocalCluster
 from reshard.dtypes import DTYPE_SIZES
 from reshard.errors import ScaleLayoutError
@@ -140,9 +140,10 @@ def test_put_many_is_visible_all_at_once_or_not_at_all(client, fresh_name):
     c._planner_call("FinishUploads", pb.FinishUploadsRequest(group_id=reply.group_id))
     got = c.get_many(names)
     assert np.array_equal(got[names[0]], a) and np.array_equal(got[names[1]], b)
-    # a put_many with one name taken adds none of its tensors
-    with pytest.raises(AlreadyExistsError, match=f"tensor name '{names[1]}' is taken"):
-        c.put_many({f"{fresh_name}_c": (a, mesh), names[1]: (b, mesh)})
+    # a put_many whose new version of one name changes its dtype adds none of its tensors
+    with pytest.raises(InvalidArgumentError, match=rf"tensor '{names[1]}' is int64\[13, 3\] \(v1\), and a new "
+                                                   rf"version keeps its shape and dtype"):
+        c.put_many({f"{fresh_name}_c": (a, mesh), names[1]: (b.astype(np.int32), mesh)})
     assert f"{fresh_name}_c" not in {t.name for t in c.tensors()}
     # a scale whose weight tiles do not start on block boundaries is refused before anything is opened
     with pytest.raises(ScaleLayoutError, match="starts at 256 along dim 0, inside a block of 384"):
