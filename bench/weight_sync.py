@@ -56,6 +56,7 @@ import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -438,8 +439,138 @@ def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "coll
 # -- the report ------------------------------------------------------------------------------------------------
 
 
+# -- 6: an RL loop's steps (examples/rl_weight_sync) against raw gloo sends of the same bytes ---------------------
+
+RL_EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rl_weight_sync" / "rl_loop.py"
+RL_TRAIN_HOSTS, RL_SERVE_HOSTS = ("host0", "host1"), ("host2", "host3")  # the example's: 4 trainer ranks, 2 serving
+
+
+def _rl_pieces(layouts: dict, shapes: dict) -> list[tuple[str, int, int, tuple]]:
+    """(tensor, trainer rank, serving rank, box): what a hand-written sync sends, each serving rank's tile cut
+    from the FSDP2 trainer ranks' tiles (dim 0 over the 4, torch.chunk) that overlap it."""
+    train = Mesh({"fsdp": 4}, [f"{h}/{i}" for h in RL_TRAIN_HOSTS for i in range(2)])
+    pieces = []
+    for name, layout in sorted(layouts.items()):
+        shape = tuple(shapes[name])
+        src = Sharding(train, ("fsdp",) + (None,) * (len(shape) - 1)).tiles(shape)
+        dst = Sharding.from_json(layout).tiles(shape)
+        for r, sbox in enumerate(src.values()):
+            for s_rank, dbox in enumerate(dst[d] for d in Sharding.from_json(layout).mesh.devices):
+                part = tuple((max(a, c), min(b, d)) for (a, b), (c, d) in zip(sbox, dbox))
+                if all(lo < hi for lo, hi in part):
+                    pieces.append((name, r, s_rank, part))
+    return pieces
+
+
+def _rl_gloo_worker(port: int, rank: int, plan_path: str, runs: int) -> None:
+    """One of 6 ranks (0-3 trainers, 4-5 serving): every piece by isend/irecv, all at once, timed barrier to
+    barrier, received bytes checked."""
+    import torch
+    import torch.distributed as dist
+
+    plan = json.loads(Path(plan_path).read_text())
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=6,
+                            timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    mine = []
+    for name, r, s_rank, box in plan["pieces"]:
+        if rank not in (r, 4 + s_rank):
+            continue
+        shape = tuple(hi - lo for lo, hi in box)
+        rng = np.random.default_rng([zlib.crc32(name.encode()), r, s_rank])  # the same at both ends
+        want = torch.from_numpy(rng.standard_normal(shape).astype(np.float32))
+        mine.append((want if rank == r else torch.empty(shape), r, 4 + s_rank, want))
+    times = []
+    for i in range(runs + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        works = [dist.isend(buf, dst) if rank == src else dist.irecv(buf, src) for buf, src, dst, _ in mine]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - t0)
+        for buf, src, _, want in mine:
+            if rank != src and not torch.equal(buf, want):
+                raise AssertionError(f"rank {rank} received wrong bytes from rank {src}")
+    if rank == 0:
+        print(json.dumps({"times": times}), flush=True)
+    dist.destroy_process_group()
+
+
+def rl_loop(steps: int, hidden: int, layers: int, vocab: int, transport: str, runs: int) -> dict:
+    """The example's loop on a local cluster (4 hosts x 2 devices), its per-step report, and raw gloo sends of
+    the bytes one step's sync delivers, between 6 processes laid out as the example's ranks."""
+    import tempfile
+
+    from reshard.client.cluster import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="rl-bench-") as tmp:
+        report = Path(tmp) / "steps.jsonl"
+        with LocalCluster(4, 2, transport=transport) as cluster:
+            env = {**os.environ, "RESHARD_TOKEN": cluster.token, "OMP_NUM_THREADS": "1"}
+            subprocess.run([sys.executable, str(RL_EXAMPLE), "--planner", cluster.address, "--steps", str(steps),
+                            "--hidden", str(hidden), "--layers", str(layers), "--vocab", str(vocab),
+                            "--report", str(report)], env=env, check=True, timeout=TIMEOUT_S)
+            with cluster.connect() as c:
+                shapes = {t.name: t.shape for t in c.tensors()}
+        rows = [json.loads(line) for line in report.read_text().splitlines()]
+        pieces = _rl_pieces(rows[-1]["layouts"], shapes)
+        plan = Path(tmp) / "plan.json"
+        plan.write_text(json.dumps({"pieces": pieces}))
+        import torch.distributed as dist
+
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=300))
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, __file__, "--rl-gloo-worker", str(store.port), str(r), str(plan),
+                                   str(runs)], env=env, stdout=subprocess.PIPE, text=True) for r in range(6)]
+        out = [p.communicate(timeout=TIMEOUT_S)[0] for p in procs]
+        if any(p.returncode for p in procs):
+            raise RuntimeError(f"raw gloo ranks failed: {[p.returncode for p in procs]}")
+    piece_bytes = sum(4 * int(np.prod([hi - lo for lo, hi in box])) for _, _, _, box in pieces)
+    return {"rows": rows, "gloo_times": json.loads(out[0].strip().splitlines()[-1])["times"],
+            "pieces": len(pieces), "piece_bytes": piece_bytes, "nbytes": sum(4 * int(np.prod(s)) for s in
+                                                                              shapes.values())}
+
+
+def rl_section(args) -> str:
+    r = rl_loop(args.rl_steps, args.rl_hidden, args.rl_layers, args.rl_vocab, args.transport, args.runs)
+    gloo = statistics.median(r["gloo_times"])
+    lines = ["| step | trainer's publish (s) | sync (s) | network bytes | serving's pin and read (s) | "
+             "generations during the sync | serving paused for the sync (s) | raw gloo, same bytes (s) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['step']} | {row['publish_s']:.3f} | {row['sync_s']:.3f} | {row['network_bytes']:,} | "
+                     f"{row['read_s']:.3f} | {row['generated']} | {0 if row['generated'] else '-'} | {gloo:.3f} |")
+    syncs = [row["sync_s"] for row in r["rows"][1:]] or [r["rows"][0]["sync_s"]]
+    whole = [row["publish_s"] + row["sync_s"] + row["read_s"] for row in r["rows"]]
+    return (f"The loop of `examples/rl_weight_sync` ({args.rl_layers} layers, hidden {args.rl_hidden}, vocabulary "
+            f"{args.rl_vocab}: {r['nbytes'] / MiB:.1f} MiB of float32 weights): 4 FSDP2 ranks (gloo, CPU) train a "
+            f"transformers LlamaForCausalLM with AdamW and publish every step (`put_state_dict`, every rank its "
+            f"shards); the 2-rank tensor-parallel server's first rank syncs it (`sync_state_dict`, one "
+            f"`reshard_many` on the {args.transport} transport, checked against the model's manifest) while both "
+            f"ranks keep generating from the previous step, then each pins and reads its shards into the model in "
+            f"place (`get_state_dict`). Serving is paused for the sync 0 s: every step ran generations while the "
+            f"sync was in flight (the generations column); it waits only for its own pin and read. Raw gloo: 6 "
+            f"processes laid out as the example's ranks send the {r['pieces']} pieces a step's sync delivers "
+            f"({r['piece_bytes'] / MiB:.2f} MiB: each serving rank's tiles cut from the trainer ranks' tiles), "
+            f"all isend/irecv at once, median of {args.runs} after one untimed; the sync's median after the first "
+            f"step, {statistics.median(syncs):.3f} s, is {statistics.median(syncs) / gloo:.1f}x that, the price of "
+            f"a job (plan check, prepare, commit, the manifest gate) on this many small tensors. A hand-written "
+            f"gloo sync has no publish or read of its own: its one transfer stands for all three columns, whose "
+            f"sum's median is {statistics.median(whole):.3f} s ({statistics.median(whole) / gloo:.0f}x), and it "
+            f"needs the trainer and the server in one process group, in lockstep.\n\n"
+            + "\n".join(lines)
+            + f"\n\nReproduce: `python bench/weight_sync.py --rl-loop --rl-steps {args.rl_steps} --rl-hidden "
+              f"{args.rl_hidden} --rl-layers {args.rl_layers} --transport {args.transport}`.")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--rl-gloo-worker":
+        _rl_gloo_worker(int(argv[1]), int(argv[2]), argv[3], int(argv[4]))
+        return 0
     workers = {"--gloo-worker": _gloo_worker, "--dtensor-worker": _dtensor_worker}
     if argv and argv[0] in workers:
         port, rank, layers, hidden, runs = map(int, argv[1:6])
@@ -454,7 +585,19 @@ def main(argv=None) -> int:
                     help="the agents' transport for the reshards (default collective)")
     ap.add_argument("--no-lab", action="store_true", help="skip the emulated hosts")
     ap.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
+    ap.add_argument("--rl-loop", action="store_true", help="only the RL loop's rows (examples/rl_weight_sync)")
+    ap.add_argument("--rl-steps", type=int, default=5, help="RL loop: AdamW steps (default 5)")
+    ap.add_argument("--rl-hidden", type=int, default=256, help="RL loop: the Llama's hidden size (default 256)")
+    ap.add_argument("--rl-layers", type=int, default=4, help="RL loop: its layers (default 4)")
+    ap.add_argument("--rl-vocab", type=int, default=1000, help="RL loop: its vocabulary (default 1000)")
     args = ap.parse_args(argv)
+    if args.rl_loop:
+        body = rl_section(args)
+        print(body)
+        if not args.no_write:
+            write_section("weight_sync_rl_loop", "Weight sync in an RL loop: FSDP2 training to tensor-parallel serving",
+                          body, script="weight_sync")
+        return 0
     if args.transport == "nixl":
         from reshard.server.transport.nixl import nixl_missing
 

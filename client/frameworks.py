@@ -18,6 +18,7 @@ import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from reshard.errors import InvalidShardingError
 from reshard.proto import devices as torch_devices
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
+from reshard.client.state_dict import StateDictAdapters, _rank_position
 from reshard.sharding import Sharding
 
 __all__ = ["FrameworkAdapters"]
@@ -33,19 +35,20 @@ __all__ = ["FrameworkAdapters"]
 _POLL_S = 0.05  # how often a rank that waits for another rank's reshard reads the catalog
 
 
-class FrameworkAdapters:
-    """DTensor and JAX methods of `reshard.Client`, which inherits them; they call its public methods only."""
+class FrameworkAdapters(StateDictAdapters):
+    """DTensor and JAX methods of `reshard.Client`, which inherits them (and, through them, the state-dict calls of
+    `reshard.client.state_dict`); they call its public methods only."""
 
     # -- DTensor ---------------------------------------------------------------------------------
 
-    def put_dtensor(self, name: str, dtensor, devices, *, ipc="auto") -> bool:
+    def put_dtensor(self, name: str, dtensor, devices, *, step: Optional[int] = None, ipc="auto") -> bool:
         """Hand over this rank's shard of ``dtensor``; every rank of its mesh calls it, each with its own client.
 
         ``devices[r]`` is the reshard device (``"host/index"``) of global rank ``r``: a list indexed by rank or a
         dict ``{rank: device}`` (see `Sharding.from_device_mesh`). The global shape and layout come from the
         DTensor, uneven shapes included; a ``Partial()`` DTensor's local tensors are stored as addends. The tensor
         appears in the catalog once every rank has handed over; returns True for the call that completed it.
-        ``ipc`` as in `put_shard`.
+        ``step`` labels the version (every rank gives the same) and ``ipc``, as in `put_shard`.
         """
         sharding = Sharding.from_device_mesh(dtensor.device_mesh, dtensor.placements, devices, ndim=dtensor.ndim)
         shape = tuple(dtensor.shape)
@@ -53,7 +56,8 @@ class FrameworkAdapters:
         local = dtensor.to_local()
         _check_shard(sharding, shape, position, tuple(local.shape), f"the DTensor's local shard on rank "
                      f"{dtensor.device_mesh.get_rank()}", "a DTensor made from_local of shards cut otherwise")
-        return self.put_shard(name, sharding.mesh.devices[position], local, sharding, shape=shape, ipc=ipc)
+        return self.put_shard(name, sharding.mesh.devices[position], local, sharding, shape=shape, step=step,
+                              ipc=ipc)
 
     def get_dtensor(self, name: str, device_mesh, placements: Sequence, devices, *, timeout: float = 120.0,
                     ipc="auto"):
@@ -173,16 +177,6 @@ class FrameworkAdapters:
                     f"pass a larger timeout= for a tensor that takes longer to move")
             time.sleep(_POLL_S)
         return summed
-
-
-def _rank_position(device_mesh) -> int:
-    """This rank's row-major position in ``device_mesh``."""
-    coords = device_mesh.get_coordinate()
-    if coords is None:
-        raise InvalidArgumentError(
-            f"rank {device_mesh.get_rank()} is not in the DeviceMesh (its ranks are "
-            f"{device_mesh.mesh.flatten().tolist()}); call from the ranks of the mesh only")
-    return int(np.ravel_multi_index(tuple(coords), tuple(device_mesh.mesh.shape)))
 
 
 def _jax_positions(jax_mesh) -> dict[int, int]:

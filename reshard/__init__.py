@@ -16,6 +16,7 @@ from reshard.errors import (
     UnknownDtypeError,
 )
 from reshard.einsum import plan_apply, plan_einsum
+from reshard.manifest import Manifest, ManifestError
 from reshard.many import ManyProgram, plan_many
 from reshard.mesh import Mesh, host_of
 from reshard.partial_plan import reshard_program
@@ -66,6 +67,7 @@ __all__ = [
     "reshard_program",
     "plan_many",
     "ManyProgram",
+    "Manifest",
     "host_of",
     "STRATEGIES",
     "BASELINES",
@@ -77,6 +79,7 @@ __all__ = [
     "UnknownDtypeError",
     "DtypeComputeError",
     "PlanValidationError",
+    "ManifestError",
     *_SDK,
 ]
 

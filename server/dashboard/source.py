@@ -48,6 +48,7 @@ def _job_doc(job: Job) -> dict:
         "program_id": job.program.id if job.program is not None else None,
         "transports": transports, "estimate_seconds": ran.estimate_seconds if ran is not None else None,
         "phases": dict(job.phases), "host_seconds": dict(sorted(job.host_seconds.items())),
+        "manifest_digest": job.manifest_digest or None,
     }
 
 
