@@ -39,8 +39,10 @@ __all__ = ["Bucket", "bucket_moves", "BYTES", "BUCKETS_KEY"]
 BYTES = "uint8"  # the dtype a bucket's stream carries
 BUCKETS_KEY = "bucket buffers"  # what a job's reservation for its bucket buffers is held under in the store
 # A member smaller than this lands in the bucket's buffer and is copied into place, even where the transport
-# scatters: below it a descriptor of its own costs more than the copy (the NIXL transport's MIN_RUN_BYTES)
-IN_PLACE_BYTES = 1024
+# scatters: its destination tile is too small for the recycler to keep (`buffers.RECYCLE_MIN_BYTES`), so every
+# run's would be fresh memory to register and announce, which costs more than the copy (measured on the
+# weight-sync bench: landing 2 KiB members in place made the sync slower)
+IN_PLACE_BYTES = buffers.RECYCLE_MIN_BYTES
 
 
 def _new(nbytes: int) -> np.ndarray:

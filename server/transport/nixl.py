@@ -14,7 +14,7 @@ peers           whole metadata travels through the planner (`metadata`, `add_pee
                 `drop_peer`); memory registered later travels to a peer as NIXL partial
                 metadata inside the first post that names it, loaded as the post arrives
 post ``D``      the receiver registers the buffer the box lands in (the destination tile that
-                ``place`` offers, else a scratch buffer of ``scratch``) and notifies the sender
+                ``place`` offers, else a scratch buffer of the transport's `Pool`) and notifies the sender
                 of the box's contiguous runs in that buffer, in C order (a strided box is a
                 list of runs, not a packed copy); an empty box is posted too
 chunk ``C``     the sender WRITEs each chunk into the part of the runs its bytes fill, at most
@@ -67,6 +67,7 @@ from reshard.server.transport.nixl_memory import (
     POST,
     TRAILER,
     Landing,
+    Pool,
     Registry,
     blobs,
     box_bytes,
@@ -96,7 +97,6 @@ SOURCE_RUN_BYTES = 8192
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
-_SCRATCH_TRIES = 8
 _ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
 _INSTALL = "pip install 'reshard[nixl]'"
 
@@ -191,16 +191,17 @@ class _Out(Outgoing):
         self._write(box, (addrs, np.concatenate(([0], np.cumsum(lens)))), view.nbytes, view, None)
 
     def put_parts(self, box: Box, parts: list) -> None:
-        """WRITE byte box ``box`` from ``parts`` in one go: each part whose runs average `SOURCE_RUN_BYTES` or more
-        from where it lies (its tile, registered through the cache), the others packed, in their places, into one
-        registered staging buffer."""
+        """WRITE byte box ``box`` from ``parts`` in one go: each part of `RECYCLE_MIN_BYTES` or more whose runs
+        average `SOURCE_RUN_BYTES` or more from where it lies (its tile, registered through the cache), the others
+        packed, in their places, into one registered staging buffer (a smaller tile is not recycled, so its
+        registration would rarely be used twice)."""
         n = sum(p.nbytes for p in parts)
         if not n:
             return
         self._ready(n)
         addrs, lens, small = [], [], []
         for p in parts:
-            found = source_runs(p, max(1, p.nbytes // SOURCE_RUN_BYTES)) if p.nbytes else None
+            found = source_runs(p, max(1, p.nbytes // SOURCE_RUN_BYTES)) if p.nbytes >= RECYCLE_MIN_BYTES else None
             if found is None:
                 if p.nbytes:
                     small.append((len(addrs), p))
@@ -256,7 +257,7 @@ class _Out(Outgoing):
         handle, _, staged = entry
         self.t._complete(self.s, self.peer, self.key, handle, timeout)
         if staged is not None:
-            self.t.scratch.put(staged)
+            self.t._unscratch(staged)
 
     def wait(self, timeout: float) -> None:
         """Wait for the WRITEs, then for the receiver's word that every chunk and the trailer arrived: a message
@@ -318,11 +319,17 @@ class NixlTransport(Transport):
         self._inbox: dict[tuple, deque] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._memory = Registry(self._agent, host)
+        self._pool = Pool(self._memory)
 
     @property
     def registrations(self) -> int:
         """How many buffers are registered now."""
         return len(self._memory)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of the transport's own buffers (`Pool`: scratch and staging), kept for reuse until it closes."""
+        return self._pool.nbytes
 
     @property
     def registered(self) -> int:
@@ -388,6 +395,7 @@ class NixlTransport(Transport):
         if agent is None:
             return
         self._memory.close()
+        self._pool.close()
         with self._lock:
             self._peers.clear()  # the agent's connections go with it
 
@@ -476,20 +484,11 @@ class NixlTransport(Transport):
     # -- memory ------------------------------------------------------------------------------------------------
 
     def _scratch(self, nbytes: int) -> np.ndarray:
-        """A host buffer of at least ``nbytes`` from ``scratch``, sized so the recycler keeps it, that may be offered
-        to peers (`Registry.usable`)."""
-        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
-        buf = self.scratch.take(size)
-        if buf is not None:
-            return buf
-        tried = []  # held until a usable one is found, so malloc hands out other memory
-        for _ in range(_SCRATCH_TRIES):
-            buf = np.empty(size, dtype=np.uint8)
-            if self._memory.usable(buf):
-                return buf
-            tried.append(buf)
-        raise UnavailableError(f"agent {self.host} found no memory for a {size}-byte NIXL buffer outside the regions "
-                               f"its peers knew before ({_SCRATCH_TRIES} tries); restart the agent to start afresh")
+        """A buffer of at least ``nbytes`` from the transport's `Pool`; `_unscratch` gives it back."""
+        return self._pool.take(nbytes)
+
+    def _unscratch(self, buf: np.ndarray) -> None:
+        self._pool.put(buf)
 
     def _source(self, data) -> tuple[int, Any, np.ndarray | None]:
         """Where a chunk is written from: its own buffer where that is a view into a host buffer worth registering,
@@ -569,12 +568,15 @@ class NixlTransport(Transport):
         """The region ``box`` lands in: its runs in the buffers ``place`` offers (a tile, or a bucket's members'
         tiles) where they hold it all, else a registered scratch buffer."""
         found = place_runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
-        if found is not None and all(self._memory.usable(o) for o in found[1]):
+        # only into buffers the store's recycler keeps (`RECYCLE_MIN_BYTES`): a smaller tile is fresh memory every
+        # run, to register and announce each time, and freed after, which leaves peers knowing memory that
+        # malloc hands out again (`Registry.usable`)
+        if found is not None and all(o.nbytes >= RECYCLE_MIN_BYTES and self._memory.usable(o) for o in found[1]):
             device, owners, runs, segments = found
             return Landing(owners, runs, device, [self._memory.register(o) for o in owners], segments=segments)
         buf = self._scratch(nbytes)
         return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
-                       lambda: self.scratch.put(buf))
+                       lambda: self._unscratch(buf))
 
     def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
         """Post the region the box lands in, then yield each chunk once it landed, in stream order, then the

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import mmap
 import struct
 import threading
 import weakref
@@ -34,10 +35,12 @@ from typing import Any
 import numpy as np
 
 from reshard.box import Box
+from reshard.proto.errors import UnavailableError
+from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.streams import Segments, StreamKey
 
 __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "blobs", "unblob", "encode", "decode", "box_bytes", "box_of",
-           "Registration", "Registry", "owner_of", "source_runs", "place_runs", "pair_runs", "Landing"]
+           "Registration", "Registry", "Pool", "owner_of", "source_runs", "place_runs", "pair_runs", "Landing"]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +107,7 @@ class Registry:
 
     def __init__(self, agent, host: str):
         self._agent = agent
-        self._host = host
+        self._host = self.host = host
         self._lock = threading.RLock()  # a buffer freed on this thread deregisters under it (`_forget`)
         self._regs: dict[tuple[int, int], Registration] = {}
         # Address ranges, merged and sorted, of buffers deregistered after a peer loaded their metadata. NIXL gives
@@ -120,7 +123,10 @@ class Registry:
             return len(self._regs)
 
     def register(self, owner: np.ndarray) -> Registration:
-        """``owner``'s registration, made at its first use."""
+        """The registration of the buffer that owns ``owner``'s memory (``owner`` itself, or the array it views:
+        a recycler hands out views of the buffers it keeps, and the registration must live as long as the buffer,
+        not the view), made at its first use."""
+        owner = _root(owner)
         key = (owner.ctypes.data, owner.nbytes)
         with self._lock:
             reg = self._regs.get(key)
@@ -194,6 +200,53 @@ def _forget(ref: weakref.ref, key: tuple[int, int], ident: int) -> None:
         registry.deregister(key, ident)
 
 
+class Pool:
+    """The transport's own host buffers (scratch a box lands in and is copied from, staging a chunk is written
+    from), by power-of-two size from `RECYCLE_MIN_BYTES`: each mapped once (``mmap``, outside malloc's heap) and
+    kept until the transport closes, so a registration made for one stays valid and no buffer a peer knew goes
+    back to malloc to become some tile's memory. A mapping that falls where a peer knew a freed buffer
+    (`Registry.usable`) is kept aside, unused, and another one mapped."""
+
+    def __init__(self, registry: Registry, tries: int = 8):
+        self._registry = registry
+        self._tries = tries
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._maps: list[mmap.mmap] = []  # every mapping, kept until close
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(len(m) for m in self._maps)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A buffer (uint8) of at least ``nbytes``; give it back with `put`."""
+        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        for _ in range(self._tries):
+            m = mmap.mmap(-1, size)
+            with self._lock:
+                self._maps.append(m)
+            buf = np.frombuffer(m, dtype=np.uint8)
+            if self._registry.usable(buf):
+                return buf
+        raise UnavailableError(f"agent {self._registry.host} mapped {self._tries} buffers of {size} bytes and each "
+                               f"fell where its NIXL peers knew memory since freed; restart the agent to start afresh")
+
+    def put(self, buf: np.ndarray) -> None:
+        with self._lock:
+            self._free.setdefault(buf.nbytes, []).append(buf)
+
+    def close(self) -> None:
+        """Forget the buffers; their mappings go with the last reference to them."""
+        with self._lock:
+            self._free.clear()
+            self._maps.clear()
+
+
 # -- runs -------------------------------------------------------------------------------------------------
 
 
@@ -203,6 +256,12 @@ def _root(array: np.ndarray) -> np.ndarray:
     return array
 
 
+def _owns(array: np.ndarray) -> bool:
+    """Whether ``array`` is a buffer of its own: it allocated its memory, or is the array over memory that no
+    other array holds (a `Pool` buffer over its mapping)."""
+    return array.flags.owndata or not isinstance(array.base, np.ndarray)
+
+
 def owner_of(data) -> tuple[np.ndarray | None, np.ndarray]:
     """The C-contiguous numpy buffer that owns ``data``'s memory (None where it is not one), and ``data``'s bytes
     as a uint8 array (a view); ``data`` is C-contiguous."""
@@ -210,7 +269,7 @@ def owner_of(data) -> tuple[np.ndarray | None, np.ndarray]:
     obj = data.obj if isinstance(data, memoryview) else data
     if isinstance(obj, np.ndarray):
         obj = _root(obj)
-    if isinstance(obj, np.ndarray) and obj.flags.owndata and obj.flags.c_contiguous and obj.nbytes:
+    if isinstance(obj, np.ndarray) and _owns(obj) and obj.flags.c_contiguous and obj.nbytes:
         lo = obj.ctypes.data
         if lo <= flat.ctypes.data and flat.ctypes.data + flat.nbytes <= lo + obj.nbytes:
             return obj, flat
@@ -224,7 +283,7 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     if not isinstance(view, np.ndarray) or not view.nbytes:
         return None
     owner = _root(view)
-    if not (owner.flags.owndata and owner.flags.c_contiguous and owner.nbytes) or min(view.strides, default=0) < 0:
+    if not (_owns(owner) and owner.flags.c_contiguous and owner.nbytes) or min(view.strides, default=0) < 0:
         return None
     k, run = view.ndim, view.itemsize
     while k and (view.shape[k - 1] == 1 or view.strides[k - 1] == run):  # the trailing dims that are one block

@@ -58,13 +58,13 @@ def _state_dict(rng) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
     return out
 
 
-def row_split_state_dict(n: int) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
-    """``n`` float32 tensors of 256 x 64 split by rows at both ends (source tiles of 16 KiB, destination of
-    32 KiB), as `_state_dict` gives them."""
+def row_split_state_dict(n: int, rows: int = 256) -> dict[str, tuple[np.ndarray, TensorDecl, int]]:
+    """``n`` float32 tensors of ``rows`` x 64 split by rows at both ends (256 rows: source tiles of 16 KiB,
+    destination of 32 KiB), as `_state_dict` gives them."""
     rng = np.random.default_rng(5)
     out = {}
     for i in range(n):
-        a = rng.standard_normal((256, 64)).astype(np.float32)
+        a = rng.standard_normal((rows, 64)).astype(np.float32)
         out[f"t{i}"] = (a, TensorDecl(f"t{i}", a.shape, "float32", Sharding(TRAIN, ("tp", None)),
                                       Sharding(INFER, ("tp", None))), 1)
     return out

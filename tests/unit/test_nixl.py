@@ -85,7 +85,7 @@ def test_a_strided_box_lands_run_by_run_in_the_middle_of_a_destination_tile(pair
     assert np.array_equal(tile[inside], src[inside])
     tile[inside] = -1.0
     assert (tile == -1.0).all()  # not a byte written outside the box
-    assert all(p.landed == "b/0" for p in pieces) and b.scratch.nbytes == 0  # in place: no scratch buffer
+    assert all(p.landed == "b/0" for p in pieces) and b.scratch_bytes == 0  # in place: no scratch buffer
     joined = b"".join(bytes(memoryview(p.data)) for p in pieces)  # pieces in C order of the box
     assert joined == np.ascontiguousarray(src[inside]).tobytes()
     assert trailer.digest == xxhash.xxh3_64_intdigest(joined)
@@ -109,7 +109,7 @@ def test_a_strided_source_box_is_written_from_the_tile_itself_with_no_staging_co
     assert [p.box for p in pieces] == [((0, 4), (2048, 6144)), ((4, 8), (2048, 6144))]
     assert b"".join(bytes(memoryview(p.data)) for p in pieces) == want.tobytes()
     assert trailer == (want.nbytes, digest.result())
-    assert a.scratch.nbytes == 0  # nothing staged on the sender
+    assert a.scratch_bytes == 0  # nothing staged on the sender
     assert a.registered == 1  # the source tile itself, once
 
 
@@ -128,7 +128,7 @@ def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
     assert all(p.landed is None for p in pieces)
     assert b"".join(bytes(memoryview(p.data)) for p in pieces) == src.tobytes()
     assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()))
-    assert b.scratch.nbytes >= src.nbytes  # handed back for the next stream
+    assert b.scratch_bytes >= src.nbytes  # kept for the next stream
 
 
 def _broadcast_to_three(hosts: Hosts, shape=(256, 64)):
@@ -172,36 +172,46 @@ def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
     "could not start" when glibc handed a freed 1 KiB tile's memory to a 1.5 KiB one). Such memory is never offered
     again; memory no peer knew is reused freely."""
     import gc
+    import mmap
 
     a, _ = pair
     memory = a._memory
-    base = np.zeros(1 << 20, dtype=np.uint8)  # the "heap": tiles below are views of it, freed as they go
-    known, unknown = base[4096:8192], base[16384:20480]
+    heap = mmap.mmap(-1, 1 << 20)  # buffers of their own at chosen addresses, as malloc would hand them out
+
+    def buffer(offset_kib: int, kib: int) -> np.ndarray:
+        return np.frombuffer(heap, dtype=np.uint8, count=kib << 10, offset=offset_kib << 10)
+
+    known, unknown = buffer(128, 128), buffer(512, 128)
     memory.metadata_for(memory.register(known), "b")
     memory.register(unknown)
     del known, unknown
     gc.collect()
-    assert not memory.usable(base[6000:10000]) and not memory.usable(base[4096:8192])
-    assert not memory.usable(base[0:4097])
-    assert memory.usable(base[0:4096]) and memory.usable(base[8192:12288]) and memory.usable(base[16384:20480])
-    # what would land there lands in scratch, which is always usable
-    place = _placing("b/0", base[6000:10000].view(np.uint8))
-    landing = a._landing(((0, 4000),), 4000, place)
-    assert landing.device is None and memory.usable(landing.views[0])
+    assert not memory.usable(buffer(192, 128)) and not memory.usable(buffer(128, 128))
+    assert not memory.usable(buffer(0, 129))
+    assert memory.usable(buffer(0, 128)) and memory.usable(buffer(256, 128)) and memory.usable(buffer(512, 128))
+    # what would land there lands in a buffer of the transport's own pool, which no freed buffer ever overlaps
+    tile = buffer(160, 128)
+    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", tile[:100_000]))
+    assert landing.device is None and memory.usable(landing.views[0]) and a.scratch_bytes >= 100_000
+    landing.release()
+    # a tile clear of it lands in place
+    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", buffer(256, 128)[:100_000]))
+    assert landing.device == "b/0"
     landing.release()
 
 
 @pytest.mark.parametrize("kind", ["nixl", "memory"])
 def test_a_bucket_goes_from_its_members_source_tiles_into_their_destination_tiles(kind):
-    """A weight sync's buckets on nixl: every member contiguous at both ends, so the sender WRITEs each from its
-    source tile into its destination tile and no host takes a bucket buffer (packed bytes, or bytes waiting to be
-    unpacked); the memory transport, which packs, takes one per bucket on each end."""
+    """A weight sync's buckets on nixl: every member contiguous at both ends and its tiles large enough to be
+    recycled (64 KiB at the source, 128 KiB at the destination), so the sender WRITEs each from its source tile
+    into its destination tile and no host takes a bucket buffer (packed bytes, or bytes waiting to be unpacked);
+    the memory transport, which packs, takes one per bucket on each end."""
     hosts = Hosts(group=nixl_agents() if kind == "nixl" else None)
     try:
-        tensors = row_split_state_dict(24)
+        tensors = row_split_state_dict(12, rows=1024)
         for name, (a, decl, _) in tensors.items():
             hosts.put_tensor(name, a, decl.src)
-        program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=128 * 1024).validate()
+        program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=512 * 1024).validate()
         assert len(program.buckets) >= 4
         job, runs = _start(hosts, program, {n: 1 for n in tensors})
         hosts.finish(job, runs)
@@ -286,8 +296,8 @@ def test_metadata_nixl_cannot_load_is_refused_naming_the_host(pair):
     with pytest.raises(InvalidArgumentError, match=r"the NIXL metadata given for host c \(9 bytes\) is not an "
                                                    r"agent's that NIXL can load here"):
         a.add_peer("c", b"not nixl!")
-    src = np.arange(64, dtype=np.float32).reshape(8, 8)
+    src = np.arange(128 * 128, dtype=np.float32).reshape(128, 128)  # 64 KiB: a tile that lands in place
     dst = np.zeros_like(src)
-    whole = ((0, 8), (0, 8))
+    whole = ((0, 128), (0, 128))
     _move(a, b, "after-bad-metadata", src, whole, _placing("b/0", dst))
     assert np.array_equal(dst, src)
