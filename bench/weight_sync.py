@@ -537,30 +537,35 @@ def rl_loop(steps: int, hidden: int, layers: int, vocab: int, transport: str, ru
 def rl_section(args) -> str:
     r = rl_loop(args.rl_steps, args.rl_hidden, args.rl_layers, args.rl_vocab, args.transport, args.runs)
     gloo = statistics.median(r["gloo_times"])
-    lines = ["| step | trainer's publish (s) | sync (s) | network bytes | serving's pin and read (s) | "
-             "generations during the sync | serving paused for the sync (s) | raw gloo, same bytes (s) |",
+    lines = ["| step | trainer's publish (s) | sync (s) | network bytes | serving's read into the standby (s) | "
+             "generations during the sync and the read | serving paused: the swap (s) | raw gloo, same bytes (s) |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in r["rows"]:
         lines.append(f"| {row['step']} | {row['publish_s']:.3f} | {row['sync_s']:.3f} | {row['network_bytes']:,} | "
-                     f"{row['read_s']:.3f} | {row['generated']} | {0 if row['generated'] else '-'} | {gloo:.3f} |")
+                     f"{row['read_s']:.3f} | {row['generated']} | {row['pause_s']:.6f} | {gloo:.3f} |")
     syncs = [row["sync_s"] for row in r["rows"][1:]] or [r["rows"][0]["sync_s"]]
+    publishes = [row["publish_s"] for row in r["rows"][1:]] or [r["rows"][0]["publish_s"]]
     whole = [row["publish_s"] + row["sync_s"] + row["read_s"] for row in r["rows"]]
+    pause = max(row["pause_s"] for row in r["rows"])
     return (f"The loop of `examples/rl_weight_sync` ({args.rl_layers} layers, hidden {args.rl_hidden}, vocabulary "
             f"{args.rl_vocab}: {r['nbytes'] / MiB:.1f} MiB of float32 weights): 4 FSDP2 ranks (gloo, CPU) train a "
-            f"transformers LlamaForCausalLM with AdamW and publish every step (`put_state_dict`, every rank its "
-            f"shards); the 2-rank tensor-parallel server's first rank syncs it (`sync_state_dict`, one "
-            f"`reshard_many` on the {args.transport} transport, checked against the model's manifest) while both "
-            f"ranks keep generating from the previous step, then each pins and reads its shards into the model in "
-            f"place (`get_state_dict`). Serving is paused for the sync 0 s: every step ran generations while the "
-            f"sync was in flight (the generations column); it waits only for its own pin and read. Raw gloo: 6 "
-            f"processes laid out as the example's ranks send the {r['pieces']} pieces a step's sync delivers "
-            f"({r['piece_bytes'] / MiB:.2f} MiB: each serving rank's tiles cut from the trainer ranks' tiles), "
-            f"all isend/irecv at once, median of {args.runs} after one untimed; the sync's median after the first "
-            f"step, {statistics.median(syncs):.3f} s, is {statistics.median(syncs) / gloo:.1f}x that, the price of "
-            f"a job (plan check, prepare, commit, the manifest gate) on this many small tensors. A hand-written "
-            f"gloo sync has no publish or read of its own: its one transfer stands for all three columns, whose "
-            f"sum's median is {statistics.median(whole):.3f} s ({statistics.median(whole) / gloo:.0f}x), and it "
-            f"needs the trainer and the server in one process group, in lockstep.\n\n"
+            f"transformers LlamaForCausalLM with AdamW and publish every step (`put_state_dict`: one upload "
+            f"transaction over every rank and tensor, every name's new version visible at once; median after the "
+            f"first step {statistics.median(publishes):.3f} s); the 2-rank tensor-parallel server's first rank "
+            f"syncs it (`sync_state_dict`, one `reshard_many` on the {args.transport} transport, checked against "
+            f"the model's manifest) and every rank reads its shards into a standby copy of the model "
+            f"(`get_state_dict`), while both ranks keep generating from the live copy; then they swap the copies. "
+            f"Serving pauses only for the swap, a reference assignment under a lock: at most {pause * 1e6:.0f} us "
+            f"here (the pause column), with generations running through the sync and the read (the generations "
+            f"column). Raw gloo: 6 processes laid out as the example's ranks send the {r['pieces']} pieces a step's "
+            f"sync delivers ({r['piece_bytes'] / MiB:.2f} MiB: each serving rank's tiles cut from the trainer ranks' "
+            f"tiles), all isend/irecv at once, median of {args.runs} after one untimed; the sync's median after the "
+            f"first step, {statistics.median(syncs):.3f} s, is {statistics.median(syncs) / gloo:.1f}x that, the "
+            f"price of a job (plan check, prepare, commit, the manifest gate) on this many small tensors. A "
+            f"hand-written gloo sync has no publish or read of its own: its one transfer stands for all three "
+            f"columns, whose sum's median is {statistics.median(whole):.3f} s "
+            f"({statistics.median(whole) / gloo:.0f}x), and it needs the trainer and the server in one process "
+            f"group, in lockstep, with serving paused while it lands.\n\n"
             + "\n".join(lines)
             + f"\n\nReproduce: `python bench/weight_sync.py --rl-loop --rl-steps {args.rl_steps} --rl-hidden "
               f"{args.rl_hidden} --rl-layers {args.rl_layers} --transport {args.transport}`.")

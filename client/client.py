@@ -64,6 +64,7 @@ from reshard.sharding import Sharding
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin"]
 
 MiB = 2**20
+_GROUP_WAIT_S = 5.0  # how long one FinishUploads of a shared group waits for the other ranks before asking again
 # Tiles up to this size that go to one agent share a stream in put and put_many: a stream's set-up costs more
 # than such a tile's bytes (a few ms on a 1 Gbit/s link), and larger tiles go on streams of their own, in parallel.
 _BATCHED_SHARD_BYTES = 1 * MiB
@@ -558,6 +559,69 @@ class Client(FrameworkAdapters):
         done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 
+    def put_shard_group(self, key: str, tensors: Mapping[str, tuple[Sequence[int], Any, Sharding]],
+                        shards: Sequence[tuple[str, str, Any]], *, step: Optional[int] = None, kind: str = "torch",
+                        ipc: Ipc = "auto", wait: bool = True) -> bool:
+        """One process's part of a publish shared by several (the ranks of a DTensor state dict: `put_state_dict`
+        calls it): ONE transaction for every tensor of every process.
+
+        Every process calls it with the same ``key`` (a random string they share; `put_state_dict` broadcasts one
+        through the mesh's process group) and the same ``tensors`` (``{name: (global shape, dtype, sharding)}``, in
+        the same order, with the same ``step`` and ``kind``, else InvalidArgumentError naming the first difference)
+        and hands over ``shards``, its own (``[(name, device, array)]``: each the tile its sharding gives that
+        device; of a Partial sharding, the device's addends). The tensors' next versions enter the catalog
+        together once every device of every tensor is in, and with ``wait`` every caller returns then (True); a
+        caller that dies midway leaves nothing: the group expires after the planner's upload timeout, the others
+        raise FailedPreconditionError naming the devices that never came, and no version changes. Without
+        ``wait`` it returns once its shards are in: True for the call that committed the group.
+        """
+        if not isinstance(key, str) or not key:
+            raise InvalidArgumentError(f"key={key!r}: give the group's key, a string every process shares")
+        if not isinstance(tensors, Mapping) or not tensors:
+            raise InvalidArgumentError("put_shard_group declares a non-empty dict {name: (shape, dtype, sharding)}")
+        declared = [pb.BeginUploadRequest(name=n, shape=list(shape), dtype=dtype_name(dtype), kind=kind,
+                                          sharding_json=_sharding_json(sharding))
+                    for n, (shape, dtype, sharding) in tensors.items()]
+        dtypes = {d.name: d.dtype for d in declared}
+        sources = []
+        for name, device, array in shards:
+            if name not in dtypes:
+                raise InvalidArgumentError(f"a shard of {name!r} is handed over, but the group declares "
+                                           f"{list(dtypes)[:10]}; declare every tensor whose shards are put")
+            arr, dtype, _ = _source(array, ipc)
+            if dtype != dtypes[name]:
+                raise InvalidArgumentError(f"the shard of {name!r} on device {device} is {dtype}, but the tensor is "
+                                           f"declared {dtypes[name]}; convert it, or declare its dtype")
+            sources.append((name, device, arr, dtype))
+        mine = sorted({device for _, device, _, _ in sources})
+        if ipc is True:
+            self._require_ipc({host_of(d) for d in mine})
+        reply = self._planner_call("BeginUploads", pb.BeginUploadsRequest(
+            tensors=declared, group_key=key, devices=mine, **_step_fields(step)))
+        where = {(name, loc.device): (opened.upload_id, loc)
+                 for name, opened in zip(tensors, reply.uploads) for loc in opened.locations}
+        work, done = [], {}
+        for name, device, arr, dtype in sources:
+            if (name, device) not in where:
+                raise InvalidArgumentError(f"device {device!r} is not in the mesh of {name!r} "
+                                           f"({_sharding_of(tensors[name][2]).mesh}); hand each tensor's shards to "
+                                           f"its own devices")
+            upload_id, loc = where[name, device]
+            tile = box_from_pb(loc.box)
+            if tuple(arr.shape) != tile_shape(tile):
+                raise InvalidArgumentError(f"the shard of {name!r} on device {device} has shape {tuple(arr.shape)}, "
+                                           f"but its sharding gives that device the tile {box_str(tile)}")
+            work.append((upload_id, name, loc, dtype, arr))
+            done.setdefault(upload_id, []).append(device)
+        self._upload_all(work, ipc)
+        request = pb.FinishUploadsRequest(group_id=reply.group_id, wait_s=_GROUP_WAIT_S if wait else 0.0, done=[
+            pb.FinishUploadRequest(upload_id=u, devices=devs) for u, devs in done.items()])
+        while True:
+            finished = self._planner_call("FinishUploads", request, timeout=request.wait_s + self.timeout)
+            if finished.complete or not wait:
+                return finished.complete
+            request = pb.FinishUploadsRequest(group_id=reply.group_id, wait_s=_GROUP_WAIT_S)
+
     def _tensor(self, name: str, version=None) -> pb.TensorInfo:
         return self._planner_call("GetTensor", pb.TensorRequest(name=name, **_version_fields(version)))
 
@@ -734,6 +798,31 @@ class Client(FrameworkAdapters):
         self._read_all([f for _, fetches, _ in plans.values() for f in fetches],
                        [r for _, _, reads in plans.values() for r in reads])
         return {name: finish() for name, (finish, _, _) in plans.items()}
+
+    def locate(self, names: Sequence[str], version=None) -> list[pb.TensorInfo]:
+        """The catalog's records of ``names`` with their tiles' locations (the planner's ``TensorInfo`` messages),
+        as they are at one instant, in one call; ``version`` as in `get_many`. With `read_tiles`, what reads
+        weights into a caller's own buffers (`get_state_dict`)."""
+        if isinstance(names, str):
+            raise InvalidArgumentError(f"locate takes a list of tensor names; got the string {names!r}")
+        return list(self._planner_call("GetTensors", pb.TensorsRequest(names=list(names),
+                                                                       **_version_fields(version))).tensors)
+
+    def read_tiles(self, tiles: Sequence[tuple[pb.TensorInfo, pb.TileLocation, Callable[[np.ndarray], None]]]
+                   ) -> None:
+        """Read each (tensor, location, deliver) of ``tiles``: the stored tile at ``location`` (one of the
+        ``tensor``'s from `locate`) into host memory, handed to ``deliver`` as a flat numpy array of the tensor's
+        dtype (bfloat16 and float8 as their bits) from one of the client's threads. Tiles are read at once, the
+        small ones from one agent in one stream, so thousands of small tensors cost a stream per agent; deliveries
+        of different tiles may run concurrently."""
+        reads = []
+        for info, loc, deliver in tiles:
+            if loc.lost:
+                raise DataLossError(f"the shard of {info.name!r} v{info.version} on device {loc.device} was lost: the "
+                                    f"agent of host {host_of(loc.device)} restarted; read another copy")
+            reads.append(_TileRead(info.name, info.version, loc, volume(box_from_pb(loc.box)) *
+                                   np_dtype(info.dtype).itemsize, deliver))
+        self._read_all([], reads)
 
     def get_shard(self, name: str, device: str, *, to: Optional[str] = None, ipc: Ipc = "auto"):
         """The tile ``device`` (``host/index``) holds; numpy or torch on the CPU, as the tensor was put.

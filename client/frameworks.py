@@ -27,7 +27,7 @@ from reshard.errors import InvalidShardingError
 from reshard.proto import devices as torch_devices
 from reshard.proto.errors import DeadlineExceededError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
-from reshard.client.state_dict import StateDictAdapters, _rank_position
+from reshard.client.state_dict import StateDictAdapters, rank_position
 from reshard.sharding import Sharding
 
 __all__ = ["FrameworkAdapters"]
@@ -50,14 +50,20 @@ class FrameworkAdapters(StateDictAdapters):
         appears in the catalog once every rank has handed over; returns True for the call that completed it.
         ``step`` labels the version (every rank gives the same) and ``ipc``, as in `put_shard`.
         """
+        sharding, device, local = self.dtensor_shard(dtensor, devices)
+        return self.put_shard(name, device, local, sharding, shape=tuple(dtensor.shape), step=step, ipc=ipc)
+
+    @staticmethod
+    def dtensor_shard(dtensor, devices) -> tuple[Sharding, str, object]:
+        """This rank's part of ``dtensor`` as reshard stores it: its layout (``devices`` as in `put_dtensor`), this
+        rank's device, and its local tensor, refused (InvalidShardingError) unless it is the tile reshard gives that
+        device (torch.chunk cuts, as ``distribute_tensor`` makes them)."""
         sharding = Sharding.from_device_mesh(dtensor.device_mesh, dtensor.placements, devices, ndim=dtensor.ndim)
-        shape = tuple(dtensor.shape)
-        position = _rank_position(dtensor.device_mesh)
+        position = rank_position(dtensor.device_mesh)
         local = dtensor.to_local()
-        _check_shard(sharding, shape, position, tuple(local.shape), f"the DTensor's local shard on rank "
-                     f"{dtensor.device_mesh.get_rank()}", "a DTensor made from_local of shards cut otherwise")
-        return self.put_shard(name, sharding.mesh.devices[position], local, sharding, shape=shape, step=step,
-                              ipc=ipc)
+        _check_shard(sharding, tuple(dtensor.shape), position, tuple(local.shape), f"the DTensor's local shard on "
+                     f"rank {dtensor.device_mesh.get_rank()}", "a DTensor made from_local of shards cut otherwise")
+        return sharding, sharding.mesh.devices[position], local
 
     def get_dtensor(self, name: str, device_mesh, placements: Sequence, devices, *, timeout: float = 120.0,
                     ipc="auto"):
@@ -76,7 +82,7 @@ class FrameworkAdapters(StateDictAdapters):
         info = self.info(name)
         shape = info.shape
         target = Sharding.from_device_mesh(device_mesh, placements, devices, ndim=len(shape))
-        position = _rank_position(device_mesh)
+        position = rank_position(device_mesh)
         rank = device_mesh.get_rank()
         layout = self._laid_out(name, target, position == 0, timeout,
                                 f"rank {rank} (get_dtensor; the mesh's first rank reshards)")

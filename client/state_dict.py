@@ -2,8 +2,9 @@
 methods of `Client`.
 
 A trainer's ranks publish with `put_state_dict` (FSDP2 or any DTensor state dict, torch's own placements, uneven
-shards included: every rank calls it with its own client, as `put_dtensor`; or plain tensors from one process),
-one call per rank per step, each version labeled with the step. `sync_state_dict` moves a published version into
+shards included: every rank calls it with its own client; or plain tensors from one process), one call per rank
+per step, each version labeled with the step: ONE upload transaction for every tensor of every rank, so readers
+see every name's new version appear at once. `sync_state_dict` moves a published version into
 the layout of a serving module in one `reshard_many` job, whose shardings it derives from the module's DTensor
 parameters (the plain ones are replicated on every serving device). `get_state_dict` fills a module's existing
 parameters in place, each rank its own part (a transformers model under its tensor-parallel plan, or a plain
@@ -18,8 +19,8 @@ torch is imported inside the methods only.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -31,13 +32,13 @@ from reshard.mesh import Mesh, host_of
 from reshard.proto import devices as torch_devices
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
-from reshard.proto.layout import np_dtype, tile_shape
+from reshard.proto.layout import tile_shape
 from reshard.proto.wire import box_from_pb
 from reshard.sharding import Sharding
 
 __all__ = ["StateDictAdapters"]
 
-_PUT_THREADS = 8  # a rank's shards handed over at once: each is a few calls, mostly waiting on the network
+_KEY_BYTES = 16  # a publish's group key: random bytes the mesh's first rank draws and broadcasts
 
 
 class StateDictAdapters:
@@ -71,11 +72,15 @@ class StateDictAdapters:
         """Publish a model's weights as tensors ``prefix + name``: their next versions, labeled ``step``.
 
         DTensors (an FSDP2 or tensor-parallel model's ``state_dict()``): every rank of their mesh calls, with its
-        own client; each hands over its own shards, in torch's placements as they are. ``devices`` is the
-        rank-to-device table (`mesh_devices`; ``hosts=`` builds it). Plain tensors among them are put once, by the
-        first rank of the first DTensor's mesh, on its device. A state dict of plain tensors only is put by one
-        process, in one transaction (every name's new version appears at once): each tensor laid out by
-        ``sharding`` when given, else split along dim 0 over ``devices`` (a list of devices).
+        own client; each hands over its own shards, in torch's placements as they are, and the publish is ONE
+        transaction over every rank and tensor: the mesh's first rank draws a group key and broadcasts it through
+        the mesh's process group, every rank joins that upload group (`Client.put_shard_group`), and every name's
+        new version becomes visible at once, when the last rank's shards are in; every rank returns then. A rank
+        that dies midway leaves no new version (the others raise once the group expires). ``devices`` is the
+        rank-to-device table (`mesh_devices`; ``hosts=`` builds it). Plain tensors among them are put by the first
+        rank of the first DTensor's mesh, on its device, in the same transaction. A state dict of plain tensors only
+        is put by one process, in one transaction: each tensor laid out by ``sharding`` when given, else split along
+        dim 0 over ``devices`` (a list of devices).
 
         ``manifest`` (the consumer's, `Manifest.from_module(serving_model)`) is checked first: a name missing,
         extra, or of another global shape or dtype raises `ManifestError` listing each, and nothing is sent.
@@ -96,22 +101,29 @@ class StateDictAdapters:
         if sharding is not None:
             raise InvalidArgumentError("sharding= lays out plain tensors put by one process; a DTensor state dict "
                                        "keeps torch's placements")
-        first = next(iter(dtensors.values()))
-        table = self._rank_table(devices, hosts, first.device_mesh)
-        # Every rank holds the plain tensors whole (replicated buffers): one rank is enough to publish them.
-        leader = _rank_position(first.device_mesh) == 0
-        work = [(n, t) for n, t in entries.items() if n in dtensors or leader]
-        mine = table[first.device_mesh.get_rank()]
-
-        def hand_over(item):
-            name, t = item
+        mesh = next(iter(dtensors.values())).device_mesh
+        table = self._rank_table(devices, hosts, mesh)
+        ranks = mesh.mesh.flatten().tolist()
+        for name, t in dtensors.items():
+            other = sorted(set(t.device_mesh.mesh.flatten().tolist()) - set(ranks))
+            if other:
+                raise InvalidArgumentError(
+                    f"DTensor {name!r} lives on ranks {other} outside the mesh of the state dict's first DTensor "
+                    f"(ranks {ranks}), and one publish is agreed over that mesh's process group; publish each mesh's "
+                    f"state dict by its own call")
+        # Every rank holds the plain tensors whole (replicated buffers): the mesh's first rank publishes them.
+        first = table[int(ranks[0])]
+        declared, shards = {}, []
+        for name, t in entries.items():
             if name in dtensors:
-                return self.put_dtensor(prefix + name, t, table, step=step)
-            one = Sharding(Mesh({"r": 1}, [mine]), (None,) * t.ndim)
-            return self.put_shard(prefix + name, mine, t.detach(), one, shape=tuple(t.shape), step=step)
-
-        with ThreadPoolExecutor(min(_PUT_THREADS, len(work)) or 1, thread_name_prefix="reshard-put-sd") as pool:
-            list(pool.map(hand_over, work))
+                layout, device, local = self.dtensor_shard(t, table)
+                shards.append((prefix + name, device, local))
+            else:
+                layout = Sharding(Mesh({"r": 1}, [first]), (None,) * t.ndim)
+                if rank_position(mesh) == 0:
+                    shards.append((prefix + name, first, t.detach()))
+            declared[prefix + name] = (tuple(t.shape), t.dtype, layout)
+        self.put_shard_group(_group_key(mesh), declared, shards, step=step)
         return published
 
     # -- move --------------------------------------------------------------------------------------
@@ -203,13 +215,12 @@ class StateDictAdapters:
                 mine = self._rank_table(devices, hosts, first.device_mesh).get(first.device_mesh.get_rank(), "")
             elif isinstance(devices, str):
                 mine = devices
-        infos = self._planner_call("GetTensors", pb.TensorsRequest(
-            names=[prefix + n for n in entries], **_version_request(version))).tensors
-        reads = []
+        infos = self.locate([prefix + n for n in entries], version=version)
+        tiles = []
         with torch.no_grad():
             for (name, t), info in zip(entries.items(), infos):
-                reads += _tile_reads(info, name, t, mine)
-            self._read_all([], reads)
+                tiles += _tile_reads(info, name, t, mine)
+            self.read_tiles(tiles)
         return entries
 
     # -- shared ------------------------------------------------------------------------------------
@@ -258,8 +269,9 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor" or (hasattr(t, "device_mesh") and hasattr(t, "placements"))
 
 
-def _rank_position(device_mesh) -> int:
-    """This rank's row-major position in ``device_mesh``."""
+def rank_position(device_mesh) -> int:
+    """This rank's row-major position in ``device_mesh`` (the index of its device in a `Sharding` made by
+    ``Sharding.from_device_mesh``); shared with the DTensor calls of `reshard.client.frameworks`."""
     coords = device_mesh.get_coordinate()
     if coords is None:
         raise InvalidArgumentError(
@@ -274,19 +286,34 @@ def _split_rows(t, table: list[str]) -> Sharding:
     return Sharding(mesh, ("x",) + (None,) * (t.ndim - 1) if t.ndim else ())
 
 
-def _version_request(version) -> dict:
-    """The TensorsRequest fields that name ``version``: a `Pin`'s id, a step label, or nothing (current)."""
-    from reshard.client.client import _version_fields  # the SDK's one reading of version=, shared with get_many
+def _group_key(device_mesh) -> str:
+    """A key every rank of ``device_mesh`` shares for one publish: random bytes drawn by the mesh's first rank and
+    broadcast as a uint8 tensor (on the GPU for NCCL) through the mesh's process groups, one mesh dim after the
+    other, each from the rank at coordinate 0 of that dim (after dim d, every rank whose later coordinates are 0
+    holds the key). No pickle: the bytes travel as a tensor."""
+    import torch
+    import torch.distributed as dist
 
-    return _version_fields(version)
+    key = torch.zeros(_KEY_BYTES, dtype=torch.uint8)
+    if rank_position(device_mesh) == 0:
+        key = torch.frombuffer(bytearray(os.urandom(_KEY_BYTES)), dtype=torch.uint8)
+    coords = list(device_mesh.get_coordinate())
+    ranks = device_mesh.mesh
+    for dim in range(ranks.ndim):
+        if ranks.shape[dim] == 1:
+            continue
+        group = device_mesh.get_group(dim)
+        root = int(ranks[tuple(coords[:dim] + [0] + coords[dim + 1:])])
+        on = key.to(f"cuda:{torch.cuda.current_device()}") if dist.get_backend(group) == "nccl" else key
+        dist.broadcast(on, src=root, group=group)
+        key = on.cpu()
+    return bytes(key.tolist()).hex()
 
 
 def _tile_reads(info: pb.TensorInfo, name: str, dst, mine: str) -> list:
-    """The reads that fill ``dst`` (this rank's part of tensor ``name``: its DTensor's local shard, or the whole
-    tensor) from ``info``'s tiles: one copy of every stored tile that meets its box, this rank's own device first,
-    then its host's, each delivering the overlap into ``dst`` (cast to its dtype)."""
-    from reshard.client.client import _TileRead  # the SDK's batched reads: one stream per agent (get_many's)
-
+    """The tiles (`Client.read_tiles`) that fill ``dst`` (this rank's part of tensor ``name``: its DTensor's local
+    shard, or the whole tensor) from ``info``'s: one copy of every stored tile that meets its box, this rank's own
+    device first, then its host's, each delivering the overlap into ``dst`` (cast to its dtype)."""
     shape = tuple(info.shape)
     if tuple(dst.shape) != shape:
         raise InvalidArgumentError(f"tensor {info.name!r} is {info.dtype}{list(shape)} in the catalog, but the "
@@ -304,13 +331,12 @@ def _tile_reads(info: pb.TensorInfo, name: str, dst, mine: str) -> list:
                                          ndim=len(shape))
         if want.partial:
             raise InvalidShardingError(f"{name!r} is a Partial() DTensor; read weights into Shard/Replicate ones")
-        box = want.tile(shape, _rank_position(dst.device_mesh))
+        box = want.tile(shape, rank_position(dst.device_mesh))
     else:
         local, box = dst.detach(), tuple((0, n) for n in shape)
     if tuple(local.shape) != tile_shape(box):
         raise InvalidShardingError(f"the local shard of {name!r} is of shape {tuple(local.shape)}, but its "
                                    f"placements give this rank the tile {list(box)}: reshard reads torch.chunk tiles")
-    itemsize = np_dtype(info.dtype).itemsize
     by_tile: dict[Box, pb.TileLocation] = {}
     rank = {mine: 0, host_of(mine) if mine else None: 1}
     for loc in info.locations:
@@ -320,8 +346,7 @@ def _tile_reads(info: pb.TensorInfo, name: str, dst, mine: str) -> list:
         best = by_tile.get(tile)
         if best is None or _nearness(loc, rank) < _nearness(best, rank):
             by_tile[tile] = loc
-    reads = [_TileRead(info.name, info.version, loc, volume(tile) * itemsize,
-                       _deliver(tile, box, local, info.dtype)) for tile, loc in by_tile.items()]
+    reads = [(info, loc, _deliver(tile, box, local, info.dtype)) for tile, loc in by_tile.items()]
     covered = sum(volume(_overlap(tile, box)) for tile in by_tile)
     if covered != volume(box):
         raise InvalidArgumentError(f"tensor {info.name!r} v{info.version} has no copy left of part of this rank's "

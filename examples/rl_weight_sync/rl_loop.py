@@ -1,14 +1,15 @@
 """An RL loop's weight sync: 4 FSDP2 trainer ranks publish every AdamW step; a 2-rank tensor-parallel serving job
-keeps generating from the weights it holds while the next step lands, then loads it in place.
+keeps generating from its live copy of the model while the next step lands and is read into a standby copy, then
+swaps the two (serving's only pause).
 
     python examples/rl_weight_sync/rl_loop.py                 # starts a local cluster (4 hosts x 2 devices)
     python examples/rl_weight_sync/rl_loop.py --planner ADDR  # or uses yours (hosts host0..host3)
 
 The model is a transformers LlamaForCausalLM made from a small config (random init, fixed seed: nothing is
 downloaded). The trainer and the serving job are separate torch.distributed worlds (gloo, CPU) that meet only in
-reshard's catalog and a key-value store for "published"/"synced" signals. Serving rank 0 prints, per step, the
-trainer's publish, the sync (seconds and network bytes), the read into the model, and how many generations ran
-while the sync was in flight (serving never pauses for it).
+reshard's catalog and a key-value store for "published"/"moved"/"synced" signals. Serving rank 0 prints, per step,
+the trainer's publish, the sync (seconds and network bytes), the read into the standby copy, how many generations
+the live copy ran meanwhile, and the swap's seconds: the time serving paused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 TRAIN_HOSTS, SERVE_HOSTS = ["host0", "host1"], ["host2", "host3"]
 WAIT = datetime.timedelta(seconds=300)
@@ -38,7 +40,6 @@ def llama(args, seed: int):
 
 def train(args, rank: int, kv) -> None:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -61,9 +62,8 @@ def train(args, rank: int, kv) -> None:
         if step > 1:
             kv.wait([f"synced/{step - 1}"], WAIT)  # one step off-policy: the servers took the last one
         start = time.perf_counter()
-        c.put_state_dict(model, devices, step=step)  # this rank's FSDP shards, labeled with the step
+        c.put_state_dict(model, devices, step=step)  # one transaction over every rank: returns once it is visible
     # -- README ends
-        dist.barrier()
         if rank == 0:
             kv.set(f"published/{step}", f"{time.perf_counter() - start:.6f}")
     c.close()
@@ -80,61 +80,92 @@ def serve(args, rank: int, kv) -> None:
     c = reshard.connect(args.planner)
     prompt = torch.tensor([[1, 5, 9, 2, 7, 3]])
     config, _, meshes = LlamaForCausalLM.prepare_distribute_model(DistributedConfig(tp_size=2), device_map=None)
-    pin = None
+    jobs, pool = [], ThreadPoolExecutor(1, thread_name_prefix="refresh")
     # -- README begins: serving
-    model = LlamaForCausalLM.maybe_distribute_model(llama(args, seed=1), config, meshes).eval()
+    models = DoubleBuffer(*(LlamaForCausalLM.maybe_distribute_model(llama(args, seed=1), config, meshes).eval()
+                            for _ in range(2)))  # two copies: the live one generates, the standby takes the next step
     devices = c.mesh_devices(meshes.get_mesh("tp"), SERVE_HOSTS)
-    manifest = reshard.Manifest.from_module(model)  # every weight this model loads: nothing missing or extra
+    manifest = reshard.Manifest.from_module(models.live)  # every weight the model loads: nothing missing or extra
     for step in range(1, args.steps + 1):
-        def sync():  # rank 0: once the trainer published the step, move it into this model's layout, one job
-            kv.wait([f"published/{step}"], WAIT)
-            jobs.append(c.sync_state_dict(model, devices, version=step, manifest=manifest))
-        jobs, syncing = [], threading.Thread(target=sync)
-        if rank == 0:
-            syncing.start()
-        generated = keep_serving(model, prompt, syncing.is_alive)  # from version step - 1 while step lands
-        start = time.perf_counter()  # serving waits from here: the pin and the read
-        old, pin = pin, c.pin()  # hold the versions about to be read, whatever the trainer publishes next
-        c.get_state_dict(model, devices, version=pin)  # this rank's shards, into the parameters in place
+        def refresh():  # every rank, in the background; rank 0 first moves the step into the standby's layout
+            if rank == 0:
+                kv.wait([f"published/{step}"], WAIT)
+                jobs.append(c.sync_state_dict(models.standby, devices, version=step, manifest=manifest))
+                kv.set(f"moved/{step}", "1")
+            kv.wait([f"moved/{step}"], WAIT)
+            models.fill(c.get_state_dict, devices, version=step)  # this rank's shards, into the standby in place
+        refreshing = pool.submit(refresh)
+        generated = keep_serving(models, prompt, refreshing)  # the live copy, until every rank's standby is full
+        pause_s = models.swap()  # serving's only pause: a reference assignment under a lock
     # -- README ends
-        read_s = time.perf_counter() - start
-        if old is not None:
-            c.release(old)
         if rank == 0:
-            job, publish_s = jobs[0], float(kv.get(f"published/{step}"))
+            job, publish_s = jobs[-1], float(kv.get(f"published/{step}"))
             print(f"step {step}: publish {publish_s:.3f} s, sync {job.seconds:.3f} s "
-                  f"({job.network_bytes:,} bytes over the network, {job.transport}), pin and read {read_s:.3f} s, "
-                  f"{generated} generations during the sync", flush=True)
+                  f"({job.network_bytes:,} bytes over the network, {job.transport}), read into the standby "
+                  f"{models.fill_s:.3f} s, {generated} generations during the sync and the read, serving paused "
+                  f"{pause_s:.6f} s (the swap)", flush=True)
             if args.report:  # for bench/weight_sync.py --rl-loop: the step's numbers, and the layouts
-                row = {"step": step, "publish_s": publish_s, "sync_s": job.seconds, "read_s": read_s,
-                       "network_bytes": job.network_bytes, "generated": generated, "transport": job.transport,
-                       "layouts": {n: s.to_json() for n, s in
-                                                         c.state_dict_shardings(model, devices).items()}}
+                row = {"step": step, "publish_s": publish_s, "sync_s": job.seconds, "read_s": models.fill_s,
+                       "pause_s": pause_s, "network_bytes": job.network_bytes, "generated": generated,
+                       "transport": job.transport,
+                       "layouts": {n: s.to_json() for n, s in c.state_dict_shardings(models.live, devices).items()}}
                 with open(args.report, "a") as f:
                     f.write(json.dumps(row) + "\n")
         dist.barrier()
         if rank == 0:
             kv.set(f"synced/{step}", "1")
-    tokens = model.generate(prompt, max_new_tokens=8, do_sample=False)[0].tolist()  # every tensor-parallel rank
+    tokens = models.live.generate(prompt, max_new_tokens=8, do_sample=False)[0].tolist()  # every tensor-parallel rank
     if rank == 0:
         print(f"tokens from step {args.steps}'s weights: {tokens}", flush=True)
-    c.release(pin)
+    pool.shutdown()
     c.close()
 
 
-def keep_serving(model, prompt, syncing) -> int:
-    """Generate until rank 0's sync is done (every rank runs the same number of tensor-parallel forwards)."""
+class DoubleBuffer:
+    """Two copies of the serving model: ``live`` generates, ``standby`` is filled with the next version (`fill`),
+    and `swap` exchanges them, a reference assignment under a lock: all the pause serving sees. The price is a
+    second copy of the weights in memory."""
+
+    def __init__(self, live, standby):
+        self._lock = threading.Lock()
+        self._live, self.standby = live, standby
+        self.fill_s = 0.0  # how long the last fill took
+
+    @property
+    def live(self):
+        with self._lock:
+            return self._live
+
+    def fill(self, read, *args, **kwargs) -> None:
+        """``read(standby, *args, **kwargs)``, timed: it writes the next version into the standby copy in place."""
+        start = time.perf_counter()
+        read(self.standby, *args, **kwargs)
+        self.fill_s = time.perf_counter() - start
+
+    def swap(self) -> float:
+        """Make the standby copy live and the live one the standby; returns the seconds it took."""
+        start = time.perf_counter()
+        with self._lock:
+            self._live, self.standby = self.standby, self._live
+        return time.perf_counter() - start
+
+
+def keep_serving(models: DoubleBuffer, prompt, refreshing) -> int:
+    """Generate from the live copy until every rank's ``refreshing`` (a future) is done, then raise its error if it
+    failed; returns how many generations ran. The ranks agree after every generation (an all-reduce of "done"), so
+    they stop after the same one and swap together: tensor-parallel ranks must serve one version."""
     import torch
     import torch.distributed as dist
 
     generated = 0
     while True:
         with torch.no_grad():
-            model.generate(prompt, max_new_tokens=4, do_sample=False)
+            models.live.generate(prompt, max_new_tokens=4, do_sample=False)
         generated += 1
-        running = torch.tensor([int(dist.get_rank() == 0 and syncing())])
-        dist.broadcast(running, 0)
-        if not running.item():
+        done = torch.tensor([int(refreshing.done())])
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if done.item():
+            refreshing.result()
             return generated
 
 

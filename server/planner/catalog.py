@@ -5,7 +5,11 @@ shard: an upload is a transaction that commits whole or leaves nothing. An
 upload that goes quiet for ``upload_timeout_s`` (a client that died midway) is
 expired and its staged shards dropped. Uploads opened as a group (put_many)
 commit together, entering the catalog in one step (`Catalog.commit`), and
-expire together, once no member has been active for the timeout.
+expire together, once no member has been active for the timeout. A group opened
+by a key (`Uploads.begin_group`) is shared by several callers, the ranks of a
+DTensor publish: each opens it with the same declarations, hands over its own
+devices' shards and marks them done (`Uploads.mark_group`); it commits when every
+device of every tensor is in, and every caller can wait for that outcome.
 
 A tensor also records the devices whose shards are gone (``lost``): those of a
 host whose agent restarted, as a new process holds nothing of the old one's. A
@@ -24,7 +28,7 @@ import json
 import threading
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -39,6 +43,7 @@ from reshard.sharding import Sharding, normalise_shape
 __all__ = ["TensorRecord", "PinRecord", "Catalog", "Upload", "Uploads", "repeated_names", "check_step"]
 
 KINDS = ("numpy", "torch")
+OUTCOMES_KEPT = 1024  # settled groups whose outcome a caller that waits for it can still read
 
 
 @dataclass(frozen=True)
@@ -476,7 +481,7 @@ class Upload:
     per_shard: bool
     done: set[str] = field(default_factory=set)
     last_activity: float = 0.0
-    group: str = ""  # the put_many transaction it belongs to, if any
+    group: str = ""  # the put_many transaction (or the shared group, `Uploads.begin_group`) it belongs to, if any
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -492,6 +497,11 @@ class Uploads:
         self._by_id: dict[str, Upload] = {}
         self._by_name: dict[str, Upload] = {}
         self._groups: dict[str, list[Upload]] = {}
+        self._keys: dict[str, str] = {}  # a shared group's key -> its id, while it is open
+        self._committing: set[str] = set()  # shared groups whose every device is in: one caller commits them
+        # group id -> "" (committed) or why it failed, for the callers that wait on a shared group; the last few only
+        self._outcomes: OrderedDict[str, str] = OrderedDict()
+        self._settled = threading.Condition(self._lock)
 
     def _record(self, name: str, shape, dtype: str, sharding: Sharding, kind: str,
                 step: int | None = None) -> TensorRecord:
@@ -534,41 +544,143 @@ class Uploads:
             return up
 
     def begin_group(self, tensors: list[tuple[str, tuple, str, Sharding, str]],
-                    step: int | None = None) -> tuple[str, list[Upload]]:
+                    step: int | None = None, key: str = "") -> tuple[str, list[Upload]]:
         """Open an upload of every (name, shape, dtype, sharding, kind) as one group (put_many), each labeled
         ``step``: they commit together (`group`, then `Catalog.commit`) and expire together. Returns the group's
-        id and its uploads."""
+        id and its uploads.
+
+        With a ``key`` the group is shared (the ranks of a DTensor publish): the first call opens it, and a call
+        with the same key while it is open returns it, once its tensors are declared the same way (else
+        InvalidArgumentError naming the first difference). Each caller then hands over its own devices' shards
+        and marks them (`mark_group`)."""
         records = [self._record(*t, step) for t in tensors]
         names = [r.name for r in records]
         repeated = repeated_names(names)
         if repeated:
             raise InvalidArgumentError(f"put_many names tensors {repeated[:5]} more than once; each tensor once")
         with self._lock:
+            if key and key in self._keys:
+                group = self._keys[key]
+                ups = self._groups[group]
+                self._check_declared(key, [u.record for u in ups], records)
+                ups[0].last_activity = self._clock()  # a group is active while any member is
+                return group, ups
             for rec in records:
                 pending = self._pending_locked(rec)
                 if pending is not None:
                     raise self._busy(pending)
             group = uuid.uuid4().hex
             now = self._clock()
-            ups = [Upload(uuid.uuid4().hex, r, False, last_activity=now, group=group) for r in records]
+            ups = [Upload(uuid.uuid4().hex, r, bool(key), last_activity=now, group=group) for r in records]
             for up in ups:
                 self._by_id[up.id] = up
                 self._by_name[up.record.name] = up
             self._groups[group] = ups
+            if key:
+                self._keys[key] = group
             return group, ups
+
+    @staticmethod
+    def _check_declared(key: str, opened: list[TensorRecord], records: list[TensorRecord]) -> None:
+        """Refuse a caller of shared group ``key`` whose tensors differ from those it was opened with, naming the
+        first difference: the ranks of one publish must describe one state dict."""
+        way_out = "every rank of a publish declares the same tensors, in the same order, with the same step"
+        if [r.name for r in opened] != [r.name for r in records]:
+            i = next((i for i, (a, b) in enumerate(zip(opened, records)) if a.name != b.name),
+                     min(len(opened), len(records)))
+            here = repr(records[i].name) if i < len(records) else "nothing"
+            there = repr(opened[i].name) if i < len(opened) else "nothing"
+            raise InvalidArgumentError(
+                f"upload group {key[:8]} was opened with {len(opened)} tensors and this caller declares "
+                f"{len(records)}: tensor {i} is {here} here but {there} in the group; {way_out}")
+        for a, b in zip(opened, records):
+            for what in ("shape", "dtype", "sharding", "kind", "step"):
+                if getattr(a, what) != getattr(b, what):
+                    raise InvalidArgumentError(
+                        f"upload group {key[:8]}: tensor {a.name!r} is declared with {what} {getattr(b, what)} here "
+                        f"but {getattr(a, what)} in the group; {way_out}")
 
     def group(self, group: str) -> list[Upload]:
         with self._lock:
             ups = self._groups.get(group)
         if ups is None:
-            raise NotFoundError(f"no put_many transaction {group!r}; it finished, failed or expired")
+            raise NotFoundError(f"no upload group {group!r} open; it finished, failed or expired")
         return ups
 
-    def close_group(self, group: str) -> None:
+    def is_shared(self, group: str) -> bool:
+        """Whether ``group`` was opened by a key (its callers mark their devices) rather than by one put_many; a
+        shared group that ended, whose outcome is kept, still is."""
         with self._lock:
+            ups = self._groups.get(group)
+            if ups is None and group in self._outcomes:
+                return True
+        if ups is None:
+            raise NotFoundError(f"no upload group {group!r} open; it finished, failed or expired")
+        return ups[0].per_shard
+
+    def missing(self, group: str) -> list[str]:
+        """The devices of open ``group`` whose shards are not in yet (none once it ended)."""
+        with self._lock:
+            return sorted({d for u in self._groups.get(group, ()) for d in u.devices if d not in u.done})
+
+    def mark_group(self, group: str, done: list[tuple[str, list[str]]]) -> tuple[list[Upload], bool, list[str]]:
+        """Record, for shared ``group``, the devices of each (upload id, devices) whose shards are in. Returns its
+        uploads, whether this call is the one to commit it (every device of every tensor is in; only one call is),
+        and the devices still missing."""
+        with self._lock:
+            ups = self._groups.get(group)
+            if ups is None:
+                raise NotFoundError(f"no upload group {group!r} open; it finished, failed or expired")
+            by_id = {u.id: u for u in ups}
+            for upload_id, devices in done:
+                up = by_id.get(upload_id)
+                if up is None:
+                    raise InvalidArgumentError(f"upload {upload_id[:8]} is not one of group {group[:8]}'s "
+                                               f"{len(ups)} uploads; mark the uploads BeginUploads returned")
+                unknown = [d for d in devices if d not in up.devices]
+                if unknown:
+                    raise InvalidArgumentError(f"devices {unknown} are not in the mesh of {up.record.name!r}; its "
+                                               f"devices are {list(up.devices)}")
+            for upload_id, devices in done:
+                by_id[upload_id].done.update(devices)
+            ups[0].last_activity = self._clock()
+            missing = sorted({d for u in ups for d in u.devices if d not in u.done})
+            commit = not missing and group not in self._committing
+            if commit:
+                self._committing.add(group)
+            return ups, commit, missing
+
+    def close_group(self, group: str, error: str = "") -> None:
+        """End ``group``: its uploads close, and a shared one's outcome (``error``, "" when it committed) is kept
+        for the callers that wait for it (`outcome`)."""
+        with self._settled:
             ups = self._groups.pop(group, [])
+            self._settle_locked(group, ups, error)
         for up in ups:
             self.close(up.id)
+
+    def _settle_locked(self, group: str, ups: list[Upload], error: str) -> None:
+        if not ups or not ups[0].per_shard:
+            return
+        self._committing.discard(group)
+        for key in [k for k, g in self._keys.items() if g == group]:  # one; few groups are open at once
+            del self._keys[key]
+        self._outcomes[group] = error
+        while len(self._outcomes) > OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+        self._settled.notify_all()
+
+    def outcome(self, group: str, wait_s: float = 0.0) -> str | None:
+        """How shared ``group`` ended: "" (committed) or why it failed; None while it is still open after waiting up
+        to ``wait_s`` seconds."""
+        with self._settled:
+            self._settled.wait_for(lambda: group not in self._groups, timeout=wait_s)
+            if group in self._groups:
+                return None
+            if group not in self._outcomes:
+                raise NotFoundError(f"no upload group {group!r}: it ended too long ago to tell how (the planner keeps "
+                                    f"the last {OUTCOMES_KEPT} outcomes), or it never existed")
+            return self._outcomes[group]
 
     @staticmethod
     def _check_same(old: TensorRecord, new: TensorRecord) -> None:
@@ -622,14 +734,21 @@ class Uploads:
                 del self._by_name[up.record.name]
 
     def expired(self) -> list[Upload]:
-        """Uploads idle for the timeout, closed; a group's members count as active while any of them is."""
+        """Uploads idle for the timeout, closed; a group's members count as active while any of them is. A shared
+        group's callers that wait learn it expired, and which devices never came (`outcome`)."""
         now = self._clock()
-        with self._lock:
+        with self._settled:
             latest = {g: max(u.last_activity for u in ups) for g, ups in self._groups.items()}
             out = [u for u in self._by_id.values()
                    if now - (latest.get(u.group, 0.0) if u.group else u.last_activity) > self._timeout]
             for g in {u.group for u in out if u.group}:
-                del self._groups[g]
+                ups = self._groups.pop(g)
+                missing = sorted({d for u in ups for d in u.devices if d not in u.done})
+                shown = missing[:8] + (["..."] if len(missing) > 8 else [])
+                self._settle_locked(g, ups, (
+                    f"upload group {g[:8]} of {len(ups)} tensors expired after {self._timeout:g}s without activity, "
+                    f"before devices {shown} handed over their shards (did a rank die midway?); nothing of it was "
+                    f"committed: publish again from every rank"))
         for u in out:
             self.close(u.id)
         return out

@@ -10,7 +10,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
@@ -241,12 +241,15 @@ class Planner:
                 f"agent's memory limit of {format_size(limit)} ({limit:,} bytes); shard it over more devices or "
                 f"hosts, or start that agent with a larger --memory-limit")
 
-    def _upload_locations(self, upload: Upload) -> list[TileLocation]:
-        """Where each device's shard goes, with the ticket its PutShard must carry."""
+    def _upload_locations(self, upload: Upload, devices: Collection[str] | None = None) -> list[TileLocation]:
+        """Where each device's shard goes (of ``devices`` only, when given), with the ticket its PutShard must
+        carry."""
         rec = upload.record
         tiles = rec.sharding.tiles(rec.shape)
         out = []
         for d in rec.sharding.mesh.require_devices():
+            if devices is not None and d not in devices:
+                continue
             agent = self.registry.require_up(host_of(d))
             ticket = sign(agent.secret, "put", *put_fields(upload.id, rec.name, d, rec.dtype, tiles[d]))
             out.append(TileLocation(d, agent.address, tiles[d], ticket))
@@ -293,10 +296,21 @@ class Planner:
                 self.uploads.close(upload_id)
         return True, 0
 
-    def begin_uploads(self, tensors: list[tuple[str, tuple, str, str, str]], step: int | None = None
-                      ) -> tuple[str, list[tuple[Upload, list[TileLocation]]]]:
+    def begin_uploads(self, tensors: list[tuple[str, tuple, str, str, str]], step: int | None = None, key: str = "",
+                      devices: Collection[str] = ()) -> tuple[str, list[tuple[Upload, list[TileLocation]]]]:
         """Open a put_many: an upload of every (name, shape, dtype, sharding JSON, kind), each labeled ``step``,
-        all committed at once by `finish_uploads`."""
+        all committed at once by `finish_uploads`.
+
+        With a ``key``, open (or join, when a caller opened it with the same key) a group shared by the ranks of
+        one publish: each hands over the shards of its own ``devices`` (the locations returned are theirs only;
+        a Partial sharding's devices hand over addends) and marks them done, and the group commits when every
+        device of every tensor is in."""
+        if key and (len(key) > 64 or not key.isprintable()):
+            raise InvalidArgumentError(f"group key {key[:80]!r} must be at most 64 printable characters (a random "
+                                       f"hex string every rank of the publish shares)")
+        if devices and not key:
+            raise InvalidArgumentError("devices= names a caller's share of a group opened by a key; a put_many "
+                                       "hands over every device's shard itself")
         if not tensors:
             raise InvalidArgumentError("put_many needs at least one tensor; got none")
         if len(tensors) > self.config.max_plan_tasks:
@@ -307,24 +321,56 @@ class Planner:
             sharding = self._sharding(sharding_json, f"sharding of {name!r}")
             shape = sharding.check_shape(shape)
             self.registry.check_mesh(sharding.mesh)
-            if sharding.is_partial:
+            if sharding.is_partial and not key:
                 raise InvalidArgumentError(
                     f"sharding of {name!r} {sharding} is Partial: its devices hold addends that sum to the value, and "
                     f"put_many hands over values; put it in {sharding.without_partial()}")
             parsed.append((name, shape, dtype, sharding, kind or "numpy"))
         self._check_memory_together([(sharding, shape, dtype, f"tensor {name!r}") for name, shape, dtype, sharding, _
                                      in parsed], f"put_many of {len(parsed)} tensors")
-        group, uploads = self.uploads.begin_group(parsed, step)
-        return group, [(up, self._upload_locations(up)) for up in uploads]
+        group, uploads = self.uploads.begin_group(parsed, step, key)
+        mine = set(devices) if key else None
+        return group, [(up, self._upload_locations(up, mine)) for up in uploads]
 
-    def finish_uploads(self, group: str) -> None:
-        """Commit every upload of put_many ``group``: all its tensors enter the catalog together, or none does."""
-        with self._upload_lock:
-            uploads = self.uploads.group(group)
-            try:
-                self._commit_uploads(uploads)
-            finally:
-                self.uploads.close_group(group)
+    def finish_uploads(self, group: str, done: list[tuple[str, list[str]]] = (), wait_s: float = 0.0
+                       ) -> tuple[bool, int]:
+        """Commit every upload of put_many ``group``: all its tensors enter the catalog together, or none does.
+        Returns (committed, devices still missing).
+
+        A shared group (opened by a key) takes each caller's ``done`` devices (upload id, devices); the call that
+        brings in the last device commits it, and the others wait up to ``wait_s`` for that outcome: committed,
+        or the error it failed with (FailedPreconditionError naming it, e.g. the devices that never came)."""
+        if not self.uploads.is_shared(group):
+            if done:
+                raise InvalidArgumentError(f"group {group[:8]} is a put_many, which hands over every shard itself: "
+                                           f"finish it without devices")
+            with self._upload_lock:
+                uploads = self.uploads.group(group)
+                try:
+                    self._commit_uploads(uploads)
+                finally:
+                    self.uploads.close_group(group)
+            return True, 0
+        uploads, commit, missing = self.uploads.mark_group(group, list(done)) if done else ([], False, None)
+        if commit:
+            error = "it was interrupted"
+            with self._upload_lock:
+                try:
+                    self.uploads.group(group)  # still open: not expired meanwhile
+                    self._commit_uploads(uploads)
+                    error = ""
+                except Exception as e:
+                    error = f"committing upload group {group[:8]} failed: {e}"
+                    raise
+                finally:
+                    self.uploads.close_group(group, error)
+            return True, 0
+        outcome = self.uploads.outcome(group, min(wait_s, self.config.max_wait_s))
+        if outcome is None:
+            return False, len(self.uploads.missing(group) if missing is None else missing)
+        if outcome:
+            raise FailedPreconditionError(outcome)
+        return True, 0
 
     def _commit_uploads(self, uploads: list[Upload]) -> None:
         """Number the uploads' versions, commit their staged shards on their agents (hosts at once), then publish

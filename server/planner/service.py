@@ -380,15 +380,17 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             raise InvalidArgumentError("BeginUploads opens uploads of whole tensors; a device and a shard shape "
                                        "belong to BeginUpload (put_shard)")
         group, opened = self.planner.begin_uploads(
-            [(t.name, tuple(t.shape), t.dtype, t.sharding_json, t.kind) for t in request.tensors], _step(request))
+            [(t.name, tuple(t.shape), t.dtype, t.sharding_json, t.kind) for t in request.tensors], _step(request),
+            request.group_key, list(request.devices))
         return pb.BeginUploadsReply(group_id=group, uploads=[
             pb.BeginUploadReply(upload_id=up.id, version=up.record.version, locations=_locations(locations))
             for up, locations in opened])
 
     @servicer_method
     def FinishUploads(self, request, context):
-        self.planner.finish_uploads(request.group_id)
-        return pb.FinishUploadReply(complete=True)
+        complete, missing = self.planner.finish_uploads(
+            request.group_id, [(d.upload_id, list(d.devices)) for d in request.done], request.wait_s)
+        return pb.FinishUploadReply(complete=complete, num_missing=missing)
 
     @servicer_method
     def GetTensors(self, request, context):

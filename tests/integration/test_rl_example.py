@@ -37,7 +37,10 @@ def test_the_example_runs_from_a_copy_and_prints_every_step(tmp_path):
                          capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     steps = re.findall(r"^step (\d): publish [\d.]+ s, sync [\d.]+ s \(([\d,]+) bytes over the network, grpc\), "
-                       r"pin and read [\d.]+ s, (\d+) generations during the sync$", out.stdout, re.M)
+                       r"read into the standby [\d.]+ s, (\d+) generations during the sync and the read, serving "
+                       r"paused ([\d.]+) s \(the swap\)$", out.stdout, re.M)
     assert [s[0] for s in steps] == ["1", "2"], out.stdout
     assert all(int(s[1].replace(",", "")) > 0 and int(s[2]) >= 1 for s in steps)
+    # Serving pauses only for the swap, a reference assignment: far under a millisecond (the read took ~0.1 s)
+    assert all(float(s[3]) < 0.001 for s in steps), steps
     assert "tokens from step 2's weights: [1, 5, 9, 2, 7, 3, " in out.stdout
