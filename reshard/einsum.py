@@ -61,7 +61,8 @@ from typing import Optional, Union
 from reshard import box as boxes
 from reshard.dtypes import check_computable
 from reshard.errors import ReshardError
-from reshard.kernels import KERNELS, KernelShapeError, axis_param, dims_param, letter_sizes, parse_equation
+from reshard.kernels import (KERNELS, KernelShapeError, axis_param, block_param, dims_param, letter_sizes,
+                             parse_equation)
 from reshard.mesh import Mesh
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
@@ -391,7 +392,7 @@ class _Builder:
         if direct is None:
             final = p.out_sharding
             self.reshard(p.out_name, p.out_shape, held, final, RESULT, made, whole=True)
-        out = TensorDecl(p.out_name, p.out_shape, p.dtype, dst=final)
+        out = TensorDecl(p.out_name, p.out_shape, KERNELS[p.kernel].output_dtype or p.dtype, dst=final)
         tensors = tuple(dict.fromkeys(p.inputs)) + (out, *self.made)
         if stages:
             tensors += (TensorDecl(partials, p.out_shape, p.dtype),)
@@ -588,7 +589,8 @@ def _cheapest(p: _Problem, layout: Union[Layout, Mapping[str, object], None]) ->
 # op -> (input letters from the dims, output letters, whole letters, reduce op, foldable), by kernel kind
 _ELEMENTWISE = ("add", "sub", "mul", "scale", "relu", "relu_grad", "axpy")
 _LINEAR = ("mul", "scale", "sum")  # a Partial input may pass through as addends (see `_Builder._foldable`)
-APPLY_OPS = (*_ELEMENTWISE, "sum", "max", "softmax_xent", "softmax_xent_grad")
+# fp8_quantize keeps its input's shape and letters, as an elementwise op, but casts (`Kernel.output_dtype`)
+APPLY_OPS = (*_ELEMENTWISE, "sum", "max", "softmax_xent", "softmax_xent_grad", "fp8_quantize")
 
 
 def _param_text(value) -> str:
@@ -647,4 +649,17 @@ def plan_apply(op: str, inputs: Sequence[InputLike], out_name: str, params: Opti
     equation = ",".join([letters] * len(decls)) + "->" + out
     p = _problem(equation, decls, out_name, out_sharding, topology, strategy)
     p.kernel, p.params, p.reduce_op, p.whole, p.foldable = op, text, reduce_op, whole, op in _LINEAR
-    return _cheapest(p, layout)
+    program = _cheapest(p, layout)
+    if op == "fp8_quantize":
+        _check_blocks(program, block_param(op, text))
+    return program
+
+
+def _check_blocks(program: Program, block: int) -> None:
+    """Refuse a quantize whose tiles do not start on block boundaries: their blocks would not be the tensor's."""
+    for s in program.steps:
+        tile = s.inputs[0].box if s.kernel == "fp8_quantize" else ()
+        if any(lo % block for lo, _ in tile):
+            raise EinsumError(f"fp8_quantize on {s.device}: its tile {boxes.box_str(tile)} does not start on a "
+                              f"boundary of the {block} x {block} blocks, so its blocks would not be the tensor's; "
+                              f"lay the input out so that each split dim is cut at multiples of {block}")

@@ -35,7 +35,23 @@ kernel                  inputs     params                         output tile
                                    1)                             of the loss summed over rows, times
                                                                   ``scale`` (``1/batch`` for the mean);
                                                                   logits' shape
+``fp8_quantize``        x (2-D)    ``block`` (default 128)        x / its block's scale, rounded to the nearest
+                                                                  float8_e4m3fn (ties to even) and saturated
+                                                                  at +-448; x's shape, dtype float8_e4m3fn
+``fp8_scales``          x (2-D)    ``block`` (default 128)        each block's scale: the largest magnitude of
+                                                                  its finite values / 448 (1 where that is 0);
+                                                                  (ceil(m/block), ceil(n/block)), float32
 ======================= ========== ============================== ============================================
+
+The fp8 kernels make the DeepSeek / Kimi serving format (``weight_scale_inv`` beside each weight: the weight is
+the fp8 values times their block's scale). Blocks are ``block`` x ``block`` elements counted from the tile's
+first element, the last ones along a dim smaller where ``block`` does not divide it; a tile that starts on a block
+boundary of its tensor (every tile of a layout whose split dims are cut at multiples of ``block``) gets the blocks
+of the whole tensor. They compute in float32 (bfloat16 is exact in it). Where the values are not all finite:
+a NaN stays a NaN (0x7F, with its sign) and an infinity saturates to +-448 like any value too large, as CUDA's
+saturating conversion (``__NV_SATFINITE``) does, and neither counts towards its block's scale, so one bad value
+does not turn its block's other values into NaN or zero. A block with no finite value other than zero has scale 1
+(its values are then zeros, NaNs and +-448), so a scale is always a positive finite number.
 
 ``sum`` and ``max`` over a dim the tile holds only part of give a partial
 result; the planner completes it with a reduce step (op ``sum`` or ``max``).
@@ -63,7 +79,7 @@ from typing import Optional
 from reshard.errors import ReshardError
 
 __all__ = ["Kernel", "KERNELS", "KernelShapeError", "parse_equation", "letter_sizes", "float_param", "dims_param",
-           "axis_param", "MAX_EQUATION_CHARS"]
+           "axis_param", "block_param", "MAX_EQUATION_CHARS", "FP8_BLOCK", "FP8_E4M3_MAX"]
 
 Shape = tuple[int, ...]
 # The longest einsum equation accepted. A real one is a few dozen characters (an operand names each of the 52 letters
@@ -88,6 +104,8 @@ class Kernel:
     # floating-point operations on tiles of these shapes: per output element, or a rule of its own
     flops_per_element: float = 1.0
     count_flops: Optional[Callable[[tuple[Shape, ...], Mapping[str, str]], float]] = None
+    # the output's dtype when it is not the inputs' (a cast's)
+    output_dtype: Optional[str] = None
 
     def flops(self, inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
         """Floating-point operations one run on tiles shaped ``inputs`` does (see the module docstring)."""
@@ -300,6 +318,43 @@ def _xent_grad_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Sh
     return shape
 
 
+FP8_BLOCK = 128  # the DeepSeek / Kimi serving format's block: 128 x 128 elements share a scale
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+MAX_FP8_BLOCK = 2**16
+
+
+def block_param(kernel: str, params: Mapping[str, str]) -> int:
+    """``block`` (default `FP8_BLOCK`) as a whole number of elements from 1 to `MAX_FP8_BLOCK`."""
+    raw = params.get("block", str(FP8_BLOCK))
+    try:
+        block = int(raw)
+    except ValueError:
+        block = 0
+    if not 1 <= block <= MAX_FP8_BLOCK:
+        raise KernelShapeError(f"{kernel} parameter block={raw!r} is not a whole number of elements from 1 to "
+                               f"{MAX_FP8_BLOCK}; the serving format's blocks are {FP8_BLOCK}")
+    return block
+
+
+def _fp8_tile(kernel: str, inputs: tuple[Shape, ...], params: Mapping[str, str]) -> tuple[Shape, int]:
+    _params(kernel, params, optional=("block",))
+    shape = tuple(inputs[0])
+    if len(shape) != 2:
+        raise KernelShapeError(f"{kernel} quantizes 2-D tiles in square blocks, as the serving format does its "
+                               f"weight matrices; got a tile of shape {shape}. Leave 1-D tensors (norms, biases) "
+                               f"unquantized, and quantize a stack of matrices one matrix at a time")
+    return shape, block_param(kernel, params)
+
+
+def _fp8_quantize_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    return _fp8_tile("fp8_quantize", inputs, params)[0]
+
+
+def _fp8_scales_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    (m, n), block = _fp8_tile("fp8_scales", inputs, params)
+    return (-(-m // block), -(-n // block))
+
+
 def _einsum_flops(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
     operands, out = parse_equation(params["equation"])
     sizes = letter_sizes(params["equation"], operands, inputs)
@@ -344,5 +399,10 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
                                                "probabilities over axis, which is dropped", count_flops=_xent_flops),
         Kernel("softmax_xent_grad", 2, _xent_grad_shape, "scale * (softmax(logits) - targets) over axis",
                count_flops=_xent_flops),
+        # per element: its magnitude and its block's maximum (the scale pass), then a division and a rounding
+        Kernel("fp8_quantize", 1, _fp8_quantize_shape, "x / its block's scale as float8_e4m3fn, saturating",
+               flops_per_element=4, output_dtype="float8_e4m3fn"),
+        Kernel("fp8_scales", 1, _fp8_scales_shape, "per block, the largest finite magnitude / 448",
+               count_flops=lambda inputs, params: 2.0 * math.prod(inputs[0]), output_dtype="float32"),
     )
 })

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
-from reshard.kernels import axis_param, dims_param, float_param
+from reshard.kernels import FP8_E4M3_MAX, axis_param, block_param, dims_param, float_param
 from reshard.server.agent.matmul import einsum2
 from reshard.server.transport import buffers
 
@@ -220,9 +220,101 @@ def _copy(inputs: list, output, params: dict) -> None:
     buffers.write(output, whole, whole, inputs[0])  # bytes as they are, whatever the dtype
 
 
+# -- the fp8 cast of the serving format (the rules, zeros and non-finite values: `reshard.kernels`) ----------------
+
+
+def _float32(x) -> np.ndarray:
+    """A host tile's values as float32: bfloat16 bits widened exactly, any other dtype converted."""
+    x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+    return bfloat16_to_float32(x) if x.dtype == np.uint16 else x.astype(np.float32, copy=False)
+
+
+def _blocks_of(scales: np.ndarray, block: int, shape: tuple[int, int]) -> np.ndarray:
+    """Each element's block scale: ``scales`` repeated over its blocks, cut to ``shape``."""
+    return np.repeat(np.repeat(scales, block, axis=0)[:shape[0]], block, axis=1)[:, :shape[1]]
+
+
+def fp8_block_scales(x32: np.ndarray, block: int) -> np.ndarray:
+    """Per ``block`` x ``block`` block of a float32 matrix, the largest finite magnitude / 448, or 1 where that
+    is 0, as float32."""
+    m, n = x32.shape
+    bm, bn = -(-m // block), -(-n // block)
+    mag = np.abs(x32)
+    mag[~np.isfinite(mag)] = 0  # a NaN or an infinity does not set its block's scale
+    if (m, n) != (bm * block, bn * block):  # the last blocks along a dim are short: pad them with zeros
+        padded = np.zeros((bm * block, bn * block), dtype=np.float32)
+        padded[:m, :n] = mag
+        mag = padded
+    scales = mag.reshape(bm, block, bn, block).max(axis=(1, 3), initial=np.float32(0)) / np.float32(FP8_E4M3_MAX)
+    scales[scales == 0] = 1  # a block of zeros (or one whose scale underflows) divides by 1
+    return scales
+
+
+def float32_to_float8_e4m3fn(values: np.ndarray, signs: np.ndarray) -> np.ndarray:
+    """``values`` rounded to the nearest float8_e4m3fn, ties to even, saturating at +-448, as ``uint8`` bits; a
+    NaN is 0x7F with the sign bit of ``signs`` (the input it came from: a division's NaN keeps no sign on GPUs)."""
+    nan = np.isnan(values)
+    a = np.minimum(np.abs(values), np.float32(FP8_E4M3_MAX))  # saturate: 448 and above (inf too) are 448
+    a[nan] = 0
+    bits = a.view(np.uint32)
+    # From 2**-6 (e4m3's least normal): float32's exponent rebiased from 127 to 7 and its mantissa rounded from
+    # 23 bits to 3, ties to even; a mantissa that rounds up carries into the exponent.
+    normal = ((bits + np.uint32(0x7FFFF) + ((bits >> 20) & np.uint32(1))) >> 20) - np.uint32((127 - 7) << 3)
+    # Below it, subnormals: whole multiples of 2**-9 (8 of them is the least normal, code 8).
+    subnormal = np.rint(a * np.float32(2**9)).astype(np.uint32)
+    code = np.where(a < np.float32(2**-6), subnormal, normal)
+    code[nan] = 0x7F
+    sign = (np.signbit(signs).astype(np.uint8) << np.uint8(7))
+    return code.astype(np.uint8) | sign
+
+
+def _torch_fp8(x, block: int, want_scales: bool):
+    """The fp8 kernels on a torch tile, where it lives: the numpy path's operations, in float32, in its order."""
+    import torch
+    import torch.nn.functional as F
+
+    x32 = x.float()
+    m, n = x32.shape
+    bm, bn = -(-m // block), -(-n // block)
+    mag = torch.where(torch.isfinite(x32), x32.abs(), torch.zeros((), dtype=torch.float32, device=x.device))
+    mag = F.pad(mag, (0, bn * block - n, 0, bm * block - m))
+    if mag.numel():
+        scales = mag.reshape(bm, block, bn, block).amax(dim=(1, 3)) / FP8_E4M3_MAX
+    else:
+        scales = torch.zeros((bm, bn), dtype=torch.float32, device=x.device)
+    scales = torch.where(scales == 0, torch.ones((), dtype=torch.float32, device=x.device), scales)
+    if want_scales:
+        return scales
+    full = scales.repeat_interleave(block, dim=0)[:m].repeat_interleave(block, dim=1)[:, :n]
+    codes = (x32 / full).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    nan = torch.isnan(x32)
+    signed_nan = torch.where(torch.signbit(x32), 0xFF, 0x7F).to(torch.uint8)
+    return torch.where(nan, signed_nan, codes).view(torch.float8_e4m3fn)
+
+
+def _fp8_kernel(want_scales: bool) -> Callable[[list, Any, dict], None]:
+    name = "fp8_scales" if want_scales else "fp8_quantize"
+
+    def run(inputs: list, output, params: dict) -> None:
+        block = block_param(name, params)
+        whole = tuple((0, n) for n in output.shape)
+        if buffers.is_torch(output):
+            values = _torch_fp8(_Torch.operand(inputs[0], output.device), block, want_scales)
+        else:
+            x32 = _float32(inputs[0])
+            scales = fp8_block_scales(x32, block)
+            values = scales if want_scales else float32_to_float8_e4m3fn(x32 / _blocks_of(scales, block, x32.shape),
+                                                                          x32)
+        buffers.write(output, whole, whole, values)
+
+    return run
+
+
 # name -> fn(input regions, output region, params): the compute steps' implementations on this agent; the
 # core's ``reshard.kernels`` holds their shape rules, for the same names.
 KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
                                                          **{name: _kernel(m, _INTO.get(name))
                                                             for name, m in _MATH.items()},
-                                                         "einsum": _einsum}
+                                                         "einsum": _einsum,
+                                                         "fp8_quantize": _fp8_kernel(want_scales=False),
+                                                         "fp8_scales": _fp8_kernel(want_scales=True)}

@@ -1,0 +1,166 @@
+"""The fp8 kernels (`fp8_quantize`, `fp8_scales`): the DeepSeek / Kimi serving format, bit for bit.
+
+A reference quantizer written here with plain numpy, block by block and value by value (the nearest of the 127
+finite float8_e4m3fn values, found in a table), must give the agents' kernels' bits over generated shapes (short
+last blocks included), zeros, subnormals, infinities and NaNs; numpy and torch tiles alike. The shape rules are the
+core's.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
+from reshard.kernels import KERNELS, KernelShapeError
+from reshard.server.agent.kernels import KERNELS as AGENT_KERNELS
+
+# The finite float8_e4m3fn values in code order 0..0x7E (0x7F is NaN): e4m3 with bias 7, subnormals below 2**-6.
+E4M3 = np.array([(c & 7) / 8 * 2.0**-6 if c >> 3 == 0 else (1 + (c & 7) / 8) * 2.0 ** ((c >> 3) - 7)
+                 for c in range(0x7F)])
+
+
+def _encode(q: float, x: float) -> int:
+    """The e4m3fn code of ``q`` (the scaled value of ``x``): nearest, ties to the even code, saturating."""
+    if math.isnan(x):
+        return 0x7F | (0x80 if math.copysign(1.0, x) < 0 else 0)
+    a = min(abs(q), 448.0)
+    hi = int(np.searchsorted(E4M3, a))
+    if hi == 0 or E4M3[hi] == a:
+        code = hi
+    else:
+        lo = hi - 1
+        below, above = a - E4M3[lo], E4M3[hi] - a
+        code = lo if below < above or (below == above and lo % 2 == 0) else hi
+    return code | (0x80 if math.copysign(1.0, q) < 0 else 0)
+
+
+def reference(x32: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 codes as uint8, float32 scales) of a float32 matrix, one block and one value at a time."""
+    m, n = x32.shape
+    bm, bn = -(-m // block), -(-n // block)
+    scales = np.empty((bm, bn), dtype=np.float32)
+    codes = np.empty((m, n), dtype=np.uint8)
+    for i in range(bm):
+        for j in range(bn):
+            rows, cols = slice(i * block, (i + 1) * block), slice(j * block, (j + 1) * block)
+            blk = x32[rows, cols]
+            finite = np.abs(blk[np.isfinite(blk)])
+            amax = np.float32(finite.max()) if finite.size else np.float32(0)
+            s = np.float32(amax / np.float32(448))
+            scales[i, j] = s if s != 0 else np.float32(1)
+            with np.errstate(invalid="ignore"):
+                q = blk / scales[i, j]
+            codes[rows, cols] = np.array([[_encode(float(a), float(b)) for a, b in zip(qr, xr)]
+                                          for qr, xr in zip(q, blk)], dtype=np.uint8).reshape(blk.shape)
+    return codes, scales
+
+
+def _run(name: str, x, block: int | None = None, out=None):
+    params = {} if block is None else {"block": str(block)}
+    shape = KERNELS[name].output_shape((tuple(x.shape),), params)
+    if out is None:
+        out = np.full(shape, 0xAB if name == "fp8_quantize" else np.nan,
+                      dtype=np.uint8 if name == "fp8_quantize" else np.float32)
+    AGENT_KERNELS[name]([x], out, params)
+    return out
+
+
+@st.composite
+def matrices(draw):
+    """bfloat16 bits of a matrix of values over a drawn range of magnitudes, with zeros, subnormals and
+    non-finite values mixed in, and a block that often leaves the last blocks short."""
+    block = draw(st.sampled_from([1, 2, 3, 4, 8, 16, 128]))
+    m = draw(st.integers(0, 3 * block + 2 if block < 128 else 300))
+    n = draw(st.integers(0, 3 * block + 2 if block < 128 else 200))
+    seed = draw(st.integers(0, 2**32 - 1))
+    low, span = draw(st.integers(-140, 100)), draw(st.integers(0, 40))
+    special = draw(st.sampled_from([0.0, 0.02, 0.3]))
+    rng = np.random.default_rng(seed)
+    x = rng.choice([-1.0, 1.0], (m, n)) * rng.uniform(1, 2, (m, n)) * 2.0 ** rng.integers(low, low + span + 1, (m, n))
+    odd = rng.random((m, n)) < special
+    x[odd] = rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-40, -3e-39], odd.sum())
+    with np.errstate(over="ignore"):
+        return float32_to_bfloat16(x.astype(np.float32)), block
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(matrices())
+def test_the_kernels_give_the_reference_quantizers_bits(case):
+    bits, block = case
+    codes, scales = reference(bfloat16_to_float32(bits), block)
+    np.testing.assert_array_equal(_run("fp8_quantize", bits, block), codes)
+    got = _run("fp8_scales", bits, block)
+    np.testing.assert_array_equal(got.view(np.uint32), scales.view(np.uint32))
+    assert (got > 0).all() and np.isfinite(got).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(matrices())
+def test_the_torch_path_gives_the_same_bits(case):
+    torch = pytest.importorskip("torch")
+    bits, block = case
+    x = torch.from_numpy(bits.astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+    codes, scales = reference(bfloat16_to_float32(bits), block)
+    q = torch.empty(codes.shape, dtype=torch.float8_e4m3fn)
+    _run("fp8_quantize", x, block, q)
+    np.testing.assert_array_equal(q.view(torch.uint8).numpy(), codes)
+    s = torch.empty(scales.shape, dtype=torch.float32)
+    _run("fp8_scales", x, block, s)
+    np.testing.assert_array_equal(s.numpy().view(np.uint32), scales.view(np.uint32))
+
+
+def test_the_reference_agrees_with_ml_dtypes_where_both_define_the_cast():
+    # ml_dtypes rounds to nearest even as well, but turns what lies beyond 448 into NaN: compare inside the range.
+    values = np.concatenate([E4M3, (E4M3[1:] + E4M3[:-1]) / 2, np.linspace(0, 448, 5001), [2.0**-10, 2.0**-9.5]])
+    values = np.concatenate([values, -values]).astype(np.float32)
+    want = np.array([_encode(float(v), float(v)) for v in values], dtype=np.uint8)
+    np.testing.assert_array_equal(values.astype(ml_dtypes.float8_e4m3fn).view(np.uint8), want)
+
+
+def test_a_256_by_300_bfloat16_weight_in_blocks_of_128():
+    rng = np.random.default_rng(3)
+    bits = float32_to_bfloat16((rng.standard_normal((256, 300)) * 0.02).astype(np.float32))
+    codes, scales = reference(bfloat16_to_float32(bits), 128)
+    assert scales.shape == (2, 3)  # the last column of blocks is 44 wide
+    np.testing.assert_array_equal(_run("fp8_quantize", bits), codes)
+    np.testing.assert_array_equal(_run("fp8_scales", bits), scales)
+    # each block's largest magnitude lands on 448 (0x7E), and the values dequantize to within e4m3's step
+    assert ((codes & 0x7F) == 0x7E).sum() >= 6
+    per_element = np.repeat(np.repeat(scales, 128, 0), 128, 1)[:, :300]
+    back = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32) * per_element
+    x = bfloat16_to_float32(bits)
+    assert np.all(np.abs(back - x) <= np.abs(x) / 16 + scales.max() * 2.0**-9)
+
+
+def test_zeros_nans_and_infinities_as_documented():
+    x = np.array([[0.0, -0.0, np.nan, -np.nan], [np.inf, -np.inf, 2.0, -1.0]], dtype=np.float32)
+    bits = float32_to_bfloat16(x)
+    # the block's scale comes from its finite values (2.0), so 2.0 is 448 and -1.0 is -224; inf saturates
+    assert _run("fp8_scales", bits, 4).tolist() == [[np.float32(2.0 / np.float32(448))]]
+    assert _run("fp8_quantize", bits, 4).tolist() == [[0x00, 0x80, 0x7F, 0xFF], [0x7E, 0xFE, 0x7E, 0xF6]]
+    # a block of nothing but zeros and non-finite values (the first of 2 x 2) has scale 1
+    assert _run("fp8_scales", bits, 2).tolist() == [[1.0, np.float32(2.0 / np.float32(448))]]
+    assert _run("fp8_quantize", bits, 2)[1, :2].tolist() == [0x7E, 0xFE]
+
+
+def test_the_shape_rules_and_their_refusals():
+    rule = KERNELS["fp8_scales"].output_shape
+    assert rule(((300, 129),), {}) == (3, 2)
+    assert rule(((0, 5),), {"block": "4"}) == (0, 2)
+    assert KERNELS["fp8_quantize"].output_shape(((300, 129),), {}) == (300, 129)
+    assert KERNELS["fp8_quantize"].output_dtype == "float8_e4m3fn"
+    assert KERNELS["fp8_scales"].output_dtype == "float32"
+    with pytest.raises(KernelShapeError, match=r"^fp8_quantize quantizes 2-D tiles in square blocks, .* got a tile "
+                                               r"of shape \(7168,\)\. Leave 1-D tensors"):
+        KERNELS["fp8_quantize"].output_shape(((7168,),), {})
+    with pytest.raises(KernelShapeError, match=r"^fp8_scales parameter block='0' is not a whole number of elements "
+                                               r"from 1 to 65536; the serving format's blocks are 128$"):
+        rule(((8, 8),), {"block": "0"})
+    with pytest.raises(KernelShapeError, match=r"^fp8_scales takes parameters \['block'\]; got unknown \['scale'\]"):
+        rule(((8, 8),), {"scale": "1"})
