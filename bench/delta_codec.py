@@ -1,0 +1,69 @@
+"""What the delta codec (`reshard.delta`) costs on one large box: bytes on the wire and seconds to encode and apply.
+
+A 64 MiB bfloat16 tensor (held as its uint16 bits) gets a random share of its elements changed, at each rate;
+the delta of each is encoded (the codec picks its kind), applied to the old version into a fresh buffer, and
+checked byte for byte against the new one (outside the timing). Prints, per rate, the kind, the encoded bytes
+against the full box's, the bytes a changed element costs, and the best of ``--runs`` seconds to encode and to
+apply, with the box's bytes per second. Prints only; it writes no BENCHMARKS.md section yet.
+
+    python bench/delta_codec.py [--mib 64] [--rates 0.5,1,2,4,12,50] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from reshard.delta import apply, encode
+
+
+def versions(num_elements: int, rate: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(old, new) bf16 bits where each element changed with probability ``rate``, its bits always different."""
+    rng = np.random.default_rng(seed)
+    old = rng.integers(0, 2**16, size=num_elements, dtype=np.uint16)
+    new = old.copy()
+    changed = rng.random(num_elements, dtype=np.float32) < rate
+    new[changed] ^= rng.integers(1, 2**16, size=int(np.count_nonzero(changed)), dtype=np.uint16)
+    return old, new
+
+
+def best_seconds(fn, runs: int) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        result = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64, help="the box's size in MiB (default 64)")
+    parser.add_argument("--rates", default="0.5,1,2,4,12,50", help="change rates in percent, comma-separated")
+    parser.add_argument("--runs", type=int, default=3, help="timed runs per rate; the best is printed")
+    args = parser.parse_args()
+    num_elements = args.mib * 2**20 // 2
+    box_nbytes = num_elements * 2
+    print(f"delta codec on a {args.mib} MiB bfloat16 box ({num_elements:,} elements), best of {args.runs}")
+    header = (f"{'rate':>6} {'changed':>7} {'kind':>6} {'delta MiB':>10} {'of full':>8} {'B/changed':>9} "
+              f"{'encode s':>9} {'GB/s':>6} {'apply s':>8} {'GB/s':>6}")
+    print(header)
+    print("-" * len(header))
+    for i, rate in enumerate(float(r) / 100 for r in args.rates.split(",")):
+        old, new = versions(num_elements, rate, seed=i)
+        encode_s, delta = best_seconds(lambda: encode(old, new), args.runs)
+        out = np.empty_like(old)
+        apply_s, _ = best_seconds(lambda: apply(old, delta, out=out), args.runs)
+        if out.tobytes() != new.tobytes():
+            raise SystemExit(f"the {delta.kind} delta at {rate:.1%} did not rebuild the new version bit for bit")
+        per_changed = delta.nbytes / delta.num_changed if delta.num_changed else float("nan")
+        encode_gbs, apply_gbs = box_nbytes / encode_s / 1e9, box_nbytes / apply_s / 1e9
+        print(f"{rate:>6.1%} {delta.num_changed / num_elements:>7.2%} {delta.kind:>6} {delta.nbytes / 2**20:>10.2f} "
+              f"{delta.nbytes / box_nbytes:>8.2%} {per_changed:>9.2f} "
+              f"{encode_s:>9.3f} {encode_gbs:>6.2f} {apply_s:>8.3f} {apply_gbs:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
