@@ -183,7 +183,9 @@ class Loads:
         self.send: dict[str, float] = defaultdict(float)
         self.recv: dict[str, float] = defaultdict(float)
         self.pairs: dict[tuple[str, str], float] = defaultdict(float)
-        self.next_hops: dict[str, set[str]] = defaultdict(set)  # the hosts each host has a pair (bytes) to
+        # The hosts each host has a pair (bytes) to, with those bytes: ``pairs`` again, by sending host, so that
+        # `_chain_order` reads a host's row of hops without a tuple key per hop.
+        self.next_hops: dict[str, dict[str, float]] = defaultdict(dict)
         self.local_out: dict[str, int] = defaultdict(int)
         self.peak = 0.0
         self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
@@ -241,9 +243,9 @@ class Loads:
         self.peak = max(self.peak, float(new.max()))
 
     def add_path(self, sender: str, route: Sequence[str], nbytes: float) -> None:
+        pairs, hops = self.pairs, self.next_hops
         for a, b in zip((sender, *route), route):
-            self.pairs[a, b] += nbytes
-            self.next_hops[a].add(b)
+            hops[a][b] = pairs[a, b] = pairs[a, b] + nbytes
 
     def add_columns(self, space: DeviceSpace, sender: np.ndarray, receiver: np.ndarray, nbytes: np.ndarray) -> None:
         """Add one-to-one transfers, device numbers of ``space``, in order: a local copy where both are on one host,
@@ -269,8 +271,7 @@ class Loads:
         used, at = np.unique(pair, return_inverse=True)
         for p, b in zip(used.tolist(), _exact_sums(at.reshape(-1), nbytes, len(used))):
             a, z = names[p // len(names)], names[p % len(names)]
-            self.pairs[a, z] += b
-            self.next_hops[a].add(z)
+            self.next_hops[a][z] = self.pairs[a, z] = self.pairs[a, z] + b
 
 
 def _exact_sums(index: np.ndarray, values: np.ndarray, size: int) -> list[int]:
@@ -302,31 +303,47 @@ def _chain_order(sender: str, order: list[str], loads: Loads) -> list[str]:
     if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in (sender, *order)):
         return order
     top = loads.send[order[-1]]
-    lasts = [h for h in order if loads.send[h] >= top * (1 - 1e-9)]
-    rank = {h: i for i, h in enumerate(order)}
-
-    def cost(route: Sequence[str]) -> float:
-        return sum(loads.pairs.get((a, b), 0.0) for a, b in zip((sender, *route), route))
-
+    lasts = [k for k, h in enumerate(order) if loads.send[h] >= top * (1 - 1e-9)]
+    # Hosts by their rank in ``order`` (the sender is -1), and the bytes planned over each hop as rows: rows[-1]
+    # is the sender's (the last row). A rank stands for the host in every comparison: ties go to the lower rank.
+    hops = loads.next_hops
+    zeros = repeat(0.0)
+    rows = [list(map(hops[h].get, order, zeros)) if h in hops else [0.0] * len(order) for h in (*order, sender)]
     best: tuple | None = None
+    if len(order) - 1 <= _EXHAUSTIVE_ROUTE:
+        for last in lasts:
+            for route in permutations([k for k in range(len(order)) if k != last]):
+                route = [*route, last]
+                key = (sum([rows[a][b] for a, b in zip((-1, *route), route)]), route)
+                if best is None or key < best[0]:
+                    best = (key, route)
+        return [order[k] for k in best[1]]
+    # The greedy walk from the sender: to the host whose hop carries the fewest bytes, the lower rank on a tie (the
+    # first of ``left``, which stays in rank order, that ``min`` meets). The walk that leaves out a last host takes
+    # the whole walk's steps until that one meets the host it leaves out (each step is the least of a set that still
+    # holds it), so each last's walk starts where the whole walk met it.
+    whole, left, at = [], list(range(len(order))), -1
+    while left:
+        nxt = min(left, key=rows[at].__getitem__)
+        whole.append(nxt)
+        left.remove(nxt)
+        at = nxt
     for last in lasts:
-        rest = [h for h in order if h != last]
-        if len(rest) <= _EXHAUSTIVE_ROUTE:
-            tries = [list(p) for p in permutations(rest)]
-        else:
-            route, left, at = [], list(rest), sender
-            while left:
-                nxt = min(left, key=lambda h: (loads.pairs.get((at, h), 0.0), rank[h]))
-                route.append(nxt)
-                left.remove(nxt)
-                at = nxt
-            tries = [route]
-        for route in tries:
-            route = [*route, last]
-            key = (cost(route), [rank[h] for h in route])
-            if best is None or key < best[0]:
-                best = (key, route)
-    return best[1]
+        p = whole.index(last)
+        route = whole[:p]
+        left = sorted(whole[p + 1:])
+        at = route[-1] if route else -1
+        while left:
+            nxt = min(left, key=rows[at].__getitem__)
+            route.append(nxt)
+            left.remove(nxt)
+            at = nxt
+        route.append(last)
+        # The hops' bytes added in route order from 0, as the search has always summed them.
+        key = (sum([rows[a][b] for a, b in zip((-1, *route), route)]), route)
+        if best is None or key < best[0]:
+            best = (key, route)
+    return [order[k] for k in best[1]]
 
 
 def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]]:
@@ -599,10 +616,9 @@ def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) ->
 
 def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> Sequence[Transfer]:
     loads.add_send(delta)
-    pairs = loads.pairs
+    pairs, row = loads.pairs, loads.next_hops[hs]
     for h in remote:
-        pairs[hs, h] += nbytes
-    loads.next_hops[hs].update(remote)
+        row[h] = pairs[hs, h] = pairs[hs, h] + nbytes
     # The tensors of a state dict that share a layout send the same stars again: a transfer is a value, so the
     # steps of both may hold it. Keyed by the groups' identity, and kept with them so that it stays theirs.
     key = (box, sender, id(remote), id(wanting))
