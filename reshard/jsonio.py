@@ -34,7 +34,8 @@ from collections.abc import Mapping
 
 from reshard.errors import InvalidJsonError, JsonLimitError
 
-__all__ = ["loads", "nesting_bound", "need", "field_of", "describe", "brief", "quoted", "MAX_BYTES", "MAX_DEPTH"]
+__all__ = ["loads", "nesting_bound", "need", "field_of", "describe", "brief", "quoted", "plain", "canonical",
+           "MAX_BYTES", "MAX_DEPTH"]
 
 # Defaults for callers with no configuration of their own; the planner's come from its config.
 MAX_BYTES = 4 * 2**20
@@ -67,6 +68,11 @@ _MISSING = object()
 # A string as JSON text, exactly as json.dumps writes it, without json.dumps's set-up per call: for documents
 # written piece by piece from hundreds of names (a state dict's tensor records and jobs).
 quoted = json.encoder.encode_basestring_ascii
+# Any value as JSON text, exactly as ``json.dumps(value)`` and ``json.dumps(value, sort_keys=True,
+# separators=(",", ":"))`` (the canonical form ids hash) write it: json.dumps builds a new encoder per call when
+# given options, and a program's writer calls these for every shared box and route of a million steps.
+plain = json.encoder.JSONEncoder().encode
+canonical = json.encoder.JSONEncoder(sort_keys=True, separators=(",", ":")).encode
 
 
 def brief(value) -> str:

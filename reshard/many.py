@@ -47,6 +47,8 @@ from reshard import box as boxes
 from reshard.cost import HostCache
 from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
+from reshard.jsonio import canonical as canonical_text
+from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
 from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
 from reshard.sharding import Sharding
@@ -91,6 +93,11 @@ class ManyProgram(Program):
     def _canonical(self) -> dict:
         out = super()._canonical()
         out["buckets"] = [list(b) for b in self.buckets]
+        return out
+
+    def _json_fields(self, canonical: bool) -> dict[str, Iterable[str]]:
+        out = super()._json_fields(canonical)
+        out["buckets"] = ((canonical_text if canonical else plain_text)([list(b) for b in self.buckets]),)
         return out
 
     @classmethod
