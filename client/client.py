@@ -996,7 +996,9 @@ class Client(FrameworkAdapters):
         ``op``: ``add``, ``sub``, ``mul`` (inputs of one shape), ``scale`` (``factor=``), ``relu``, ``relu_grad``
         (x, g), ``axpy`` (w, g, ``alpha=``: w - alpha * g), ``sum`` / ``max`` (``dims=[...]``, dropped; a sum over
         every dim gives a scalar), ``softmax_xent`` (logits, targets, ``axis=``: the per-row loss),
-        ``softmax_xent_grad`` (``axis=``, ``scale=``). Inputs in different layouts are moved to a common one
+        ``softmax_xent_grad`` (``axis=``, ``scale=``), ``fp8_quantize`` (a 2-D bf16 tensor to float8 e4m3 codes
+        with ``block=`` x ``block`` blocks, 128 by default; its tiles must start on block boundaries). Inputs in
+        different layouts are moved to a common one
         first (the cost model picks it); ``out`` may name an input (``apply("axpy", "w", "g", out="w", alpha=lr)``
         gives ``w`` a new version).
         """

@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from reshard.box import Box, to_slices, volume
+from reshard.box import Box, intersect, to_slices, volume
 from reshard.errors import InvalidShardingError
 from reshard.manifest import Manifest
 from reshard.mesh import Mesh, host_of
@@ -341,13 +341,13 @@ def _tile_reads(info: pb.TensorInfo, name: str, dst, mine: str) -> list:
     rank = {mine: 0, host_of(mine) if mine else None: 1}
     for loc in info.locations:
         tile = box_from_pb(loc.box)
-        if loc.lost or not volume(tile) or not _meets(tile, box):
+        if loc.lost or not volume(tile) or intersect(tile, box) is None:
             continue
         best = by_tile.get(tile)
         if best is None or _nearness(loc, rank) < _nearness(best, rank):
             by_tile[tile] = loc
     reads = [(info, loc, _deliver(tile, box, local, info.dtype)) for tile, loc in by_tile.items()]
-    covered = sum(volume(_overlap(tile, box)) for tile in by_tile)
+    covered = sum(volume(intersect(tile, box)) for tile in by_tile)
     if covered != volume(box):
         raise InvalidArgumentError(f"tensor {info.name!r} v{info.version} has no copy left of part of this rank's "
                                    f"tile {list(box)} (its agents restarted); publish it again")
@@ -359,18 +359,10 @@ def _nearness(loc: pb.TileLocation, rank: dict) -> int:
     return rank.get(loc.device, rank.get(host_of(loc.device), 2))
 
 
-def _meets(a: Box, b: Box) -> bool:
-    return all(max(lo1, lo2) < min(hi1, hi2) for (lo1, hi1), (lo2, hi2) in zip(a, b))
-
-
-def _overlap(a: Box, b: Box) -> Box:
-    return tuple((max(lo1, lo2), min(hi1, hi2)) for (lo1, hi1), (lo2, hi2) in zip(a, b))
-
-
 def _deliver(tile: Box, box: Box, local, dtype: str):
     """What takes the values of stored ``tile``: its overlap with ``box`` (``local``'s place in the tensor), copied
     into ``local`` with a cast to its dtype. Reads of distinct tiles write distinct parts, so they run at once."""
-    part = _overlap(tile, box)
+    part = intersect(tile, box)
     src = to_slices(tuple((lo - t0, hi - t0) for (lo, hi), (t0, _) in zip(part, tile)))
     dst = to_slices(tuple((lo - b0, hi - b0) for (lo, hi), (b0, _) in zip(part, box)))
 

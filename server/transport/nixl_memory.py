@@ -107,7 +107,7 @@ class Registry:
 
     def __init__(self, agent, host: str):
         self._agent = agent
-        self._host = self.host = host
+        self.host = host  # named in errors and logs
         self._lock = threading.RLock()  # a buffer freed on this thread deregisters under it (`_forget`)
         self._regs: dict[tuple[int, int], Registration] = {}
         # Address ranges, merged and sorted, of buffers deregistered after a peer loaded their metadata. NIXL gives
@@ -191,7 +191,7 @@ class Registry:
             try:
                 agent.deregister_memory(reg.descs)
             except Exception as e:  # noqa: BLE001 - the agent goes away with its registrations anyway
-                log.debug("host %s: deregistering a buffer at close failed: %s", self._host, e)
+                log.debug("host %s: deregistering a buffer at close failed: %s", self.host, e)
 
 
 def _forget(ref: weakref.ref, key: tuple[int, int], ident: int) -> None:
