@@ -17,10 +17,13 @@ users of the SDK never load it.
 ``to_host``           a torch tensor as a C-contiguous numpy array in host memory (a CUDA
                       tensor lands in one pinned buffer by DMA)
 ``device_digest``     64-bit digest of a tensor's bytes in C order, computed where it lives
+``DeviceChecksum``    the same digest summed piece by piece (a stream's trailer between GPUs)
+``copy_digest``       a device copy that digests the bytes it copies, in the same pass
 ``import_torch``      torch, or an error naming the install that brings it
 ``check_device``      a torch device this process has, normalised (``cuda`` -> ``cuda:0``), or
                       an error naming how many CUDA devices there are
 ``gpu_uuid``          the uuid of a CUDA device: ordinals differ between processes, uuids not
+``visible_gpus``      the uuids of the GPUs this process sees
 ``cuda_index``        the ordinal this process gives a GPU uuid, or None
 ``machine_id``        the kernel's boot id: processes with equal ids run on one machine
 ``CudaIpcHandle``     what another process needs to map a CUDA tensor; the fields are those of
@@ -30,13 +33,16 @@ users of the SDK never load it.
 ``release_cuda``      give back the producer's reference of a handle that will not be opened
 ===================== =========================================================================
 
-The digest (``device_digest``) reads the bytes as little-endian 16-bit words
-``w_1 .. w_m`` (an odd last byte is a word of its own) and, with ``p = 2**31 - 1``,
-returns ``(b << 32) | a`` where ``a = (nbytes + sum w_i) mod p`` and
-``b = sum (i * w_i) mod p``: a Fletcher-style sum that any single changed word, any
-change of length and any swap of two different words (less than 4 GiB apart) alter. It is not
-cryptographic; it catches a copy that went wrong (a wrong offset, stride or
-handle), in a few elementwise passes on the GPU with no new dependency.
+The digest (``device_digest``, `DeviceChecksum`) reads the bytes ``x_1 .. x_n`` and,
+with ``p = 2**31 - 1``, returns ``(b << 32) | a`` where ``a = (n + sum x_j) mod p``
+and ``b = sum (j * x_j) mod p``: a Fletcher-style sum that any single changed byte,
+any change of length and any swap of two different bytes (less than 2 GiB apart)
+alter. It is not cryptographic; it catches a copy that went wrong (a wrong offset,
+stride or handle). Both sums are sums of blocks of 2048 bytes, so a GPU computes
+them in one pass (`reshard.proto.gpu_digest`, a Triton kernel, which can copy the
+bytes in the same pass), torch in two reductions where Triton is missing, and numpy
+on host bytes: a CPU and a GPU agent get the same digest for the same bytes, and a
+stream's digest can be summed piece by piece, the pieces cut anywhere.
 """
 
 from __future__ import annotations
@@ -53,14 +59,14 @@ from reshard.proto.layout import np_dtype
 
 __all__ = [
     "STAGE_BYTES", "import_torch", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host",
-    "device_digest", "check_device", "gpu_uuid",
-    "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
+    "device_digest", "DeviceChecksum", "copy_digest", "check_device", "gpu_uuid",
+    "visible_gpus", "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
 ]
 
 STAGE_BYTES = 16 * 2**20  # one pinned staging buffer: large enough to run the DMA at full rate
 
 _PRIME = 2**31 - 1
-_DIGEST_WORDS = 2**23  # 16-bit words per pass: bounds each int64 temporary at 64 MiB
+_FOLD = 2048  # bytes summed as one block (`reshard.proto.gpu_digest.BLOCK`): the sums are exact in int64
 
 
 def is_cuda(array: Any) -> bool:
@@ -144,29 +150,170 @@ def copy_to_device(out, host: np.ndarray) -> None:
         stream.synchronize()
 
 
+class DeviceChecksum:
+    """The digest (see the module notes) of bytes fed in order, each piece summed where it lives.
+
+    ``update`` takes a torch tensor on any device (its bytes in C order) or a host buffer
+    (numpy array, bytes, memoryview); a CUDA piece is summed on its GPU (one Triton pass
+    where Triton imports, else two torch reductions) and nothing waits for the GPU
+    until ``value`` is read. ``copy`` copies a CUDA tensor into another and digests the
+    bytes in the same pass. Pieces may start and end at any byte.
+    """
+
+    __slots__ = ("nbytes", "_a", "_b")
+
+    def __init__(self):
+        self.nbytes = 0
+        self._a: Any = 0  # an int, or a 0-dim int64 tensor while GPU sums are pending
+        self._b: Any = 0
+
+    def update(self, data) -> "DeviceChecksum":
+        flat = _flat_bytes(data)
+        if type(flat) is np.ndarray:
+            a, b = _numpy_sums(flat)
+        else:
+            a, b = _torch_sums(flat)
+        self._add(flat.size if type(flat) is np.ndarray else flat.numel(), a, b)
+        return self
+
+    def copy(self, dst, src) -> "DeviceChecksum":
+        """``dst.copy_(src)`` for torch tensors of one shape and dtype, adding ``src``'s bytes to the digest."""
+        sums = None
+        if is_cuda(src) and is_cuda(dst) and src.device == dst.device and src.is_contiguous() \
+                and dst.is_contiguous() and src.dtype == dst.dtype and src.shape == dst.shape and src.numel():
+            flat = src.reshape(-1).view(_torch_uint8())
+            sums = _block_sums(flat, dst.reshape(-1).view(_torch_uint8()))
+        if sums is None:
+            dst.copy_(src)
+            return self.update(dst)
+        self._add(flat.numel(), *_combine_blocks(*sums))
+        return self
+
+    def _add(self, n: int, a, b) -> None:
+        self._b = (self._b + b + (self.nbytes % _PRIME) * a) % _PRIME  # the piece's positions start after nbytes
+        self._a = (self._a + a) % _PRIME
+        self.nbytes += n
+
+    @property
+    def value(self) -> int:
+        a, b = int(self._a), int(self._b)  # waits for the GPU
+        return ((b % _PRIME) << 32) | ((a + self.nbytes) % _PRIME)
+
+
 def device_digest(t) -> int:
-    """The digest of torch tensor ``t``'s bytes in C order (see the module notes), computed on ``t``'s device."""
+    """The digest of torch tensor ``t``'s bytes in C order (see the module notes), computed on ``t``'s device; a
+    host buffer (numpy, bytes) is digested on the CPU, with the same result for the same bytes."""
+    return DeviceChecksum().update(t).value
+
+
+def copy_digest(dst, src) -> int:
+    """``dst.copy_(src)`` and the digest of the bytes copied, in one pass on the GPU where it can."""
+    return DeviceChecksum().copy(dst, src).value
+
+
+def _torch_uint8():
     import torch
 
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
-    if flat.storage_offset() % 2:
-        flat = flat.clone()  # a 16-bit view needs an even start
-    nbytes = flat.numel()
-    num_words = nbytes // 2
-    words = flat[:2 * num_words].view(torch.int16) if num_words else flat.new_empty(0, dtype=torch.int16)
-    a = torch.zeros((), dtype=torch.int64, device=flat.device)
-    b = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for lo in range(0, num_words, _DIGEST_WORDS):
-        w = words[lo:lo + _DIGEST_WORDS].to(torch.int64) & 0xFFFF
-        i = torch.arange(lo + 1, lo + 1 + w.numel(), dtype=torch.int64, device=flat.device)
-        a = (a + w.sum()) % _PRIME
-        b = (b + ((i % _PRIME) * w % _PRIME).sum()) % _PRIME
-    a, b = int(a), int(b)
-    if nbytes % 2:
-        last = int(flat[-1])
-        a += last
-        b += (num_words + 1) * last
-    return ((b % _PRIME) << 32) | ((a + nbytes) % _PRIME)
+    return torch.uint8
+
+
+def _flat_bytes(data):
+    """``data``'s bytes in C order: a 1-D uint8 torch tensor where it lives, or a 1-D uint8 numpy array."""
+    if type(data).__module__.startswith("torch"):
+        import torch
+
+        t = data.detach().contiguous().reshape(-1)
+        return t.view(torch.uint8)
+    if isinstance(data, np.ndarray):
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+_TRITON: list = []  # [module or None] once looked up
+
+
+def _triton_kernel():
+    """``reshard.proto.gpu_digest`` where Triton imports, else None (the torch reductions run instead)."""
+    if not _TRITON:
+        try:
+            from reshard.proto import gpu_digest
+        except Exception:  # noqa: BLE001 - no Triton, or a broken one: torch's reductions do the same sums
+            gpu_digest = None
+        _TRITON.append(gpu_digest)
+    return _TRITON[0]
+
+
+def _block_sums(flat, dst=None):
+    """The Triton pass's per-block sums of CUDA bytes ``flat`` (copied into ``dst`` on the way), or None where Triton
+    is missing or cannot build its kernel here (no C compiler, say): then never again in this process."""
+    kernel = _triton_kernel()
+    if kernel is None:
+        return None
+    try:
+        return kernel.block_sums(flat, dst)
+    except Exception as e:  # noqa: BLE001 - Triton's build errors have no common type
+        import logging
+
+        logging.getLogger(__name__).warning("the GPU digest's Triton kernel does not run here (%s: %s); torch's "
+                                            "reductions compute it instead", type(e).__name__, e)
+        _TRITON[:] = [None]
+        return None
+
+
+def _combine_blocks(sums_a, sums_b):
+    """The digest's sums over blocks of ``_FOLD`` bytes from each block's ``sum x_t`` and ``sum (t + 1) x_t``."""
+    import torch
+
+    starts = torch.arange(sums_a.numel(), dtype=torch.int64, device=sums_a.device) * _FOLD % _PRIME
+    a = sums_a.sum(dtype=torch.int64) % _PRIME
+    b = (starts * sums_a.to(torch.int64) % _PRIME + sums_b.to(torch.int64)).sum() % _PRIME
+    return a, b
+
+
+def _torch_sums(flat):
+    """(sum x_j, sum j * x_j) mod p over 1-D uint8 tensor ``flat`` (positions from 1), on its device."""
+    import torch
+
+    sums = _block_sums(flat) if flat.is_cuda and flat.numel() else None
+    if sums is not None:
+        return _combine_blocks(*sums)
+    n, device = flat.numel(), flat.device
+    rows = n // _FOLD
+    a = b = torch.zeros((), dtype=torch.int64, device=device)
+    if rows:
+        main = flat[:rows * _FOLD].view(rows, _FOLD)
+        per_row = main.sum(1, dtype=torch.int64)  # <= 255 * _FOLD
+        per_col = main.sum(0, dtype=torch.int64)  # <= 255 * rows
+        starts = torch.arange(rows, dtype=torch.int64, device=device) * _FOLD % _PRIME
+        cols = torch.arange(1, _FOLD + 1, dtype=torch.int64, device=device)
+        a = per_row.sum()
+        b = (starts * per_row % _PRIME).sum() + (cols * per_col % _PRIME).sum()
+    if n > rows * _FOLD:
+        tail = flat[rows * _FOLD:].to(torch.int64)
+        pos = torch.arange(rows * _FOLD + 1, n + 1, dtype=torch.int64, device=device) % _PRIME
+        a = a + tail.sum()
+        b = b + (pos * tail).sum()
+    return a % _PRIME, b % _PRIME
+
+
+def _numpy_sums(flat: np.ndarray) -> tuple[int, int]:
+    """`_torch_sums` of host bytes, with numpy."""
+    n = flat.size
+    rows = n // _FOLD
+    a = b = 0
+    if rows:
+        main = flat[:rows * _FOLD].reshape(rows, _FOLD)
+        per_row = main.sum(1, dtype=np.int64)
+        per_col = main.sum(0, dtype=np.int64)
+        starts = np.arange(rows, dtype=np.int64) * _FOLD % _PRIME
+        a = int(per_row.sum())
+        b = int((starts * per_row % _PRIME).sum()) + int((np.arange(1, _FOLD + 1, dtype=np.int64) * per_col
+                                                          % _PRIME).sum())
+    if n > rows * _FOLD:
+        tail = flat[rows * _FOLD:].astype(np.int64)
+        a += int(tail.sum())
+        b += int((np.arange(rows * _FOLD + 1, n + 1, dtype=np.int64) % _PRIME * tail).sum())
+    return a % _PRIME, b % _PRIME
 
 
 def import_torch(purpose: str):
@@ -221,6 +368,15 @@ def gpu_uuid(device) -> str:
     if device.type != "cuda":
         return ""
     return f"GPU-{torch.cuda.get_device_properties(device.index or 0).uuid}"  # as nvidia-smi -L prints it
+
+
+def visible_gpus() -> list[str]:
+    """The uuids of the GPUs this process sees (none without torch or CUDA)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [gpu_uuid(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
 def cuda_index(uuid: str) -> Optional[int]:

@@ -80,8 +80,7 @@ class CudaHandover:
         mapped = open_cuda(source)
         try:
             buf = self.store.empty(source.shape, dtype)
-            buffers.write(buf, tile, tile, mapped)
-            got = buffers.device_digest(buf)  # waits for the copy
+            got = buffers.copy_digest(buf, mapped)  # one pass: copies and digests; waits for it
         finally:
             del mapped  # unmaps once this process's work on it is done, and gives back the rank's reference
         if got != digest:
@@ -101,9 +100,7 @@ class CudaHandover:
                                        f"{destination.stride} for shape {destination.shape}")
         mapped = open_cuda(destination)
         try:
-            buffers.write(mapped, shard.tile, shard.tile, shard.array)
-            digest = buffers.device_digest(shard.array)
-            buffers.synchronize(mapped)
+            digest = buffers.copy_digest(mapped, shard.array)  # one pass; waits for it
         finally:
             del mapped
         return shard.nbytes, digest

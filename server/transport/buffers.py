@@ -18,6 +18,7 @@ copy between two CUDA buffers is a device-to-device copy:
 ``host_bytes``       the same as a ``memoryview`` of bytes
 ``device_digest``    a digest of a buffer's bytes computed where it lives (on the GPU for CUDA
                      buffers; the one the SDK computes for a CUDA IPC hand-over)
+``copy_digest``      a device copy that digests the bytes it copies (one pass on a GPU)
 ``device_of``        ``"cpu"`` or ``"cuda:N"``
 ``synchronize``      wait for the GPU work queued on a buffer
 ``check_device``     an agent's device at start-up, normalised, or an error naming how many
@@ -49,6 +50,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.proto.devices import (
     check_device,
+    copy_digest,
     copy_to_device,
     device_digest,
     gpu_uuid,
@@ -60,7 +62,7 @@ from reshard.proto.devices import (
 from reshard.proto.layout import np_dtype
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
-           "device_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler",
+           "device_digest", "copy_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler",
            "RECYCLE_MIN_BYTES"]
 
 

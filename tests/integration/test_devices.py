@@ -41,18 +41,32 @@ GPU = "GPU-00000000-1111-2222-3333-444444444444"  # a uuid no real GPU here has
 # -- the GPU digest, on CPU tensors ---------------------------------------------------------------
 
 def _reference_digest(data: bytes) -> int:
-    """The digest as the module notes define it, word by word in Python."""
+    """The digest as the module notes define it, byte by byte in Python."""
     p = 2**31 - 1
-    words = [int.from_bytes(data[i:i + 2], "little") for i in range(0, len(data), 2)]
-    a = (len(data) + sum(words)) % p
-    b = sum(i * w for i, w in enumerate(words, start=1)) % p
+    a = (len(data) + sum(data)) % p
+    b = sum(j * x for j, x in enumerate(data, start=1)) % p
     return (b << 32) | a
 
 
-@pytest.mark.parametrize("nbytes", [0, 1, 2, 7, 64, 1001])
+@pytest.mark.parametrize("nbytes", [0, 1, 2, 7, 64, 1001, 2048, 2049, 3 * 2048 + 5])
 def test_digest_matches_its_definition(nbytes):
     data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
-    assert devices.device_digest(torch.from_numpy(data)) == _reference_digest(data.tobytes())
+    want = _reference_digest(data.tobytes())
+    assert devices.device_digest(torch.from_numpy(data)) == want  # torch's reductions
+    assert devices.device_digest(data) == want == devices.device_digest(data.tobytes())  # numpy's
+
+
+@pytest.mark.parametrize("cuts", [(0,), (1, 2048), (5, 2050, 4097), (2047, 2048, 2049, 6000)])
+def test_digest_summed_piece_by_piece_is_the_whole_digest(cuts):
+    """A stream's trailer sums its pieces as they come; pieces start and end at any byte, on either side."""
+    data = np.random.default_rng(len(cuts)).integers(0, 256, 3 * 2048 + 17, dtype=np.uint8)
+    bounds = [0, *cuts, data.size]
+    check = devices.DeviceChecksum()
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        check.update(torch.from_numpy(data[lo:hi]) if i % 2 else data[lo:hi])  # torch and numpy pieces mixed
+    assert check.nbytes == data.size and check.value == _reference_digest(data.tobytes())
+    out = torch.empty(data.size, dtype=torch.uint8)
+    assert devices.copy_digest(out, torch.from_numpy(data)) == check.value and np.array_equal(out.numpy(), data)
 
 
 def test_digest_reads_bytes_not_elements_and_passes_chunk_boundaries(monkeypatch):
@@ -62,7 +76,7 @@ def test_digest_reads_bytes_not_elements_and_passes_chunk_boundaries(monkeypatch
     assert devices.device_digest(t.view(torch.uint8)) == whole  # the same bytes as another dtype
     assert devices.device_digest(t.t().contiguous().t()) == whole  # the same elements in another layout
     assert devices.device_digest(t.view(torch.uint8).reshape(-1)[1:]) == _reference_digest(t.numpy().tobytes()[1:])
-    monkeypatch.setattr(devices, "_DIGEST_WORDS", 5)  # many passes of 5 words, one short
+    monkeypatch.setattr(devices, "_FOLD", 5)  # many blocks of 5 bytes, one short: the same sums
     assert devices.device_digest(t) == whole
     for dtype in (torch.bfloat16, torch.bool, torch.int64, torch.complex64):
         x = torch.ones(3, 5, dtype=dtype)
@@ -74,11 +88,11 @@ def test_digest_catches_a_flipped_bit_a_swap_and_a_longer_tail():
     base = devices.device_digest(torch.from_numpy(data))
     flipped = data.copy()
     flipped[1234] ^= 0x10
-    swapped = data.copy().view(np.uint16)
+    swapped = data.copy()
     swapped[[3, 900]] = swapped[[900, 3]]
     assert swapped[3] != swapped[900]
     longer = np.concatenate([data, np.zeros(2, np.uint8)])
-    for other in (flipped, swapped.view(np.uint8), longer):
+    for other in (flipped, swapped, longer):
         assert devices.device_digest(torch.from_numpy(other)) != base
 
 
