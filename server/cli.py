@@ -140,6 +140,9 @@ def _add_agent_command(sub) -> None:
                         "4G or bytes; a request or buffer over it is refused before it is allocated, and its job "
                         "fails leaving the stored tensors as they were (0: 3/4 of the machine's memory, or of the "
                         "GPU's for a cuda device)")
+    p.add_argument("--no-cuda-ipc", dest="cuda_ipc", action="store_false",
+                   help="on a cuda device: stream boxes to agents on this machine as bytes over gRPC instead of "
+                        "handing them CUDA IPC handles to copy from on the GPU")
     p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
     p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
     _add_security_arguments(p)
@@ -158,7 +161,7 @@ def _run_agent(args) -> int:
                          transport=args.transport, nixl_backend=args.nixl_backend,
                          nixl_tcp_only=args.nixl_tcp_only, device=args.device,
                          collective_timeout_s=args.collective_timeout,
-                         stall_timeout_s=args.stall_timeout,
+                         stall_timeout_s=args.stall_timeout, cuda_ipc=args.cuda_ipc,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20),
                          collective_lanes=args.collective_lanes, native_reduce=args.native_reduce, fault=args.fault,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))

@@ -182,7 +182,9 @@ class Runtime:
                     run.program.tensor(task.step.tensor).src is None:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
-            if shard is not None and boxes.contains(shard.tile, t.box):
+            # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a
+            # CUDA IPC move digests it on the GPU, a byte stream each chunk as it goes.
+            if shard is not None and boxes.contains(shard.tile, t.box) and buffers.device_of(shard.array) == "cpu":
                 run.digests[task.step.id] = self._digest_pool.submit(
                     _digest, run, run.dtype(task.step.id)[0], t.box, shard.array, shard.tile,
                     run.transport.chunk_bytes)

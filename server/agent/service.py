@@ -34,8 +34,8 @@ from reshard.server.agent.run import Run
 from reshard.server.agent.runtime import Runtime
 from reshard.server.transport.base import Transport
 from reshard.server.transport.faults import wrap
-from reshard.server.transport.streams import Piece, PushHeader, Throttle, Trailer
-from reshard.server.transport.grpc_link import GrpcTransport, channel_options
+from reshard.server.transport.streams import IpcRegion, Piece, PushHeader, Throttle, Trailer
+from reshard.server.transport.grpc_link import GrpcTransport, LocalDevice, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import GroupView
 from reshard.server.common.tickets import (TicketCheck, abort_fields, commit_fields, execute_fields, new_secret,
@@ -48,7 +48,7 @@ from reshard.server.agent.threads import limit_compute_threads
 from reshard.server.agent.ucx import ucx_environment
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover
-from reshard.proto.devices import CudaIpcHandle
+from reshard.proto.devices import CudaIpcHandle, machine_id, visible_gpus
 from reshard.server.transport import buffers
 
 __all__ = ["Agent", "NixlPeers", "serve_agent"]
@@ -174,7 +174,8 @@ class AgentServicer(pb_grpc.AgentServicer):
     @servicer_method
     def DescribeDevice(self, request, context):
         d = self.handover.describe()
-        return pb.AgentDevice(host=d.host, device=d.device, gpu_uuid=d.gpu_uuid, machine_id=d.machine_id, pid=d.pid)
+        return pb.AgentDevice(host=d.host, device=d.device, gpu_uuid=d.gpu_uuid, machine_id=d.machine_id, pid=d.pid,
+                              visible_gpu_uuids=visible_gpus() if d.device != "cpu" else ())
 
     @servicer_method
     def PutShardIpc(self, request, context):
@@ -203,9 +204,14 @@ class AgentServicer(pb_grpc.AgentServicer):
                 if isinstance(msg, RawPiece):
                     yield Piece(msg.box, msg.data, msg.frame)
                     continue
-                if msg.WhichOneof("kind") != "trailer":
+                kind = msg.WhichOneof("kind")
+                if kind == "ipc_piece":
+                    piece = msg.ipc_piece
+                    yield Piece(box_from_pb(piece.box), IpcRegion(CudaIpcHandle.from_message(piece.source)))
+                    continue
+                if kind != "trailer":
                     raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
-                yield Trailer(msg.trailer.nbytes, msg.trailer.xxh3_64)
+                yield Trailer(msg.trailer.nbytes, msg.trailer.xxh3_64, msg.trailer.device_digest)
 
         return pb.PushReply(confirmed=self.runtime.accept(header, items()) or ())
 
@@ -345,10 +351,14 @@ def _serve(config: AgentConfig, secret: bytes | None) -> tuple[grpc.Server, int,
     device = buffers.check_device(config.device)
     store = ShardStore(device, config.memory_limit_bytes or default_memory_limit(device), config.host)
     throttle = Throttle(config.rate_limit_bytes_per_s)  # one cap on everything this agent sends
+    on_gpu = None
+    if device != "cpu" and config.cuda_ipc:
+        on_gpu = LocalDevice(config.report_gpu_uuid or buffers.gpu_uuid(device), machine_id(), os.getpid())
     transports = {"grpc": GrpcTransport(config.host, chunk_bytes=config.chunk_bytes,
                                         timeout_s=config.transfer_timeout_s, depth=config.forward_queue_chunks,
                                         max_message_bytes=config.max_message_bytes, throttle=throttle,
-                                        token=config.token, tls=config.tls, stall_timeout_s=config.stall_timeout_s)}
+                                        token=config.token, tls=config.tls, stall_timeout_s=config.stall_timeout_s,
+                                        cuda_ipc=on_gpu)}
     collective = collective_transport(config, throttle)
     if collective is not None:
         transports["collective"] = collective

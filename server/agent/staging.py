@@ -163,6 +163,17 @@ class StagedTiles:
                     return r, view
         return None
 
+    def place_device(self, devices: list[str], box: Box):
+        """Like `place`, for a CUDA IPC piece (`moves.relay`): a contiguous region of a GPU tile, to copy into while
+        digesting in one pass."""
+        for r in devices:
+            tile = self.tiles.get(r)
+            if tile is not None and boxes.contains(tile, box):
+                view = buffers.region(self.buffers[r], box, tile)
+                if buffers.is_torch(view) and view.is_cuda and view.is_contiguous():
+                    return r, view
+        return None
+
     def mark(self, device: str, box: Box) -> None:
         _, n = self._place(device, box)
         with self._lock:

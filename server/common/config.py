@@ -88,6 +88,9 @@ class AgentConfig:
     # the planner has usually failed the job sooner (PlannerConfig.stall_timeout_s). Keep it well above one
     # chunk's time on the link (chunk_bytes / rate_limit_bytes_per_s included).
     stall_timeout_s: float = 10.0
+    # On a GPU agent, a move over gRPC to a peer agent on the same machine that can map this agent's GPU goes as a
+    # CUDA IPC handle of the box's region, copied device to device by the peer (reshard.server.transport.grpc_link).
+    cuda_ipc: bool = True
 
     @property
     def collective_chunk(self) -> int:

@@ -17,6 +17,9 @@ what moving a box means, written once for every transport in the modules beside 
 ``handshake``     before the first call with some peers (the collective transport confirms
                   that they run the same program on the same group generation)
 ``all_reduce``    (optional) a replicated reduce as the backend's own all-reduce; False: the ring
+``ipc_to``        (optional) whether a box of a CUDA tile goes to a peer as a CUDA IPC handle
+                  of its region (the gRPC transport between agents on one machine's GPUs),
+                  which the peer maps (``map_ipc``) and copies device to device
 ================= ==========================================================================
 
 ================= ==========================================================================
@@ -46,6 +49,7 @@ from typing import Any
 
 from reshard.box import Box
 from reshard.plans import Transfer
+from reshard.proto.errors import FailedPreconditionError
 from reshard.proto.layout import Checksum
 from reshard.server.transport import moves
 from reshard.server.transport import reduce as ring
@@ -124,6 +128,14 @@ class Transport(ABC):
 
     def close(self) -> None:
         """Release connections (the agent stops)."""
+
+    def ipc_to(self, s: Session, peer: str, array) -> bool:
+        """Whether ``array``'s boxes go to ``peer`` as CUDA IPC handles (`moves.send_ipc`); no by default."""
+        return False
+
+    def map_ipc(self, handle):
+        """The CUDA tensor a peer's IPC handle names, mapped into this process."""
+        raise FailedPreconditionError(f"the {self.name} transport of host {self.host} takes no CUDA IPC pieces")
 
     # -- what moving a box means, written once for every transport (each calls the others through these) -----
 

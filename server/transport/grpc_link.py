@@ -12,21 +12,44 @@ cancelled and fails its job naming the peer, instead of waiting out its deadline
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import grpc
 
+from reshard.proto import devices
 from reshard.proto import reshard_pb2 as pb
+from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import FailedPreconditionError
 from reshard.proto.frames import encode_piece
 from reshard.proto.status import domain_error
-from reshard.proto.wire import message_size_options
+from reshard.proto.wire import box_to_pb, message_size_options
 from reshard.server.transport.base import Transport
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Outgoing, Piece, QueuedOutgoing, StreamKey, Throttle, Trailer
+from reshard.server.transport.streams import (
+    IpcRegion,
+    Outgoing,
+    Piece,
+    QueuedOutgoing,
+    StreamKey,
+    Throttle,
+    Trailer,
+)
 
-__all__ = ["GrpcTransport", "channel_options"]
+__all__ = ["GrpcTransport", "channel_options", "LocalDevice", "IPC_MAPPINGS_KEPT"]
+
+IPC_MAPPINGS_KEPT = 16  # peer buffers kept mapped by CUDA IPC (each holds its buffer on the sender's GPU)
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """What a peer must share with this agent for CUDA IPC between them: one machine, a GPU both can map."""
+
+    gpu_uuid: str
+    machine_id: str
+    pid: int
 
 
 def channel_options(chunk_bytes: int, max_message_bytes: int) -> list[tuple[str, int]]:
@@ -39,9 +62,14 @@ def _messages(header: bytes, items: Iterable) -> Iterator[bytes]:
     yield header
     for item in items:
         if isinstance(item, Piece):
+            if isinstance(item.data, IpcRegion):
+                yield pb.PushChunk(ipc_piece=pb.IpcPiece(box=box_to_pb(item.box), source=pb.CudaIpcTensor(
+                    **item.data.handle.fields()))).SerializeToString()
+                continue
             yield item.wire if isinstance(item.wire, bytes) else encode_piece(item.box, item.data)
         elif isinstance(item, Trailer):
-            yield pb.PushChunk(trailer=pb.Trailer(nbytes=item.nbytes, xxh3_64=item.digest)).SerializeToString()
+            yield pb.PushChunk(trailer=pb.Trailer(nbytes=item.nbytes, xxh3_64=item.digest,
+                                                  device_digest=item.device)).SerializeToString()
 
 
 class GrpcTransport(Transport):
@@ -50,7 +78,7 @@ class GrpcTransport(Transport):
 
     def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, depth: int, max_message_bytes: int,
                  throttle: Throttle | None = None, token: str | None = None, tls: TlsFiles | None = None,
-                 stall_timeout_s: float | None = None):
+                 stall_timeout_s: float | None = None, cuda_ipc: LocalDevice | None = None):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
                          stall_timeout_s=stall_timeout_s)
         self.depth = depth  # pieces queued per stream before the sender waits
@@ -58,6 +86,9 @@ class GrpcTransport(Transport):
         self._lock = threading.Lock()
         self._channels: dict[str, tuple[grpc.Channel, object]] = {}
         self._token, self._tls = token, tls  # what every Push presents (reshard.proto.auth)
+        self._local = cuda_ipc  # None: this agent's tiles are in host memory, or CUDA IPC is off
+        self._peer_devices: dict[str, pb.AgentDevice | None] = {}  # address -> its DescribeDevice, None: no IPC
+        self._mapped: OrderedDict[tuple, object] = OrderedDict()  # peer buffer -> its storage, mapped here
 
     def _push_call(self, address: str):
         with self._lock:
@@ -88,11 +119,64 @@ class GrpcTransport(Transport):
 
         return QueuedOutgoing(peer, self.depth, start, error, stall_s=self.stall_timeout_s, check=s.check)
 
+    def ipc_to(self, s: Session, peer: str, array) -> bool:
+        local = self._local
+        if local is None or not devices.is_cuda(array):
+            return False
+        info = self._describe(s.peers.get(peer, ""))
+        return (info is not None and info.machine_id == local.machine_id and info.pid != local.pid
+                and local.gpu_uuid in info.visible_gpu_uuids)
+
+    def _describe(self, address: str) -> pb.AgentDevice | None:
+        """The peer agent's device, asked once; None where it cannot take CUDA IPC pieces (or did not say)."""
+        with self._lock:
+            if address in self._peer_devices:
+                return self._peer_devices[address]
+        info = None
+        if address:
+            try:
+                with channel(address, token=self._token, tls=self._tls, options=self._options) as ch:
+                    info = pb_grpc.AgentStub(ch).DescribeDevice(pb.Empty(), timeout=min(self.timeout_s, 10.0))
+            except grpc.RpcError:
+                info = None  # an older or unreachable agent: its boxes stream as bytes
+        with self._lock:
+            self._peer_devices[address] = info
+        return info
+
+    def map_ipc(self, handle):
+        """The tensor ``handle`` names: its buffer's mapping is kept (see the module docstring), so only the first
+        piece from a buffer pays CUDA's open; a later handle's producer reference goes back at once."""
+        import torch
+
+        key = (handle.gpu_uuid, bytes(handle.handle), handle.storage_offset_bytes, handle.storage_nbytes)
+        with self._lock:
+            storage = self._mapped.get(key)
+            if storage is not None:
+                self._mapped.move_to_end(key)
+        if storage is not None:
+            try:
+                if handle.event_sync_required:  # the sender's writes queued before it shared the region come first
+                    index = devices.cuda_index(handle.gpu_uuid)
+                    torch.cuda.Event.from_ipc_handle(index, bytes(handle.event_handle)).wait()
+            except RuntimeError:
+                storage = None  # map it afresh: opening the handle waits for the sender's event itself
+            else:
+                devices.release_cuda(handle)
+                out = torch.empty(0, dtype=devices.torch_dtype(handle.dtype), device=storage.device)
+                return out.set_(storage, handle.offset, handle.shape, handle.stride)
+        mapped = devices.open_cuda(handle)
+        with self._lock:
+            self._mapped[key] = mapped.untyped_storage()
+            while len(self._mapped) > IPC_MAPPINGS_KEPT:
+                self._mapped.popitem(last=False)
+        return mapped
+
     def close(self) -> None:
         with self._lock:
             for ch, _ in self._channels.values():
                 ch.close()
             self._channels.clear()
+            self._mapped.clear()
 
 
 class _Confirmed:

@@ -13,6 +13,10 @@
                   gathered bucket: whole members per chunk, ``Outgoing.put_parts``), the
                   trailer ``(nbytes, xxh3_64)``, byte accounting
 ``relay``         the receiving loop of one stream: forward, write, count, check the trailer
+``send_ipc``      a stream that carries no bytes: the box as one CUDA IPC handle of its region
+                  (`Transport.ipc_to`: agents on one machine's GPUs), then the trailer with the
+                  GPU digest (`reshard.proto.devices`); the receiver maps the region, copies it
+                  device to device and digests it in the same pass
 ================= ==========================================================================
 
 A chain hop that forwards hands on the very bytes it keeps, so only the chain's last
@@ -35,17 +39,18 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
 from reshard.plans import Transfer
+from reshard.proto.devices import DeviceChecksum, share_cuda, torch_dtype
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops
 from reshard.server.transport.buffers import host_bytes, region
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Gather, Segments, Sink, StreamKey, Trailer, feed
+from reshard.server.transport.streams import Gather, IpcRegion, Piece, Segments, Sink, StreamKey, Trailer, feed
 
 if TYPE_CHECKING:
     from reshard.server.transport.base import Transport
 
-__all__ = ["send", "relay", "move", "take", "verify_arrival"]
+__all__ = ["send", "send_ipc", "relay", "move", "take", "verify_arrival"]
 
 
 def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box, box: Box,
@@ -93,6 +98,53 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
         raise
 
 
+def send_ipc(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box,
+             box: Box) -> list[str] | None:
+    """Send ``box`` of CUDA tile ``array`` to ``peer`` as a CUDA IPC handle of its region, then the trailer with the
+    GPU digest of its bytes; returns who verified it. The tile stays unchanged until the peer confirms: the peer
+    copies from it."""
+    out = transport.open(s, key, peer)
+    try:
+        s.check()
+        view = region(array, box, origin)
+        nbytes = view.numel() * view.element_size()
+        if nbytes:
+            out.put_ipc(box, share_cuda(view))
+        check = DeviceChecksum().update(view)  # the peer copies meanwhile
+        s.traffic.add_local(nbytes)
+        out.end(nbytes, check.value, device=True)
+        return out.wait(transport.timeout_s)
+    except BaseException:
+        out.cancel()
+        raise
+
+
+def _take_ipc(transport: Transport, s: Session, key: StreamKey, item: Piece, box: Box, sink: Sink, local: list[str],
+              check: DeviceChecksum) -> None:
+    """Land a CUDA IPC piece: map the sender's region, copy it into ``local``'s tiles device to device, digesting it
+    in the same pass where a tile's region is contiguous."""
+    sub, handle = item.box, item.data.handle
+    dtype = s.dtype(key.step)[0]
+    if not boxes.contains(box, sub) or tuple(handle.shape) != tile_shape(sub) or handle.dtype != dtype:
+        raise InvalidArgumentError(f"job {key.job}: the CUDA IPC piece is {handle.dtype}{list(handle.shape)} for box "
+                                   f"{boxes.box_str(sub)}, but the transfer moves {dtype} box {boxes.box_str(box)}")
+    src = transport.map_ipc(handle)
+    if src.dtype != torch_dtype(dtype):
+        raise InvalidArgumentError(f"job {key.job}: the CUDA IPC piece maps as {src.dtype}, not {dtype}")
+    place = getattr(sink, "place_device", None)
+    spot = place(local, sub) if place is not None else None
+    landed = None
+    if spot is not None and spot[1].shape == src.shape and spot[1].dtype == src.dtype:
+        landed = spot[0]
+        check.copy(spot[1], src)
+        sink.mark(landed, sub)
+    else:
+        check.update(src)
+    for r in local:
+        if r != landed:
+            sink.write(r, sub, src)
+
+
 def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box, items: Iterable, sink: Sink,
           local: list[str], forward_to: str | None,
           verify: Callable[[Checksum, int, int], None]) -> list[str] | None:
@@ -100,19 +152,34 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
     writing it into ``local``'s buffers, then check the trailer; returns who verified the box."""
     forward = transport.open(s, StreamKey(key.job, key.step, key.hop + 1), forward_to) if forward_to else None
     check = Checksum(digest=forward is None)  # a forwarding hop leaves the digest to the chain's last hop
+    on_gpu: DeviceChecksum | None = None  # a CUDA IPC stream's digest, summed where its pieces lie
     dtype = s.dtype(key.step)[1]
     try:
         for item in items:
             if isinstance(item, Trailer):
                 if forward is not None:
                     forward.end(item.nbytes, item.digest)
-                verify(check, item.nbytes, item.digest)
+                if item.device != (on_gpu is not None) and (on_gpu is not None or check.nbytes):
+                    kinds = ("XXH3-64", "GPU digest")
+                    raise DataLossError(
+                        f"job {key.job}: stream {key.hop} of step {key.step} from {peer} carried "
+                        f"{'CUDA IPC' if on_gpu is not None else 'byte'} pieces but its trailer holds the "
+                        f"{kinds[item.device]}, not the {kinds[on_gpu is not None]}")
+                verify(on_gpu if on_gpu is not None else check, item.nbytes, item.digest)
                 if forward is None:
                     return [transport.host]
                 later = forward.wait(transport.timeout_s)
                 return None if later is None else [transport.host, *later]
             s.check()  # a job that failed elsewhere (a deadline, an abort) stops taking pieces
             sub, data = item.box, item.data
+            if isinstance(data, IpcRegion):
+                if forward is not None or check.nbytes:
+                    raise InvalidArgumentError(f"job {key.job}: a CUDA IPC piece from {peer} in a stream that "
+                                               f"{'forwards' if forward is not None else 'carried bytes'}: the "
+                                               f"sender may send one only to the last hop, as a stream's only kind")
+                on_gpu = on_gpu if on_gpu is not None else DeviceChecksum()
+                _take_ipc(transport, s, key, item, box, sink, local, on_gpu)
+                continue
             if not boxes.contains(box, sub):
                 raise InvalidArgumentError(
                     f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
@@ -159,7 +226,11 @@ def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, a
     for h in hops(t):
         if not h.origin:
             continue
-        confirmed = transport.send(s, StreamKey(s.job, step, h.index), h.dst, array, origin, t.box, digest)
+        key = StreamKey(s.job, step, h.index)
+        if h.forward_to is None and boxes.volume(t.box) and transport.ipc_to(s, h.dst, array):  # mapped there
+            confirmed = send_ipc(transport, s, key, h.dst, array, origin, t.box)
+        else:
+            confirmed = transport.send(s, key, h.dst, array, origin, t.box, digest)
         if t.method == "broadcast" and confirmed is not None and list(confirmed) != list(t.route):
             raise FailedPreconditionError(
                 f"job {s.job}: broadcast {step} was confirmed by {confirmed}, expected the route {list(t.route)}"
@@ -194,17 +265,20 @@ def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum,
     """
     expected = boxes.volume(t.box) * itemsize
     sender = host_of(t.sender)
+    on_gpu = isinstance(check, DeviceChecksum)
     if not check.nbytes == sent_nbytes == expected:
         raise DataLossError(
             f"job {job}: transfer {index} from {sender} arrived with {check.nbytes} bytes; the sender sent "
             f"{sent_nbytes} and the box holds {expected}"
         )
-    if check.digests and check.xxh3_64 != sent_digest:
+    got = check.value if on_gpu else check.xxh3_64 if check.digests else None
+    if got is not None and got != sent_digest:
         if t.method == "broadcast" and hop:
             where = f"somewhere on the chain {' -> '.join([sender, *t.route[:hop + 1]])}"
         else:
             where = f"between {sender} and {t.route[0] if t.method == 'broadcast' else host_of(t.receivers[hop])}"
         raise DataLossError(
-            f"job {job}: transfer {index} arrived with XXH3-64 {check.xxh3_64:016x}, but the sender sent "
+            f"job {job}: transfer {index} arrived with {'GPU digest' if on_gpu else 'XXH3-64'} {got:016x}, but the "
+            f"sender sent "
             f"{sent_digest:016x}: the bytes changed {where}, so the job fails and no host commits them"
         )

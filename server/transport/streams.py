@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from reshard.server.transport.session import Session
 
 __all__ = [
-    "StreamKey", "PushHeader", "Piece", "Trailer", "Segments", "Gather", "Throttle", "Sink", "Outgoing",
+    "StreamKey", "PushHeader", "Piece", "Trailer", "IpcRegion", "Segments", "Gather", "Throttle", "Sink", "Outgoing",
     "QueuedOutgoing", "Mailbox", "in_thread", "feed",
 ]
 
@@ -119,6 +119,15 @@ def feed(check, data) -> None:
 class Trailer(NamedTuple):
     nbytes: int
     digest: int  # XXH3-64 of all the stream's bytes in order
+    device: bool = False  # ``digest`` is the GPU digest (`reshard.proto.devices.DeviceChecksum`): a CUDA IPC stream
+
+
+class IpcRegion(NamedTuple):
+    """A piece's bytes where they lie, in the sender's GPU memory: a CUDA IPC handle of the region of its tile
+    (`reshard.proto.devices.CudaIpcHandle`, strides included), which a receiver that sees that GPU maps and
+    copies device to device (`GrpcTransport.map_ipc`)."""
+
+    handle: Any
 
 
 class Throttle:
@@ -253,8 +262,12 @@ class QueuedOutgoing(Outgoing):
     def put(self, box: Box, data, wire=None) -> None:
         self._offer(Piece(box, data, wire))
 
-    def end(self, nbytes: int, digest: int) -> None:
-        self._offer(Trailer(nbytes, digest))
+    def put_ipc(self, box: Box, handle) -> None:
+        """Send sub-box ``box`` as a CUDA IPC handle of its region (`IpcRegion`): no byte leaves the GPU."""
+        self._offer(Piece(box, IpcRegion(handle)))
+
+    def end(self, nbytes: int, digest: int, device: bool = False) -> None:
+        self._offer(Trailer(nbytes, digest, device))
 
     def wait(self, timeout: float) -> list[str] | None:
         deadline = time.monotonic() + timeout

@@ -22,6 +22,7 @@ import reshard
 from reshard import Mesh, Sharding
 from reshard.client import Client, FailedPreconditionError, UnavailableError
 from reshard.proto import devices
+from reshard.client.client import _sharding_json
 from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
@@ -89,10 +90,10 @@ def test_store_of_a_cuda_agent_holds_torch_tensors_on_its_gpu():
         with Client(f"127.0.0.1:{port}") as c:
             t = _tensor((64, 32), torch.float32)
             info = c.put("resident", t, ONE_HOST)  # this process holds the agent: bytes stream, no IPC
-            for i, dev in enumerate(ONE_HOST.mesh.devices):
+            for i, dev in enumerate(ONE_HOST.mesh.devices):  # ("y", None): rows split over the two devices
                 shard = agent.runtime.store.get("resident", info.version, dev)
                 assert isinstance(shard.array, torch.Tensor) and shard.array.device == torch.device("cuda:0")
-                assert torch.equal(_bits(shard.array), _bits(t[:, 16 * i:16 * (i + 1)]))
+                assert torch.equal(_bits(shard.array), _bits(t[32 * i:32 * (i + 1)]))
             assert c.agents()[0]["device"] == "cuda:0"
             assert c.agents()[0]["gpu_uuid"] == devices.gpu_uuid("cuda:0")
     finally:
@@ -128,10 +129,10 @@ _RANK = textwrap.dedent("""
     import reshard
     from reshard import Mesh, Sharding
 
-    address = sys.argv[1]
-    sharding = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["host0"], 2), ("y", None))
+    address, token = sys.argv[1], sys.argv[2]
+    sharding = Sharding(Mesh.from_hosts({"x": 1, "y": 2}, ["host0"], 2), (None, "y"))  # columns split
     full = torch.arange(256 * 96, dtype=torch.float32, device="cuda").reshape(256, 96) * 0.5
-    with reshard.connect(address) as c:
+    with reshard.connect(address, token=token) as c:
         done = [c.put_shard("ranked", dev, full[:, 48 * i:48 * (i + 1)].clone(), sharding, shape=full.shape, ipc=True)
                 for i, dev in enumerate(sharding.mesh.devices)]
         assert done == [False, True], done
@@ -150,7 +151,8 @@ def test_cuda_ipc_hand_over_from_a_separate_process(gpu_cluster, tmp_path):
     c = gpu_cluster
     script = tmp_path / "rank.py"
     script.write_text(_RANK)
-    proc = subprocess.run([sys.executable, str(script), c.address], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, str(script), c.address, c.cluster.token], capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rank ok" in proc.stdout
     want = torch.arange(256 * 96, dtype=torch.float32).reshape(256, 96) * 0.5
@@ -159,15 +161,20 @@ def test_cuda_ipc_hand_over_from_a_separate_process(gpu_cluster, tmp_path):
 
 
 def test_cuda_ipc_hand_over_with_a_wrong_digest_is_data_loss(gpu_cluster):
+    """A hand-over the planner issued (its ticket) whose digest differs from the bytes is refused, nothing staged."""
+    c = gpu_cluster
     t = _tensor((16, 16), torch.float32)
-    header = pb.ShardHeader(upload_id="lossy-upload", tensor="lossy", device="host0/0", dtype="float32",
-                            box=pb.Box(lo=[0, 0], hi=[16, 16]))
+    one_device = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
+    opened = c._planner_call("BeginUpload", pb.BeginUploadRequest(
+        name="lossy", shape=[16, 16], dtype="float32", sharding_json=_sharding_json(one_device), kind="torch"))
+    loc, = opened.locations
+    header = pb.ShardHeader(upload_id=opened.upload_id, tensor="lossy", device=loc.device, dtype="float32",
+                            box=loc.box, ticket=loc.ticket)
     request = pb.IpcPutShardRequest(header=header, source=pb.CudaIpcTensor(**devices.share_cuda(t).fields()),
                                     digest=devices.device_digest(t) ^ 1)
-    with grpc.insecure_channel(gpu_cluster.cluster.agent_addresses["host0"]) as ch, \
-            pytest.raises(grpc.RpcError) as lost:
-        pb_grpc.AgentStub(ch).PutShardIpc(request)
-    assert lost.value.code() == grpc.StatusCode.DATA_LOSS
+    with grpc.insecure_channel(loc.address) as ch, pytest.raises(grpc.RpcError) as lost:
+        pb_grpc.AgentStub(ch).PutShardIpc(request, metadata=[("authorization", f"Bearer {c.cluster.token}")])
+    assert lost.value.code() == grpc.StatusCode.DATA_LOSS, lost.value.details()
     assert "differs from the sender's" in lost.value.details() and "nothing was staged" in lost.value.details()
 
 
@@ -215,7 +222,7 @@ def test_second_collective_agent_on_one_gpu_is_refused_naming_both():
     with LocalCluster(host_names=["g0"], devices_per_host=1, transport="collective", device="cuda:0") as cluster, \
             cluster.connect() as c:
         with pytest.raises(UnavailableError) as refused:
-            cluster.start_agent("g1")
+            cluster.start_agent("g1", extra_args=["--device", "cuda:0"])  # the same GPU as g0
         assert f"hosts g0 and g1 are both on GPU {uuid}" in str(refused.value)
         assert [(a["host"], a["in_group"]) for a in c.agents()] == [("g0", True)]
 
@@ -226,9 +233,11 @@ def test_auto_agents_on_one_gpu_run_grpc_and_say_why():
     with reshard.local_cluster(host_names=["host0", "host1"], devices_per_host=2, transport="auto",
                                device="cuda:0") as c:
         agents = {a["host"]: a for a in c.agents()}
-        assert agents["host0"]["transport"] == "auto" and agents["host0"]["in_group"]
-        assert agents["host1"]["transport"] == "grpc"
-        assert f"hosts host0 and host1 are both on GPU {uuid}" in agents["host1"]["transport_reason"]
+        # The agents start at once: whichever registers first joins the group, the other falls back to gRPC.
+        first, second = sorted(agents, key=lambda h: agents[h]["transport"] != "auto")
+        assert agents[first]["transport"] == "auto" and agents[first]["in_group"]
+        assert agents[second]["transport"] == "grpc"
+        assert f"hosts {first} and {second} are both on GPU {uuid}" in agents[second]["transport_reason"]
         t = _tensor((96, 40), torch.float32)
         c.put("fallback", t, ONE_HOST)
         result = c.reshard("fallback", ON_HOST1).result(timeout=120)
@@ -244,3 +253,45 @@ def test_ipc_true_refuses_an_agent_on_the_cpu_and_auto_streams():
             c.put("cpu_side", t, ONE_HOST, ipc=True)
         c.put("cpu_side", t, ONE_HOST)  # the refusal came before the upload opened: the name is free
         assert torch.equal(c.get("cpu_side", device="cuda:0"), t)
+
+
+# -- the GPU digest and CUDA IPC between agents (issue 43) --------------------------------------------------------
+
+@pytest.mark.parametrize("nbytes", [1, 2047, 2048, 2049, 5 * 2**20 + 3])
+def test_gpu_digest_one_pass_equals_torch_and_numpy_and_copies(nbytes):
+    """The Triton pass (where Triton runs), torch's reductions and numpy agree on the same bytes, and the copy that
+    digests copies every byte."""
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+    host = src.cpu().numpy()
+    want = devices.device_digest(host)  # numpy on the CPU
+    assert devices.device_digest(src) == want  # the Triton pass, or torch's reductions without Triton
+    dst = torch.full_like(src, 7)
+    assert devices.copy_digest(dst, src) == want and torch.equal(dst, src)
+    triton_kernel = devices._triton_kernel()
+    devices._TRITON[:] = [None]  # torch's reductions on the GPU
+    try:
+        assert devices.device_digest(src) == want
+    finally:
+        devices._TRITON[:] = [triton_kernel]
+    pieces = devices.DeviceChecksum()
+    for lo in range(0, nbytes, 3001):  # pieces cut anywhere, as a stream's arrive
+        pieces.update(src[lo:lo + 3001])
+    assert pieces.value == want
+
+
+@pytest.mark.parametrize("cuda_ipc", [True, False])
+def test_agents_on_one_gpu_move_by_cuda_ipc_or_stream_bytes(cuda_ipc):
+    """Two agents on one GPU: a move between them is a CUDA IPC handle and a device-to-device copy (no byte on the
+    network), or with --no-cuda-ipc a byte stream; bit-exact either way, also for a box narrower than its tile."""
+    args = () if cuda_ipc else ("--no-cuda-ipc",)
+    with reshard.local_cluster(hosts=2, devices_per_host=2, device="cuda:0", transport="grpc", agent_args=args) as c:
+        for dtype in (torch.float32, torch.bfloat16):
+            t = _tensor((513, 258), dtype, seed=3)
+            name = f"ipc_{str(dtype)[6:]}"
+            c.put(name, t, ONE_HOST)  # split by columns over host0's two devices
+            for target in (ON_HOST1, BOTH_HOSTS, ONE_HOST):  # replicated; 2x2 tiles (strided boxes); back
+                result = c.reshard(name, target).result(timeout=120)
+                assert result.state == "succeeded" and result.transport == "grpc"
+                assert (result.network_bytes == 0) == cuda_ipc, result.network_bytes
+                assert torch.equal(_bits(c.get(name, device="cuda:0")), _bits(t))
+            c.delete(name)

@@ -67,7 +67,7 @@ def test_each_buffer_is_registered_once_and_reused_by_the_next_job(pair):
         src += 1  # the second job moves other bytes into the same buffers
         pieces, trailer = _move(a, b, job, src, full, _placing("b/0", dst))
         assert len(pieces) == 8 and all(p.landed == "b/0" for p in pieces)  # written in place, no scratch
-        assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()))
+        assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()), False)
         assert np.array_equal(dst, src)
     # the source tile (written from directly, not staged) and the destination tile, once each for both jobs
     assert (a.registered, b.registered) == (1, 1)
@@ -108,7 +108,7 @@ def test_a_strided_source_box_is_written_from_the_tile_itself_with_no_staging_co
     pieces, trailer = items[:-1], items[-1]
     assert [p.box for p in pieces] == [((0, 4), (2048, 6144)), ((4, 8), (2048, 6144))]
     assert b"".join(bytes(memoryview(p.data)) for p in pieces) == want.tobytes()
-    assert trailer == (want.nbytes, digest.result())
+    assert trailer == (want.nbytes, digest.result(), False)
     assert a.scratch_bytes == 0  # nothing staged on the sender
     assert a.registered == 1  # the source tile itself, once
 
@@ -127,7 +127,7 @@ def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
     pieces, trailer = _move(a, b, "scratch", src, ((0, 1000), (0, 100)), lambda sub: None)
     assert all(p.landed is None for p in pieces)
     assert b"".join(bytes(memoryview(p.data)) for p in pieces) == src.tobytes()
-    assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()))
+    assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()), False)
     assert b.scratch_bytes >= src.nbytes  # kept for the next stream
 
 
