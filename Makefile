@@ -11,7 +11,7 @@ INSTALL = $(PIP) install $(1) >$(PIP_LOG) 2>&1 || \
 DEMO_STAMP := $(VENV)/.installed-demo
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench e2e clean
+.PHONY: demo test bench e2e gpu-check clean
 
 $(PY):
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; set PYTHON=/path/to/python3.11"; exit 1; }
@@ -54,6 +54,40 @@ bench: $(STAMP)
 	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
 	$(PY) bench/weight_sync.py --transport nixl  # the same on the NIXL transport: a section of its own
 	$(PY) bench/small_tensors.py
+
+# make gpu-check: every CUDA test (pytest -m cuda) and bench/gpu.py on this host's GPU, in under 8 minutes, ending
+# in one table (bench/gpu_check.py; logs in gpu-check-logs/); exit 1 when a test fails or a goal is missed. Where
+# torch sees no CUDA device it says why and passes. Two ways:
+#   make gpu-check                                  a GPU host with network: the .venv and dev extra of make test
+#   make gpu-check GPU_PYTHON=python3 WHEELS=.whl   a Python that already has CUDA torch, no network: the wheels in
+#       WHEELS (optional; what that Python lacks: reshard's dependencies, setuptools>=77 to build it) go into it
+#       without dependencies, then reshard editable: the checkout's reshard/ folder would shadow a regular install
+#       when run from here, and the editable finder maps reshard.server, .client and .proto to their folders.
+#       Naming GPU_PYTHON asks for installing into it, so a distribution's externally-managed mark is overridden.
+# GPU_CHECK_ARGS passes options to bench/gpu_check.py (--mib 1024, --log DIR, --require-gpu).
+GPU_PYTHON ?=
+WHEELS ?=
+GPU_CHECK_ARGS ?=
+GPU_PIP = PIP_BREAK_SYSTEM_PACKAGES=1 PIP_ROOT_USER_ACTION=ignore $(GPU_PYTHON) -m pip --disable-pip-version-check \
+	install -q --no-index --no-deps --no-build-isolation
+
+ifeq ($(strip $(GPU_PYTHON)),)
+gpu-check: $(STAMP)
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+else
+# The wheels go in first, by a pip of their own: a setuptools among them must be there before reshard is built.
+gpu-check:
+	@$(GPU_PYTHON) -m pip --version >/dev/null 2>&1 || { echo "error: $(GPU_PYTHON) -m pip does not run; \
+	make gpu-check GPU_PYTHON= needs a Python with pip (and CUDA torch)"; exit 1; }
+	@if [ -n "$(WHEELS)" ]; then set -- $(WHEELS)/*.whl; if [ -e "$$1" ]; then \
+	echo "make: installing $$# wheels from $(WHEELS) into $(GPU_PYTHON)"; $(GPU_PIP) "$$@" || exit 1; \
+	else echo "make: warning: WHEELS=$(WHEELS) holds no .whl files; installing reshard alone"; fi; fi
+	@$(GPU_PYTHON) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+	|| { echo "error: building reshard here needs setuptools>=77 in $(GPU_PYTHON) (pyproject.toml's build-system) \
+	and there is no network: put a setuptools wheel in WHEELS"; exit 1; }
+	$(GPU_PIP) -e .
+	$(GPU_PYTHON) bench/gpu_check.py $(GPU_CHECK_ARGS)
+endif
 
 clean:
 	rm -rf $(VENV) build *.egg-info
