@@ -102,11 +102,15 @@ _INSTALL = "pip install 'reshard[nixl]'"
 
 
 def _api():
-    """NIXL's Python API: the ``nixl_cu12`` wheel the extra pins, or the ``nixl`` meta package's pick."""
+    """NIXL's Python API: the ``nixl_cu12`` wheel the extra pins, else ``nixl_cu13`` (CUDA 13 hosts), else the
+    ``nixl`` meta package's pick."""
     try:
         from nixl_cu12 import _api
     except ImportError:
-        from nixl import _api
+        try:
+            from nixl_cu13 import _api
+        except ImportError:
+            from nixl import _api
     return _api
 
 
