@@ -119,8 +119,8 @@ def send_ipc(transport: Transport, s: Session, key: StreamKey, peer: str, array,
         raise
 
 
-def _take_ipc(transport: Transport, s: Session, key: StreamKey, item: Piece, box: Box, sink: Sink, local: list[str],
-              check: DeviceChecksum) -> None:
+def _take_ipc(transport: Transport, s: Session, key: StreamKey, peer: str, item: Piece, box: Box, sink: Sink,
+              local: list[str], check: DeviceChecksum) -> None:
     """Land a CUDA IPC piece: map the sender's region, copy it into ``local``'s tiles device to device, digesting it
     in the same pass where a tile's region is contiguous."""
     sub, handle = item.box, item.data.handle
@@ -128,7 +128,13 @@ def _take_ipc(transport: Transport, s: Session, key: StreamKey, item: Piece, box
     if not boxes.contains(box, sub) or tuple(handle.shape) != tile_shape(sub) or handle.dtype != dtype:
         raise InvalidArgumentError(f"job {key.job}: the CUDA IPC piece is {handle.dtype}{list(handle.shape)} for box "
                                    f"{boxes.box_str(sub)}, but the transfer moves {dtype} box {boxes.box_str(box)}")
-    src = transport.map_ipc(handle)
+    try:
+        src = transport.map_ipc(handle)
+    except FailedPreconditionError as e:
+        raise FailedPreconditionError(
+            f"job {key.job}: host {transport.host} cannot map the CUDA IPC piece from host {peer}: {e}; "
+            f"agents on one machine whose processes cannot share GPU memory (containers without a shared IPC "
+            f"namespace) move bytes instead when started with reshard agent --no-cuda-ipc") from None
     if src.dtype != torch_dtype(dtype):
         raise InvalidArgumentError(f"job {key.job}: the CUDA IPC piece maps as {src.dtype}, not {dtype}")
     place = getattr(sink, "place_device", None)
@@ -178,7 +184,7 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
                                                f"{'forwards' if forward is not None else 'carried bytes'}: the "
                                                f"sender may send one only to the last hop, as a stream's only kind")
                 on_gpu = on_gpu if on_gpu is not None else DeviceChecksum()
-                _take_ipc(transport, s, key, item, box, sink, local, on_gpu)
+                _take_ipc(transport, s, key, peer, item, box, sink, local, on_gpu)
                 continue
             if not boxes.contains(box, sub):
                 raise InvalidArgumentError(
