@@ -64,6 +64,7 @@ bench: $(STAMP)
 #       without dependencies, then reshard editable: the checkout's reshard/ folder would shadow a regular install
 #       when run from here, and the editable finder maps reshard.server, .client and .proto to their folders.
 #       Naming GPU_PYTHON asks for installing into it, so a distribution's externally-managed mark is overridden.
+#       bench/gpu_wheels.sh 3.12 .whl (where pip reaches PyPI) fetches those wheels for that host's Python.
 # GPU_CHECK_ARGS passes options to bench/gpu_check.py (--mib 1024, --log DIR, --require-gpu).
 GPU_PYTHON ?=
 WHEELS ?=
