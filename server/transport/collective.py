@@ -251,7 +251,8 @@ class _Outgoing(Outgoing):
     def _send(self, tensor) -> None:
         # Counted by the caller when handed over (gloo's send work reports completion only on wait):
         # at most ``window`` pieces ahead of the wire, and progress moves piece by piece.
-        self._pending.append(self._group.pg.send([tensor], self._rank, self._tag))
+        self._pending.append(self._transport.post(self._session, self._group, "send", self.peer,
+                                                  lambda: self._group.pg.send([tensor], self._rank, self._tag)))
         if len(self._pending) >= self._transport.window:
             self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
 
@@ -404,14 +405,24 @@ class CollectiveTransport(Transport):
         try:
             work.wait(self.op_timeout)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
-            self.member.mark_broken(group, f"{what} failed")
-            text = str(e).splitlines()[0] if str(e) else type(e).__name__
-            where = (f"job {s.job}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
-                     f"generation {group.generation})")
-            if "Timed out" in text or "timeout" in text.lower():
-                raise DeadlineExceededError(f"{where} did not finish in {self.op_timeout.total_seconds():g}s: "
-                                            f"{text}") from None
-            raise UnavailableError(f"{where} failed: {text}") from None
+            raise self._failed(s, group, e, what, peer) from None
+
+    def post(self, s: Session, group: Group, what: str, peer: str, call: Callable[[], object]):
+        """Post one send or recv (``call``): gloo raises at once where the peer's connection is already closed, which
+        fails the job naming the peer, as a failed wait does."""
+        try:
+            return call()
+        except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
+            raise self._failed(s, group, e, what, peer) from None
+
+    def _failed(self, s: Session, group: Group, e: Exception, what: str, peer: str) -> Exception:
+        self.member.mark_broken(group, f"{what} failed")
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        where = (f"job {s.job}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
+                 f"generation {group.generation})")
+        if "Timed out" in text or "timeout" in text.lower():
+            return DeadlineExceededError(f"{where} did not finish in {self.op_timeout.total_seconds():g}s: {text}")
+        return UnavailableError(f"{where} failed: {text}")
 
     def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
         return _Outgoing(self, s, self._group(s), peer, self._tag(s, key))
@@ -433,7 +444,8 @@ class CollectiveTransport(Transport):
             into, view = (place(sub) or ("", None)) if group.device.type == "cpu" else ("", None)
             buf = (torch.from_numpy(view.reshape(-1).view(np.uint8)) if view is not None
                    else torch.empty(boxes.volume(sub) * np_dtype.itemsize, dtype=torch.uint8, device=group.device))
-            posted.append((sub, buf, into if view is not None else None, group.pg.recv([buf], src, tag)))
+            work = self.post(s, group, "recv", peer, lambda: group.pg.recv([buf], src, tag))
+            posted.append((sub, buf, into if view is not None else None, work))
 
         for _ in range(self.window):
             post()
@@ -444,7 +456,8 @@ class CollectiveTransport(Transport):
             raw = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
             yield Piece(sub, raw, buf, into)
         trailer = torch.empty(16, dtype=torch.uint8, device=group.device)
-        self.finish(s, group, group.pg.recv([trailer], src, tag), "recv", peer)
+        work = self.post(s, group, "recv", peer, lambda: group.pg.recv([trailer], src, tag))
+        self.finish(s, group, work, "recv", peer)
         nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
         yield Trailer(nbytes, digest)
 
@@ -536,7 +549,8 @@ class CollectiveTransport(Transport):
         works = []
         for lo in range(0, acc.size, step_n):
             np.copyto(acc[lo:lo + step_n], addends[lo:lo + step_n])
-            works.append(pg.allreduce([self.torch.from_numpy(acc[lo:lo + step_n])], opts))
+            piece = self.torch.from_numpy(acc[lo:lo + step_n])
+            works.append(self.post(s, g, "all-reduce", to, lambda piece=piece: pg.allreduce([piece], opts)))
         for work in works:
             self.finish(s, g, work, "all-reduce", to)
         if not in_place:
