@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -186,8 +187,10 @@ def test_goals_are_judged_at_the_large_size_only():
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_make_gpu_check_installs_into_the_named_python_without_network():
-    out = subprocess.run(["make", "-n", "gpu-check", "GPU_PYTHON=python3", "WHEELS=.whl"], capture_output=True,
-                         text=True, timeout=60, cwd=ROOT)
+    # Run by make test, this make is a sub-make: without the parent's variables it prints no "Entering directory"
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES")}
+    out = subprocess.run(["make", "--no-print-directory", "-n", "gpu-check", "GPU_PYTHON=python3", "WHEELS=.whl"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
     assert out.returncode == 0, out.stderr
     pips = [line for line in out.stdout.splitlines() if "python3 -m pip" in line and " install " in line]
     assert len(pips) == 2, out.stdout  # the wheels first (a setuptools among them builds reshard), then reshard
