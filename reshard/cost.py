@@ -64,6 +64,7 @@ __all__ = [
     "reduce_rounds",
     "PhaseLoad",
     "phase_loads",
+    "move_phase_loads",
     "table_phase_loads",
     "phase_seconds",
     "estimate_seconds",
@@ -153,28 +154,34 @@ def _box_bytes(box, itemsize: int) -> int:
     return n
 
 
-def _chain_flows(out: list[Flow], devices: list[str], nbytes: int, origin: bool) -> None:
+def _chain_links(out: list[tuple], devices: list[str], origin: bool) -> None:
     # Only the chain's first link leaves the device that started it; later links are forwarded.
     for i, (a, b) in enumerate(zip(devices, devices[1:])):
-        out.append(Flow(a, b, nbytes, INTRA, origin and i == 0))
+        out.append((a, b, INTRA, origin and i == 0))
+
+
+def _links(t, hosts: HostCache) -> list[tuple[str, str, str, bool]]:
+    """The flows of one transfer but their bytes, as (src, dst, link, origin): `transfer_flows` less a `Flow`
+    each, for `move_phase_loads`, which gives a group of like transfers' flows their bytes at once."""
+    out: list[tuple[str, str, str, bool]] = []
+    home = home_receivers(t, hosts)
+    if t.method == "p2p":  # every copy straight from the sender
+        out += [(t.sender, r, INTRA, True) for r in home]
+    elif home:
+        _chain_links(out, [t.sender, *home], True)
+    for h in hops(t, hosts):
+        out.append((h.src, h.dst, NIC, h.origin))
+        if len(h.receivers) > 1:
+            _chain_links(out, h.receivers, False)
+    return out
 
 
 def transfer_flows(t, itemsize: int, hosts: HostCache | None = None) -> list[Flow]:
     """The flows of one transfer, as the module docstring's table defines them: its copies on the sender's host
     and its hops (`reshard.routes`), a hop's receivers fanned out along a chain on the host it reaches."""
-    hosts = hosts if hosts is not None else HostCache()
     n = _box_bytes(t.box, itemsize)
-    out: list[Flow] = []
-    home = home_receivers(t, hosts)
-    if t.method == "p2p":  # every copy straight from the sender
-        out += [Flow(t.sender, r, n, INTRA, True) for r in home]
-    elif home:
-        _chain_flows(out, [t.sender, *home], n, True)
-    for h in hops(t, hosts):
-        out.append(Flow(h.src, h.dst, n, NIC, h.origin))
-        if len(h.receivers) > 1:
-            _chain_flows(out, h.receivers, n, False)
-    return out
+    links = _links(t, hosts if hosts is not None else HostCache())
+    return [Flow(src, dst, n, link, origin) for src, dst, link, origin in links]
 
 
 def sender_bytes(transfers: Iterable, itemsize: int, host: str, phase: int | None = None) -> int:
@@ -264,13 +271,44 @@ def reduce_rounds(devices, nbytes: int, result: str, algorithm: str,
 
 def phase_loads(transfers: Iterable, itemsize: int, hosts: HostCache | None = None) -> list[PhaseLoad]:
     """Per phase, the bytes each NIC direction and each intra-host link carries (the flows, added up)."""
+    return move_phase_loads(((t.phase, t, itemsize) for t in transfers), hosts)
+
+
+def move_phase_loads(moves: Iterable[tuple[int, object, int]], hosts: HostCache | None = None) -> list[PhaseLoad]:
+    """`phase_loads` of (phase, transfer, itemsize) triples, whose itemsizes may differ (a program's tensors).
+
+    A transfer's flows depend on its sender, receivers, method and route, not on its box: transfers alike in
+    those share their flows, so their bytes are added up first (Python ints, exact) and the group's flows made
+    once, where a state dict's plan would make a `Flow` per link of each of its million transfers. The loads are
+    `transfer_flows`' added up, int for int, and each link enters its load's dicts in the same order (a group
+    comes in at its first transfer, which is where its links first appear), so ties between links name the same
+    busiest one.
+    """
     hosts = hosts if hosts is not None else HostCache()
+    groups: dict[tuple, list] = {}
+    get = groups.get
+    for phase, t, itemsize in moves:
+        n = itemsize
+        for lo, hi in t.box:
+            n *= hi - lo
+        key = (phase, t.sender, t.receivers, t.method, t.route)
+        g = get(key)
+        if g is None:
+            groups[key] = [t, n]
+        else:
+            g[1] += n
     phases: dict[int, PhaseLoad] = {}
-    for t in transfers:
-        load = phases.get(t.phase)
+    for (phase, *_), (t, n) in groups.items():
+        load = phases.get(phase)
         if load is None:
-            load = phases[t.phase] = PhaseLoad(t.phase)
-        load.add(transfer_flows(t, itemsize, hosts))
+            load = phases[phase] = PhaseLoad(phase)
+        for src, dst, link, _ in _links(t, hosts):
+            if link == NIC:
+                load.send[src] += n
+                load.recv[dst] += n
+            else:
+                load.dev_out[src] += n
+                load.dev_in[dst] += n
     return [phases[p] for p in sorted(phases)]
 
 

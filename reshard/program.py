@@ -68,7 +68,8 @@ from functools import cached_property
 from typing import TYPE_CHECKING, Optional
 
 from reshard import box as boxes
-from reshard.cost import HostCache, PhaseLoad, flow_totals, reduce_rounds, transfer_flows
+from reshard.cost import HostCache, PhaseLoad, flow_totals, move_phase_loads, reduce_rounds, transfer_flows
+from reshard.delivery import delivered
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, PlanValidationError
 from reshard.jsonio import brief, field_of, loads, need, quoted
@@ -77,6 +78,7 @@ from reshard.jsonio import plain as plain_text
 from reshard.kernels import KERNELS, KernelShapeError
 from reshard.mesh import host_of
 from reshard.plans import (
+    METHODS,
     ContentAddressed,
     Plan,
     Transfer,
@@ -822,8 +824,23 @@ class Program(ContentAddressed):
         ancestors = self._ancestors
         hosts = HostCache()
         produced: dict[tuple[str, str], list[tuple[int, str, Box]]] = defaultdict(list)
-        src_tiles = {t.name: t.src.tiles(t.shape) for t in self.tensors if t.src is not None}
-        reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+        # A state dict repeats a few layouts over many tensors: each (sharding, shape) pair's tiles are made once.
+        layouts: dict[tuple, dict[str, Box]] = {}
+        src_tiles = {}
+        for t in self.tensors:
+            if t.src is not None:
+                tiles = layouts.get((t.src, t.shape))
+                if tiles is None:
+                    tiles = layouts[(t.src, t.shape)] = t.src.tiles(t.shape)
+                src_tiles[t.name] = tiles
+        by_name = self._by_name
+        reshard = [t for t in self.tensors if t.is_reshard]
+        position = {t.name: k for k, t in enumerate(reshard)}
+        # Every move of a reshard tensor, as columns for `delivered`: its tensor's position in ``reshard``, its step.
+        move_tensor: list[int] = []
+        move_step: list[int] = []
+        other_role: list[Step] = []  # reshard moves that read a role other than the source tile, checked last
+        addends = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
         addend_coords: dict[str, dict[str, tuple[int, ...]]] = {}
         read_back = self._read_back()
 
@@ -841,24 +858,38 @@ class Program(ContentAddressed):
             return not boxes.uncovered(box, pieces + ([tile] if role in (None, SRC) and tile is not None else []))
 
         for s in self.steps:
-            where = _StepWhere(s)
             if s.kind == MOVE:
-                decl = self._declared(where, s.tensor)
+                # The usual move (a state dict's are all of this kind) costs two lookups and two appends here.
+                decl = by_name.get(s.tensor)
+                if decl is None:
+                    decl = self._declared(_StepWhere(s), s.tensor)
                 if decl.is_reshard:
-                    reshard_moves[decl.name].append((s.id, s.transfer))
+                    move_tensor.append(position[decl.name])
+                    move_step.append(s.id)
+                    if s.role != SRC:
+                        other_role.append(s)
                 else:
-                    self._check_free_move(where, s, decl, hosts, holds)
-                self._check_addends(where, s, decl, addend_coords)
+                    self._check_free_move(_StepWhere(s), s, decl, hosts, holds)
+                if decl.name in addends:
+                    self._check_addends(_StepWhere(s), s, decl, addend_coords)
             elif s.kind == COMPUTE:
-                self._check_compute(where, s, hosts, holds)
+                self._check_compute(_StepWhere(s), s, hosts, holds)
             else:
-                self._check_reduce(where, s, hosts, holds)
+                self._check_reduce(_StepWhere(s), s, hosts, holds)
             if s.kind != MOVE or s.tensor in read_back:
                 for dev, tensor, role, b in s.produces():
                     if tensor in read_back:
                         produced[(dev, tensor)].append((s.id, role, b))
-        for decl in self.tensors:
-            if decl.is_reshard:
+        steps = self.steps
+        proven = delivered(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts)
+        # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
+        reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
+        if not proven.all():
+            for k, i in zip(move_tensor, move_step):
+                if not proven[k]:
+                    reshard_moves[reshard[k].name].append((i, steps[i].transfer))
+        for k, decl in enumerate(reshard):
+            if not proven[k]:
                 check_delivery(
                     decl.shape, decl.src, decl.dst, reshard_moves.get(decl.name, []),
                     before=lambda i, j: bool(ancestors[i] >> j & 1),
@@ -866,13 +897,11 @@ class Program(ContentAddressed):
                     when=lambda i, t: _when(self.steps[i]),
                     hosts=hosts,
                 )
-                self._check_summed_tiles(decl, produced)
-        for s in self.steps:
+            self._check_summed_tiles(decl, produced)
+        for s in other_role:
             # A reshard tensor's senders were checked as a plan's, from the source tile or deliveries; one that
             # reads another role must hold the box in that role.
-            if s.kind == MOVE and s.role != SRC and self.tensor(s.tensor).is_reshard:
-                self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box),
-                                 holds)
+            self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box), holds)
 
     def _read_back(self) -> set[str]:
         """The tensors whose written boxes a check looks up (`_validate`'s ``holds``, `_check_summed_tiles`):
@@ -1119,8 +1148,42 @@ class Program(ContentAddressed):
         return total, what
 
     def estimate(self, topology: Optional[Topology] = None) -> float:
-        """Seconds on the cost model: the longest path through the dependency graph."""
-        return max((e.finish for e in self.step_estimates(topology)), default=0.0)
+        """Seconds on the cost model: the longest path through the dependency graph.
+
+        The latest finish of `step_estimates`, the same float, without a `StepEstimate` per step: a state dict's
+        program has a million moves, so their loads are added up per group of like transfers (`move_phase_loads`),
+        and all moves of one depth end together, so a depth's end stands for its moves'.
+        """
+        topo = topology or self.topology
+        hosts = HostCache()
+        steps, depths = self.steps, self.depths
+        itemsizes = {t.name: t.itemsize for t in self.tensors}
+        # ``self.tensor`` raises for a tensor the program does not declare, as `step_estimates` does.
+        loads = move_phase_loads(((d, s.transfer, itemsizes.get(s.tensor) or self.tensor(s.tensor).itemsize)
+                                  for s, d in zip(steps, depths) if s.kind == MOVE), hosts)
+        move_end = {load.phase: load.seconds(topo, hosts)[0] for load in loads}  # each depth's seconds, for now
+        waits: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # per depth, what its moves wait for
+        others: dict[int, list[Step]] = defaultdict(list)  # per depth, its reduces and computes
+        for s, d in zip(steps, depths):
+            if s.kind != MOVE:
+                others[d].append(s)
+            elif s.after:
+                waits[d].append(s.after)
+        other_end: dict[int, float] = {}
+
+        def finish(i: int) -> float:
+            return other_end[i] if i in other_end else move_end[depths[i]]
+
+        # As `step_estimates`: the moves of one depth start together, when the last step any of them waits for
+        # ends; then that depth's reduces and computes, each when its own dependencies end.
+        for depth in sorted(move_end.keys() | others.keys()):
+            if depth in move_end:
+                start = max((finish(a) for after in waits.get(depth, ()) for a in after), default=0.0)
+                move_end[depth] = start + move_end[depth]
+            for s in others.get(depth, ()):
+                start = max((finish(a) for a in s.after), default=0.0)
+                other_end[s.id] = start + self._seconds(s, topo, hosts)[0]
+        return max([*move_end.values(), *other_end.values()], default=0.0)
 
     @cached_property
     def estimate_seconds(self) -> float:

@@ -1,0 +1,276 @@
+"""The columnar proof that a program's reshard moves deliver: `check_delivery`'s rules for all its tensors at once.
+
+`Program.validate` proves a state dict of a hundred thousand tensors, each moved by tens to thousands of transfers.
+Checking them one transfer at a time in Python cost 13 us a move (bench/moe_plan.py); here they are columns and the
+rules are numpy passes over all of them together. The proof is one-sided: `delivered` says which tensors it proved,
+and `Program.validate` gives every other one to `check_delivery`, which names the first problem (or proves what this
+module does not try to: a sender that forwards a box delivered to it earlier).
+
+================ ==================================================================================
+link             a transfer's (sender, receivers, method, route): the rules of `check_transfer` but
+                 the box's, checked once per distinct link (a state dict has a few thousand)
+tile row         a tile of a (sharding, shape) pair, in one table of every pair's tiles, padded with
+                 [0, 1) to the most dims of any tensor so that every box is a row of ``D`` bounds
+piece            a box a destination device gets: each receiver's copy of a transfer's box, and the
+                 part of its destination tile that its own source tile holds
+expected piece   a destination tile cut by the distinct source tiles: the dim chunks of a sharding
+                 partition each dim, so these partition the tile, and a device whose pieces are
+                 exactly them gets every element of its tile once
+================ ==================================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
+
+import numpy as np
+
+from reshard.errors import InvalidMeshError
+from reshard.routes import HostCache
+from reshard.sharding import Sharding
+
+__all__ = ["delivered"]
+
+_LINK = attrgetter("sender", "receivers", "method", "route")
+_BOX = attrgetter("box")
+
+
+def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, methods: Sequence[str],
+              hosts: HostCache) -> np.ndarray:
+    """Per decl (each with ``shape``, ``src`` and ``dst``), whether ``transfers`` (transfer ``i`` moving
+    ``decls[tensor_of[i]]``, every sender reading its source tile) prove every rule `check_delivery` checks.
+    False leaves the verdict, and the message, to `check_delivery`."""
+    num = len(decls)
+    ok = np.ones(num, dtype=bool)
+    if not num:
+        return ok
+    n = len(transfers)
+    k = np.fromiter(tensor_of, dtype=np.int64, count=n)
+    ndim = np.fromiter((len(d.shape) for d in decls), dtype=np.int64, count=num)
+    D = max(1, int(ndim.max()))
+    shape = np.ones((num, D), dtype=np.int64)
+    for i, d in enumerate(decls):
+        shape[i, :len(d.shape)] = d.shape
+    lo, hi, well_formed = _box_columns(list(map(_BOX, transfers)), ndim[k], D)
+    bad = ~well_formed
+    bad |= ~((lo >= 0).all(axis=1) & (lo < hi).all(axis=1) & (hi <= shape[k]).all(axis=1))
+
+    # Links: the transfer's own rules but its box, once per distinct (sender, receivers, method, route). Told apart
+    # by the identity of their parts (the transfers hold them): hashing a broadcast's receivers for every transfer
+    # cost more than all the rest; equal parts in two objects only make two links of one.
+    link = np.zeros(n, dtype=np.int64)
+    for name in ("sender", "receivers", "method", "route"):
+        # Numbered field by field, so that a link's number stays below the number of transfers squared.
+        part = np.unique(np.fromiter(map(id, map(attrgetter(name), transfers)), dtype=np.int64, count=n),
+                         return_inverse=True)
+        link = np.unique(link * len(part[0]) + part[1].reshape(-1), return_inverse=True)[1].reshape(-1)
+    first = np.unique(link, return_index=True)[1]
+    keys = [_LINK(transfers[i]) for i in first.tolist()]
+    devices: dict[str, int] = {}
+    link_ok = np.array([_link_ok(key, methods, hosts) for key in keys], dtype=bool).reshape(-1)
+    sender = np.array([devices.setdefault(key[0], len(devices)) for key in keys], dtype=np.int64).reshape(-1)
+    recv = np.array([devices.setdefault(r, len(devices)) for key in keys for r in key[1]], dtype=np.int64).reshape(-1)
+    count = np.array([len(key[1]) for key in keys], dtype=np.int64).reshape(-1)
+    start = np.cumsum(count) - count
+    bad |= ~link_ok[link]
+
+    # Tiles of every (sharding, shape) pair, and each device's position in each mesh (-1: not in it).
+    tables = _Tiles(devices, D)
+    src_row = np.empty(num, dtype=np.int64)
+    dst_row = np.empty(num, dtype=np.int64)
+    src_mesh = np.empty(num, dtype=np.int64)
+    dst_mesh = np.empty(num, dtype=np.int64)
+    layout = np.empty(num, dtype=np.int64)
+    layouts: dict[tuple[int, int], int] = {}
+    for i, d in enumerate(decls):
+        a, b = tables.add(d.src, d.shape), tables.add(d.dst, d.shape)
+        if a is None or b is None:
+            ok[i] = False
+            a = b = (0, 0)
+        src_row[i], src_mesh[i] = a
+        dst_row[i], dst_mesh[i] = b
+        layout[i] = layouts.setdefault((a[0], b[0]), len(layouts))
+    tile_lo, tile_hi, position = tables.columns()
+
+    # Each receiver is a device of the destination mesh whose tile holds the box; the sender's source tile holds it.
+    per = count[link]
+    e_of = np.repeat(np.arange(n), per)
+    e_recv = recv[start[link][e_of] + np.arange(len(e_of)) - np.repeat(np.cumsum(per) - per, per)]
+    e_k = k[e_of]
+    q = position[dst_mesh[e_k], e_recv]
+    into = dst_row[e_k] + np.maximum(q, 0)
+    e_lo, e_hi = lo[e_of], hi[e_of]
+    bad[e_of[(q < 0) | ~_inside(e_lo, e_hi, tile_lo[into], tile_hi[into])]] = True
+    p = position[src_mesh[k], sender[link]]
+    held = src_row[k] + np.maximum(p, 0)
+    bad |= (p < 0) | ~_inside(lo, hi, tile_lo[held], tile_hi[held])
+
+    # Coverage. A piece that is its destination tile cut by its sender's source tile is one expected piece: the one
+    # of (tensor, destination position, distinct source tile). A tensor whose pieces are all expected ones, none
+    # twice, as many as it expects, gets exactly its expected pieces, and so every element of every tile once.
+    held = held[e_of]
+    cut = (e_lo == np.maximum(tile_lo[into], tile_lo[held])).all(axis=1)
+    cut &= (e_hi == np.minimum(tile_hi[into], tile_hi[held])).all(axis=1)
+    bad[e_of[~cut]] = True
+    ok[k[bad]] = False
+    num_q, num_s = int(position.max(initial=0)) + 1, tables.num_distinct
+    codes = [(e_k * num_q + np.maximum(q, 0)) * num_s + tables.distinct_column()[held]]
+    pieces = np.bincount(e_k, minlength=num)
+    expected = np.zeros(num, dtype=np.int64)
+    order = np.argsort(layout, kind="stable")
+    bounds = np.searchsorted(layout[order], np.arange(len(layouts) + 1))
+    for (a, b), L in layouts.items():
+        of = order[bounds[L]:bounds[L + 1]]
+        found = tables.layout(a, b, decls[of[0]].shape)
+        if found is None:
+            ok[of] = False
+            continue
+        expected[of], held_q, held_s = found
+        if len(held_q):
+            # A destination device that is also a source device starts with its tile's piece of its source tile.
+            pieces[of] += len(held_q)
+            codes.append(((of[:, None] * num_q + held_q) * num_s + held_s).reshape(-1))
+    ok &= pieces == expected
+    codes = np.sort(np.concatenate(codes))
+    twice = codes[1:][codes[1:] == codes[:-1]]
+    ok[twice // num_s // num_q] = False
+    return ok
+
+
+def _box_columns(raw: list, ndim: np.ndarray, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Boxes as rows of ``lo`` and ``hi`` bounds padded to ``D`` dims, and per box whether it has ``ndim`` integer
+    (lo, hi) pairs (a box that has not is left to `check_transfer`, which names what is wrong)."""
+    n = len(raw)
+    lens = np.fromiter(map(len, raw), dtype=np.int64, count=n)
+    flat = np.array(list(chain.from_iterable(chain.from_iterable(raw))))
+    lo = np.zeros((n, D), dtype=np.int64)
+    hi = np.ones((n, D), dtype=np.int64)
+    if flat.dtype.kind not in "iub" or len(flat) != 2 * int(lens.sum()) or (lens > D).any():
+        # Some bound is not an int or some dim not a pair: find which boxes, one by one (a bad program only).
+        good = np.array([all(type(b) is tuple and len(b) == 2 and all(isinstance(x, int) for x in b) for b in box)
+                         for box in raw], dtype=bool).reshape(-1) & (lens == ndim)
+        for i in np.flatnonzero(good).tolist():
+            for d, (a, b) in enumerate(raw[i]):
+                lo[i, d], hi[i, d] = a, b
+        return lo, hi, good
+    at = np.cumsum(2 * lens) - 2 * lens
+    for d in range(D):
+        has = lens > d
+        lo[has, d] = flat[at[has] + 2 * d]
+        hi[has, d] = flat[at[has] + 2 * d + 1]
+    return lo, hi, lens == ndim
+
+
+def _link_ok(key: tuple, methods: Sequence[str], hosts: HostCache) -> bool:
+    """`check_transfer`'s rules of a transfer's sender, receivers, method and route."""
+    sender, receivers, method, route = key
+    if method not in methods or not receivers or len(set(receivers)) != len(receivers) or sender in receivers:
+        return False
+    try:
+        hs = hosts[sender]
+        receiving = [hosts[r] for r in receivers]
+    except InvalidMeshError:
+        return False
+    if method == "local":
+        return all(h == hs for h in receiving) and not route
+    if method == "broadcast":
+        remote = set(receiving) - {hs}
+        return len(set(route)) == len(route) and set(route) == remote
+    return not route
+
+
+def _inside(lo: np.ndarray, hi: np.ndarray, outer_lo: np.ndarray, outer_hi: np.ndarray) -> np.ndarray:
+    return (outer_lo <= lo).all(axis=1) & (hi <= outer_hi).all(axis=1)
+
+
+class _Tiles:
+    """The tile rows of the (sharding, shape) pairs of one check, and each mesh's position of each device."""
+
+    def __init__(self, devices: dict[str, int], D: int):
+        self.devices, self.D = devices, D
+        self.pairs: dict[tuple, tuple[int, int] | None] = {}
+        self.meshes: dict[tuple[str, ...], int] = {}
+        self.lo: list[np.ndarray] = []
+        self.hi: list[np.ndarray] = []
+        self.distinct: list[np.ndarray] = []  # per tile row, which of its pair's distinct tiles it is
+        self.size = 0
+        self.num_distinct = 0  # the most distinct tiles of any pair
+        self.of_row: dict[int, tuple] = {}  # first row -> (lo, hi, distinct lo, distinct hi, distinct, devices)
+        self.layouts: dict[tuple[int, int], tuple | None] = {}
+
+    def add(self, sharding: Sharding, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        """(first tile row, mesh index) of ``sharding`` for ``shape``; None where its tiles cannot be had."""
+        key = (sharding, shape)
+        found = self.pairs.get(key, False)
+        if found is not False:
+            return found
+        try:
+            tiles = sharding.tiles(shape)
+            devices = sharding.mesh.require_devices()
+        except ValueError:  # an abstract mesh or a shape the sharding cannot split: check_delivery says which
+            self.pairs[key] = None
+            return None
+        lo = np.zeros((len(devices), self.D), dtype=np.int64)
+        hi = np.ones((len(devices), self.D), dtype=np.int64)
+        for p, dev in enumerate(devices):
+            for d, (a, b) in enumerate(tiles[dev]):
+                lo[p, d], hi[p, d] = a, b
+        mesh = self.meshes.get(devices)
+        if mesh is None:
+            mesh = self.meshes[devices] = len(self.meshes)
+            for dev in devices:
+                self.devices.setdefault(dev, len(self.devices))
+        distinct, which = np.unique(np.concatenate([lo, hi], axis=1), axis=0, return_inverse=True)
+        first = self.size
+        self.lo.append(lo)
+        self.hi.append(hi)
+        self.distinct.append(which.reshape(-1))
+        self.size += len(devices)
+        self.num_distinct = max(self.num_distinct, len(distinct))
+        self.of_row[first] = (lo, hi, distinct[:, :self.D], distinct[:, self.D:], which.reshape(-1), devices)
+        self.pairs[key] = (first, mesh)
+        return first, mesh
+
+    def columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every tile row's bounds, and per mesh the position of each device (-1 where not in it)."""
+        position = np.full((max(1, len(self.meshes)), max(1, len(self.devices))), -1, dtype=np.int64)
+        for devices, m in self.meshes.items():
+            position[m, [self.devices[d] for d in devices]] = np.arange(len(devices))
+        if not self.lo:
+            return np.zeros((1, self.D), dtype=np.int64), np.ones((1, self.D), dtype=np.int64), position
+        return np.concatenate(self.lo), np.concatenate(self.hi), position
+
+    def distinct_column(self) -> np.ndarray:
+        """Per tile row, which of its pair's distinct tiles it is."""
+        return np.concatenate(self.distinct) if self.distinct else np.zeros(1, dtype=np.int64)
+
+    def layout(self, src: int, dst: int, shape: tuple[int, ...]) -> tuple | None:
+        """For the pairs whose tiles start at rows ``src`` and ``dst`` (of a tensor of ``shape``): how many expected
+        pieces, and the (destination position, distinct source tile) of each piece a destination device holds as
+        a source device; None where the distinct source tiles do not partition the tensor (no sharding's do not)."""
+        if (src, dst) in self.layouts:
+            return self.layouts[(src, dst)]
+        slo, shi, ulo, uhi, which, src_devices = self.of_row[src]
+        dlo, dhi, _, _, _, dst_devices = self.of_row[dst]
+        some = (ulo < uhi).all(axis=1)
+        # Distinct tiles are disjoint when, in each dim, two of their intervals are equal or do not overlap; then
+        # they partition the tensor when their volumes add up to its own.
+        found = None
+        if int((uhi[some] - ulo[some]).prod(axis=1).sum()) == int(np.prod(shape, dtype=np.int64)) and all(
+                _disjoint(np.unique(np.column_stack([ulo[some, d], uhi[some, d]]), axis=0)) for d in range(self.D)):
+            cut = (np.maximum(dlo[:, None], ulo[None]) < np.minimum(dhi[:, None], uhi[None])).all(axis=2)
+            at = {dev: p for p, dev in enumerate(src_devices)}
+            pairs = [(i, at[dev]) for i, dev in enumerate(dst_devices) if dev in at]
+            hq = np.array([i for i, _ in pairs], dtype=np.int64)
+            hs = which[np.array([p for _, p in pairs], dtype=np.int64)]
+            kept = cut[hq, hs]
+            found = int(cut.sum()), hq[kept], hs[kept]
+        self.layouts[(src, dst)] = found
+        return found
+
+
+def _disjoint(intervals: np.ndarray) -> bool:
+    """Whether sorted distinct (lo, hi) rows overlap nowhere."""
+    return bool((intervals[1:, 0] >= intervals[:-1, 1]).all())
