@@ -190,14 +190,35 @@ class Loads:
         self.peak = 0.0
         self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
         self._bandwidth_arrays: dict[tuple[str, ...], np.ndarray] = {}
+        self._bandwidth_tuples: dict[tuple[str, ...], tuple[float, ...]] = {}
         # The transfers of the stars planned so far (`_emit_star`), by box, sender and receiving groups.
         self._stars: dict[tuple, tuple] = {}
+        self._unit_tasks: dict[tuple, UnitTasks] = {}
+
+    def unit_tasks(self, shape: tuple[int, ...], src: Sharding, dst: Sharding) -> UnitTasks:
+        """`decompose` of (``shape``, ``src``, ``dst``), kept while these loads are: the tensors of a state dict
+        repeat a few layouts and shapes (a Kimi-K2-like one has 152 of them in 2,349 tensors). Its arrays are made
+        read-only, as every plan of that reshard holds the same ones."""
+        key = (shape, src, dst)
+        tasks = self._unit_tasks.get(key)
+        if tasks is None:
+            tasks = self._unit_tasks[key] = decompose(shape, src, dst)
+            for a in (tasks.lo, tasks.hi, tasks.num_elements, tasks.sender_group, tasks.receiver_group):
+                a.flags.writeable = False
+        return tasks
 
     def bandwidth(self, host: str) -> float:
         bw = self.bandwidths.get(host)
         if bw is None:
             bw = self.bandwidths[host] = self.topology.nic_bytes_per_s(host)
         return bw
+
+    def bandwidth_tuple(self, hosts: tuple[str, ...]) -> tuple[float, ...]:
+        """The `bandwidth` of each of ``hosts``, kept per tuple, as `bandwidth_array` keeps its arrays."""
+        out = self._bandwidth_tuples.get(hosts)
+        if out is None:
+            out = self._bandwidth_tuples[hosts] = tuple(map(self.bandwidth, hosts))
+        return out
 
     def bandwidth_array(self, hosts: tuple[str, ...]) -> np.ndarray:
         """The `bandwidth` of each of ``hosts``, kept per tuple: a state dict's tasks name the same hosts again and
@@ -302,8 +323,7 @@ def _chain_order(sender: str, order: list[str], loads: Loads) -> list[str]:
     within = set(order)
     if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in (sender, *order)):
         return order
-    top = loads.send[order[-1]]
-    lasts = [k for k, h in enumerate(order) if loads.send[h] >= top * (1 - 1e-9)]
+    lasts = _lasts(order, loads.send)
     # Hosts by their rank in ``order`` (the sender is -1), and the bytes planned over each hop as rows: rows[-1]
     # is the sender's (the last row). A rank stands for the host in every comparison: ties go to the lower rank.
     hops = loads.next_hops
@@ -457,9 +477,17 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
             continue
         if len(remote) > _GREEDY_ROUTE:
             loads.add_recv_all(remote, nbytes)
-        else:
-            for h in remote:
-                loads.add_recv(h, loads.seconds(h, nbytes))
+            out.extend(_best_long_delivery(box, num, nbytes, holders, wanting, remote, loads, hosts))
+            continue
+        # Each receiving host's NIC seconds for the box, worked out once for its receive load and the chain's
+        # forwarding; added to the receive loads as add_recv adds them, one host after the other.
+        whole = dict(zip(remote, [nbytes / bw for bw in loads.bandwidth_tuple(remote)]))
+        recv, peak = loads.recv, loads.peak
+        for h, secs in whole.items():
+            new = recv[h] = recv[h] + secs
+            if new > peak:  # as max(peak, new)
+                peak = new
+        loads.peak = peak
         if len(holders) == 1 and len(remote) == 1:
             # One replica host and one receiving host: nothing to choose.
             (hs, group), = holders.items()
@@ -467,55 +495,120 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
             loads.add_path(hs, remote, nbytes)
             out.append(_deliver(box, group[0], wanting[remote[0]], hosts))
             continue
-        out.extend(_best_delivery(box, num, nbytes, holders, wanting, remote, loads, hosts))
+        out.extend(_best_delivery(box, num, nbytes, holders, wanting, remote, loads, whole))
     return out
 
 
 def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
-                   hosts) -> Sequence[Transfer]:
-    """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest."""
-    if len(remote) > _GREEDY_ROUTE:
-        return _best_long_delivery(box, num_elements, nbytes, holders, wanting, remote, loads, hosts)
-    candidates = sorted(holders, key=lambda h: (loads.send[h], h))
-    order = sorted(remote, key=lambda h: (loads.send[h], h))
-    options: list[tuple[tuple[float, float], Callable[[], list[Transfer]]]] = []
-    whole = {h: loads.seconds(h, nbytes) for h in order}
+                   whole: dict[str, float]) -> Sequence[Transfer]:
+    """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest (the first of the
+    lowest, in the order chain and star of each candidate sender, then stripes). ``whole``: each receiving host's
+    NIC seconds for the box.
 
-    def chain_delta(hs: str, route: list[str], share: float, delta: dict[str, float]) -> None:
-        delta[hs] = delta.get(hs, 0.0) + loads.seconds(hs, share)
-        for h in route[:-1]:
-            delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
-
+    A chain's route (`_chain_order`, most of the work) is found only where the chain could win: its score is
+    bounded below without the route (`_chain_bound`), and a chain whose bound is above another option's score
+    cannot be the first of the lowest."""
+    send = loads.send
+    candidates = sorted(holders, key=lambda h: (send[h], h)) if len(holders) > 1 else list(holders)
+    # By name, then stably by load: ordered by (load, name) without a key tuple per host.
+    order = sorted(_names(remote), key=send.__getitem__)
+    # (score, position in the option order above, emit or None, and for a chain still to route: hs and delta)
+    options: list[tuple] = []
+    chains: list[tuple] = []
     for hs in candidates[:MAX_STRIPES]:
-        route = _chain_order(hs, order, loads)
-        # As chain_delta(hs, route, nbytes, {}), with the route hosts' seconds worked out once for all senders.
-        delta: dict[str, float] = {hs: loads.seconds(hs, nbytes)}
-        for h in route[:-1]:
-            delta[h] = whole[h]
-        options.append((loads.score(delta), lambda hs=hs, route=route, delta=delta: _emit_chain(
-            box, hs, holders[hs][0], route, nbytes, wanting, loads, delta)))
+        chains.append((len(options), hs, loads.seconds(hs, nbytes)))
+        options.append(None)
         if len(remote) > 1:
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
-            options.append((loads.score(star), lambda hs=hs, star=star: _emit_star(
-                box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts)))
-    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
+            options.append((loads.score(star), len(options), lambda hs=hs, star=star: _emit_star(
+                box, hs, holders[hs][0], remote, nbytes, wanting, loads, star)))
+    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads)) if len(candidates) > 1 else 1
     pieces = boxes.split(box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
         base = order
         plan_parts = []
-        delta = {}
+        delta: dict[str, float] = {}
         for j, piece in enumerate(pieces):
             hs = candidates[j]
             # Rotate the chain so that each stripe ends on a different host.
             route = base[j % len(base):] + base[:j % len(base)] if len(base) > 1 else base
             share = boxes.volume(piece) * nbytes / num_elements
-            chain_delta(hs, route, share, delta)
+            delta[hs] = delta.get(hs, 0.0) + loads.seconds(hs, share)
+            for h in route[:-1]:
+                delta[h] = delta.get(h, 0.0) + loads.seconds(h, share)
             plan_parts.append((piece, hs, holders[hs][0], route, share))
-        options.append((loads.score(delta), lambda parts=plan_parts, delta=delta: _emit_stripes(
+        options.append((loads.score(delta), len(options), lambda parts=plan_parts, delta=delta: _emit_stripes(
             parts, wanting, loads, delta)))
-    _, emit = min(options, key=lambda o: o[0])
-    return emit()
+    others = [o for o in options if o is not None]
+    beaten = min(others)[0] if others else None
+    peak, forwarding = loads.peak, None
+    floor = (len(order), send[order[0]], send[order[-1]], min(whole.values()), max(whole.values()))
+    for at, hs, mine in chains:
+        if beaten is not None:
+            # A chain's score is at least its bounds: above another option's, it is never the first of the lowest.
+            if _chain_floor(peak, send[hs], mine, *floor) > beaten:
+                continue
+            if forwarding is None:
+                forwarding = _forwarding(order, send, whole)
+            if _chain_bound(peak, send[hs], mine, forwarding) > beaten:
+                continue
+        route = _chain_order(hs, order, loads)
+        delta = {hs: mine}
+        for h in route[:-1]:
+            delta[h] = whole[h]
+        options[at] = (loads.score(delta), at, lambda hs=hs, route=route, delta=delta: _emit_chain(
+            box, hs, holders[hs][0], route, nbytes, wanting, loads, delta))
+    return min(o for o in options if o is not None)[2]()
+
+
+def _forwarding(order: list[str], send, whole: dict[str, float]) -> tuple:
+    """What `_chain_bound` needs of a chain over ``order`` (sorted by send load, then name), whichever host ends
+    it: the send load each host of ``order`` would have forwarding the box (``whole``), the NIC-seconds-squared
+    each would add, and the positions of the hosts that may end the route (`_lasts`)."""
+    olds = [send[h] for h in order]
+    news = [old + whole[h] for old, h in zip(olds, order)]
+    return news, [new * new - old * old for new, old in zip(news, olds)], _lasts(order, send)
+
+
+def _chain_bound(peak: float, was: float, mine: float, forwarding: tuple) -> tuple[float, float]:
+    """A lower bound of `Loads.score` of a chain from a host of send load ``was`` that sends the box in ``mine``
+    seconds, over every route `_chain_order` may choose (`_forwarding`): each host forwards but the last.
+
+    The peak is exact (a max does not depend on the order of its terms); the sum of squares is added in another
+    order than `Loads.score` adds it, so it is lowered by far more than any rounding of its nonnegative terms."""
+    news, grown, lasts = forwarding
+    new = was + mine
+    own = new * new - was * was
+    if len(news) < 2:
+        return max(peak, new), own * (1 - 1e-9)
+    top = max(news)
+    rest = top
+    if news.count(top) == 1 and news.index(top) in lasts:
+        rest = max(news[:news.index(top)] + news[news.index(top) + 1:])
+    total = own + sum(grown)
+    sq = total - max([grown[k] for k in lasts])
+    return max(peak, new, rest), sq - 1e-9 * total
+
+
+def _chain_floor(peak: float, was: float, mine: float, n: int, least: float, most: float, low: float,
+                 high: float) -> tuple[float, float]:
+    """A looser lower bound than `_chain_bound`, without a step per host: of the ``n`` hosts of the chain, ``n - 1``
+    forward, each with a send load from ``least`` to ``most`` and forwarding in ``low`` to ``high`` seconds.
+
+    Each forwarding host adds at least ``low * (2 * least + low)`` to the sum of squares; the sum is lowered by far
+    more than the rounding of `Loads.score`'s terms (at most a few ulps of each new load squared)."""
+    new = was + mine
+    own = new * new - was * was
+    grown = (n - 1) * low * (2 * least + low)
+    return max(peak, new), own + grown - 1e-9 * (own + n * (most + high) ** 2)
+
+
+def _lasts(order: list[str], send) -> list[int]:
+    """The positions in ``order`` (sorted by send load) of the hosts that may end a chain: those with the most send
+    load, to a relative 1e-9."""
+    top = send[order[-1]]
+    return [k for k, h in enumerate(order) if send[h] >= top * (1 - 1e-9)]
 
 
 def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
@@ -555,7 +648,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         star = {hs: loads.seconds(hs, nbytes * len(remote))}
         new = was + star[hs]
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
-            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star, hosts))
+            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star))
     k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
@@ -614,7 +707,7 @@ def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) ->
     return [Transfer(box, sender, receivers, "broadcast", 0, tuple(route))]
 
 
-def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta, hosts) -> Sequence[Transfer]:
+def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta) -> Sequence[Transfer]:
     loads.add_send(delta)
     pairs, row = loads.pairs, loads.next_hops[hs]
     for h in remote:
@@ -697,7 +790,7 @@ def plan(
     dtype = dtype_name(dtype)
     topology = topology or Topology()
     size = itemsize(dtype)
-    tasks = decompose(shape, src, dst)
+    tasks = decompose(shape, src, dst) if loads is None else loads.unit_tasks(shape, src, dst)
     space = device_space(src.mesh, dst.mesh)
     hosts = space.host_of
     if strategy == "auto":
