@@ -1,0 +1,90 @@
+"""`Program.id` and `Program.dumps` write a state dict's moves a chunk at a time, not a step at a time, and steps
+holding values that chunked writing leaves to the per-step writer still come out as ``json.dumps`` writes them.
+
+Issue 41: the text and id of a Kimi-like program cost more than a second each while the interpreter ran once per
+move; `reshard.program._StepWriter` writes a chunk of moves column by column in C and runs Python code only for
+values first seen. `tests/core/test_program_text.py` pins the bytes on every kind of program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+from reshard import Mesh, Topology
+from reshard.many import plan_many
+from reshard.moe import SMALL_MOE, moe_state_dict
+from reshard.plans import Transfer, content_id
+from reshard.program import _STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, _json_text_chunks
+
+
+def _python_calls(work) -> int:
+    """How many Python functions ``work()`` calls (C functions are not counted)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+
+    sys.setprofile(count)
+    try:
+        work()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def _assert_as_json_dumps(program: Program) -> None:
+    """The text `dumps` writes before its estimate (which odd values here would not survive) and the id."""
+    for canonical, want in ((True, json.dumps(program._canonical(), sort_keys=True, separators=(",", ":"))),
+                            (False, json.dumps(program._canonical()))):
+        assert "".join(_json_text_chunks(program._json_fields(canonical), canonical)) == want
+    assert dataclasses.replace(program).id == content_id(program._canonical())
+
+
+def test_a_moe_programs_moves_cost_python_calls_per_chunk_and_value_not_per_step():
+    train, serve = Mesh.grid({"host": 8, "gpu": 4}, 4, "t"), Mesh.grid({"host": 4, "gpu": 4}, 4, "s")
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    program = plan_many(case.tensors, Topology.gpu_hosts(nics=4), scales=case.scales)
+    steps = len(program.steps)
+    assert steps > _STEPS_PER_CHUNK
+    for canonical in (True, False):
+        fields = program._json_fields(canonical)
+        calls = _python_calls(lambda: "".join(_json_text_chunks(fields, canonical)))
+        # Python runs per value first seen (about 0.5 calls a step here, where values are few per step); before
+        # issue 41's second pass, about 3.4 a step.
+        assert calls < steps, (canonical, calls, steps)
+    _assert_as_json_dumps(program)
+    assert program.dumps() == json.dumps(program.to_json())
+
+
+def test_values_written_one_step_at_a_time_come_out_as_json_dumps_writes_them_amid_chunked_moves():
+    tensors = (TensorDecl("w", (8, 8), "float32"),)
+
+    class Name(str):
+        pass
+
+    # True == 1 and (False, True) == (0, 1), but not in JSON: a cache by value must not take one for the other.
+    odd = [
+        Transfer(((False, True), (0, 8)), "a/0", ("b/0",), "p2p"),
+        Transfer(((0, 1), (0, 8)), "a/0", ["b/0"], "p2p"),
+        Transfer(((0, 1), (0, 8)), Name("a/0"), (Name("b/0"),), "broadcast", route=(Name("b"),)),
+        Transfer(([0, 1], (0, 8)), "a/0", ("b/0", "b/1"), "broadcast", route=("b",)),
+        Transfer(((0, 1), (0, 8)), "a/\u00e9", ("b/\"0\"",), "p2p"),
+    ]
+    plain = Transfer(((0, 1), (0, 8)), "a/0", ("b/0",), "p2p")
+    steps = []
+    for i in range(3 * _STEPS_PER_CHUNK):
+        if i % 997 < len(odd):
+            steps.append(Step.move(i, odd[i % 997], tensor="w"))
+        elif i % 1999 == 0:
+            steps.append(Step.move(i, plain, after=(i - 1, i - 2), tensor="w", role=DST))
+        else:
+            steps.append(Step.move(i, plain, tensor=Name("w") if i % 2 else "w"))
+    steps.append(Step.move(len(steps), plain, after=(3,), tensor="w"))
+    _assert_as_json_dumps(Program(tensors, tuple(steps)))
+    # Chunks of moves alone, with a box of bools and the same box in ints, each seen first.
+    for first, second in ((plain, odd[0]), (odd[0], plain)):
+        chunk = [Step.move(i, second if i % 2 else first, tensor="w") for i in range(2 * _STEPS_PER_CHUNK)]
+        _assert_as_json_dumps(Program(tensors, tuple(chunk)))
