@@ -76,6 +76,9 @@ _GREEDY_ROUTE = 16
 _STRIDES = 4
 # A shorter run of one-to-one tasks at the end of auto's order is cheaper in the loop than in numpy.
 _BULK_FROM = 256
+# `Loads.task_rows` keeps the rows of a layout of at most this many tasks walked one by one: a row is a few hundred
+# bytes, and a large reshard (a million deliveries) would hold them all while its state dict is planned.
+_KEEP_ROWS = 16384
 
 
 def chain_route_steps(num_hosts: int, exactly: bool = False) -> int:
@@ -194,6 +197,7 @@ class Loads:
         # The transfers of the stars planned so far (`_emit_star`), by box, sender and receiving groups.
         self._stars: dict[tuple, tuple] = {}
         self._unit_tasks: dict[tuple, UnitTasks] = {}
+        self._task_rows: dict[int, tuple] = {}  # id(tasks) -> (tasks, *task_rows(tasks))
 
     def unit_tasks(self, shape: tuple[int, ...], src: Sharding, dst: Sharding) -> UnitTasks:
         """`decompose` of (``shape``, ``src``, ``dst``), kept while these loads are: the tensors of a state dict
@@ -206,6 +210,20 @@ class Loads:
             for a in (tasks.lo, tasks.hi, tasks.num_elements, tasks.sender_group, tasks.receiver_group):
                 a.flags.writeable = False
         return tasks
+
+    def task_rows(self, tasks: UnitTasks, hosts: HostCache) -> tuple[np.ndarray, int, list[tuple]]:
+        """`_order` of ``tasks`` and the `_rows` `_auto_loop` walks: all of them where the one-to-one run that
+        ends the order is too short for columns (`_BULK_FROM`), else those before it. Kept with ``tasks`` (by
+        identity, as `unit_tasks` hands out the same ones): the tensors of a state dict that share a layout walk
+        the same rows, with the same box objects. Rows of more than `_KEEP_ROWS` tasks are made again each time."""
+        kept = self._task_rows.get(id(tasks))
+        if kept is None or kept[0] is not tasks:
+            order, cut = _order(tasks)
+            walked = order if len(order) - cut < _BULK_FROM else order[:cut]
+            kept = (tasks, order, cut, _rows(tasks, walked, hosts))
+            if len(walked) <= _KEEP_ROWS:
+                self._task_rows[id(tasks)] = kept
+        return kept[1:]
 
     def bandwidth(self, host: str) -> float:
         bw = self.bandwidths.get(host)
@@ -411,17 +429,43 @@ def _auto(tasks: UnitTasks, hosts: HostCache, topology: Topology, size: int,
     """Auto's transfers, planned against ``loads`` (new ones if None); columns where a run of one-to-one tasks
     ends the order and ``space`` numbers the devices."""
     loads = loads if loads is not None else Loads(topology)
+    order, cut, rows = loads.task_rows(tasks, hosts)
+    if len(rows) == len(order):
+        return _auto_loop(rows, size, loads, hosts)
+    if space is None:
+        return _auto_loop(rows + _rows(tasks, order[cut:], hosts), size, loads, hosts)
+    head = _auto_loop(rows, size, loads, hosts)
+    tail = _one_to_one(tasks, order[cut:], space, size, loads)
+    return TransferTable.concat(TransferTable.from_transfers(head, tasks.lo.shape[1], space), tail) if head else tail
+
+
+def _order(tasks: UnitTasks) -> tuple[np.ndarray, int]:
+    """Auto's order of ``tasks`` (largest first) and where in it the run of one-to-one tasks that ends it starts."""
     order = np.argsort(-tasks.num_elements, kind="stable")
     one_sender = np.array([len(g) == 1 for g in tasks.senders], dtype=bool)
     one_receiver = np.array([len(g) == 1 for g in tasks.receivers], dtype=bool)
     chosen = np.flatnonzero(~(one_sender[tasks.sender_group] & one_receiver[tasks.receiver_group])[order])
     # The one-to-one tasks after the last task with a choice affect no choice of this plan: columns for them.
-    cut = int(chosen[-1]) + 1 if len(chosen) else 0
-    if len(order) - cut < _BULK_FROM or space is None:
-        return _auto_loop(tasks, order, hosts, size, loads)
-    head = _auto_loop(tasks, order[:cut], hosts, size, loads)
-    tail = _one_to_one(tasks, order[cut:], space, size, loads)
-    return TransferTable.concat(TransferTable.from_transfers(head, tasks.lo.shape[1], space), tail) if head else tail
+    return order, int(chosen[-1]) + 1 if len(chosen) else 0
+
+
+def _rows(tasks: UnitTasks, order: np.ndarray, hosts: HostCache) -> list[tuple]:
+    """What `_auto_loop` reads of each task ``order`` names: (box, elements, senders, receivers, then the sender's
+    and the receiver's host for a one-to-one task and None, else None and `_task_hosts`)."""
+    out = []
+    hosts_of: dict[tuple[int, int], tuple] = {}  # (g, q) -> _task_hosts of their devices
+    for lo, hi, num, g, q in zip(tasks.lo[order].tolist(), tasks.hi[order].tolist(),
+                                 tasks.num_elements[order].tolist(), tasks.sender_group[order].tolist(),
+                                 tasks.receiver_group[order].tolist()):
+        senders, receivers = tasks.senders[g], tasks.receivers[q]
+        if len(senders) == 1 and len(receivers) == 1:
+            where = ((hosts[senders[0]], hosts[receivers[0]]), None)
+        else:
+            where = hosts_of.get((g, q))
+            if where is None:
+                where = hosts_of[g, q] = (None, _task_hosts(senders, receivers))
+        out.append((tuple(zip(lo, hi)), num, senders, receivers, *where))
+    return out
 
 
 def _one_to_one(tasks: UnitTasks, order: np.ndarray, space: DeviceSpace, size: int, loads: Loads) -> TransferTable:
@@ -440,21 +484,15 @@ def _one_to_one(tasks: UnitTasks, order: np.ndarray, space: DeviceSpace, size: i
                          np.zeros(0, dtype=np.int64))
 
 
-def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int, loads: Loads) -> list[Transfer]:
-    """Auto's greedy over the tasks ``order`` names, one by one."""
+def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache) -> list[Transfer]:
+    """Auto's greedy over the tasks of ``rows`` (`_rows`), one by one."""
     local_out = loads.local_out
     out: list[Transfer] = []
-    hosts_of: dict[tuple[int, int], tuple] = {}  # (g, q) -> _task_hosts of their devices
-    for lo, hi, num, g, q in zip(tasks.lo[order].tolist(), tasks.hi[order].tolist(),
-                                 tasks.num_elements[order].tolist(), tasks.sender_group[order].tolist(),
-                                 tasks.receiver_group[order].tolist()):
-        box = tuple(zip(lo, hi))
-        senders, receivers = tasks.senders[g], tasks.receivers[q]
+    for box, num, senders, receivers, one_to_one, task_hosts in rows:
         nbytes = num * size
-        if len(senders) == 1 and len(receivers) == 1:
+        if one_to_one is not None:
             # The all-to-all shape of most large reshards: nothing to choose.
-            s, r = senders[0], receivers[0]
-            hs, hr = hosts[s], hosts[r]
+            s, (hs, hr) = senders[0], one_to_one
             if hs == hr:
                 local_out[s] += nbytes
                 out.append(Transfer(box, s, receivers, "local"))
@@ -464,9 +502,6 @@ def _auto_loop(tasks: UnitTasks, order: np.ndarray, hosts: HostCache, size: int,
                 loads.add_path(hs, (hr,), nbytes)
                 out.append(Transfer(box, s, receivers, "p2p"))
             continue
-        task_hosts = hosts_of.get((g, q))
-        if task_hosts is None:
-            task_hosts = hosts_of[g, q] = _task_hosts(senders, receivers)
         holders, wanting, local, remote = task_hosts
         # A receiver whose host holds a replica copies it locally: no NIC involved.
         for h, group in local:
@@ -508,8 +543,10 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
     A chain's route (`_chain_order`, most of the work) is found only where the chain could win: its score is
     bounded below without the route (`_chain_bound`), and a chain whose bound is above another option's score
     cannot be the first of the lowest."""
+    if len(holders) == 1:
+        return _best_of_one(box, nbytes, holders, wanting, remote, loads, whole)
     send = loads.send
-    candidates = sorted(holders, key=lambda h: (send[h], h)) if len(holders) > 1 else list(holders)
+    candidates = sorted(holders, key=lambda h: (send[h], h))
     # By name, then stably by load: ordered by (load, name) without a key tuple per host.
     order = sorted(_names(remote), key=send.__getitem__)
     # (score, position in the option order above, emit or None, and for a chain still to route: hs and delta)
@@ -560,6 +597,34 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
         options[at] = (loads.score(delta), at, lambda hs=hs, route=route, delta=delta: _emit_chain(
             box, hs, holders[hs][0], route, nbytes, wanting, loads, delta))
     return min(o for o in options if o is not None)[2]()
+
+
+def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
+                 whole: dict[str, float]) -> Sequence[Transfer]:
+    """`_best_delivery` where one host holds the box (experts, in a state dict): its options are a chain and, to
+    more than one host, a star from that host (no stripes), and the chain wins a tie. The same choice, without
+    the option list."""
+    (hs, group), = holders.items()
+    send = loads.send
+    # By name, then stably by load: ordered by (load, name) without a key tuple per host.
+    order = sorted(_names(remote), key=send.__getitem__)
+    mine = loads.seconds(hs, nbytes)
+    if len(remote) > 1:
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        beaten = loads.score(star)
+        peak, was = loads.peak, send[hs]
+        seconds = whole.values()
+        if _chain_floor(peak, was, mine, len(order), send[order[0]], send[order[-1]], min(seconds),
+                        max(seconds)) > beaten or \
+                _chain_bound(peak, was, mine, _forwarding(order, send, whole)) > beaten:
+            return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
+    route = _chain_order(hs, order, loads)
+    delta = {hs: mine}
+    for h in route[:-1]:
+        delta[h] = whole[h]
+    if len(remote) > 1 and loads.score(delta) > beaten:
+        return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
+    return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
 
 
 def _forwarding(order: list[str], send, whole: dict[str, float]) -> tuple:
