@@ -21,6 +21,7 @@ expected piece   a destination tile cut by the distinct source tiles: the dim ch
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter
@@ -31,7 +32,7 @@ from reshard.errors import InvalidMeshError
 from reshard.routes import HostCache
 from reshard.sharding import Sharding
 
-__all__ = ["delivered"]
+__all__ = ["delivered", "link_numbers"]
 
 _LINK = attrgetter("sender", "receivers", "method", "route")
 _BOX = attrgetter("box")
@@ -47,34 +48,39 @@ def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, me
     if not num:
         return ok
     n = len(transfers)
-    k = np.fromiter(tensor_of, dtype=np.int64, count=n)
+    k = np.asarray(tensor_of, dtype=np.int64).reshape(n)
     ndim = np.fromiter((len(d.shape) for d in decls), dtype=np.int64, count=num)
     D = max(1, int(ndim.max()))
     shape = np.ones((num, D), dtype=np.int64)
     for i, d in enumerate(decls):
         shape[i, :len(d.shape)] = d.shape
-    lo, hi, well_formed = _box_columns(list(map(_BOX, transfers)), ndim[k], D)
+    # Boxes read once per distinct box object: a transfer to several hosts shares its box with its siblings.
+    raw = list(map(_BOX, transfers))
+    first, box = np.unique(np.fromiter(map(id, raw), dtype=np.int64, count=n), return_index=True,
+                           return_inverse=True)[1:]
+    lo, hi, lens, pairs = _box_columns(list(map(raw.__getitem__, first.tolist())), D)
+    box = box.reshape(-1)
+    lo, hi, well_formed = lo[box], hi[box], pairs[box] & (lens[box] == ndim[k])
     bad = ~well_formed
     bad |= ~((lo >= 0).all(axis=1) & (lo < hi).all(axis=1) & (hi <= shape[k]).all(axis=1))
 
-    # Links: the transfer's own rules but its box, once per distinct (sender, receivers, method, route). Told apart
-    # by the identity of their parts (the transfers hold them): hashing a broadcast's receivers for every transfer
-    # cost more than all the rest; equal parts in two objects only make two links of one.
-    link = np.zeros(n, dtype=np.int64)
-    for name in ("sender", "receivers", "method", "route"):
-        # Numbered field by field, so that a link's number stays below the number of transfers squared.
-        part = np.unique(np.fromiter(map(id, map(attrgetter(name), transfers)), dtype=np.int64, count=n),
-                         return_inverse=True)
-        link = np.unique(link * len(part[0]) + part[1].reshape(-1), return_inverse=True)[1].reshape(-1)
-    first = np.unique(link, return_index=True)[1]
-    keys = [_LINK(transfers[i]) for i in first.tolist()]
+    # Links: the transfer's own rules but its box, once per distinct (sender, receivers, method, route). Each part is
+    # numbered by value but hashed once per distinct object (the transfers share them): hashing a broadcast's
+    # receivers for every transfer cost more than all the rest.
+    parts = _parts(transfers)
+    first, link = np.unique(_link_codes(parts, n), return_index=True, return_inverse=True)[1:]
+    link = link.reshape(-1)
+    link_ok = np.array([_link_ok(_LINK(transfers[i]), methods, hosts) for i in first.tolist()], dtype=bool)
+    bad |= ~link_ok.reshape(-1)[link]
+    # Devices numbered once per distinct sender and per distinct receivers tuple, not once per transfer.
     devices: dict[str, int] = {}
-    link_ok = np.array([_link_ok(key, methods, hosts) for key in keys], dtype=bool).reshape(-1)
-    sender = np.array([devices.setdefault(key[0], len(devices)) for key in keys], dtype=np.int64).reshape(-1)
-    recv = np.array([devices.setdefault(r, len(devices)) for key in keys for r in key[1]], dtype=np.int64).reshape(-1)
-    count = np.array([len(key[1]) for key in keys], dtype=np.int64).reshape(-1)
-    start = np.cumsum(count) - count
-    bad |= ~link_ok[link]
+    number, distinct = parts[0]
+    sender = np.array([devices.setdefault(d, len(devices)) for d in distinct], dtype=np.int64).reshape(-1)[number]
+    rnum, distinct = parts[1]
+    rcount = np.fromiter(map(len, distinct), dtype=np.int64, count=len(distinct))
+    recv = np.fromiter((devices.setdefault(r, len(devices)) for rs in distinct for r in rs), dtype=np.int64,
+                       count=int(rcount.sum()))
+    rstart = np.cumsum(rcount) - rcount
 
     # Tiles of every (sharding, shape) pair, and each device's position in each mesh (-1: not in it).
     tables = _Tiles(devices, D)
@@ -95,15 +101,15 @@ def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, me
     tile_lo, tile_hi, position = tables.columns()
 
     # Each receiver is a device of the destination mesh whose tile holds the box; the sender's source tile holds it.
-    per = count[link]
+    per = rcount[rnum]
     e_of = np.repeat(np.arange(n), per)
-    e_recv = recv[start[link][e_of] + np.arange(len(e_of)) - np.repeat(np.cumsum(per) - per, per)]
+    e_recv = recv[np.repeat(rstart[rnum] - (np.cumsum(per) - per), per) + np.arange(len(e_of))]
     e_k = k[e_of]
     q = position[dst_mesh[e_k], e_recv]
     into = dst_row[e_k] + np.maximum(q, 0)
     e_lo, e_hi = lo[e_of], hi[e_of]
-    bad[e_of[(q < 0) | ~_inside(e_lo, e_hi, tile_lo[into], tile_hi[into])]] = True
-    p = position[src_mesh[k], sender[link]]
+    bad[e_of[q < 0]] = True
+    p = position[src_mesh[k], sender]
     held = src_row[k] + np.maximum(p, 0)
     bad |= (p < 0) | ~_inside(lo, hi, tile_lo[held], tile_hi[held])
 
@@ -111,6 +117,7 @@ def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, me
     # of (tensor, destination position, distinct source tile). A tensor whose pieces are all expected ones, none
     # twice, as many as it expects, gets exactly its expected pieces, and so every element of every tile once.
     held = held[e_of]
+    # A piece that is its destination tile cut by anything lies inside that tile: this is the receiver's check too.
     cut = (e_lo == np.maximum(tile_lo[into], tile_lo[held])).all(axis=1)
     cut &= (e_hi == np.minimum(tile_hi[into], tile_hi[held])).all(axis=1)
     bad[e_of[~cut]] = True
@@ -139,9 +146,52 @@ def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, me
     return ok
 
 
-def _box_columns(raw: list, ndim: np.ndarray, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Boxes as rows of ``lo`` and ``hi`` bounds padded to ``D`` dims, and per box whether it has ``ndim`` integer
-    (lo, hi) pairs (a box that has not is left to `check_transfer`, which names what is wrong)."""
+def link_numbers(transfers: Sequence) -> np.ndarray:
+    """Per transfer, a number that two transfers share exactly when their (sender, receivers, method, route) are
+    equal."""
+    return _link_codes(_parts(transfers), len(transfers))
+
+
+def _parts(transfers: Sequence) -> list[tuple[np.ndarray, list]]:
+    return [_numbered(list(map(attrgetter(name), transfers))) for name in ("sender", "receivers", "method", "route")]
+
+
+def _link_codes(parts: list[tuple[np.ndarray, list]], n: int) -> np.ndarray:
+    link = np.zeros(n, dtype=np.int64)
+    if math.prod(len(distinct) for _, distinct in parts) < 2**62:
+        for number, distinct in parts:
+            link = link * len(distinct) + number
+    else:  # numbered part by part, so that a link's number stays below the number of transfers squared
+        for number, distinct in parts:
+            link = np.unique(link * len(distinct) + number, return_inverse=True)[1].reshape(-1)
+    return link
+
+
+def _numbered(values: list) -> tuple[np.ndarray, list]:
+    """Per value, its number among the distinct values, and those distinct values. Hashed once per distinct object;
+    an unhashable one (a bad program's) is its own value, left to `check_transfer` to name."""
+    ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
+    first, inverse = np.unique(ids, return_index=True, return_inverse=True)[1:]
+    numbers: dict = {}
+    distinct: list = []
+
+    def number(value) -> int:
+        try:
+            found = numbers.setdefault(value, len(distinct))
+        except TypeError:
+            found = len(distinct)
+        if found == len(distinct):
+            distinct.append(value)
+        return found
+
+    of_object = np.fromiter(map(number, map(values.__getitem__, first.tolist())), dtype=np.int64, count=len(first))
+    return of_object[inverse.reshape(-1)], distinct
+
+
+def _box_columns(raw: list, D: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Boxes as rows of ``lo`` and ``hi`` bounds padded to ``D`` dims, their numbers of dims, and per box whether it
+    is integer (lo, hi) pairs of at most ``D`` dims (a box that is not is left to `check_transfer`, which names what
+    is wrong)."""
     n = len(raw)
     lens = np.fromiter(map(len, raw), dtype=np.int64, count=n)
     flat = np.array(list(chain.from_iterable(chain.from_iterable(raw))))
@@ -150,17 +200,17 @@ def _box_columns(raw: list, ndim: np.ndarray, D: int) -> tuple[np.ndarray, np.nd
     if flat.dtype.kind not in "iub" or len(flat) != 2 * int(lens.sum()) or (lens > D).any():
         # Some bound is not an int or some dim not a pair: find which boxes, one by one (a bad program only).
         good = np.array([all(type(b) is tuple and len(b) == 2 and all(isinstance(x, int) for x in b) for b in box)
-                         for box in raw], dtype=bool).reshape(-1) & (lens == ndim)
+                         for box in raw], dtype=bool).reshape(-1) & (lens <= D)
         for i in np.flatnonzero(good).tolist():
             for d, (a, b) in enumerate(raw[i]):
                 lo[i, d], hi[i, d] = a, b
-        return lo, hi, good
+        return lo, hi, lens, good
     at = np.cumsum(2 * lens) - 2 * lens
     for d in range(D):
         has = lens > d
         lo[has, d] = flat[at[has] + 2 * d]
         hi[has, d] = flat[at[has] + 2 * d + 1]
-    return lo, hi, lens == ndim
+    return lo, hi, lens, np.ones(n, dtype=bool)
 
 
 def _link_ok(key: tuple, methods: Sequence[str], hosts: HostCache) -> bool:

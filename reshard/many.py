@@ -41,10 +41,15 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import chain
+from operator import attrgetter
 from typing import Optional, Union
+
+import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import HostCache
+from reshard.delivery import link_numbers
 from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
@@ -132,6 +137,13 @@ class ManyProgram(Program):
         every member waiting for nothing, reading its source tile (role ``src``), between the same sender and
         receivers by the same method and route."""
         super().validate()
+        if not _buckets_ok(self.steps, self.buckets):
+            self._check_buckets()
+        return self
+
+    def _check_buckets(self) -> None:
+        """The buckets' rules one step at a time, naming the first problem (`_buckets_ok` found one, or could not
+        tell)."""
         seen: dict[int, int] = {}
         for k, group in enumerate(self.buckets):
             where = f"bucket {k} (steps {list(group)[:8]}{' ...' if len(group) > 8 else ''})"
@@ -160,7 +172,6 @@ class ManyProgram(Program):
                         f"{where}: step {s} goes {t.sender} -> {list(t.receivers)} by {t.method}, but step "
                         f"{first[0]} goes {first[1][0]} -> {list(first[1][1])} by {first[1][2]}; a bucket is one "
                         f"stream, so its moves share sender, receivers, method and route")
-        return self
 
     def __str__(self) -> str:
         nbytes = sum(math.prod(t.shape) * t.itemsize for t in self.tensors)
@@ -168,6 +179,26 @@ class ManyProgram(Program):
         return (f"Program {self.id[:12]} {self.strategy or 'custom'}: {len(self.tensors)} tensors, "
                 f"{nbytes / MiB:.1f} MiB, {len(self.steps)} steps ({packed} packed in {len(self.buckets)} "
                 f"buckets), estimate {self.estimate_seconds:.4g}s")
+
+
+def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]]) -> bool:
+    """Whether ``buckets`` keep every rule `ManyProgram.validate` names, checked as columns: a bucket per tens of
+    moves of a state dict, where building each member's where-string and path tuple was a quarter of validating it.
+    False leaves the verdict, and the message, to `ManyProgram._check_buckets`."""
+    if not buckets:
+        return True
+    size = np.fromiter(map(len, buckets), dtype=np.int64, count=len(buckets))
+    members = np.fromiter(chain.from_iterable(buckets), dtype=np.int64, count=int(size.sum()))
+    if (size < 2).any() or (members < 0).any() or (members >= len(steps)).any():
+        return False
+    if len(np.unique(members)) != len(members):
+        return False
+    moves = list(map(steps.__getitem__, members.tolist()))
+    if not all(map((MOVE, (), SRC).__eq__, map(attrgetter("kind", "after", "role"), moves))):
+        return False
+    # Each member's (sender, receivers, method, route), numbered by value, is its bucket's first member's.
+    path = link_numbers(list(map(attrgetter("transfer"), moves)))
+    return bool((path == np.repeat(path[np.cumsum(size) - size], size)).all())
 
 
 def program_from_json(data, check_id: bool = True) -> Program:
