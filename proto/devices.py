@@ -48,6 +48,8 @@ stream's digest can be summed piece by piece, the pieces cut anywhere.
 from __future__ import annotations
 
 import dataclasses
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -61,6 +63,7 @@ __all__ = [
     "STAGE_BYTES", "import_torch", "is_cuda", "torch_dtype", "numpy_view", "to_torch", "copy_to_device", "to_host",
     "device_digest", "DeviceChecksum", "copy_digest", "check_device", "gpu_uuid",
     "visible_gpus", "cuda_index", "machine_id", "CudaIpcHandle", "share_cuda", "open_cuda", "release_cuda",
+    "IpcMappings",
 ]
 
 STAGE_BYTES = 16 * 2**20  # one pinned staging buffer: large enough to run the DMA at full rate
@@ -155,25 +158,26 @@ class DeviceChecksum:
 
     ``update`` takes a torch tensor on any device (its bytes in C order) or a host buffer
     (numpy array, bytes, memoryview); a CUDA piece is summed on its GPU (one Triton pass
-    where Triton imports, else two torch reductions) and nothing waits for the GPU
-    until ``value`` is read. ``copy`` copies a CUDA tensor into another and digests the
-    bytes in the same pass. Pieces may start and end at any byte.
+    where Triton imports, else torch reductions) and nothing waits for the GPU until
+    ``value`` is read, which fetches every pending piece's two sums at once. ``copy``
+    copies a CUDA tensor into another and digests the bytes in the same pass. Pieces may
+    start and end at any byte.
     """
 
-    __slots__ = ("nbytes", "_a", "_b")
+    __slots__ = ("nbytes", "_a", "_b", "_pending")
 
     def __init__(self):
         self.nbytes = 0
-        self._a: Any = 0  # an int, or a 0-dim int64 tensor while GPU sums are pending
-        self._b: Any = 0
+        self._a = 0  # the sums of the pieces summed on the CPU, and of the GPU ones once read
+        self._b = 0
+        self._pending: list[tuple[int, Any]] = []  # (bytes before the piece, its int64 tensor of two sums)
 
     def update(self, data) -> "DeviceChecksum":
         flat = _flat_bytes(data)
         if type(flat) is np.ndarray:
-            a, b = _numpy_sums(flat)
+            self._add(flat.size, *_numpy_sums(flat))
         else:
-            a, b = _torch_sums(flat)
-        self._add(flat.size if type(flat) is np.ndarray else flat.numel(), a, b)
+            self._later(flat.numel(), _torch_sums(flat))
         return self
 
     def copy(self, dst, src) -> "DeviceChecksum":
@@ -182,22 +186,43 @@ class DeviceChecksum:
         if is_cuda(src) and is_cuda(dst) and src.device == dst.device and src.is_contiguous() \
                 and dst.is_contiguous() and src.dtype == dst.dtype and src.shape == dst.shape and src.numel():
             flat = src.reshape(-1).view(_torch_uint8())
-            sums = _block_sums(flat, dst.reshape(-1).view(_torch_uint8()))
+            sums = _digest_sums(flat, dst.reshape(-1).view(_torch_uint8()))
         if sums is None:
             dst.copy_(src)
             return self.update(dst)
-        self._add(flat.numel(), *_combine_blocks(*sums))
+        self._later(flat.numel(), sums)
         return self
 
-    def _add(self, n: int, a, b) -> None:
+    def _add(self, n: int, a: int, b: int) -> None:
         self._b = (self._b + b + (self.nbytes % _PRIME) * a) % _PRIME  # the piece's positions start after nbytes
         self._a = (self._a + a) % _PRIME
         self.nbytes += n
 
+    def _later(self, n: int, sums) -> None:
+        self._pending.append((self.nbytes, sums))
+        self.nbytes += n
+
     @property
     def value(self) -> int:
-        a, b = int(self._a), int(self._b)  # waits for the GPU
-        return ((b % _PRIME) << 32) | ((a + self.nbytes) % _PRIME)
+        if self._pending:
+            self._settle()
+        return ((self._b % _PRIME) << 32) | ((self._a + self.nbytes) % _PRIME)
+
+    def _settle(self) -> None:
+        """Fetch the pending GPU sums (one wait where they share a device) and fold them in."""
+        import torch
+
+        pending, self._pending = self._pending, []
+        tensors = [t for _, t in pending]
+        if len(tensors) == 1:
+            values = [tensors[0].tolist()]
+        elif len({t.device for t in tensors}) == 1:
+            values = torch.stack(tensors).tolist()
+        else:
+            values = [t.tolist() for t in tensors]
+        for (before, _), (a, b) in zip(pending, values):
+            self._b = (self._b + b + (before % _PRIME) * a) % _PRIME
+            self._a = (self._a + a) % _PRIME
 
 
 def device_digest(t) -> int:
@@ -243,14 +268,15 @@ def _triton_kernel():
     return _TRITON[0]
 
 
-def _block_sums(flat, dst=None):
-    """The Triton pass's per-block sums of CUDA bytes ``flat`` (copied into ``dst`` on the way), or None where Triton
-    is missing or cannot build its kernel here (no C compiler, say): then never again in this process."""
+def _digest_sums(flat, dst=None):
+    """The Triton pass's two sums of CUDA bytes ``flat`` (copied into ``dst`` on the way; an int64 tensor of two,
+    not reduced mod p), or None where Triton is missing or cannot build its kernel here (no C compiler, say): then
+    never again in this process."""
     kernel = _triton_kernel()
     if kernel is None:
         return None
     try:
-        return kernel.block_sums(flat, dst)
+        return kernel.digest_sums(flat, dst)
     except Exception as e:  # noqa: BLE001 - Triton's build errors have no common type
         import logging
 
@@ -260,23 +286,14 @@ def _block_sums(flat, dst=None):
         return None
 
 
-def _combine_blocks(sums_a, sums_b):
-    """The digest's sums over blocks of ``_FOLD`` bytes from each block's ``sum x_t`` and ``sum (t + 1) x_t``."""
-    import torch
-
-    starts = torch.arange(sums_a.numel(), dtype=torch.int64, device=sums_a.device) * _FOLD % _PRIME
-    a = sums_a.sum(dtype=torch.int64) % _PRIME
-    b = (starts * sums_a.to(torch.int64) % _PRIME + sums_b.to(torch.int64)).sum() % _PRIME
-    return a, b
-
-
 def _torch_sums(flat):
-    """(sum x_j, sum j * x_j) mod p over 1-D uint8 tensor ``flat`` (positions from 1), on its device."""
+    """(sum x_j, sum j * x_j) over 1-D uint8 tensor ``flat`` (positions from 1), as an int64 tensor of two on its
+    device (reduced mod p by the torch reductions, not by the Triton pass)."""
     import torch
 
-    sums = _block_sums(flat) if flat.is_cuda and flat.numel() else None
+    sums = _digest_sums(flat) if flat.is_cuda and flat.numel() else None
     if sums is not None:
-        return _combine_blocks(*sums)
+        return sums
     n, device = flat.numel(), flat.device
     rows = n // _FOLD
     a = b = torch.zeros((), dtype=torch.int64, device=device)
@@ -293,7 +310,7 @@ def _torch_sums(flat):
         pos = torch.arange(rows * _FOLD + 1, n + 1, dtype=torch.int64, device=device) % _PRIME
         a = a + tail.sum()
         b = b + (pos * tail).sum()
-    return a % _PRIME, b % _PRIME
+    return torch.stack([a % _PRIME, b % _PRIME])
 
 
 def _numpy_sums(flat: np.ndarray) -> tuple[int, int]:
@@ -491,6 +508,57 @@ def open_cuda(h: CudaIpcHandle):
         raise FailedPreconditionError(f"CUDA could not open the IPC handle of GPU {h.gpu_uuid}: {e}") from None
     out = torch.empty(0, dtype=torch_dtype(h.dtype), device=f"cuda:{index}")
     return out.set_(storage, h.offset, h.shape, h.stride)
+
+
+class IpcMappings:
+    """CUDA IPC handles kept open, so that a buffer shared again pays CUDA's open (milliseconds) only once.
+
+    ``open`` maps a handle as `open_cuda` does the first time, and afterwards
+    returns a view of the same mapping: the producer's new reference goes back at
+    once and the consumer only waits for the producer's event. The least recently
+    used mapping is dropped past ``keep`` of them or ``keep_bytes`` in all. A
+    mapping kept holds its allocation on the producer's GPU: torch does not reuse
+    memory a consumer has mapped, even after the producer frees its tensor, until
+    the mapping is dropped (``clear``, or pushed out by newer ones).
+    """
+
+    def __init__(self, keep: int, keep_bytes: int):
+        self.keep, self.keep_bytes = keep, keep_bytes
+        self._lock = threading.Lock()
+        self._mapped: OrderedDict[tuple, Any] = OrderedDict()  # handle -> its storage, mapped here
+
+    def open(self, h: CudaIpcHandle):
+        import torch
+
+        key = (h.gpu_uuid, bytes(h.handle), h.storage_offset_bytes, h.storage_nbytes)
+        with self._lock:
+            storage = self._mapped.get(key)
+            if storage is not None:
+                self._mapped.move_to_end(key)
+        if storage is not None:
+            try:
+                if h.event_sync_required:  # the producer's writes queued before it shared the region come first
+                    torch.cuda.Event.from_ipc_handle(cuda_index(h.gpu_uuid), bytes(h.event_handle)).wait()
+            except RuntimeError:
+                storage = None  # map it afresh: opening the handle waits for the producer's event itself
+            else:
+                release_cuda(h)
+                out = torch.empty(0, dtype=torch_dtype(h.dtype), device=storage.device)
+                return out.set_(storage, h.offset, h.shape, h.stride)
+        mapped = open_cuda(h)
+        with self._lock:
+            self._mapped[key] = mapped.untyped_storage()
+            total = sum(key[3] for key in self._mapped)
+            while len(self._mapped) > 1 and (len(self._mapped) > self.keep or total > self.keep_bytes):
+                total -= self._mapped.popitem(last=False)[0][3]
+        return mapped
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._mapped.clear()
 
 
 def release_cuda(h: CudaIpcHandle) -> None:
