@@ -259,6 +259,15 @@ def _source(array, ipc: Ipc):
     raise InvalidArgumentError(f"expected a numpy array or a torch tensor, got {type(array).__name__}")
 
 
+def _early_digest(arr, ipc: Ipc) -> Optional[tuple[Any, devices.DeviceChecksum]]:
+    """For a CUDA tensor that may go by CUDA IPC: (it made contiguous, its digest started on its GPU), so that the
+    digest runs while the caller waits for the planner; None for anything else. Nothing waits for the GPU here."""
+    if ipc is False or not devices.is_cuda(arr) or not arr.numel():
+        return None
+    src = arr.contiguous()
+    return src, devices.DeviceChecksum().update(src)
+
+
 def _target(device: Optional[str], ipc: Ipc) -> Optional[str]:
     """The torch device a read returns on (None: as the tensor was put), checked in this process."""
     _check_ipc(ipc)
@@ -436,15 +445,17 @@ class Client(FrameworkAdapters):
             raise domain_error(e, f"agent at {address} ({what})") from None
 
     def _upload(self, upload_id: str, name: str, device: str, loc: pb.TileLocation, dtype: str, arr,
-                ipc: Ipc) -> None:
+                ipc: Ipc, early: Optional[tuple[Any, devices.DeviceChecksum]] = None) -> None:
+        """``early``: (the contiguous tensor, its digest under way), from `_early_digest`."""
         address, tile = loc.address, box_from_pb(loc.box)
         if devices.is_cuda(arr) and volume(tile) and self._ipc_with(address, ipc):
-            src = arr.contiguous()  # alive until the agent has copied it
+            src, check = early or _early_digest(arr, ipc)  # src stays alive until the agent has copied it
             try:
+                digest = check.value  # waits for the GPU: the rank's writes before the call are in
                 self._ipc_call(address, "PutShardIpc", pb.IpcPutShardRequest(
                     header=_shard_header(upload_id, name, loc, dtype),
                     source=pb.CudaIpcTensor(**devices.share_cuda(src).fields()),
-                    digest=devices.device_digest(src)), f"device {device}")
+                    digest=digest), f"device {device}")
                 return
             except FailedPreconditionError as e:
                 self._ipc_failed(address, ipc, e)
@@ -551,11 +562,12 @@ class Client(FrameworkAdapters):
                         f"(torch.chunk cuts 13 rows over 4 devices as 4, 4, 4, 1 and 16 rows as 4, 4, 4, 4); pass "
                         f"shape= (a DTensor's .shape), or hand DTensors over with put_dtensor")
             shape = arr.shape
+        early = _early_digest(arr, ipc)  # the GPU digests while the planner opens the upload
         reply = self._planner_call("BeginUpload", pb.BeginUploadRequest(
             name=name, shape=shape, dtype=dtype, sharding_json=_sharding_json(sharding), kind=kind,
             device=device, shard_shape=arr.shape, **step_fields))
         placement = next(p for p in reply.locations if p.device == device)
-        self._upload(reply.upload_id, name, device, placement, dtype, arr, ipc)
+        self._upload(reply.upload_id, name, device, placement, dtype, arr, ipc, early)
         done = self._planner_call("FinishUpload", pb.FinishUploadRequest(upload_id=reply.upload_id, devices=[device]))
         return done.complete
 

@@ -12,7 +12,6 @@ cancelled and fails its job naming the peer, instead of waiting out its deadline
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ from reshard.server.transport.streams import (
 __all__ = ["GrpcTransport", "channel_options", "LocalDevice", "IPC_MAPPINGS_KEPT"]
 
 IPC_MAPPINGS_KEPT = 16  # peer buffers kept mapped by CUDA IPC (each holds its buffer on the sender's GPU)
+IPC_MAPPED_BYTES = 64 * 2**30  # and at most this many bytes of them
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class GrpcTransport(Transport):
         self._token, self._tls = token, tls  # what every Push presents (reshard.proto.auth)
         self._local = cuda_ipc  # None: this agent's tiles are in host memory, or CUDA IPC is off
         self._peer_devices: dict[str, pb.AgentDevice | None] = {}  # address -> its DescribeDevice, None: no IPC
-        self._mapped: OrderedDict[tuple, object] = OrderedDict()  # peer buffer -> its storage, mapped here
+        self._mapped = devices.IpcMappings(IPC_MAPPINGS_KEPT, IPC_MAPPED_BYTES)  # peer buffers mapped here
 
     def _push_call(self, address: str):
         with self._lock:
@@ -145,31 +145,8 @@ class GrpcTransport(Transport):
 
     def map_ipc(self, handle):
         """The tensor ``handle`` names: its buffer's mapping is kept (see the module docstring), so only the first
-        piece from a buffer pays CUDA's open; a later handle's producer reference goes back at once."""
-        import torch
-
-        key = (handle.gpu_uuid, bytes(handle.handle), handle.storage_offset_bytes, handle.storage_nbytes)
-        with self._lock:
-            storage = self._mapped.get(key)
-            if storage is not None:
-                self._mapped.move_to_end(key)
-        if storage is not None:
-            try:
-                if handle.event_sync_required:  # the sender's writes queued before it shared the region come first
-                    index = devices.cuda_index(handle.gpu_uuid)
-                    torch.cuda.Event.from_ipc_handle(index, bytes(handle.event_handle)).wait()
-            except RuntimeError:
-                storage = None  # map it afresh: opening the handle waits for the sender's event itself
-            else:
-                devices.release_cuda(handle)
-                out = torch.empty(0, dtype=devices.torch_dtype(handle.dtype), device=storage.device)
-                return out.set_(storage, handle.offset, handle.shape, handle.stride)
-        mapped = devices.open_cuda(handle)
-        with self._lock:
-            self._mapped[key] = mapped.untyped_storage()
-            while len(self._mapped) > IPC_MAPPINGS_KEPT:
-                self._mapped.popitem(last=False)
-        return mapped
+        piece from a buffer pays CUDA's open."""
+        return self._mapped.open(handle)
 
     def close(self) -> None:
         with self._lock:

@@ -257,14 +257,16 @@ def test_ipc_true_refuses_an_agent_on_the_cpu_and_auto_streams():
 
 # -- the GPU digest and CUDA IPC between agents (issue 43) --------------------------------------------------------
 
-@pytest.mark.parametrize("nbytes", [1, 2047, 2048, 2049, 5 * 2**20 + 3])
+@pytest.mark.parametrize("nbytes", [1, 2047, 2048, 2049, 5 * 2**20, 5 * 2**20 + 3])
 def test_gpu_digest_one_pass_equals_torch_and_numpy_and_copies(nbytes):
-    """The Triton pass (where Triton runs), torch's reductions and numpy agree on the same bytes, and the copy that
-    digests copies every byte."""
+    """The Triton pass (where Triton runs: its words kernel on aligned whole words, else its bytes kernel), torch's
+    reductions and numpy agree on the same bytes, and the copy that digests copies every byte."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
     host = src.cpu().numpy()
     want = devices.device_digest(host)  # numpy on the CPU
     assert devices.device_digest(src) == want  # the Triton pass, or torch's reductions without Triton
+    for start in (1, 16):  # off the words kernel's alignment, and on it
+        assert devices.device_digest(src[start:]) == devices.device_digest(host[start:])
     dst = torch.full_like(src, 7)
     assert devices.copy_digest(dst, src) == want and torch.equal(dst, src)
     triton_kernel = devices._triton_kernel()
