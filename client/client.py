@@ -36,6 +36,7 @@ import numpy as np
 
 from reshard.box import Box, box_str, to_slices, volume
 from reshard.client.frameworks import FrameworkAdapters
+from reshard.client.host_path import HostPath
 from reshard.proto import devices
 from reshard.dtypes import bfloat16_to_float32, dtype_name, float32_to_bfloat16
 from reshard.errors import ReshardError, ScaleLayoutError
@@ -81,6 +82,8 @@ class _TileRead:
     loc: pb.TileLocation
     nbytes: int
     deliver: Callable[[np.ndarray], None]
+    dtype: str = ""  # the tensor's: a tile read through shared memory needs it (a stream's header says it)
+    keeps: bool = True  # ``deliver`` may keep the array it is given: shared memory then hands it a copy
 
 
 def _shard_header(upload_id: str, name: str, loc: pb.TileLocation, dtype: str) -> pb.ShardHeader:
@@ -323,10 +326,12 @@ class Client(FrameworkAdapters):
     """A connection to a reshard planner (``reshard.connect("host:port")``)."""
 
     def __init__(self, address: str, *, token: Optional[str] = None, tls: Optional[TlsFiles] = None,
-                 timeout: float = 30.0, chunk_bytes: int = 4 * MiB, workers: int = 8):
+                 timeout: float = 30.0, chunk_bytes: int = 4 * MiB, workers: int = 8, shared_memory: bool = True):
         """``token``: the cluster token (default: ``$RESHARD_TOKEN``, or the file ``$RESHARD_TOKEN_FILE``
         names); ``tls``: the CA (and, for mutual TLS, this client's certificate and key) when the cluster
-        serves TLS. See docs/security.md."""
+        serves TLS. See docs/security.md. ``shared_memory``: shards of 1 MiB or more go to and from agents of
+        this machine through shared memory, not a stream, where no CUDA IPC applies (`reshard.client.host_path`);
+        False streams them."""
         self.address = address
         self.timeout = timeout
         self.chunk_bytes = chunk_bytes
@@ -341,6 +346,7 @@ class Client(FrameworkAdapters):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reshard-sdk")
         self._agent_devices: dict[str, Optional[pb.AgentDevice]] = {}  # address -> what DescribeDevice said
         self._no_ipc: dict[str, str] = {}  # address -> why CUDA IPC with that agent failed
+        self._host_path = HostPath(shared_memory)
         self.cluster = None  # set by local_cluster
 
     # -- plumbing ---------------------------------------------------------------------
@@ -370,23 +376,30 @@ class Client(FrameworkAdapters):
             raise FailedPreconditionError(f"ipc=True, but {why}; pass ipc='auto' to stream the bytes instead")
         return not why
 
+    def _describe(self, address: str) -> tuple[Optional[pb.AgentDevice], str]:
+        """What the agent at ``address`` said of its device (asked once), or (None, why not)."""
+        with self._lock:
+            known, info = address in self._agent_devices, self._agent_devices.get(address)
+        if known:
+            return info, "" if info is not None else f"the agent at {address} has no CUDA IPC hand-over"
+        try:
+            info = self._agent(address).DescribeDevice(pb.Empty(), timeout=self.timeout)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an agent from before CUDA IPC: never ask again
+                with self._lock:
+                    self._agent_devices[address] = None
+            return None, f"the agent at {address} did not describe its device ({e.code().name})"
+        with self._lock:
+            self._agent_devices[address] = info
+        return info, ""
+
     def _why_no_ipc(self, address: str) -> str:
         with self._lock:
             if address in self._no_ipc:
                 return self._no_ipc[address]
-            known, info = address in self._agent_devices, self._agent_devices.get(address)
-        if not known:
-            try:
-                info = self._agent(address).DescribeDevice(pb.Empty(), timeout=self.timeout)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNIMPLEMENTED:  # an agent from before CUDA IPC: never ask again
-                    with self._lock:
-                        self._agent_devices[address] = None
-                return f"the agent at {address} did not describe its device ({e.code().name})"
-            with self._lock:
-                self._agent_devices[address] = info
+        info, why = self._describe(address)
         if info is None:
-            return f"the agent at {address} has no CUDA IPC hand-over"
+            return why
         if info.device == "cpu":
             return f"the agent of host {info.host} keeps its shards in host memory (--device cpu)"
         if not info.machine_id or info.machine_id != devices.machine_id():
@@ -410,10 +423,13 @@ class Client(FrameworkAdapters):
             self._no_ipc[address] = f"CUDA IPC with the agent at {address} failed ({error})"
 
     def _ipc_call(self, address: str, method: str, request, what: str):
-        """A CUDA IPC call to the agent at ``address``, raising its errors as the domain errors they stand for."""
+        """A CUDA IPC or shared-memory call to the agent at ``address``, raising its errors as the domain errors they
+        stand for; an agent from before the call has it fail its precondition (the caller then streams)."""
         try:
             return getattr(self._agent(address), method)(request, timeout=self.timeout)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                raise FailedPreconditionError(f"the agent at {address} has no {method}: an older version") from None
             raise domain_error(e, f"agent at {address} ({what})") from None
 
     def _upload_all(self, shards: list[tuple[str, str, pb.TileLocation, str, Any]], ipc: Ipc) -> None:
@@ -459,8 +475,26 @@ class Client(FrameworkAdapters):
                 return
             except FailedPreconditionError as e:
                 self._ipc_failed(address, ipc, e)
+        if self._by_shm(address, arr.numel() * arr.element_size() if devices.is_cuda(arr) else arr.nbytes):
+            try:
+                self._host_path.put(self._shm_call(address, f"device {device}"),
+                                    _shard_header(upload_id, name, loc, dtype), arr, self._agent_on_gpu(address))
+                return
+            except FailedPreconditionError as e:
+                self._host_path.failed(address, e)
         host = devices.to_host(arr) if devices.is_cuda(arr) else arr
         self._upload_batch(address, [(upload_id, name, loc, dtype, host)])
+
+    def _by_shm(self, address: str, nbytes: int) -> bool:
+        """Whether ``nbytes`` of a shard go to or from the agent at ``address`` through shared memory."""
+        return self._host_path.usable(address, self._describe(address)[0], nbytes)
+
+    def _agent_on_gpu(self, address: str) -> bool:
+        info = self._describe(address)[0]
+        return info is not None and info.device not in ("", "cpu")
+
+    def _shm_call(self, address: str, what: str):
+        return lambda method, request: self._ipc_call(address, method, request, what)
 
     def _fetch(self, name: str, version: int, loc: pb.TileLocation, dtype: str, to: str, ipc: Ipc):
         """The tile ``loc`` names as a torch tensor on ``to``."""
@@ -481,6 +515,15 @@ class Client(FrameworkAdapters):
                     raise DataLossError(f"CUDA IPC read of {name!r} v{version} from device {loc.device}: the digest "
                                         f"of the bytes received {got:016x} differs from the agent's {reply.digest:016x}")
                 return out
+        if self._by_shm(loc.address, volume(tile) * np_dtype(dtype).itemsize):
+            try:
+                return self._host_path.read(
+                    self._shm_call(loc.address, f"device {loc.device}"),
+                    pb.GetShardRequest(tensor=name, version=version, device=loc.device),
+                    volume(tile) * np_dtype(dtype).itemsize, dtype, tile_shape(tile), to,
+                    self._agent_on_gpu(loc.address))
+            except FailedPreconditionError as e:
+                self._host_path.failed(loc.address, e)
         arr = self._download(name, version, loc.device, loc.address).reshape(tile_shape(tile))
         return devices.to_torch(arr, dtype, to)
 
@@ -663,10 +706,24 @@ class Client(FrameworkAdapters):
             if r.nbytes <= _BATCHED_SHARD_BYTES:
                 batches.setdefault(r.loc.address, []).append(r)
             else:
-                jobs.append(self._pool.submit(self._read_batch, r.loc.address, [r]))
+                jobs.append(self._pool.submit(self._read_one, r))
         jobs += [self._pool.submit(self._read_batch, address, batch) for address, batch in batches.items()]
         for f in jobs:
             f.result()
+
+    def _read_one(self, r: "_TileRead") -> None:
+        """One large tile into host memory: through shared memory from an agent of this machine, else streamed."""
+        if self._by_shm(r.loc.address, r.nbytes):
+            try:
+                self._host_path.read(self._shm_call(r.loc.address, f"device {r.loc.device}"),
+                                     pb.GetShardRequest(tensor=r.tensor, version=r.version, device=r.loc.device),
+                                     r.nbytes, r.dtype, (r.nbytes // np_dtype(r.dtype).itemsize,), None,
+                                     self._agent_on_gpu(r.loc.address),
+                                     (lambda a: r.deliver(a.copy())) if r.keeps else r.deliver)
+                return
+            except FailedPreconditionError as e:
+                self._host_path.failed(r.loc.address, e)
+        self._read_batch(r.loc.address, [r])
 
     def _read_batch(self, address: str, batch: list["_TileRead"]) -> None:
         """Tiles from the agent at ``address``, in one GetShard stream, each handed to its ``deliver`` as it comes."""
@@ -717,8 +774,8 @@ class Client(FrameworkAdapters):
                         out[to_slices(tile)] = values
 
             itemsize = np_dtype(t.dtype).itemsize
-            reads = [_TileRead(name, t.version, p, volume(tile) * itemsize, functools.partial(place, tile))
-                     for (tile, _), p in seen.items()]
+            reads = [_TileRead(name, t.version, p, volume(tile) * itemsize, functools.partial(place, tile), t.dtype,
+                               keeps=False) for (tile, _), p in seen.items()]
             if bits16:
                 return (lambda: _from_numpy(float32_to_bfloat16(out), t.dtype, t.kind)), [], reads
             return (lambda: _from_numpy(out, t.dtype, t.kind)), [], reads
@@ -833,7 +890,7 @@ class Client(FrameworkAdapters):
                 raise DataLossError(f"the shard of {info.name!r} v{info.version} on device {loc.device} was lost: the "
                                     f"agent of host {host_of(loc.device)} restarted; read another copy")
             reads.append(_TileRead(info.name, info.version, loc, volume(box_from_pb(loc.box)) *
-                                   np_dtype(info.dtype).itemsize, deliver))
+                                   np_dtype(info.dtype).itemsize, deliver, info.dtype))
         self._read_all([], reads)
 
     def get_shard(self, name: str, device: str, *, to: Optional[str] = None, ipc: Ipc = "auto"):
@@ -853,8 +910,10 @@ class Client(FrameworkAdapters):
                                 f"{box_str(box_from_pb(p.box))}) was lost: the agent of host {host_of(device)} restarted")
         if target is not None:
             return self._fetch(name, t.version, p, t.dtype, target, ipc)
-        arr = self._download(name, t.version, device, p.address)
-        return _from_numpy(arr.reshape(tile_shape(box_from_pb(p.box))), t.dtype, t.kind)
+        got: list[np.ndarray] = []
+        self._read_one(_TileRead(name, t.version, p, volume(box_from_pb(p.box)) * np_dtype(t.dtype).itemsize,
+                                 got.append, t.dtype))
+        return _from_numpy(got[0].reshape(tile_shape(box_from_pb(p.box))), t.dtype, t.kind)
 
     def digests(self, name: str) -> dict[str, str]:
         """blake2b of every device's shard bytes, computed where the shards live (for verification)."""
@@ -1045,6 +1104,7 @@ class Client(FrameworkAdapters):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self._host_path.close()
         with self._lock:
             for ch in self._agents.values():
                 ch.close()

@@ -99,6 +99,16 @@ class AgentStub:
                 request_serializer=reshard__pb2.IpcGetShardRequest.SerializeToString,
                 response_deserializer=reshard__pb2.IpcShardReply.FromString,
                 _registered_method=True)
+        self.PutShardShm = channel.unary_unary(
+                '/reshard.v1.Agent/PutShardShm',
+                request_serializer=reshard__pb2.ShmPutShardRequest.SerializeToString,
+                response_deserializer=reshard__pb2.IpcShardReply.FromString,
+                _registered_method=True)
+        self.GetShardShm = channel.unary_unary(
+                '/reshard.v1.Agent/GetShardShm',
+                request_serializer=reshard__pb2.ShmGetShardRequest.SerializeToString,
+                response_deserializer=reshard__pb2.IpcShardReply.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -184,6 +194,20 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutShardShm(self, request, context):
+        """Same-machine host path (reshard.server.agent.ipc.ShmHandover): the bytes of a shard in a shared-memory
+        segment the client made, instead of a stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardShm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -250,6 +274,16 @@ def add_AgentServicer_to_server(servicer, server):
             'GetShardIpc': grpc.unary_unary_rpc_method_handler(
                     servicer.GetShardIpc,
                     request_deserializer=reshard__pb2.IpcGetShardRequest.FromString,
+                    response_serializer=reshard__pb2.IpcShardReply.SerializeToString,
+            ),
+            'PutShardShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutShardShm,
+                    request_deserializer=reshard__pb2.ShmPutShardRequest.FromString,
+                    response_serializer=reshard__pb2.IpcShardReply.SerializeToString,
+            ),
+            'GetShardShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardShm,
+                    request_deserializer=reshard__pb2.ShmGetShardRequest.FromString,
                     response_serializer=reshard__pb2.IpcShardReply.SerializeToString,
             ),
     }
@@ -603,6 +637,60 @@ class Agent:
             target,
             '/reshard.v1.Agent/GetShardIpc',
             reshard__pb2.IpcGetShardRequest.SerializeToString,
+            reshard__pb2.IpcShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShardShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Agent/PutShardShm',
+            reshard__pb2.ShmPutShardRequest.SerializeToString,
+            reshard__pb2.IpcShardReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Agent/GetShardShm',
+            reshard__pb2.ShmGetShardRequest.SerializeToString,
             reshard__pb2.IpcShardReply.FromString,
             options,
             channel_credentials,

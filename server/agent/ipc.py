@@ -22,20 +22,28 @@ the mapping; a read's destination is mapped for the one copy and dropped at once
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
+import xxhash
+
 from reshard.box import Box
-from reshard.proto.devices import CudaIpcHandle, IpcMappings, machine_id, open_cuda, release_cuda
+from reshard.dtypes import itemsize
+from reshard.proto.devices import CudaIpcHandle, IpcMappings, machine_id, open_cuda, release_cuda, torch_dtype
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
+from reshard.proto.shared_memory import Opened
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.transport import buffers
 
-__all__ = ["DeviceInfo", "CudaHandover", "PUT_MAPPINGS_KEPT", "PUT_MAPPED_BYTES"]
+__all__ = ["DeviceInfo", "CudaHandover", "ShmHandover", "PUT_MAPPINGS_KEPT", "PUT_MAPPED_BYTES"]
 
 PUT_MAPPINGS_KEPT = 64  # ranks' tensors kept mapped: a state dict's largest tensors, published every step
 PUT_MAPPED_BYTES = 32 * 2**30  # and at most this many bytes of them
+SHM_SEGMENTS_KEPT = 16  # clients' shared-memory segments kept mapped
+SHM_MAPPED_BYTES = 32 * 2**30  # and at most this many bytes of them
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,8 @@ class CudaHandover:
             raise InvalidArgumentError(f"the CUDA IPC tensor is {handle.dtype}{list(handle.shape)}, but {what} is "
                                        f"the tile {list(tile)} of {dtype}{list(tile_shape(tile))}")
 
-    def put(self, upload_id: str, device: str, tile: Box, dtype: str, source: CudaIpcHandle, digest: int) -> tuple[int, int]:
+    def put(self, upload_id: str, device: str, tile: Box, dtype: str, source: CudaIpcHandle,
+            digest: int) -> tuple[int, int]:
         """Copy the rank's tensor ``source`` into a new buffer and stage it as ``device``'s shard of the upload.
 
         Returns (bytes, digest of the agent's copy).
@@ -110,3 +119,70 @@ class CudaHandover:
         finally:
             del mapped
         return shard.nbytes, digest
+
+
+class ShmHandover:
+    """The agent's side of the same-machine host path: shards put and read through a client's shared-memory segment
+    (`reshard.proto.shared_memory`), one copy each way, checked by digest.
+
+    The digest is the GPU digest where the client's tensor and this agent's shards are both on GPUs (each end
+    computes it on its GPU, as the CUDA IPC hand-over does), else the XXH3-64 of the bytes in host memory. The
+    segments clients name stay mapped (pinned on a GPU agent) for their next calls.
+    """
+
+    def __init__(self, host: str, store: ShardStore):
+        self.host = host
+        self.store = store
+        self.opened = Opened(SHM_SEGMENTS_KEPT, SHM_MAPPED_BYTES)
+
+    def _region(self, region, nbytes: int, what: str):
+        if region.nbytes != nbytes:
+            raise InvalidArgumentError(f"{what}: the shared-memory region holds {region.nbytes} bytes, the shard "
+                                       f"{nbytes}")
+        segment = self.opened.get(region.name, region.offset + region.nbytes)
+        if self.store.device != "cpu":
+            segment.pin()
+        return segment.view(region.offset, region.nbytes)
+
+    def put(self, upload_id: str, device: str, tile: Box, dtype: str, region, digest: int,
+            device_digest: bool) -> tuple[int, int]:
+        """Copy the shard's bytes out of the client's segment into a new buffer and stage it as ``device``'s shard
+        of the upload. Returns (bytes, digest of the agent's copy, of the kind the client computed)."""
+        shape = tile_shape(tile)
+        what = f"shared-memory hand-over of device {device}'s shard to host {self.host}"
+        view = self._region(region, math.prod(shape) * itemsize(dtype), what)
+        buf = self.store.empty(shape, dtype)
+        if device_digest and self.store.device != "cpu":
+            flat = buf.reshape(-1).view(torch_dtype("uint8"))
+            flat.copy_(_torch_from(view))  # host to GPU, pinned
+            got = buffers.device_digest(buf)
+        else:
+            got = xxhash.xxh3_64_intdigest(view)
+            if self.store.device == "cpu":
+                np.copyto(buf.reshape(-1).view(np.uint8), view)
+            else:
+                buf.reshape(-1).view(torch_dtype("uint8")).copy_(_torch_from(view))
+        if got != digest:
+            kind = "GPU digest" if device_digest else "XXH3-64"
+            raise DataLossError(f"{what}: the {kind} of the agent's copy {got:016x} differs from the client's "
+                                f"{digest:016x}; nothing was staged")
+        self.store.stage(upload_id, device, TileBuffer(buf, tile, dtype))
+        return buf.nbytes, got
+
+    def get(self, shard: TileBuffer, region, device_digest: bool) -> tuple[int, int]:
+        """Copy ``shard`` into the client's segment; returns (bytes, digest of the shard, of the kind asked)."""
+        view = self._region(region, shard.nbytes, f"shared-memory read of a shard from host {self.host}")
+        if buffers.is_torch(shard.array):
+            src = shard.array.contiguous().reshape(-1).view(torch_dtype("uint8"))
+            _torch_from(view).copy_(src)  # GPU to host, pinned; waits for it
+            got = buffers.device_digest(shard.array) if device_digest else xxhash.xxh3_64_intdigest(view)
+        else:
+            np.copyto(view, np.ascontiguousarray(shard.array).reshape(-1).view(np.uint8))
+            got = buffers.device_digest(shard.array) if device_digest else xxhash.xxh3_64_intdigest(view)
+        return shard.nbytes, got
+
+
+def _torch_from(view: np.ndarray):
+    import torch
+
+    return torch.from_numpy(view)

@@ -47,7 +47,7 @@ from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.threads import limit_compute_threads
 from reshard.server.agent.ucx import ucx_environment
 from reshard.server.agent.store import ShardStore
-from reshard.server.agent.ipc import CudaHandover
+from reshard.server.agent.ipc import CudaHandover, ShmHandover
 from reshard.proto.devices import CudaIpcHandle, machine_id, visible_gpus
 from reshard.server.transport import buffers
 
@@ -113,6 +113,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.nixl_peers = NixlPeers(config.host, runtime.transports.get("nixl"))
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
         self.handover = CudaHandover(config.host, store)
+        self.shm = ShmHandover(config.host, store)
 
     def _check_device(self, device: str) -> None:
         if device not in self.devices:
@@ -191,6 +192,22 @@ class AgentServicer(pb_grpc.AgentServicer):
         r = request.shard
         shard = self.store.get(r.tensor, r.version, r.device)
         nbytes, digest = self.handover.get(shard, CudaIpcHandle.from_message(request.destination))
+        return pb.IpcShardReply(nbytes=nbytes, digest=digest)
+
+    @servicer_method
+    def PutShardShm(self, request, context):
+        h = request.header
+        self._check_put(h, "PutShardShm")
+        with self._room(h, "PutShardShm"):
+            nbytes, digest = self.shm.put(h.upload_id, h.device, box_from_pb(h.box), dtype_name(h.dtype),
+                                          request.region, request.digest, request.device_digest)
+        return pb.IpcShardReply(nbytes=nbytes, digest=digest)
+
+    @servicer_method
+    def GetShardShm(self, request, context):
+        r = request.shard
+        shard = self.store.get(r.tensor, r.version, r.device)
+        nbytes, digest = self.shm.get(shard, request.region, request.device_digest)
         return pb.IpcShardReply(nbytes=nbytes, digest=digest)
 
     @servicer_method

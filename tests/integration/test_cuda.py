@@ -9,6 +9,7 @@ picks it and says why).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -297,3 +298,23 @@ def test_agents_on_one_gpu_move_by_cuda_ipc_or_stream_bytes(cuda_ipc):
                 assert (result.network_bytes == 0) == cuda_ipc, result.network_bytes
                 assert torch.equal(_bits(c.get(name, device="cuda:0")), _bits(t))
             c.delete(name)
+
+
+@pytest.mark.parametrize("agent_device", ["cuda:0", "cpu"])
+def test_cuda_tensors_without_ipc_go_through_pinned_shared_memory(agent_device):
+    """ipc=False, or an agent in host memory: a CUDA shard of 1 MiB or more goes through a shared-memory segment
+    (pinned: DMA at full rate), checked by the GPU digest where both ends are on GPUs, else by XXH3; bit-exact both
+    ways, into GPU and host tensors."""
+    from reshard.proto import shared_memory
+
+    one = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
+    with reshard.local_cluster(hosts=1, devices_per_host=1, device=agent_device, transport="grpc") as c:
+        t = _tensor((1024, 1000), torch.bfloat16, seed=9)  # 2 MB
+        c.put_shard("shm", "host0/0", t, one, ipc=False)
+        mine = [n for n in os.listdir(shared_memory.SHM_DIR)
+                if n.startswith("reshard-sdk-") and n.split("-")[3] == str(os.getpid())]
+        assert mine, "the CUDA shard was streamed, not handed over through shared memory"
+        for to in ("cuda:0", "cpu"):
+            got = c.get_shard("shm", "host0/0", to=to, ipc=False)
+            assert got.device.type == torch.device(to).type and torch.equal(_bits(got.cuda()), _bits(t))
+        assert torch.equal(_bits(c.get("shm", device="cuda:0")), _bits(t))

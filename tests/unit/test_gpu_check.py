@@ -122,7 +122,8 @@ def test_no_summary_line_reads_as_none():
 def _rows(**overrides) -> list[dict]:
     """A full bench at 4096 MiB: floors at 1000 and 10 GB/s, every goal row at 0.8x of its floor."""
     gbps = {"device copy": 1000.0, "d2h pageable": 10.0, "put_shard ipc": 800.0, "get_shard ipc": 800.0,
-            "get_shard grpc": 8.0, "agent-to-agent ipc": 800.0, "put_shard grpc": 8.0}
+            "get_shard no-ipc": 8.0, "agent-to-agent ipc": 800.0, "put_shard no-ipc": 8.0,
+            "put_shard stream": 1.0}
     rows = [{"name": n, "mib": 4096, "seconds": 4096 * gpu.MiB / (g * 1e9), "gbps": g, "runs": 5}
             for n, g in gbps.items()]
     for r in rows:
@@ -152,14 +153,14 @@ def test_every_failure_is_named_under_the_table():
     bench = gpu_check.Step("bench", 150.0, rc=None, seconds=150.0, timed_out=True)
     rows = [r for r in _rows(**{"put_shard ipc": {"gbps": 300.0},
                                 "get_shard ipc": {"error": "DataLossError: digest mismatch", "gbps": None}})
-            if r["name"] != "put_shard grpc"]  # killed before its last row
+            if r["name"] != "put_shard no-ipc"]  # killed before its last goal row
     table, problems = gpu_check.summarize("h", tests, bench, {"rows": rows, "error": ""}, 4096)
     assert problems == [
         "2 CUDA tests failed and 0 errored (pytest.log)",
         "bench/gpu.py ran past its 150 s wall limit and was killed (bench.log; the rows it finished are below)",
         "bench row 'put_shard ipc' at 4096 MiB missed its goal: 0.30x of device copy, the goal >= 0.5x",
         "bench row 'get_shard ipc' at 4096 MiB failed: DataLossError: digest mismatch",
-        "bench row 'put_shard grpc' at 4096 MiB did not run, so its goal is not shown met",
+        "bench row 'put_shard no-ipc' at 4096 MiB did not run, so its goal is not shown met",
     ]
     assert "gpu-check FAILED:" in table and "MISSED" in table and "DataLossError: digest mismatch" in table
 
