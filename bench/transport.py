@@ -10,7 +10,9 @@ On loopback with ``--hosts`` processes (4), one run measures side by side:
 (c) the same reshard with the agents on gRPC;
 (d) the same reshard with the agents on NIXL (UCX, the transports UCX picks between processes of one machine);
 (e) a host pair: the tensor from one agent to one other on NIXL, against a numpy copy of the same bytes into
-    a buffer of this process (the most one machine's memory can do).
+    a buffer of this process (the most one machine's memory can do). The two agents share one kernel, so the
+    sender copies straight into the receiver's shared tile (`server/transport/shm.py`); the row says whether it
+    did (the sender's mappings of the receiver's segments, from ``/proc``), and prints its ratio as it goes.
 
 The raw ranks stay up for the whole run and take turns with the reshards: after each timed reshard of (b), (c)
 and (d) (each while the other side's processes sit idle), one raw turn of (a), so that this shared machine's
@@ -27,6 +29,7 @@ after the last round trip. It writes its section of BENCHMARKS.md through ``benc
 
     python bench/transport.py              # 256 MiB, 4 hosts, 5 turns
     python bench/transport.py --mib 64     # quicker
+    python bench/transport.py --pair-only  # (e) alone, printed (BENCHMARKS.md keeps the whole run's section)
 """
 
 from __future__ import annotations
@@ -204,10 +207,18 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def shared_segments(sender_pid: int, receiver_pid: int) -> int:
+    """How many of the receiver's shared segments (memfds its agent names ``reshard-<pid>``, `shm`) the sender's
+    agent has mapped now: the host pair's bytes went through shared memory when that is not 0."""
+    with open(f"/proc/{sender_pid}/maps") as f:
+        return sum(f"/memfd:reshard-{receiver_pid} " in line for line in f)
+
+
 def reshard_turns(transport: str, world: int, nbytes: int, repeats: int, warmup: int,
-                  between: Callable[[], None]) -> dict:
-    """Each timed reshard's job seconds and the service's CPU seconds (planner and agents), and the transports
-    that carried it; ``between()`` runs after each timed reshard and its move back (the other side's turn)."""
+                  between: Callable[[], None], out: dict | None = None) -> dict:
+    """Each timed reshard's job seconds and the service's CPU seconds (planner and agents), the transports
+    that carried it, and how many of host1's shared segments host0 maps at the end; ``between()`` runs after each
+    timed reshard and its move back (the other side's turn); filled into ``out`` where given, as it goes."""
     import numpy as np
     from _checks import differing, tile_digests
 
@@ -219,7 +230,8 @@ def reshard_turns(transport: str, world: int, nbytes: int, repeats: int, warmup:
     dst = Sharding(Mesh.from_hosts({"x": world - 1, "y": 1}, hosts[1:], 1), (None,))
     a = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
     want = tile_digests(a, dst)
-    out: dict = {"seconds": [], "cpu": [], "running": [], "transports": ()}
+    out = out if out is not None else {}
+    out.update({"seconds": [], "cpu": [], "running": [], "transports": ()})
     with LocalCluster(world, 1, transport=transport) as cluster, cluster.connect() as c:
         pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
         c.put("bench", a, src)
@@ -240,6 +252,7 @@ def reshard_turns(transport: str, world: int, nbytes: int, repeats: int, warmup:
                 between()
         if not np.array_equal(c.get("bench"), a):
             raise AssertionError(f"the reshard over {transport} did not arrive bit for bit")
+        out["shared"] = shared_segments(cluster.agents[hosts[0]].pid, cluster.agents[hosts[1]].pid)
     print(f"{transport}: {[round(s, 3) for s in out['seconds']]} s", flush=True)
     return out
 
@@ -259,7 +272,6 @@ def memcpy_turn(src, dst) -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
-    import numpy as np
     from _report import turns as turn_spread
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,6 +285,8 @@ def main(argv=None) -> int:
     p.add_argument("--transports", default="collective,grpc,nixl",
                    help="the reshards' transports, comma-separated (nixl also runs the host pair)")
     p.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    p.add_argument("--pair-only", action="store_true",
+                   help="run (e) alone, the nixl host pair against the numpy copy; printed, not written")
     args = p.parse_args(argv)
     for flag, value, least in (("--mib", args.mib, 1), ("--hosts", args.hosts, 2), ("--repeats", args.repeats, 1),
                                ("--warmup", args.warmup, 0)):
@@ -289,6 +303,11 @@ def main(argv=None) -> int:
             p.error(f"--transports names nixl, but {missing} (or leave nixl out of --transports)")
     nbytes = args.mib * MiB
     delivered_gib = nbytes * (args.hosts - 1) / GiB
+    if args.pair_only:
+        if "nixl" not in transports:
+            p.error("--pair-only runs the nixl host pair: leave nixl in --transports")
+        print("\n".join(pair_section(args, host_pair(nbytes, args.repeats, args.warmup))))
+        return 0
 
     raw = RawTurns(args.hosts, nbytes)
     turns: dict[str, list[dict]] = {t: [] for t in transports}
@@ -300,13 +319,7 @@ def main(argv=None) -> int:
                                         lambda t=t: turns[t].append(raw.round()))
     finally:
         raw.close()
-    pair = None
-    if "nixl" in transports:
-        a = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
-        dst, copies = np.empty_like(a), []
-        pair = reshard_turns("nixl", 2, nbytes, args.repeats, args.warmup,
-                             lambda: copies.append(memcpy_turn(a, dst)))
-        pair["memcpy"], pair["memcpy cpu"] = zip(*copies)
+    pair = host_pair(nbytes, args.repeats, args.warmup) if "nixl" in transports else None
 
     every = [r for t in transports for r in turns[t]]
     med = statistics.median
@@ -368,26 +381,7 @@ def main(argv=None) -> int:
                     f"broadcast and chain, {raw_cpu / delivered_gib:.2f}); the service's figure includes the job's "
                     f"control work and the XXH3-64 check that raw gloo does not do."]
     if pair is not None:
-        s, copy = med(pair["seconds"]), med(pair["memcpy"])
-        pair_gib = nbytes / GiB
-        lines += [
-            "",
-            f"(e) One host pair on nixl: the same {args.mib} MiB from host0's agent to host1's, two processes of this "
-            f"machine (UCX picks its transports between them), taking turns with a numpy copy of the same bytes "
-            f"into a buffer of this process written beforehand (`np.copyto`; one core, no page faults); medians "
-            f"of {args.repeats} turns.",
-            "",
-            "| what | seconds | GB/s | of the numpy copy | CPU s/GiB |",
-            "|---|---:|---:|---:|---:|",
-            f"| numpy copy | {copy:.3f} | {nbytes / copy / 1e9:.2f} |  | "
-            f"{cpu_gib(med(pair['memcpy cpu']), pair_gib)} |",
-            f"| (e) reshard, nixl, host0 -> host1 | {s:.3f} | {nbytes / s / 1e9:.2f} | {copy / s:.2f}x (target "
-            f"{PAIR_TARGET:g}x: {verdict(copy / s >= PAIR_TARGET)}) | {cpu_gib(med(pair['cpu']), pair_gib)} |",
-            "",
-            f"Of the host pair's job seconds, running (the hosts' part: the move and the XXH3-64 check) took "
-            f"{med(pair['running']):.3f} s (median); the rest is the job's control work (plan, prepare, commit). "
-            + turn_spread(pair["seconds"], list(pair["memcpy"]), "the host pair's reshard", "the numpy copy"),
-        ]
+        lines += ["", *pair_section(args, pair)]
     lines += ["", f"Reproduce: `python bench/transport.py --mib {args.mib} --hosts {args.hosts} "
                   f"--repeats {args.repeats} --warmup {args.warmup} --transports {','.join(transports)}`."]
     body = "\n".join(lines)
@@ -397,6 +391,53 @@ def main(argv=None) -> int:
 
         write_section("transport", "Transport: collective vs gRPC vs nixl vs raw torch.distributed", body)
     return 0
+
+
+def host_pair(nbytes: int, repeats: int, warmup: int) -> dict:
+    """(e): the nixl host pair's turns, each followed by a numpy copy of the same bytes (printed as it goes)."""
+    import numpy as np
+
+    a = np.random.default_rng(1).integers(0, 255, nbytes, dtype=np.uint8)
+    dst, copies = np.empty_like(a), []
+
+    def copy_turn() -> None:
+        copies.append(memcpy_turn(a, dst))
+        print(f"host pair: {pair['seconds'][-1]:.3f} s, numpy copy {copies[-1][0]:.3f} s: "
+              f"{copies[-1][0] / pair['seconds'][-1]:.2f}x", flush=True)
+
+    pair: dict = {}
+    reshard_turns("nixl", 2, nbytes, repeats, warmup, copy_turn, pair)
+    pair["memcpy"], pair["memcpy cpu"] = zip(*copies)
+    return pair
+
+
+def pair_section(args, pair: dict) -> list[str]:
+    """The lines of (e), against the numpy copies taken beside it in the same run."""
+    from _report import turns as turn_spread
+
+    med = statistics.median
+    nbytes = args.mib * MiB
+    s, copy = med(pair["seconds"]), med(pair["memcpy"])
+    pair_gib = nbytes / GiB
+    ok = "met" if copy / s >= PAIR_TARGET else "**not met**"
+    how = (f"host0's agent copied straight into host1's shared tile (it maps {pair['shared']} of host1's shared "
+           f"segments, `server/transport/shm.py`)" if pair["shared"] else
+           "host1's tile was not shared memory (or NIXL wrote it): UCX carried the bytes")
+    return [
+        f"(e) One host pair on nixl: the same {args.mib} MiB from host0's agent to host1's, two processes of this "
+        f"machine ({how}), taking turns with a numpy copy of the same bytes into a buffer of this process written "
+        f"beforehand (`np.copyto`; one core, no page faults); medians of {args.repeats} turns.",
+        "",
+        "| what | seconds | GB/s | of the numpy copy | CPU s/GiB |",
+        "|---|---:|---:|---:|---:|",
+        f"| numpy copy | {copy:.3f} | {nbytes / copy / 1e9:.2f} |  | {med(pair['memcpy cpu']) / pair_gib:.2f} |",
+        f"| (e) reshard, nixl, host0 -> host1 | {s:.3f} | {nbytes / s / 1e9:.2f} | {copy / s:.2f}x (target "
+        f"{PAIR_TARGET:g}x: {ok}) | {med(pair['cpu']) / pair_gib:.2f} |",
+        "",
+        f"Of the host pair's job seconds, running (the hosts' part: the move and the XXH3-64 check) took "
+        f"{med(pair['running']):.3f} s (median); the rest is the job's control work (plan, prepare, commit). "
+        + turn_spread(pair["seconds"], list(pair["memcpy"]), "the host pair's reshard", "the numpy copy"),
+    ]
 
 
 if __name__ == "__main__":

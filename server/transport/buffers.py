@@ -6,7 +6,8 @@ copied to the host unless a byte stream needs host memory (the gRPC path), and a
 copy between two CUDA buffers is a device-to-device copy:
 
 ==================== ==========================================================================
-``empty``            a buffer of ``shape`` and dtype name on a device (``"cpu"`` or ``"cuda:N"``)
+``empty``            a buffer of ``shape`` and dtype name on a device (``"cpu"`` or ``"cuda:N"``);
+                     in host memory a shared segment while a transport shares it (`shm`)
 ``region``           the view of ``box`` (global coordinates) in a buffer that holds ``origin``
 ``write``            copy ``data`` (numpy or torch, any device) into ``box`` of a buffer: torch
                      to torch is a device copy, host to GPU is staged through pinned buffers
@@ -39,6 +40,7 @@ them alike.
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections import OrderedDict
@@ -60,6 +62,7 @@ from reshard.proto.devices import (
     torch_dtype,
 )
 from reshard.proto.layout import np_dtype
+from reshard.server.transport import shm
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
            "device_digest", "copy_digest", "synchronize", "check_device", "gpu_uuid", "backend_refusal", "Recycler",
@@ -80,7 +83,11 @@ def device_of(array: Any) -> str:
 
 def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
     if device == "cpu":
-        return np.empty(shape, dtype=np_dtype(dtype))
+        np_type = np_dtype(dtype)
+        # a shared segment while a transport shares host memory with agents of this machine (`shm`): their
+        # senders then copy straight into it
+        shared = shm.empty(math.prod(shape) * np_type.itemsize)
+        return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
     import torch
 
     return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
@@ -174,8 +181,9 @@ class Recycler:
 
     def put(self, array) -> None:
         """Keep ``array``'s memory for reuse, if it is a host buffer of its own (or a view of all of one)."""
-        base = array.base if isinstance(array, np.ndarray) and array.base is not None else array
-        if not (isinstance(base, np.ndarray) and base.flags.owndata and base.flags.c_contiguous
+        base = array.base if isinstance(array, np.ndarray) and isinstance(array.base, np.ndarray) else array
+        if not (isinstance(base, np.ndarray) and (base.flags.owndata or shm.segment_of(base) is not None)
+                and base.flags.c_contiguous
                 and base.nbytes == array.nbytes and RECYCLE_MIN_BYTES <= base.nbytes <= self.cap_bytes):
             return
         with self._lock:

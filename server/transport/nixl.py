@@ -39,6 +39,13 @@ source          a chunk of a source tile (``put_region``) is written from the ti
                 from a registered staging copy (`_source`)
 messages        our own byte layout (`nixl_memory.encode`): NIXL's own descriptor
                 serialisation pickles, and no pickle goes on a wire
+one machine     where the box lands in shared segments (`shm`: host tiles are, while this
+                transport shares host memory), the post also offers them; a sender of the
+                same kernel maps each once (kept across jobs) and copies its chunks straight
+                into it, each chunk's ``S`` notification after its bytes: one copy, where
+                UCX's same-host path copies twice. A sender that cannot map them (another
+                kernel, container or user) WRITEs as above. Off, on both ends, where UCX is
+                kept off shared memory (``UCX_TLS``, which ``--nixl-tcp-only`` sets to tcp)
 =============== ==============================================================================
 
 A peer that never posts its receive, goes silent or whose WRITE fails fails the stream
@@ -49,6 +56,7 @@ a digest mismatch is the base class's DATA_LOSS.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -60,6 +68,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.nixl_memory import (
@@ -76,6 +85,7 @@ from reshard.server.transport.nixl_memory import (
     encode,
     owner_of,
     pair_runs,
+    parts_runs,
     place_runs,
     source_runs,
     unblob,
@@ -141,13 +151,17 @@ class _Backoff:
 
 
 class _Remote:
-    """A receiver's post: the runs its box lands in."""
+    """A receiver's post: the runs its box lands in, and where they are mapped here when they lie in shared
+    segments this agent could map (``local``; None: WRITEs)."""
 
     def __init__(self, device: int, runs: np.ndarray):
         self.device = device
         self.addrs = runs[:, 0].astype(np.int64)
-        self.cum = np.concatenate(([0], np.cumsum(runs[:, 1].astype(np.int64))))  # where each run starts, and the end
+        self.lens = runs[:, 1].astype(np.int64)
+        self.cum = np.concatenate(([0], np.cumsum(self.lens)))  # where each run starts, and the end
         self.nbytes = int(self.cum[-1])
+        self.local: np.ndarray | None = None
+        self.mapped: list[np.ndarray] = []  # the mappings ``local`` lies in, held while the stream copies
 
 
 class _Out(Outgoing):
@@ -166,8 +180,19 @@ class _Out(Outgoing):
             kind, msg = self.t._await(self.s, self.peer, "out", self.key, "did not post its receive of",
                                       self.t.timeout_s)
             assert kind == b"D", kind
-            device, mdlen = POST.unpack_from(msg)
-            self.remote = _Remote(device, np.frombuffer(msg[POST.size + mdlen:], dtype=np.uint64).reshape(-1, 2))
+            device, mdlen, offered = POST.unpack_from(msg)
+            at = POST.size + mdlen
+            remote = _Remote(device, np.frombuffer(msg[at + offered:], dtype=np.uint64).reshape(-1, 2))
+            try:
+                mapped = self.t.shared.map(self.peer, msg[at:at + offered], remote.addrs, remote.lens)
+            except shm.NotShared as e:
+                raise UnavailableError(
+                    f"job {self.key.job}: host {self.peer} offered stream {self.key.hop} of step {self.key.step} in "
+                    f"its shared memory only, and agent {self.t.host} cannot map it ({e}): both agents run with or "
+                    f"both without --nixl-tcp-only, and may hold as many open files as they need") from None
+            if mapped is not None:
+                remote.local, remote.mapped = mapped
+            self.remote = remote
         return self.remote
 
     def put(self, box: Box, data, wire=None) -> None:
@@ -178,6 +203,10 @@ class _Out(Outgoing):
         if not n:
             return
         self._ready(n)
+        if self.remote.local is not None:  # copied from where it lies: no staging, no registration
+            self._write(box, (np.array([owner_of(data)[1].ctypes.data], np.int64), np.array([0, n], np.int64)), n,
+                        data, None)
+            return
         addr, keep, staged = self.t._source(data)
         self._write(box, (np.array([addr], np.int64), np.array([0, n], np.int64)), n, keep, staged)
 
@@ -191,7 +220,8 @@ class _Out(Outgoing):
             return
         owner, addrs, lens = found
         self._ready(view.nbytes)
-        self.t._memory.register(owner)
+        if self.remote.local is None:  # a copy into a mapped segment needs no registration
+            self.t._memory.register(owner)
         self._write(box, (addrs, np.concatenate(([0], np.cumsum(lens)))), view.nbytes, view, None)
 
     def put_parts(self, box: Box, parts: list) -> None:
@@ -203,6 +233,10 @@ class _Out(Outgoing):
         if not n:
             return
         self._ready(n)
+        if self.remote.local is not None:  # each part copied from its own runs, one of small runs packed
+            addrs, cum, keep = parts_runs(parts, SOURCE_RUN_BYTES)
+            self._write(box, (addrs, cum), n, (parts, keep), None)
+            return
         addrs, lens, small = [], [], []
         for p in parts:
             found = source_runs(p, max(1, p.nbytes // SOURCE_RUN_BYTES)) if p.nbytes >= RECYCLE_MIN_BYTES else None
@@ -241,14 +275,26 @@ class _Out(Outgoing):
 
     def _write(self, box: Box, local: tuple[np.ndarray, np.ndarray], n: int, keep, staged) -> None:
         """One WRITE of chunk ``box``, ``n`` bytes in the ``local`` runs (addresses, offsets), into the next bytes
-        of the receiver's runs; ``keep`` stays referenced until it ends, ``staged`` goes back to scratch then."""
+        of the receiver's runs; ``keep`` stays referenced until it ends, ``staged`` goes back to scratch then.
+        Into a mapped shared segment, a copy here, then the chunk's notification."""
+        note = CHUNK.pack(self.offset, n, len(box)) + box_bytes(box)
+        if self.remote.local is not None:
+            mine, theirs = pair_runs(local, (self.remote.local, self.remote.cum), self.offset, n)
+            shm.copy(theirs[:, 0], mine[:, 0], mine[:, 1])
+            if staged is not None:
+                self.t._unscratch(staged)
+            self.t._notify(self.peer, encode(b"S", self.key, note))
+            self.t._pump()  # a notification leaves only while its agent makes progress: on its way now
+            self.t.shared.copied_out(n)
+            self.offset += n
+            self.chunks += 1
+            return
         mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
         local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
         local_descs[:, :2] = mine
         remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
         remote_descs[:, :2] = theirs
-        note = encode(b"C", self.key, CHUNK.pack(self.offset, n, len(box)) + box_bytes(box))
-        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, note)
+        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, encode(b"C", self.key, note))
         self.pending.append((handle, keep, staged))
         self.offset += n
         self.chunks += 1
@@ -295,7 +341,8 @@ class NixlTransport(Transport):
     scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
 
     def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 4, chunk_bytes: int, timeout_s: float,
-                 throttle: Throttle | None = None, stall_timeout_s: float | None = None):
+                 throttle: Throttle | None = None, stall_timeout_s: float | None = None,
+                 shared_memory: bool | None = None):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
                          stall_timeout_s=stall_timeout_s)
         missing = nixl_missing()
@@ -324,6 +371,9 @@ class NixlTransport(Transport):
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
+        # One copy into the receiver's shared segments between agents of one machine (`shm`); ``None``: where UCX
+        # may use shared memory too (its environment is set before this agent is made: `server/agent/ucx.py`)
+        self.shared = shm.Sharing(host, shm.allowed(os.environ) if shared_memory is None else shared_memory)
 
     @property
     def registrations(self) -> int:
@@ -368,6 +418,7 @@ class NixlTransport(Transport):
             self._peers[host] = metadata
             self._agent.make_connection(host)  # starts connecting now; it completes as both sides poll
         self._memory.forget_peer(host)  # a new agent there knows none of this agent's memory
+        self.shared.forget(host)
 
     def drop_peer(self, host: str) -> None:
         with self._lock:
@@ -375,6 +426,7 @@ class NixlTransport(Transport):
                 return
             self._agent.remove_remote_agent(host)
         self._memory.forget_peer(host)
+        self.shared.forget(host)
 
     def _require_peer(self, s: Session, peer: str) -> None:
         with self._lock:
@@ -400,6 +452,7 @@ class NixlTransport(Transport):
             return
         self._memory.close()
         self._pool.close()
+        self.shared.close()
         with self._lock:
             self._peers.clear()  # the agent's connections go with it
 
@@ -433,7 +486,7 @@ class NixlTransport(Transport):
     def _route(self, peer: str, msg: bytes) -> None:
         kind, key, payload = decode(msg)
         if kind == b"D":
-            _, mdlen = POST.unpack_from(payload)
+            _, mdlen, _ = POST.unpack_from(payload)
             for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
                 self._agent.add_remote_agent(blob)  # here before any WRITE into it
         role = "out" if kind in (b"D", b"K") else "in"
@@ -568,16 +621,20 @@ class NixlTransport(Transport):
         self._require_peer(s, peer)
         return _Out(self, s, key, peer)
 
-    def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None]) -> Landing:
+    def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None], peer: str) -> Landing:
         """The region ``box`` lands in: its runs in the buffers ``place`` offers (a tile, or a bucket's members'
-        tiles) where they hold it all, else a registered scratch buffer."""
+        tiles) where they hold it all (unregistered where they are shared segments ``peer`` copies into), else a
+        registered scratch buffer."""
         found = place_runs(box, place, max(1, nbytes // MIN_RUN_BYTES))
         # only into buffers the store's recycler keeps (`RECYCLE_MIN_BYTES`): a smaller tile is fresh memory every
         # run, to register and announce each time, and freed after, which leaves peers knowing memory that
         # malloc hands out again (`Registry.usable`)
-        if found is not None and all(o.nbytes >= RECYCLE_MIN_BYTES and self._memory.usable(o) for o in found[1]):
+        if found is not None and all(o.nbytes >= RECYCLE_MIN_BYTES for o in found[1]):
             device, owners, runs, segments = found
-            return Landing(owners, runs, device, [self._memory.register(o) for o in owners], segments=segments)
+            if self.shared.copies(peer) and all(shm.segment_of(o) is not None for o in owners):
+                return Landing(owners, runs, device, [], segments=segments)
+            if all(self._memory.usable(o) for o in owners):
+                return Landing(owners, runs, device, [self._memory.register(o) for o in owners], segments=segments)
         buf = self._scratch(nbytes)
         return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))
@@ -587,7 +644,8 @@ class NixlTransport(Transport):
         trailer (see the module table)."""
         self._require_peer(s, peer)
         nbytes = boxes.volume(box) * s.dtype(key.step)[1].itemsize
-        landing = self._landing(box, nbytes, place) if nbytes else None
+        landing = self._landing(box, nbytes, place, peer) if nbytes else None
+        offered: list[bytes] = []  # secrets a peer may fetch this box's shared segments by, until it copies
         try:
             runs = np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`_Out.end`)
             if landing is not None:
@@ -599,7 +657,11 @@ class NixlTransport(Transport):
             with self._post_lock:
                 metadata = b"" if landing is None else \
                     blobs([self._memory.metadata_for(r, peer) for r in landing.registrations])
-                self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata)) + metadata + runs.tobytes()))
+                in_place = landing is not None and landing.device is not None  # not scratch: its tiles may be shared
+                offer = self.shared.offer(peer, landing.owners if in_place else None, offered,
+                                          only=in_place and not landing.registrations)
+                self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata), len(offer)) + metadata + offer
+                                          + runs.tobytes()))
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0
             trailer = None
@@ -615,6 +677,10 @@ class NixlTransport(Transport):
                 if landing is None or off + n > nbytes:
                     raise InvalidArgumentError(f"job {key.job}: host {peer} wrote bytes {off}..{off + n} of stream "
                                                f"{key.hop} of step {key.step}, whose box holds {nbytes}")
+                if offered:  # the peer has what it maps by now, or WRITEs instead: no secret outlives its use
+                    self.shared.withdraw(offered)
+                if kind == b"S":
+                    self.shared.copied_in(peer, n)
                 waiting[off] = (box_of(payload[CHUNK.size:], ndim), n)
                 while got in waiting:
                     sub, n = waiting.pop(got)
@@ -624,6 +690,6 @@ class NixlTransport(Transport):
             self._notify(peer, encode(b"K", key))  # on the connection the post went down (`_Out.wait`)
             yield Trailer(trailer[0], trailer[1])
         finally:
+            self.shared.withdraw(offered)
             if landing is not None:
                 landing.release()
-

@@ -11,12 +11,15 @@ them, and the byte layout of the notifications that name those runs.
                  from them: a strided box is a descriptor list, not a packed copy)
 ``place_runs``   a destination box's runs in the buffers that ``place`` offers: a tile, or a
                  bucket's members' tiles (a receiver posts them)
+``parts_runs``   the runs of several parts (a bucket's members) from where they lie
 ``pair_runs``    a chunk's local runs against the receiver's runs, cut where either ends: the
                  two descriptor lists of one WRITE
-``Landing``      where one incoming box lands, and its bytes as landed
+``Landing``      where one incoming box lands (its runs, and the buffers that hold them), and its
+                 bytes as landed
 ``encode``       a notification: kind byte, step, hop, job, payload in our own layout (NIXL's
                  own descriptor serialisation pickles, and no pickle goes on a wire); the
-                 payloads' layouts are ``CHUNK``, ``TRAILER`` and ``POST``
+                 payloads' layouts are ``CHUNK``, ``TRAILER`` and ``POST`` (with its shared-
+                 memory offer, `shm`)
 ================ ===========================================================================
 """
 
@@ -40,14 +43,16 @@ from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.streams import Segments, StreamKey
 
 __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "blobs", "unblob", "encode", "decode", "box_bytes", "box_of",
-           "Registration", "Registry", "Pool", "owner_of", "source_runs", "place_runs", "pair_runs", "Landing"]
+           "Registration", "Registry", "Pool", "owner_of", "source_runs", "parts_runs", "place_runs", "pair_runs",
+           "Landing"]
 
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
 CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
 TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
-POST = struct.Struct("<II")  # device id, len(metadata blobs); then uint64 (address, length) per run
+POST = struct.Struct("<III")  # device id, len(metadata blobs), len(shared-memory offer: `shm.encode_offer`); then
+# the blobs, the offer, and uint64 (address, length) per run
 BLOB = struct.Struct("<I")  # the length of one partial metadata blob, before its bytes
 
 
@@ -285,6 +290,11 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     owner = _root(view)
     if not (_owns(owner) and owner.flags.c_contiguous and owner.nbytes) or min(view.strides, default=0) < 0:
         return None
+    if view.flags.c_contiguous:  # one run: the common chunk of a contiguous box, worked out without the offsets
+        lo = view.ctypes.data
+        if not owner.ctypes.data <= lo <= owner.ctypes.data + owner.nbytes - view.nbytes:
+            return None
+        return owner, np.array([lo], dtype=np.int64), np.array([view.nbytes], dtype=np.int64)
     k, run = view.ndim, view.itemsize
     while k and (view.shape[k - 1] == 1 or view.strides[k - 1] == run):  # the trailing dims that are one block
         run *= view.shape[k - 1]
@@ -301,6 +311,23 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     return owner, addrs, np.full(len(addrs), run, dtype=np.int64)
 
 
+def parts_runs(parts: list, run_bytes: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The runs of ``parts`` (arrays, in order) in their own buffers where they average ``run_bytes`` or more, else
+    packed: (addresses, offsets of their starts and the end, the packed copies to keep while they are read)."""
+    addrs, lens, keep = [], [], []
+    for p in parts:
+        if not p.nbytes:
+            continue
+        found = source_runs(p, max(1, p.nbytes // run_bytes))
+        if found is None:
+            p = np.ascontiguousarray(p)
+            keep.append(p)
+            found = (p, np.array([p.ctypes.data], np.int64), np.array([p.nbytes], np.int64))
+        addrs.extend(found[1].tolist())
+        lens.extend(found[2].tolist())
+    return np.asarray(addrs, dtype=np.int64), np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64)))), keep
+
+
 def pair_runs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np.ndarray], off: int,
               n: int) -> tuple[np.ndarray, np.ndarray]:
     """The (address, length) pieces, int64 arrays of shape (k, 2), of one WRITE: bytes ``[0, n)`` of the ``local``
@@ -308,6 +335,11 @@ def pair_runs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np
     end) in C order, cut wherever a run on either side ends."""
     la, lc = local
     ra, rc = remote
+    if len(la) == 1:  # one local run (a contiguous chunk): where it falls in one remote run, no cuts to sort
+        i = int(np.searchsorted(rc, off, side="right")) - 1
+        if off + n <= rc[i + 1]:
+            return (np.array([[la[0], n]], dtype=np.int64),
+                    np.array([[ra[i] + off - rc[i], n]], dtype=np.int64))
     inner = rc[(rc > off) & (rc < off + n)] - off
     cuts = np.union1d(lc[:-1], inner)
     lens = np.diff(np.append(cuts, n))
@@ -377,6 +409,7 @@ class Landing:
         for addr, n in runs:
             base, flat = flats[bisect.bisect_right(bases, addr) - 1]
             self.views.append(flat[addr - base:addr - base + n])
+        self.owners = owners  # a receiver offers them to a peer of this machine where they are shared segments
         self.addrs = [a for a, _ in runs]
         self.cum = [0, *itertools.accumulate(n for _, n in runs)]
         self.device = device

@@ -191,11 +191,11 @@ def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
     assert memory.usable(buffer(0, 128)) and memory.usable(buffer(256, 128)) and memory.usable(buffer(512, 128))
     # what would land there lands in a buffer of the transport's own pool, which no freed buffer ever overlaps
     tile = buffer(160, 128)
-    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", tile[:100_000]))
+    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", tile[:100_000]), "b")
     assert landing.device is None and memory.usable(landing.views[0]) and a.scratch_bytes >= 100_000
     landing.release()
     # a tile clear of it lands in place
-    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", buffer(256, 128)[:100_000]))
+    landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", buffer(256, 128)[:100_000]), "b")
     assert landing.device == "b/0"
     landing.release()
 
