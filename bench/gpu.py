@@ -10,6 +10,9 @@ row                  floor, goal              what is timed
 ==================== ======================== ========================================================
 device copy          (a floor)                ``dst.copy_(src)`` of the same bytes on the GPU
 d2h pageable         (a floor)                ``host.copy_(src)`` into an ordinary (not pinned) CPU tensor
+gpu digest           device copy              ``device_digest(src)``: the digest every IPC hand-over
+                                              checks, one read of the bytes (`reshard.proto.gpu_digest`)
+copy and digest      device copy              ``copy_digest(dst, src)``: the receiver's one pass
 put_shard ipc        device copy, >= 0.5x     ``put_shard(..., ipc=True)``: the agent maps the rank's
                                               memory, copies it on the GPU and checks the GPU digest
 get_shard ipc        device copy              ``get_shard(..., to=device, ipc=True)``
@@ -54,6 +57,8 @@ MiB = 2**20
 # must reach (None: shown against its floor, no goal).
 FLOORS = ("device copy", "d2h pageable")
 AGAINST = {
+    "gpu digest": ("device copy", None),
+    "copy and digest": ("device copy", None),
     "put_shard ipc": ("device copy", 0.5),
     "get_shard ipc": ("device copy", None),
     "get_shard no-ipc": ("d2h pageable", None),
@@ -230,6 +235,7 @@ class Bench:
 
     def rows(self) -> None:
         for name, fn in (("device copy", self.device_copy), ("d2h pageable", self.d2h_pageable),
+                         ("gpu digest", self.gpu_digest), ("copy and digest", self.copy_and_digest),
                          ("put_shard ipc", lambda: self.put_shard(ipc=True)),
                          ("get_shard ipc", lambda: self.get_shard(ipc=True)),
                          ("get_shard no-ipc", lambda: self.get_shard(ipc=False)),
@@ -268,6 +274,30 @@ class Bench:
         seconds, runs = self._best(lambda: dst.copy_(self.src))
         self._check(dst, "the device copy")
         return seconds, runs, {"note": "dst.copy_(src) on the GPU"}
+
+    def gpu_digest(self):
+        from reshard.proto import devices
+
+        want = devices.device_digest(self.src.cpu().numpy())  # numpy on the CPU, untimed
+        got = []
+        seconds, runs = self._best(lambda: got.append(devices.device_digest(self.src)))
+        if got[-1] != want:
+            raise AssertionError(f"the GPU digest {got[-1]:016x} differs from numpy's {want:016x}")
+        return seconds, runs, {"note": "a read of the bytes; equal to numpy's"}
+
+    def copy_and_digest(self):
+        import torch
+
+        from reshard.proto import devices
+
+        dst = torch.empty_like(self.src)
+        want = devices.device_digest(self.src)
+        got = []
+        seconds, runs = self._best(lambda: got.append(devices.copy_digest(dst, self.src)))
+        self._check(dst, "the copy that digests")
+        if got[-1] != want:
+            raise AssertionError(f"the copy's digest {got[-1]:016x} differs from the source's {want:016x}")
+        return seconds, runs, {"note": "one pass: read, write, sums"}
 
     def d2h_pageable(self):
         import torch
