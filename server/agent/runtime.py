@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -49,6 +49,7 @@ from reshard.server.agent.programs import HostLayout, load_program
 from reshard.server.agent.run import Run
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.task_graph import Task
+from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
 from reshard.server.common.tickets import program_digest
 from reshard.server.transport import buffers
@@ -61,6 +62,7 @@ __all__ = ["Runtime"]
 log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 256  # jobs that ended here whose traffic (and whether they ended with their run) a runtime keeps
+_DIGEST_HERE_BYTES = 64 << 10  # a held box up to this size is digested as the job is prepared, not on the pool
 _IDLE_LANES_KEPT = 4  # a runtime's idle lane pools of each lane count (`Runtime._lanes`), for jobs that overlap
 
 # Parsed programs an agent keeps (`Runtime._loaded`): at most PROGRAMS_KEPT, and no more than PROGRAMS_KEPT_BYTES of
@@ -71,7 +73,8 @@ class Runtime:
     """Runs the programs of one agent (see the module docstring); shared by all its jobs."""
 
     def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
-                 step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None):
+                 step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None,
+                 prepare_wait_s: float = AgentConfig.stall_timeout_s):
         self.host = host
         self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's speed
         self.store = store
@@ -82,6 +85,11 @@ class Runtime:
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}")
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
         self._lock = threading.Lock()
+        # A push may come before its job's prepare, which rides in the host's Execute (`accept`): it waits up to
+        # ``prepare_wait_s`` for a prepare or an abort, which bump ``_arrivals`` and wake it.
+        self.prepare_wait_s = prepare_wait_s
+        self._arrived = threading.Condition(self._lock)
+        self._arrivals = 0
         self._runs: dict[str, Run] = {}
         self._finished: OrderedDict[str, Traffic] = OrderedDict()
         self._over: OrderedDict[str, None] = OrderedDict()  # jobs that ended here with their run (`_end_if_over`)
@@ -133,6 +141,8 @@ class Runtime:
         link.attach(run)
         with self._lock:
             self._runs[job] = run
+            self._arrivals += 1
+            self._arrived.notify_all()
         self._digest_sources(run)
         return run
 
@@ -185,9 +195,17 @@ class Runtime:
             # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a
             # CUDA IPC move digests it on the GPU, a byte stream each chunk as it goes.
             if shard is not None and boxes.contains(shard.tile, t.box) and buffers.device_of(shard.array) == "cpu":
-                run.digests[task.step.id] = self._digest_pool.submit(
-                    _digest, run, run.dtype(task.step.id)[0], t.box, shard.array, shard.tile,
-                    run.transport.chunk_bytes)
+                dtype, np_type = run.dtype(task.step.id)
+                args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)
+                if boxes.volume(t.box) * np_type.itemsize > _DIGEST_HERE_BYTES:
+                    run.digests[task.step.id] = self._digest_pool.submit(_digest, *args)
+                    continue
+                # A small box is digested here: a few microseconds, where the pool's thread switches cost more.
+                run.digests[task.step.id] = digested = Future()
+                try:
+                    digested.set_result(_digest(*args))
+                except BaseException as e:  # noqa: BLE001 - the send that reads the digest raises it
+                    digested.set_exception(e)
 
     def run(self, job: str) -> Run:
         with self._lock:
@@ -195,6 +213,25 @@ class Runtime:
         if run is None:
             raise NotFoundError(f"agent {self.host} has no prepared job {job!r}")
         return run
+
+    def _prepared(self, job: str) -> Run:
+        """``job``'s run, waiting up to ``prepare_wait_s`` for its prepare where the job has not ended here: the
+        planner hands a small job's hosts their prepare inside their Execute, all at once, so a peer's push can
+        come first. An abort (the job failed elsewhere) ends the wait at once."""
+        deadline = time.monotonic() + self.prepare_wait_s
+        while True:
+            with self._lock:
+                run, seen = self._runs.get(job), self._arrivals
+            if run is not None:
+                return run
+            if self.store.ended(job) or time.monotonic() >= deadline:
+                break
+            with self._lock:  # a prepare or abort since the look above bumped the count: look again at once
+                if self._arrivals == seen:
+                    self._arrived.wait(deadline - time.monotonic())
+        raise NotFoundError(f"agent {self.host} has no prepared job {job!r}"
+                            + ("" if self.store.ended(job) else f" (none came within {self.prepare_wait_s:g}s of "
+                                                                 f"its first push)"))
 
     def execute(self, job: str, program_id: str) -> Run:
         """Start running ``job``'s tasks; returns its `Run` to wait on (`Run.wait`)."""
@@ -241,6 +278,9 @@ class Runtime:
             for staged in run.staging.values():
                 self.store.abort(staged.owner)
         self.store.abort(job)
+        with self._lock:  # a push waiting for this job's prepare gives up now
+            self._arrivals += 1
+            self._arrived.notify_all()
 
     def _end_if_over(self, run: Run) -> None:
         """End ``run``'s job on this host once the run is over, where nothing else would: the planner asks only the
@@ -421,7 +461,7 @@ class Runtime:
 
     def accept(self, header: PushHeader, items: Iterable) -> list[str] | None:
         """A stream pushed to this host (passive transports): one hop of a move, or a reduce's message."""
-        run = self.run(header.job)
+        run = self._prepared(header.job)
         if header.program_id != run.program_id:
             raise FailedPreconditionError(
                 f"job {header.job}: push from {header.from_host} carries program {header.program_id[:12]} but agent "

@@ -86,7 +86,8 @@ class AgentConfig:
     # and fails its job, naming the peer; collective sends and receives give up after collective_timeout_s
     # (a receive may wait that long for its sender to reach it). Either way the agent is free again, and
     # the planner has usually failed the job sooner (PlannerConfig.stall_timeout_s). Keep it well above one
-    # chunk's time on the link (chunk_bytes / rate_limit_bytes_per_s included).
+    # chunk's time on the link (chunk_bytes / rate_limit_bytes_per_s included). A push that comes before its
+    # job's prepare (a small job's hosts prepare inside their Execute) waits this long for it, too.
     stall_timeout_s: float = 10.0
     # On a GPU agent, a move over gRPC to a peer agent on the same machine that can map this agent's GPU goes as a
     # CUDA IPC handle of the box's region, copied device to device by the peer (reshard.server.transport.grpc_link).

@@ -41,13 +41,14 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from reshard import box as boxes
-from reshard.cost import network_copies, sender_bytes
+from reshard.cost import sender_bytes
 from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plans import Plan, Transfer
-from reshard.program import MOVE, Program, TensorDecl
+from reshard.program import MOVE, REDUCE, Program, TensorDecl
+from reshard.routes import hops
 from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
@@ -66,6 +67,9 @@ log = logging.getLogger(__name__)
 
 STATES = ("queued", "running", "succeeded", "failed")
 WATCH_INTERVAL_S = 0.2  # how often the hosts of a job are checked while agent calls are out
+# A gRPC job prepares inside its Execute when no host gets more pushed streams than this (`JobRunner._prepares_early`):
+# with the planner's 8 concurrent jobs, at most 32 early pushes wait in an agent's 64 server threads.
+EARLY_PUSHES_MAX = 4
 
 
 class _NotAnswering(UnavailableError):
@@ -124,7 +128,7 @@ class AgentCalls(Protocol):
                 prepare: Preparation | None = None, commit: bool = False) -> dict | None:
         """Run the host's part of the whole program (preparing first when ``prepare`` is given), reporting
         ``on_progress(bytes done, bytes to send, steps done, steps)``, and commit what it staged as the run ends
-        when ``commit`` (the job's only host); returns the host's traffic for the job."""
+        when ``commit`` (the job's only staging host); returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float, more: list[tuple[str, str, int, list[str]]] = ()) -> None:
@@ -554,20 +558,21 @@ class JobRunner:
                 self.agents.commit(h, peers[h], Staging(job=job.id), job.tensor, job.version, [], self.rpc_timeout_s)
 
             staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
-            # A job that runs on one host and commits only there (a compute job on a one-host mesh, a move between
-            # its devices) has nothing to make atomic across hosts: the host commits as its run ends, and the
-            # Commit call's round trip is saved. It counts as asked to commit from the start, so a failure
-            # releases whatever it may have committed.
-            at_once = len(hosts) == 1 and staging == hosts
+            # A job whose new versions are staged on one host (a move into a one-host mesh, a compute job on one)
+            # has nothing to make atomic across hosts: that host commits as its run ends, and the Commit call's
+            # round trip is saved. Nothing is visible before the catalog swap below, which still waits for every
+            # host's Execute; the host counts as asked to commit from the start, so a failure anywhere releases
+            # whatever it may have committed.
+            at_once = staging[0] if len(staging) == 1 else None
             try:
-                if at_once:
-                    committing.add(hosts[0])
+                if at_once is not None:
+                    committing.add(at_once)
                 ran = time.monotonic()
                 job.phases["planning"] = ran - began
-                self._run_program(job, prep, hosts, deadline, commit=at_once)
+                self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), at_once)
                 committed = time.monotonic()
                 job.phases["running"] = committed - ran
-                if not at_once:
+                if at_once is None:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
                 freed = self.catalog.commit(work.commits)
                 job.phases["committing"] = time.monotonic() - committed
@@ -676,7 +681,7 @@ class JobRunner:
             for s in program.steps:
                 hosts |= {host_of(d) for d in s.participants()}
             moves = _Moves.of([(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps
-                               if s.kind == MOVE], hosts)
+                               if s.kind == MOVE], hosts, any(s.kind == REDUCE for s in program.steps))
             with self._lock:
                 self._program_moves[program.id] = moves
                 while len(self._program_moves) > PROGRAM_MOVES_KEPT:
@@ -714,14 +719,26 @@ class JobRunner:
         job.transports = [transport if net else "local" for net in network]
         return transport, generation, seq
 
-    def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float,
-                     commit: bool = False) -> None:
+    @staticmethod
+    def _prepares_early(transport: str, moves: "_Moves") -> bool:
+        """Whether the job's hosts prepare inside their Execute, saving the Prepare round.
+
+        On the collective transport always: the plan-id confirmation before any call waits for every peer anyway.
+        On gRPC when no host has more than `EARLY_PUSHES_MAX` streams pushed into it: a push that reaches a host
+        before its Execute does waits in one of the host's server threads for the prepare
+        (``Runtime.accept``), and a handful per job, times the planner's concurrent jobs, cannot take every thread
+        the Execute itself needs. A larger job, or one with a reduce ring over hosts, is prepared everywhere
+        first (one more round, which its transfer time dwarfs)."""
+        if transport == "collective":
+            return True
+        return transport == "grpc" and moves.pushes_in is not None and moves.pushes_in <= EARLY_PUSHES_MAX
+
+    def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float, early: bool,
+                     commit: str | None = None) -> None:
         """Hand every host the program once, then run it with one Execute per host; collects progress and
-        each host's traffic. On gRPC every host is prepared before any runs, since pushes may reach a host
-        as soon as its peers start; on the collective transport each prepares inside its Execute (the plan-id
-        confirmation before any call waits for every peer anyway). ``commit``: each host commits as its run
-        ends (the job's only host)."""
-        early = prep.transport == "collective"
+        each host's traffic. Unless ``early`` (`_prepares_early`: each host prepares inside its Execute), every
+        host is prepared before any runs, since pushes may reach a host as soon as its peers start. ``commit``:
+        the host that commits as its run ends (the job's only staging host)."""
         if not early:
             self._fan_out(lambda h: self.agents.prepare(h, prep.peers[h], prep, self.rpc_timeout_s), hosts,
                           deadline, self._watch(prep.peers, {}))
@@ -738,7 +755,7 @@ class JobRunner:
 
             called = time.monotonic()
             traffic = self.agents.execute(h, prep.peers[h], job.id, prep.program_id, on_progress,
-                                          max(0.1, deadline - called), prep if early else None, commit)
+                                          max(0.1, deadline - called), prep if early else None, h == commit)
             job.host_seconds[h] = time.monotonic() - called
             if traffic is not None:
                 job.traffic[h] = traffic
@@ -781,6 +798,13 @@ class JobRunner:
             self._moved["local"] += moves.local_bytes
 
     def _best_effort(self, fn, hosts) -> None:
+        hosts = list(hosts)
+        if len(hosts) == 1:  # called here: handing one call to the pool and back cost two thread switches
+            try:
+                fn(hosts[0])
+            except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
+                log.info("cleanup call to host %s failed: %s", hosts[0], e)
+            return
         futures = {self._calls_pool.submit(fn, h): h for h in hosts}
         for f, h in futures.items():
             try:
@@ -807,7 +831,8 @@ class _Work:
 class _Moves:
     """A job's moves (each with its tensor's item size) and what the runner needs of them, worked out once per
     program: every host a move or step touches, the bytes each host sends as a sender (its progress total), per
-    move whether it crosses a NIC, and the bytes that go over NICs and within hosts."""
+    move whether it crosses a NIC, the bytes that go over NICs and within hosts, and the most streams pushed into
+    any one host (``pushes_in``; None where the count is unbounded: a reduce's ring messages)."""
 
     moves: list[tuple[Transfer, int]]
     hosts: frozenset[str]
@@ -815,23 +840,29 @@ class _Moves:
     network: list[bool]
     network_bytes: int
     local_bytes: int
+    pushes_in: int | None = 0
 
     @classmethod
-    def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str]) -> "_Moves":
-        """``moves`` and the hosts their steps touch besides (``hosts``)."""
+    def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str], reduces: bool = False) -> "_Moves":
+        """``moves`` and the hosts their steps touch besides (``hosts``); ``reduces``: the program has reduce
+        steps, whose ring messages are pushes too."""
         hosts = set(hosts)
         to_send: dict[str, int] = defaultdict(int)
+        pushed: dict[str, int] = defaultdict(int)
         network, network_bytes, local_bytes = [], 0, 0
         for t, itemsize in moves:
             sender = host_of(t.sender)
             hosts |= {sender, *map(host_of, t.receivers), *t.route}
             to_send[sender] += sender_bytes([t], itemsize, sender)
             n = boxes.volume(t.box) * itemsize
-            copies = network_copies(t)
+            copies = hops(t)
+            for hop in copies:
+                pushed[hop.dst] += 1
             network.append(bool(copies))
-            network_bytes += n * copies
+            network_bytes += n * len(copies)
             local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
-        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes)
+        pushes_in = None if reduces and len(hosts) > 1 else max(pushed.values(), default=0)
+        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in)
 
 
 def _commits_of(job: Job) -> list[str]:

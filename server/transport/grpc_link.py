@@ -12,11 +12,12 @@ cancelled and fails its job naming the peer, instead of waiting out its deadline
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import grpc
 
+from reshard.box import Box
 from reshard.proto import devices
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
@@ -32,6 +33,7 @@ from reshard.server.transport.streams import (
     Outgoing,
     Piece,
     QueuedOutgoing,
+    Segments,
     StreamKey,
     Throttle,
     Trailer,
@@ -117,7 +119,10 @@ class GrpcTransport(Transport):
                 return domain_error(e, f"agent of host {peer} at {address}")
             return e
 
-        return QueuedOutgoing(peer, self.depth, start, error, stall_s=self.stall_timeout_s, check=s.check)
+        def streaming() -> QueuedOutgoing:
+            return QueuedOutgoing(peer, self.depth, start, error, stall_s=self.stall_timeout_s, check=s.check)
+
+        return _SmallWhole(s, header, call, self.depth, streaming, error)
 
     def ipc_to(self, s: Session, peer: str, array) -> bool:
         local = self._local
@@ -154,6 +159,92 @@ class GrpcTransport(Transport):
                 ch.close()
             self._channels.clear()
             self._mapped.clear()
+
+
+# A push whose pieces come to no more than this is sent whole, in one call on its sender's thread (`_SmallWhole`).
+# Well inside HTTP/2's first flow-control window, so its messages leave whether or not the peer reads them.
+SMALL_STREAM_BYTES = 32 << 10
+
+
+class _SmallWhole(Outgoing):
+    """A push held while it stays small (`SMALL_STREAM_BYTES`, ``depth`` pieces) and, where its sender `finish`es
+    it, sent whole in one blocking call on the sender's own thread. Otherwise it becomes the `QueuedOutgoing` that
+    ``streaming`` makes, fed with what was held: as soon as it outgrows that (a CUDA IPC piece at once: the peer
+    maps it while the sender digests the region), or at `end`, whose sender goes on meanwhile (a ring's member
+    sends its rounds' messages, then receives, and only then waits for its sends).
+
+    Why: a streaming call starts two threads of gRPC's (the channel's poller and the request reader), which cost a
+    small job's sender more than everything else it did. The whole call needs the reader only. The call cannot
+    be polled for the job's failure as a queued stream's wait does, so the session cancels it (`Session.watch`):
+    its request iterator, which stays open until the answer comes, raises, and gRPC cancels the call."""
+
+    def __init__(self, s: Session, header: bytes, call, depth: int, streaming: Callable[[], QueuedOutgoing],
+                 error: Callable[[BaseException], BaseException]):
+        self._s, self._header, self._call, self._depth = s, header, call, max(1, depth)
+        self._streaming, self._error = streaming, error
+        self._held: list = []
+        self._nbytes = 0
+        self._queued: QueuedOutgoing | None = None
+        self._over = threading.Event()  # the call was answered, or is to be cancelled (`_cancelled`)
+        self._cancelled = False
+
+    def _stream(self) -> QueuedOutgoing:
+        if self._queued is None:
+            self._queued = self._streaming()
+            held, self._held = self._held, []
+            for item in held:
+                self._queued.offer(item)
+        return self._queued
+
+    def put(self, box: Box, data, wire=None) -> None:
+        if self._queued is None:
+            self._nbytes += data.nbytes if isinstance(data, Segments) else memoryview(data).nbytes
+            if self._nbytes <= SMALL_STREAM_BYTES and len(self._held) < self._depth:
+                self._held.append(Piece(box, data, wire))
+                return
+        self._stream().put(box, data, wire)
+
+    def put_ipc(self, box: Box, handle) -> None:
+        self._stream().put_ipc(box, handle)
+
+    def end(self, nbytes: int, digest: int, device: bool = False) -> None:
+        self._stream().end(nbytes, digest, device)
+
+    def wait(self, timeout: float) -> list[str] | None:
+        return self._stream().wait(timeout)
+
+    def finish(self, nbytes: int, digest: int, timeout: float) -> list[str] | None:
+        if self._queued is not None:
+            return super().finish(nbytes, digest, timeout)
+        held, self._held = [*self._held, Trailer(nbytes, digest, False)], []
+
+        def messages() -> Iterator[bytes]:
+            yield from _messages(self._header, held)
+            self._over.wait()  # open until answered: the only way to cancel a blocking call is from in here
+            if self._cancelled:
+                raise _Cancelled("the job failed while its push waited for the peer's answer")
+
+        self._s.watch(self.cancel)
+        try:
+            self._s.check()
+            return list(self._call(messages(), timeout=timeout, wait_for_ready=False).confirmed)
+        except grpc.RpcError as e:
+            self._s.check()  # cancelled because the job failed: that failure is what counts
+            raise self._error(e) from None
+        finally:
+            self._s.unwatch(self.cancel)
+            self._over.set()
+
+    def cancel(self) -> None:
+        if self._queued is not None:
+            self._queued.cancel()
+            return
+        self._cancelled = True
+        self._over.set()
+
+
+class _Cancelled(Exception):
+    """Raised in a whole push's request iterator to make gRPC cancel the call (`_SmallWhole`)."""
 
 
 class _Confirmed:

@@ -74,8 +74,7 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 out.put_parts(sub, parts)
                 sent += hi - lo
                 s.traffic.add_out(peer, hi - lo, origin_bytes)
-            out.end(sent, check.xxh3_64)
-            return out.wait(transport.timeout_s)
+            return out.finish(sent, check.xxh3_64, transport.timeout_s)
         for sub in chunk_boxes(box, dtype, transport.chunk_bytes):
             s.check()
             n = boxes.volume(sub) * np_type.itemsize
@@ -91,8 +90,7 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 out.put_region(sub, view)
             sent += n
             s.traffic.add_out(peer, n, origin_bytes)
-        out.end(sent, digest.result() if digest is not None else check.xxh3_64)
-        return out.wait(transport.timeout_s)
+        return out.finish(sent, digest.result() if digest is not None else check.xxh3_64, transport.timeout_s)
     except BaseException:
         out.cancel()
         raise

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -79,13 +80,31 @@ class Session:
         self.traffic = Traffic()
         self.failed: BaseException | None = None
         self._fail_lock = threading.Lock()
+        self._on_fail: set[Callable[[], None]] = set()  # `watch`: called once, as the first failure is recorded
 
     def fail(self, error: BaseException) -> BaseException:
         """Record ``error`` unless an earlier failure was; returns the one that counts."""
         with self._fail_lock:
+            if self.failed is not None:
+                return self.failed
+            self.failed = error
+            watchers, self._on_fail = self._on_fail, set()
+        for cancel in watchers:
+            cancel()
+        return error
+
+    def watch(self, cancel: Callable[[], None]) -> None:
+        """Call ``cancel`` when the job fails (at once, if it has): what a thread blocked in a call, which cannot
+        look at `check` between pieces, is stopped by. `unwatch` drops it."""
+        with self._fail_lock:
             if self.failed is None:
-                self.failed = error
-            return self.failed
+                self._on_fail.add(cancel)
+                return
+        cancel()
+
+    def unwatch(self, cancel: Callable[[], None]) -> None:
+        with self._fail_lock:
+            self._on_fail.discard(cancel)
 
     def check(self) -> None:
         """Raise the job's failure, if any: every loop calls this between pieces, which is how a job cancels."""

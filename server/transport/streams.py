@@ -195,6 +195,12 @@ class Outgoing(ABC):
         """Wait until the stream is through; the hosts that verified the box, or None where the transport does
         not report them (every receiving host then reports to the planner itself)."""
 
+    def finish(self, nbytes: int, digest: int, timeout: float) -> list[str] | None:
+        """`end`, then `wait`: a sender with nothing else to do meanwhile says so, and a transport may then send a
+        small stream whole, in one call (gRPC's `_SmallWhole`)."""
+        self.end(nbytes, digest)
+        return self.wait(timeout)
+
     @abstractmethod
     def cancel(self) -> None:
         """End the stream early, without a trailer: the far end discards it."""
@@ -233,7 +239,8 @@ class QueuedOutgoing(Outgoing):
             if isinstance(item, Trailer):
                 return
 
-    def _offer(self, item) -> None:
+    def offer(self, item) -> None:
+        """Queue a `Piece` or `Trailer` as it stands (pieces a buffered stream held before it became this one)."""
         since = time.monotonic()
         while True:
             if self._future.done():
@@ -260,14 +267,14 @@ class QueuedOutgoing(Outgoing):
             raise
 
     def put(self, box: Box, data, wire=None) -> None:
-        self._offer(Piece(box, data, wire))
+        self.offer(Piece(box, data, wire))
 
     def put_ipc(self, box: Box, handle) -> None:
         """Send sub-box ``box`` as a CUDA IPC handle of its region (`IpcRegion`): no byte leaves the GPU."""
-        self._offer(Piece(box, IpcRegion(handle)))
+        self.offer(Piece(box, IpcRegion(handle)))
 
     def end(self, nbytes: int, digest: int, device: bool = False) -> None:
-        self._offer(Trailer(nbytes, digest, device))
+        self.offer(Trailer(nbytes, digest, device))
 
     def wait(self, timeout: float) -> list[str] | None:
         deadline = time.monotonic() + timeout

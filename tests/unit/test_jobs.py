@@ -42,6 +42,8 @@ class RuntimeCalls:
                                               prep.dst_version, prep.peers, "memory", reads=prep.reads)
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
+        if prepare is not None:  # a small job's hosts prepare inside their Execute
+            self.prepare(host, address, prepare, timeout)
         runtime = self._record("execute+commit" if commit else "execute", host)
         run = runtime.execute(job, program_id)
         while not run.wait(0.02, runtime.step_timeout_s):
@@ -174,6 +176,8 @@ class Unanswering(RuntimeCalls):
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         if host != self.host:
             return super().execute(host, address, job, program_id, on_progress, timeout, prepare, commit)
+        if prepare is not None:
+            self.prepare(host, address, prepare, timeout)
         self._record("execute", host).execute(job, program_id)
         on_progress(0, 0, 0, 1)
         self.on_pause()
