@@ -108,7 +108,7 @@ def test_uploads_over_an_agents_memory_limit_are_refused_naming_sizes(cluster, c
 
     # Each tile fits, but not beside what the agent already holds: the agent refuses before allocating.
     client.put("fills", _floats(6 * MiB, 3), _on("host0"))
-    with pytest.raises(ResourceExhaustedError, match=r"PutShard of 'over' for device host0/1 needs 4\.0 MiB "
+    with pytest.raises(ResourceExhaustedError, match=r"PutShard(Shm)? of 'over' for device host0/1 needs 4\.0 MiB "
                                                      r"\(4,194,304 bytes\), but the agent of host host0 holds 7\.0 MiB "
                                                      r"\(7,340,032 bytes\) of its memory limit of 8\.0 MiB"):
         client.put("over", _floats(4 * MiB, 4), Sharding(Mesh({"x": 1}, ["host0/1"]), ("x",)))
