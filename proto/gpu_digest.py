@@ -29,7 +29,9 @@ import triton.language as tl
 
 BLOCK = 2048  # bytes per block: 255 * BLOCK * (BLOCK + 1) / 2 < 2**31
 WORDS = BLOCK // 4
-ROWS = 8  # blocks per program: 16 KiB, four 16-byte loads per thread of 8 warps in flight
+ROWS = 8  # blocks per program that copies: 16 KiB, four 16-byte loads per thread of 8 warps in flight
+READ_ROWS = 16  # blocks per program that only reads: 32 KiB (on an H200, 8% faster than 8 rows at 4 GiB; copying,
+# 16 rows were 2% slower than 8)
 ALIGN = 16  # bytes: where both buffers start on it, the words kernel runs
 PRIME = tl.constexpr(2**31 - 1)  # the digest's modulus (`reshard.proto.devices`)
 
@@ -84,14 +86,15 @@ def _words_fit(src, dst) -> bool:
     return src.numel() % 4 == 0 and src.data_ptr() % ALIGN == 0 and (dst is None or dst.data_ptr() % ALIGN == 0)
 
 
-def digest_sums(src, dst=None, rows: int = ROWS, words: bool | None = None):
+def digest_sums(src, dst=None, rows: int | None = None, words: bool | None = None):
     """The digest's two sums over 1-D contiguous uint8 CUDA tensor ``src`` (positions from 1), not yet reduced mod
     p: an int64 tensor of 2 on its device, which nothing waits for. Copies ``src`` into ``dst`` (as many bytes,
     contiguous) in the same pass when given. ``words`` picks the kernel (None: the words kernel where the buffers
-    allow it); ``rows`` is blocks per program (for the bench)."""
+    allow it); ``rows`` is blocks per program (None: `ROWS` to copy, `READ_ROWS` to read only)."""
     import torch
 
     n = src.numel()
+    rows = rows or (READ_ROWS if dst is None else ROWS)
     programs = triton.cdiv(triton.cdiv(n, BLOCK), rows)
     parts = torch.empty((2, max(programs, 1)), dtype=torch.int64, device=src.device)
     if not programs:
