@@ -567,7 +567,10 @@ def ticketed_agent():
     """A cluster whose agent "fz" runs in this process, so the test knows its registration secret and can sign
     what the planner would: the agent calls get past the ticket check to the code behind it."""
     with LocalCluster(1, 1, host_names=["host0"], transport="grpc") as cluster:
-        agent = Agent(AgentConfig("fz", DEVICES_PER_HOST, cluster.address, transport="grpc", token=cluster.token))
+        # A push with a valid ticket for a job never prepared here waits for its prepare (it may ride in the
+        # host's Execute, sent at the same time as the pusher's) up to the stall timeout: the fuzzer's never come.
+        agent = Agent(AgentConfig("fz", DEVICES_PER_HOST, cluster.address, transport="grpc", token=cluster.token,
+                                  stall_timeout_s=0.5))
         agent.start()
         try:
             caller = Caller(cluster)
