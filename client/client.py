@@ -263,8 +263,9 @@ def _source(array, ipc: Ipc):
 
 
 def _early_digest(arr, ipc: Ipc) -> Optional[tuple[Any, devices.DeviceChecksum]]:
-    """For a CUDA tensor that may go by CUDA IPC: (it made contiguous, its digest started on its GPU), so that the
-    digest runs while the caller waits for the planner; None for anything else. Nothing waits for the GPU here."""
+    """For a CUDA tensor that may go by CUDA IPC (or, failing that, through shared memory to a GPU agent): (it made
+    contiguous, its digest started on its GPU), so that the digest runs while the caller waits for the planner; None
+    for anything else. Nothing waits for the GPU here."""
     if ipc is False or not devices.is_cuda(arr) or not arr.numel():
         return None
     src = arr.contiguous()
@@ -478,7 +479,8 @@ class Client(FrameworkAdapters):
         if self._by_shm(address, arr.numel() * arr.element_size() if devices.is_cuda(arr) else arr.nbytes):
             try:
                 self._host_path.put(self._shm_call(address, f"device {device}"),
-                                    _shard_header(upload_id, name, loc, dtype), arr, self._agent_on_gpu(address))
+                                    _shard_header(upload_id, name, loc, dtype), arr, self._agent_on_gpu(address),
+                                    early)
                 return
             except FailedPreconditionError as e:
                 self._host_path.failed(address, e)

@@ -68,8 +68,10 @@ class HostPath:
         log.info("the agent at %s takes no shared-memory segment from this client; streaming instead: %s",
                  address, error)
 
-    def put(self, call: Call, header: pb.ShardHeader, arr, agent_on_gpu: bool) -> None:
-        """Hand over ``arr`` (a CUDA tensor, or a C-contiguous numpy array) as the shard ``header`` names."""
+    def put(self, call: Call, header: pb.ShardHeader, arr, agent_on_gpu: bool,
+            early: Optional[tuple[Any, devices.DeviceChecksum]] = None) -> None:
+        """Hand over ``arr`` (a CUDA tensor, or a C-contiguous numpy array) as the shard ``header`` names;
+        ``early``: the CUDA tensor made contiguous and its GPU digest under way, where the caller started one."""
         cuda = devices.is_cuda(arr)
         on_gpus = cuda and agent_on_gpu
         nbytes = arr.numel() * arr.element_size() if cuda else arr.nbytes
@@ -80,10 +82,11 @@ class HostPath:
                 import torch
 
                 segment.pin()
-                src = arr.contiguous()
-                check = devices.DeviceChecksum().update(src) if on_gpus else None
+                src, check = early or (arr.contiguous(), None)
+                if on_gpus and check is None:
+                    check = devices.DeviceChecksum().update(src)
                 torch.from_numpy(view).copy_(src.reshape(-1).view(torch.uint8))  # GPU to host; waits for it
-                digest = check.value if check is not None else xxhash.xxh3_64_intdigest(view)
+                digest = check.value if on_gpus else xxhash.xxh3_64_intdigest(view)
             else:
                 np.copyto(view, np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
                 digest = xxhash.xxh3_64_intdigest(view)

@@ -175,11 +175,9 @@ class ShmHandover:
         if buffers.is_torch(shard.array):
             src = shard.array.contiguous().reshape(-1).view(torch_dtype("uint8"))
             _torch_from(view).copy_(src)  # GPU to host, pinned; waits for it
-            got = buffers.device_digest(shard.array) if device_digest else xxhash.xxh3_64_intdigest(view)
         else:
             np.copyto(view, np.ascontiguousarray(shard.array).reshape(-1).view(np.uint8))
-            got = buffers.device_digest(shard.array) if device_digest else xxhash.xxh3_64_intdigest(view)
-        return shard.nbytes, got
+        return shard.nbytes, buffers.device_digest(shard.array) if device_digest else xxhash.xxh3_64_intdigest(view)
 
 
 def _torch_from(view: np.ndarray):
