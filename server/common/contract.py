@@ -15,6 +15,10 @@
 ``PROGRAMS_KEPT_BYTES`` how much of their text (the newest stays whatever its size): the planner
                         names a program by its SHA-256 to an agent it sent the text to while both
                         would still hold it
+``DELTA_BASE_MISMATCH`` how an agent's FAILED_PRECONDITION begins when a delta stream's base (the
+                        receiver's copy of the version it starts from) differs from the sender's, or
+                        the delta applied to it does not give the sender's box: the planner runs the
+                        job again with those tensors moved whole, and says so (issue 40)
 ======================= ==========================================================================
 """
 
@@ -25,11 +29,12 @@ from dataclasses import dataclass
 from reshard.proto.errors import InvalidArgumentError
 
 __all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
-           "PROGRAMS_KEPT_BYTES", "confirm_prefix", "check_host_name"]
+           "PROGRAMS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto", "nixl")
 BACKENDS = ("gloo", "nccl")
 PROGRAM_NOT_HELD = "program not held"
+DELTA_BASE_MISMATCH = "delta base mismatch"
 # A pipeline stage runs a dozen small programs in turn every step; a state dict's program is megabytes of JSON, and
 # its parsed form several times that.
 PROGRAMS_KEPT = 64

@@ -68,15 +68,20 @@ def program_digest(program_json: str) -> str:
 def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int, dst_version: int, transport: str,
                    generation: int, job_seq: int, peers: Mapping[str, str],
                    reads: Mapping[str, tuple[str, int]] | None = None,
-                   nixl_peers: Mapping[str, bytes] | None = None) -> tuple:
+                   nixl_peers: Mapping[str, bytes] | None = None,
+                   delta_bases: Mapping[str, tuple[int, int]] | None = None) -> tuple:
     """``program_sha256`` is `program_digest` of the program's text. ``nixl_peers`` (host -> NIXL metadata) is
-    signed too: an agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody."""
+    signed too: an agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody.
+    ``delta_bases`` (program tensor -> (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which
+    stored versions a delta move reads."""
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
         fields += (";".join(f"{t}={n}@{v}" for t, (n, v) in sorted(reads.items())),)
     if nixl_peers:
         fields += ("nixl:" + ",".join(f"{h}={hashlib.sha256(m).hexdigest()}" for h, m in sorted(nixl_peers.items())),)
+    if delta_bases:
+        fields += ("delta:" + ",".join(f"{t}={s}>{d}" for t, (s, d) in sorted(delta_bases.items())),)
     return fields
 
 
