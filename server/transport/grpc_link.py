@@ -11,6 +11,7 @@ cancelled and fails its job naming the peer, instead of waiting out its deadline
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -245,6 +246,18 @@ class _SmallWhole(Outgoing):
 
 class _Cancelled(Exception):
     """Raised in a whole push's request iterator to make gRPC cancel the call (`_SmallWhole`)."""
+
+
+class _QuietCancel(logging.Filter):
+    """gRPC logs every exception its request reader meets, with a traceback ("Exception iterating requests!"); a
+    `_Cancelled` is how a whole push is cancelled on purpose (its job failed elsewhere, which is logged there), so
+    its record is dropped. Every other exception is still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], _Cancelled))
+
+
+logging.getLogger("grpc._channel").addFilter(_QuietCancel())
 
 
 class _Confirmed:
