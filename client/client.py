@@ -111,6 +111,9 @@ class TensorInfo:
     lost: bool = False  # some tile has no copy left (every agent that held one restarted): get() raises DataLossError
     step: Optional[int] = None  # the version's label, as its publisher gave it (put(step=)); None: unlabeled
     pins: int = 0  # versions(): the pins holding this version (0 elsewhere)
+    # versions(): held as half of the name's delta base pair, the versions its last reshard_many moved from and to,
+    # which the next one diffs against (issue 40; the planner's --no-delta holds none)
+    delta_base: bool = False
 
     def __str__(self) -> str:
         return (f"{self.name}: {self.dtype}{list(self.shape)} {self.sharding} v{self.version}"
@@ -168,7 +171,9 @@ class JobResult:
     version: int
     progress: dict[str, tuple[int, int]]  # host -> (bytes sent, bytes to send)
     # host -> {"bytes_in": {peer: n}, "bytes_out": {peer: n}, "local_bytes": n, "native_reduces": n}: the last, how
-    # many of the host's reduces ran as the transport's own all-reduce (gloo's) rather than the agents' ring
+    # many of the host's reduces ran as the transport's own all-reduce (gloo's) rather than the agents' ring;
+    # "delta_wire_bytes"/"delta_full_bytes": {tensor: n}, what it sent for tensors moved as deltas, and what those
+    # streams would have carried whole
     traffic: dict[str, dict]
     error: str = ""
     transport: str = ""  # what carried the network transfers: "grpc", "collective" or "nixl"
@@ -180,9 +185,16 @@ class JobResult:
     phases: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
     manifest_digest: str = ""  # reshard_many(manifest=): SHA-256 of the manifest the job was checked against
+    # Delta sync (reshard_many): per tensor {"mode": "delta" or "full", "why", "bytes": network bytes sent for it,
+    # "full_bytes": what a full move would have sent}; the job's network bytes had every tensor moved whole; what
+    # the planner says of the job as a whole (e.g. that it fell back to full moves after a base mismatch)
+    deltas: dict[str, dict] = field(default_factory=dict)
+    full_network_bytes: int = 0
+    delta_note: str = ""
 
     @property
     def network_bytes(self) -> int:
+        """Bytes the job's hosts received over the network (delta frames as sent)."""
         return sum(sum(t["bytes_in"].values()) for t in self.traffic.values())
 
 
@@ -192,11 +204,15 @@ def _result(info: pb.JobInfo) -> JobResult:
         seconds=info.seconds, version=info.version,
         progress={p.host: (p.bytes_done, p.bytes_total) for p in info.progress},
         traffic={t.host: {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
-                          "native_reduces": t.native_reduces} for t in info.traffic},
+                          "native_reduces": t.native_reduces, "delta_wire_bytes": dict(t.delta_wire_bytes),
+                          "delta_full_bytes": dict(t.delta_full_bytes)} for t in info.traffic},
         error=info.error, transport=info.transport, transport_reason=info.transport_reason,
         transports=tuple(info.transports), versions=dict(info.versions),
         phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())),
-        manifest_digest=info.manifest_digest)
+        manifest_digest=info.manifest_digest,
+        deltas={d.name: {"mode": d.mode, "why": d.why, "bytes": d.bytes, "full_bytes": d.full_bytes}
+                for d in info.deltas},
+        full_network_bytes=info.full_network_bytes, delta_note=info.delta_note)
 
 
 class Job:
@@ -924,9 +940,9 @@ class Client(FrameworkAdapters):
         for p in t.locations:
             by_addr.setdefault(p.address, []).append(p.device)
         out: dict[str, str] = {}
-        for address, devices in by_addr.items():
+        for address, held in by_addr.items():
             try:
-                reply = self._agent(address).Digest(pb.DigestRequest(tensor=name, version=t.version, devices=devices),
+                reply = self._agent(address).Digest(pb.DigestRequest(tensor=name, version=t.version, devices=held),
                                                     timeout=self.timeout)
             except grpc.RpcError as e:
                 raise domain_error(e, f"agent at {address}") from None
@@ -961,8 +977,9 @@ class Client(FrameworkAdapters):
         self._planner_call("ReleasePin", pb.PinReleaseRequest(id=pin.id))
 
     def versions(self, name: str) -> list[TensorInfo]:
-        """The versions held of ``name`` (current last, older ones while a pin holds them), each with its version,
-        step label, sharding and the number of pins on it."""
+        """The versions held of ``name`` (current last, older ones while a pin or its delta base pair holds them),
+        each with its version, step label, sharding, the number of readers' pins on it and whether it is half of the
+        delta base pair (``delta_base``)."""
         return [_info(t) for t in self._planner_call("Versions", pb.TensorRequest(name=name)).tensors]
 
     # -- resharding ---------------------------------------------------------------------------
@@ -975,7 +992,7 @@ class Client(FrameworkAdapters):
 
     def reshard_many(self, shardings: Mapping[str, Sharding], strategy: str = "auto",
                      bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None, *,
-                     manifest: Optional[Manifest] = None, version=None) -> Job:
+                     manifest: Optional[Manifest] = None, version=None, delta: Optional[bool] = None) -> Job:
         """Start moving every tensor of ``shardings`` (``{name: sharding}``) to its sharding in one job; returns a
         `Job` at once.
 
@@ -994,7 +1011,14 @@ class Client(FrameworkAdapters):
         ``version`` (a `Pin` or a step label, as in `get_many`) names the versions to move, which must be the
         current ones (FailedPreconditionError otherwise: a newer version was published); the versions it commits
         carry their step label, and the ones they supersede stay readable while a pin holds them.
+
+        ``delta`` (delta sync): None moves each tensor as the changes since its previous sync where the planner
+        holds that sync's versions (its base pair) and the tensor's change rate says it pays; False moves every
+        tensor whole; True moves changes wherever a base pair is held. Either way the result is bit-exact;
+        ``JobResult.deltas`` says per tensor how it moved, why, and its bytes against a full move's.
         """
+        if delta is not None and not isinstance(delta, bool):
+            raise InvalidArgumentError(f"delta={delta!r}: give None (where it pays), True or False")
         if not isinstance(shardings, Mapping):
             raise InvalidArgumentError(f"reshard_many takes a dict {{name: sharding}}; got {type(shardings).__name__}")
         request = pb.ReshardManyRequest(
@@ -1002,6 +1026,8 @@ class Client(FrameworkAdapters):
             strategy=strategy, scales=[pb.ScalePair(weight=w, scale=s, block=block or ())
                                        for w, (s, block) in scale_pairs(scales or {}).items()],
             **_version_fields(version))
+        if delta is not None:
+            request.delta = delta
         if manifest is not None:
             if not isinstance(manifest, Manifest):
                 raise InvalidArgumentError(f"manifest must be a reshard.Manifest (Manifest.from_module(model)); got "
@@ -1164,7 +1190,7 @@ def _check_not_lost(t: pb.TensorInfo) -> None:
 
 def _info(t: pb.TensorInfo) -> TensorInfo:
     return TensorInfo(t.name, tuple(t.shape), t.dtype, Sharding.from_json(json.loads(t.sharding_json)), t.version,
-                      t.kind, t.lost, t.step if t.HasField("step") else None, t.pins)
+                      t.kind, t.lost, t.step if t.HasField("step") else None, t.pins, t.delta_base)
 
 
 def connect(address: str, **kwargs) -> Client:

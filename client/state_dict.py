@@ -155,7 +155,8 @@ class StateDictAdapters:
 
     def sync_state_dict(self, module_or_state_dict, devices=None, *, hosts: Optional[Sequence[str]] = None,
                         version=None, manifest: Optional[Manifest] = None, prefix: str = "", strategy: str = "auto",
-                        bucket_mib: Optional[float] = None, timeout: Optional[float] = None):
+                        bucket_mib: Optional[float] = None, timeout: Optional[float] = None,
+                        delta: Optional[bool] = None):
         """Move the published weights into the layout of a destination module (`state_dict_shardings`) in one
         `reshard_many` job, and wait for it; returns its `JobResult`.
 
@@ -163,12 +164,14 @@ class StateDictAdapters:
         label; None: the current versions) names what moves; the versions committed carry its step label, and the
         destination's previous ones stay readable until they commit (longer, while pinned). ``manifest`` (the
         consumer's, unprefixed) is checked by the planner before anything moves (`Client.reshard_many`), and the
-        job records the digest of ``manifest.with_prefix(prefix)``.
+        job records the digest of ``manifest.with_prefix(prefix)``. ``delta`` as in `Client.reshard_many`: None
+        moves only what changed since the previous sync where that pays, False every byte, True changes wherever
+        the planner holds the previous sync's versions.
         """
         shardings = self.state_dict_shardings(module_or_state_dict, devices, hosts=hosts, prefix=prefix)
         if manifest is not None and prefix:
             manifest = manifest.with_prefix(prefix)
-        kwargs: dict[str, Any] = {"manifest": manifest, "strategy": strategy, "bucket_mib": bucket_mib}
+        kwargs: dict[str, Any] = {"manifest": manifest, "strategy": strategy, "bucket_mib": bucket_mib, "delta": delta}
         if version is not None:
             kwargs["version"] = version
         return self.reshard_many(shardings, **kwargs).result(timeout=timeout)

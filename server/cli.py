@@ -143,7 +143,8 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--no-cuda-ipc", dest="cuda_ipc", action="store_false",
                    help="on a cuda device: stream boxes to agents on this machine as bytes over gRPC instead of "
                         "handing them CUDA IPC handles to copy from on the GPU")
-    p.add_argument("--fault", default="", choices=("", "corrupt-relay"), help=argparse.SUPPRESS)  # tests only
+    p.add_argument("--fault", default="", choices=("", "corrupt-relay", "delta-base-differs"),
+                   help=argparse.SUPPRESS)  # tests only
     p.add_argument("--report-gpu-uuid", default="", help=argparse.SUPPRESS)  # tests only
     _add_security_arguments(p)
     p.set_defaults(func=_run_agent)
@@ -195,6 +196,10 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--pin-timeout-s", type=float, default=d.pin_timeout_s,
                    help="seconds a pin (c.pin(): a reader's hold on tensor versions) is kept without a read through "
                         "it before it expires and frees the older versions it held")
+    p.add_argument("--no-delta", dest="delta", action="store_false",
+                   help="no delta sync: every reshard_many moves each tensor whole, and the planner holds no delta "
+                        "base pairs (otherwise each tensor a reshard_many moved keeps its last sync's two versions, "
+                        "one per layout, on the agents until its next sync, or --pin-timeout-s unused)")
     p.add_argument("--job-timeout", type=float, default=d.job_timeout_s, help="seconds a reshard job may take")
     p.add_argument("--group-wait", type=float, default=d.group_wait_s,
                    help="seconds a job on --transport collective agents waits for their process group to form")
@@ -234,7 +239,7 @@ def _run_planner(args) -> int:
         if token is None:
             log.warning("the dashboard on %s has no admin token: anyone who can reach it can read it; "
                         "pass --admin-token-file", args.http)
-    server, port, planner = serve_planner(config)
+    server, port, planner = serve_planner(config, delta=args.delta)
     host = config.listen.rsplit(":", 1)[0]
     dashboard = ""
     web = None

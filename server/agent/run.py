@@ -8,10 +8,12 @@ from collections import defaultdict
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from reshard import box as boxes
 from reshard.box import Box
 from reshard.program import DST, SRC, Program, Step
-from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError
+from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
 from reshard.routes import home_receivers
 from reshard.server.agent.buckets import BUCKETS_KEY
@@ -22,6 +24,7 @@ from reshard.server.agent.task_graph import Task
 from reshard.server.common.sizes import format_size
 from reshard.server.transport import buffers
 from reshard.server.transport.base import Transport
+from reshard.server.transport.deltas import DeltaStream, Segment
 from reshard.server.transport.session import Session
 
 __all__ = ["Run"]
@@ -58,7 +61,8 @@ class Run(Session):
     def __init__(self, job: str, program: Program, ident: str, names: dict[str, str], src_version: int,
                  dst_version: int, peers: dict[str, str], host: str, store: ShardStore, transport: Transport, *,
                  generation: int = 0, seq: int = 0, device: str = "cpu", push_tickets: dict[str, str] | None = None,
-                 versions: dict[str, int] | None = None, layout: HostLayout | None = None, tasks_at_once: int = 1):
+                 versions: dict[str, int] | None = None, layout: HostLayout | None = None, tasks_at_once: int = 1,
+                 delta_bases: dict[str, tuple[int, int]] | None = None):
         layout = layout if layout is not None else HostLayout(program, host)
         self.layout = layout
         self.buckets = layout.buckets  # first step id -> the bucket that travels as that step's stream
@@ -74,6 +78,9 @@ class Run(Session):
         self.transport = transport
         self.device = device
         self.tasks = layout.fresh_tasks()
+        # program tensor -> (src_version, dst_version): its moves carry delta frames (`_delta_streams`)
+        self.delta_bases = dict(delta_bases or {})
+        self.deltas.update(self._delta_streams())
         self.digests: dict[int, Future] = {}  # step -> XXH3-64 of its box, from a held source shard
         self.done = threading.Event()
         self.executing = False
@@ -160,6 +167,53 @@ class Run(Session):
                            f"job {self.job[:8]}'s bucket buffers ({n} of its {len(self.layout.bucket_buffers)} "
                            f"packed streams here at once, up to {format_size(self.layout.bucket_buffers[0])} "
                            f"each: a smaller bucket_mib packs less)")
+
+    def _delta_streams(self) -> dict[int, DeltaStream]:
+        """The move steps of this host (sent or received here) whose streams carry delta frames: a move of a
+        tensor's source (role ``src``) named in ``delta_bases``, or a bucket with such a member (its other members
+        go as ``full`` segments), of at least one element. Every host works out the same from the same program and
+        the same signed ``delta_bases``."""
+        unknown = sorted(set(self.delta_bases) - {t.name for t in self.program.tensors})
+        if unknown:
+            raise InvalidArgumentError(f"job {self.job}: delta_bases name tensors {unknown[:5]} that its program does "
+                                       f"not have; it has {[t.name for t in self.program.tensors][:5]}")
+        out: dict[int, DeltaStream] = {}
+        if not self.delta_bases:
+            return out
+        for task in self.tasks:
+            step = task.step
+            if task.role not in ("send", "recv") or step.id in out:
+                continue
+            bucket = self.buckets.get(step.id)
+            if bucket is not None:
+                parts = [(m, tensor, box, lo, hi, kind.itemsize)
+                         for m, (tensor, box, lo, hi, kind, _) in zip(bucket.members, bucket.parts)]
+            else:
+                itemsize = self.program.tensor(step.tensor).itemsize
+                parts = [(step, step.tensor, step.transfer.box, 0, boxes.volume(step.transfer.box) * itemsize,
+                          itemsize)]
+            segments = tuple(
+                Segment(tensor, self.names.get(tensor, tensor), box, lo, hi, itemsize,
+                        self.delta_bases.get(tensor) if m.role == SRC and self.program.tensor(tensor).src is not None
+                        else None)
+                for m, tensor, box, lo, hi, itemsize in parts)
+            nbytes = segments[-1].hi if segments else 0
+            if nbytes and any(seg.versions is not None for seg in segments):
+                sender = step.transfer.sender
+                out[step.id] = DeltaStream(step.id, sender, segments, nbytes,
+                                           lambda k, segments=segments, sender=sender:
+                                           self._delta_base(sender, segments[k], 0),
+                                           lambda device, k, segments=segments:
+                                           self._delta_base(device, segments[k], 1))
+        return out
+
+    def _delta_base(self, device: str, seg: Segment, side: int) -> np.ndarray | None:
+        """``seg``'s box of its base version on ``device`` as packed bytes: ``src_version`` (side 0, the sender) or
+        ``dst_version`` (side 1, a receiver); None where ``device`` holds no tile of it with the box."""
+        shard = self.store.find(seg.name, seg.versions[side], device)
+        if shard is None or not boxes.contains(shard.tile, seg.box):
+            return None
+        return np.frombuffer(buffers.host_bytes(buffers.region(shard.array, seg.box, shard.tile)), dtype=np.uint8)
 
     def commit_version(self, tensor: str) -> int:
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several

@@ -107,13 +107,15 @@ class Runtime:
     def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
                 peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0,
                 push_tickets: dict[str, str] | None = None, reads: dict[str, tuple[str, int]] | None = None,
-                program_sha256: str = "") -> Run:
+                program_sha256: str = "", delta_bases: dict[str, tuple[int, int]] | None = None) -> Run:
         """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
         ``program_json``, or the one held under ``program_sha256`` (`_loaded`); ``tensor`` is the store's name
         of the program's reshard tensor (the one with a source and a destination sharding); its other tensors go
         by their own names. ``reads`` (a compute program) gives program tensors their stored name and version
         instead: the inputs' versions to read, and the name the output commits as. ``push_tickets`` are the
-        planner's tickets for this job's pushes, by receiving host."""
+        planner's tickets for this job's pushes, by receiving host. ``delta_bases`` (program tensor ->
+        (src_version, dst_version)) names the tensors whose moves carry delta frames
+        (``reshard.server.transport.deltas``)."""
         if self.store.ended(job):  # an abort overtook this prepare (a paused agent), or a replayed prepare
             raise FailedPreconditionError(f"job {job} has already ended on agent {self.host}")
         link = self.transports.get(transport or "grpc")
@@ -137,7 +139,7 @@ class Runtime:
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
                   generation=generation, seq=seq, device=self.device, push_tickets=push_tickets,
                   versions={t: v for t, (_, v) in (reads or {}).items()}, layout=layout,
-                  tasks_at_once=link.lanes if not link.passive else self._workers)
+                  tasks_at_once=link.lanes if not link.passive else self._workers, delta_bases=delta_bases)
         link.attach(run)
         with self._lock:
             self._runs[job] = run
@@ -188,8 +190,9 @@ class Runtime:
             t = task.step.transfer if task.role == "send" else None
             # Only a move of role "src" reads the source shard (`Run.read`); one that reads another role, such as
             # the sums a reduce left, is digested as it is sent.
+            # A delta stream digests its packed box as it encodes the frame (`deltas.encode_frame`).
             if t is None or task.step.role != SRC or not first_peer(t) or task.step.id in run.buckets or \
-                    run.program.tensor(task.step.tensor).src is None:
+                    run.program.tensor(task.step.tensor).src is None or task.step.id in run.deltas:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
             # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a

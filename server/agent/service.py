@@ -239,6 +239,7 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
         reads = {t: (x.name, x.version) for t, x in r.reads.items()}
+        delta_bases = {t: (b.src_version, b.dst_version) for t, b in r.delta_bases.items()}
         # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
         sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256
         if not sha256 or (r.program_json and r.program_sha256 and r.program_sha256 != sha256):
@@ -246,18 +247,19 @@ class AgentServicer(pb_grpc.AgentServicer):
                                        f"one this agent holds, and not two that differ")
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
-                                                                r.peers, reads, dict(r.nixl_peers)),
+                                                                r.peers, reads, dict(r.nixl_peers), delta_bases),
                           what=f"Prepare of job {r.job[:12]!r}")
         if r.transport == "nixl":
             self.nixl_peers.introduce(r.job, dict(r.nixl_peers))
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
                                     r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads,
-                                    program_sha256=sha256)
+                                    program_sha256=sha256, delta_bases=delta_bases)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)
         return pb.HostTraffic(host=self.config.host, bytes_in=dict(t.bytes_in), bytes_out=dict(t.bytes_out),
-                              local_bytes=t.local_bytes, native_reduces=t.native_reduces)
+                              local_bytes=t.local_bytes, native_reduces=t.native_reduces,
+                              delta_wire_bytes=dict(t.delta_wire), delta_full_bytes=dict(t.delta_full))
 
     @staticmethod
     def _progress(run: Run, **fields) -> pb.Progress:

@@ -69,7 +69,9 @@ class AgentConfig:
     # each XXH3-checked. Every agent of a cluster should agree: a reduce follows whichever member decides first.
     native_reduce: bool = True
     # Fault injection for tests of end-to-end verification: "corrupt-relay" makes a chain hop flip a
-    # bit of the first chunk it receives before forwarding it (and keeping it). Never set in service.
+    # bit of the first chunk it receives before forwarding it (and keeping it); "delta-base-differs" makes
+    # every delta base this agent applies to read one bit off (the planner's fallback to full moves).
+    # Never set in service.
     fault: str = ""
     # Tests only: the GPU uuid this agent reports at registration instead of its device's, so that the
     # planner's refusal of two agents on one GPU can be tested on machines without GPUs. Never set in service.
@@ -127,8 +129,8 @@ class AgentConfig:
         if self.chunk_bytes <= 0 or self.collective_chunk_bytes < 0:
             raise ValueError(f"chunk_bytes must be positive and collective_chunk_bytes positive or 0 (sized from "
                              f"nic_gbps); got {self.chunk_bytes} and {self.collective_chunk_bytes}")
-        if self.fault not in ("", "corrupt-relay"):
-            raise ValueError(f"fault {self.fault!r} is not one of '', 'corrupt-relay'")
+        if self.fault not in ("", "corrupt-relay", "delta-base-differs"):
+            raise ValueError(f"fault {self.fault!r} is not one of '', 'corrupt-relay', 'delta-base-differs'")
 
 
 @dataclass(frozen=True)

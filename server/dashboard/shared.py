@@ -37,7 +37,8 @@ class DashboardSource(Protocol):
         apply's kernel), inputs, program_id (the program the job runs, once planned, where that is no plan of moves:
         a compute job, a Partial tensor's reshard; else None), phases ({phase: seconds} in `PHASES` order, those it
         reached), host_seconds ({host: seconds of its Execute call}), manifest_digest (the SHA-256 of the consumer's
-        manifest a reshard_many was checked against, or None)"""
+        manifest a reshard_many was checked against, or None), deltas (a reshard_many's tensors: {name, mode, why,
+        bytes, full_bytes, expected}), network_bytes, full_network_bytes, expected_network_bytes, delta_note"""
 
     def job_count(self) -> int:
         """How many jobs the planner keeps (the last `JOBS_KEPT` finished ones and every one in flight)."""
@@ -62,6 +63,10 @@ class DashboardSource(Protocol):
 
     def bytes_moved(self) -> dict[str, int]:
         """Bytes moved so far, by transport name."""
+
+    def delta_bytes(self) -> tuple[int, int]:
+        """(network bytes sent as deltas so far, the bytes full moves of those tensors would have sent). Optional: a
+        source without it reports no delta bytes."""
 
     def max_plan_tasks(self) -> int:
         """The planner's limit on plan size (``--max-plan-tasks``): what-if plans are held to it too."""

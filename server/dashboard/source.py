@@ -46,10 +46,25 @@ def _job_doc(job: Job) -> dict:
         "seconds": job.seconds if job.started else None, "started": job.started, "finished": job.finished,
         "error": job.error or None, "plan_id": ran.id if ran is not None else None,
         "program_id": job.program.id if job.program is not None else None,
-        "transports": transports, "estimate_seconds": ran.estimate_seconds if ran is not None else None,
+        "transports": transports, "estimate_seconds": _estimate(job),
         "phases": dict(job.phases), "host_seconds": dict(sorted(job.host_seconds.items())),
         "manifest_digest": job.manifest_digest or None,
+        "deltas": [{"name": n, **d} for n, d in job.deltas.items()], "network_bytes": job.network_bytes,
+        "full_network_bytes": job.full_network_bytes, "expected_network_bytes": job.expected_network_bytes,
+        "delta_note": job.delta_note or None,
     }
+
+
+def _estimate(job: Job) -> float | None:
+    """The job's estimate in seconds: its program's, which prices every move whole, scaled for a reshard_many that
+    moves deltas by the network bytes it expects to send over a full move's (a delta tensor priced at its change
+    rate times its full bytes: `JobRunner._choose_deltas`); a reshard_many's time is its moves'."""
+    ran = job.ran
+    if ran is None:
+        return None
+    if job.deltas and job.full_network_bytes:
+        return ran.estimate_seconds * min(1.0, job.expected_network_bytes / job.full_network_bytes)
+    return ran.estimate_seconds
 
 
 def _bytes_per_host(rec) -> dict[str, int]:
@@ -147,6 +162,9 @@ class PlannerSource:
 
     def bytes_moved(self) -> dict[str, int]:
         return self.planner.bytes_moved()
+
+    def delta_bytes(self) -> tuple[int, int]:
+        return self.planner.jobs.delta_bytes()
 
     def max_plan_tasks(self) -> int:
         return self.planner.config.max_plan_tasks

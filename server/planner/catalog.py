@@ -20,11 +20,24 @@ new version (a reshard, or a delete and a new upload) starts with nothing lost.
 A name holds versions: an upload of a name that exists publishes its next version (of the same shape and
 dtype), labeled with an optional ``step`` (the training step) that a reshard carries over. Readers may pin
 versions (`Catalog.pin`), which keeps them on their agents after newer ones commit, until released or expired.
+
+Delta sync (issue 40): every version records a content id (``TensorRecord.content``): an upload's is fresh, a
+reshard's copies its source's, so two versions of a name with one content id hold the same values in whatever
+layouts. As a reshard_many commits tensor n from version c (the senders' sharding A) to d (sharding B), the
+catalog holds (c, d) as n's *base pair* (`BasePair`): the next sync of n moves only what changed since c, diffed
+on the senders against c and applied on the receivers to d. The pair is held as a pin is (the same hold counts,
+so `versions` and the kept and freed versions stay right), replaces n's previous pair (whose versions are then
+freed unless current or pinned), is saved with the planner's state, expires after ``pin_timeout_s`` without a
+job using it, and goes with a delete of n. Its cost: one extra version per layout per tensor on the agents (c on
+the senders' devices once a newer upload supersedes it, d on the receivers' once the next sync does), at most
+one pair per name, freed at the next sync or on expiry; a catalog made with ``delta=False`` (the planner's
+--no-delta) holds none.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import uuid
@@ -40,7 +53,8 @@ from reshard.mesh import host_of
 from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
 
-__all__ = ["TensorRecord", "PinRecord", "Catalog", "Upload", "Uploads", "repeated_names", "check_step"]
+__all__ = ["TensorRecord", "PinRecord", "BasePair", "Catalog", "Upload", "Uploads", "repeated_names", "check_step",
+           "new_content"]
 
 KINDS = ("numpy", "torch")
 OUTCOMES_KEPT = 1024  # settled groups whose outcome a caller that waits for it can still read
@@ -56,11 +70,14 @@ class TensorRecord:
     kind: str = "numpy"
     lost: frozenset[str] = frozenset()  # devices whose shard of this version is gone with their agent
     step: int | None = None  # the label its publisher gave it (a training step); None: unlabeled
+    # Which values it holds (`new_content`): a reshard's copy shares its source's; "" unknown (a record saved
+    # before content ids, a compute output), which matches nothing
+    content: str = ""
 
     def to_json(self) -> dict:
         return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
                 "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
-                "lost": sorted(self.lost), "step": self.step}
+                "lost": sorted(self.lost), "step": self.step, "content": self.content}
 
     def json_text(self) -> str:
         """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
@@ -69,13 +86,13 @@ class TensorRecord:
         return (f'{{"name": {quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
                 f'"dtype": {quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
                 f'"version": {self.version}, "kind": {quoted(self.kind)}, "lost": [{lost}], '
-                f'"step": {"null" if self.step is None else self.step}}}')
+                f'"step": {"null" if self.step is None else self.step}, "content": {quoted(self.content)}}}')
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
         return cls(data["name"], tuple(data["shape"]), data["dtype"], Sharding.from_json(data["sharding"]),
                    int(data["version"]), data.get("kind", "numpy"), frozenset(data.get("lost", ())),
-                   data.get("step"))
+                   data.get("step"), data.get("content", ""))
 
     def lost_tiles(self) -> dict[Box, list[str]]:
         """The non-empty tiles whose every copy is lost, with the devices that held them."""
@@ -86,6 +103,28 @@ class TensorRecord:
             if volume(tile):
                 holders.setdefault(tile, []).append(dev)
         return {tile: devs for tile, devs in holders.items() if self.lost.issuperset(devs)}
+
+
+def new_content() -> str:
+    """A fresh content id: values no other version is known to hold."""
+    return uuid.uuid4().hex[:16]
+
+
+@dataclass(frozen=True)
+class BasePair:
+    """Tensor ``name``'s delta base pair: ``src``, a version in the sharding it was last moved from (held on the
+    senders' devices), and ``dst``, its copy in the sharding it was moved to (the receivers'), of one content."""
+
+    name: str
+    src: int
+    dst: int
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "src": self.src, "dst": self.dst}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "BasePair":
+        return cls(data["name"], int(data["src"]), int(data["dst"]))
 
 
 def check_name(name: str) -> str:
@@ -150,10 +189,14 @@ class Catalog:
     claimed first: `claim`, `publishing`), so no two versions of a name ever share a number on an agent, also
     after a delete while a pin holds one. A version that stops being current (superseded by a commit, or its
     name deleted) is freed at once unless a pin holds it; then it is kept, readable through the pin or by its
-    step label, until the last pin on it is released or expires (`release_pin`, `expired_pins`). With a
-    ``store`` the kept versions and the pins are saved as they change, and `restore` reads them back."""
+    step label, until the last pin on it is released or expires (`release_pin`, `expired_pins`). A name's delta
+    base pair (`BasePair`, see the module docstring) holds its two versions the same way, until replaced,
+    expired (`expired_bases`) or its name deleted (`delete`); with ``delta`` False none is ever held. With a
+    ``store`` the kept versions, the pins and the base pairs are saved as they change, and `restore` reads them
+    back."""
 
-    def __init__(self, store=None, pin_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, store=None, pin_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic,
+                 delta: bool = True):
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # an upload's commit ended (`publishing`)
         self._tensors: dict[str, TensorRecord] = {}
@@ -163,13 +206,17 @@ class Catalog:
         self._holds: Counter[tuple[str, int]] = Counter()  # (name, version) -> pins on it
         self._claims: dict[str, int] = {}  # name -> the version a job in flight commits it as
         self._publishing: Counter[str] = Counter()  # names an upload is committing now
+        self._bases: dict[str, BasePair] = {}  # name -> its delta base pair
+        self._bases_used: dict[str, float] = {}  # name -> when a job last made or used its pair (clock)
         self._store = store
         self.pin_timeout_s = pin_timeout_s
         self._clock = clock
+        self.delta = delta
 
     def restore(self) -> None:
-        """Read the current versions, the kept older ones and the pins back from the store (a restarted planner);
-        every pin's lease starts again now."""
+        """Read the current versions, the kept older ones, the pins and the base pairs back from the store (a
+        restarted planner); every pin's lease and pair's starts again now. A catalog without ``delta`` (a planner
+        restarted with --no-delta) reads its pairs back as expired already: the next `expired_bases` frees them."""
         self.load(TensorRecord.from_json(d) for d in self._store.tensors())
         now = self._clock()
         with self._lock:
@@ -180,6 +227,11 @@ class Catalog:
                 self._pins[pin.id] = pin
                 self._used[pin.id] = now
                 self._holds.update(pin.versions.items())
+            for d in self._store.delta_bases():
+                pair = BasePair.from_json(d)
+                self._bases[pair.name] = pair
+                self._bases_used[pair.name] = now if self.delta else -math.inf
+                self._holds.update(((pair.name, pair.src), (pair.name, pair.dst)))
 
     def get(self, name: str) -> TensorRecord:
         with self._lock:
@@ -205,11 +257,14 @@ class Catalog:
         """Replace ``old`` by ``new`` if ``old`` is still current (the commit point of a reshard)."""
         self.commit([(old, new)])
 
-    def commit(self, changes: list[tuple[TensorRecord | None, TensorRecord]]) -> list[TensorRecord]:
+    def commit(self, changes: list[tuple[TensorRecord | None, TensorRecord]],
+               bases: dict[str, tuple[int, int]] | None = None) -> list[TensorRecord]:
         """Make every new record current at once, or none: the commit point of a job (one tensor, or many in a
         reshard_many) and of an upload (one tensor, or a put_many). Each old record must still be current; a new
-        record without one publishes its name's next version, of the current one's shape and dtype. Returns the
-        versions this made free (superseded, and held by no pin): the caller releases them on their agents."""
+        record without one publishes its name's next version, of the current one's shape and dtype. ``bases``
+        (a reshard_many's: name -> (version moved, version committed)) become those names' base pairs, replacing
+        their previous ones (none without ``delta``). Returns the versions this made free (superseded, or held by
+        a replaced pair, and held by nothing else): the caller releases them on their agents."""
         with self._lock:
             for old, new in changes:
                 current = self._tensors.get(new.name)
@@ -218,7 +273,9 @@ class Catalog:
                 if old is not None and current != old:
                     raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the "
                                         f"reshard")
-            freed, kept = [], []
+            bases = (bases or {}) if self.delta else {}
+            unpaired = self._free_locked(self._set_bases_locked(bases))
+            freed, kept = list(unpaired), []
             for _, new in changes:
                 current = self._tensors.get(new.name)
                 self._tensors[new.name] = new
@@ -227,6 +284,8 @@ class Catalog:
             for rec in kept:
                 self._keep_locked(rec)
         self._save_old(kept)
+        self._save_bases(bases, [])
+        self._forget_held(unpaired)
         return freed
 
     def snapshot(self, names) -> list[TensorRecord]:
@@ -242,9 +301,23 @@ class Catalog:
                                 f"the catalog holds {shown}")
         return records
 
+    def delete(self, name: str) -> tuple[TensorRecord, list[TensorRecord]]:
+        """Take ``name`` out of the catalog with its base pair; returns its record and the versions this made free:
+        the current one unless a pin holds it (then readable through the pin until released), and the older one
+        only the pair held."""
+        with self._lock:
+            pair = self._bases.pop(name, None)
+            self._bases_used.pop(name, None)
+            freed = self._free_locked(self._unhold_locked(pair)) if pair is not None else []
+        if pair is not None:
+            self._save_bases({}, [name])
+            self._forget_held(freed)
+        rec, free = self.remove(name)
+        return rec, [rec, *freed] if free else freed
+
     def remove(self, name: str) -> tuple[TensorRecord, bool]:
-        """Take ``name`` out of the catalog; returns its record and whether its version is free now (a pin on it
-        keeps it readable through the pin until released)."""
+        """Take ``name`` out of the catalog; returns its record and whether its version is free now (a pin or a base
+        pair on it keeps it; `delete` drops the pair first)."""
         with self._lock:
             rec = self._tensors.pop(name, None)
             pinned = rec is not None and bool(self._holds[rec.name, rec.version])
@@ -343,8 +416,8 @@ class Catalog:
                 return rec
         if not held:
             raise NotFoundError(f"no tensor named {name!r}")
-        raise NotFoundError(f"tensor {name!r} holds no version labeled step {step}; it holds "
-                            f"{held_text(held)} (a version is held while it is current or pinned)")
+        raise NotFoundError(f"tensor {name!r} holds no version labeled step {step}; it holds {held_text(held)} (a "
+                            f"version is held while it is current, pinned or half of its delta base pair)")
 
     def pin(self, names: list[str] | None, step: int | None) -> PinRecord:
         """Hold, for each of ``names`` (None: every tensor in the catalog), its current version, or its version
@@ -446,14 +519,100 @@ class Catalog:
                     f"one with get_many(version=...)")
         return current
 
-    def versions(self, name: str) -> list[tuple[TensorRecord, int]]:
-        """Every version of ``name`` held, current last, each with the number of pins on it."""
+    def versions(self, name: str) -> list[tuple[TensorRecord, int, bool]]:
+        """Every version of ``name`` held, current last, each with the number of readers' pins on it and whether it
+        is half of the name's delta base pair (whose hold is not a pin: no reader made it)."""
         with self._lock:
             held = self._held_locked(name)
-            out = [(r, self._holds[r.name, r.version]) for r in held]
+            pair = self._bases.get(name)
+            based = {pair.src, pair.dst} if pair is not None else set()
+            out = [(r, self._holds[r.name, r.version] - (r.version in based), r.version in based) for r in held]
         if not out:
             raise NotFoundError(f"no tensor named {name!r} holds any version")
         return out
+
+    # -- delta base pairs -----------------------------------------------------------------------------------------
+
+    def bases(self, names) -> dict[str, tuple[BasePair, TensorRecord, TensorRecord]]:
+        """Of ``names``, those with a base pair: name -> (the pair, its src version's record, its dst version's);
+        a job that reads them renews them (they expire ``pin_timeout_s`` after their last use)."""
+        now = self._clock()
+        out = {}
+        with self._lock:
+            for n in names:
+                pair = self._bases.get(n)
+                if pair is None:
+                    continue
+                src, dst = self._held_version_locked(n, pair.src), self._held_version_locked(n, pair.dst)
+                if src is not None and dst is not None:
+                    out[n] = (pair, src, dst)
+                    self._bases_used[n] = now
+        return out
+
+    def base_pairs(self) -> dict[str, BasePair]:
+        """Every base pair held, by name."""
+        with self._lock:
+            return dict(self._bases)
+
+    def expired_bases(self) -> tuple[list[str], list[TensorRecord]]:
+        """The base pairs no job made or used for ``pin_timeout_s`` (their names), dropped, and the versions that
+        made free (held by nothing else, and not current)."""
+        now = self._clock()
+        with self._lock:
+            gone = sorted(n for n, used in self._bases_used.items() if now - used > self.pin_timeout_s)
+            dropped = []
+            for n in gone:
+                del self._bases_used[n]
+                dropped += self._unhold_locked(self._bases.pop(n))
+            freed = self._free_locked(dropped)
+        if gone:
+            self._save_bases({}, gone)
+            self._forget_held(freed)
+        return gone, freed
+
+    def _set_bases_locked(self, bases: dict[str, tuple[int, int]]) -> list[tuple[str, int]]:
+        """Hold each new pair of ``bases``, then let go of the pairs they replace (in that order, so a version both
+        hold stays held); returns the (name, version) keys whose last hold that was."""
+        now = self._clock()
+        old = [self._bases.get(n) for n in bases]
+        for n, (src, dst) in bases.items():
+            self._bases[n] = BasePair(n, src, dst)
+            self._bases_used[n] = now
+            self._holds.update(((n, src), (n, dst)))
+        return [key for pair in old if pair is not None for key in self._unhold_locked(pair)]
+
+    def _unhold_locked(self, pair: BasePair) -> list[tuple[str, int]]:
+        """Drop ``pair``'s holds; returns the keys that no longer have any."""
+        out = []
+        for key in ((pair.name, pair.src), (pair.name, pair.dst)):
+            self._holds[key] -= 1
+            if self._holds[key] <= 0:
+                del self._holds[key]
+                out.append(key)
+        return out
+
+    def _free_locked(self, keys: list[tuple[str, int]]) -> list[TensorRecord]:
+        """The kept versions of ``keys`` (held by nothing now), no longer kept; a current one stays."""
+        return [rec for key in keys if (rec := self._unkeep_locked(*key)) is not None]
+
+    def _held_version_locked(self, name: str, version: int) -> TensorRecord | None:
+        current = self._tensors.get(name)
+        if current is not None and current.version == version:
+            return current
+        return self._old.get(name, {}).get(version)
+
+    def _save_bases(self, bases: dict[str, tuple[int, int]], dropped: list[str]) -> None:
+        if self._store is None:
+            return
+        if bases:
+            self._store.save_delta_bases([(n, json.dumps(BasePair(n, s, d).to_json())) for n, (s, d) in bases.items()])
+        if dropped:
+            self._store.delete_delta_bases(dropped)
+
+    def _forget_held(self, freed: list[TensorRecord]) -> None:
+        """Drop the saved copies of kept versions ``freed`` (a current version freed had none: harmless)."""
+        if self._store is not None and freed:
+            self._store.delete_held_versions([(r.name, r.version) for r in freed])
 
     def pins_on(self, rec: TensorRecord) -> int:
         with self._lock:
@@ -512,7 +671,7 @@ class Uploads:
         if kind not in KINDS:
             raise InvalidArgumentError(f"kind {kind!r} must be one of {list(KINDS)}")
         return TensorRecord(name, shape, dtype, sharding, self._catalog.next_version(name), kind,
-                            step=check_step(step))
+                            step=check_step(step), content=new_content())
 
     def _pending_locked(self, rec: TensorRecord) -> Upload | None:
         """Refuse a new version of a catalogued name in another shape or dtype; returns the upload of that name
@@ -756,6 +915,8 @@ class Uploads:
 
 def bumped(rec: TensorRecord, sharding: Sharding, version: int | None = None) -> TensorRecord:
     """``rec``'s next version (``version``, default the one after it), held in ``sharding`` with nothing lost and
-    ``rec``'s step label (built directly: `dataclasses.replace` took a millisecond of every state dict's job)."""
+    ``rec``'s step label and content id (built directly: `dataclasses.replace` took a millisecond of every state
+    dict's job). A move between a pending sum and values stores other numbers: it gets a fresh content id."""
+    same = rec.sharding.is_partial == sharding.is_partial
     return TensorRecord(rec.name, rec.shape, rec.dtype, sharding, rec.version + 1 if version is None else version,
-                        rec.kind, step=rec.step)
+                        rec.kind, step=rec.step, content=rec.content if same else new_content())

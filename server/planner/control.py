@@ -111,7 +111,8 @@ LAYOUT_TEXT_KEPT_BYTES = 64 * 1024  # a longer text (a mesh of thousands of devi
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0):
+    def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0, delta: bool = True):
+        """``delta`` False (--no-delta): the catalog holds no delta base pairs, and jobs move every tensor whole."""
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
@@ -120,8 +121,8 @@ class Planner:
         self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
                                       "it runs with --no-rendezvous", generation=self.store.counter(GENERATION),
                                       saved=lambda generation: self.store.save_counter(GENERATION, generation))
-        self.catalog = Catalog(self.store, config.pin_timeout_s)
-        self.catalog.restore()  # the current versions, the older ones pins hold, and the pins
+        self.catalog = Catalog(self.store, config.pin_timeout_s, delta=delta)
+        self.catalog.restore()  # the current versions, the older ones pins and base pairs hold, the pins and pairs
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
@@ -459,6 +460,12 @@ class Planner:
                             [p[:8] for p in expired], self.config.pin_timeout_s, len(freed))
             if freed:
                 self.jobs.release(*freed)
+            expired, freed = self.catalog.expired_bases()
+            if expired:
+                log.info("delta base pairs of %d tensors (%s, ...) expired after %gs unused; %d versions they held "
+                         "are freed", len(expired), expired[0], self.config.pin_timeout_s, len(freed))
+            if freed:
+                self.jobs.release(*freed)
 
     # -- catalog ---------------------------------------------------------------------------------
 
@@ -503,10 +510,10 @@ class Planner:
     def delete(self, name: str) -> None:
         if self.jobs.busy(name):
             raise FailedPreconditionError(f"tensor {name!r} has a reshard job queued or running; wait for it first")
-        rec, free = self.catalog.remove(name)
+        _, freed = self.catalog.delete(name)  # with its base pair; a version a pin holds stays readable through it
         self.store.delete_tensor(name)
-        if free:  # else a pin holds it: readable through the pin until released
-            self.jobs.release(rec)  # best effort: the catalog entry is gone; memory is reclaimed on restart
+        if freed:
+            self.jobs.release(*freed)  # best effort: the catalog entry is gone; memory is reclaimed on restart
 
     # -- planning and jobs -------------------------------------------------------------------------
 
@@ -699,13 +706,15 @@ class Planner:
 
     def reshard_many(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
                      scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
-                     pin: str = "", step: int | None = None) -> Job:
+                     pin: str = "", step: int | None = None, delta: bool | None = None) -> Job:
         """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
         commits them together (`reshard.many`). ``scales`` pairs a weight with its block-scale tensor and block
         (None: from the shapes), which follows the weight's destination (its own may be left empty, or out of
         ``targets``). ``bucket_bytes`` None is the default bucket size, 0 packs nothing. ``manifest_json`` (a
         `reshard.Manifest`'s JSON, or empty) is the consumer's manifest, checked before anything else is
-        (`_check_manifest`); the job records its digest."""
+        (`_check_manifest`); the job records its digest. ``delta`` (delta sync): None moves each tensor as a delta
+        where a usable base pair is held and its change rate says it pays, False moves every tensor whole, True
+        moves a delta wherever a usable base pair is held (`JobRunner._choose_deltas`)."""
         if not targets:
             raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
         names = [n for n, _ in targets]
@@ -766,7 +775,7 @@ class Planner:
         return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
                                      {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()},
                                      manifest_digest=manifest.digest if manifest is not None else "", pin=pin,
-                                     step=step)
+                                     step=step, delta=delta)
 
     def _check_manifest(self, manifest_json: str, names: list[str], what: str) -> Manifest | None:
         """The consumer's manifest, once every tensor ``names`` moves is in it with the catalog's shape and dtype

@@ -24,12 +24,21 @@ Execute stream sent no progress report for ``stall_timeout_s`` while its part ru
 answering*, and the job fails at once naming it, instead of waiting for the transports' own
 timeouts. The other hosts are aborted first and the failure is published; the calls to the host
 that stopped answering finish last, still under the tensor's lock, so a retry starts after them.
+
+Delta sync (issue 40): a reshard_many moves a tensor as deltas against its base pair (`Catalog.bases`: the
+versions of its previous sync, one on the senders in the sharding moved, its copy on the receivers in the
+destination's) where the pair is usable and, with the request's ``delta`` unset, where the tensor's learned change
+rate says it pays (`JobRunner._choose_deltas`); the Prepare names those tensors' bases (``delta_bases``). A job
+whose agents find a base that differs (an error beginning `DELTA_BASE_MISMATCH`) runs once more, with every tensor
+moved whole; nothing was committed by the run that failed. The job records per tensor how it moved, why,
+and its bytes against a full move's (``Job.deltas``).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -37,7 +46,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from collections import Counter, OrderedDict, defaultdict
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from reshard import box as boxes
@@ -54,7 +63,7 @@ from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import Staging
+from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
@@ -70,6 +79,11 @@ WATCH_INTERVAL_S = 0.2  # how often the hosts of a job are checked while agent c
 # A gRPC job prepares inside its Execute when no host gets more pushed streams than this (`JobRunner._prepares_early`):
 # with the planner's 8 concurrent jobs, at most 32 early pushes wait in an agent's 64 server threads.
 EARLY_PUSHES_MAX = 4
+# Delta sync, with the request's ``delta`` unset: a tensor whose last delta sync sent more than this fraction of a
+# full move's bytes moves whole (a delta's indices cost more than they save); after this many such syncs it tries a
+# delta again, since a training run's change rate falls as its learning rate decays.
+DELTA_FULL_ABOVE = 0.9
+DELTA_PROBE_EVERY = 16
 
 
 class _NotAnswering(UnavailableError):
@@ -118,6 +132,8 @@ class Preparation:
     # a compute program: program tensor -> (stored name, version) it reads, or the name its output commits as
     reads: dict[str, tuple[str, int]] = field(default_factory=dict)
     nixl_peers: dict[str, bytes] = field(default_factory=dict)  # nixl: host -> the NIXL metadata it registered
+    # delta sync: program tensor -> (src_version, dst_version), the base its move's deltas start from
+    delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class AgentCalls(Protocol):
@@ -185,6 +201,16 @@ class Job:
     host_seconds: dict[str, float] = field(default_factory=dict)
     transport_reason: str = ""  # why the job runs on ``transport`` (`GroupCoordinator.choose`)
     manifest_digest: str = ""  # reshard_many: SHA-256 of the consumer's manifest it was checked against, if any
+    # Delta sync (reshard_many): the request's choice (None: where it pays, False: never, True: wherever a base
+    # pair is usable); per tensor {"mode": "delta" or "full", "why", "bytes" (network bytes sent), "full_bytes"
+    # (a full move's), "expected" (what the plan priced it at: rate x full for a delta)}; the job's network bytes
+    # as sent, as full moves would have sent them, and as priced; what to say of the job as a whole (a fallback)
+    delta: bool | None = None
+    deltas: dict[str, dict] = field(default_factory=dict)
+    network_bytes: int = 0
+    full_network_bytes: int = 0
+    expected_network_bytes: int = 0
+    delta_note: str = ""
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -230,7 +256,9 @@ class Job:
                 "kind": self.kind, "inputs": self.inputs, "scales": self.scales, "bucket_bytes": self.bucket_bytes,
                 "versions": self.versions, "outputs": self.outputs, "phases": self.phases,
                 "host_seconds": self.host_seconds, "transport_reason": self.transport_reason,
-                "manifest_digest": self.manifest_digest}
+                "manifest_digest": self.manifest_digest, "delta": self.delta, "deltas": self.deltas,
+                "network_bytes": self.network_bytes, "full_network_bytes": self.full_network_bytes,
+                "expected_network_bytes": self.expected_network_bytes, "delta_note": self.delta_note}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -242,7 +270,10 @@ class Job:
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
                   bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
                   outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}),
-                  transport_reason=d.get("transport_reason", ""), manifest_digest=d.get("manifest_digest", ""))
+                  transport_reason=d.get("transport_reason", ""), manifest_digest=d.get("manifest_digest", ""),
+                  delta=d.get("delta"), deltas=d.get("deltas", {}), network_bytes=d.get("network_bytes", 0),
+                  full_network_bytes=d.get("full_network_bytes", 0),
+                  expected_network_bytes=d.get("expected_network_bytes", 0), delta_note=d.get("delta_note", ""))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -315,6 +346,11 @@ class JobRunner:
         self.group = group
         self.group_wait_s = group_wait_s
         self._moved: dict[str, int] = defaultdict(int)  # bytes moved by succeeded jobs, per transport
+        # Delta sync: per tensor, its last delta sync's wire bytes / full bytes, and the syncs it moved whole since
+        # for its rate (`DELTA_PROBE_EVERY`); succeeded jobs' delta bytes sent, and the full bytes they replaced
+        self._change_rates: dict[str, float] = {}
+        self._full_since: Counter[str] = Counter()
+        self._delta_moved = [0, 0]
         self._durations = Durations()
         self.catalog = catalog
         self.store = store
@@ -356,13 +392,14 @@ class JobRunner:
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
-                    step: int | None = None) -> Job:
+                    step: int | None = None, delta: bool | None = None) -> Job:
         """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
-        ``pin`` or ``step``, of the versions they name (still current as the job starts)."""
+        ``pin`` or ``step``, of the versions they name (still current as the job starts). ``delta``: move tensors
+        as deltas where it pays (None), never (False), or wherever a base pair is usable (True)."""
         names = sorted(dsts)
         return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
                                 dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes,
-                                manifest_digest=manifest_digest, pin=pin, step=step))
+                                manifest_digest=manifest_digest, pin=pin, step=step, delta=delta))
 
     def _submit(self, job: Job) -> Job:
         with self._lock:
@@ -403,6 +440,11 @@ class JobRunner:
         """Bytes succeeded jobs moved, by transport: grpc and collective over the network, local within hosts."""
         with self._lock:
             return dict(self._moved)
+
+    def delta_bytes(self) -> tuple[int, int]:
+        """(network bytes succeeded jobs sent as deltas, the bytes full moves of those tensors would have sent)."""
+        with self._lock:
+            return self._delta_moved[0], self._delta_moved[1]
 
     def busy(self, tensor: str) -> bool:
         with self._lock:
@@ -532,20 +574,52 @@ class JobRunner:
 
     def _reshard(self, job: Job) -> list[TensorRecord]:
         """Run the job up to its commit; returns the records it replaced whose versions are now free (none when
-        the job made a new tensor, or a pin holds them)."""
+        the job made a new tensor, or a pin holds them). A run whose agents found a delta base that differs
+        (`DELTA_BASE_MISMATCH`) committed nothing: the job runs once more with every tensor moved whole. Not only
+        those the error names: one host's error names the tensors it found, and another host may have found others
+        (a base that is not what the catalog says it is may be stale for more of them); one more run must be the
+        last."""
         began = time.monotonic()
         deadline = began + self.job_timeout_s
         work = self._work(job)
+        try:
+            return self._attempt(job, work, job.id, began, deadline)
+        except Exception as e:  # noqa: BLE001 - all but a base mismatch are raised again below
+            named = _mismatched(e, work.delta_bases)
+            if named is None:
+                raise
+            error = str(e)
+        whole = sorted(work.delta_bases)
+        for n in whole:
+            why = "the agents' delta base differed" if n in named else "another tensor's delta base differed"
+            job.deltas[n].update(mode="full", expected=job.deltas[n]["full_bytes"],
+                                 why=f"fell back: {why} ({_brief(error, 160)})")
+        job.delta_note = (f"ran again with {len(whole)} tensor{'s' * (len(whole) != 1)} moved whole after a delta "
+                          f"base mismatch ({', '.join(named[:5])}{', ...' if len(named) > 5 else ''}): "
+                          f"{_brief(error, 240)}")
+        log.warning("job %s: %s", job.id[:8], job.delta_note)
+        job.expected_network_bytes = sum(d["expected"] for d in job.deltas.values())
+        again = replace(work, delta_bases={n: b for n, b in work.delta_bases.items() if n not in whole})
+        # The agents ended the first run's job id (`Runtime.prepare` refuses an ended one): the second has its own.
+        return self._attempt(job, again, f"{job.id}-full", time.monotonic(), deadline)
+
+    def _attempt(self, job: Job, work: "_Work", run_id: str, began: float, deadline: float) -> list[TensorRecord]:
+        """One run of ``work`` on the agents, as job ``run_id`` there, up to the catalog's commit (`_reshard`)."""
         hosts = work.hosts
         peers = {h: self.registry.require_up(h).address for h in hosts}
         # only a move's sender's host sends its first copies
         job.progress = {h: [0, work.moves.to_send.get(h, 0)] for h in hosts}
+        job.traffic, job.host_seconds = {}, {}
         transport, generation, seq = self._transport(job, work.moves.network, hosts)
         # The NIXL metadata of every host, as it registered: each agent adds the others as peers before the job.
         nixl_peers = ({h: self.registry.require_up(h).nixl_metadata for h in hosts} if transport == "nixl"
                       else {})
-        prep = Preparation(job.id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
-                           generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers)
+        prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
+                           generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
+                           delta_bases=work.delta_bases)
+        # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair.
+        bases = ({new.name: (old.version, new.version) for old, new in work.commits if old is not None}
+                 if job.kind == "reshard_many" else None)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -555,7 +629,7 @@ class JobRunner:
 
             def commit(h: str) -> None:
                 committing.add(h)
-                self.agents.commit(h, peers[h], Staging(job=job.id), job.tensor, job.version, [], self.rpc_timeout_s)
+                self.agents.commit(h, peers[h], Staging(job=run_id), job.tensor, job.version, [], self.rpc_timeout_s)
 
             staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
             # A job whose new versions are staged on one host (a move into a one-host mesh, a compute job on one)
@@ -568,13 +642,13 @@ class JobRunner:
                 if at_once is not None:
                     committing.add(at_once)
                 ran = time.monotonic()
-                job.phases["planning"] = ran - began
+                job.phases["planning"] = job.phases.get("planning", 0.0) + ran - began
                 self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), at_once)
                 committed = time.monotonic()
-                job.phases["running"] = committed - ran
+                job.phases["running"] = job.phases.get("running", 0.0) + committed - ran
                 if at_once is None:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
-                freed = self.catalog.commit(work.commits)
+                freed = self.catalog.commit(work.commits, bases)
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
                 self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
@@ -583,11 +657,11 @@ class JobRunner:
                 # A host writes its plan-id key only to call a peer: a job on one host wrote none to drop.
                 if transport == "collective" and self.collective_cleanup is not None and len(hosts) > 1:
                     try:
-                        self.collective_cleanup(generation, job.id, {0: hosts})
+                        self.collective_cleanup(generation, run_id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
-                        log.info("could not drop the confirmation keys of job %s: %s", job.id[:8], e)
+                        log.info("could not drop the confirmation keys of job %s: %s", run_id[:8], e)
         self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits])
-        self._count_moved(job, work.moves)
+        self._count_moved(job, work)
         return freed
 
     def _work(self, job: Job) -> "_Work":
@@ -629,7 +703,9 @@ class JobRunner:
             assert all(claimed[n] == r.version + 1 for n, r in records.items()), (claimed, records)
             reads = {n: (n, r.version) for n, r in records.items()}
             commits = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in records.items()]
-            return self._program_work(job, program, records[job.tensor].version, reads, commits, text)
+            work = self._program_work(job, program, records[job.tensor].version, reads, commits, text)
+            # Program tensors are the stored names here (``reads``): delta_bases is keyed by them too.
+            return replace(work, delta_bases=self._choose_deltas(job, records, work.moves))
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         topology = self.registry.topology()
         program = _still_fits(planned, inputs.values(), topology)
@@ -680,8 +756,9 @@ class JobRunner:
             hosts = set()
             for s in program.steps:
                 hosts |= {host_of(d) for d in s.participants()}
-            moves = _Moves.of([(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps
-                               if s.kind == MOVE], hosts, any(s.kind == REDUCE for s in program.steps))
+            steps = [s for s in program.steps if s.kind == MOVE]
+            moves = _Moves.of([(s.transfer, program.tensor(s.tensor).itemsize) for s in steps], hosts,
+                              any(s.kind == REDUCE for s in program.steps), [s.tensor for s in steps])
             with self._lock:
                 self._program_moves[program.id] = moves
                 while len(self._program_moves) > PROGRAM_MOVES_KEPT:
@@ -754,7 +831,7 @@ class JobRunner:
                 job.steps[h] = [steps_done, steps]
 
             called = time.monotonic()
-            traffic = self.agents.execute(h, prep.peers[h], job.id, prep.program_id, on_progress,
+            traffic = self.agents.execute(h, prep.peers[h], prep.job, prep.program_id, on_progress,
                                           max(0.1, deadline - called), prep if early else None, h == commit)
             job.host_seconds[h] = time.monotonic() - called
             if traffic is not None:
@@ -785,17 +862,104 @@ class JobRunner:
         Only those: a release is keyed by tensor and version, so one that reached a paused host late would
         free the same version committed there by a retry. A host never asked to commit holds nothing to free.
         """
-        self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=job.id), self.rpc_timeout_s),
+        self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=prep.job), self.rpc_timeout_s),
                           hosts)
         def release(h: str) -> None:
             self.agents.release(h, prep.peers[h], [(new.name, new.version) for new in news], self.rpc_timeout_s)
 
         self._best_effort(release, sorted(set(hosts) & committing))
 
-    def _count_moved(self, job: Job, moves: "_Moves") -> None:
+    def _count_moved(self, job: Job, work: "_Work") -> None:
+        """Count a succeeded job's bytes, and report its deltas (`_report_deltas`)."""
+        sent, replaced = self._report_deltas(job, work)
         with self._lock:
-            self._moved[job.transport] += moves.network_bytes
-            self._moved["local"] += moves.local_bytes
+            self._moved[job.transport] += job.network_bytes
+            self._moved["local"] += work.moves.local_bytes
+            self._delta_moved[0] += sent
+            self._delta_moved[1] += replaced
+
+    def _report_deltas(self, job: Job, work: "_Work") -> tuple[int, int]:
+        """Fill the job's network bytes, as sent and as full moves would have sent them, and each tensor's
+        (`Job.deltas`) from its hosts' traffic: a delta tensor's bytes are what its senders report having sent
+        for it (``delta_wire_bytes``) against what those streams carried whole (``delta_full_bytes``), a full
+        tensor's its moves' as planned. Learns each delta tensor's change rate; returns (delta bytes sent, the full
+        bytes they replaced)."""
+        full = work.moves.network_bytes
+        if not job.deltas:
+            job.network_bytes = job.full_network_bytes = job.expected_network_bytes = full
+            return 0, 0
+        wire: Counter[str] = Counter()
+        whole: Counter[str] = Counter()
+        for t in job.traffic.values():
+            wire.update(t.get("delta_wire_bytes", {}))
+            whole.update(t.get("delta_full_bytes", {}))
+        sent = replaced = 0
+        for n, d in job.deltas.items():
+            planned = work.moves.tensor_network.get(n, 0)
+            if d["mode"] == "delta" and whole[n]:
+                d["bytes"], d["full_bytes"] = wire[n], whole[n]
+                sent, replaced = sent + wire[n], replaced + whole[n]
+                with self._lock:
+                    self._change_rates[n] = wire[n] / whole[n]
+                    self._full_since.pop(n, None)
+            else:  # moved whole: by the plan, or by agents that report no delta (they predate delta sync)
+                d["bytes"] = d["full_bytes"] = planned
+        job.network_bytes = full - replaced + sent
+        job.full_network_bytes = full
+        return sent, replaced
+
+    def _choose_deltas(self, job: Job, records: dict[str, TensorRecord], moves: "_Moves"
+                       ) -> dict[str, tuple[int, int]]:
+        """Which tensors of reshard_many ``job`` move as deltas, each with its base (src_version, dst_version);
+        records every tensor's mode and why in ``job.deltas``, priced by its expected network bytes (rate x full
+        for a delta; full where its rate is unknown yet) in ``job.expected_network_bytes``.
+
+        A base pair is usable when its src version is in the sharding of the version moved and its dst version in
+        the destination's, both hold one content (a reshard's copy of the other) and neither lost a device. With
+        ``job.delta`` None a usable pair is used unless the tensor's last delta sync sent more than
+        `DELTA_FULL_ABOVE` of its full bytes (then every `DELTA_PROBE_EVERY`-th sync tries again); True uses every
+        usable pair; False none."""
+        pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
+        bases: dict[str, tuple[int, int]] = {}
+        for n, rec in records.items():
+            full = moves.tensor_network.get(n, 0)
+            mode, why, expected = "full", "", full
+            pair = pairs.get(n)
+            if not self.catalog.delta:
+                why = "the planner runs with --no-delta"
+            elif job.delta is False:
+                why = "delta off for this job (delta=False)"
+            elif pair is None:
+                why = "no base pair held (the tensor's first sync, or its pair expired)"
+            elif not full:
+                why = "its moves stay within hosts: no network bytes to save"
+            else:
+                why = _unusable(pair[1], pair[2], rec, job.dsts[n])
+            if not why:
+                base = f"base v{pair[0].src} -> v{pair[0].dst}"
+                with self._lock:
+                    rate = self._change_rates.get(n)
+                    if rate is not None and rate > DELTA_FULL_ABOVE and job.delta is None:
+                        self._full_since[n] += 1
+                        if self._full_since[n] >= DELTA_PROBE_EVERY:
+                            self._full_since.pop(n)
+                            rate = None  # tried again: the change rate may have fallen
+                if job.delta is True:
+                    mode, why = "delta", f"{base}; delta=True"
+                elif rate is None:
+                    mode, why = "delta", f"{base}; change rate unknown: trying a delta"
+                elif rate > DELTA_FULL_ABOVE:
+                    why = (f"its last delta sync sent {rate:.0%} of the full bytes (above {DELTA_FULL_ABOVE:.0%}): "
+                           f"a full move pays")
+                else:
+                    mode, why = "delta", f"{base}; its last delta sync sent {rate:.1%} of the full bytes"
+                if mode == "delta":
+                    bases[n] = (pair[0].src, pair[0].dst)
+                    expected = round(full * rate) if rate is not None else full
+            job.deltas[n] = {"mode": mode, "why": why, "bytes": full, "full_bytes": full, "expected": expected}
+        job.expected_network_bytes = sum(d["expected"] for d in job.deltas.values())
+        job.full_network_bytes = moves.network_bytes
+        return bases
 
     def _best_effort(self, fn, hosts) -> None:
         hosts = list(hosts)
@@ -825,6 +989,7 @@ class _Work:
     src_version: int
     reads: dict[str, tuple[str, int]]
     commits: list[tuple[TensorRecord | None, TensorRecord]]
+    delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)  # reshard_many: `_choose_deltas`
 
 
 @dataclass(frozen=True)
@@ -832,7 +997,8 @@ class _Moves:
     """A job's moves (each with its tensor's item size) and what the runner needs of them, worked out once per
     program: every host a move or step touches, the bytes each host sends as a sender (its progress total), per
     move whether it crosses a NIC, the bytes that go over NICs and within hosts, and the most streams pushed into
-    any one host (``pushes_in``; None where the count is unbounded: a reduce's ring messages)."""
+    any one host (``pushes_in``; None where the count is unbounded: a reduce's ring messages), and the bytes that
+    go over NICs per program tensor (where the moves' tensors were given)."""
 
     moves: list[tuple[Transfer, int]]
     hosts: frozenset[str]
@@ -841,16 +1007,19 @@ class _Moves:
     network_bytes: int
     local_bytes: int
     pushes_in: int | None = 0
+    tensor_network: dict[str, int] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str], reduces: bool = False) -> "_Moves":
+    def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str], reduces: bool = False,
+           tensors: list[str] | None = None) -> "_Moves":
         """``moves`` and the hosts their steps touch besides (``hosts``); ``reduces``: the program has reduce
-        steps, whose ring messages are pushes too."""
+        steps, whose ring messages are pushes too; ``tensors``: each move's program tensor."""
         hosts = set(hosts)
         to_send: dict[str, int] = defaultdict(int)
         pushed: dict[str, int] = defaultdict(int)
         network, network_bytes, local_bytes = [], 0, 0
-        for t, itemsize in moves:
+        per_tensor: dict[str, int] = defaultdict(int)
+        for i, (t, itemsize) in enumerate(moves):
             sender = host_of(t.sender)
             hosts |= {sender, *map(host_of, t.receivers), *t.route}
             to_send[sender] += sender_bytes([t], itemsize, sender)
@@ -860,9 +1029,12 @@ class _Moves:
                 pushed[hop.dst] += 1
             network.append(bool(copies))
             network_bytes += n * len(copies)
+            if tensors is not None:
+                per_tensor[tensors[i]] += n * len(copies)
             local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
         pushes_in = None if reduces and len(hosts) > 1 else max(pushed.values(), default=0)
-        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in)
+        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in,
+                   dict(per_tensor))
 
 
 def _commits_of(job: Job) -> list[str]:
@@ -872,6 +1044,35 @@ def _commits_of(job: Job) -> list[str]:
     if job.kind == "compute_many":
         return list(job.outputs)
     return [job.tensor]
+
+
+def _unusable(src: TensorRecord, dst: TensorRecord, moved: TensorRecord, target: Sharding) -> str:
+    """Why base pair (``src``, ``dst``) cannot start a delta move of ``moved`` into ``target``; "" where it can."""
+    if src.sharding != moved.sharding:
+        return (f"its base pair's v{src.version} is in {src.sharding.spec_str()}, but v{moved.version} moves from "
+                f"{moved.sharding.spec_str()}: the senders hold no base in that layout")
+    if dst.sharding != target:
+        return (f"its base pair's v{dst.version} is in {dst.sharding.spec_str()}, but the job moves it to "
+                f"{target.spec_str()}: the receivers hold no base in that layout")
+    if not src.content or src.content != dst.content:
+        return f"its base pair's v{src.version} and v{dst.version} are not known to hold the same values"
+    if src.lost or dst.lost:
+        return f"its base pair lost devices {sorted(src.lost | dst.lost)[:4]} when their agents restarted"
+    return ""
+
+
+def _mismatched(error: BaseException, bases: dict[str, tuple[int, int]]) -> list[str] | None:
+    """The tensors to move whole after ``error``, where it is an agent's `DELTA_BASE_MISMATCH` in a run that moved
+    deltas (those named ``: tensor '<name>'`` among ``bases``; all of them where none can be read); else None."""
+    text = str(error)
+    if not bases or DELTA_BASE_MISMATCH not in text:
+        return None
+    named = set(re.findall(re.escape(DELTA_BASE_MISMATCH) + r": tensor '(.+?)'", text)) & set(bases)
+    return sorted(named or bases)
+
+
+def _brief(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _still_fits(planned: Planned | None, records: Iterable[TensorRecord], topology: Topology) -> Program | None:

@@ -31,8 +31,11 @@ __all__ = ["serve_planner", "GrpcAgentCalls"]
 
 
 def _traffic(t: pb.HostTraffic) -> dict:
-    return {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
-            "native_reduces": t.native_reduces}
+    out = {"bytes_in": dict(t.bytes_in), "bytes_out": dict(t.bytes_out), "local_bytes": t.local_bytes,
+           "native_reduces": t.native_reduces}
+    if t.delta_wire_bytes or t.delta_full_bytes:  # only a host that sent deltas: a job's record stays small
+        out["delta_wire_bytes"], out["delta_full_bytes"] = dict(t.delta_wire_bytes), dict(t.delta_full_bytes)
+    return out
 
 
 # An Execute stream's messages are read by the thread that called it, not handed over by the channel's own polling
@@ -97,9 +100,10 @@ class GrpcAgentCalls:
                 job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
                 job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
-                nixl_peers=p.nixl_peers)
+                nixl_peers=p.nixl_peers,
+                delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in p.delta_bases.items()})
             fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
-                                    p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers)
+                                    p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, by_digest, fields, pushes)
             with self._lock:
@@ -265,13 +269,18 @@ def job_info(job: Job) -> pb.JobInfo:
         plan_id=job.plan.id if job.plan else "", strategy=job.strategy,
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"],
-                                native_reduces=t.get("native_reduces", 0))  # a record from before the count
+                                native_reduces=t.get("native_reduces", 0),  # a record from before the count
+                                delta_wire_bytes=t.get("delta_wire_bytes", {}),
+                                delta_full_bytes=t.get("delta_full_bytes", {}))
                  for h, t in sorted(job.traffic.items())],
         seconds=job.seconds, version=job.version, transport=job.transport, transports=job.transports,
         transport_reason=job.transport_reason,
         kind=job.kind, inputs=job.inputs, versions=job.versions,
         phases=[pb.JobPhase(name=n, seconds=s) for n, s in dict(job.phases).items()],
-        host_seconds=dict(job.host_seconds), manifest_digest=job.manifest_digest)
+        host_seconds=dict(job.host_seconds), manifest_digest=job.manifest_digest,
+        deltas=[pb.TensorDelta(name=n, mode=d["mode"], why=d["why"], bytes=d["bytes"], full_bytes=d["full_bytes"])
+                for n, d in job.deltas.items()],
+        network_bytes=job.network_bytes, full_network_bytes=job.full_network_bytes, delta_note=job.delta_note)
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:
@@ -326,10 +335,10 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         complete, missing = self.planner.finish_upload(request.upload_id, list(request.devices))
         return pb.FinishUploadReply(complete=complete, num_missing=missing)
 
-    def _tensor_info(self, rec, locations=(), pins: int = 0) -> pb.TensorInfo:
+    def _tensor_info(self, rec, locations=(), pins: int = 0, delta_base: bool = False) -> pb.TensorInfo:
         return pb.TensorInfo(name=rec.name, shape=rec.shape, dtype=rec.dtype, version=rec.version, kind=rec.kind,
                              sharding_json=json.dumps(rec.sharding.to_json(), sort_keys=True), locations=_locations(locations),
-                             lost=bool(rec.lost_tiles()), step=rec.step, pins=pins)
+                             lost=bool(rec.lost_tiles()), step=rec.step, pins=pins, delta_base=delta_base)
 
     @servicer_method
     def GetTensor(self, request, context):
@@ -338,7 +347,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def Versions(self, request, context):
-        return pb.TensorList(tensors=[self._tensor_info(rec, pins=n) for rec, n in self.planner.versions(request.name)])
+        return pb.TensorList(tensors=[self._tensor_info(rec, pins=n, delta_base=base)
+                                      for rec, n, base in self.planner.versions(request.name)])
 
     @servicer_method
     def Pin(self, request, context):
@@ -377,7 +387,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             [(t.name, t.dst_json) for t in request.targets], request.strategy,
             request.bucket_bytes if request.HasField("bucket_bytes") else None,
             [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
-            manifest_json=request.manifest_json, pin=request.pin, step=_step(request)))
+            manifest_json=request.manifest_json, pin=request.pin, step=_step(request),
+            delta=request.delta if request.HasField("delta") else None))
 
     @servicer_method
     def BeginUploads(self, request, context):
@@ -435,14 +446,15 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         return pb.ProgramReply(program_json=text, summary=program.summary(), estimate_s=program.estimate_seconds)
 
 
-def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
-    """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
+def serve_planner(config: PlannerConfig, delta: bool = True) -> tuple[grpc.Server, int, Planner]:
+    """Build and start the planner's gRPC server; returns (server, bound port, planner). ``delta`` False (the
+    planner's --no-delta): no delta sync, so no base pairs held on the agents (`Catalog`)."""
     made: list[Planner] = []  # the calls sign with secrets the planner's registry holds
     agents = GrpcAgentCalls(lambda host: made[0].registry.secret(host), config.token, config.tls)
     rendezvous = None
     if config.rendezvous and torch_installed():  # bound now; started once the server is (see Rendezvous)
         rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
-    planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
+    planner = Planner(config, agents, rendezvous.port if rendezvous else 0, delta=delta)
     made.append(planner)
     planner.rendezvous = rendezvous  # the store lives as long as the planner
     if rendezvous is not None:

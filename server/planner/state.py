@@ -1,5 +1,5 @@
-"""The planner's durable state: tensors (current and pinned versions), pins, jobs, plans and counters in SQLite
-(``--state PATH``).
+"""The planner's durable state: tensors (current and pinned versions), pins, delta base pairs, jobs, plans and
+counters in SQLite (``--state PATH``).
 
 Without a path the same tables live in memory, so one code path serves both.
 Rows hold JSON documents; no pickle.
@@ -21,6 +21,7 @@ CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NU
 CREATE TABLE IF NOT EXISTS held_versions (name TEXT NOT NULL, version INTEGER NOT NULL, doc TEXT NOT NULL,
                                           PRIMARY KEY (name, version));
 CREATE TABLE IF NOT EXISTS pins (id TEXT PRIMARY KEY, doc TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS delta_bases (name TEXT PRIMARY KEY, doc TEXT NOT NULL);
 """
 
 
@@ -81,6 +82,20 @@ class StateStore:
 
     def pins(self) -> list[dict]:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM pins")]
+
+    def save_delta_bases(self, docs: list[tuple[str, str]]) -> None:
+        """Delta base pairs (tensor name, the pair's JSON text), each replacing the name's previous one."""
+        with self._lock:
+            self._db.executemany("INSERT OR REPLACE INTO delta_bases (name, doc) VALUES (?, ?)", docs)
+            self._db.commit()
+
+    def delete_delta_bases(self, names: list[str]) -> None:
+        with self._lock:
+            self._db.executemany("DELETE FROM delta_bases WHERE name = ?", [(n,) for n in names])
+            self._db.commit()
+
+    def delta_bases(self) -> list[dict]:
+        return [json.loads(d) for (d,) in self._read("SELECT doc FROM delta_bases ORDER BY name")]
 
     def save_job(self, job_id: str, created: float, text: str) -> None:
         """The job ``job_id``'s document, as its JSON text (`Job.json_text`)."""

@@ -65,6 +65,7 @@ from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError,
 from reshard.proto.layout import chunk_boxes, tile_shape
 from reshard.server.common.contract import confirm_prefix
 from reshard.server.common.torch_support import require_torch, seconds_delta, torch_available
+from reshard.server.transport import deltas
 from reshard.server.transport.base import Transport
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
@@ -429,21 +430,40 @@ class CollectiveTransport(Transport):
 
     def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
         """Post up to ``window`` receives ahead; a piece lands in a receiver's buffer when ``place`` offers one
-        (no staging buffer, no copy), else in a new tensor."""
+        (no staging buffer, no copy), else in a new tensor. A delta stream (`Session.delta`) is received as its
+        sender cuts it (`deltas.frame_ranges`): the head first, whose payload length gives the rest."""
         torch = self.torch
         group = self._group(s)
         src, tag = group.rank_of(peer), self._tag(s, key)
         dtype, np_dtype = s.dtype(key.step)
-        subs = iter([sub for sub in chunk_boxes(box, dtype, self.chunk_bytes) if boxes.volume(sub)])
+        delta = s.delta(key.step)
+        if delta is None:
+            subs = iter([sub for sub in chunk_boxes(box, dtype, self.chunk_bytes) if boxes.volume(sub)])
+
+            def size(sub: Box) -> int:
+                return boxes.volume(sub) * np_dtype.itemsize
+        else:
+            head = torch.empty(deltas.HEAD.size, dtype=torch.uint8, device=group.device)
+            work = self.post(s, group, "recv", peer, lambda: group.pg.recv([head], src, tag))
+            self.finish(s, group, work, "recv", peer)
+            raw = head.cpu().numpy()
+            total = deltas.read_head(s.job, delta, raw)[0]
+            yield Piece(((0, deltas.HEAD.size),), raw, head, None)
+            subs = iter([((lo, hi),) for lo, hi in deltas.frame_ranges(total, self.chunk_bytes)][1:])
+            place = None  # a frame lands in tensors of its own
+
+            def size(sub: Box) -> int:
+                return sub[0][1] - sub[0][0]
         posted: deque = deque()
 
         def post() -> None:
             sub = next(subs, None)
             if sub is None:
                 return
-            into, view = (place(sub) or ("", None)) if group.device.type == "cpu" else ("", None)
+            into, view = (place(sub) or ("", None)) if place is not None and group.device.type == "cpu" else \
+                ("", None)
             buf = (torch.from_numpy(view.reshape(-1).view(np.uint8)) if view is not None
-                   else torch.empty(boxes.volume(sub) * np_dtype.itemsize, dtype=torch.uint8, device=group.device))
+                   else torch.empty(size(sub), dtype=torch.uint8, device=group.device))
             work = self.post(s, group, "recv", peer, lambda: group.pg.recv([buf], src, tag))
             posted.append((sub, buf, into if view is not None else None, work))
 

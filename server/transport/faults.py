@@ -7,22 +7,31 @@
 ``Stall``            every move this host sends starts ``seconds`` late; records when
                      each one ran (unit tests measure overlap and deadlines with it)
 ``Fail``             the moves of chosen steps fail on this host
+``DeltaBaseDiffers`` this host's copy of every delta base it applies to differs from the
+                     sender's in one bit (the receiver's ``DELTA_BASE_MISMATCH``)
+``CorruptFrame``     the first payload piece of every delta frame this host sends has one
+                     bit flipped on the wire, after the trailer's digest was taken
 ==================== ===================================================================
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator
 
+import numpy as np
+
 from reshard.box import Box
 from reshard.proto.errors import UnavailableError
 from reshard.server.transport.base import Transport
+from reshard.server.transport.deltas import HEAD
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, Segments, StreamKey
 
-__all__ = ["Wrapped", "CorruptRelay", "Stall", "Fail", "corrupt_bit", "FAULTS", "wrap"]
+__all__ = ["Wrapped", "CorruptRelay", "Stall", "Fail", "DeltaBaseDiffers", "CorruptFrame", "corrupt_bit", "FAULTS",
+           "wrap"]
 
 
 def corrupt_bit(hop: int) -> int:
@@ -126,7 +135,53 @@ class Fail(Wrapped):
         super().move(s, step, *args, **kwargs)
 
 
-FAULTS = {"corrupt-relay": CorruptRelay}
+def _flipped(base):
+    """A copy of ``base`` (packed bytes, or None) with the lowest bit of its first byte flipped."""
+    if base is None or not len(base):
+        return base
+    out = np.array(base, dtype=np.uint8)
+    out[0] ^= 1
+    return out
+
+
+class DeltaBaseDiffers(Wrapped):
+    """As a job is prepared here, every delta stream's receiving base reads one bit off (`deltas.DeltaStream`): the
+    receiver's copy of the version it applies to differs from the sender's, as after a lost or stale base."""
+
+    def attach(self, s: Session) -> None:
+        super().attach(s)
+        for step, d in list(s.deltas.items()):
+            s.deltas[step] = dataclasses.replace(
+                d, receiver_base=lambda device, k, read=d.receiver_base: _flipped(read(device, k)))
+
+
+class _FlipOnce:
+    """An `Outgoing` whose first piece past a delta frame's head goes with one bit flipped."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self._pending = True
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def put(self, box, data, wire=None) -> None:
+        if self._pending and box[0][0] >= HEAD.size:
+            self._pending = False
+            data = _flipped(np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8))
+            wire = None
+        self._inner.put(box, data, wire)
+
+
+class CorruptFrame(Wrapped):
+    """Delta frames this host sends arrive with one bit flipped (`_FlipOnce`); full streams go as they are."""
+
+    def open(self, s: Session, key: StreamKey, peer: str):
+        out = self.inner.open(s, key, peer)
+        return _FlipOnce(out) if s.delta(key.step) is not None else out
+
+
+FAULTS = {"corrupt-relay": CorruptRelay, "delta-base-differs": DeltaBaseDiffers}
 
 
 def wrap(transport: Transport, fault: str) -> Transport:

@@ -19,6 +19,10 @@
                   device to device and digests it in the same pass
 ================= ==========================================================================
 
+A move step the session names in ``Session.deltas`` (issue 40) sends its box as a delta frame instead
+(`deltas`: one frame per transfer, the same down every hop this host originates, CUDA IPC hops and
+this host's own receivers whole), and its receivers rebuild the box from their own base version.
+
 A chain hop that forwards hands on the very bytes it keeps, so only the chain's last
 hop digests them: its match covers every hop's copy, and a mismatch anywhere fails the
 job before any host commits. Each function takes the `Transport` it runs on and calls
@@ -43,6 +47,7 @@ from reshard.proto.devices import DeviceChecksum, share_cuda, torch_dtype
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops
+from reshard.server.transport import deltas
 from reshard.server.transport.buffers import host_bytes, region
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Gather, IpcRegion, Piece, Segments, Sink, StreamKey, Trailer, feed
@@ -227,12 +232,18 @@ def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, a
         for r in home:
             sink.write(r, t.box, view)
             s.traffic.add_local(nbytes)
+    delta = s.delta(step)
+    frame = None
     for h in hops(t):
         if not h.origin:
             continue
         key = StreamKey(s.job, step, h.index)
         if h.forward_to is None and boxes.volume(t.box) and transport.ipc_to(s, h.dst, array):  # mapped there
-            confirmed = send_ipc(transport, s, key, h.dst, array, origin, t.box)
+            confirmed = send_ipc(transport, s, key, h.dst, array, origin, t.box)  # puts nothing on the network
+        elif delta is not None:
+            if frame is None:  # once per transfer, the same frame down every hop
+                frame = deltas.encode_frame(s.job, delta, _packed(array, t.box, origin))
+            confirmed = deltas.send_frame(transport, s, key, h.dst, frame, delta.nbytes)
         else:
             confirmed = transport.send(s, key, h.dst, array, origin, t.box, digest)
         if t.method == "broadcast" and confirmed is not None and list(confirmed) != list(t.route):
@@ -251,6 +262,13 @@ def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sin
                                    f"{transport.host}")
     local, nxt, peer = targets
     key = StreamKey(s.job, step, hop)
+    delta = s.delta(step)
+    if delta is not None:
+        if items is None:  # a frame lands in the transport's own buffer, never in a destination tile
+            items = transport.arrivals(s, key, peer, t.box, lambda sub: None)
+        first, items = deltas.take_first(items)
+        if not (isinstance(first, Piece) and isinstance(first.data, IpcRegion)):  # CUDA IPC hops go whole
+            return _take_frame(transport, s, key, t, delta, items, sink, local, nxt, peer)
     if items is None:
         items = transport.arrivals(s, key, peer, t.box, lambda sub: sink.place(local, sub))
 
@@ -258,6 +276,35 @@ def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sin
         verify_arrival(s.job, step, t, hop, check, nbytes, digest, s.dtype(step)[1].itemsize)
 
     return transport.relay(s, key, peer, t.box, items, sink, local, nxt, verify)
+
+
+def _take_frame(transport: Transport, s: Session, key: StreamKey, t: Transfer, delta: deltas.DeltaStream,
+                items: Iterable, sink: Sink, local: list[str], nxt: str | None, peer: str) -> list[str] | None:
+    """A delta stream arriving here (`deltas`): forward it, check its trailer, then rebuild the box on each of
+    ``local``'s devices from its own base and write it whole; returns who verified it."""
+    frame, forward = deltas.relay_frame(transport, s, key, peer, delta, items, nxt)
+    try:
+        np_type = s.dtype(key.step)[1]
+        shape = tile_shape(t.box)
+        for r in local:
+            box = deltas.apply_frame(s.job, delta, frame, r)
+            s.check()
+            sink.write(r, t.box, box.view(np_type).reshape(shape))
+    except BaseException:
+        if forward is not None:
+            forward.cancel()
+        raise
+    if forward is None:
+        return [transport.host]
+    later = forward.wait(transport.timeout_s)
+    return None if later is None else [transport.host, *later]
+
+
+def _packed(array, box: Box, origin: Box) -> np.ndarray:
+    """``box`` of ``array`` (a tile holding ``origin``, or a bucket's `Gather`) as packed host bytes."""
+    if isinstance(array, Gather):
+        return Segments(np.ascontiguousarray(p) for p in array.parts).packed()
+    return np.frombuffer(host_bytes(region(array, box, origin)), dtype=np.uint8)
 
 
 def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, sent_nbytes: int,

@@ -643,7 +643,8 @@ class NixlTransport(Transport):
         """Post the region the box lands in, then yield each chunk once it landed, in stream order, then the
         trailer (see the module table)."""
         self._require_peer(s, peer)
-        nbytes = boxes.volume(box) * s.dtype(key.step)[1].itemsize
+        delta = s.delta(key.step)  # a delta frame (`deltas`) lands in scratch of the most it may take; it may be less
+        nbytes = delta.limit if delta is not None else boxes.volume(box) * s.dtype(key.step)[1].itemsize
         landing = self._landing(box, nbytes, place, peer) if nbytes else None
         offered: list[bytes] = []  # secrets a peer may fetch this box's shared segments by, until it copies
         try:

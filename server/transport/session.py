@@ -13,13 +13,15 @@ import numpy as np
 from reshard.proto.layout import np_dtype
 
 if TYPE_CHECKING:
+    from reshard.server.transport.deltas import DeltaStream
     from reshard.server.transport.streams import StreamKey
 
 __all__ = ["Session", "Traffic", "dtype_pairs_of"]
 
 
 class Traffic:
-    """Bytes a host moved for one job: over the network per peer host, and between its own devices."""
+    """Bytes a host moved for one job: over the network per peer host, and between its own devices; and, per program
+    tensor that moved as deltas (`deltas`), the frame bytes it sent and what full streams would have carried."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -28,6 +30,8 @@ class Traffic:
         self.local_bytes = 0
         self.sent = 0  # as a transfer's sender: what progress reports (``reshard.cost.sender_bytes``)
         self.native_reduces = 0  # reduces run as the transport's own all-reduce (`Transport.all_reduce`)
+        self.delta_wire: dict[str, int] = defaultdict(int)  # program tensor -> delta frame bytes sent (every hop)
+        self.delta_full: dict[str, int] = defaultdict(int)  # program tensor -> what full streams would have sent
 
     def add_in(self, peer: str, n: int) -> None:
         with self._lock:
@@ -38,6 +42,17 @@ class Traffic:
             self.bytes_out[peer] += n
             if origin:
                 self.sent += n
+
+    def add_delta(self, wire: dict[str, int], full: dict[str, int], sent: int = 0) -> None:
+        """A delta stream went out (`deltas.send_frame`, or forwarded): its frame bytes and full bytes per tensor
+        (its bytes on the wire are counted by ``add_out`` as they go). ``sent``, the full box's bytes of a stream
+        this host originated, counts toward progress, whose total counts full moves."""
+        with self._lock:
+            for t, n in wire.items():
+                self.delta_wire[t] += n
+            for t, n in full.items():
+                self.delta_full[t] += n
+            self.sent += sent
 
     def add_native_reduce(self) -> None:
         with self._lock:
@@ -58,7 +73,8 @@ def dtype_pairs_of(dtypes: dict[int, str]) -> dict[int, tuple[str, np.dtype]]:
 class Session:
     """One job on one host, as its transport sees it: ids, dtype, peers, traffic and the first failure.
 
-    ``dtypes`` gives each step's dtype (the dtype of the tensor it moves or reduces).
+    ``dtypes`` gives each step's dtype (the dtype of the tensor it moves or reduces). ``deltas`` (step ->
+    `deltas.DeltaStream`, filled by the agent's run) names the move steps whose streams carry delta frames.
     ``streams`` numbers every stream of the job (step -> its first stream number, see
     `reshard.routes.stream_count`; ``num_streams`` in all) for transports that tag messages. The agent's
     runtime extends it.
@@ -78,6 +94,7 @@ class Session:
         self.streams = streams or {}
         self.num_streams = num_streams
         self.traffic = Traffic()
+        self.deltas: dict[int, DeltaStream] = {}
         self.failed: BaseException | None = None
         self._fail_lock = threading.Lock()
         self._on_fail: set[Callable[[], None]] = set()  # `watch`: called once, as the first failure is recorded
@@ -113,6 +130,10 @@ class Session:
 
     def stream(self, key: StreamKey) -> int:
         return self.streams.get(key.step, 0) + key.hop
+
+    def delta(self, step: int) -> DeltaStream | None:
+        """Move step ``step``'s delta stream, or None where it moves whole."""
+        return self.deltas.get(step)
 
     def dtype(self, step: int) -> tuple[str, np.dtype]:
         """Step ``step``'s dtype: its reshard name and the numpy dtype that holds its elements."""

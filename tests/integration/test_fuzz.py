@@ -532,7 +532,9 @@ def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
     program = program_digest(r.program_json) if r.program_json else r.program_sha256
     r.ticket = sign(secret, "prepare", *prepare_fields(r.job, program, r.tensor, r.src_version, r.dst_version,
                                                        r.transport, r.generation, r.job_seq, r.peers,
-                                                       {t: (x.name, x.version) for t, x in r.reads.items()}))
+                                                       {t: (x.name, x.version) for t, x in r.reads.items()},
+                                                       None, {t: (b.src_version, b.dst_version)
+                                                              for t, b in r.delta_bases.items()}))
 
 
 def signed(secret: bytes, method: str, request):

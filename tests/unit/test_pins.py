@@ -34,12 +34,12 @@ def test_a_commit_frees_what_it_supersedes_unless_a_pin_holds_it():
     pin = cat.pin(["w"], None)
     assert cat.commit([(None, rec(2, step=1))]) == []  # v1 is pinned: kept
     assert cat.commit([(None, rec(3, step=2))]) == [rec(2, step=1)]  # v2 is not
-    assert [(r.version, n) for r, n in cat.versions("w")] == [(1, 1), (3, 0)]
+    assert [(r.version, n) for r, n, _ in cat.versions("w")] == [(1, 1), (3, 0)]
     assert cat.resolve(["w"], pin.id) == [rec(1, step=0)]
     assert cat.resolve(["w"], step=2) == [rec(3, step=2)]
     assert cat.release_pin(pin.id) == [rec(1, step=0)]
     assert cat.release_pin(pin.id) == []  # idempotent
-    assert [r.version for r, _ in cat.versions("w")] == [3]
+    assert [r.version for r, _, _ in cat.versions("w")] == [3]
 
 
 def test_a_step_names_the_newest_version_labeled_so_and_an_absent_one_names_the_steps_held():
@@ -93,7 +93,7 @@ def test_a_deleted_name_keeps_its_pinned_version_and_numbers_on_above_it():
     assert cat.resolve(["w"], pin.id) == [rec(1)]
     assert cat.next_version("w") == 2
     cat.commit([(None, rec(2, shape=(8,)))])  # another shape, after the delete
-    assert [r.version for r, _ in cat.versions("w")] == [1, 2]
+    assert [r.version for r, _, _ in cat.versions("w")] == [1, 2]
 
 
 def test_an_unused_pin_expires_and_a_read_renews_it():
@@ -123,10 +123,10 @@ def test_a_restarted_catalog_reads_back_its_pins_and_the_versions_they_hold(tmp_
             pin = cat.pin(["w"], None)
     again = Catalog(StateStore(str(tmp_path / "state.db")))
     again.restore()
-    assert [(r.version, r.step, n) for r, n in again.versions("w")] == [(1, 10, 1), (3, 30, 0)]
+    assert [(r.version, r.step, n) for r, n, _ in again.versions("w")] == [(1, 10, 1), (3, 30, 0)]
     assert again.resolve(["w"], pin.id) == [rec(1, step=10)]
     assert again.next_version("w") == 4
     assert again.release_pin(pin.id) == [rec(1, step=10)]
     third = Catalog(StateStore(str(tmp_path / "state.db")))
     third.restore()
-    assert [r.version for r, _ in third.versions("w")] == [3]
+    assert [r.version for r, _, _ in third.versions("w")] == [3]
