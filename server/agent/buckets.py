@@ -217,6 +217,16 @@ class _Unpack:
                 return devices[0], regions
         return devices[0], self._buffer(devices[0])[lo:hi]
 
+    def place_whole(self, devices: list[str], box: Box):
+        """`place` of the whole bucket in its members' tile regions whatever the transport: a delta stream rebuilds
+        the bucket there in one pass (`moves`), where a landing piece of a two-sided transport goes packed."""
+        (lo, hi), = box
+        if (lo, hi) == (0, self.bucket.nbytes):
+            regions = self._scattered(devices[0])
+            if regions is not None:
+                return devices[0], regions
+        return self.place(devices, box)
+
     def mark(self, device: str, box: Box) -> None:
         (lo, hi), = box
         self._arrived(device, hi - lo)

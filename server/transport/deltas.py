@@ -17,7 +17,7 @@ offset     bytes                     field
 8          4                         number of segments ``m``
 12         8                         the box's bytes (what a full move carries)
 20         8                         payload bytes ``p`` (everything after this head)
-28         8                         XXH3-64 of the base box's packed bytes (segments with a base only)
+28         8                         XXH3-64 of the table's base digests (its second column, in order)
 36         8                         XXH3-64 of the new box's packed bytes
 44         16 * m                    per segment: its encoding's bytes, the XXH3-64 of its base box (0:
                                      a bucket member without a base, sent as a ``full`` encoding)
@@ -33,7 +33,9 @@ most the box's bytes plus ``44 + 40 m``.
 Checks at the receiver, before anything is written into a destination: the trailer (DATA_LOSS); each segment's base
 on each receiving device, held and of the sender's base digest (else FAILED_PRECONDITION beginning
 `DELTA_BASE_MISMATCH`, naming the tensor: the planner then moves it whole); the applied box against the new digest
-(DATA_LOSS). The result is written into the sink as the whole box, so nothing lands on a failure.
+(DATA_LOSS). The result is applied straight into the destination where the sink offers its region (a staged tile's,
+or a bucket's members'), else into a buffer written into the sink whole; either way only staged buffers, which a
+failed job never commits.
 
 Memory, per delta stream in flight: the sender holds the frame (at most the box plus the headers above), the new box
 packed where its region is strided (a bucket: packed as for a full move), and one segment's base and encode
@@ -140,16 +142,16 @@ def _where(job: str, d: DeltaStream, seg: Segment) -> str:
     return f"box {boxes.box_str(seg.box)} (step {d.step} of job {job})"
 
 
-def encode_frame(job: str, d: DeltaStream, new: np.ndarray) -> Frame:
-    """The frame of ``new``, the box's packed bytes (uint8), against the sender's bases. A base the sender does not
-    hold is a `DELTA_BASE_MISMATCH` (the planner then moves the tensor whole)."""
+def encode_frame(job: str, d: DeltaStream, new: np.ndarray, new_digest: int | None = None) -> Frame:
+    """The frame of ``new``, the box's packed bytes (uint8), against the sender's bases; ``new_digest`` is its
+    XXH3-64 where the agent digested the box already. A base the sender does not hold is a `DELTA_BASE_MISMATCH`
+    (the planner then moves the tensor whole)."""
     if new.nbytes != d.nbytes:
         raise AssertionError(f"step {d.step}: the new box has {new.nbytes} bytes, its segments {d.nbytes}")
     m = len(d.segments)
     out = np.empty(d.limit, dtype=np.uint8)  # trimmed to what the encodings take
     at = HEAD.size + m * SEGMENT.size
     table = out[HEAD.size:at].view(np.uint64).reshape(m, 2) if m else np.empty((0, 2), np.uint64)
-    base_check = Checksum()
     lengths = []
     for k, seg in enumerate(d.segments):
         cur = new[seg.lo:seg.hi]
@@ -163,14 +165,14 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray) -> Frame:
                 raise FailedPreconditionError(
                     f"{DELTA_BASE_MISMATCH}: tensor '{seg.name}': the sending device {d.sender} holds no version "
                     f"{seg.versions[0]} with {_where(job, d, seg)} to diff against; the planner moves it whole")
-            base_check.update(old)
             base_digest = digest(old)
             enc = encode(_items(old, seg.itemsize), _items(cur, seg.itemsize)).to_bytes()
         out[at:at + len(enc)] = np.frombuffer(enc, dtype=np.uint8)
         table[k] = (len(enc), base_digest)
         lengths.append(len(enc))
         at += len(enc)
-    HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, base_check.xxh3_64, digest(new))
+    HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, _table_digest(table),
+                   digest(new) if new_digest is None else new_digest)
     wire, full = d.tensors(lengths)
     return Frame(out[:at], wire, full)
 
@@ -278,20 +280,38 @@ def relay_frame(transport, s: Session, key: StreamKey, peer: str, d: DeltaStream
         raise
 
 
+def _table_digest(table: np.ndarray) -> int:
+    """What the head says of the bases: the XXH3-64 of the table's base digests, so that neither end hashes a base
+    twice (each segment's own digest is checked against the receiver's base)."""
+    return digest(np.ascontiguousarray(table[:, 1]).view(np.uint8))
+
+
 def _lengths(frame: np.ndarray) -> list[int]:
     m = HEAD.unpack_from(frame)[2]
     return [int(n) for n in frame[HEAD.size:HEAD.size + m * SEGMENT.size].view(np.uint64)[0::2]]
 
 
-def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str) -> np.ndarray:
-    """The new box's packed bytes (uint8) on ``device``: each segment's encoding applied to ``device``'s base, every
-    base checked first against the sender's digest (`DELTA_BASE_MISMATCH` naming each tensor that differs), and the
-    result against the new box's digest (DATA_LOSS)."""
+def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=None):
+    """The new box on ``device``: each segment's encoding applied to ``device``'s base, every base checked first
+    against the sender's digest (`DELTA_BASE_MISMATCH` naming each tensor that differs), and the result against the
+    new box's digest (DATA_LOSS). Written into ``out`` where given (a C-contiguous array of the box's bytes, such as
+    the destination tile's region, or `Segments`, one per segment: a bucket's members in their tiles), which is
+    returned; else into new packed bytes (uint8)."""
     _, _, m, _, _, base_sent, new_sent = HEAD.unpack_from(frame)
     table = frame[HEAD.size:HEAD.size + m * SEGMENT.size].view(np.uint64).reshape(m, 2)
     at = HEAD.size + m * SEGMENT.size
-    result = np.empty(d.nbytes, dtype=np.uint8)
-    base_check = Checksum()
+    if out is None:
+        out = np.empty(d.nbytes, dtype=np.uint8)
+    if isinstance(out, Segments):
+        targets = [np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in out]
+        if len(targets) != len(d.segments) or any(
+                t.nbytes != seg.hi - seg.lo or not p.flags.c_contiguous for t, seg, p in zip(targets, d.segments, out)):
+            raise AssertionError(f"step {d.step}: a delta lands in one C-contiguous region per segment")
+    else:
+        flat = out.reshape(-1).view(np.uint8) if out.flags.c_contiguous else out
+        if flat.nbytes != d.nbytes or not out.flags.c_contiguous:
+            raise AssertionError(f"step {d.step}: a delta lands in {d.nbytes} C-contiguous bytes")
+        targets = [flat[seg.lo:seg.hi] for seg in d.segments]
     differ = []
     for k, seg in enumerate(d.segments):
         length, base_digest = int(table[k, 0]), int(table[k, 1])
@@ -308,13 +328,13 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str) -> np.
             raise InvalidArgumentError(
                 f"job {job}: segment {k} of the delta frame of step {d.step} encodes {delta.num_elements} elements of "
                 f"{delta.itemsize} B; tensor '{seg.name}' {boxes.box_str(seg.box)} has {n} of {seg.itemsize} B")
-        out = result[seg.lo:seg.hi]
+        into = targets[k]
         if seg.versions is None or delta.kind == FULL:
             if delta.kind != FULL:
                 raise InvalidArgumentError(f"job {job}: tensor '{seg.name}' has no delta base in step {d.step}, so "
                                            f"its segment goes whole; the frame carries a {delta.kind} delta")
             if seg.versions is None:
-                out[...] = np.frombuffer(delta.payload, dtype=np.uint8)
+                into[...] = np.frombuffer(delta.payload, dtype=np.uint8)
                 continue
         old = d.receiver_base(device, k)
         src_v, dst_v = seg.versions
@@ -328,26 +348,31 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str) -> np.
                           f"{_where(job, d, seg)}, the sender's base (version {src_v} on {d.sender}) "
                           f"{base_digest:016x}")
             continue
-        base_check.update(old)
         if differ:
             continue  # the job fails anyway: find every tensor that differs, apply nothing more
         try:
-            apply(_items(old, seg.itemsize), delta, out=_items(out, seg.itemsize))
+            apply(_items(old, seg.itemsize), delta, out=_items(into, seg.itemsize))
         except DeltaError as e:
             raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
     if differ:
         raise FailedPreconditionError(f"{DELTA_BASE_MISMATCH}: " + "; ".join(differ)
                                       + ": the planner moves these tensors whole")
-    if at != len(frame) or base_check.xxh3_64 != base_sent:
+    if at != len(frame) or _table_digest(table) != base_sent:
         raise DataLossError(f"job {job}: the delta frame of step {d.step} is inconsistent: its segments take "
-                            f"{at} of its {len(frame)} bytes, their bases XXH3-64 {base_check.xxh3_64:016x} where the "
-                            f"head says {base_sent:016x}")
-    got = digest(result)
+                            f"{at} of its {len(frame)} bytes, their base digests XXH3-64 {_table_digest(table):016x} "
+                            f"where the head says {base_sent:016x}")
+    if len(targets) == 1 or not isinstance(out, Segments):
+        got = digest(targets[0] if len(targets) == 1 else flat)
+    else:
+        check = Checksum()
+        for t in targets:
+            check.update(t)
+        got = check.xxh3_64
     if got != new_sent:
         raise DataLossError(f"job {job}: step {d.step} applied on device {device} gives XXH3-64 {got:016x}, but the "
                             f"sender's box has {new_sent:016x}: the delta does not rebuild it, so the job fails and no "
                             f"host commits it")
-    return result
+    return out
 
 
 def take_first(items: Iterable) -> tuple[Piece | Trailer | None, Iterator]:

@@ -242,7 +242,8 @@ def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, a
             confirmed = send_ipc(transport, s, key, h.dst, array, origin, t.box)  # puts nothing on the network
         elif delta is not None:
             if frame is None:  # once per transfer, the same frame down every hop
-                frame = deltas.encode_frame(s.job, delta, _packed(array, t.box, origin))
+                frame = deltas.encode_frame(s.job, delta, _packed(array, t.box, origin),
+                                            digest.result() if digest is not None else None)
             confirmed = deltas.send_frame(transport, s, key, h.dst, frame, delta.nbytes)
         else:
             confirmed = transport.send(s, key, h.dst, array, origin, t.box, digest)
@@ -287,6 +288,13 @@ def _take_frame(transport: Transport, s: Session, key: StreamKey, t: Transfer, d
         np_type = s.dtype(key.step)[1]
         shape = tile_shape(t.box)
         for r in local:
+            # the tile's region (a bucket: its members' regions), to apply straight into
+            spot = getattr(sink, "place_whole", sink.place)([r], t.box)
+            if spot is not None and spot[0] == r and _lands_whole(spot[1], delta.nbytes):
+                deltas.apply_frame(s.job, delta, frame, r, out=spot[1])
+                s.check()
+                sink.mark(r, t.box)
+                continue
             box = deltas.apply_frame(s.job, delta, frame, r)
             s.check()
             sink.write(r, t.box, box.view(np_type).reshape(shape))
@@ -298,6 +306,14 @@ def _take_frame(transport: Transport, s: Session, key: StreamKey, t: Transfer, d
         return [transport.host]
     later = forward.wait(transport.timeout_s)
     return None if later is None else [transport.host, *later]
+
+
+def _lands_whole(spot, nbytes: int) -> bool:
+    """Whether a sink's offered region takes a whole delta-rebuilt box: host bytes, C-contiguous, all of them (a
+    bucket's `Segments` of member regions, or one region)."""
+    parts = spot if isinstance(spot, Segments) else (spot,)
+    return all(isinstance(p, np.ndarray) and p.flags.c_contiguous for p in parts) and \
+        sum(p.nbytes for p in parts) == nbytes
 
 
 def _packed(array, box: Box, origin: Box) -> np.ndarray:

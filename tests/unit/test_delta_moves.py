@@ -23,6 +23,7 @@ from reshard.server.common.contract import DELTA_BASE_MISMATCH
 from reshard.server.transport.deltas import (HEAD, DeltaStream, Segment, apply_frame, encode_frame, frame_ranges,
                                              read_head)
 from reshard.server.transport.faults import CorruptFrame, DeltaBaseDiffers
+from reshard.server.transport.streams import Segments
 from reshard.strategies import plan as make_plan
 from tests.unit.test_runtime import _SEQ, HOSTS, Hosts, nixl_agents
 
@@ -108,6 +109,20 @@ def test_a_bucket_frame_diffs_each_member_at_its_own_itemsize():
     assert out.tobytes() == packed.tobytes()
     assert set(frame.wire) == {"t0", "t1", "t2", "t3"} and frame.full["t0"] == bf.nbytes
     assert sum(frame.wire.values()) == frame.nbytes - 16 - 24 - plain.nbytes  # the whole member isn't a delta's
+    # straight into the destination: one region for the box, or one per member (a bucket's tiles), nothing else
+    # allocated for the result; the new box's digest may come from the agent's early digest of it
+    frame = encode_frame("j", d, packed, digest(packed))
+    region = np.zeros(d.nbytes + 8, np.uint8)[8:]
+    assert apply_frame("j", d, frame.data, "host2/1", out=region) is region
+    assert region.tobytes() == packed.tobytes()
+    members = Segments(np.zeros(seg.hi - seg.lo, np.uint8) for seg in d.segments)
+    assert apply_frame("j", d, frame.data, "host2/1", out=members) is members
+    assert all(m.tobytes() == packed[seg.lo:seg.hi].tobytes() for m, seg in zip(members, d.segments))
+    with pytest.raises(AssertionError, match="C-contiguous"):
+        apply_frame("j", d, frame.data, "host2/1", out=np.zeros(d.nbytes * 2, np.uint8)[::2])
+    wrong = encode_frame("j", d, packed, digest(packed) ^ 1)  # an early digest that is not the box's
+    with pytest.raises(DataLossError, match="the delta does not rebuild it"):
+        apply_frame("j", d, wrong.data, "host2/1")
 
 
 def test_a_base_that_differs_or_is_not_held_names_each_tensor():
