@@ -42,13 +42,22 @@ Goals: ``reshard_many`` at least 0.8x raw gloo's speed (1.0x on nixl, issue 38, 
 1.10x of the lower bound on the emulated hosts) and at least 3x faster than one job per tensor.
 Writes its section of BENCHMARKS.md.
 
+6. ``--rl-loop`` (alone): the loop of ``examples/rl_weight_sync`` step by step, against raw gloo sends of a step's
+   bytes; its own section.
+7. The RL-step rows (issue 40; ``--rl-only`` runs them alone, the default run ends with them): real AdamW steps of
+   that example's Llama at lr 1e-6, published as bfloat16 and synced whole (``delta=False``) against as deltas
+   (``delta`` unset), taking turns, on loopback and on the emulated hosts (`rl_steps`); their own section. Goals:
+   a delta step's network bytes at most 10% of a full one's, and its sync at least 4x faster on the emulated hosts.
+
     python bench/weight_sync.py [--layers 50] [--hidden 512] [--runs 3] [--gbps 1] [--transport collective|nixl]
-                                [--no-lab] [--no-write]
+                                [--no-lab] [--no-write] [--rl-loop | --rl-only] [--rl-steps 5] [--rl-hidden 256]
+                                [--rl-layers 4] [--rl-vocab 1000]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -57,7 +66,7 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -66,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import turns as turn_spread, write_section  # noqa: E402
 from _checks import check_every_device, expected_digests  # noqa: E402
+import rl_steps  # noqa: E402
 from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
@@ -391,19 +401,31 @@ def _ranks(worker: str, world: int, layers: int, hidden: int, runs: int) -> dict
 # -- 5: reshard_many on emulated hosts ----------------------------------------------------------------------------
 
 
-def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "collective") -> dict:
-    from reshard.server.devtools.lab import Lab, LabConfig, lab_available, start_cluster, wait_for_group
+@contextlib.contextmanager
+def _lab_cluster(gbps: float, transport: str) -> Iterator[tuple]:
+    """(the lab, a client of its planner, the TRAIN and INFER meshes on its hosts): 8 emulated hosts, one agent
+    each on ``transport``, links shaped to ``gbps``, every agent up (and in the process group, on collective)."""
+    from reshard.server.devtools.lab import Lab, LabConfig, start_cluster, wait_for_group
 
-    ok, why = lab_available()
-    if not ok:
-        return {"skipped": why}
-    tensors, infer = state_dict(layers, hidden)
     with Lab(LabConfig(num_hosts=len(HOSTS), devices_per_host=1, gbps=gbps)) as emulated:
         address = start_cluster(emulated, extra_agent_args=["--transport", transport])
         lab_hosts = [emulated.host_name(i) for i in range(len(HOSTS))]
         rename = dict(zip(HOSTS, lab_hosts))
         train_mesh = Mesh.from_hosts(dict(TRAIN.axes), [rename[h] for h in HOSTS[:4]], 1)
         infer_mesh = Mesh.from_hosts(dict(INFER.axes), [rename[h] for h in HOSTS[4:]], 1)
+        with emulated.connect(address) as c:
+            wait_for_group(c, lab_hosts, group=transport == "collective")
+            yield emulated, c, train_mesh, infer_mesh
+
+
+def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "collective") -> dict:
+    from reshard.server.devtools.lab import lab_available
+
+    ok, why = lab_available()
+    if not ok:
+        return {"skipped": why}
+    tensors, infer = state_dict(layers, hidden)
+    with _lab_cluster(gbps, transport) as (emulated, c, train_mesh, infer_mesh):
         put = {n: (a, Sharding(train_mesh, s.spec)) for n, (a, s) in tensors.items()}
         there = {n: Sharding(infer_mesh, s.spec) for n, s in infer.items()}
         back = {n: s for n, (_, s) in put.items()}
@@ -411,19 +433,17 @@ def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "coll
             env = {**os.environ, STORE_HOST_ENV: emulated.root_ip, "GLOO_SOCKET_IFNAME": "eth0"}
             return emulated.spawn(emulated.host_ns(rank), argv, env=env, stdout=subprocess.PIPE, text=True)
 
-        with emulated.connect(address) as c:
-            wait_for_group(c, lab_hosts, group=transport == "collective")
-            c.put_many(put)
-            turns = Turns(layers, hidden, runs, spawn)
-            try:
-                results: list = []
-                link_bytes: list = []  # every timed run's bytes received over the shaped links, all hosts
-                times = _timed(c, tensors, there, back, runs, "lab reshard_many", results, between=turns.round,
-                               meter=(lambda: sum(r for _, r in emulated.link_bytes().values()), link_bytes))
-                gloo_times = turns.result()["times"]
-            except BaseException:
-                turns.kill()
-                raise
+        c.put_many(put)
+        turns = Turns(layers, hidden, runs, spawn)
+        try:
+            results: list = []
+            link_bytes: list = []  # every timed run's bytes received over the shaped links, all hosts
+            times = _timed(c, tensors, there, back, runs, "lab reshard_many", results, between=turns.round,
+                           meter=(lambda: sum(r for _, r in emulated.link_bytes().values()), link_bytes))
+            gloo_times = turns.result()["times"]
+        except BaseException:
+            turns.kill()
+            raise
     rate = gbps * GB / 8
     per_host = {h: 0 for h in HOSTS[4:]}
     for name, (a, _) in tensors.items():
@@ -571,6 +591,42 @@ def rl_section(args) -> str:
               f"{args.rl_hidden} --rl-layers {args.rl_layers} --transport {args.transport}`.")
 
 
+# -- 7: RL steps, full against delta (issue 40) ---------------------------------------------------------------------
+
+
+def lab_rl_steps(steps: list, gbps: float, transport: str) -> dict:
+    """`rl_steps.sync_steps` on the emulated hosts, with the bytes the shaped links received over each sync."""
+    from reshard.server.devtools.lab import lab_available
+
+    ok, why = lab_available()
+    if not ok:
+        return {"skipped": why}
+    with _lab_cluster(gbps, transport) as (emulated, c, train_mesh, infer_mesh):
+        return rl_steps.sync_steps(c, steps, train_mesh, infer_mesh, "lab",
+                                   meter=lambda: sum(r for _, r in emulated.link_bytes().values()))
+
+
+def rl_steps_section(args) -> str:
+    """The RL-step rows: train once, then the same steps on loopback and (unless --no-lab) the emulated hosts."""
+    steps, train_s = rl_steps.train(args.rl_steps, args.rl_hidden, args.rl_layers, args.rl_vocab)
+    print(f"{args.rl_steps} AdamW steps in {train_s:.1f}s; bf16 elements changed per step: "
+          + ", ".join(f"{rl_steps.changed(a, b):.2%}" for a, b in zip(steps, steps[1:])), flush=True)
+    loop = rl_steps.loopback(steps, args.transport)
+    e = {"skipped": "--no-lab"} if args.no_lab else lab_rl_steps(steps, args.gbps, args.transport)
+    return rl_steps.section(steps, train_s, args, loop, e)
+
+
+def write_rl_steps(args) -> None:
+    body = rl_steps_section(args)
+    print(body)
+    if not args.no_write:
+        write_section("weight_sync_rl_steps" if args.transport == "collective"
+                      else f"weight_sync_rl_steps_{args.transport}",
+                      "Weight sync across RL steps: whole against deltas"
+                      + ("" if args.transport == "collective" else f", on the {args.transport} transport"), body,
+                      script="weight_sync")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--rl-gloo-worker":
@@ -591,11 +647,22 @@ def main(argv=None) -> int:
     ap.add_argument("--no-lab", action="store_true", help="skip the emulated hosts")
     ap.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
     ap.add_argument("--rl-loop", action="store_true", help="only the RL loop's rows (examples/rl_weight_sync)")
-    ap.add_argument("--rl-steps", type=int, default=5, help="RL loop: AdamW steps (default 5)")
-    ap.add_argument("--rl-hidden", type=int, default=256, help="RL loop: the Llama's hidden size (default 256)")
-    ap.add_argument("--rl-layers", type=int, default=4, help="RL loop: its layers (default 4)")
-    ap.add_argument("--rl-vocab", type=int, default=1000, help="RL loop: its vocabulary (default 1000)")
+    ap.add_argument("--rl-only", action="store_true",
+                    help="only the RL-step rows: AdamW steps synced whole against as deltas (issue 40)")
+    ap.add_argument("--rl-steps", type=int, default=5, help="RL loop and RL-step rows: AdamW steps (default 5)")
+    ap.add_argument("--rl-hidden", type=int, default=256,
+                    help="RL loop and RL-step rows: the Llama's hidden size (default 256)")
+    ap.add_argument("--rl-layers", type=int, default=4, help="RL loop and RL-step rows: its layers (default 4)")
+    ap.add_argument("--rl-vocab", type=int, default=1000,
+                    help="RL loop and RL-step rows: its vocabulary (default 1000)")
     args = ap.parse_args(argv)
+    if args.rl_loop and args.rl_only:
+        ap.error("--rl-loop and --rl-only each run one part alone: give one of them")
+    if args.rl_steps < 1:
+        ap.error(f"--rl-steps {args.rl_steps}: give at least 1 step")
+    if args.rl_only:
+        write_rl_steps(args)
+        return 0
     if args.rl_loop:
         body = rl_section(args)
         print(body)
@@ -717,6 +784,7 @@ def main(argv=None) -> int:
                       "Weight sync: a state dict from training to inference layouts"
                       + ("" if args.transport == "collective" else f", on the {args.transport} transport"), body,
                       script="weight_sync")
+    write_rl_steps(args)
     return 0
 
 
