@@ -281,7 +281,10 @@ class Run(Session):
         return buffers.empty(shape, dtype, self.device)
 
     def recycle(self) -> None:
-        """The run has ended: the buffers its steps made go back to the store for reuse."""
+        """The run has ended: the buffers its steps made go back to the store for reuse, and its delta streams,
+        whose base readers refer back to the run, are dropped: that cycle would keep the run's staged tiles alive
+        after their version is freed, until Python's cycle collector happens to run."""
+        self.deltas.clear()
         with self._lock:
             made = [a for arrays in self._made.values() for _, a in arrays]
             self._made.clear()

@@ -389,3 +389,34 @@ def test_a_tensor_not_named_moves_whole_and_an_unknown_name_is_refused():
     finally:
         hosts.close()
 
+
+
+def test_an_ended_delta_run_is_freed_at_once_not_by_the_cycle_collector():
+    """A run's delta streams read bases through the run: once the job ends nothing may keep the run (and the
+    staged tiles it references) alive but Python's cycle collector, which may not run for a long while; a weight
+    sync every step would otherwise pile up versions the store already freed."""
+    import gc
+    import weakref
+
+    hosts = _hosts("memory", None)
+    try:
+        rng = np.random.default_rng(9)
+        base = rng.standard_normal((64, 32)).astype(np.float32)
+        src = Sharding(Mesh.from_hosts({"x": 4}, HOSTS[:2], 2), ("x", None))
+        dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, HOSTS[2:], 2), (None, "y"))
+        _put(hosts, "w", base, src, SRC_BASE)
+        _put(hosts, "w", base, dst, DST_BASE)
+        _put(hosts, "w", _changed(base, rng, 0.05), src, NEW)
+        program = make_plan(base.shape, base.dtype, src, dst).validate()
+        gc.collect()
+        gc.disable()
+        try:
+            _, runs = _run(hosts, program, "w", {"tensor": (SRC_BASE, DST_BASE)})
+            refs = [weakref.ref(run) for run in runs.values()]
+            del runs
+            alive = [r() for r in refs if r() is not None]
+            assert not alive, f"{len(alive)} ended runs are still referenced"
+        finally:
+            gc.enable()
+    finally:
+        hosts.close()
