@@ -17,13 +17,13 @@ of its names), and the two take turns (which goes first alternates step by step)
 machine's load reaches both. Step 0 publishes the initial weights and syncs both whole (nothing to diff
 against). Every sync is checked right after it, every device's tile by digest against the published bits; that
 check also lets the old versions' release, which follows a job under its tensors' locks, finish before the next
-sync is timed. Where ``Client.reshard_many`` has no ``delta`` parameter (the SDK's half of the delta code not landed
-yet) one copy runs, ``default/``, as this SDK sends the request (`FALLBACK`), and the rows say so.
+sync is timed. On loopback the rows also give the CPU seconds the planner and agents used over each sync: the
+emulated hosts share this machine's 2 cores, so a sync there takes at least half its CPU seconds, whatever the links.
 """
 
 from __future__ import annotations
 
-import inspect
+import os
 import statistics
 import sys
 import time
@@ -44,23 +44,14 @@ LR = 1e-6  # an RL-typical learning rate (issue 40 measured 1e-6 to 1e-4)
 BATCH = (2, 32)  # token ids per step, as the example trains on
 GOAL_BYTES = 0.10  # a delta step's network bytes against a full one's, at most
 GOAL_SPEEDUP = 4.0  # a full step's sync seconds against a delta one's on the emulated hosts, at least
-# Each side's reshard_many options, and how the rows name it. Where the SDK has no ``delta=`` one side runs,
-# "default": the request as this SDK sends it (the proto's delta unset), which moves whole on a planner without
-# delta sync and as deltas where they pay on one with it: the rows compare it with the first, whole, sync.
+# Each side's reshard_many options: whole, and the default (as deltas where they pay)
 SIDES = {"full": {"delta": False}, "delta": {}}
-FALLBACK = {"default": {}}
-LABELS = {"full": "full", "delta": "delta", "default": "no `delta=`"}
 TIMEOUT_S = 900
 # transformers' tensor-parallel plan for Llama (`LlamaConfig.base_model_tp_plan`): column-wise projections split
 # their output dim (dim 0 of the [out, in] weight), row-wise ones their input dim; lm_head splits the vocabulary;
 # the embedding and the norms are replicated.
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "lm_head")
 ROWWISE = ("o_proj", "down_proj")
-
-
-def delta_supported(c) -> bool:
-    """Whether this SDK's `reshard_many` takes ``delta=`` (issue 40's delta sync)."""
-    return "delta" in inspect.signature(c.reshard_many).parameters
 
 
 def train(steps: int, hidden: int, layers: int, vocab: int) -> tuple[list[dict[str, np.ndarray]], float]:
@@ -117,13 +108,12 @@ def _bf16(bits: np.ndarray):
 
 
 def sync_steps(c, steps: list[dict[str, np.ndarray]], train_mesh: Mesh, infer_mesh: Mesh, where: str,
-               meter: Callable[[], float] | None = None) -> dict:
+               meter: Callable[[], float] | None = None, cpu: Callable[[], float] | None = None) -> dict:
     """Publish and sync every step of ``steps`` (`train`) on ``c``, both sides taking turns; per step and side:
     seconds (request to result), the job's network bytes, what a full move would have sent, the tensors that moved
-    as deltas, the job's delta note, and (with ``meter``, e.g. the emulated links' received bytes) what the reading
-    grew by over the sync."""
-    has_delta = delta_supported(c)
-    options = SIDES if has_delta else FALLBACK
+    as deltas, the job's delta note, and what ``meter`` (e.g. the emulated links' received bytes) and ``cpu`` (the
+    service's CPU seconds so far) grew by over the sync."""
+    options = SIDES
     sides = list(options)
     shapes = {n: a.shape for n, a in steps[0].items()}
     train_layout, serve_layout = layouts(shapes, train_mesh, infer_mesh)
@@ -135,21 +125,23 @@ def sync_steps(c, steps: list[dict[str, np.ndarray]], train_mesh: Mesh, infer_me
         row: dict = {"step": k, "changed": changed(steps[k - 1], weights) if k else None}
         for side in (sides if k % 2 else sides[::-1]):
             used = meter() if meter is not None else 0.0
+            spent = cpu() if cpu is not None else 0.0
             t0 = time.monotonic()
             result = c.reshard_many(dsts[side], version=k, **options[side]).result(timeout=TIMEOUT_S)
             seconds = time.monotonic() - t0
             grew = meter() - used if meter is not None else None
+            spent = cpu() - spent if cpu is not None else None
             check_every_device(c, {f"{side}/{n}": d for n, d in want.items()}, f"{where} {side} sync of step {k}")
-            deltas = getattr(result, "deltas", {}) or {}
+            deltas = result.deltas
             row[side] = {"seconds": seconds, "network_bytes": result.network_bytes,
-                         "full_network_bytes": getattr(result, "full_network_bytes", None) or result.network_bytes,
-                         "as_delta": sum(1 for d in deltas.values() if d.get("mode") == "delta"),
-                         "tensors": len(dsts[side]), "note": getattr(result, "delta_note", ""), "meter": grew}
+                         "full_network_bytes": result.full_network_bytes or result.network_bytes,
+                         "as_delta": sum(1 for d in deltas.values() if d["mode"] == "delta"),
+                         "tensors": len(dsts[side]), "note": result.delta_note, "meter": grew, "cpu": spent}
             print(f"{where} step {k} {side}: {seconds:.3f}s, {result.network_bytes:,} network bytes"
                   + (f", {row[side]['as_delta']} of {len(dsts[side])} tensors as deltas" if deltas else "")
                   + (f" (changed {row['changed']:.2%})" if k else " (first sync)"), flush=True)
         rows.append(row)
-    return {"rows": rows, "has_delta": has_delta, "sides": sides, "nbytes": sum(a.nbytes for a in steps[0].values()),
+    return {"rows": rows, "sides": sides, "nbytes": sum(a.nbytes for a in steps[0].values()),
             "tensors": len(shapes)}
 
 
@@ -161,13 +153,15 @@ def codec_share(old: dict[str, np.ndarray], new: dict[str, np.ndarray]) -> float
     return sum(encode(old[n], new[n]).nbytes for n in new) / sum(a.nbytes for a in new.values())
 
 
-def loopback(steps: list[dict[str, np.ndarray]], transport: str) -> dict:
-    """`sync_steps` on 8 local agents, one device each: the bench's TRAIN and INFER meshes."""
+def loopback(steps: list[dict[str, np.ndarray]], transport: str, cpu_of: Callable[[list[int]], float]) -> dict:
+    """`sync_steps` on 8 local agents, one device each: the bench's TRAIN and INFER meshes; ``cpu_of(pids)`` is the
+    CPU seconds those processes used so far (the planner's and the agents')."""
     from buckets import HOSTS, INFER, TRAIN
     from reshard.client.cluster import LocalCluster
 
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport=transport) as cluster, cluster.connect() as c:
-        return sync_steps(c, steps, TRAIN, INFER, "loopback")
+        pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
+        return sync_steps(c, steps, TRAIN, INFER, "loopback", cpu=lambda: cpu_of(pids))
 
 
 def _verdict(ok: bool) -> str:
@@ -179,30 +173,24 @@ def _pct(x: float | None) -> str:
 
 
 def table(r: dict) -> list[str]:
-    """Markdown rows: per step, the change rate and each side's seconds and network bytes; then delta against full,
-    or (the fallback side alone) its bytes against the first sync's, which moved everything whole."""
+    """Markdown rows: per step, the change rate, each side's seconds, network bytes and (where measured) the
+    service's CPU seconds; then delta against full."""
+    timed = r["rows"][0]["full"]["cpu"] is not None
     head, rule = "| step | bf16 elements changed |", "|---:|---:|"
     for side in r["sides"]:
-        head += f" {LABELS[side]}: seconds | {LABELS[side]}: network bytes |"
-        rule += "---:|---:|"
-    if r["has_delta"]:
-        head += " delta / full bytes | full / delta seconds | tensors as deltas |"
-        rule += "---:|---:|---:|"
-    else:
-        head += " against the first sync's bytes |"
-        rule += "---:|"
+        head += f" {side}: seconds | {side}: network bytes |" + (f" {side}: CPU s |" if timed else "")
+        rule += "---:|---:|" + ("---:|" if timed else "")
+    head += " delta / full bytes | full / delta seconds | tensors as deltas |"
+    rule += "---:|---:|---:|"
     lines = [head, rule]
-    first = r["rows"][0][r["sides"][0]]["network_bytes"]
     for row in r["rows"]:
         line = f"| {row['step']}{' (first sync)' if not row['step'] else ''} | {_pct(row['changed'])} |"
         for side in r["sides"]:
             line += f" {row[side]['seconds']:.3f} | {row[side]['network_bytes']:,} |"
-        if r["has_delta"]:
-            f, d = row["full"], row["delta"]
-            line += (f" {d['network_bytes'] / f['network_bytes']:.1%} | {f['seconds'] / d['seconds']:.2f}x | "
-                     f"{d['as_delta']} of {d['tensors']} |")
-        else:
-            line += f" {row['default']['network_bytes'] / first:.1%} |"
+            line += f" {row[side]['cpu']:.2f} |" if timed else ""
+        f, d = row["full"], row["delta"]
+        line += (f" {d['network_bytes'] / f['network_bytes']:.1%} | {f['seconds'] / d['seconds']:.2f}x | "
+                 f"{d['as_delta']} of {d['tensors']} |")
         lines.append(line)
     return lines
 
@@ -213,12 +201,6 @@ def _summary(r: dict, where: str, speed_goal: bool) -> str:
     later = r["rows"][1:]
     seconds = {side: statistics.median(row[side]["seconds"] for row in later) for side in r["sides"]}
     nbytes = {side: statistics.median(row[side]["network_bytes"] for row in later) for side in r["sides"]}
-    if not r["has_delta"]:
-        first = r["rows"][0]["default"]
-        share = nbytes["default"] / first["network_bytes"]
-        return (f"{where}: a step's sync took {seconds['default']:.3f} s (the first {first['seconds']:.3f} s) and "
-                f"put {nbytes['default'] / 2**20:.2f} MiB on the network, {share:.1%} of the first sync's (medians "
-                f"over the steps after the first sync).")
     speed = seconds["full"] / seconds["delta"]
     shares = [row["delta"]["network_bytes"] / row["full"]["network_bytes"] for row in later]
     own = statistics.median(row["delta"]["network_bytes"] / row["delta"]["full_network_bytes"] for row in later)
@@ -229,10 +211,29 @@ def _summary(r: dict, where: str, speed_goal: bool) -> str:
             + f") and {statistics.median(shares):.1%} of the full side's bytes (worst step {max(shares):.1%}; goal <= "
               f"{GOAL_BYTES:.0%}: {_verdict(max(shares) <= GOAL_BYTES)}; by the delta jobs' own "
               f"`full_network_bytes`, {own:.1%}); medians over the steps after the first sync.")
+    if later and later[0]["full"]["cpu"] is not None:
+        cpu = {side: statistics.median(row[side]["cpu"] for row in later) for side in r["sides"]}
+        text += (f" The planner and agents used {cpu['full']:.2f} CPU s for a full sync and {cpu['delta']:.2f} for a "
+                 f"delta one: a delta saves the network, not the CPU (the sender compares every element, each "
+                 f"receiver copies its base and checks the result).")
     notes = sorted({row["delta"]["note"] for row in r["rows"] if row["delta"]["note"]})
     if notes:
         text += " The delta jobs' notes: " + "; ".join(notes) + "."
     return text
+
+
+def _floor(loop: dict, lab: dict) -> str:
+    """What the emulated hosts' shared cores leave a delta sync: its loopback CPU seconds over 2 cores."""
+    later = loop["rows"][1:]
+    if not later or later[0]["delta"]["cpu"] is None:
+        return ""
+    cpu = statistics.median(row["delta"]["cpu"] for row in later)
+    cores = os.cpu_count() or 1
+    full = statistics.median(row["full"]["seconds"] for row in lab["rows"][1:])
+    return (f" The 8 emulated hosts share this machine's {cores} cores, so a delta sync here takes at least its "
+            f"{cpu:.2f} CPU s (loopback's median) over {cores} cores, {cpu / cores:.3f} s, whatever the links: "
+            f"{full / (cpu / cores):.1f}x the full sync's {full:.3f} s at most, where each host's own cores would "
+            f"share that work out.")
 
 
 def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, loop: dict, lab: dict) -> str:
@@ -253,18 +254,11 @@ def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, lo
             f"would put {', '.join(f'{x:.1%}' for x in shares)} of their bytes on the wire. Seconds are from the "
             f"request to the job's result; network bytes are `JobResult.network_bytes`; every sync is checked "
             f"bit-exact, every device's tile against the published bits.")
-    if loop["has_delta"]:
-        head += (" Two copies of the state dict take turns on one cluster, which goes first alternating step by "
-                 "step: `delta=False` moves one whole, `delta` unset moves the other as deltas where they pay, each "
-                 "from the base pair of its own previous sync. Goals: a delta step's bytes at most "
-                 f"{GOAL_BYTES:.0%} of a full one's; its sync at least {GOAL_SPEEDUP:g}x faster on the emulated "
-                 "hosts.")
-    else:
-        head += (" **Full against delta: not measured.** This SDK's `Client.reshard_many` takes no `delta=` yet "
-                 "(issue 40's delta code has not all landed), so one copy ran, as the SDK sends the request (no "
-                 "`delta=`: the planner's default, whole where the planner has no delta sync), against the first "
-                 f"sync's bytes; the goals (a delta step's bytes at most {GOAL_BYTES:.0%} of a full one's, its sync "
-                 f"at least {GOAL_SPEEDUP:g}x faster on the emulated hosts) wait for `delta=`.")
+    head += (" Two copies of the state dict take turns on one cluster, which goes first alternating step by "
+             "step: `delta=False` moves one whole, `delta` unset moves the other as deltas where they pay, each "
+             "from the base pair of its own previous sync. Goals: a delta step's bytes at most "
+             f"{GOAL_BYTES:.0%} of a full one's; its sync at least {GOAL_SPEEDUP:g}x faster on the emulated "
+             "hosts.")
     parts = [head, "", "Loopback (8 local agents, one device each):", "", *table(loop), "",
              _summary(loop, "On loopback", speed_goal=False) + " On this 2-core machine the loopback rows measure "
              "CPU as much as bytes.", ""]
@@ -276,7 +270,7 @@ def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, lo
                   "", *table(lab), "",
                   _summary(lab, "On the emulated hosts", speed_goal=True)
                   + f" The shaped links' counters: {min(links) / 2**20:.2f}-{max(links) / 2**20:.2f} MiB received "
-                    f"per sync, all hosts."]
+                    f"per sync, all hosts." + _floor(loop, lab)]
     parts += ["", f"Reproduce: `python bench/weight_sync.py --rl-only --rl-steps {len(fractions)} --rl-hidden "
                   f"{a.rl_hidden} --rl-layers {a.rl_layers} --rl-vocab {a.rl_vocab} --gbps {a.gbps:g} --transport "
                   f"{a.transport}` (root for the emulated hosts)."]

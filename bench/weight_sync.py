@@ -611,7 +611,7 @@ def rl_steps_section(args) -> str:
     steps, train_s = rl_steps.train(args.rl_steps, args.rl_hidden, args.rl_layers, args.rl_vocab)
     print(f"{args.rl_steps} AdamW steps in {train_s:.1f}s; bf16 elements changed per step: "
           + ", ".join(f"{rl_steps.changed(a, b):.2%}" for a, b in zip(steps, steps[1:])), flush=True)
-    loop = rl_steps.loopback(steps, args.transport)
+    loop = rl_steps.loopback(steps, args.transport, _cpu_seconds)
     e = {"skipped": "--no-lab"} if args.no_lab else lab_rl_steps(steps, args.gbps, args.transport)
     return rl_steps.section(steps, train_s, args, loop, e)
 
