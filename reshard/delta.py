@@ -172,12 +172,13 @@ def encode(old: np.ndarray, new: np.ndarray, kind: str | None = None) -> Delta:
         raise DeltaError(f"a delta's kind must be one of {list(KINDS)}, or None for the smallest; got {kind!r}")
     n, size = new_units.size, new.dtype.itemsize
     changed = _changed(old_units, new_units, size)
-    k = int(np.count_nonzero(changed))
+    # The indices at once where a sparse delta may be asked for (their count is k: one pass over `changed`, not two)
+    index = np.flatnonzero(changed) if kind in (None, SPARSE) else None
+    k = index.size if index is not None else int(np.count_nonzero(changed))
     nbytes = {FULL: n * size, BITMAP: _bitmap_nbytes(n) + k * size}
     gaps = None
     # Every gap costs at least a byte, so from one change in eight on no sparse delta can undercut the bitmap.
     if kind == SPARSE or (kind is None and k < _bitmap_nbytes(n)):
-        index = np.flatnonzero(changed)
         gaps = np.empty(k, dtype=np.int64)
         gaps[:1] = index[:1]
         np.subtract(index[1:], index[:-1], out=gaps[1:])
@@ -334,15 +335,18 @@ def _varint_encode(gaps: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def _sparse_index(stream: np.ndarray, k: int, num_elements: int) -> np.ndarray:
     """The changed indices a sparse delta's varint ``stream`` of ``k`` gaps names, checked to lie in the box."""
-    ends = np.flatnonzero(stream < 0x80)  # the last byte of each varint has its high bit clear
-    if ends.size != k or (stream.size and (not k or ends[-1] != stream.size - 1)):
-        raise DeltaError(f"a sparse delta's index holds one varint per changed element ({k:,}); its "
-                         f"{stream.size:,} bytes hold {ends.size:,} and end "
-                         f"{'on a varint' if not stream.size or stream[-1] < 0x80 else 'midway'}: "
-                         f"the message is corrupted")
-    if not k:
-        return np.empty(0, dtype=np.intp)
-    if ends.size == stream.size:  # every gap one byte: the stream is the gaps
+    # Every gap one byte (the common case at RL change rates): one pass finds it, and the stream is the gaps.
+    single = bool(k) and stream.size == k and int(stream.max()) < 0x80
+    if not single:
+        ends = np.flatnonzero(stream < 0x80)  # the last byte of each varint has its high bit clear
+        if ends.size != k or (stream.size and (not k or ends[-1] != stream.size - 1)):
+            raise DeltaError(f"a sparse delta's index holds one varint per changed element ({k:,}); its "
+                             f"{stream.size:,} bytes hold {ends.size:,} and end "
+                             f"{'on a varint' if not stream.size or stream[-1] < 0x80 else 'midway'}: "
+                             f"the message is corrupted")
+        if not k:
+            return np.empty(0, dtype=np.intp)
+    if single:
         index = np.cumsum(stream, dtype=np.intp)
         index += np.arange(k, dtype=np.intp)
         if int(index[-1]) >= num_elements:
