@@ -230,7 +230,8 @@ def _run_planner(args) -> int:
                            upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
                            job_timeout_s=args.job_timeout,
                            group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
-                           max_plan_tasks=args.max_plan_tasks, rendezvous=args.rendezvous, **_security(args))
+                           max_plan_tasks=args.max_plan_tasks, rendezvous=args.rendezvous, delta=args.delta,
+                           **_security(args))
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token
@@ -239,7 +240,7 @@ def _run_planner(args) -> int:
         if token is None:
             log.warning("the dashboard on %s has no admin token: anyone who can reach it can read it; "
                         "pass --admin-token-file", args.http)
-    server, port, planner = serve_planner(config, delta=args.delta)
+    server, port, planner = serve_planner(config)
     host = config.listen.rsplit(":", 1)[0]
     dashboard = ""
     web = None

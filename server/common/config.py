@@ -146,6 +146,10 @@ class PlannerConfig:
     # A pin (a reader's hold on older versions) unused this long expires and frees what it held: a reader that
     # died lets go; every read through a pin renews it.
     pin_timeout_s: float = 600.0
+    # Delta sync (issue 40): hold each tensor's delta base pair (the versions of its last reshard_many: one extra
+    # version per layout per tensor on the agents) and move tensors as their changes where that pays; False
+    # (--no-delta): hold none, move every tensor whole.
+    delta: bool = True
     job_timeout_s: float = 600.0  # a reshard job still moving data after this long fails
     agent_rpc_timeout_s: float = 30.0  # control calls to agents (prepare, commit, release)
     max_wait_s: float = 10.0  # longest a GetJob call blocks

@@ -111,8 +111,9 @@ LAYOUT_TEXT_KEPT_BYTES = 64 * 1024  # a longer text (a mesh of thousands of devi
 
 
 class Planner:
-    def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0, delta: bool = True):
-        """``delta`` False (--no-delta): the catalog holds no delta base pairs, and jobs move every tensor whole."""
+    def __init__(self, config: PlannerConfig, agents: AgentCalls, store_port: int = 0):
+        """``config.delta`` False (--no-delta): the catalog holds no delta base pairs, and jobs move every tensor
+        whole."""
         self.config = config
         self.agents = agents
         self.registry = Registry(config.heartbeat_timeout_s)
@@ -121,7 +122,7 @@ class Planner:
         self.group = GroupCoordinator(self.registry, store_port, no_store=NO_TORCH if config.rendezvous else
                                       "it runs with --no-rendezvous", generation=self.store.counter(GENERATION),
                                       saved=lambda generation: self.store.save_counter(GENERATION, generation))
-        self.catalog = Catalog(self.store, config.pin_timeout_s, delta=delta)
+        self.catalog = Catalog(self.store, config.pin_timeout_s, delta=config.delta)
         self.catalog.restore()  # the current versions, the older ones pins and base pairs hold, the pins and pairs
         self.uploads = Uploads(self.catalog, config.upload_timeout_s)
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,

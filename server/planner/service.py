@@ -446,15 +446,14 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         return pb.ProgramReply(program_json=text, summary=program.summary(), estimate_s=program.estimate_seconds)
 
 
-def serve_planner(config: PlannerConfig, delta: bool = True) -> tuple[grpc.Server, int, Planner]:
-    """Build and start the planner's gRPC server; returns (server, bound port, planner). ``delta`` False (the
-    planner's --no-delta): no delta sync, so no base pairs held on the agents (`Catalog`)."""
+def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
+    """Build and start the planner's gRPC server; returns (server, bound port, planner)."""
     made: list[Planner] = []  # the calls sign with secrets the planner's registry holds
     agents = GrpcAgentCalls(lambda host: made[0].registry.secret(host), config.token, config.tls)
     rendezvous = None
     if config.rendezvous and torch_installed():  # bound now; started once the server is (see Rendezvous)
         rendezvous = Rendezvous(config.listen.rsplit(":", 1)[0], config.group_wait_s)
-    planner = Planner(config, agents, rendezvous.port if rendezvous else 0, delta=delta)
+    planner = Planner(config, agents, rendezvous.port if rendezvous else 0)
     made.append(planner)
     planner.rendezvous = rendezvous  # the store lives as long as the planner
     if rendezvous is not None:
