@@ -151,7 +151,8 @@ def test_delta_off_moves_whole_and_says_why(client):
         client.delete(name)
 
 
-@pytest.mark.parametrize("transport", ["grpc", "collective"])
+# the collective case starts a process group of its own (8 s): in the slow suite
+@pytest.mark.parametrize("transport", ["grpc", pytest.param("collective", marks=pytest.mark.slow)])
 def test_a_base_that_differs_falls_back_to_a_full_move_and_says_so(transport):
     """Agents whose every delta base reads one bit off (the hidden ``--fault delta-base-differs``): the delta run
     fails on the receivers before anything commits, the planner runs the job again with the tensors moved whole,
