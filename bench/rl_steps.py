@@ -238,12 +238,13 @@ def _floor(loop: dict, lab: dict) -> str:
 
 def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, loop: dict, lab: dict) -> str:
     """The section's text: how the steps were made and what changed, then each setting's rows and summary.
-    ``a``: the bench's arguments (``rl_hidden``, ``rl_layers``, ``rl_vocab``, ``transport``, ``gbps``); ``lab``
+    ``a``: the bench's arguments (``delta_hidden``, ``delta_layers``, ``rl_vocab``, ``transport``, ``gbps``); ``lab``
     may be ``{"skipped": why}``."""
     fractions = [changed(steps[k - 1], steps[k]) for k in range(1, len(steps))]
     shares = [codec_share(steps[k - 1], steps[k]) for k in range(1, len(steps))]
     head = (f"The weight-sync example's model (`examples/rl_weight_sync`: a transformers LlamaForCausalLM, "
-            f"{a.rl_layers} layers, hidden {a.rl_hidden}, vocabulary {a.rl_vocab}, random init: {loop['tensors']} "
+            f"{a.delta_layers} layers, hidden {a.delta_hidden}, vocabulary {a.rl_vocab}, random init: "
+            f"{loop['tensors']} "
             f"tensors, {loop['nbytes'] / 2**20:.2f} MiB as bfloat16) trained with AdamW at lr {LR:g} on float32 "
             f"master weights, a fresh random batch of {BATCH[0]} x {BATCH[1]} tokens per step ({len(fractions)} "
             f"steps, {train_s:.1f} s of training here), each step published as bfloat16 (`put_many(..., step=k)`) "
@@ -271,7 +272,7 @@ def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, lo
                   _summary(lab, "On the emulated hosts", speed_goal=True)
                   + f" The shaped links' counters: {min(links) / 2**20:.2f}-{max(links) / 2**20:.2f} MiB received "
                     f"per sync, all hosts." + _floor(loop, lab)]
-    parts += ["", f"Reproduce: `python bench/weight_sync.py --rl-only --rl-steps {len(fractions)} --rl-hidden "
-                  f"{a.rl_hidden} --rl-layers {a.rl_layers} --rl-vocab {a.rl_vocab} --gbps {a.gbps:g} --transport "
-                  f"{a.transport}` (root for the emulated hosts)."]
+    parts += ["", f"Reproduce: `python bench/weight_sync.py --rl-only --rl-steps {len(fractions)} --delta-hidden "
+                  f"{a.delta_hidden} --delta-layers {a.delta_layers} --rl-vocab {a.rl_vocab} --gbps {a.gbps:g} "
+                  f"--transport {a.transport}` (root for the emulated hosts)."]
     return "\n".join(parts)

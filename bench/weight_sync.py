@@ -608,7 +608,7 @@ def lab_rl_steps(steps: list, gbps: float, transport: str) -> dict:
 
 def rl_steps_section(args) -> str:
     """The RL-step rows: train once, then the same steps on loopback and (unless --no-lab) the emulated hosts."""
-    steps, train_s = rl_steps.train(args.rl_steps, args.rl_hidden, args.rl_layers, args.rl_vocab)
+    steps, train_s = rl_steps.train(args.rl_steps, args.delta_hidden, args.delta_layers, args.rl_vocab)
     print(f"{args.rl_steps} AdamW steps in {train_s:.1f}s; bf16 elements changed per step: "
           + ", ".join(f"{rl_steps.changed(a, b):.2%}" for a, b in zip(steps, steps[1:])), flush=True)
     loop = rl_steps.loopback(steps, args.transport, _cpu_seconds)
@@ -655,6 +655,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rl-layers", type=int, default=4, help="RL loop and RL-step rows: its layers (default 4)")
     ap.add_argument("--rl-vocab", type=int, default=1000,
                     help="RL loop and RL-step rows: its vocabulary (default 1000)")
+    # The RL-step rows' model is larger than the loop's: a delta saves link time, which a 5 MiB model hardly uses
+    ap.add_argument("--delta-hidden", type=int, default=1024,
+                    help="RL-step rows: the Llama's hidden size (default 1024: 124 MiB in bf16 with 8 layers)")
+    ap.add_argument("--delta-layers", type=int, default=8, help="RL-step rows: its layers (default 8)")
     args = ap.parse_args(argv)
     if args.rl_loop and args.rl_only:
         ap.error("--rl-loop and --rl-only each run one part alone: give one of them")

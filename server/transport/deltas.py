@@ -216,7 +216,10 @@ def send_frame(transport, s: Session, key: StreamKey, peer: str, frame: Frame, p
         for lo, hi in frame_ranges(frame.nbytes, transport.chunk_bytes):
             s.check()
             transport.throttle.wait(hi - lo)
-            out.put(((lo, hi),), data[lo:hi])
+            # A copy the piece owns, not a view: a one-sided transport registers the buffer a piece is a view of
+            # (NIXL pins all of it), and the frame's is fresh every transfer and the box's size; a piece of its own
+            # goes through the transport's recycled staging instead. The frame is a few percent of the box.
+            out.put(((lo, hi),), bytearray(data[lo:hi]))
             s.traffic.add_out(peer, hi - lo, origin=False)
         confirmed = out.finish(frame.nbytes, digest(data), transport.timeout_s)
     except BaseException:

@@ -420,3 +420,27 @@ def test_an_ended_delta_run_is_freed_at_once_not_by_the_cycle_collector():
             gc.enable()
     finally:
         hosts.close()
+
+
+def test_a_delta_frame_is_not_registered_with_nixl_job_after_job():
+    """A frame is fresh memory of the box's size every transfer: a one-sided transport that registered the buffer a
+    piece is a view of would pin a box's worth of memory per transfer and leave its peers knowing memory that is
+    freed after (NIXL cannot make them forget it). Pieces go as buffers of their own, through the transport's
+    recycled staging, so a weight sync every step registers nothing new after its first."""
+    hosts = _hosts("nixl", None)
+    try:
+        rng = np.random.default_rng(11)
+        base = rng.standard_normal((512, 512)).astype(np.float32)  # 1 MiB
+        src = Sharding(Mesh.from_hosts({"x": 4}, HOSTS[:2], 2), ("x", None))
+        dst = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, HOSTS[2:], 2), ("x", None))
+        _put(hosts, "w", base, src, SRC_BASE)
+        _put(hosts, "w", base, dst, DST_BASE)
+        program = make_plan(base.shape, base.dtype, src, dst).validate()
+        counts = []
+        for k in range(3):
+            _put(hosts, "w", _changed(base, rng, 0.03), src, NEW + 10 * k)
+            _run(hosts, program, "w", {"tensor": (SRC_BASE, DST_BASE)}, src_version=NEW + 10 * k)
+            counts.append(sum(t.registered for t in hosts.transports.values()))  # registrations made so far
+        assert counts[1] == counts[2], f"each job registered buffers anew: {counts} registrations made"
+    finally:
+        hosts.close()
