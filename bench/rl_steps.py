@@ -230,10 +230,10 @@ def _floor(loop: dict, lab: dict) -> str:
     cpu = statistics.median(row["delta"]["cpu"] for row in later)
     cores = os.cpu_count() or 1
     full = statistics.median(row["full"]["seconds"] for row in lab["rows"][1:])
-    return (f" The 8 emulated hosts share this machine's {cores} cores, so a delta sync here takes at least its "
-            f"{cpu:.2f} CPU s (loopback's median) over {cores} cores, {cpu / cores:.3f} s, whatever the links: "
-            f"{full / (cpu / cores):.1f}x the full sync's {full:.3f} s at most, where each host's own cores would "
-            f"share that work out.")
+    return (f" The 8 emulated hosts share this machine's {cores} cores, so a delta sync here needs about its "
+            f"{cpu:.2f} CPU s (loopback's median, a noisy figure on a shared machine) over {cores} cores, about "
+            f"{cpu / cores:.3f} s, whatever the links: about {full / (cpu / cores):.1f}x faster than the full "
+            f"sync's {full:.3f} s at best, where hosts with cores of their own would each do their share at once.")
 
 
 def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, loop: dict, lab: dict) -> str:
