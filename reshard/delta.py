@@ -48,7 +48,7 @@ import numpy as np
 from reshard.errors import ReshardError
 
 __all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "DeltaError", "Delta", "DeltaEstimate", "encode",
-           "apply", "estimate"]
+           "apply", "estimate", "unit_dtype"]
 
 SPARSE = "sparse"
 BITMAP = "bitmap"
@@ -284,9 +284,13 @@ def _units(a, name: str) -> np.ndarray:
     if a.dtype.hasobject:
         raise DeltaError(f"a delta compares elements as their bytes, which an array of Python objects does not "
                          f"hold; {name} has dtype {a.dtype} (use a numeric dtype)")
-    flat = a.reshape(-1)
-    size = a.dtype.itemsize
-    return flat.view(_UNSIGNED[size] if size in _UNSIGNED else np.dtype((np.void, size)))
+    return a.reshape(-1).view(unit_dtype(a.dtype.itemsize))
+
+
+def unit_dtype(itemsize: int) -> np.dtype:
+    """The dtype a delta compares elements of ``itemsize`` bytes as: the unsigned integer of that size, or an opaque
+    item for other sizes."""
+    return np.dtype(_UNSIGNED[itemsize]) if itemsize in _UNSIGNED else np.dtype((np.void, itemsize))
 
 
 def _changed(old_units: np.ndarray, new_units: np.ndarray, itemsize: int) -> np.ndarray:

@@ -54,7 +54,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.delta import FULL, HEADER_NBYTES, Delta, DeltaError, apply, encode
+from reshard.delta import FULL, HEADER_NBYTES, Delta, DeltaError, apply, encode, unit_dtype
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, digest
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
@@ -68,7 +68,6 @@ HEAD = struct.Struct("<4sB3xIQQQQ")
 SEGMENT = struct.Struct("<QQ")
 _MAGIC = b"RSDF"
 _VERSION = 1
-_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 @dataclass(frozen=True)
@@ -135,7 +134,7 @@ class Frame:
 
 def _items(data: np.ndarray, itemsize: int) -> np.ndarray:
     """Packed bytes as one unsigned integer (or opaque item) per element, what `reshard.delta` compares."""
-    return data.view(_UNSIGNED.get(itemsize) or np.dtype((np.void, itemsize)))
+    return data.view(unit_dtype(itemsize))
 
 
 def _where(job: str, d: DeltaStream, seg: Segment) -> str:
@@ -364,13 +363,13 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
         raise DataLossError(f"job {job}: the delta frame of step {d.step} is inconsistent: its segments take "
                             f"{at} of its {len(frame)} bytes, their base digests XXH3-64 {_table_digest(table):016x} "
                             f"where the head says {base_sent:016x}")
-    if len(targets) == 1 or not isinstance(out, Segments):
-        got = digest(targets[0] if len(targets) == 1 else flat)
-    else:
+    if isinstance(out, Segments):  # XXH3 streamed over the members' regions is the digest of their bytes in order
         check = Checksum()
         for t in targets:
             check.update(t)
         got = check.xxh3_64
+    else:
+        got = digest(flat)
     if got != new_sent:
         raise DataLossError(f"job {job}: step {d.step} applied on device {device} gives XXH3-64 {got:016x}, but the "
                             f"sender's box has {new_sent:016x}: the delta does not rebuild it, so the job fails and no "
