@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 import signal
-import threading
+import time
 from collections.abc import Callable
 
 __all__ = ["on_signal", "wait_for_signal", "settle_heap", "YOUNG_OBJECTS"]
@@ -37,28 +37,28 @@ def on_signal(*signals: int) -> Callable[[], int]:
 
     Install before printing the line that tells a user (or a test) to send one: a
     signal that came while that line was still being written would otherwise
-    interrupt the print itself. A signal may arrive several times at once: a
-    parent-death signal is re-sent each time the dying parent's threads exit one
-    by one. Python runs a handler nested inside the previous one, and ``Event.set``
-    from a nested handler would deadlock on the lock the outer one holds, so only
-    the first delivery sets the event.
+    interrupt the print itself.
+
+    The handler takes no lock. Python runs a handler in the main thread between two bytecodes, wherever that
+    thread is: an ``Event.set`` there deadlocks when the signal lands while the same thread holds the event's
+    lock inside ``Event.wait`` (seen as an agent that never stopped on SIGTERM and was killed). A signal may also
+    arrive several times at once (a parent-death signal is re-sent as the dying parent's threads exit); only the
+    first counts.
     """
-    stop = threading.Event()
     received: list[int] = []
 
     def handler(signum, _frame) -> None:
         if not received:
             received.append(signum)
-            stop.set()
 
     for sig in signals or (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
 
     def wait() -> int:
-        # Short waits: a signal the kernel hands to another thread (gRPC's) sets Python's flag but does not
-        # wake the main thread from a long lock wait, and the handler only runs when that wait ends.
-        while not stop.wait(0.2):
-            pass
+        # Short sleeps: a signal the kernel hands to another thread (gRPC's) sets Python's flag but runs the
+        # handler only when the main thread next runs bytecode.
+        while not received:
+            time.sleep(0.1)
         return received[0]
 
     return wait

@@ -1,10 +1,13 @@
-"""A service's garbage collector once it is up (`settle_heap`), in a process of its own."""
+"""How a service process lives: its garbage collector once it is up (`settle_heap`) and its wait for a stop signal
+(`on_signal`), each in a process of its own."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 
 def test_a_settled_service_collects_new_cycles_and_leaves_what_was_alive_at_start_up_alone():
@@ -34,3 +37,31 @@ def test_a_settled_service_collects_new_cycles_and_leaves_what_was_alive_at_star
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+@pytest.mark.slow
+def test_a_signal_that_lands_anywhere_in_the_wait_ends_it():
+    """A signal lands wherever the main thread is. An earlier wait set an Event from the handler, and hung about
+    once in 260 tries (an agent killed after ignoring SIGTERM): the handler blocked on the lock the interrupted
+    wait held. Six hundred signals at random moments, each must end its wait within seconds."""
+    script = textwrap.dedent("""
+        import os, random, signal, subprocess, threading
+        from reshard.server.common.lifecycle import on_signal
+
+        for i in range(600):
+            wait = on_signal(signal.SIGUSR1)
+            subprocess.Popen(["sh", "-c", f"sleep {random.uniform(0, 0.25):.3f}; kill -USR1 {os.getpid()}"])
+            done = threading.Event()
+
+            def watchdog(i=i, done=done):
+                if not done.wait(5):
+                    print("hung at signal", i, flush=True)
+                    os._exit(3)
+
+            threading.Thread(target=watchdog, daemon=True).start()
+            assert wait() == signal.SIGUSR1
+            done.set()
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stdout + done.stderr
