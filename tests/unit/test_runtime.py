@@ -430,7 +430,9 @@ def test_a_push_for_an_unknown_job_or_step_is_refused(memory_hosts):
     from reshard.proto.errors import InvalidArgumentError, NotFoundError
     from reshard.server.transport.streams import PushHeader
 
-    with pytest.raises(NotFoundError, match="agent host1 has no prepared job 'nope'"):
+    hosts.runtimes["host1"].prepare_wait_s = 0.3  # a push that came first waits this long for its prepare
+    with pytest.raises(NotFoundError, match=r"agent host1 has no prepared job 'nope' \(none came within 0.3s of its "
+                                            r"first push\)"):
         hosts.runtimes["host1"].accept(PushHeader("nope", "x", 0, 0, "host0"), [])
     program, src, _ = _chain_program()
     hosts.put_tensor("t", np.ones((64, 32), np.float32), src)
