@@ -992,7 +992,8 @@ class Client(FrameworkAdapters):
 
     def reshard_many(self, shardings: Mapping[str, Sharding], strategy: str = "auto",
                      bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None, *,
-                     manifest: Optional[Manifest] = None, version=None, delta: Optional[bool] = None) -> Job:
+                     manifest: Optional[Manifest] = None, version=None, delta: Optional[bool] = None,
+                     dtype: Union[str, Mapping[str, str], None] = None) -> Job:
         """Start moving every tensor of ``shardings`` (``{name: sharding}``) to its sharding in one job; returns a
         `Job` at once.
 
@@ -1016,6 +1017,16 @@ class Client(FrameworkAdapters):
         holds that sync's versions (its base pair) and the tensor's change rate says it pays; False moves every
         tensor whole; True moves changes wherever a base pair is held. Either way the result is bit-exact;
         ``JobResult.deltas`` says per tensor how it moved, why, and its bytes against a full move's.
+
+        ``dtype`` quantizes on the way: one dtype name for every tensor (less the scales), or ``{name: dtype}``.
+        Today ``"float8_e4m3fn"`` from bfloat16, float16 or float32 is the conversion (`reshard.quantize`): each
+        such tensor must be 2-D and have a scale in ``scales``, which the job makes (float32, one entry per 128 x
+        128 block, or per ``block`` where ``scales`` names one) or publishes the next version of; the senders
+        quantize before the moves, so the wire carries the fp8 values and their scales. The new versions are
+        float8_e4m3fn and float32; the old bf16 version stays readable until the commit, and after it while a pin
+        holds it. A tensor asked for in its own dtype moves as it is; any other dtype raises
+        `InvalidArgumentError` naming the tensor, its dtype, what was asked and what is supported. Such a tensor
+        never moves as a delta (``JobResult.deltas`` says it was quantized).
         """
         if delta is not None and not isinstance(delta, bool):
             raise InvalidArgumentError(f"delta={delta!r}: give None (where it pays), True or False")
@@ -1028,6 +1039,15 @@ class Client(FrameworkAdapters):
             **_version_fields(version))
         if delta is not None:
             request.delta = delta
+        if dtype is not None:
+            # One dtype for all asks it of every tensor but the scales, which stay float32; the planner checks the rest.
+            followers = {s for s, _ in scale_pairs(scales or {}).values()}
+            asked = dtype if isinstance(dtype, Mapping) else {n: dtype for n in shardings if n not in followers}
+            try:
+                request.dtypes.update({n: d if isinstance(d, str) else dtype_name(d) for n, d in asked.items()})
+            except (TypeError, ValueError) as e:
+                raise InvalidArgumentError(f"dtype={dtype!r}: give one dtype name such as 'float8_e4m3fn', or a dict "
+                                           f"of tensor name -> dtype name ({e})") from None
         if manifest is not None:
             if not isinstance(manifest, Manifest):
                 raise InvalidArgumentError(f"manifest must be a reshard.Manifest (Manifest.from_module(model)); got "

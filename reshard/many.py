@@ -27,6 +27,10 @@ block scale      a weight's scale tensor (``scales={"w": "w_scale"}``, or ``{"w"
                  dim of ``n`` has ``ceil(n / b)`` of them. It is laid out like its weight (same mesh,
                  the same axes per dim, `scale_sharding`), which gives every device exactly the
                  scales of its weight tile when every weight tile starts on a block boundary
+quantize         ``dtypes`` asks for a weight in ``float8_e4m3fn``: its senders quantize it before the
+                 moves (``fp8_quantize``, ``fp8_scales``) and the wire carries the fp8 values and the
+                 float32 scales, made on the way (`reshard.quantize`); without ``dtypes`` a program is
+                 what it always was, byte for byte
 ================ ==================================================================================
 
 A `ManyProgram` is a `Program` with its ``buckets`` (groups of step ids): they are part of its JSON and
@@ -55,7 +59,9 @@ from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
-from reshard.program import MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
+from reshard.program import DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
+from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
+                              source_name)
 from reshard.sharding import Sharding
 from reshard.strategies import STRATEGIES, Loads, plan
 from reshard.topology import Topology
@@ -139,7 +145,36 @@ class ManyProgram(Program):
         super().validate()
         if not _buckets_ok(self.steps, self.buckets):
             self._check_buckets()
+        self._check_made_tiles()
         return self
+
+    def _check_made_tiles(self) -> None:
+        """A tensor the steps make (a destination and no source: quantized on the way) gets every destination tile
+        written whole, each element once, in role ``dst`` (`Program.validate` proves this for moved tensors only)."""
+        made = {t.name: t for t in self.tensors if t.src is None and t.dst is not None}
+        if not made:
+            return
+        written: dict[tuple[str, str], list] = defaultdict(list)
+        for s in self.steps:
+            if s.kind == MOVE:
+                if s.tensor in made:
+                    for r in s.transfer.receivers:
+                        written[r, s.tensor].append(s.transfer.box)
+            elif s.output is not None and s.output.tensor in made and s.output.role == DST:
+                for dev, _, _, b in s.produces():
+                    written[dev, s.output.tensor].append(b)
+        for t in made.values():
+            for dev, tile in t.dst.tiles(t.shape).items():
+                pieces = written.get((dev, t.name), [])
+                left = boxes.uncovered(tile, pieces)
+                if left or sum(map(boxes.volume, pieces)) != boxes.volume(tile):
+                    why = (f"no step writes {boxes.box_str(left[0])} of it" if left else
+                           f"steps write {sum(map(boxes.volume, pieces))} elements into its "
+                           f"{boxes.volume(tile)}, some twice")
+                    raise PlanValidationError(
+                        f"tensor {t.name!r} is made by the program's steps and must end in {t.dst.spec_str()}, but "
+                        f"device {dev}'s destination tile {boxes.box_str(tile)}: {why}; each element of a made "
+                        f"tile is written once, by a move or a compute step into role 'dst'")
 
     def _check_buckets(self) -> None:
         """The buckets' rules one step at a time, naming the first problem (`_buckets_ok` found one, or could not
@@ -347,13 +382,16 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
 
 
 def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None, strategy: str = "auto",
-              bucket_bytes: int = DEFAULT_BUCKET_BYTES, scales: Optional[Mapping[str, object]] = None) -> ManyProgram:
+              bucket_bytes: int = DEFAULT_BUCKET_BYTES, scales: Optional[Mapping[str, object]] = None,
+              dtypes: Union[str, Mapping[str, str], None] = None) -> ManyProgram:
     """One program that moves every tensor (a `TensorDecl` with ``src`` and ``dst``) to its destination.
 
     Tensors are planned one by one with ``strategy`` (as `reshard.plan`), balanced together, and small moves
     packed into buckets of ``bucket_bytes`` (see the module docstring). ``scales`` maps a weight's name to its
     block-scale tensor's (or to (name, block), `scale_sharding`), whose destination may be left None: it follows
-    the weight's.
+    the weight's. ``dtypes`` (one dtype name for every tensor but the scales, or {name: dtype}) asks for weights in
+    another dtype: ``float8_e4m3fn`` quantizes them on the way (`reshard.quantize`), each with its scale in
+    ``scales``, whose ``src`` is then unused (it may be None: the program makes the scales).
     """
     if strategy not in STRATEGIES:
         raise InvalidShardingError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
@@ -369,13 +407,15 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
                                        f"got {type(t).__name__}")
     if scales:
         decls = follow_scales(decls, scales)
+    converted = conversions(decls, dtypes, scale_pairs(scales or {})) if dtypes is not None else {}
+    made = {c.scale for c in converted.values()}
     for t in decls:
-        if t.src is None or t.dst is None:
+        if (t.src is None and t.name not in made) or t.dst is None:
             raise InvalidShardingError(f"tensor {t.name!r} needs both src and dst shardings to be moved; it has "
                                        f"src {t.src} and dst {t.dst}")
     topology = topology or Topology()
     with _no_cycle_collection():
-        return _plan_many(decls, topology, strategy, bucket_bytes)
+        return _plan_many(decls, topology, strategy, bucket_bytes, converted)
 
 
 @contextmanager
@@ -403,8 +443,12 @@ def _no_cycle_collection():
             gc.enable()
 
 
-def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucket_bytes: int) -> ManyProgram:
+def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucket_bytes: int,
+               converted: Mapping[str, Conversion]) -> ManyProgram:
     """`plan_many` of checked arguments."""
+    given = decls
+    if converted:
+        decls = _as_moved(decls, converted)
     # Largest first, as each plan's own greedy goes: the joint pass then settles the large transfers first.
     order = sorted(range(len(decls)), key=lambda i: -math.prod(decls[i].shape) * decls[i].itemsize)
     if strategy == "auto":
@@ -419,13 +463,50 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         _balance([(decls[i], transfers[i]) for i in order], topology)
     steps: list[Step] = []
     packer = _Buckets(bucket_bytes)
+    program_tensors: list[TensorDecl] = []
+    position = {d.name: i for i, d in enumerate(decls)}
+    scale_of = {c.scale: w for w, c in converted.items()}
     for i in order:
-        made = move_steps(transfers[i], len(steps), decls[i].name)
+        d = decls[i]
+        if d.name in scale_of:
+            continue  # made and moved with its weight
+        c = converted.get(d.name)
+        if c is not None:
+            k = position[c.scale]
+            source = given[i]
+            steps += QuantizedSteps(len(steps), source, c, d, decls[k], transfers[i], transfers[k]).steps
+            program_tensors += [replace(d, src=None), replace(decls[k], src=None),
+                                TensorDecl(source_name(d.name, source.dtype), d.shape, source.dtype, source.src)]
+            continue
+        made = move_steps(transfers[i], len(steps), d.name)
         if bucket_bytes:
-            packer.add(len(steps), transfers[i], made, decls[i].itemsize)
+            packer.add(len(steps), transfers[i], made, d.itemsize)
         steps += made
-    program_tensors = tuple(decls[i] for i in order)
-    return ManyProgram(program_tensors, tuple(steps), strategy, topology, packer.buckets())
+        program_tensors.append(d)
+    return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())
+
+
+def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> list[TensorDecl]:
+    """``decls`` as their moves carry them: a converted weight in its new dtype from its quantize layout, its scale
+    (float32) from the same layout over the scale's blocks; the others as they are."""
+    by_name = {d.name: d for d in decls}
+    layouts: dict[tuple, Sharding] = {}  # a state dict repeats a few (shape, layout, block): each is chosen once
+    moved: dict[str, TensorDecl] = {}
+    for w, c in converted.items():
+        d = by_name[w]
+        key = (d.shape, d.src, c.block)
+        q = layouts.get(key)
+        if q is None:
+            q = layouts[key] = quantize_layout(d.shape, d.src, c.block)
+        taken = source_name(w, d.dtype)
+        if taken in by_name:
+            raise DtypeConversionError(f"tensor {taken!r} is moved here too, but quantizing {w!r} names the weight as "
+                                       f"it is held so in the program; rename that tensor")
+        moved[w] = TensorDecl(w, d.shape, c.dtype, q, d.dst)
+        s = by_name[c.scale]
+        # A block-aligned layout's scale tiles are its weight tiles' blocks (`scale_sharding`).
+        moved[c.scale] = TensorDecl(c.scale, s.shape, "float32", Sharding(q.mesh, q.spec), s.dst)
+    return [moved.get(d.name, d) for d in decls]
 
 
 class _Buckets:

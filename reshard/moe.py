@@ -30,10 +30,12 @@ scale             the weight's mesh and axes per dim               its weight's 
 
 Only linear layers are quantized (attention projections and every MLP's); embeddings, the output head, norms
 and the router stay in the training dtype, and the router's score bias in float32, as in the released fp8
-checkpoints. Where a weight's training tiles start on block boundaries (every expert's) its scale's training
-layout is where the sender that quantizes holds it; where they cut blocks (rows over every training device), no
-sender holds whole blocks, and the scale's layout over the weight's axes stands in until a planner that quantizes
-on the way decides who makes each block.
+checkpoints. A scale's training layout is its weight's axes; the scales are made on the way
+(``plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes)``, `reshard.quantize`), so that layout is
+never read: where a weight's training tiles start on block boundaries (every expert's) each sender quantizes its
+own tile; where they cut blocks (rows over every training device) the planner first gathers whole blocks into a
+block-aligned layout over the same devices (rows over hosts and columns over a host's devices, where a host's rows
+are whole blocks: the gather then stays within hosts) and quantizes there.
 Meshes are named devices on named hosts (``Mesh.grid``); no machine need exist, as for any plan.
 """
 

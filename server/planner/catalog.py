@@ -73,11 +73,17 @@ class TensorRecord:
     # Which values it holds (`new_content`): a reshard's copy shares its source's; "" unknown (a record saved
     # before content ids, a compute output), which matches nothing
     content: str = ""
+    # The dtype of the version a job quantized on the way into this one ("" for any other version): its
+    # publisher's next version may come back in it (a trainer publishes bf16 every step; the sync serves fp8).
+    converted_from: str = ""
 
     def to_json(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
-                "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
-                "lost": sorted(self.lost), "step": self.step, "content": self.content}
+        out = {"name": self.name, "shape": list(self.shape), "dtype": self.dtype,
+               "sharding": self.sharding.to_json(), "version": self.version, "kind": self.kind,
+               "lost": sorted(self.lost), "step": self.step, "content": self.content}
+        if self.converted_from:
+            out["converted_from"] = self.converted_from
+        return out
 
     def json_text(self) -> str:
         """``json.dumps(self.to_json())``, with the sharding's part written once per sharding: a state dict's job
@@ -86,13 +92,14 @@ class TensorRecord:
         return (f'{{"name": {quoted(self.name)}, "shape": [{", ".join(map(str, self.shape))}], '
                 f'"dtype": {quoted(self.dtype)}, "sharding": {self.sharding.json_text()}, '
                 f'"version": {self.version}, "kind": {quoted(self.kind)}, "lost": [{lost}], '
-                f'"step": {"null" if self.step is None else self.step}, "content": {quoted(self.content)}}}')
+                f'"step": {"null" if self.step is None else self.step}, "content": {quoted(self.content)}'
+                + (f', "converted_from": {quoted(self.converted_from)}}}' if self.converted_from else "}"))
 
     @classmethod
     def from_json(cls, data: dict) -> "TensorRecord":
         return cls(data["name"], tuple(data["shape"]), data["dtype"], Sharding.from_json(data["sharding"]),
                    int(data["version"]), data.get("kind", "numpy"), frozenset(data.get("lost", ())),
-                   data.get("step"), data.get("content", ""))
+                   data.get("step"), data.get("content", ""), data.get("converted_from", ""))
 
     def lost_tiles(self) -> dict[Box, list[str]]:
         """The non-empty tiles whose every copy is lost, with the devices that held them."""
@@ -141,12 +148,15 @@ def check_step(step) -> int | None:
 
 
 def check_same_layout(current: TensorRecord, new: TensorRecord) -> None:
-    """Refuse a new version of ``current``'s name whose shape or dtype differs (its sharding may)."""
-    if (current.shape, current.dtype) != (new.shape, new.dtype):
+    """Refuse a new version of ``current``'s name whose shape or dtype differs (its sharding may), but for the
+    dtype a job quantized it from (``converted_from``): the training side publishes that one again."""
+    if current.shape != new.shape or new.dtype not in (current.dtype, current.converted_from or current.dtype):
+        was = (f", quantized on the way from {current.converted_from}, so a new version is "
+               f"{current.converted_from} or {current.dtype}" if current.converted_from else "")
         raise InvalidArgumentError(
-            f"tensor {new.name!r} is {current.dtype}{list(current.shape)} (v{current.version}), and a new version "
-            f"keeps its shape and dtype: this one is {new.dtype}{list(new.shape)}; delete it first to change its "
-            f"shape or dtype, or put it under another name")
+            f"tensor {new.name!r} is {current.dtype}{list(current.shape)} (v{current.version}{was}), and a new "
+            f"version keeps its shape and dtype: this one is {new.dtype}{list(new.shape)}; delete it first to "
+            f"change its shape or dtype, or put it under another name")
 
 
 def label(rec: TensorRecord) -> str:

@@ -26,6 +26,7 @@ from reshard.partial_plan import reshard_program
 from reshard.plans import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
+from reshard.quantize import conversions
 from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
@@ -707,7 +708,8 @@ class Planner:
 
     def reshard_many(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
                      scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
-                     pin: str = "", step: int | None = None, delta: bool | None = None) -> Job:
+                     pin: str = "", step: int | None = None, delta: bool | None = None,
+                     dtypes: dict[str, str] | None = None) -> Job:
         """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
         commits them together (`reshard.many`). ``scales`` pairs a weight with its block-scale tensor and block
         (None: from the shapes), which follows the weight's destination (its own may be left empty, or out of
@@ -715,7 +717,9 @@ class Planner:
         `reshard.Manifest`'s JSON, or empty) is the consumer's manifest, checked before anything else is
         (`_check_manifest`); the job records its digest. ``delta`` (delta sync): None moves each tensor as a delta
         where a usable base pair is held and its change rate says it pays, False moves every tensor whole, True
-        moves a delta wherever a usable base pair is held (`JobRunner._choose_deltas`)."""
+        moves a delta wherever a usable base pair is held (`JobRunner._choose_deltas`). ``dtypes`` (name -> dtype)
+        quantizes those tensors on the way (`reshard.quantize`); a quantized weight's scale is made by the job, so
+        it need not be in the catalog."""
         if not targets:
             raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
         names = [n for n, _ in targets]
@@ -736,10 +740,17 @@ class Planner:
         given = set(names)
         names += [s for s, _ in pairs.values() if s not in given]
         manifest = self._check_manifest(manifest_json, names, f"reshard_many of {len(names)} tensors")
+        # A scale the job may make (its weight is asked for in another dtype) need not exist yet.
+        absent = {pairs[w][0] for w in dtypes or {} if w in pairs} - {n for n in names if self.catalog.contains(n)}
+        stored = [n for n in names if n not in absent]
         # With a pin or a step: the versions they name, which must be current (a job moves the current version)
-        records = dict(zip(names, self.catalog.current_named(names, pin, check_step(step))))
+        records = dict(zip(stored, self.catalog.current_named(stored, pin, check_step(step))))
         for rec in records.values():
             self._check_not_lost(rec)
+        converted = conversions([TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()], dtypes,
+                                pairs) if dtypes else {}
+        for name in sorted(absent - {c.scale for c in converted.values()}):
+            self.catalog.get(name)  # named as a scale, made by no conversion, and not in the catalog: NOT_FOUND
         followers = {s for s, _ in pairs.values()}
         dsts: dict[str, Sharding] = {}
         parsed: dict[str, Sharding] = {}  # a state dict's tensors share a few layouts: each is read and checked once
@@ -753,17 +764,21 @@ class Planner:
                 self.registry.check_mesh(dst.mesh)
             dst.check_shape(rec.shape)
             dsts[name] = dst
-        decls = follow_scales([TensorDecl(n, r.shape, r.dtype, r.sharding, dsts.get(n)) for n, r in records.items()],
-                              pairs)
+        decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, dsts.get(n)) for n, r in records.items()]
+        decls += [TensorDecl(c.scale, tuple(-(-n // c.block) for n in records[w].shape), "float32", None,
+                             dsts.get(c.scale)) for w, c in converted.items() if c.scale in absent]
+        decls = follow_scales(decls, pairs)
         for d in decls:
-            if d.dst.is_partial or d.src.is_partial:
+            if d.dst.is_partial or (d.src is not None and d.src.is_partial):
                 raise InvalidArgumentError(
                     f"tensor {d.name!r} goes from {d.src} to {d.dst}, a pending sum on one side; reshard_many moves "
                     f"values, so reshard that tensor on its own (reshard completes or keeps a sum)")
         sizes: dict[tuple, PlanSize] = {}  # a state dict's tensors share a few (shape, layouts): each is sized once
         for d in decls:
             if (d.shape, d.src, d.dst) not in sizes:
-                sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, d.src, d.dst)
+                # a scale the job makes moves from its weight's layout
+                src = d.src if d.src is not None else Sharding(d.dst.mesh, [None] * len(d.shape))
+                sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, src, d.dst)
         size = [sizes[d.shape, d.src, d.dst] for d in decls]
         over = PlanSize.total(size).excess(self.config.max_plan_tasks, strategy)
         if over:
@@ -771,12 +786,13 @@ class Planner:
                 f"reshard_many of {len(decls)} tensors would make too large a program: {excess_text(over)} "
                 f"(reshard planner --max-plan-tasks {self.config.max_plan_tasks:,}); move the tensors in several "
                 f"reshard_many jobs, or raise the limit")
-        self._check_memory_together([(d.dst, d.shape, d.dtype, f"resharding {d.name!r}") for d in decls],
+        self._check_memory_together([(d.dst, d.shape, converted[d.name].dtype if d.name in converted else d.dtype,
+                                      f"resharding {d.name!r}") for d in decls],
                                     f"reshard_many of {len(decls)} tensors")
         return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
                                      {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()},
                                      manifest_digest=manifest.digest if manifest is not None else "", pin=pin,
-                                     step=step, delta=delta)
+                                     step=step, delta=delta, dtypes={w: c.dtype for w, c in converted.items()})
 
     def _check_manifest(self, manifest_json: str, names: list[str], what: str) -> Manifest | None:
         """The consumer's manifest, once every tensor ``names`` moves is in it with the catalog's shape and dtype

@@ -53,10 +53,12 @@ from reshard import box as boxes
 from reshard.cost import sender_bytes
 from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
+from reshard.kernels import FP8_BLOCK
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plans import Plan, Transfer
 from reshard.program import MOVE, REDUCE, Program, TensorDecl
+from reshard.quantize import source_name
 from reshard.routes import hops
 from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan
@@ -64,7 +66,7 @@ from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging
-from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
+from reshard.server.planner.catalog import Catalog, TensorRecord, bumped, new_content
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
@@ -211,6 +213,8 @@ class Job:
     full_network_bytes: int = 0
     expected_network_bytes: int = 0
     delta_note: str = ""
+    # reshard_many: weight -> the dtype it is quantized to on the way (`reshard.quantize`); its scale is made
+    dtypes: dict[str, str] = field(default_factory=dict)
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -258,7 +262,8 @@ class Job:
                 "host_seconds": self.host_seconds, "transport_reason": self.transport_reason,
                 "manifest_digest": self.manifest_digest, "delta": self.delta, "deltas": self.deltas,
                 "network_bytes": self.network_bytes, "full_network_bytes": self.full_network_bytes,
-                "expected_network_bytes": self.expected_network_bytes, "delta_note": self.delta_note}
+                "expected_network_bytes": self.expected_network_bytes, "delta_note": self.delta_note,
+                "dtypes": self.dtypes}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -273,7 +278,8 @@ class Job:
                   transport_reason=d.get("transport_reason", ""), manifest_digest=d.get("manifest_digest", ""),
                   delta=d.get("delta"), deltas=d.get("deltas", {}), network_bytes=d.get("network_bytes", 0),
                   full_network_bytes=d.get("full_network_bytes", 0),
-                  expected_network_bytes=d.get("expected_network_bytes", 0), delta_note=d.get("delta_note", ""))
+                  expected_network_bytes=d.get("expected_network_bytes", 0), delta_note=d.get("delta_note", ""),
+                  dtypes=d.get("dtypes", {}))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -392,14 +398,16 @@ class JobRunner:
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
-                    step: int | None = None, delta: bool | None = None) -> Job:
+                    step: int | None = None, delta: bool | None = None, dtypes: dict[str, str] | None = None) -> Job:
         """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
         ``pin`` or ``step``, of the versions they name (still current as the job starts). ``delta``: move tensors
-        as deltas where it pays (None), never (False), or wherever a base pair is usable (True)."""
+        as deltas where it pays (None), never (False), or wherever a base pair is usable (True). ``dtypes``: the
+        weights quantized on the way, each to its dtype; their scales (in ``scales``) are made by the job."""
         names = sorted(dsts)
         return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
                                 dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes,
-                                manifest_digest=manifest_digest, pin=pin, step=step, delta=delta))
+                                manifest_digest=manifest_digest, pin=pin, step=step, delta=delta,
+                                dtypes=dict(dtypes or {})))
 
     def _submit(self, job: Job) -> Job:
         with self._lock:
@@ -617,9 +625,11 @@ class JobRunner:
         prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
                            delta_bases=work.delta_bases)
-        # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair.
-        bases = ({new.name: (old.version, new.version) for old, new in work.commits if old is not None}
-                 if job.kind == "reshard_many" else None)
+        # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair; not a
+        # quantized one's, nor its scale's: their new version holds other values (no delta could start there).
+        made = _made_on_the_way(job)
+        bases = ({new.name: (old.version, new.version) for old, new in work.commits
+                  if old is not None and new.name not in made} if job.kind == "reshard_many" else None)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -685,25 +695,45 @@ class JobRunner:
             return self._program_work(job, program.validate(), rec.version, {},
                                       [(rec, bumped(rec, job.dst, job.version))])
         if job.kind == "reshard_many":
-            records = dict(zip(job.inputs, self.catalog.current_named(job.inputs, job.pin, job.step)))
+            # A scale made on the way (its weight is quantized) need not exist yet: the job creates it.
+            scales = {job.scales[w][0]: w for w in job.dtypes}
+            stored = [n for n in job.inputs if n not in scales or self.catalog.contains(n)]
+            records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step)))
             topology = self.registry.topology()
-            key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()), topology,
+            decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
+                     if n not in scales]
+            decls += [_made_scale(s, records[w], job.scales[w][1], job.dsts[s]) for s, w in scales.items()]
+            key = (tuple((d.name, d.shape, d.dtype, d.src, d.dst) for d in decls), topology,
                    job.strategy, job.bucket_bytes,
-                   tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())))
+                   tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())),
+                   tuple(sorted(job.dtypes.items())))
             hit = self._many_programs.get(key)
             if hit is None:
-                decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()]
                 hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
-                                                             job.scales).validate())
+                                                             job.scales, job.dtypes or None).validate())
             program, text = hit
             job.versions = claimed
             job.version = job.versions[job.tensor]
             # Each tensor is read at its own version and commits as the next (the agents' rule for a program
             # that commits several tensors): what a claim gives a current version, as no upload commits meanwhile.
             assert all(claimed[n] == r.version + 1 for n, r in records.items()), (claimed, records)
-            reads = {n: (n, r.version) for n, r in records.items()}
-            commits = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in records.items()]
-            work = self._program_work(job, program, records[job.tensor].version, reads, commits, text)
+            reads = {n: (n, r.version) for n, r in records.items() if n not in job.dtypes and n not in scales}
+            commits = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in records.items()
+                       if n not in job.dtypes and n not in scales]
+            for w, dtype in job.dtypes.items():
+                # The quantized weight and its scale are made by the program (no src), and commit as the versions
+                # claimed; the weight as held is read as its own program tensor.
+                rec, d = records[w], program.tensor(w)
+                s = job.scales[w][0]
+                reads[w], reads[s] = (w, claimed[w]), (s, claimed[s])
+                reads[source_name(w, rec.dtype)] = (w, rec.version)
+                made = program.tensor(s)
+                commits.append((rec, TensorRecord(w, rec.shape, dtype, d.dst, claimed[w], rec.kind, step=rec.step,
+                                                  content=new_content(), converted_from=rec.dtype)))
+                commits.append((records.get(s), TensorRecord(s, made.shape, made.dtype, made.dst, claimed[s],
+                                                             rec.kind, step=rec.step, content=new_content())))
+            src_version = records[job.tensor].version if job.tensor in records else 0
+            work = self._program_work(job, program, src_version, reads, commits, text)
             # Program tensors are the stored names here (``reads``): delta_bases is keyed by them too.
             return replace(work, delta_bases=self._choose_deltas(job, records, work.moves))
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
@@ -921,11 +951,17 @@ class JobRunner:
         usable pair; False none."""
         pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
         bases: dict[str, tuple[int, int]] = {}
-        for n, rec in records.items():
+        made = {job.scales[w][0]: w for w in job.dtypes}
+        for n, rec in [*records.items(), *((s, None) for s in made if s not in records)]:
             full = moves.tensor_network.get(n, 0)
             mode, why, expected = "full", "", full
             pair = pairs.get(n)
-            if not self.catalog.delta:
+            if n in job.dtypes:
+                why = (f"quantized on the way, {rec.dtype} -> {job.dtypes[n]}: a delta needs one dtype at both "
+                       f"ends, so it moves whole")
+            elif n in made:
+                why = f"the block scales of {made[n]!r}, made on the way as it is quantized: nothing to diff against"
+            elif not self.catalog.delta:
                 why = "the planner runs with --no-delta"
             elif job.delta is False:
                 why = "delta off for this job (delta=False)"
@@ -1035,6 +1071,18 @@ class _Moves:
         pushes_in = None if reduces and len(hosts) > 1 else max(pushed.values(), default=0)
         return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in,
                    dict(per_tensor))
+
+
+def _made_on_the_way(job: Job) -> set[str]:
+    """The tensors a reshard_many's program makes rather than moves: its quantized weights and their scales."""
+    return {*job.dtypes, *(job.scales[w][0] for w in job.dtypes)}
+
+
+def _made_scale(name: str, weight: TensorRecord, block, dst: Sharding) -> TensorDecl:
+    """The declaration of quantized ``weight``'s scale tensor ``name``, made on the way: one float32 entry per block
+    (``block`` as the job's scales give it; None: `FP8_BLOCK`), no source."""
+    size = FP8_BLOCK if not block else block[0]
+    return TensorDecl(name, tuple(-(-n // size) for n in weight.shape), "float32", None, dst)
 
 
 def _commits_of(job: Job) -> list[str]:

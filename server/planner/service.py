@@ -388,7 +388,7 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             request.bucket_bytes if request.HasField("bucket_bytes") else None,
             [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
             manifest_json=request.manifest_json, pin=request.pin, step=_step(request),
-            delta=request.delta if request.HasField("delta") else None))
+            delta=request.delta if request.HasField("delta") else None, dtypes=dict(request.dtypes)))
 
     @servicer_method
     def BeginUploads(self, request, context):
