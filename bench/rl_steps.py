@@ -12,7 +12,7 @@ On a cluster (`sync_steps`) the state dict is published twice per step, under ``
 `put_many` labeled with the step: from the bench's training layout (the FSDP-style dim-0 split over the 4
 training hosts) to its serving one (transformers' tensor-parallel plan for Llama, 2 ways, times two replicas on the
 4 serving hosts). Then ``reshard_many(..., version=step)`` syncs each copy, ``delta=False`` for ``full/`` and
-``delta`` unset (where it pays) for ``delta/``: two copies, so each keeps its own base pair (the previous sync
+``delta=True`` for ``delta/``: two copies, so each keeps its own base pair (the previous sync
 of its names), and the two take turns (which goes first alternates step by step), so a drift of this shared
 machine's load reaches both. Step 0 publishes the initial weights and syncs both whole (nothing to diff
 against). Every sync is checked right after it, every device's tile by digest against the published bits; that
@@ -44,8 +44,10 @@ LR = 1e-6  # an RL-typical learning rate (issue 40 measured 1e-6 to 1e-4)
 BATCH = (2, 32)  # token ids per step, as the example trains on
 GOAL_BYTES = 0.10  # a delta step's network bytes against a full one's, at most
 GOAL_SPEEDUP = 4.0  # a full step's sync seconds against a delta one's on the emulated hosts, at least
-# Each side's reshard_many options: whole, and the default (as deltas where they pay)
-SIDES = {"full": {"delta": False}, "delta": {}}
+# Each side's reshard_many options: whole, and as deltas wherever a base pair is held. The default (`delta` unset)
+# prices a delta against its hosts' CPU: on loopback's 10 Gbit/s agents it moves these tensors whole, on the
+# emulated 1 Gbit/s links as deltas (tests/integration/test_delta_planner.py); True measures the codec on both.
+SIDES = {"full": {"delta": False}, "delta": {"delta": True}}
 TIMEOUT_S = 900
 # transformers' tensor-parallel plan for Llama (`LlamaConfig.base_model_tp_plan`): column-wise projections split
 # their output dim (dim 0 of the [out, in] weight), row-wise ones their input dim; lm_head splits the vocabulary;
@@ -256,7 +258,9 @@ def section(steps: list[dict[str, np.ndarray]], train_s: float, a: Namespace, lo
             f"request to the job's result; network bytes are `JobResult.network_bytes`; every sync is checked "
             f"bit-exact, every device's tile against the published bits.")
     head += (" Two copies of the state dict take turns on one cluster, which goes first alternating step by "
-             "step: `delta=False` moves one whole, `delta` unset moves the other as deltas where they pay, each "
+             "step: `delta=False` moves one whole, `delta=True` moves the other as deltas (the default, `delta` "
+             "unset, prices a delta against its hosts' CPU: whole on loopback's 10 Gbit/s agents, deltas on the "
+             "emulated 1 Gbit/s links), each "
              "from the base pair of its own previous sync. Goals: a delta step's bytes at most "
              f"{GOAL_BYTES:.0%} of a full one's; its sync at least {GOAL_SPEEDUP:g}x faster on the emulated "
              "hosts.")

@@ -1014,7 +1014,8 @@ class Client(FrameworkAdapters):
         carry their step label, and the ones they supersede stay readable while a pin holds them.
 
         ``delta`` (delta sync): None moves each tensor as the changes since its previous sync where the planner
-        holds that sync's versions (its base pair) and the tensor's change rate says it pays; False moves every
+        holds that sync's versions (its base pair) and a delta pays: the link time its change rate saves against
+        its hosts' CPU to diff and apply (whole on fast links); False moves every
         tensor whole; True moves changes wherever a base pair is held. Either way the result is bit-exact;
         ``JobResult.deltas`` says per tensor how it moved, why, and its bytes against a full move's.
 

@@ -51,6 +51,7 @@ from typing import Protocol
 
 from reshard import box as boxes
 from reshard.cost import sender_bytes
+from reshard.delta import RECEIVER_PASSES, SENDER_PASSES
 from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
 from reshard.kernels import FP8_BLOCK
@@ -946,10 +947,12 @@ class JobRunner:
 
         A base pair is usable when its src version is in the sharding of the version moved and its dst version in
         the destination's, both hold one content (a reshard's copy of the other) and neither lost a device. With
-        ``job.delta`` None a usable pair is used unless the tensor's last delta sync sent more than
-        `DELTA_FULL_ABOVE` of its full bytes (then every `DELTA_PROBE_EVERY`-th sync tries again); True uses every
-        usable pair; False none."""
+        ``job.delta`` None a usable pair is used where a delta pays (`_delta_pays`: the link time it saves at the
+        tensor's last change rate, or at none where that is unknown, against its hosts' CPU to diff and apply), and
+        not where the tensor's last delta sync sent more than `DELTA_FULL_ABOVE` of its full bytes (then every
+        `DELTA_PROBE_EVERY`-th sync tries again); True uses every usable pair; False none."""
         pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
+        topology = self.registry.topology() if pairs else None
         bases: dict[str, tuple[int, int]] = {}
         made = {job.scales[w][0]: w for w in job.dtypes}
         for n, rec in [*records.items(), *((s, None) for s in made if s not in records)]:
@@ -980,13 +983,20 @@ class JobRunner:
                         if self._full_since[n] >= DELTA_PROBE_EVERY:
                             self._full_since.pop(n)
                             rate = None  # tried again: the change rate may have fallen
+                # Unknown, the rate is priced at nothing changed: a delta is tried where it could pay at all.
+                saved, codec = _delta_pays(moves.tensor_codec.get(n), topology, rate or 0.0)
                 if job.delta is True:
                     mode, why = "delta", f"{base}; delta=True"
-                elif rate is None:
-                    mode, why = "delta", f"{base}; change rate unknown: trying a delta"
-                elif rate > DELTA_FULL_ABOVE:
+                elif rate is not None and rate > DELTA_FULL_ABOVE:
                     why = (f"its last delta sync sent {rate:.0%} of the full bytes (above {DELTA_FULL_ABOVE:.0%}): "
                            f"a full move pays")
+                elif saved <= codec:
+                    changed = "with nothing changed" if rate is None else f"at its last rate, {rate:.1%} of the bytes"
+                    why = (f"a delta would save {_ms(saved)} of link time {changed}, and cost its hosts "
+                           f"{_ms(codec)} to diff and apply (reshard.delta.SENDER_PASSES and RECEIVER_PASSES over "
+                           f"the boxes at each host's memory rate): on links this fast a full move pays")
+                elif rate is None:
+                    mode, why = "delta", f"{base}; change rate unknown: trying a delta"
                 else:
                     mode, why = "delta", f"{base}; its last delta sync sent {rate:.1%} of the full bytes"
                 if mode == "delta":
@@ -1011,6 +1021,28 @@ class JobRunner:
                 f.result(timeout=self.rpc_timeout_s)
             except Exception as e:  # noqa: BLE001 - cleanup must reach every other host
                 log.info("cleanup call to host %s failed: %s", h, e)
+
+
+def _delta_pays(codec: tuple[dict[str, int], dict[str, int]] | None, topology: Topology,
+                rate: float) -> tuple[float, float]:
+    """(link seconds a tensor's delta saves, seconds of its hosts' CPU it costs), summed over hosts.
+
+    ``codec`` is the tensor's box bytes each host diffs (as a sender) and applies (as a hop's receiver,
+    `_Moves.tensor_codec`); ``rate`` the share of the full bytes a delta still sends. A hop saves ``1 - rate`` of its
+    bytes over its host's NIC; the codec costs `reshard.delta.SENDER_PASSES` (resp. ``RECEIVER_PASSES``) passes over
+    the bytes at the host's memory rate (the agent's probe). Every host works at once on both, so the sums compare
+    like with like."""
+    if not codec:
+        return 0.0, 0.0
+    diffs, applies = codec
+    saved = sum(b * (1.0 - rate) / topology.nic_bytes_per_s(h) for h, b in applies.items())
+    cost = (sum(b * SENDER_PASSES / topology.memory_bytes_per_s(h) for h, b in diffs.items())
+            + sum(b * RECEIVER_PASSES / topology.memory_bytes_per_s(h) for h, b in applies.items()))
+    return saved, cost
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 @dataclass(frozen=True)
@@ -1044,6 +1076,9 @@ class _Moves:
     local_bytes: int
     pushes_in: int | None = 0
     tensor_network: dict[str, int] = field(default_factory=dict)
+    # per program tensor: the bytes of its moves' boxes each sending host would diff and each host a hop reaches
+    # would apply as deltas (`_delta_pays`); moves within a host are left out, as no bytes of theirs cross a NIC
+    tensor_codec: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str], reduces: bool = False,
@@ -1055,6 +1090,7 @@ class _Moves:
         pushed: dict[str, int] = defaultdict(int)
         network, network_bytes, local_bytes = [], 0, 0
         per_tensor: dict[str, int] = defaultdict(int)
+        codec: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
         for i, (t, itemsize) in enumerate(moves):
             sender = host_of(t.sender)
             hosts |= {sender, *map(host_of, t.receivers), *t.route}
@@ -1067,10 +1103,15 @@ class _Moves:
             network_bytes += n * len(copies)
             if tensors is not None:
                 per_tensor[tensors[i]] += n * len(copies)
+                if copies:
+                    diffs, applies = codec.setdefault(tensors[i], (defaultdict(int), defaultdict(int)))
+                    diffs[sender] += n
+                    for hop in copies:
+                        applies[hop.dst] += n
             local_bytes += n * sum(host_of(r) == sender for r in t.receivers)
         pushes_in = None if reduces and len(hosts) > 1 else max(pushed.values(), default=0)
         return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in,
-                   dict(per_tensor))
+                   dict(per_tensor), {n: (dict(d), dict(a)) for n, (d, a) in codec.items()})
 
 
 def _made_on_the_way(job: Job) -> set[str]:

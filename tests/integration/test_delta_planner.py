@@ -9,6 +9,8 @@ sync must have sent fewer bytes than a full move."""
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import numpy as np
 import pytest
@@ -31,7 +33,9 @@ def _serve_layout(shape) -> Sharding:
 
 @pytest.fixture(scope="module")
 def web():
-    with LocalCluster(2, 2, transport="grpc", dashboard=True) as cluster:
+    # Agents that report 1 Gbit/s NICs: links slow enough that a delta pays (`_delta_pays`; at the default 10 a
+    # full move does, `test_on_fast_links_the_default_moves_whole_and_says_why`)
+    with LocalCluster(2, 2, transport="grpc", dashboard=True, agent_args=["--nic-gbps", "1"]) as cluster:
         with cluster.connect() as c:
             yield cluster, c
 
@@ -114,6 +118,30 @@ def test_second_sync_moves_deltas_and_delta_false_moves_whole(web):
     assert all(d["bytes"] == d["full_bytes"] > 0 for d in off.deltas.values())
     assert off.full_network_bytes == first.full_network_bytes
     _check_served(c, weights)
+
+
+def test_on_fast_links_the_default_moves_whole_and_says_why():
+    """At the agents' default 10 Gbit/s a delta of these tensors would cost its hosts more CPU (to diff and apply)
+    than the link time it saves, even with nothing changed: the default moves them whole and says so, with both
+    figures; delta=True still moves deltas, bit-exact."""
+    rng = np.random.default_rng(5)
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in SHAPES.items()}
+    serve = {n: _serve_layout(s) for n, s in SHAPES.items()}
+    with LocalCluster(2, 2, transport="grpc") as cluster, cluster.connect() as c:
+        for k in range(3):
+            _publish(c, weights)
+            result = c.reshard_many(serve, delta=True if k == 2 else None).result(timeout=120)
+            _check_served(c, weights)
+            weights = _step(weights, rng)
+            if k == 1:
+                for n, d in result.deltas.items():
+                    assert d["mode"] == "full", (n, d)
+                    assert re.fullmatch(r"a delta would save [0-9.e-]+ ms of link time with nothing changed, and cost "
+                                        r"its hosts [0-9.e-]+ ms to diff and apply .*: on links this fast a full move "
+                                        r"pays", d["why"]), d["why"]
+                    saved, cost = map(float, re.findall(r"([0-9.e-]+) ms", d["why"]))
+                    assert 0 < saved < cost
+        assert {d["mode"] for d in result.deltas.values()} == {"delta"}, result.deltas
 
 
 def test_sync_state_dict_passes_delta_and_a_pair_in_another_layout_is_not_used(web):

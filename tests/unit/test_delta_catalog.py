@@ -186,8 +186,8 @@ def test_a_base_mismatch_runs_the_job_again_moving_that_tensor_whole():
     hosts = Hosts()
     try:
         registry = Registry(heartbeat_timeout_s=60.0)
-        for h in HOSTS:
-            registry.register(h, 2, h, 10.0, secret=bytes(16))
+        for h in HOSTS:  # 1 Gbit/s NICs: slow enough that the default moves a delta (`jobs._delta_pays`)
+            registry.register(h, 2, h, 1.0, secret=bytes(16))
         catalog = Catalog()
         calls = MismatchedBase(hosts)
         runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
