@@ -119,6 +119,7 @@ def test_finished_jobs_leave_no_confirmation_keys_in_the_store(planned):
     c.delete("keys2")
 
 
+@pytest.mark.slow  # a process group of its own (7 s): make bench runs it
 def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
     """The deadlock argument of reshard.server.agent.task_graph at its tightest: with one lane (and one for small
     routes) on every host, every route of a state dict waits for the one before it, and the move still completes,
@@ -148,7 +149,9 @@ def test_one_lane_per_host_still_moves_a_state_dict_whole(tmp_path):
         _stop(procs, server, planner)
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["native-reduce", "no-native-reduce"])
+# Without the native path (8 s more of a process group) in the slow suite: make bench runs it.
+@pytest.mark.parametrize("native", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["native-reduce", "no-native-reduce"])
 def test_an_all_reduce_across_agent_processes_runs_natively_unless_the_agents_say_not(tmp_path, native):
     """A contracting dim split over three agent processes: its all-reduce sums exactly either way. By default the
     agents claim their hosts' group for gloo's own all-reduce (the claim key is left free afterwards) and the job's

@@ -22,7 +22,10 @@ RATE_MIB_S = 8  # every agent sends at most this fast, so a kill lands mid-trans
 UPLOAD_TIMEOUT_S = 2.0
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+# The collective cluster (a process group: 15 s to start, kill an agent in, and stop) runs in the slow suite (make
+# bench); make test keeps the same tests on gRPC and nixl, well under its 10 minutes.
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) if t == "collective" else t
+                                        for t in TRANSPORTS])
 def slow_cluster(request):
     with LocalCluster(4, 2, agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25",
                                         "--collective-chunk-mib", "0.25"],

@@ -36,6 +36,7 @@ def _restart_planner(cluster: LocalCluster, args: list[str], log: str) -> None:
     cluster.wait_ready()  # every agent registered again and in the group the new planner wants
 
 
+@pytest.mark.slow  # restarts a planner with a process group several times (14 s): make bench runs it
 def test_the_first_collective_job_after_a_planner_restart_succeeds(tmp_path):
     args = ["--state", str(tmp_path / "state.db"), "--heartbeat-timeout", "3"]
     original = np.arange(1 << 20, dtype=np.float32)

@@ -42,7 +42,9 @@ DST = Sharding(Mesh.from_hosts({"x": 2}, ["host1", "host2"], 1), (None, "x"))
 NETWORK_BYTES = 3 * 2**20  # host0 sends a quarter of the tensor to host1 and one to host2, host1 one to host2
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
+# The collective cluster runs in the slow suite (make bench): make test keeps gRPC and nixl, well under 10 minutes.
+@pytest.fixture(scope="module", params=[pytest.param(t, marks=pytest.mark.slow) if t == "collective" else t
+                                        for t in TRANSPORTS])
 def stall_cluster(request):
     with LocalCluster(3, 1, transport=request.param,
                       agent_args=["--rate-limit-mib-s", str(RATE_MIB_S), "--chunk-mib", "0.25",
