@@ -54,6 +54,7 @@ bench: $(STAMP)
 	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
 	$(PY) bench/weight_sync.py --transport nixl  # the same on the NIXL transport: a section of its own
 	$(PY) bench/small_tensors.py
+	$(PY) bench/moe_sync.py  # issue 41 must-show 3; its emulated hosts need root, else it says why it skipped
 
 # make gpu-check: every CUDA test (pytest -m cuda) and bench/gpu.py on this host's GPU, in under 8 minutes, ending
 # in one table (bench/gpu_check.py; logs in gpu-check-logs/); exit 1 when a test fails or a goal is missed. Where

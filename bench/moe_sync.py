@@ -1,0 +1,267 @@
+"""Issue 41's must-show 3: a scaled-down Kimi-K2-like state dict quantized on the way through real agents, on the
+emulated hosts and on loopback, timed against the job's estimate and checked bit for bit.
+
+The case is `reshard.moe`'s (2 layers: one dense, one of 16 routed experts and a shared one; `SYNC_MOE`'s shapes,
+about 29 M parameters) from training on 4 hosts x 2 devices (bf16) to serving on 4 other hosts x 2 devices, 2
+replicas of an expert-parallel group of 4, in fp8 with 128 x 128 block scales. Each run puts the bf16 weights in
+the training layout (untimed, as a trainer publishes them), then times one ``reshard_many(..., dtype=the serving
+dtypes, scales=...)`` from the request to its commit, and checks every device's tile of every tensor, replicas
+included (`Client.digests`), against a numpy reference quantizer's bits of the whole weight and its scales
+(`quantize_reference`: the rule of tests/core/test_fp8_kernels.py's ``reference``, one array at a time instead of
+one value at a time, proved equal to it on a sample with zeros, subnormals and saturation before any run).
+
+The estimate is the cost model's for the program the job ran: the same ``plan_many`` on the topology the service
+plans on (the agents' NIC rates, which the lab shapes its links to, and their measured copy rates, read back from
+a dry run), whose id must be the job's plan id. Goal on the emulated hosts: the median within 1.15x of it.
+Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
+part says why it skipped. Writes its section of BENCHMARKS.md.
+
+    python bench/moe_sync.py [--runs 3] [--gbps 1] [--no-lab] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _checks import check_every_device, tile_digests  # noqa: E402
+from _program_parts import many_lower_bound  # noqa: E402
+from _report import write_section  # noqa: E402
+
+from reshard import Mesh  # noqa: E402
+from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16, itemsize  # noqa: E402
+from reshard.many import plan_many  # noqa: E402
+from reshard.moe import MoeConfig, moe_state_dict  # noqa: E402
+from tests.core.test_fp8_kernels import E4M3, reference  # noqa: E402
+
+FP8 = "float8_e4m3fn"
+BLOCK = 128
+TRAIN_HOSTS, SERVE_HOSTS, DEVICES = 4, 4, 2
+EP_DEVICES = 4  # the serving mesh's 8 devices: 2 replicas of an expert-parallel group of 4
+# 2 layers (one dense, one of 16 experts): every serving cut over 2 devices a host on a block boundary, and big
+# enough (50 MiB of bf16 experts) that a run over 1 Gbit/s links takes tenths of a second, not milliseconds
+SYNC_MOE = MoeConfig(num_layers=2, num_experts=16, hidden=512, intermediate=1024, dense_intermediate=2048,
+                     vocab=2048, num_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
+                     qk_rope_head_dim=64, v_head_dim=64)
+GOAL = 1.15  # measured over estimate, on the emulated hosts
+TIMEOUT_S = 600
+
+
+def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 codes as uint8, float32 scales) of a float32 matrix by the rule of the tests' ``reference``: a block's
+    scale is its largest finite magnitude / 448 (1 where that is 0); each value divided by its block's scale goes
+    to the nearest finite e4m3fn value, ties to the even code, saturating at 448; NaN keeps its sign."""
+    m, n = x32.shape
+    bm, bn = -(-m // block), -(-n // block)
+    finite = np.where(np.isfinite(x32), np.abs(x32), np.float32(0))
+    padded = np.zeros((bm * block, bn * block), np.float32)
+    padded[:m, :n] = finite
+    amax = padded.reshape(bm, block, bn, block).max(axis=(1, 3))
+    scales = (amax / np.float32(448)).astype(np.float32)
+    scales[scales == 0] = np.float32(1)
+    full = np.repeat(np.repeat(scales, block, axis=0), block, axis=1)[:m, :n]
+    with np.errstate(invalid="ignore"):
+        q = x32 / full
+    a = np.minimum(np.abs(q).astype(np.float64), 448.0)
+    hi = np.minimum(np.searchsorted(E4M3, a), len(E4M3) - 1)
+    lo = np.maximum(hi - 1, 0)
+    below, above = a - E4M3[lo], E4M3[hi] - a
+    exact = (hi == 0) | (E4M3[hi] == a)
+    pick_lo = (below < above) | ((below == above) & (lo % 2 == 0))
+    code = np.where(exact, hi, np.where(pick_lo, lo, hi)).astype(np.uint8)
+    code |= np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))
+    nan = np.isnan(x32)
+    code[nan] = np.uint8(0x7F) | np.where(np.signbit(x32[nan]), np.uint8(0x80), np.uint8(0))
+    return code, scales
+
+
+def check_reference() -> None:
+    """`quantize_reference` gives the tests' value-at-a-time ``reference``'s bits, on a sample with zeros, a
+    subnormal range, a saturating block, a short last block and a NaN."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((200, 300)) * 0.02).astype(np.float32)
+    x[0, :4] = [0.0, -0.0, 3.5, np.nan]
+    x[130:140, 140:150] = rng.standard_normal((10, 10)).astype(np.float32) * 1e-6
+    x[:128, 256:] = 0.0
+    x = bfloat16_to_float32(float32_to_bfloat16(x))
+    got, want = quantize_reference(x), reference(x, BLOCK)
+    if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))):
+        raise AssertionError("the bench's quantize_reference differs from tests/core/test_fp8_kernels.py's reference "
+                             "on the sample; fix it before trusting any bit-exact check below")
+
+
+def case_for(train_hosts: list[str], serve_hosts: list[str]):
+    train = Mesh.from_hosts({"host": TRAIN_HOSTS, "gpu": DEVICES}, train_hosts, DEVICES)
+    serve = Mesh.from_hosts({"host": SERVE_HOSTS, "gpu": DEVICES}, serve_hosts, DEVICES)
+    return moe_state_dict(SYNC_MOE, train, serve, ep_devices=EP_DEVICES)
+
+
+def weights_and_expected(case) -> tuple[dict, dict[str, dict[str, str]]]:
+    """The bf16 (and float32) weights, seeded, and every tensor's tile digests in its serving layout and dtype: the
+    quantized weights' fp8 codes and their scales by `quantize_reference`, the rest as they are."""
+    rng = np.random.default_rng(41)
+    values, expected = {}, {}
+    for t in case.weights:
+        x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
+        values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
+        if t.name in case.scales:
+            codes, scales = quantize_reference(bfloat16_to_float32(values[t.name].view(np.uint16)))
+            expected[t.name] = tile_digests(codes, t.dst)
+            scale = case.scales[t.name]
+            expected[scale] = tile_digests(scales, next(s for s in case.tensors if s.name == scale).dst)
+        else:
+            expected[t.name] = tile_digests(values[t.name], t.dst)
+    return values, expected
+
+
+def _dtypes(case) -> dict[str, str]:
+    weights = {t.name for t in case.weights}
+    return {k: v for k, v in case.serve_dtypes.items() if k in weights}
+
+
+def sync(c, case, runs: int, where: str) -> dict:
+    """One untimed and ``runs`` timed syncs, each after a put of the bf16 weights, each checked; the estimate of the
+    program they ran, planned here on the service's topology."""
+    values, expected = weights_and_expected(case)
+    dtypes, dst = _dtypes(case), {t.name: t.dst for t in case.weights}
+    probe = next(t for t in case.weights if t.name in case.scales)
+    times, results = [], []
+    for i in range(runs + 1):
+        c.put_many({t.name: (values[t.name], t.src) for t in case.weights})
+        t0 = time.monotonic()
+        # Whole moves: every run puts the same weights, which a delta sync would skip (issue 40's rows time that).
+        result = c.reshard_many(dst, scales=dict(case.scales), dtype=dtypes, delta=False).result(timeout=TIMEOUT_S)
+        wall = time.monotonic() - t0
+        if result.state != "succeeded":
+            raise AssertionError(f"{where}: the sync failed: {result.error}")
+        check_every_device(c, expected, f"{where}: the quantized sync")
+        print(f"{where}: sync {'(untimed) ' if not i else ''}{wall:.3f} s, {result.network_bytes / 2**20:.1f} MiB "
+              f"over the network, on {result.transport}", flush=True)
+        if i:
+            times.append(wall)
+            results.append(result)
+    # The topology the planner planned on, as a dry run of one tensor reports it.
+    topology = c.plan(probe.shape, probe.dst, dtype=probe.dtype, src=probe.src).topology
+    program = plan_many(case.tensors, topology, scales=case.scales, dtypes=dtypes)
+    wire = {t.name: itemsize(case.serve_dtypes[t.name]) for t in case.tensors}
+    serve_host = case.serve.require_devices()[0].split("/")[0]
+    bound = many_lower_bound(case.tensors, topology, wire)
+    return {"times": times, "estimate": program.estimate_seconds, "bound": bound,
+            "network_bytes": statistics.median(r.network_bytes for r in results),
+            "plan_bytes": sum(h["bytes_in"] for h in program.host_bytes().values()),
+            "transport": sorted({r.transport for r in results}), "phases": _phases(results),
+            "nic_gbps": topology.nic_bytes_per_s(serve_host) * 8 / 1e9}
+
+
+def _phases(results) -> dict[str, float]:
+    return {name: statistics.median(r.phases.get(name, 0.0) for r in results) for name in results[0].phases}
+
+
+def loopback(runs: int) -> dict:
+    from reshard.client.cluster import LocalCluster
+
+    hosts = [f"host{i}" for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
+    case = case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:])
+    with LocalCluster(len(hosts), DEVICES, host_names=hosts) as cluster, cluster.connect() as c:
+        return sync(c, case, runs, "loopback")
+
+
+@contextlib.contextmanager
+def _lab(gbps: float) -> Iterator[tuple]:
+    from reshard.server.devtools.lab import Lab, LabConfig, start_cluster, wait_for_group
+
+    with Lab(LabConfig(num_hosts=TRAIN_HOSTS + SERVE_HOSTS, devices_per_host=DEVICES, gbps=gbps)) as emulated:
+        address = start_cluster(emulated)
+        hosts = [emulated.host_name(i) for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
+        with emulated.connect(address) as c:
+            wait_for_group(c, hosts, group=False)
+            yield c, hosts
+
+
+def lab(runs: int, gbps: float) -> dict:
+    from reshard.server.devtools.lab import lab_available
+
+    ok, why = lab_available()
+    if not ok:
+        return {"skipped": why}
+    with _lab(gbps) as (c, hosts):
+        return sync(c, case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), runs, "emulated hosts")
+
+
+def _row(where: str, r: dict) -> str:
+    median = statistics.median(r["times"])
+    return (f"| {where} | {', '.join(r['transport'])} | {r['nic_gbps']:g} | {median:.3f} "
+            f"({', '.join(f'{t:.3f}' for t in r['times'])}) | {r['estimate']:.3f} | {median / r['estimate']:.2f}x | "
+            f"{r['bound']:.3f} | {r['network_bytes'] / 2**20:.1f} | {r['plan_bytes'] / 2**20:.1f} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3, help="timed syncs each way, after one untimed (default 3)")
+    ap.add_argument("--gbps", type=float, default=1.0, help="the lab's link rate, Gbit/s each way (default 1)")
+    ap.add_argument("--no-lab", action="store_true", help="skip the emulated hosts")
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = ap.parse_args()
+    check_reference()
+    case = case_for([f"t{i}" for i in range(TRAIN_HOSTS)], [f"s{i}" for i in range(SERVE_HOSTS)])
+    print(case, flush=True)
+    loop = loopback(args.runs)
+    emulated = {"skipped": "--no-lab"} if args.no_lab else lab(args.runs, args.gbps)
+    head = ("| where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | measured / estimate | "
+            "lower bound s | network MiB (job) | network MiB (estimated program) |\n"
+            "|---|---|---|---|---|---|---|---|---|")
+    rows = [_row("loopback (8 agents, one machine)", loop)]
+    if "skipped" in emulated:
+        verdict = f"Emulated hosts: skipped ({emulated['skipped']}); the goal is not measured."
+        ok = True
+    else:
+        rows.insert(0, _row(f"emulated hosts ({args.gbps:g} Gbit/s links)", emulated))
+        median = statistics.median(emulated["times"])
+        ratio = median / emulated["estimate"]
+        ok = ratio <= GOAL
+        verdict = (f"On the emulated hosts the median sync took {ratio:.2f}x its estimate (goal: within {GOAL:g}x: "
+                   f"{'met' if ok else '**not met**'}) and {median / emulated['bound']:.2f}x the lower bound. Where "
+                   "the time went there (median seconds per phase): "
+                   + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ".")
+        if emulated["estimate"] < emulated["bound"]:
+            verdict += (" The estimate is below the bound: `Program.estimate` prices each dependency depth's moves "
+                        "alone, so the moves that need no quantizing (depth 0) and the fp8 moves after their "
+                        "quantize steps share the serving hosts' links for free.")
+    body = (
+        f"{case} with `{SYNC_MOE.hidden}` hidden, `{SYNC_MOE.intermediate}` expert intermediate: "
+        f"{case.train_bytes / 2**20:.1f} MiB of bf16 weights on {TRAIN_HOSTS} training hosts x {DEVICES} devices, "
+        f"served on {SERVE_HOSTS} other hosts x {DEVICES} as fp8 with 128 x 128 block scales "
+        f"({case.serve_bytes / 2**20:.1f} MiB a replica). Each run puts the bf16 weights (untimed), then times one "
+        "`reshard_many(..., dtype=, scales=)` from request to commit; every device's tile of every tensor, replicas "
+        "included, is checked against a numpy reference quantizer's bits (the rule of "
+        "tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a sample first): "
+        f"all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of {args.runs} "
+        "after one untimed. The estimate is the cost model's for the program the job runs: the same `plan_many` "
+        "call, made here on the topology the planner reports (a `reshard_many` job reports no plan id to compare; "
+        "the last two columns set the network bytes the job reported beside that program's). The bound is the "
+        "cost model's lower bound over all tensors at the itemsize they travel in. "
+        "Loopback is for comparison: its agents share this machine's 2 cores, and its planner's NIC rate is the "
+        "agents' default, not a link's.\n\n" + head + "\n" + "\n".join(rows) + "\n\n" + verdict + "\n\n"
+        f"Run: `python bench/moe_sync.py --runs {args.runs} --gbps {args.gbps:g}` (root for the emulated hosts)."
+    )
+    print(body)
+    if not args.no_write:
+        write_section("moe_sync", "Issue 41: a scaled-down MoE state dict quantized on the way through real agents",
+                      body)
+        print("wrote BENCHMARKS.md")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
