@@ -252,20 +252,44 @@ def fp8_block_scales(x32: np.ndarray, block: int) -> np.ndarray:
 
 def float32_to_float8_e4m3fn(values: np.ndarray, signs: np.ndarray) -> np.ndarray:
     """``values`` rounded to the nearest float8_e4m3fn, ties to even, saturating at +-448, as ``uint8`` bits; a
-    NaN is 0x7F with the sign bit of ``signs`` (the input it came from: a division's NaN keeps no sign on GPUs)."""
-    nan = np.isnan(values)
-    a = np.minimum(np.abs(values), np.float32(FP8_E4M3_MAX))  # saturate: 448 and above (inf too) are 448
-    a[nan] = 0
+    NaN is 0x7F with the sign bit of ``signs`` (the input it came from: a division's NaN keeps no sign on GPUs).
+
+    Written in place on two buffers of the input's size, and subnormals worked out only where they are: the serving
+    format's values are mostly normal, and this runs over every element a sender quantizes."""
+    a = np.abs(values)
+    nan = np.isnan(a)
+    any_nan = bool(nan.any())
+    np.minimum(a, np.float32(FP8_E4M3_MAX), out=a)  # saturate: 448 and above (inf too) are 448
+    if any_nan:
+        a[nan] = 0
     bits = a.view(np.uint32)
     # From 2**-6 (e4m3's least normal): float32's exponent rebiased from 127 to 7 and its mantissa rounded from
-    # 23 bits to 3, ties to even; a mantissa that rounds up carries into the exponent.
-    normal = ((bits + np.uint32(0x7FFFF) + ((bits >> 20) & np.uint32(1))) >> 20) - np.uint32((127 - 7) << 3)
+    # 23 bits to 3, ties to even; a mantissa that rounds up carries into the exponent. (Below 2**-6 this wraps; those
+    # codes are replaced next.)
+    code = bits >> np.uint32(20)
+    code &= np.uint32(1)
+    code += np.uint32(0x7FFFF)
+    code += bits
+    code >>= np.uint32(20)
+    code -= np.uint32((127 - 7) << 3)
     # Below it, subnormals: whole multiples of 2**-9 (8 of them is the least normal, code 8).
-    subnormal = np.rint(a * np.float32(2**9)).astype(np.uint32)
-    code = np.where(a < np.float32(2**-6), subnormal, normal)
-    code[nan] = 0x7F
-    sign = (np.signbit(signs).astype(np.uint8) << np.uint8(7))
-    return code.astype(np.uint8) | sign
+    tiny = np.flatnonzero(a < np.float32(2**-6))
+    if tiny.size:
+        code.reshape(-1)[tiny] = np.rint(a.reshape(-1)[tiny] * np.float32(2**9)).astype(np.uint32)
+    if any_nan:
+        code[nan] = 0x7F
+    out = code.astype(np.uint8)
+    out |= np.signbit(signs).view(np.uint8) << np.uint8(7)
+    return out
+
+
+def _over_blocks(x32: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
+    """Each element of a float32 matrix divided by its block's scale: broadcast over the blocks where the matrix is
+    whole blocks (no copy of the scales at the matrix's size), else the scales repeated out to it."""
+    m, n = x32.shape
+    if m % block or n % block:
+        return x32 / _blocks_of(scales, block, x32.shape)
+    return (x32.reshape(m // block, block, n // block, block) / scales[:, None, :, None]).reshape(m, n)
 
 
 def _torch_fp8(x, block: int, want_scales: bool):
@@ -303,8 +327,7 @@ def _fp8_kernel(want_scales: bool) -> Callable[[list, Any, dict], None]:
         else:
             x32 = _float32(inputs[0])
             scales = fp8_block_scales(x32, block)
-            values = scales if want_scales else float32_to_float8_e4m3fn(x32 / _blocks_of(scales, block, x32.shape),
-                                                                          x32)
+            values = scales if want_scales else float32_to_float8_e4m3fn(_over_blocks(x32, scales, block), x32)
         buffers.write(output, whole, whole, values)
 
     return run
