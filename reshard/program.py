@@ -53,9 +53,13 @@ move ``role``      ``"src"`` (the default; JSON leaves it out) reads as a plan's
 The estimate is the longest path through the dependency graph, each step
 taking its own time, except that moves of one depth share links as the moves
 of one phase do in a plan: they run as one fluid round that starts when all
-their dependencies are done. A move-only program therefore estimates exactly
-as the plan it came from. A compute step takes the bytes it reads and writes
-over its device's memory bandwidth; a reduce its rounds on the fluid model.
+their dependencies are done. Rounds of two depths that overlap in time (moves
+that wait for a compute step while other moves still run) share links too: a
+link carries a depth's bytes after the earlier depths' (`_LinkClock`), so no
+estimate is below what all the moves' loads take together. A move-only
+program therefore estimates exactly as the plan it came from. A compute step
+takes the bytes it reads and writes over its device's memory bandwidth; a
+reduce its rounds on the fluid model.
 """
 
 from __future__ import annotations
@@ -671,6 +675,103 @@ class _StepWhere:
         return f"step {self.step}"
 
 
+class _Ancestors:
+    """Which steps are ancestors of which: `has` answers "is step ``j`` an ancestor of step ``i``" for `_validate`.
+
+    A bit set per step grows with the square of the steps where moves wait for compute steps (issue 41: 1.75 GiB
+    for a quantized two-layer MoE program), so a set is kept only for the steps others wait for, and relative to
+    its lowest member (bit ``k``: step ``lo + k``): a planner lists a tensor's steps together, so a set spans one
+    tensor's steps, not the program's. Any other step's set is the union of its dependencies', made when a check
+    asks about it; the last one made is kept, as the checks ask about one step many times in a row.
+    """
+
+    __slots__ = ("_after", "_lo", "_bits", "_last", "_last_set")
+
+    def __init__(self, steps: Sequence[Step]):
+        self._after = [s.after for s in steps]
+        waited_for = sorted({a for after in self._after for a in after})
+        self._lo = [0] * len(steps)
+        self._bits = [0] * len(steps)
+        # Ascending: the dependencies of a step others wait for are waited for too, so their sets are made first.
+        for i in waited_for:
+            self._lo[i], self._bits[i] = self._union(self._after[i])
+        self._last, self._last_set = -1, (0, 0)
+
+    def _union(self, after: Sequence[int]) -> tuple[int, int]:
+        """(lo, bits) of the steps in ``after`` and their ancestors (from the kept sets of those steps)."""
+        if not after:
+            return 0, 0
+        lo_of, bits_of = self._lo, self._bits
+        if len(after) == 1:  # most moves that wait: for the step that made their box
+            a = after[0]
+            return (lo_of[a], bits_of[a] | 1 << (a - lo_of[a])) if bits_of[a] else (a, 1)
+        lo = min(min(after), min((lo_of[a] for a in after if bits_of[a]), default=len(lo_of)))
+        bits = 0
+        for a in after:
+            bits |= 1 << (a - lo)
+            if bits_of[a]:
+                bits |= bits_of[a] << (lo_of[a] - lo)
+        return lo, bits
+
+    def of(self, i: int) -> tuple[int, int]:
+        """(lo, bits) of step ``i``'s ancestors: bit ``k`` set when step ``lo + k`` is one."""
+        bits = self._bits[i]
+        if bits:
+            return self._lo[i], bits
+        if i != self._last:
+            self._last, self._last_set = i, self._union(self._after[i])
+        return self._last_set
+
+    def has(self, i: int, j: int) -> bool:
+        lo, bits = self.of(i)
+        return j >= lo and bool(bits >> (j - lo) & 1)
+
+
+class _LinkClock:
+    """When each link is done with the moves of the depths priced so far, so that moves of a later depth that start
+    while it still carries earlier ones wait for it (`Program.estimate`).
+
+    The moves of one depth run as one fluid round; depths may overlap in time (the fp8 moves of a quantized weight
+    start when its quantize step ends, while other tensors' first moves still run), and two rounds that overlap on
+    a link share it: a link carries a depth's bytes after those of the depths before it. A round ends when its
+    slowest link does, so it never ends before its own load alone allows, and no link carries more than its
+    bandwidth: the estimate is at least what all the moves' loads take together. Where each depth starts after
+    the moves of the depths before it end (every program of moves alone, and one depth without waits) no link is
+    still busy, and each round costs what `PhaseLoad.seconds` says, to the bit.
+    """
+
+    __slots__ = ("_topology", "_hosts", "_free")
+
+    def __init__(self, topology: Topology, hosts: HostCache):
+        self._topology, self._hosts = topology, hosts
+        self._free: dict[str, float] = {}
+
+    def run(self, load: PhaseLoad, start: float, seconds: float, what: str) -> tuple[float, str]:
+        """The end of ``load``'s round that starts at ``start`` and takes ``seconds`` (its busiest link ``what``)
+        on links of its own, and that link; later rounds see its links busy until their own bytes are through."""
+        end, free, topo, hosts = start + seconds, self._free, self._topology, self._hosts
+        nic = topo.nic_bytes_per_s
+
+        def intra(device: str) -> float:
+            return topo.intra_bytes_per_s(hosts[device])
+
+        for name, loads, rate in (("NIC send of ", load.send, nic), ("NIC receive of ", load.recv, nic),
+                                  ("intra-host link in of ", load.dev_in, intra),
+                                  ("intra-host link out of ", load.dev_out, intra)):
+            for node, nbytes in loads.items():
+                link = name + node
+                busy = free.get(link, 0.0)
+                # The division is `PhaseLoad.seconds`' own: the same floats, so an idle link changes nothing.
+                secs = nbytes / rate(node)
+                if busy > start:
+                    free[link] = busy + secs
+                    if busy + secs > end:
+                        end, what = busy + secs, f"{link}, shared with moves of earlier depths"
+                else:
+                    free[link] = start + secs
+        return end, what
+
+
 @dataclass(frozen=True)
 class Program(ContentAddressed):
     """Steps over named tensors; see the module's table for what each field means.
@@ -751,16 +852,10 @@ class Program(ContentAddressed):
     # -- the dependency graph -------------------------------------------------------------------
 
     @cached_property
-    def _ancestors(self) -> tuple[int, ...]:
-        """Per step, its ancestors as a bit set (bit ``j`` set: step ``j`` is an ancestor)."""
+    def _ancestors(self) -> _Ancestors:
+        """Which steps are ancestors of which (`_Ancestors.has`)."""
         self._check_graph()
-        out: list[int] = []
-        for s in self.steps:
-            bits = 0
-            for a in s.after:
-                bits |= out[a] | (1 << a)
-            out.append(bits)
-        return tuple(out)
+        return _Ancestors(self.steps)
 
     @cached_property
     def depths(self) -> tuple[int, ...]:
@@ -973,10 +1068,15 @@ class Program(ContentAddressed):
             tile = src_tiles.get(tensor, {}).get(device)
             if role in (None, SRC) and tile is not None and boxes.contains(tile, box):
                 return True
-            pieces = [b for j, r, b in produced.get((device, tensor), ())
-                      if ancestors[i] >> j & 1 and role in (None, r)]
-            if any(boxes.contains(b, box) for b in pieces):
-                return True
+            pieces = []
+            found = produced.get((device, tensor), ())
+            if found:
+                lo, bits = ancestors.of(i)
+                for j, r, b in found:
+                    if role in (None, r) and j >= lo and bits >> (j - lo) & 1:
+                        if boxes.contains(b, box):
+                            return True
+                        pieces.append(b)
             # Several boxes together (the moved pieces of a tile): the runtime assembles them.
             return not boxes.uncovered(box, pieces + ([tile] if role in (None, SRC) and tile is not None else []))
 
@@ -1015,7 +1115,7 @@ class Program(ContentAddressed):
             if not proven[k]:
                 check_delivery(
                     decl.shape, decl.src, decl.dst, reshard_moves.get(decl.name, []),
-                    before=lambda i, j: bool(ancestors[i] >> j & 1),
+                    before=ancestors.has,
                     where=lambda i, t: _StepWhere(self.steps[i]),
                     when=lambda i, t: _when(self.steps[i]),
                     hosts=hosts,
@@ -1226,7 +1326,9 @@ class Program(ContentAddressed):
         topo = topology or self.topology
         hosts = HostCache()
         depths = self.depths
-        levels = {load.phase: load.seconds(topo, hosts) for load in self.loads(hosts)}
+        loads = {load.phase: load for load in self.loads(hosts)}
+        levels = {depth: load.seconds(topo, hosts) for depth, load in loads.items()}
+        links = _LinkClock(topo, hosts)
         by_depth: dict[int, list[Step]] = defaultdict(list)
         for s in self.steps:
             by_depth[depths[s.id]].append(s)
@@ -1238,9 +1340,12 @@ class Program(ContentAddressed):
             if moves:
                 secs, what = levels[depth]
                 start = max((finish[a] for s in moves for a in s.after), default=0.0)
+                end, what = links.run(loads[depth], start, secs, what)
+                if end != start + secs:  # its links still carried earlier depths' moves
+                    secs = end - start
                 for s in moves:
-                    finish[s.id] = start + secs
-                    out[s.id] = StepEstimate(s.id, MOVE, secs, start, start + secs, what)
+                    finish[s.id] = end
+                    out[s.id] = StepEstimate(s.id, MOVE, secs, start, end, what)
             for s in steps:
                 if s.kind == MOVE:
                     continue
@@ -1284,7 +1389,9 @@ class Program(ContentAddressed):
         # ``self.tensor`` raises for a tensor the program does not declare, as `step_estimates` does.
         loads = move_phase_loads(((d, s.transfer, itemsizes.get(s.tensor) or self.tensor(s.tensor).itemsize)
                                   for s, d in zip(steps, depths) if s.kind == MOVE), hosts)
+        by_depth = {load.phase: load for load in loads}
         move_end = {load.phase: load.seconds(topo, hosts)[0] for load in loads}  # each depth's seconds, for now
+        links = _LinkClock(topo, hosts)
         waits: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # per depth, what its moves wait for
         others: dict[int, list[Step]] = defaultdict(list)  # per depth, its reduces and computes
         for s, d in zip(steps, depths):
@@ -1302,7 +1409,7 @@ class Program(ContentAddressed):
         for depth in sorted(move_end.keys() | others.keys()):
             if depth in move_end:
                 start = max((finish(a) for after in waits.get(depth, ()) for a in after), default=0.0)
-                move_end[depth] = start + move_end[depth]
+                move_end[depth] = links.run(by_depth[depth], start, move_end[depth], "")[0]
             for s in others.get(depth, ()):
                 start = max((finish(a) for a in s.after), default=0.0)
                 other_end[s.id] = start + self._seconds(s, topo, hosts)[0]

@@ -266,7 +266,7 @@ def _locations(items: list[TileLocation]) -> list[pb.TileLocation]:
 def job_info(job: Job) -> pb.JobInfo:
     return pb.JobInfo(
         id=job.id, tensor=job.tensor, state=job.state, error=job.error,
-        plan_id=job.plan.id if job.plan else "", strategy=job.strategy,
+        plan_id=job.ran.id if job.ran is not None else "", strategy=job.strategy,  # the program, where no plan ran
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
         traffic=[pb.HostTraffic(host=h, bytes_in=t["bytes_in"], bytes_out=t["bytes_out"], local_bytes=t["local_bytes"],
                                 native_reduces=t.get("native_reduces", 0),  # a record from before the count

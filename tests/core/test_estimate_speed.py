@@ -4,7 +4,10 @@
 estimate of a Kimi-like state dict's program cost as much as planning it). A program's text carries its estimate
 and plan ids hash that text, so every program here is checked against the old code, kept below as the reference:
 `_old_phase_loads` (a `Flow` per link of every transfer, added up in transfer order) and `_old_estimate` (the
-latest finish of what `Program.step_estimates` computed).
+latest finish of what `Program.step_estimates` computed, with one rule added since, written apart from the one in
+`reshard.program`: a link still busy with an earlier depth's moves when a later depth's start carries the later
+bytes after them, so an estimate is never below the moves' loads together; without such overlaps it is the old
+formula unchanged).
 """
 
 from __future__ import annotations
@@ -59,11 +62,14 @@ def _old_loads(program: Program, hosts: HostCache) -> list[PhaseLoad]:
 
 
 def _old_estimate(program: Program, topology: Topology | None = None) -> float:
-    """``max(e.finish for e in program.step_estimates(topology))`` as `step_estimates` computed it."""
+    """``max(e.finish for e in program.step_estimates(topology))`` as `step_estimates` computed it, plus the rule
+    for links still busy from an earlier depth (the module docstring)."""
     topo = topology or program.topology
     hosts = HostCache()
     depths = program.depths
-    levels = {load.phase: load.seconds(topo, hosts) for load in _old_loads(program, hosts)}
+    loads = {load.phase: load for load in _old_loads(program, hosts)}
+    levels = {depth: load.seconds(topo, hosts) for depth, load in loads.items()}
+    free: dict[tuple, float] = {}  # per link, when it is done with the moves of the depths before (issue 41)
     by_depth: dict[int, list[Step]] = defaultdict(list)
     for s in program.steps:
         by_depth[depths[s.id]].append(s)
@@ -74,8 +80,18 @@ def _old_estimate(program: Program, topology: Topology | None = None) -> float:
         if moves:
             secs, _ = levels[depth]
             start = max((finish[a] for s in moves for a in s.after), default=0.0)
+            end = start + secs
+            load = loads[depth]
+            for kind, links in (("send", load.send), ("recv", load.recv), ("in", load.dev_in), ("out", load.dev_out)):
+                for node, nbytes in links.items():
+                    rate = (topo.nic_bytes_per_s(node) if kind in ("send", "recv")
+                            else topo.intra_bytes_per_s(hosts[node]))
+                    busy = free.get((kind, node), 0.0)
+                    free[kind, node] = max(busy, start) + nbytes / rate
+                    if busy > start:
+                        end = max(end, free[kind, node])
             for s in moves:
-                finish[s.id] = start + secs
+                finish[s.id] = end
         for s in steps:
             if s.kind == MOVE:
                 continue

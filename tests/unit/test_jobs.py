@@ -510,3 +510,36 @@ def test_a_compute_job_runs_the_program_its_request_was_checked_with(monkeypatch
     finally:
         planner.close()
         hosts.close()
+
+
+def test_job_info_names_the_program_a_reshard_many_or_compute_job_ran_as_a_reshard_names_its_plan():
+    """A client tells which program ran by the plan id `GetJob` reports; a reshard_many or compute job runs a
+    program, not a plan, and reported none."""
+    import json
+
+    from reshard.server.planner.service import job_info
+
+    hosts = Hosts()
+    planner = _planner(hosts, RuntimeCalls(hosts))
+    try:
+        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+        planner.catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+        hosts.put_tensor("t", a, SRC)
+        many = planner.jobs.submit_many({"t": DST}, "auto", 0, {})
+        assert many.done_event.wait(30) and many.state == "succeeded", many.error
+        info = job_info(many)
+        assert info.plan_id == many.program.id and len(info.plan_id) == 64
+        assert json.loads(planner.jobs.store.plan(info.plan_id))["id"] == info.plan_id  # what the agents ran
+        one = planner.jobs.submit("t", SRC, "auto")
+        assert one.done_event.wait(30) and one.state == "succeeded", one.error
+        assert job_info(one).plan_id == one.plan.id
+        rows = Sharding(SRC.mesh, ("x", None))
+        hosts.put_tensor("b", np.ones((12, 5), dtype=np.int32), Sharding(SRC.mesh, (None, None)))
+        planner.catalog.add(TensorRecord("b", (12, 5), "int32", Sharding(SRC.mesh, (None, None)), 1))
+        product = planner.compute("einsum", ["t", "b"], "c", json.dumps(rows.to_json()), "auto",
+                                  {"equation": "ij,jk->ik"})
+        assert product.done_event.wait(30) and product.state == "succeeded", product.error
+        assert job_info(product).plan_id == product.program.id
+    finally:
+        planner.close()
+        hosts.close()
