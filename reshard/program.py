@@ -755,10 +755,10 @@ class _LinkClock:
         def intra(device: str) -> float:
             return topo.intra_bytes_per_s(hosts[device])
 
-        for name, loads, rate in (("NIC send of ", load.send, nic), ("NIC receive of ", load.recv, nic),
-                                  ("intra-host link in of ", load.dev_in, intra),
-                                  ("intra-host link out of ", load.dev_out, intra)):
-            for node, nbytes in loads.items():
+        for name, by_node, rate in (("NIC send of ", load.send, nic), ("NIC receive of ", load.recv, nic),
+                                    ("intra-host link in of ", load.dev_in, intra),
+                                    ("intra-host link out of ", load.dev_out, intra)):
+            for node, nbytes in by_node.items():
                 link = name + node
                 busy = free.get(link, 0.0)
                 # The division is `PhaseLoad.seconds`' own: the same floats, so an idle link changes nothing.
