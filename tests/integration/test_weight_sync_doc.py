@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from reshard.client.cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,7 @@ def _torchrun(role: str, env: dict) -> subprocess.CompletedProcess:
                            str(SCRIPT), role], capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
 
 
+@pytest.mark.slow  # two torchrun jobs of two ranks (15 s): make bench runs it; the README's block is checked above
 def test_training_ranks_publish_and_inference_ranks_read_in_their_layout():
     # The example is the same on either transport; on gRPC no agent (nor the planner) imports torch to form a
     # process group, which saves this test seconds of make test's 10 minutes (the collective path of
