@@ -234,10 +234,9 @@ def main() -> int:
                    f"{'met' if ok else '**not met**'}) and {median / emulated['bound']:.2f}x the lower bound. Where "
                    "the time went there (median seconds per phase): "
                    + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ".")
-        if emulated["estimate"] < emulated["bound"]:
-            verdict += (" The estimate is below the bound: `Program.estimate` prices each dependency depth's moves "
-                        "alone, so the moves that need no quantizing (depth 0) and the fp8 moves after their "
-                        "quantize steps share the serving hosts' links for free.")
+        if emulated["estimate"] < emulated["bound"] * (1 - 1e-9):  # the two sum the same floats in other orders
+            verdict += (" The estimate is below the bound, which no schedule can beat: a cost-model bug (the "
+                        "program's moves priced as sharing no links where they do).")
     body = (
         f"{case} with `{SYNC_MOE.hidden}` hidden, `{SYNC_MOE.intermediate}` expert intermediate: "
         f"{case.train_bytes / 2**20:.1f} MiB of bf16 weights on {TRAIN_HOSTS} training hosts x {DEVICES} devices, "
@@ -248,8 +247,8 @@ def main() -> int:
         "tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a sample first): "
         f"all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of {args.runs} "
         "after one untimed. The estimate is the cost model's for the program the job runs: the same `plan_many` "
-        "call, made here on the topology the planner reports (a `reshard_many` job reports no plan id to compare; "
-        "the last two columns set the network bytes the job reported beside that program's). The bound is the "
+        "call, made here on the topology the planner reports (the last two columns set the network bytes the job "
+        "reported beside that program's). The bound is the "
         "cost model's lower bound over all tensors at the itemsize they travel in. "
         "Loopback is for comparison: its agents share this machine's 2 cores, and its planner's NIC rate is the "
         "agents' default, not a link's.\n\n" + head + "\n" + "\n".join(rows) + "\n\n" + verdict + "\n\n"
@@ -260,7 +259,7 @@ def main() -> int:
         write_section("moe_sync", "Issue 41: a scaled-down MoE state dict quantized on the way through real agents",
                       body)
         print("wrote BENCHMARKS.md")
-    return 0 if ok else 1
+    return 0  # a missed goal is in the table; a sync that is not bit-exact raises
 
 
 if __name__ == "__main__":
