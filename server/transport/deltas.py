@@ -141,19 +141,22 @@ def _where(job: str, d: DeltaStream, seg: Segment) -> str:
     return f"box {boxes.box_str(seg.box)} (step {d.step} of job {job})"
 
 
-def encode_frame(job: str, d: DeltaStream, new: np.ndarray, new_digest: int | None = None) -> Frame:
-    """The frame of ``new``, the box's packed bytes (uint8), against the sender's bases; ``new_digest`` is its
-    XXH3-64 where the agent digested the box already. A base the sender does not hold is a `DELTA_BASE_MISMATCH`
-    (the planner then moves the tensor whole)."""
+def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_digest: int | None = None) -> Frame:
+    """The frame of ``new``, the box's packed bytes (uint8), or `Segments` of uint8, one per segment (a bucket's
+    members where they lie: no copy of the bucket into one buffer), against the sender's bases; ``new_digest`` is
+    its XXH3-64 where the agent digested the box already. A base the sender does not hold is a
+    `DELTA_BASE_MISMATCH` (the planner then moves the tensor whole)."""
     if new.nbytes != d.nbytes:
         raise AssertionError(f"step {d.step}: the new box has {new.nbytes} bytes, its segments {d.nbytes}")
+    if isinstance(new, Segments) and [p.nbytes for p in new] != [seg.hi - seg.lo for seg in d.segments]:
+        raise AssertionError(f"step {d.step}: a box in parts has one part per segment")
     m = len(d.segments)
     out = np.empty(d.limit, dtype=np.uint8)  # trimmed to what the encodings take
     at = HEAD.size + m * SEGMENT.size
     table = out[HEAD.size:at].view(np.uint64).reshape(m, 2) if m else np.empty((0, 2), np.uint64)
     lengths = []
     for k, seg in enumerate(d.segments):
-        cur = new[seg.lo:seg.hi]
+        cur = new[k] if isinstance(new, Segments) else new[seg.lo:seg.hi]
         base_digest = 0
         if seg.versions is None:
             n = (seg.hi - seg.lo) // seg.itemsize
@@ -170,8 +173,9 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray, new_digest: int | No
         table[k] = (len(enc), base_digest)
         lengths.append(len(enc))
         at += len(enc)
-    HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, _table_digest(table),
-                   digest(new) if new_digest is None else new_digest)
+    if new_digest is None:
+        new_digest = _parts_digest(new) if isinstance(new, Segments) else digest(new)
+    HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, _table_digest(table), new_digest)
     wire, full = d.tensors(lengths)
     return Frame(out[:at], wire, full)
 
@@ -282,6 +286,15 @@ def relay_frame(transport, s: Session, key: StreamKey, peer: str, d: DeltaStream
         raise
 
 
+def _parts_digest(parts) -> int:
+    """The XXH3-64 of bytes in several C-contiguous buffers, in order: streamed over them, it is the digest of the
+    bytes packed."""
+    check = Checksum()
+    for p in parts:
+        check.update(p)
+    return check.xxh3_64
+
+
 def _table_digest(table: np.ndarray) -> int:
     """What the head says of the bases: the XXH3-64 of the table's base digests, so that neither end hashes a base
     twice (each segment's own digest is checked against the receiver's base)."""
@@ -363,11 +376,8 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
         raise DataLossError(f"job {job}: the delta frame of step {d.step} is inconsistent: its segments take "
                             f"{at} of its {len(frame)} bytes, their base digests XXH3-64 {_table_digest(table):016x} "
                             f"where the head says {base_sent:016x}")
-    if isinstance(out, Segments):  # XXH3 streamed over the members' regions is the digest of their bytes in order
-        check = Checksum()
-        for t in targets:
-            check.update(t)
-        got = check.xxh3_64
+    if isinstance(out, Segments):
+        got = _parts_digest(targets)
     else:
         got = digest(flat)
     if got != new_sent:

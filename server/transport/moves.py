@@ -316,10 +316,12 @@ def _lands_whole(spot, nbytes: int) -> bool:
         sum(p.nbytes for p in parts) == nbytes
 
 
-def _packed(array, box: Box, origin: Box) -> np.ndarray:
-    """``box`` of ``array`` (a tile holding ``origin``, or a bucket's `Gather`) as packed host bytes."""
+def _packed(array, box: Box, origin: Box) -> np.ndarray | Segments:
+    """``box`` of ``array`` (a tile holding ``origin``) as packed host bytes; a bucket's `Gather` as its members'
+    bytes where they lie (`Segments`, each member C-contiguous: copied only where its region is strided), one per
+    segment of the delta stream, which `deltas.encode_frame` reads member by member."""
     if isinstance(array, Gather):
-        return Segments(np.ascontiguousarray(p) for p in array.parts).packed()
+        return Segments(np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in array.parts)
     return np.frombuffer(host_bytes(region(array, box, origin)), dtype=np.uint8)
 
 
