@@ -123,6 +123,11 @@ def test_a_bucket_frame_diffs_each_member_at_its_own_itemsize():
     wrong = encode_frame("j", d, packed, digest(packed) ^ 1)  # an early digest that is not the box's
     with pytest.raises(DataLossError, match="the delta does not rebuild it"):
         apply_frame("j", d, wrong.data, "host2/1")
+    # a sender's bucket as its members where they lie (one part per segment): the very frame of the packed box
+    parts = Segments(np.frombuffer(n.tobytes(), np.uint8) for _, n in pairs)
+    assert encode_frame("j", d, parts).data.tobytes() == encode_frame("j", d, packed).data.tobytes()
+    with pytest.raises(AssertionError, match="one part per segment"):
+        encode_frame("j", d, Segments([packed]))
 
 
 def test_a_base_that_differs_or_is_not_held_names_each_tensor():
