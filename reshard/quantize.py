@@ -45,7 +45,7 @@ from reshard.program import DST, SRC, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
 
 __all__ = ["DtypeConversionError", "Conversion", "CONVERSIONS", "QUANTIZED", "conversions", "quantize_layout",
-           "source_name", "scale_box", "QuantizedSteps"]
+           "source_name", "scale_box", "block_of", "QuantizedSteps"]
 
 FP8 = "float8_e4m3fn"
 # target dtype -> the dtypes a weight may be converted from
@@ -78,7 +78,7 @@ def scale_box(box: Box, block: int) -> Box:
     return tuple((lo // block, -(-hi // block)) for lo, hi in box)
 
 
-def _block_of(weight: str, scale: str, block) -> int:
+def block_of(weight: str, scale: str, block) -> int:
     """The one block size of a pair's ``block`` (None: `FP8_BLOCK`); the fp8 kernels take square blocks."""
     if block is None:
         return FP8_BLOCK
@@ -147,7 +147,7 @@ def conversions(tensors: Iterable[TensorDecl], dtypes: Union[str, Mapping[str, s
                 f"{FP8_BLOCK} block beside it, but scales names none for it; name one, e.g. "
                 f"scales={{{name!r}: {name + '_scale_inv'!r}}} (the job creates it when it does not exist)")
         scale, block = scales[name]
-        block = _block_of(name, scale, block)
+        block = block_of(name, scale, block)
         grid = tuple(-(-n // block) for n in t.shape)
         have = decls.get(scale)
         if have is not None and (have.shape != grid or have.dtype != "float32"):

@@ -26,7 +26,7 @@ from reshard.partial_plan import reshard_program
 from reshard.plans import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
-from reshard.quantize import conversions
+from reshard.quantize import block_of, conversions
 from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
@@ -739,7 +739,9 @@ class Planner:
                                        f"({[w for w, _, _ in scales][:5]}); give each weight one")
         given = set(names)
         names += [s for s, _ in pairs.values() if s not in given]
-        manifest = self._check_manifest(manifest_json, names, f"reshard_many of {len(names)} tensors")
+        manifest = self._check_manifest(manifest_json, names, f"reshard_many of {len(names)} tensors",
+                                        converting={w: (d, *pairs[w]) for w, d in (dtypes or {}).items()
+                                                    if w in pairs})
         # A scale the job may make (its weight is asked for in another dtype) need not exist yet.
         absent = {pairs[w][0] for w in dtypes or {} if w in pairs} - {n for n in names if self.catalog.contains(n)}
         stored = [n for n in names if n not in absent]
@@ -794,9 +796,13 @@ class Planner:
                                      manifest_digest=manifest.digest if manifest is not None else "", pin=pin,
                                      step=step, delta=delta, dtypes={w: c.dtype for w, c in converted.items()})
 
-    def _check_manifest(self, manifest_json: str, names: list[str], what: str) -> Manifest | None:
-        """The consumer's manifest, once every tensor ``names`` moves is in it with the catalog's shape and dtype
-        and none it lists is left out; else `ManifestError` (INVALID_ARGUMENT) listing each difference. Checked
+    def _check_manifest(self, manifest_json: str, names: list[str], what: str,
+                        converting: dict[str, tuple[str, str, object]] | None = None) -> Manifest | None:
+        """The consumer's manifest, once every tensor ``names`` moves is in it with the shape and dtype the job
+        commits and none it lists is left out; else `ManifestError` (INVALID_ARGUMENT) listing each difference.
+        The job commits the catalog's shape and dtype, but for a weight quantized on the way (``converting``:
+        weight -> (dtype, its scale, the scale's block)): that dtype, and its scale float32, one entry per block
+        (a conversion the planner cannot make is refused after this check, naming it). Checked
         before the catalog is read for the job, so a name the trainer never published is listed with the rest
         rather than failing alone as NOT_FOUND; nothing is planned or moved."""
         if not manifest_json:
@@ -810,6 +816,15 @@ class Planner:
                 offered[name] = (rec.shape, rec.dtype)
             else:
                 offered[name] = None
+        for w, (dtype, scale, block) in (converting or {}).items():
+            held = offered.get(w)
+            try:
+                dtype, block = dtype_name(dtype), block_of(w, scale, block)
+            except ValueError:
+                continue  # refused after this check, naming it
+            if held is not None and dtype != held[1]:
+                offered[w] = (held[0], dtype)
+                offered[scale] = (tuple(-(-n // block) for n in held[0]), "float32")
         for name in manifest:
             if name not in offered:
                 absent.append((name, "not among the tensors moved"))

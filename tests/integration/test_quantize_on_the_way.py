@@ -118,6 +118,32 @@ def test_a_trainer_publishes_bf16_every_step_and_each_sync_serves_fp8(client, fr
         _cleanup(client, [f"{n}.w", f"{n}.w_s"])
 
 
+def test_a_serving_manifest_lists_what_the_job_commits_fp8_weights_and_float32_scales(client, fresh_name):
+    """The consumer's manifest gate checks what the job will commit: the weight in fp8 and its scale (made by the
+    job, not in the catalog yet) as float32, one entry per block; one that expects the weight in bf16 is refused
+    before anything moves, naming it."""
+    from reshard import Manifest
+
+    n = fresh_name
+    src, dst = Sharding(TRAIN_GRID, ("host", None)), Sharding(SERVE, (None, "y"))
+    w = _bf16((256, 512), 21)
+    try:
+        client.put(f"{n}.w", w, src)
+        stale = Manifest({f"{n}.w": ((256, 512), "bfloat16"), f"{n}.w_s": ((2, 4), "float32")})
+        with pytest.raises(InvalidArgumentError, match=rf"{n}\.w.*bfloat16.*float8_e4m3fn|{n}\.w.*float8_e4m3fn.*"
+                                                       rf"bfloat16"):
+            client.reshard_many({f"{n}.w": dst}, scales={f"{n}.w": f"{n}.w_s"}, dtype=FP8, manifest=stale)
+        assert client.info(f"{n}.w").dtype == "bfloat16" and client.info(f"{n}.w").version == 1
+        serving = Manifest({f"{n}.w": ((256, 512), FP8), f"{n}.w_s": ((2, 4), "float32")})
+        result = client.reshard_many({f"{n}.w": dst}, scales={f"{n}.w": f"{n}.w_s"}, dtype=FP8,
+                                     manifest=serving).result(timeout=120)
+        assert result.state == "succeeded", result.error
+        assert result.manifest_digest == serving.digest
+        _assert_quantized(client, f"{n}.w", f"{n}.w_s", w)
+    finally:
+        _cleanup(client, [f"{n}.w", f"{n}.w_s"])
+
+
 def test_a_small_moe_state_dict_arrives_quantized(client, fresh_name):
     n = fresh_name
     case = moe_state_dict(TINY_MOE, TRAIN_GRID, SERVE_GRID, ep_devices=2)
