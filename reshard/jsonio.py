@@ -45,6 +45,12 @@ _ESCAPE = re.compile(r"\\.", re.DOTALL)
 _STRING = re.compile(r'"[^"]*"')
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
 _AS_PARENS = str.maketrans("[]{}", "()()")
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+# A document longer than this is scanned and decoded in pieces (`_brackets`, `_decode_in_pieces`): one C call over
+# all of it holds the GIL throughout, and a 15 MiB program (8,000 tensors) held it for 0.6 s of json.loads and 0.3 s
+# of scanning, which on a loaded host kept an agent's heartbeat thread from running for over 5 s: the planner marked
+# the agent down in the middle of its job.
+PIECE_CHARS = 1 << 18
 
 _TYPES = {
     "object": (Mapping,),
@@ -133,12 +139,73 @@ def nesting_bound(text: str, limit: int | None = None) -> int:
     in a document that is not valid JSON. Every step runs in C over the text,
     at most ``limit + 1`` passes.
     """
-    brackets = _NOT_BRACKET.sub("", _STRING.sub("", _ESCAPE.sub("", text))).translate(_AS_PARENS)
+    brackets = _brackets(_ESCAPE.sub("", text)).translate(_AS_PARENS)
     passes = 0
     while "()" in brackets and (limit is None or passes <= limit):
         brackets = brackets.replace("()", "")
         passes += 1
     return passes + brackets.count("(")
+
+
+def _brackets(text: str) -> str:
+    """The brackets of ``text`` (escapes already cut out) outside its strings, in order: cut piece by piece, each
+    piece ending after an even number of quotes, so none starts inside a string and each is cut exactly as the
+    whole text would be (an unmatched quote leaves the rest of the text one piece)."""
+    if len(text) <= PIECE_CHARS:
+        return _NOT_BRACKET.sub("", _STRING.sub("", text))
+    out, start = [], 0
+    while start < len(text):
+        end = start + PIECE_CHARS
+        if text.count('"', start, end) % 2:
+            close = text.find('"', end)
+            end = len(text) if close < 0 else close + 1
+        out.append(_NOT_BRACKET.sub("", _STRING.sub("", text[start:end])))
+        start = end
+    return "".join(out)
+
+
+def _decode_in_pieces(text: str, decoder: json.JSONDecoder, levels: int = 2) -> object:
+    """``decoder.decode(text)``, the members and items of the outer ``levels`` arrays and objects decoded one at a
+    time (a program's steps, its tensors), so that no one call holds the GIL for the whole document; raises
+    json.JSONDecodeError where json.loads would. The nesting was bounded before (`nesting_bound`)."""
+    value, end = _piece(text, _WHITESPACE.match(text, 0).end(), decoder, levels)
+    end = _WHITESPACE.match(text, end).end()
+    if end != len(text):
+        raise json.JSONDecodeError("Extra data", text, end)
+    return value
+
+
+def _piece(text: str, i: int, decoder: json.JSONDecoder, levels: int) -> tuple[object, int]:
+    """The JSON value starting at ``i`` and the index after it, as `_decode_in_pieces` reads it."""
+    opener = text[i:i + 1]
+    if levels <= 0 or opener not in ("[", "{"):
+        return decoder.raw_decode(text, i)
+    closer, is_object = ("}", True) if opener == "{" else ("]", False)
+    out: dict | list = {} if is_object else []
+    i = _WHITESPACE.match(text, i + 1).end()
+    if text.startswith(closer, i):
+        return out, i + 1
+    while True:
+        if is_object:
+            if not text.startswith('"', i):
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+            key, i = decoder.raw_decode(text, i)
+            i = _WHITESPACE.match(text, i).end()
+            if not text.startswith(":", i):
+                raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+            item, i = _piece(text, _WHITESPACE.match(text, i + 1).end(), decoder, levels - 1)
+            out[key] = item
+        else:
+            item, i = _piece(text, i, decoder, levels - 1)
+            out.append(item)
+        i = _WHITESPACE.match(text, i).end()
+        if text.startswith(closer, i):
+            return out, i + 1
+        if not text.startswith(",", i):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+        i = _WHITESPACE.match(text, i + 1).end()
+        if is_object and not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
 
 
 def _utf8_size(text: str) -> int:
@@ -184,6 +251,8 @@ def loads(text, what: str, *, max_bytes: int | None = MAX_BYTES, max_depth: int 
         raise JsonLimitError(f"{what} nests arrays and objects more than {max_depth} levels deep, the limit for a "
                              f"JSON document")
     try:
+        if len(text) > PIECE_CHARS:
+            return _decode_in_pieces(text, json.JSONDecoder(parse_float=_finite, parse_constant=_no_constant))
         return json.loads(text, parse_float=_finite, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise InvalidJsonError(f"{what} is not JSON: {e.msg} at line {e.lineno} column {e.colno}") from None

@@ -2,18 +2,23 @@
 
 The depth bound is checked against the real nesting of generated documents, and
 arbitrary text (brackets and quotes weighted in) is shown to raise nothing but
-`InvalidJsonError`: never a ``RecursionError`` from the parser.
+`InvalidJsonError`: never a ``RecursionError`` from the parser. A long document is
+scanned and decoded in pieces, with the same value or the same refusal as in one
+piece, and lets other threads run while it is read.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from reshard.errors import InvalidJsonError, InvalidShardingError, JsonLimitError, ReshardError
+from reshard import jsonio
 from reshard.jsonio import MAX_DEPTH, describe, field_of, loads, need, nesting_bound
 
 # (name, text, limits, error, message)
@@ -132,3 +137,92 @@ def test_describe_is_short_however_large_the_value():
 
 def test_the_default_depth_admits_every_document_the_core_writes():
     assert MAX_DEPTH >= 12  # program JSON nests 8 deep: program, tensors, decl, src, mesh, axes, pair
+
+
+def _read(text: str, piece_chars: int):
+    """``loads(text)`` (depth up to 64) with documents over ``piece_chars`` read in pieces: its value, or the class
+    of its refusal."""
+    kept = jsonio.PIECE_CHARS
+    jsonio.PIECE_CHARS = piece_chars
+    try:
+        return "value", loads(text, "doc", max_bytes=None, max_depth=64), nesting_bound(text)
+    except (InvalidJsonError, JsonLimitError) as e:
+        return type(e).__name__, None, nesting_bound(text)
+    finally:
+        jsonio.PIECE_CHARS = kept
+
+
+DOCUMENT = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | BRACKETY,
+    lambda inner: st.lists(inner, max_size=6) | st.dictionaries(BRACKETY, inner, max_size=6),
+    max_leaves=60,
+)
+# Valid documents as json.dumps writes them (spaced or not), and the same cut, spliced or salted with the characters
+# that decide where a piece may end and how a value closes.
+TEXT = st.one_of(
+    st.builds(lambda v, indent: json.dumps(v, indent=indent, ensure_ascii=False), DOCUMENT, st.sampled_from([None, 1])),
+    st.builds(lambda v, cut: json.dumps(v)[:cut], DOCUMENT, st.integers(0, 200)),
+    st.builds(lambda v, at, extra: (lambda t: t[:at] + extra + t[at:])(json.dumps(v)), DOCUMENT, st.integers(0, 200),
+              st.text(st.sampled_from('[]{}"\\,: 1'), max_size=3)),
+    st.text(st.sampled_from('[]{}"\\:,0 a'), max_size=200),
+)
+
+
+@settings(max_examples=600, deadline=None)
+@given(TEXT, st.integers(1, 40))
+def test_a_long_document_reads_in_pieces_as_it_reads_whole(text, piece_chars):
+    assert _read(text, piece_chars) == _read(text, 10**9)
+
+
+# Run in a fresh interpreter, whose heap is the document's alone: the cyclic collector's passes, which hold the GIL
+# too and grow with the heap, are then the same for both ways of reading it.
+_HELD_UP = r"""
+import json, sys, threading, time
+from reshard import jsonio
+
+steps = [{"id": i, "kind": "move", "tensor": f"t{i // 8}", "after": [i - 1] if i % 8 else [],
+          "transfer": {"box": [[0, 8], [i % 8, i % 8 + 1]], "sender": f"host{i % 4}/gpu0",
+                       "receivers": [f"host{4 + i % 4}/gpu0", f"host{4 + (i + 1) % 4}/gpu0"],
+                       "method": "broadcast", "route": [], "chunk_bytes": 0}} for i in range(64_000)]
+text = json.dumps({"kind": "program", "tensors": [{"name": f"t{i}"} for i in range(8_000)], "steps": steps})
+del steps
+assert len(text) > 10 * 2**20 > jsonio.PIECE_CHARS
+
+
+def held_up(piece_chars):
+    jsonio.PIECE_CHARS = piece_chars
+    worst, stop = [0.0], threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.005)
+            worst[0] = max(worst[0], time.perf_counter() - t0 - 0.005)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    value = jsonio.loads(text, "program_json", max_bytes=None)
+    stop.set()
+    ticker.join()
+    assert len(value["steps"]) == 64_000 and value["steps"][-1]["id"] == 63_999
+    return worst[0]
+
+
+pieces, whole = held_up(jsonio.PIECE_CHARS), held_up(10**12)
+print(json.dumps({"pieces": pieces, "whole": whole}))
+"""
+
+
+def test_a_program_sized_document_reads_in_pieces_and_lets_other_threads_run():
+    """A 15 MiB document of 64,000 small objects (a program of 8,000 tensors is that): one json.loads of it held the
+    GIL for 0.6 s here, its own decoding and the collector's passes it set off, and an agent's heartbeat thread,
+    which cannot run meanwhile, then missed the planner's 5 s on a loaded host and the agent was marked down in the
+    middle of its job. Read in pieces, a thread that sleeps 5 ms at a time waits at most for one piece or one
+    collector pass."""
+    run = subprocess.run([sys.executable, "-c", _HELD_UP], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    held = json.loads(run.stdout.splitlines()[-1])
+    assert held["pieces"] < held["whole"] / 2, (
+        f"a sleeping thread was held up {held['pieces']:.3f} s while the document was read in pieces, "
+        f"{held['whole']:.3f} s while it was read whole")
