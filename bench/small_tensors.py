@@ -4,13 +4,16 @@ Norms, biases and the experts of a mixture-of-experts model make state dicts of 
 where the fixed cost per tensor, not the bytes, sets the time. Each size puts N tensors of 64 x 8 float32 (2 KiB)
 split over tensor-parallel 4 on host0..host3 (`put_many`), moves them to columns over tensor-parallel 2 times two
 replicas on host4..host7 (one `reshard_many`, with the planner's record of where its time went) and back, and reads
-them all (`get_many`), on local agents (collective transport). Each tensor holds its own run of integers, so a tile
-put in the wrong place, or another tensor's tile, reads back different: every device's tile is checked bit for bit
-after the move out, and every tensor as `get_many` returns it after the move back (both outside the timed calls).
+them all (`get_many`), on local agents (collective transport); before the move back, the tensors are put again and
+moved out again, as a weight sync repeats its move every step (the planner and the agents hold its program), timed
+against issue 41's goal for a repeated sync of the 139,583-tensor Kimi-K2-like state dict. Each tensor holds its
+own run of integers, so a tile put in the wrong place, or another tensor's tile, reads back different: every
+device's tile is checked bit for bit after each move out, and every tensor as `get_many` returns it after the move
+back (all outside the timed calls).
 One run per size: the point is how the cost grows with N, which a single run shows. Writes its section of
 BENCHMARKS.md.
 
-    python bench/small_tensors.py [--counts 500,2000] [--no-write]
+    python bench/small_tensors.py [--counts 500,2000,8000] [--no-write]
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ SHAPE = (64, 8)
 NUM_VALUES = SHAPE[0] * SHAPE[1]
 MAX_COUNT = 2**24 // NUM_VALUES  # float32 holds every integer up to 2**24 exactly
 TIMEOUT_S = 1800
+KIMI_TENSORS = 139_583  # reshard.moe.KIMI_K2's state dict with its block scales (bench/plan_quality.py's MoE rows)
+GOAL_MS = 50  # issue 41: a repeated sync of it, request to every agent started
+REPEAT_PHASES = ("waiting", "planning", "running", "committing")
 
 
 def values(i: int) -> np.ndarray:
@@ -56,6 +62,19 @@ def measure(c, n: int) -> dict:
     out["reshard_many"] = time.monotonic() - t0
     out["phases"] = result.phases
     check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the reshard_many out")
+    # The same move again, as a weight sync repeats it every step: the trainer publishes the next version in its
+    # layout (untimed), and the planner and the agents hold the move's program, so what is left is a job's cost per
+    # tensor.
+    c.put_many(tensors)
+    t0 = time.monotonic()
+    # Whole (delta=False): the same values put again would otherwise move as an empty delta where one pays.
+    again = c.reshard_many({name: INFER for name in tensors}, delta=False).result(timeout=TIMEOUT_S)
+    out["again"] = time.monotonic() - t0
+    out["again_phases"] = again.phases
+    if again.plan_id != result.plan_id:
+        raise AssertionError(f"the repeated move ran program {again.plan_id[:12]}, not the first's "
+                             f"{result.plan_id[:12]}: the same layouts planned another program")
+    check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the repeated reshard_many")
     t0 = time.monotonic()
     c.reshard_many({name: TRAIN for name in tensors}).result(timeout=TIMEOUT_S)
     out["back"] = time.monotonic() - t0
@@ -73,7 +92,8 @@ def measure(c, n: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--counts", default="500,2000", help="how many tensors, comma separated (default 500,2000)")
+    ap.add_argument("--counts", default="500,2000,8000",
+                    help="how many tensors, comma separated (default 500,2000,8000)")
     ap.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md alone")
     args = ap.parse_args()
     try:
@@ -85,6 +105,11 @@ def main() -> int:
                  f"in float32 up to 2**24); got {args.counts}")
     rows = ["| tensors | put_many s | ms per tensor | reshard_many s | ms per tensor | of it: planning s | running s "
             "| back s | get_many s | ms per tensor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    repeats = ["| tensors | repeated reshard_many s | us per tensor | "
+               + " | ".join(f"of it: {k} s" for k in REPEAT_PHASES)
+               + f" | at {KIMI_TENSORS:,} tensors (linear): waiting + planning s | the whole job s |",
+               "|---:|---:|---:|" + "---:|" * len(REPEAT_PHASES) + "---:|---:|"]
+    last = 0.0
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         for n in counts:
             m = measure(c, n)
@@ -94,6 +119,12 @@ def main() -> int:
                         f"{1e3 * m['reshard_many'] / n:.1f} | {m['phases'].get('planning', 0):.2f} | "
                         f"{m['phases'].get('running', 0):.2f} | {m['back']:.2f} | {m['get_many']:.2f} | "
                         f"{1e3 * m['get_many'] / n:.1f} |")
+            phases = m["again_phases"]
+            planner = phases.get("waiting", 0) + phases.get("planning", 0)
+            repeats.append(f"| {n} | {m['again']:.3f} | {1e6 * m['again'] / n:.0f} | "
+                           + " | ".join(f"{phases.get(k, 0):.3f}" for k in REPEAT_PHASES)
+                           + f" | {planner / n * KIMI_TENSORS:.2f} | {m['again'] / n * KIMI_TENSORS:.1f} |")
+            last = planner / n
     body = ("Tensors of 64 x 8 float32 (2 KiB) put split over tensor-parallel 4 on host0..host3, moved by one "
             "`reshard_many` to columns over tensor-parallel 2 times two replicas on host4..host7 and back, and read "
             "by one `get_many`, on 8 local agents (collective transport) of this machine; one run per size. Each "
@@ -107,6 +138,23 @@ def main() -> int:
             "program of 8 steps per tensor, which each agent then reads (once per distinct program: a weight sync "
             "that repeats its move reads it once).\n\n"
             + "\n".join(rows)
+            + "\n\nThe same move again, as a weight sync repeats it every step: the tensors are put again in the "
+            "training layout (untimed) and moved out again. The planner finds the program it planned (the run must "
+            "report the first move's program id, and its tiles are checked again), and every agent holds it parsed, "
+            "so what is left is a job's cost per tensor: the request, the catalog's records and claims, each host's "
+            "prepare and run, the commit. Issue 41 asks "
+            f"for a repeated sync of the {KIMI_TENSORS:,}-tensor Kimi-K2-like state dict to cost the planner under "
+            f"{GOAL_MS} ms from request to every agent started: here the phases before any agent is called "
+            "(waiting and planning: the records, the claims, the cached program, the transport), which leave out "
+            "the request's own parsing before the job exists. The last two columns scale them, and the whole job, "
+            "linearly to that count.\n\n"
+            + "\n".join(repeats)
+            + f"\n\nThe planner's part costs {1e6 * last:.1f} us per tensor at the largest count; the goal allows "
+            f"{1e6 * GOAL_MS / 1e3 / KIMI_TENSORS:.2f} us "
+            f"({'met' if last * KIMI_TENSORS <= GOAL_MS / 1e3 else '**not met**'}). Reaching it takes a job whose "
+            "records, claims and commits are columns rather than an object per "
+            "tensor (issue 41 part 1), and a request that names a sync it registered once instead of resending "
+            "every name and sharding."
             + f"\n\nReproduce: `python bench/small_tensors.py --counts {args.counts}`.")
     print(body)
     if not args.no_write:
