@@ -21,6 +21,11 @@ bucket           move steps that wait for nothing and go between the same sender
                  box. A chain of fewer than `SHARED_ROUTE_BYTES` (64 KiB) takes the route of the
                  first such chain from its sender to the same receivers, so that a state dict's
                  norms and biases share a bucket instead of one per order their plans chose.
+                 The moves of quantized weights and their scales, which wait for the quantize
+                 steps, are packed the same way among themselves, by dependency depth too: a
+                 bucket waits for everything its members wait for, and members of one depth
+                 never wait for one another (a state dict of experts made 546 such moves in the
+                 scaled-down MoE of bench/moe_sync.py, 240 of them a scale of a few hundred bytes).
                  ``bucket_bytes`` 0 packs nothing
 block scale      a weight's scale tensor (``scales={"w": "w_scale"}``, or ``{"w": ("w_scale", 128)}``
                  naming the block) has one entry per block of ``b`` elements of each weight dim: a
@@ -140,10 +145,10 @@ class ManyProgram(Program):
 
     def validate(self) -> "ManyProgram":
         """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,
-        every member waiting for nothing, reading its source tile (role ``src``), between the same sender and
-        receivers by the same method and route."""
+        every member reading what a plan's move reads (role ``src``) at one dependency depth, between the same
+        sender and receivers by the same method and route."""
         super().validate()
-        if not _buckets_ok(self.steps, self.buckets):
+        if not _buckets_ok(self.steps, self.buckets, self.depths):
             self._check_buckets()
         self._check_made_tiles()
         return self
@@ -194,14 +199,19 @@ class ManyProgram(Program):
                                               f"in one stream")
                 seen[i] = k
                 s = self.steps[i]
-                if s.kind != MOVE or s.after or s.role != SRC:
+                if s.kind != MOVE or s.role != SRC:
                     raise PlanValidationError(
-                        f"{where}: step {s} is not a move that waits for nothing and reads its source tile; a "
-                        f"bucket is sent at once from the tiles its sender holds when the program starts")
+                        f"{where}: step {s} is not a move that reads what a plan's move reads (role 'src'); a "
+                        f"bucket is packed from its members' boxes as their moves would read them")
                 t = s.transfer
                 shape = (t.sender, t.receivers, t.method, t.route)
                 if first is None:
                     first = (s, shape)
+                elif self.depths[i] != self.depths[first[0].id]:
+                    raise PlanValidationError(
+                        f"{where}: step {s} is at dependency depth {self.depths[i]}, but step {first[0]} at "
+                        f"{self.depths[first[0].id]}; a bucket waits for everything its members wait for, so its "
+                        f"members share a depth (where none can wait for another)")
                 elif shape != first[1]:
                     raise PlanValidationError(
                         f"{where}: step {s} goes {t.sender} -> {list(t.receivers)} by {t.method}, but step "
@@ -216,7 +226,7 @@ class ManyProgram(Program):
                 f"buckets), estimate {self.estimate_seconds:.4g}s")
 
 
-def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]]) -> bool:
+def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]], depths: Sequence[int]) -> bool:
     """Whether ``buckets`` keep every rule `ManyProgram.validate` names, checked as columns: a bucket per tens of
     moves of a state dict, where building each member's where-string and path tuple was a quarter of validating it.
     False leaves the verdict, and the message, to `ManyProgram._check_buckets`."""
@@ -229,11 +239,15 @@ def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]]) -> bool
     if len(np.unique(members)) != len(members):
         return False
     moves = list(map(steps.__getitem__, members.tolist()))
-    if not all(map((MOVE, (), SRC).__eq__, map(attrgetter("kind", "after", "role"), moves))):
+    if not all(map((MOVE, SRC).__eq__, map(attrgetter("kind", "role"), moves))):
+        return False
+    firsts = np.cumsum(size) - size
+    depth = np.fromiter(map(depths.__getitem__, members.tolist()), dtype=np.int64, count=len(members))
+    if not (depth == np.repeat(depth[firsts], size)).all():
         return False
     # Each member's (sender, receivers, method, route), numbered by value, is its bucket's first member's.
     path = link_numbers(list(map(attrgetter("transfer"), moves)))
-    return bool((path == np.repeat(path[np.cumsum(size) - size], size)).all())
+    return bool((path == np.repeat(path[firsts], size)).all())
 
 
 def program_from_json(data, check_id: bool = True) -> Program:
@@ -474,7 +488,12 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         if c is not None:
             k = position[c.scale]
             source = given[i]
-            steps += QuantizedSteps(len(steps), source, c, d, decls[k], transfers[i], transfers[k]).steps
+            made = QuantizedSteps(len(steps), source, c, d, decls[k], transfers[i], transfers[k]).steps
+            if bucket_bytes:
+                packer.add_waiting(len(steps), made, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
+                                                      source.name: source.itemsize,
+                                                      source_name(d.name, source.dtype): source.itemsize})
+            steps += made
             program_tensors += [replace(d, src=None), replace(decls[k], src=None),
                                 TensorDecl(source_name(d.name, source.dtype), d.shape, source.dtype, source.src)]
             continue
@@ -512,7 +531,8 @@ def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> l
 class _Buckets:
     """Packs the small moves that wait for nothing, per (sender, receivers, method, route), in step order: each
     tensor's moves as `move_steps` made them, one step per transfer (ids from ``first`` on), read from the
-    transfers themselves (a state dict's program is hundreds of thousands of steps)."""
+    transfers themselves (a state dict's program is hundreds of thousands of steps); and, apart from them, a
+    quantized weight's moves by depth too (`add_waiting`)."""
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -539,15 +559,32 @@ class _Buckets:
             if group is None and len(t.route) > 1 and nbytes < SHARED_ROUTE_BYTES:  # a chain's order was a choice
                 t = self._shared_route(t, steps, k)
                 key = (t.sender, t.receivers, t.method, t.route)
-                group = open_.get(key)
-            if group is None:
-                group = open_[key] = [[first + k], nbytes]
-            else:
-                group[0].append(first + k)
-                group[1] += nbytes
-            if group[1] >= limit:
-                self._full.append(group[0])
-                del open_[key]
+            self._pack(key, first + k, nbytes)
+
+    def add_waiting(self, first: int, steps: Sequence[Step], itemsize: Mapping[str, int]) -> None:
+        """Pack the small moves among ``steps`` (ids from ``first`` on, waiting only for one another: a quantized
+        weight's and its scale's), by dependency depth as well as path: moves of one depth never wait for one
+        another, so a bucket that waits for all its members wait for makes no cycle."""
+        depth: dict[int, int] = {}
+        for k, s in enumerate(steps):
+            d = depth[first + k] = 1 + max(depth[a] for a in s.after) if s.after else 0
+            if s.kind != MOVE or s.role != SRC:
+                continue
+            t = s.transfer
+            nbytes = boxes.volume(t.box) * itemsize[s.tensor]
+            if nbytes < self.bucket_bytes:
+                self._pack(("waiting", d, t.sender, t.receivers, t.method, t.route), first + k, nbytes)
+
+    def _pack(self, key: tuple, step: int, nbytes: int) -> None:
+        group = self._open.get(key)
+        if group is None:
+            group = self._open[key] = [[step], nbytes]
+        else:
+            group[0].append(step)
+            group[1] += nbytes
+        if group[1] >= self.bucket_bytes:
+            self._full.append(group[0])
+            del self._open[key]
 
     def _shared_route(self, t: Transfer, steps: list[Step], k: int) -> Transfer:
         """``t`` along the route of the first small chain from its sender to the same receivers, and step ``k`` of

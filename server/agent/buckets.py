@@ -1,9 +1,10 @@
 """Buckets on an agent: move steps that travel as one stream (`reshard.many.ManyProgram.buckets`).
 
 A bucket runs as one move of a one-dim box of bytes, under its first step's id (its stream key, its dtype
-``uint8`` for the transport): the sender packs its members' boxes, in step order and each in C order, into one
-buffer (`Bucket.pack`); every host it reaches writes the bytes into a buffer per receiving device and, once a
-device has them all, unpacks each member into that device's destination (`Bucket.sink`). A chain forwards the
+``uint8`` for the transport), once every step its members wait for is done: the sender packs its members' boxes,
+in step order and each in C order, into one buffer (`Bucket.pack`); every host it reaches writes the bytes into a
+buffer per receiving device and, once a device has them all, unpacks each member into that device's destination
+(`Bucket.sink`). A chain forwards the
 packed bytes as they are, and its last hop's digest covers them as it covers any box, so a bucket is checked
 exactly as one transfer is.
 
@@ -76,8 +77,11 @@ class Bucket:
         self.sourced = all(program.tensor(t).src is not None for t in self.tensors)
         self._regions: dict[tuple[int, Box], tuple | None] = {}
         t = members[0].transfer
+        # It waits for all its members wait for (the quantize steps that made them, in a quantizing sync): members of
+        # one depth never wait for one another (`reshard.many.ManyProgram.validate`).
+        ids = {s.id for s in members}
         self.step = Step.move(members[0].id, Transfer(((0, n),), t.sender, t.receivers, t.method, 0, t.route),
-                              tensor=members[0].tensor)
+                              after=sorted({a for s in members for a in s.after} - ids), tensor=members[0].tensor)
 
     @property
     def ids(self) -> list[int]:

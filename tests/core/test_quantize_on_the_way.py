@@ -21,7 +21,10 @@ from reshard.errors import PlanValidationError
 from reshard.many import ManyProgram, plan_many
 from reshard.moe import SMALL_MOE, moe_state_dict
 from reshard.program import COMPUTE, MOVE, SRC, TensorDecl
+from reshard.mesh import host_of
 from reshard.quantize import DtypeConversionError, quantize_layout
+from reshard.server.agent.buckets import bucket_moves
+from reshard.server.agent.task_graph import host_tasks
 from reshard.server.agent.kernels import KERNELS as AGENT_KERNELS
 from tests.core.test_fp8_kernels import reference
 
@@ -155,6 +158,40 @@ def test_a_small_moe_state_dict_quantizes_every_linear_weight_on_the_way():
     quantized = [w for w in case.scales if case.serve_dtypes[w] == FP8]
     assert len(quantized) == 64 and all(program.tensor(f"{w}~bfloat16").src is not None for w in quantized)
     assert program.estimate() < plan_many(case.weights).estimate()
+
+
+def test_a_quantized_weights_small_moves_travel_in_buckets_that_wait_for_its_quantize_steps():
+    """The moves of what the quantize steps made wait for those steps; the small ones are packed into buckets by
+    path and depth as the moves that wait for nothing are, and an agent's bucket waits for everything its members
+    wait for (the scaled-down MoE of bench/moe_sync.py made 546 such moves, one stream each, before)."""
+    train = Mesh.grid({"host": 2, "gpu": 4}, 4, "train")
+    serve = Mesh.grid({"host": 2, "gpu": 4}, 4, "serve", first_host=2)
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    program = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes).validate()
+    made = {t.name for t in program.tensors if t.src is None}
+    waiting = [s for s in program.steps if s.kind == MOVE and s.after and s.tensor in made]
+    packed = {i: k for k, b in enumerate(program.buckets) for i in b}
+    paths = defaultdict(list)  # every move of a made tile here is under 16 MiB: all but the lone ones are packed
+    for s in waiting:
+        t = s.transfer
+        paths[program.depths[s.id], t.sender, t.receivers, t.method, t.route].append(s.id)
+    assert sum(len(ids) > 1 for ids in paths.values()) >= 8
+    assert all(i in packed for ids in paths.values() if len(ids) > 1 for i in ids)
+    buckets = bucket_moves(program)
+    lead = {i: first for first, b in buckets.items() for i in b.ids}
+    for first, bucket in buckets.items():
+        ids = set(bucket.ids)
+        assert len({program.depths[i] for i in ids}) == 1
+        assert set(bucket.step.after) == {a for m in bucket.members for a in m.after} - ids
+    hosts = sorted({host_of(d) for d in (*train.require_devices(), *serve.require_devices())})
+    for host in hosts:
+        for task in host_tasks(program, host, buckets):
+            if task.role == "send" and task.step.id in buckets and task.step.after:
+                here = {t.step.id for t in host_tasks(program, host, buckets)}
+                assert set(task.deps) == {lead.get(a, a) for a in task.step.after} & here and task.deps
+    # Packed or not, every tile comes out as the reference quantizer's (the steps run in order).
+    unpacked = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes, bucket_bytes=0).validate()
+    assert not unpacked.buckets and unpacked.steps == program.steps
 
 
 def test_without_dtypes_the_program_is_unchanged():

@@ -42,16 +42,29 @@ def test_link_numbers_are_equal_exactly_for_equal_paths():
     assert numbers[0] == numbers[1] and len(set(numbers[1:])) == 5
 
 
-def test_a_bucketed_step_that_waits_for_another_is_refused_naming_the_rule():
+def test_a_bucketed_step_at_another_depth_than_its_bucket_is_refused_naming_the_rule():
+    """A bucket waits for all its members wait for: one member waiting for a step the others do not wait for puts
+    it a depth deeper, where it could wait for another member, so the bucket is refused."""
     program = _packed()
     group = next(b for b in program.buckets if b[0] > 0)
-    i = group[0]
+    i = group[1]
     steps = list(program.steps)
     steps[i] = replace(steps[i], after=(0,))
     changed = replace(program, steps=tuple(steps))
     with pytest.raises(PlanValidationError, match=rf"bucket {program.buckets.index(group)} \(steps .*\): step #{i} "
-                       rf".* is not a move that waits for nothing and reads its source tile; a bucket is sent at once"):
+                       rf".* is at dependency depth 1, but step #{group[0]} .* at 0; a bucket waits for everything "
+                       rf"its members wait for, so its members share a depth"):
         changed.validate()
+
+
+def test_a_bucket_whose_members_all_wait_at_one_depth_is_proven():
+    program = _packed()
+    group = next(b for b in program.buckets if b[0] > 0)
+    steps = list(program.steps)
+    for i in group:
+        steps[i] = replace(steps[i], after=(0,))
+    changed = replace(program, steps=tuple(steps))
+    assert changed.validate() is changed and {changed.depths[i] for i in group} == {1}
 
 
 def test_a_bucket_naming_a_step_outside_the_program_is_refused_naming_the_rule():
