@@ -490,8 +490,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             source = given[i]
             made = QuantizedSteps(len(steps), source, c, d, decls[k], transfers[i], transfers[k]).steps
             if bucket_bytes:
+                # The weight (in its new dtype), its scale, and the weight as held, which the gathers move.
                 packer.add_waiting(len(steps), made, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
-                                                      source.name: source.itemsize,
                                                       source_name(d.name, source.dtype): source.itemsize})
             steps += made
             program_tensors += [replace(d, src=None), replace(decls[k], src=None),

@@ -189,9 +189,18 @@ def test_a_quantized_weights_small_moves_travel_in_buckets_that_wait_for_its_qua
             if task.role == "send" and task.step.id in buckets and task.step.after:
                 here = {t.step.id for t in host_tasks(program, host, buckets)}
                 assert set(task.deps) == {lead.get(a, a) for a in task.step.after} & here and task.deps
-    # Packed or not, every tile comes out as the reference quantizer's (the steps run in order).
+    # Packing changes no step; and buckets are filled by the bytes their members carry, fp8 for a weight: each but
+    # the last of its path and depth holds at least bucket_bytes, and drops under it without its last member.
     unpacked = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes, bucket_bytes=0).validate()
     assert not unpacked.buckets and unpacked.steps == program.steps
+    small = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes, bucket_bytes=2**17).validate()
+    last: dict[tuple, int] = {}
+    for k, b in enumerate(small.buckets):
+        t = small.steps[b[0]].transfer
+        last[small.depths[b[0]], t.sender, t.receivers, t.method, t.route] = k
+    for k, bucket in enumerate(bucket_moves(small).values()):
+        if k not in last.values():
+            assert bucket.nbytes >= 2**17 > bucket.nbytes - (bucket.parts[-1][3] - bucket.parts[-1][2]), k
 
 
 def test_without_dtypes_the_program_is_unchanged():
