@@ -15,7 +15,8 @@ plans on (the agents' NIC rates, which the lab shapes its links to, and their me
 a dry run), whose id must be the job's plan id. Goal on the emulated hosts: the median within 1.15x of it. Each
 transport of ``--transports`` gets a cluster of its own, on loopback and on the emulated hosts: the collective
 transport runs a host's tasks depth by depth (its deadlock-freedom argument, ``server/agent/task_graph.py``), so no
-fp8 move leaves a host before all its quantizing is done, while nixl starts each move once its own inputs are made.
+fp8 move leaves a host before all its quantizing is done, while nixl starts each move (or bucket of them) once
+its own inputs are made.
 Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
