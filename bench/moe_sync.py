@@ -13,10 +13,9 @@ one value at a time, proved equal to it on a sample with zeros, subnormals and s
 The estimate is the cost model's for the program the job ran: the same ``plan_many`` on the topology the service
 plans on (the agents' NIC rates, which the lab shapes its links to, and their measured copy rates, read back from
 a dry run), whose id must be the job's plan id. Goal on the emulated hosts: the median within 1.15x of it. Each
-transport of ``--transports`` gets a cluster of its own, on loopback and on the emulated hosts: the collective
-transport runs a host's tasks depth by depth (its deadlock-freedom argument, ``server/agent/task_graph.py``), so no
-fp8 move leaves a host before all its quantizing is done, while nixl starts each move (or bucket of them) once
-its own inputs are made.
+transport of ``--transports`` gets a cluster of its own, on loopback and on the emulated hosts. Both collective
+and nixl post their receives, so an agent runs their tasks depth by depth (the deadlock-freedom argument of
+``server/agent/task_graph.py``): no fp8 move leaves a host before all its quantizing is done.
 Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
