@@ -33,7 +33,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
+from typing import Optional, Union
 
 from reshard import box as boxes
 from reshard.dtypes import dtype_name
@@ -45,7 +45,7 @@ from reshard.program import DST, SRC, Step, TensorDecl, TileRef
 from reshard.sharding import Box, Sharding
 
 __all__ = ["DtypeConversionError", "Conversion", "CONVERSIONS", "QUANTIZED", "conversions", "quantize_layout",
-           "source_name", "scale_box", "block_of", "QuantizedSteps"]
+           "source_name", "scale_box", "scale_shape", "made_scale", "block_of", "QuantizedSteps"]
 
 FP8 = "float8_e4m3fn"
 # target dtype -> the dtypes a weight may be converted from
@@ -76,6 +76,16 @@ def source_name(weight: str, dtype: str) -> str:
 def scale_box(box: Box, block: int) -> Box:
     """The scale entries of the blocks of ``box`` (which starts on block boundaries)."""
     return tuple((lo // block, -(-hi // block)) for lo, hi in box)
+
+
+def scale_shape(shape: Sequence[int], block: int) -> tuple[int, ...]:
+    """The shape of a weight's scales: one entry per ``block`` elements of each dim (a short last block too)."""
+    return tuple(-(-n // block) for n in shape)
+
+
+def made_scale(name: str, weight_shape: Sequence[int], block: int, dst: Optional[Sharding]) -> TensorDecl:
+    """The declaration of scale tensor ``name`` that a quantizing job makes: float32, `scale_shape`, no source."""
+    return TensorDecl(name, scale_shape(weight_shape, block), "float32", None, dst)
 
 
 def block_of(weight: str, scale: str, block) -> int:
@@ -148,7 +158,7 @@ def conversions(tensors: Iterable[TensorDecl], dtypes: Union[str, Mapping[str, s
                 f"scales={{{name!r}: {name + '_scale_inv'!r}}} (the job creates it when it does not exist)")
         scale, block = scales[name]
         block = block_of(name, scale, block)
-        grid = tuple(-(-n // block) for n in t.shape)
+        grid = scale_shape(t.shape, block)
         have = decls.get(scale)
         if have is not None and (have.shape != grid or have.dtype != "float32"):
             raise DtypeConversionError(

@@ -26,7 +26,7 @@ from reshard.partial_plan import reshard_program
 from reshard.plans import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
-from reshard.quantize import block_of, conversions
+from reshard.quantize import block_of, conversions, made_scale, scale_shape
 from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
@@ -767,8 +767,8 @@ class Planner:
             dst.check_shape(rec.shape)
             dsts[name] = dst
         decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, dsts.get(n)) for n, r in records.items()]
-        decls += [TensorDecl(c.scale, tuple(-(-n // c.block) for n in records[w].shape), "float32", None,
-                             dsts.get(c.scale)) for w, c in converted.items() if c.scale in absent]
+        decls += [made_scale(c.scale, records[w].shape, c.block, dsts.get(c.scale)) for w, c in converted.items()
+                  if c.scale in absent]
         decls = follow_scales(decls, pairs)
         for d in decls:
             if d.dst.is_partial or (d.src is not None and d.src.is_partial):
@@ -824,7 +824,7 @@ class Planner:
                 continue  # refused after this check, naming it
             if held is not None and dtype != held[1]:
                 offered[w] = (held[0], dtype)
-                offered[scale] = (tuple(-(-n // block) for n in held[0]), "float32")
+                offered[scale] = (scale_shape(held[0], block), "float32")
         for name in manifest:
             if name not in offered:
                 absent.append((name, "not among the tensors moved"))

@@ -54,12 +54,11 @@ from reshard.cost import sender_bytes
 from reshard.delta import RECEIVER_PASSES, SENDER_PASSES
 from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
-from reshard.kernels import FP8_BLOCK
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plans import Plan, Transfer
 from reshard.program import MOVE, REDUCE, Program, TensorDecl
-from reshard.quantize import source_name
+from reshard.quantize import block_of, made_scale, source_name
 from reshard.routes import hops
 from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan
@@ -697,13 +696,14 @@ class JobRunner:
                                       [(rec, bumped(rec, job.dst, job.version))])
         if job.kind == "reshard_many":
             # A scale made on the way (its weight is quantized) need not exist yet: the job creates it.
-            scales = {job.scales[w][0]: w for w in job.dtypes}
+            scales = _made_scales(job)
             stored = [n for n in job.inputs if n not in scales or self.catalog.contains(n)]
             records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step)))
             topology = self.registry.topology()
             decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
                      if n not in scales]
-            decls += [_made_scale(s, records[w], job.scales[w][1], job.dsts[s]) for s, w in scales.items()]
+            decls += [made_scale(s, records[w].shape, block_of(w, s, job.scales[w][1]), job.dsts[s])
+                      for s, w in scales.items()]
             key = (tuple((d.name, d.shape, d.dtype, d.src, d.dst) for d in decls), topology,
                    job.strategy, job.bucket_bytes,
                    tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())),
@@ -954,7 +954,7 @@ class JobRunner:
         pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
         topology = self.registry.topology() if pairs else None
         bases: dict[str, tuple[int, int]] = {}
-        made = {job.scales[w][0]: w for w in job.dtypes}
+        made = _made_scales(job)
         for n, rec in [*records.items(), *((s, None) for s in made if s not in records)]:
             full = moves.tensor_network.get(n, 0)
             mode, why, expected = "full", "", full
@@ -1114,16 +1114,14 @@ class _Moves:
                    dict(per_tensor), {n: (dict(d), dict(a)) for n, (d, a) in codec.items()})
 
 
+def _made_scales(job: Job) -> dict[str, str]:
+    """A reshard_many's scales made on the way, each to its quantized weight."""
+    return {job.scales[w][0]: w for w in job.dtypes}
+
+
 def _made_on_the_way(job: Job) -> set[str]:
     """The tensors a reshard_many's program makes rather than moves: its quantized weights and their scales."""
-    return {*job.dtypes, *(job.scales[w][0] for w in job.dtypes)}
-
-
-def _made_scale(name: str, weight: TensorRecord, block, dst: Sharding) -> TensorDecl:
-    """The declaration of quantized ``weight``'s scale tensor ``name``, made on the way: one float32 entry per block
-    (``block`` as the job's scales give it; None: `FP8_BLOCK`), no source."""
-    size = FP8_BLOCK if not block else block[0]
-    return TensorDecl(name, tuple(-(-n // size) for n in weight.shape), "float32", None, dst)
+    return {*job.dtypes, *_made_scales(job)}
 
 
 def _commits_of(job: Job) -> list[str]:
