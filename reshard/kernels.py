@@ -41,6 +41,11 @@ kernel                  inputs     params                         output tile
 ``fp8_scales``          x (2-D)    ``block`` (default 128)        each block's scale: the largest magnitude of
                                                                   its finite values / 448 (1 where that is 0);
                                                                   (ceil(m/block), ceil(n/block)), float32
+``fp8_quantize_scaled`` x (2-D),   ``block`` (default 128)        fp8_quantize's output from the block scales
+                        s                                         given (``s``: fp8_scales of x, same block),
+                                                                  so a sender that makes both reads x's blocks
+                                                                  once for their scales; s's shape must be
+                                                                  fp8_scales' of x
 ======================= ========== ============================== ============================================
 
 The fp8 kernels make the DeepSeek / Kimi serving format (``weight_scale_inv`` beside each weight: the weight is
@@ -355,6 +360,15 @@ def _fp8_scales_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> S
     return (-(-m // block), -(-n // block))
 
 
+def _fp8_quantize_scaled_shape(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> Shape:
+    (m, n), block = _fp8_tile("fp8_quantize_scaled", inputs, params)
+    want = (-(-m // block), -(-n // block))
+    if tuple(inputs[1]) != want:
+        raise KernelShapeError(f"fp8_quantize_scaled divides x {(m, n)} by one scale per {block} x {block} block, "
+                               f"so its scales are {want} (fp8_scales of x); got {tuple(inputs[1])}")
+    return m, n
+
+
 def _einsum_flops(inputs: tuple[Shape, ...], params: Mapping[str, str]) -> float:
     operands, out = parse_equation(params["equation"])
     sizes = letter_sizes(params["equation"], operands, inputs)
@@ -404,5 +418,9 @@ KERNELS: Mapping[str, Kernel] = MappingProxyType({
                flops_per_element=4, output_dtype="float8_e4m3fn"),
         Kernel("fp8_scales", 1, _fp8_scales_shape, "per block, the largest finite magnitude / 448",
                count_flops=lambda inputs, params: 2.0 * math.prod(inputs[0]), output_dtype="float32"),
+        # per element: a division and a rounding (the scales are an input)
+        Kernel("fp8_quantize_scaled", 2, _fp8_quantize_scaled_shape,
+               "x / its block's scale (the second input) as float8_e4m3fn, saturating", flops_per_element=2,
+               output_dtype="float8_e4m3fn"),
     )
 })

@@ -33,7 +33,7 @@ block scale      a weight's scale tensor (``scales={"w": "w_scale"}``, or ``{"w"
                  the same axes per dim, `scale_sharding`), which gives every device exactly the
                  scales of its weight tile when every weight tile starts on a block boundary
 quantize         ``dtypes`` asks for a weight in ``float8_e4m3fn``: its senders quantize it before the
-                 moves (``fp8_quantize``, ``fp8_scales``) and the wire carries the fp8 values and the
+                 moves (``fp8_scales``, ``fp8_quantize_scaled``) and the wire carries the fp8 values and the
                  float32 scales, made on the way (`reshard.quantize`); without ``dtypes`` a program is
                  what it always was, byte for byte
 ================ ==================================================================================

@@ -2,7 +2,8 @@
 the steps that gather, quantize and move them.
 
 A weight asked for in ``float8_e4m3fn`` (``plan_many(..., dtypes=)``) arrives in the DeepSeek / Kimi serving format:
-e4m3 values and a float32 scale per ``block`` x ``block`` block (the ``fp8_quantize`` and ``fp8_scales`` kernels).
+e4m3 values and a float32 scale per ``block`` x ``block`` block (the ``fp8_scales`` kernel, then
+``fp8_quantize_scaled`` by those scales: ``fp8_quantize``'s bits, the blocks read once for their scales).
 The senders quantize before the moves, so the wire carries one byte an element and the scales, not two.
 
 ================ ===================================================================================================
@@ -18,9 +19,10 @@ program tensors  ``<w>`` (its new dtype, no ``src``: made by the steps, committe
                  likewise) and ``<w>~<old dtype>`` (the weight as it is held, ``src`` only: read, never committed)
 steps            on each device that sends a part or keeps one: the part of its quantize tile it lacks gathered
                  into role ``dst`` of ``<w>~<old dtype>`` (a ``copy`` of what it holds, moves of the rest from a
-                 device of its host where one holds it), then ``fp8_quantize`` and ``fp8_scales`` of the whole tile
-                 into role ``q``; then the moves of the fp8 values and of the scales, as planned from the quantize
-                 layout to the destinations, and a ``copy`` of the part a receiver made itself into its ``dst``
+                 device of its host where one holds it), then ``fp8_scales`` of the whole tile into role ``q``
+                 and ``fp8_quantize_scaled`` of the tile by those scales into role ``q``; then the moves of the
+                 fp8 values and of the scales, as planned from the quantize layout to the destinations, and a
+                 ``copy`` of the part a receiver made itself into its ``dst``
 ================ ===================================================================================================
 
 Every tile quantized starts on a block boundary of the tensor, so each device makes the tensor's own blocks, bit for
@@ -264,12 +266,16 @@ class QuantizedSteps:
             role, after = reads[d]
             tile = self._q_tiles[d]
             x = TileRef(self.source, role, tile)
-            if d in w_need:
-                made_w[d] = self._add(Step.compute, after, kernel="fp8_quantize", device=d, inputs=[x],
-                                      output=TileRef(weight.name, QUANTIZED, tile), params=params)
+            # The scales first, wherever the values are made too: the quantize divides by them (one read of the
+            # tile's blocks for their scales, not two); a device that sends no scales keeps them in role q unsent.
+            scales = TileRef(scale.name, QUANTIZED, scale_box(tile, self.block))
+            made = self._add(Step.compute, after, kernel="fp8_scales", device=d, inputs=[x], output=scales,
+                             params=params)
             if d in s_need:
-                made_s[d] = self._add(Step.compute, after, kernel="fp8_scales", device=d, inputs=[x],
-                                      output=TileRef(scale.name, QUANTIZED, scale_box(tile, self.block)),
+                made_s[d] = made
+            if d in w_need:
+                made_w[d] = self._add(Step.compute, [made], kernel="fp8_quantize_scaled", device=d,
+                                      inputs=[x, scales], output=TileRef(weight.name, QUANTIZED, tile),
                                       params=params)
         self._moves(weight.name, weight_moves, w_keep, made_w)
         self._moves(scale.name, scale_moves, s_keep, made_s)

@@ -257,21 +257,22 @@ def float32_to_float8_e4m3fn(values: np.ndarray, signs: np.ndarray) -> np.ndarra
     Written in place on two buffers of the input's size, and subnormals worked out only where they are: the serving
     format's values are mostly normal, and this runs over every element a sender quantizes."""
     a = np.abs(values)
-    nan = np.isnan(a)
-    any_nan = bool(nan.any())
+    # the maximum is NaN where any element is, in one pass with no mask; the mask only where it is needed
+    any_nan = bool(a.size) and bool(np.isnan(a.max()))
+    nan = np.isnan(a) if any_nan else None
     np.minimum(a, np.float32(FP8_E4M3_MAX), out=a)  # saturate: 448 and above (inf too) are 448
     if any_nan:
         a[nan] = 0
     bits = a.view(np.uint32)
     # From 2**-6 (e4m3's least normal): float32's exponent rebiased from 127 to 7 and its mantissa rounded from
-    # 23 bits to 3, ties to even; a mantissa that rounds up carries into the exponent. (Below 2**-6 this wraps; those
-    # codes are replaced next.)
+    # 23 bits to 3, ties to even (the kept mantissa's last bit, plus 0x7FFFF); a mantissa that rounds up carries into
+    # the exponent. The rebias is subtracted before the shift, in one addition with the rounding (uint32 wraps
+    # below 2**-6; those codes are replaced next).
     code = bits >> np.uint32(20)
     code &= np.uint32(1)
-    code += np.uint32(0x7FFFF)
     code += bits
+    code += np.uint32((0x7FFFF - ((127 - 7) << 23)) % 2**32)
     code >>= np.uint32(20)
-    code -= np.uint32((127 - 7) << 3)
     # Below it, subnormals: whole multiples of 2**-9 (8 of them is the least normal, code 8).
     tiny = np.flatnonzero(a < np.float32(2**-6))
     if tiny.size:
@@ -279,7 +280,9 @@ def float32_to_float8_e4m3fn(values: np.ndarray, signs: np.ndarray) -> np.ndarra
     if any_nan:
         code[nan] = 0x7F
     out = code.astype(np.uint8)
-    out |= np.signbit(signs).view(np.uint8) << np.uint8(7)
+    sign = np.signbit(signs).view(np.uint8)
+    sign <<= np.uint8(7)
+    out |= sign
     return out
 
 
@@ -292,23 +295,27 @@ def _over_blocks(x32: np.ndarray, scales: np.ndarray, block: int) -> np.ndarray:
     return (x32.reshape(m // block, block, n // block, block) / scales[:, None, :, None]).reshape(m, n)
 
 
-def _torch_fp8(x, block: int, want_scales: bool):
-    """The fp8 kernels on a torch tile, where it lives: the numpy path's operations, in float32, in its order."""
+def _torch_fp8(x, block: int, want_scales: bool, scales=None):
+    """The fp8 kernels on a torch tile, where it lives: the numpy path's operations, in float32, in its order;
+    ``scales`` given (fp8_quantize_scaled), the values are divided by them."""
     import torch
     import torch.nn.functional as F
 
     x32 = x.float()
     m, n = x32.shape
     bm, bn = -(-m // block), -(-n // block)
-    mag = torch.where(torch.isfinite(x32), x32.abs(), torch.zeros((), dtype=torch.float32, device=x.device))
-    mag = F.pad(mag, (0, bn * block - n, 0, bm * block - m))
-    if mag.numel():
-        scales = mag.reshape(bm, block, bn, block).amax(dim=(1, 3)) / FP8_E4M3_MAX
+    if scales is None:
+        mag = torch.where(torch.isfinite(x32), x32.abs(), torch.zeros((), dtype=torch.float32, device=x.device))
+        mag = F.pad(mag, (0, bn * block - n, 0, bm * block - m))
+        if mag.numel():
+            scales = mag.reshape(bm, block, bn, block).amax(dim=(1, 3)) / FP8_E4M3_MAX
+        else:
+            scales = torch.zeros((bm, bn), dtype=torch.float32, device=x.device)
+        scales = torch.where(scales == 0, torch.ones((), dtype=torch.float32, device=x.device), scales)
+        if want_scales:
+            return scales
     else:
-        scales = torch.zeros((bm, bn), dtype=torch.float32, device=x.device)
-    scales = torch.where(scales == 0, torch.ones((), dtype=torch.float32, device=x.device), scales)
-    if want_scales:
-        return scales
+        scales = scales.to(device=x.device, dtype=torch.float32)
     full = scales.repeat_interleave(block, dim=0)[:m].repeat_interleave(block, dim=1)[:, :n]
     codes = (x32 / full).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     nan = torch.isnan(x32)
@@ -316,17 +323,26 @@ def _torch_fp8(x, block: int, want_scales: bool):
     return torch.where(nan, signed_nan, codes).view(torch.float8_e4m3fn)
 
 
-def _fp8_kernel(want_scales: bool) -> Callable[[list, Any, dict], None]:
-    name = "fp8_scales" if want_scales else "fp8_quantize"
+def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any, dict], None]:
+    """``fp8_scales`` (``want_scales``), ``fp8_quantize``, or with ``scaled`` ``fp8_quantize_scaled``: the values
+    divided by the scales its second input holds, which a sender made with fp8_scales of the same tile, so the
+    tile's blocks are read for their scales once, not once per kernel."""
+    name = "fp8_scales" if want_scales else "fp8_quantize_scaled" if scaled else "fp8_quantize"
 
     def run(inputs: list, output, params: dict) -> None:
         block = block_param(name, params)
         whole = tuple((0, n) for n in output.shape)
         if buffers.is_torch(output):
-            values = _torch_fp8(_Torch.operand(inputs[0], output.device), block, want_scales)
+            given = _Torch.operand(inputs[1], output.device) if scaled else None
+            values = _torch_fp8(_Torch.operand(inputs[0], output.device), block, want_scales, given)
         else:
             x32 = _float32(inputs[0])
-            scales = fp8_block_scales(x32, block)
+            if scaled:
+                given = inputs[1]
+                scales = (buffers.host_array(given) if buffers.is_torch(given) else np.asarray(given)).astype(
+                    np.float32, copy=False)
+            else:
+                scales = fp8_block_scales(x32, block)
             values = scales if want_scales else float32_to_float8_e4m3fn(_over_blocks(x32, scales, block), x32)
         buffers.write(output, whole, whole, values)
 
@@ -340,4 +356,6 @@ KERNELS: dict[str, Callable[[list, Any, dict], None]] = {"copy": _copy,
                                                             for name, m in _MATH.items()},
                                                          "einsum": _einsum,
                                                          "fp8_quantize": _fp8_kernel(want_scales=False),
-                                                         "fp8_scales": _fp8_kernel(want_scales=True)}
+                                                         "fp8_scales": _fp8_kernel(want_scales=True),
+                                                         "fp8_quantize_scaled": _fp8_kernel(want_scales=False,
+                                                                                            scaled=True)}

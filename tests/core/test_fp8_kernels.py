@@ -61,13 +61,14 @@ def reference(x32: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     return codes, scales
 
 
-def _run(name: str, x, block: int | None = None, out=None):
+def _run(name: str, x, block: int | None = None, out=None, scales=None):
     params = {} if block is None else {"block": str(block)}
-    shape = KERNELS[name].output_shape((tuple(x.shape),), params)
+    inputs = [x] if scales is None else [x, scales]
+    shape = KERNELS[name].output_shape(tuple(tuple(a.shape) for a in inputs), params)
+    codes = name.startswith("fp8_quantize")
     if out is None:
-        out = np.full(shape, 0xAB if name == "fp8_quantize" else np.nan,
-                      dtype=np.uint8 if name == "fp8_quantize" else np.float32)
-    AGENT_KERNELS[name]([x], out, params)
+        out = np.full(shape, 0xAB if codes else np.nan, dtype=np.uint8 if codes else np.float32)
+    AGENT_KERNELS[name](inputs, out, params)
     return out
 
 
@@ -98,6 +99,8 @@ def test_the_kernels_give_the_reference_quantizers_bits(case):
     got = _run("fp8_scales", bits, block)
     np.testing.assert_array_equal(got.view(np.uint32), scales.view(np.uint32))
     assert (got > 0).all() and np.isfinite(got).all()
+    # a sender that made the scales hands them to the quantize: the same bits
+    np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, block, scales=got), codes)
 
 
 @settings(max_examples=40, deadline=None)
@@ -113,6 +116,9 @@ def test_the_torch_path_gives_the_same_bits(case):
     s = torch.empty(scales.shape, dtype=torch.float32)
     _run("fp8_scales", x, block, s)
     np.testing.assert_array_equal(s.numpy().view(np.uint32), scales.view(np.uint32))
+    q2 = torch.empty(codes.shape, dtype=torch.float8_e4m3fn)
+    _run("fp8_quantize_scaled", x, block, q2, scales=s)
+    np.testing.assert_array_equal(q2.view(torch.uint8).numpy(), codes)
 
 
 def test_the_reference_agrees_with_ml_dtypes_where_both_define_the_cast():
@@ -164,3 +170,12 @@ def test_the_shape_rules_and_their_refusals():
         rule(((8, 8),), {"block": "0"})
     with pytest.raises(KernelShapeError, match=r"^fp8_scales takes parameters \['block'\]; got unknown \['scale'\]"):
         rule(((8, 8),), {"scale": "1"})
+    scaled = KERNELS["fp8_quantize_scaled"].output_shape
+    assert scaled(((300, 129), (3, 2)), {}) == (300, 129)
+    assert scaled(((8, 8), (2, 2)), {"block": "4"}) == (8, 8)
+    assert KERNELS["fp8_quantize_scaled"].output_dtype == "float8_e4m3fn"
+    assert not KERNELS["fp8_quantize_scaled"].takes(1)
+    with pytest.raises(KernelShapeError, match=r"^fp8_quantize_scaled divides x \(300, 129\) by one scale per 128 x "
+                                               r"128 block, so its scales are \(3, 2\) \(fp8_scales of x\); got "
+                                               r"\(2, 2\)$"):
+        scaled(((300, 129), (2, 2)), {})

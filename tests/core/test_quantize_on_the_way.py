@@ -133,7 +133,13 @@ def test_aligned_tiles_are_quantized_where_they_lie_with_no_gather():
                         dtypes={"w": FP8}).validate()
     assert not [s for s in program.steps if s.kind == MOVE and s.tensor == "w~bfloat16"]
     kernels = sorted((s.kernel, s.device, s.inputs[0].role) for s in program.steps if s.kind == COMPUTE)
-    assert kernels == sorted((k, d, "src") for k in ("fp8_quantize", "fp8_scales") for d in TRAIN.require_devices())
+    assert kernels == sorted((k, d, "src") for k in ("fp8_quantize_scaled", "fp8_scales")
+                             for d in TRAIN.require_devices())
+    # each device's quantize divides by the scales it made: it reads them, and waits for their step
+    made = {(s.device, s.output.tensor): s.id for s in program.steps if s.kind == COMPUTE}
+    for s in program.steps:
+        if s.kind == COMPUTE and s.kernel == "fp8_quantize_scaled":
+            assert s.inputs[1].tensor == "w_s" and made[(s.device, "w_s")] in s.after
     assert program.tensor("norm").dtype == "bfloat16"
 
 
