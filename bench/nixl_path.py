@@ -60,6 +60,8 @@ class _Tile:
         view = self.array[tuple(slice(lo, hi) for lo, hi in box)]
         return (devices[0], view) if view.flags.c_contiguous else None
 
+    place_whole = place
+
     def mark(self, device, box) -> None:
         pass
 

@@ -163,6 +163,8 @@ class StagedTiles:
                     return r, view
         return None
 
+    place_whole = place  # its tiles are the destination: a delta is rebuilt where a transport lands
+
     def place_device(self, devices: list[str], box: Box):
         """Like `place`, for a CUDA IPC piece (`moves.relay`): a contiguous region of a GPU tile, to copy into while
         digesting in one pass."""
@@ -198,6 +200,8 @@ class NoTiles:
 
     def place(self, devices: list[str], box: Box):
         return None
+
+    place_whole = place
 
     def write(self, device: str, box: Box, data) -> None:
         raise self.error(device, box)

@@ -289,7 +289,7 @@ def _take_frame(transport: Transport, s: Session, key: StreamKey, t: Transfer, d
         shape = tile_shape(t.box)
         for r in local:
             # the tile's region (a bucket: its members' regions), to apply straight into
-            spot = getattr(sink, "place_whole", sink.place)([r], t.box)
+            spot = sink.place_whole([r], t.box)
             if spot is not None and spot[0] == r and _lands_whole(spot[1], delta.nbytes):
                 deltas.apply_frame(s.job, delta, frame, r, out=spot[1])
                 s.check()

@@ -338,5 +338,7 @@ class _ArraySink:
         view = self.array[boxes.to_slices(box, self.origin)]
         return ("", view) if view.flags.c_contiguous else None
 
+    place_whole = place
+
     def mark(self, device: str, box: Box) -> None:
         pass

@@ -159,6 +159,11 @@ class Sink(Protocol):
         into it directly), or None. A bucket's sink made for a transport that `scatters` offers its whole byte
         box as `Segments` (its members' regions, in order)."""
 
+    def place_whole(self, devices: list[str], box: Box) -> tuple[str, Any] | None:
+        """`place` for a box written in one pass by this host itself, not landed by a transport: a delta stream's
+        rebuilt box (`deltas.apply_frame`). A bucket offers its members' tile regions here whatever the transport,
+        where its `place` may offer a packed landing buffer; every other sink answers as `place`."""
+
     def mark(self, device: str, box: Box) -> None:
         """Count ``box`` as arrived in ``device``'s buffer, which a transport received into in place."""
 
