@@ -36,9 +36,12 @@ BACKENDS = ("gloo", "nccl")
 PROGRAM_NOT_HELD = "program not held"
 DELTA_BASE_MISMATCH = "delta base mismatch"
 # A pipeline stage runs a dozen small programs in turn every step; a state dict's program is megabytes of JSON, and
-# its parsed form several times that.
+# its parsed form several times that (an 8,000-tensor reshard_many is 15 MiB of text; agents holding it and the move
+# back were 630-670 MB each). The byte budget holds a sync out and its way back, taking turns: at 16 MiB those two
+# programs pushed each other out, and every job read its program again (8,000 tensors: 18-20 s a job against 1.5 s
+# with both held, most of it each agent reading the text).
 PROGRAMS_KEPT = 64
-PROGRAMS_KEPT_BYTES = 16 * 2**20
+PROGRAMS_KEPT_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
