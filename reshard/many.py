@@ -130,11 +130,12 @@ class ManyProgram(Program):
                                  for j, s in enumerate(group)))
         # Read here rather than through Program.from_json, which would hash the program without its buckets too.
         E = PlanValidationError
+        seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
         if data.get("kind") != "program":
             raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
         check_version(data, "program", PROGRAM_VERSION)
         made = cls(
-            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}")
+            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}", seen)
                           for i, t in enumerate(field_of(data, "tensors", "array", "program JSON", E))),
             steps=tuple(Step.from_json(t, f"program JSON step {i}")
                         for i, t in enumerate(field_of(data, "steps", "array", "program JSON", E))),

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from itertools import chain
 from typing import Optional
 
 import numpy as np
@@ -578,11 +579,17 @@ def check_claimed_id(data: Mapping, made, what: str):
     return made
 
 
+_LIST, _PAIR, _INT, _STR = frozenset({list}), frozenset({2}), frozenset({int}), frozenset({str})
+
+
 def box_from_json(raw, what: str) -> Box:
     """A box from JSON ``[[lo, hi], ...]`` (``raw`` already an array); ``what`` names it in errors."""
-    # Well-formed bounds (the usual case: a program holds one box per step) skip the checks that name each part.
-    if all(type(b) is list and len(b) == 2 and type(b[0]) is int and type(b[1]) is int for b in raw):
-        return tuple((lo, hi) for lo, hi in raw)
+    # Well-formed bounds (the usual case: a program holds one box per step) skip the checks that name each part:
+    # pairs of ints, found by loops that run in C (a program holds a box per step, and its reader a million steps).
+    if set(map(type, raw)) <= _LIST and set(map(len, raw)) <= _PAIR:
+        box = tuple(map(tuple, raw))
+        if set(map(type, chain.from_iterable(box))) <= _INT:
+            return box
     out = []
     for d, bounds in enumerate(raw):
         need(bounds, "array", f"{what} dim {d}", PlanValidationError)
@@ -595,7 +602,7 @@ def box_from_json(raw, what: str) -> Box:
 
 def strings(raw, what: str) -> tuple[str, ...]:
     """The strings of a JSON array (``raw`` already an array); ``what`` names it in errors."""
-    if all(type(x) is str for x in raw):
+    if set(map(type, raw)) <= _STR:  # the usual case, checked in C
         return tuple(raw)
     return tuple(need(x, "string", f"{what} item {i}", PlanValidationError) for i, x in enumerate(raw))
 

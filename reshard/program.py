@@ -208,16 +208,48 @@ class TensorDecl:
         return out
 
     @classmethod
-    def from_json(cls, data, what: str = "tensor JSON") -> "TensorDecl":
+    def from_json(cls, data, what: str = "tensor JSON", shardings: Optional[dict] = None) -> "TensorDecl":
+        """Read what `to_json` writes. ``shardings`` (a dict the caller keeps for one document) reads each distinct
+        sharding once: a state dict's thousands of tensors share a few layouts, and the tensors then share their
+        `Sharding` objects (and what those work out once, such as their tiles)."""
         need(data, "object", what, PlanValidationError)
         src, dst = (field_of(data, key, "object", what, PlanValidationError, default=None) for key in ("src", "dst"))
         return cls(
             name=field_of(data, "name", "string", what, PlanValidationError),
             shape=field_of(data, "shape", "array", what, PlanValidationError),
             dtype=field_of(data, "dtype", "string", what, PlanValidationError),
-            src=Sharding.from_json(src) if src is not None else None,
-            dst=Sharding.from_json(dst) if dst is not None else None,
+            src=_sharding_of(src, shardings) if src is not None else None,
+            dst=_sharding_of(dst, shardings) if dst is not None else None,
         )
+
+
+_INTS = frozenset({int})
+
+
+def _sharding_of(data, seen: Optional[dict]) -> Sharding:
+    """`Sharding.from_json`, once per distinct JSON value where ``seen`` keeps those read (keyed by the value made
+    hashable; a value that is not well-formed JSON of a sharding is read, and refused, as it is)."""
+    if seen is None:
+        return Sharding.from_json(data)
+    try:
+        key = _hashable(data)
+    except TypeError:
+        return Sharding.from_json(data)
+    made = seen.get(key)
+    if made is None:
+        made = seen[key] = Sharding.from_json(data)
+    return made
+
+
+def _hashable(value):
+    """A JSON value as nested tuples, equal exactly where the values are (a dict's keys sorted; the kind of each
+    container kept, so that [] and {} differ)."""
+    if type(value) is list:
+        return ("[", *map(_hashable, value))
+    if type(value) is dict:
+        return ("{", *sorted((k, _hashable(v)) for k, v in value.items()))
+    hash(value)  # TypeError for anything json.loads does not make
+    return (type(value).__name__, value)
 
 
 @dataclass(frozen=True)
@@ -248,11 +280,11 @@ class Step:
         if self.kind not in STEP_KINDS:
             raise PlanValidationError(f"step {self.id}: kind {self.kind!r} is not one of {list(STEP_KINDS)}")
         # ``after`` is a set of steps; sorting it gives one JSON form, so one id, per program.
-        object.__setattr__(self, "after", tuple(sorted({int(a) for a in self.after})))
+        object.__setattr__(self, "after", tuple(sorted(set(map(int, self.after)))))
         object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(self, "devices", tuple(str(d) for d in self.devices))
+        object.__setattr__(self, "devices", tuple(map(str, self.devices)))
         params = self.params.items() if isinstance(self.params, Mapping) else self.params
-        object.__setattr__(self, "params", tuple(sorted((str(k), str(v)) for k, v in params)))
+        object.__setattr__(self, "params", tuple(sorted((str(k), str(v)) for k, v in params)) if params else ())
         stray = [f for f, default in _UNUSED[self.kind] if getattr(self, f) != default]
         if stray:
             raise PlanValidationError(
@@ -340,8 +372,9 @@ class Step:
         if kind not in STEP_KINDS:
             raise E(f"{what} field 'kind' is {brief(kind)}, not one of {list(STEP_KINDS)}")
         sid = field_of(data, "id", "integer", what, E)
-        after = tuple(need(a, "integer", f"{what} field 'after' item {i}", E)
-                      for i, a in enumerate(field_of(data, "after", "array", what, E, default=())))
+        after = field_of(data, "after", "array", what, E, default=())
+        if not set(map(type, after)) <= _INTS:  # the usual case, ints, checked in C; else name the item
+            after = tuple(need(a, "integer", f"{what} field 'after' item {i}", E) for i, a in enumerate(after))
         if kind == MOVE:
             return cls.move(sid, Transfer.from_json(data, what), after, field_of(data, "tensor", "string", what, E),
                             field_of(data, "role", "string", what, E, default=SRC))
@@ -992,8 +1025,9 @@ class Program(ContentAddressed):
         check_version(data, "program", PROGRAM_VERSION)
         tensors = field_of(data, "tensors", "array", "program JSON", E)
         steps = field_of(data, "steps", "array", "program JSON", E)
+        seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
         program = cls(
-            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}") for i, t in enumerate(tensors)),
+            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}", seen) for i, t in enumerate(tensors)),
             steps=tuple(Step.from_json(s, f"program JSON step {i}") for i, s in enumerate(steps)),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),

@@ -28,6 +28,7 @@ from reshard.errors import (
     ReshardError,
     UnknownDtypeError,
 )
+from reshard import many
 from reshard.program import SRC
 
 MESH = Mesh.from_hosts({"x": 2, "y": 2}, ["a", "b"], 2)
@@ -229,3 +230,15 @@ def test_any_json_value_reads_or_raises_a_value_error(reader, value):
 def test_a_valid_document_with_one_node_changed_reads_or_raises_a_value_error(case):
     reader, document = case
     _reads_cleanly(READERS[reader], document)
+
+
+def test_a_program_reads_each_distinct_sharding_once_and_back_to_the_same_program():
+    rows = Sharding(MESH, ("x", None))
+    cols = Sharding(MESH, (None, "y"))
+    decls = [TensorDecl(f"t{i}", (8, 6), "float32", rows, cols if i % 2 else rows) for i in range(6)]
+    program = many.plan_many(decls)
+    again = many.program_from_json(json.loads(program.dumps()))
+    assert again.id == program.id and again.tensors == program.tensors
+    # the tensors share the Sharding objects of their layouts, one per distinct JSON value
+    assert len({id(t.src) for t in again.tensors}) == 1
+    assert len({id(t.dst) for t in again.tensors}) == 2
