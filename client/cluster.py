@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import platform
 import re
 import secrets
 import select
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional, Union
 
@@ -31,7 +32,8 @@ if TYPE_CHECKING:
     from reshard.client.client import Client
 
 __all__ = ["LocalCluster", "local_cluster", "start_process", "launch_process", "await_ready", "die_with_parent",
-           "share_of_cores", "sharing_cores"]
+           "share_of_cores", "sharing_cores", "agent_environment", "describe_copies", "NONTEMPORAL_BYTES",
+           "NONTEMPORAL_TUNABLE"]
 
 _READY = re.compile(r"listening on (\S+)")
 _DASHBOARD = re.compile(r"dashboard (http://\S+)\)")
@@ -72,10 +74,12 @@ def start_process(args: Sequence[str], log_path: Path, timeout: float,
     return proc, await_ready(proc, args, log_path, timeout, ready_lines)
 
 
-def launch_process(args: Sequence[str], log_path: Path) -> subprocess.Popen:
-    """Start ``args`` with stderr to ``log_path``; `await_ready` then waits for its address."""
+def launch_process(args: Sequence[str], log_path: Path,
+                   environ: Optional[Mapping[str, str]] = None) -> subprocess.Popen:
+    """Start ``args`` with stderr to ``log_path`` and the environment ``environ`` (default this process's);
+    `await_ready` then waits for its address."""
     log = open(log_path, "ab")
-    env = {**os.environ, _PARENT_ENV: str(os.getpid())}  # the child calls die_with_parent()
+    env = {**(os.environ if environ is None else environ), _PARENT_ENV: str(os.getpid())}  # for die_with_parent()
     proc = subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL, env=env)
     log.close()
     return proc
@@ -114,6 +118,55 @@ def sharing_cores(agent_args: Sequence[str], processes: int) -> list[str]:
     if any(a.split("=")[0] == "--compute-threads" for a in agent_args):
         return list(agent_args)
     return [*agent_args, "--compute-threads", str(share_of_cores(processes))]
+
+
+# How an agent's large memory copies run: glibc's non-temporal threshold, set in the environment it starts in.
+#
+# An agent copies in chunks of megabytes (a chunk into a peer's shared segment on one machine,
+# `reshard.server.transport.shm`; a piece into a staged tile). glibc's ``memcpy`` writes such a copy through the
+# cache (each destination line read before it is written) unless the copy is larger than its *non-temporal
+# threshold*, and only then streams it to memory. glibc sets the threshold from the cache size the CPU reports,
+# three quarters of the shared cache, so on a machine that reports a large last-level cache a copy must be
+# hundreds of megabytes to stream: 190 MiB on this project's development machine, whose 256 MiB copied in chunks
+# of 4 MiB took 40 ms against 21 ms in one call. The threshold is a glibc tunable read once as a process starts
+# (``GLIBC_TUNABLES``), so the programs that start agents (`LocalCluster`, ``reshard up``, ``reshard lab``, the
+# compose file and the Kubernetes manifests) give it to them: 1 MiB, where a chunk is large enough that caching
+# its destination buys nothing.
+#
+# Measured side by side with bench/transport.py (256 MiB from one host to three on loopback, this 2-core
+# machine): the nixl transport took 0.118-0.126 s against 0.159-0.160 s without it, and 0.29-0.33 CPU s/GiB
+# against 0.39-0.41; the collective transport, whose bytes the kernel copies into sockets, 0.299-0.308 s against
+# 0.290-0.306 s (no change beyond noise). An agent started without it runs as before, and its log says so
+# (`describe_copies`).
+#
+# On other C libraries and other processors the variable is ignored, as glibc ignores a tunable it does not know.
+NONTEMPORAL_BYTES = 1 << 20  # an agent's copies from this size stream to memory
+NONTEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
+_TUNABLES = "GLIBC_TUNABLES"
+
+
+def agent_environment(environ: Mapping[str, str], nbytes: int = NONTEMPORAL_BYTES) -> dict[str, str]:
+    """``environ`` for an agent process: ``GLIBC_TUNABLES`` with the non-temporal threshold at ``nbytes`` added to
+    the tunables it names already, unless it names that one (an operator's choice is kept). Why: the comment
+    above."""
+    env = dict(environ)
+    tunables = [t for t in env.get(_TUNABLES, "").split(":") if t]
+    if not any(t.split("=", 1)[0] == NONTEMPORAL_TUNABLE for t in tunables):
+        env[_TUNABLES] = ":".join([*tunables, f"{NONTEMPORAL_TUNABLE}={nbytes}"])
+    return env
+
+
+def describe_copies(environ: Mapping[str, str] = os.environ) -> str:
+    """A line for an agent's log: the threshold its large copies run with, or why it is the C library's own."""
+    for t in environ.get(_TUNABLES, "").split(":"):
+        name, _, value = t.partition("=")
+        if name == NONTEMPORAL_TUNABLE:
+            return f"large copies stream to memory from {value} bytes ({_TUNABLES}: {NONTEMPORAL_TUNABLE})"
+    if platform.machine() not in ("x86_64", "AMD64") or platform.libc_ver()[0] != "glibc":
+        return "large copies run as this C library chooses"
+    return (f"large copies run with glibc's own non-temporal threshold; {_TUNABLES}={NONTEMPORAL_TUNABLE}="
+            f"{NONTEMPORAL_BYTES} in the agent's environment streams chunks of a megabyte or more to memory "
+            f"(reshard up, local clusters, the lab and the deploy files set it)")
 
 
 class LocalCluster:
@@ -215,7 +268,8 @@ class LocalCluster:
         args = self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
                          "--devices", str(self.devices_per_host), "--token-file", str(self.token_file),
                          *self._tls_args, *device, *self.agent_args, *extra_args)
-        proc = launch_process(args, self.log_dir / f"agent-{host}.log")
+        # an agent's large copies stream to memory (`server.common.copies`): a tunable read as a process starts
+        proc = launch_process(args, self.log_dir / f"agent-{host}.log", agent_environment(os.environ))
         self.agents[host] = proc  # stop() ends it even if another agent fails to start first
         return proc, args
 

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from reshard.plan_command import HelpFormatter, add_plan_command, positive_float, positive_int
-from reshard.client.cluster import die_with_parent
+from reshard.client.cluster import describe_copies, die_with_parent
 from reshard.errors import ReshardError
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.devtools.certs import add_certs_command
@@ -169,6 +169,7 @@ def _run_agent(args) -> int:
     agent = Agent(config).start()
     health = _health_server(args, "reshard.v1.Agent")
     stopped = on_signal()
+    log.info("agent %s: %s", config.host, describe_copies())
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     settle_heap()

@@ -36,7 +36,7 @@ from typing import Optional
 
 from reshard.plan_command import HelpFormatter
 from reshard.proto.auth import TOKEN_ENV
-from reshard.client.cluster import sharing_cores
+from reshard.client.cluster import agent_environment, sharing_cores
 from reshard.server.common.lifecycle import wait_for_signal
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ def start_cluster(lab: Lab, extra_agent_args: Sequence[str] = (), log_dir: Optio
             *cli, "agent", "--planner", address, "--listen", f"{lab.host_ip(i)}:{AGENT_PORT}",
             "--host", host, "--devices", str(lab.config.devices_per_host),
             "--nic-gbps", str(lab.config.gbps), *agent_args,
-        ], stdout=out(host), stderr=subprocess.STDOUT)
+        ], stdout=out(host), stderr=subprocess.STDOUT, env=agent_environment(os.environ))
         _wait_listening(lab.host_ns(i), lab.host_ip(i), AGENT_PORT, agent, f"the agent of {host}")
     return address
 

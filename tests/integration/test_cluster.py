@@ -1,4 +1,5 @@
-"""Local clusters: their processes never outlive the process that started them."""
+"""Local clusters: their processes never outlive the process that started them, and agents start with what their
+copies need."""
 
 from __future__ import annotations
 
@@ -8,6 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
+
+from reshard.client.cluster import (NONTEMPORAL_BYTES, NONTEMPORAL_TUNABLE, agent_environment,
+                                    describe_copies)
 
 _OWNER = textwrap.dedent("""
     import sys, time
@@ -75,3 +79,25 @@ def test_starting_processes_while_grpc_is_busy_never_aborts_a_child(tmp_path):
             for t in threads:
                 t.join()
     assert "epoll" not in (tmp_path / "child.log").read_text()
+
+
+def test_local_agents_start_with_the_copy_threshold_and_log_it(cluster):
+    # LocalCluster gives each agent the glibc tunable it reads as it starts (agent_environment); the agent's log
+    # names the threshold its copies run with (describe_copies)
+    for host, proc in cluster.agents.items():
+        environ = dict(v.split("=", 1) for v in open(f"/proc/{proc.pid}/environ").read().split("\0") if "=" in v)
+        assert f"{NONTEMPORAL_TUNABLE}={NONTEMPORAL_BYTES}" in environ["GLIBC_TUNABLES"].split(":"), host
+        log = (cluster.log_dir / f"agent-{host}.log").read_text()
+        assert f"agent {host}: large copies stream to memory from {NONTEMPORAL_BYTES} bytes" in log, log[-2000:]
+
+
+def test_an_agents_environment_keeps_the_tunables_it_has():
+    assert agent_environment({})["GLIBC_TUNABLES"] == f"{NONTEMPORAL_TUNABLE}=1048576"
+    # other tunables are kept, in order; an operator's own threshold wins
+    got = agent_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "PATH": "/bin"}, 4096)
+    assert got == {"GLIBC_TUNABLES": f"glibc.malloc.arena_max=2:{NONTEMPORAL_TUNABLE}=4096", "PATH": "/bin"}
+    mine = {"GLIBC_TUNABLES": f"{NONTEMPORAL_TUNABLE}=65536"}
+    assert agent_environment(mine) == mine
+    assert describe_copies(mine) == (f"large copies stream to memory from 65536 bytes (GLIBC_TUNABLES: "
+                                     f"{NONTEMPORAL_TUNABLE})")
+    assert "glibc's own" in describe_copies({}) or "C library" in describe_copies({})
