@@ -984,8 +984,18 @@ class Client(FrameworkAdapters):
 
     # -- resharding ---------------------------------------------------------------------------
 
-    def reshard(self, name: str, sharding: Sharding, strategy: str = "auto") -> Job:
-        """Start moving ``name`` to ``sharding``; returns a `Job` at once."""
+    def reshard(self, name: str, sharding: Sharding, strategy: str = "auto", *, delta: Optional[bool] = None) -> Job:
+        """Start moving ``name`` to ``sharding``; returns a `Job` at once.
+
+        ``delta`` (delta sync, as `reshard_many` takes it): True or False moves the tensor as a one-tensor
+        `reshard_many`, whose commit keeps its base pair (the versions moved from and to), so that the next such
+        move can carry only the elements that changed since: True moves a delta wherever a base pair is held, False
+        moves it whole, and ``JobResult.deltas`` says how it moved. None, the default, is the plain move, which
+        keeps no base pair (and so no old version's memory)."""
+        if delta is not None:
+            if not isinstance(delta, bool):
+                raise InvalidArgumentError(f"delta={delta!r}: give True, False, or None (a plain move)")
+            return self.reshard_many({name: sharding}, strategy, delta=delta)
         info = self._planner_call("Reshard", pb.ReshardRequest(name=name, dst_json=_sharding_json(sharding),
                                                                strategy=strategy))
         return Job(self, info)

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from reshard import Mesh, Sharding
+from reshard.proto.errors import InvalidArgumentError
 
 from .every_device import assert_every_device
 
@@ -181,3 +182,30 @@ def test_a_base_that_differs_falls_back_to_a_full_move_and_says_so(transport):
         assert "delta base mismatch" in result.delta_note, result.delta_note
         assert result.network_bytes == result.full_network_bytes
         assert [v.version for v in c.versions("w")] == [3, 4]  # the fallback's commit made (v3, v4) the pair
+
+
+def test_one_tensor_moves_as_a_delta_through_reshard(client):
+    """``reshard(..., delta=)``: the move keeps its base pair as a reshard_many does, so the next one carries the
+    change; ``delta=None`` stays the plain move."""
+    name = f"ds{next(_NAMES)}_w"
+    src, dst = Sharding(TRAIN, ("tp", None)), Sharding(SERVE, (None, "tp"))
+    versions = [torch.randn(64, 48, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)]
+    for k in (5, 6):
+        versions.append(_changed(np.random.default_rng(k), versions[-1], "one"))
+    try:
+        client.put_many({name: (versions[0], src)}, step=0)
+        whole = client.reshard(name, dst, delta=False).result(timeout=120)
+        assert whole.deltas[name]["mode"] == "full" and whole.network_bytes > 0, whole.deltas
+        client.put_many({name: (versions[1], src)}, step=1)
+        on = client.reshard(name, dst, delta=True).result(timeout=120)
+        assert_every_device(client, name, versions[1], dst)
+        assert on.deltas[name]["mode"] == "delta", (on.deltas, on.delta_note)
+        assert on.network_bytes < on.deltas[name]["full_bytes"] // 4
+        client.put_many({name: (versions[2], src)}, step=2)
+        plain = client.reshard(name, dst).result(timeout=120)
+        assert_every_device(client, name, versions[2], dst)
+        assert not plain.deltas  # the plain move: no delta report
+        with pytest.raises(InvalidArgumentError, match=r"^delta='yes': give True, False, or None \(a plain move\)$"):
+            client.reshard(name, src, delta="yes")
+    finally:
+        client.delete(name)
