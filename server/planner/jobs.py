@@ -700,16 +700,20 @@ class JobRunner:
             stored = [n for n in job.inputs if n not in scales or self.catalog.contains(n)]
             records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step)))
             topology = self.registry.topology()
-            decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
-                     if n not in scales]
-            decls += [made_scale(s, records[w].shape, block_of(w, s, job.scales[w][1]), job.dsts[s])
-                      for s, w in scales.items()]
-            key = (tuple((d.name, d.shape, d.dtype, d.src, d.dst) for d in decls), topology,
+            blocks = {s: block_of(w, s, job.scales[w][1]) for s, w in scales.items()}
+            # What the program is planned from, read off the records: a repeated sync finds its program without
+            # declaring every tensor again (equal records and destinations declare equal tensors)
+            key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
+                         if n not in scales),
+                   tuple((s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()), topology,
                    job.strategy, job.bucket_bytes,
                    tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())),
                    tuple(sorted(job.dtypes.items())))
             hit = self._many_programs.get(key)
             if hit is None:
+                decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
+                         if n not in scales]
+                decls += [made_scale(s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()]
                 hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
                                                              job.scales, job.dtypes or None).validate())
             program, text = hit

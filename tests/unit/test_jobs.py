@@ -543,3 +543,25 @@ def test_job_info_names_the_program_a_reshard_many_or_compute_job_ran_as_a_resha
     finally:
         planner.close()
         hosts.close()
+
+
+def test_a_reshard_many_of_layouts_it_moved_before_runs_the_program_it_planned_then(monkeypatch):
+    """The planner keys its reshard_many programs by what they are planned from, read off the records: a move out,
+    back and out again plans twice and runs the first program again."""
+    made = _counted(monkeypatch, "plan_many")
+    hosts = Hosts()
+    planner = _planner(hosts, RuntimeCalls(hosts))
+    try:
+        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+        planner.catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+        hosts.put_tensor("t", a, SRC)
+        jobs = []
+        for dst in (DST, SRC, DST):
+            jobs.append(planner.jobs.submit_many({"t": dst}, "auto", 0, {}))
+            assert jobs[-1].done_event.wait(30) and jobs[-1].state == "succeeded", jobs[-1].error
+        assert made[0] == 2, f"three moves over two layouts planned {made[0]} programs"
+        assert jobs[2].program.id == jobs[0].program.id != jobs[1].program.id
+        assert np.array_equal(hosts.get("t", DST, SHAPE, version=4), a)
+    finally:
+        planner.close()
+        hosts.close()
