@@ -409,6 +409,14 @@ def _planner(hosts: Hosts, calls: RuntimeCalls):
     return planner
 
 
+def _put_t(planner, hosts: Hosts) -> np.ndarray:
+    """Tensor "t" (int32, `SHAPE`, counting up) held in `SRC` at version 1, catalogued and on the hosts."""
+    a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
+    planner.catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
+    hosts.put_tensor("t", a, SRC)
+    return a
+
+
 def _counted(monkeypatch, name: str) -> list[int]:
     """Count the calls of ``name`` from every planner module that calls it (each binds it at import)."""
     from reshard.server.planner import control, jobs
@@ -522,9 +530,7 @@ def test_job_info_names_the_program_a_reshard_many_or_compute_job_ran_as_a_resha
     hosts = Hosts()
     planner = _planner(hosts, RuntimeCalls(hosts))
     try:
-        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
-        planner.catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
-        hosts.put_tensor("t", a, SRC)
+        _put_t(planner, hosts)
         many = planner.jobs.submit_many({"t": DST}, "auto", 0, {})
         assert many.done_event.wait(30) and many.state == "succeeded", many.error
         info = job_info(many)
@@ -552,9 +558,7 @@ def test_a_reshard_many_of_layouts_it_moved_before_runs_the_program_it_planned_t
     hosts = Hosts()
     planner = _planner(hosts, RuntimeCalls(hosts))
     try:
-        a = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE)
-        planner.catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
-        hosts.put_tensor("t", a, SRC)
+        a = _put_t(planner, hosts)
         jobs = []
         for dst in (DST, SRC, DST):
             jobs.append(planner.jobs.submit_many({"t": dst}, "auto", 0, {}))
