@@ -358,7 +358,10 @@ def main(argv=None) -> int:
         f"it. The reshards run through real agents (job seconds: plan, prepare, move, XXH3-64 check at the chain's "
         f"end, commit); their plan is one chain broadcast (transfers carried by: "
         + ", ".join(f"{t} {list(reshards[t]['transports'])}" for t in transports)
-        + "). CPU s/GiB: every process of a side over the timed part (the planner and agents from `/proc`, each "
+        + "). The agents start as `LocalCluster` starts them, with glibc's non-temporal copy threshold at 1 MiB in "
+        f"their environment (`client/cluster.py`, `agent_environment`: their chunks stream to memory); the raw ranks "
+        f"with this process's environment (GLIBC_TUNABLES {os.environ.get('GLIBC_TUNABLES') or 'unset'}). CPU "
+        f"s/GiB: every process of a side over the timed part (the planner and agents from `/proc`, each "
         f"raw rank its own `process_time`), summed, per GiB delivered ({delivered_gib:.2f} GiB: the tensor to "
         f"each receiver). Every run is checked outside its timing: each raw turn starts with the receivers' "
         f"buffers holding other bytes and ends with every byte of every receiver compared with rank 0's; each "
