@@ -145,23 +145,31 @@ NONTEMPORAL_TUNABLE = "glibc.cpu.x86_non_temporal_threshold"
 _TUNABLES = "GLIBC_TUNABLES"
 
 
+def _threshold(environ: Mapping[str, str]) -> str | None:
+    """The non-temporal threshold ``environ``'s ``GLIBC_TUNABLES`` sets, as written, or None."""
+    for t in environ.get(_TUNABLES, "").split(":"):
+        name, _, value = t.partition("=")
+        if name == NONTEMPORAL_TUNABLE:
+            return value
+    return None
+
+
 def agent_environment(environ: Mapping[str, str], nbytes: int = NONTEMPORAL_BYTES) -> dict[str, str]:
     """``environ`` for an agent process: ``GLIBC_TUNABLES`` with the non-temporal threshold at ``nbytes`` added to
     the tunables it names already, unless it names that one (an operator's choice is kept). Why: the comment
     above."""
     env = dict(environ)
-    tunables = [t for t in env.get(_TUNABLES, "").split(":") if t]
-    if not any(t.split("=", 1)[0] == NONTEMPORAL_TUNABLE for t in tunables):
-        env[_TUNABLES] = ":".join([*tunables, f"{NONTEMPORAL_TUNABLE}={nbytes}"])
+    if _threshold(env) is None:
+        env[_TUNABLES] = ":".join([*(t for t in env.get(_TUNABLES, "").split(":") if t),
+                                   f"{NONTEMPORAL_TUNABLE}={nbytes}"])
     return env
 
 
 def describe_copies(environ: Mapping[str, str] = os.environ) -> str:
     """A line for an agent's log: the threshold its large copies run with, or why it is the C library's own."""
-    for t in environ.get(_TUNABLES, "").split(":"):
-        name, _, value = t.partition("=")
-        if name == NONTEMPORAL_TUNABLE:
-            return f"large copies stream to memory from {value} bytes ({_TUNABLES}: {NONTEMPORAL_TUNABLE})"
+    value = _threshold(environ)
+    if value is not None:
+        return f"large copies stream to memory from {value} bytes ({_TUNABLES}: {NONTEMPORAL_TUNABLE})"
     if platform.machine() not in ("x86_64", "AMD64") or platform.libc_ver()[0] != "glibc":
         return "large copies run as this C library chooses"
     return (f"large copies run with glibc's own non-temporal threshold; {_TUNABLES}={NONTEMPORAL_TUNABLE}="
@@ -268,7 +276,7 @@ class LocalCluster:
         args = self._cmd("agent", "--planner", self.address, "--listen", "127.0.0.1:0", "--host", host,
                          "--devices", str(self.devices_per_host), "--token-file", str(self.token_file),
                          *self._tls_args, *device, *self.agent_args, *extra_args)
-        # an agent's large copies stream to memory (`server.common.copies`): a tunable read as a process starts
+        # an agent's large copies stream to memory (`agent_environment`): a tunable read as a process starts
         proc = launch_process(args, self.log_dir / f"agent-{host}.log", agent_environment(os.environ))
         self.agents[host] = proc  # stop() ends it even if another agent fails to start first
         return proc, args

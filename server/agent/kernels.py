@@ -337,12 +337,7 @@ def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any,
             values = _torch_fp8(_Torch.operand(inputs[0], output.device), block, want_scales, given)
         else:
             x32 = _float32(inputs[0])
-            if scaled:
-                given = inputs[1]
-                scales = (buffers.host_array(given) if buffers.is_torch(given) else np.asarray(given)).astype(
-                    np.float32, copy=False)
-            else:
-                scales = fp8_block_scales(x32, block)
+            scales = _float32(inputs[1]) if scaled else fp8_block_scales(x32, block)
             values = scales if want_scales else float32_to_float8_e4m3fn(_over_blocks(x32, scales, block), x32)
         buffers.write(output, whole, whole, values)
 
