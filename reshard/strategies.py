@@ -63,10 +63,17 @@ STRATEGIES = (*BASELINES, "auto")
 
 # Stripe one unit task over at most this many replica hosts,
 MAX_STRIPES = 4
-# and only where each stripe keeps its sender's NIC busy at least this long: a stripe is one more step in the
-# program, to plan, check, write out, read on every agent and pack into a bucket (tens of microseconds of CPU in
-# all), which a box of a few kilobytes does not win back in NIC time. On 10 Gbit/s NICs, stripes of 62.5 KB and up.
-STRIPE_MIN_S = 50e-6
+# A step's fixed cost: one more step in the program, to plan, check, write out, read on every agent it names,
+# pack into a bucket and run (tens of microseconds of CPU in all), which a box of a few kilobytes does not win back
+# in NIC time. A box its least loaded holder moves in less than this is small: its options are ranked by the peak
+# NIC load they leave, then by their steps (a chain is one, a star one per receiving host), then by the sum of
+# squares, so it goes as a chain wherever a chain keeps the busiest NIC where a star would. On 10 Gbit/s NICs,
+# boxes under 62.5 KB; on a GPU host's 8 x 400 Gbit/s, under 20 MB. A small box's chain takes `_long_routes`'
+# route, found in time linear in its hosts (`_chain_order`'s search costs more than the box's NIC time is worth).
+STEP_S = 50e-6
+# Stripe only where each stripe keeps its sender's NIC busy at least a step's cost. On 10 Gbit/s NICs, stripes
+# of 62.5 KB and up.
+STRIPE_MIN_S = STEP_S
 # Order a chain's forwarding hosts by trying every order up to this many of them, greedily beyond.
 _EXHAUSTIVE_ROUTE = 4
 # Chains over more than this many hosts are routed by `_long_routes`, in time linear in their hosts: the search of
@@ -549,6 +556,8 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
     candidates = sorted(holders, key=lambda h: (send[h], h))
     # By name, then stably by load: ordered by (load, name) without a key tuple per host.
     order = sorted(_names(remote), key=send.__getitem__)
+    if len(remote) > 1 and loads.seconds(candidates[0], nbytes) < STEP_S:
+        return _best_small(box, nbytes, holders, wanting, remote, loads, whole, candidates, order)
     # (score, position in the option order above, emit or None, and for a chain still to route: hs and delta)
     options: list[tuple] = []
     chains: list[tuple] = []
@@ -599,6 +608,30 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
     return min(o for o in options if o is not None)[2]()
 
 
+def _best_small(box, nbytes: int, holders, wanting, remote, loads: Loads, whole: dict[str, float],
+                candidates: list[str], order: list[str]) -> Sequence[Transfer]:
+    """`_best_delivery` of a small box (`STEP_S`) to more than one host: of a chain and a star from each of the
+    first `MAX_STRIPES` ``candidates`` (holders by load), the first of those that leave the lowest peak, chains
+    (one step) before stars; no stripes (a small box is not worth one). Chains take `_long_routes`' routes."""
+    routes = _long_routes(order, loads)
+    best = None
+    for hs in candidates[:MAX_STRIPES]:
+        route = _long_route(hs, routes, loads)
+        delta = {hs: loads.seconds(hs, nbytes)}
+        for h in route[:-1]:
+            delta[h] = whole[h]
+        peak, sq = loads.score(delta)
+        if best is None or (peak, 1, sq) < best[0]:
+            best = ((peak, 1, sq), lambda hs=hs, route=route, delta=delta: _emit_chain(
+                box, hs, holders[hs][0], route, nbytes, wanting, loads, delta))
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        peak, sq = loads.score(star)
+        if (peak, len(remote), sq) < best[0]:
+            best = ((peak, len(remote), sq), lambda hs=hs, star=star: _emit_star(
+                box, hs, holders[hs][0], remote, nbytes, wanting, loads, star))
+    return best[1]()
+
+
 def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
                  whole: dict[str, float]) -> Sequence[Transfer]:
     """`_best_delivery` where one host holds the box (experts, in a state dict): its options are a chain and, to
@@ -609,6 +642,17 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     # By name, then stably by load: ordered by (load, name) without a key tuple per host.
     order = sorted(_names(remote), key=send.__getitem__)
     mine = loads.seconds(hs, nbytes)
+    beaten = None  # the star's score, where the chain must beat it
+    if len(remote) > 1 and mine < STEP_S:
+        # A small box (`STEP_S`): the chain, one step, unless it leaves the busiest NIC busier than the star does.
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        route = _long_route(hs, _long_routes(order, loads), loads)
+        delta = {hs: mine}
+        for h in route[:-1]:
+            delta[h] = whole[h]
+        if loads.score(delta)[0] > loads.score(star)[0]:
+            return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
+        return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
     if len(remote) > 1:
         star = {hs: loads.seconds(hs, nbytes * len(remote))}
         beaten = loads.score(star)
@@ -622,7 +666,7 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     delta = {hs: mine}
     for h in route[:-1]:
         delta[h] = whole[h]
-    if len(remote) > 1 and loads.score(delta) > beaten:
+    if beaten is not None and loads.score(delta) > beaten:
         return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
     return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
 
@@ -697,10 +741,12 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     forward = old[:-1] + whole[:-1]
     forward_peak = float(forward.max())
     forward_sq = float(np.sum(forward * forward - old[:-1] * old[:-1]))
-    options: list[tuple[tuple[float, float], int, Callable[[], list[Transfer]]]] = []
+    options: list[tuple[tuple, int, Callable[[], list[Transfer]]]] = []
+    # A small box (`STEP_S`) ranks its options by peak, then steps, then the sum of squares.
+    small = loads.seconds(candidates[0], nbytes) < STEP_S
 
-    def option(score, emit) -> None:
-        options.append((score, len(options), emit))
+    def option(score, emit, steps: int) -> None:
+        options.append(((score[0], steps, score[1]) if small else score, len(options), emit))
 
     for hs in candidates[:MAX_STRIPES]:
         mine, was = loads.seconds(hs, nbytes), send[hs]
@@ -709,11 +755,11 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         option((max(loads.peak, new, forward_peak), new * new - was * was + forward_sq),
                lambda hs=hs, mine=mine: _emit_chain(
                    box, hs, holders[hs][0], _long_route(hs, _long_routes(order, loads), loads), nbytes, wanting, loads,
-                   {hs: mine, **{h: float(x) for h, x in zip(order[:-1], whole[:-1].tolist())}}))
+                   {hs: mine, **{h: float(x) for h, x in zip(order[:-1], whole[:-1].tolist())}}), 1)
         star = {hs: loads.seconds(hs, nbytes * len(remote))}
         new = was + star[hs]
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
-            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star))
+            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star), len(remote))
     k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
     pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
@@ -740,7 +786,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         option(score, lambda parts=parts, delta=delta, added=added: _emit_stripes(
             [(piece, hs, sender, order[j % n:] + order[:j % n], share)
              for j, (piece, hs, sender, share) in enumerate(parts)],
-            wanting, loads, {**delta, **{h: float(x) for h, x in zip(order, added.tolist()) if x}}))
+            wanting, loads, {**delta, **{h: float(x) for h, x in zip(order, added.tolist()) if x}}), len(parts))
     return min(options, key=lambda o: o[:2])[2]()
 
 

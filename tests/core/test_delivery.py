@@ -23,7 +23,8 @@ def _decls() -> list[TensorDecl]:
     """Tensors between two meshes (replicated destinations: broadcasts) and one on the same mesh (held pieces)."""
     return [
         TensorDecl("embed", (1003, 64), "float32", Sharding(TRAIN, ("tp", None)), Sharding(SERVE, ("tp", None))),
-        TensorDecl("qkv", (64, 192), "bfloat16", Sharding(TRAIN, (None, "tp")), Sharding(SERVE, (None, "tp"))),
+        # one receiver a piece (no replicas): p2p moves
+        TensorDecl("qkv", (64, 192), "bfloat16", Sharding(TRAIN, (None, "tp")), Sharding(SERVE, (None, ("dp", "tp")))),
         TensorDecl("norm", (64,), "float32", Sharding(TRAIN, (None,)), Sharding(SERVE, (None,))),
         TensorDecl("bias", (13,), "float32", Sharding(TRAIN, ("tp",)), Sharding(SERVE, ("tp",))),
         TensorDecl("flip", (40, 24), "float32", Sharding(TRAIN, ("tp", None)), Sharding(TRAIN, (None, "tp"))),
@@ -106,7 +107,8 @@ def _elsewhere(program: Program) -> list:
     steps = list(program.steps)
     i = _first(program, "qkv", "p2p")
     t, decl = steps[i].transfer, program.tensor("qkv")
-    other = next(d for d, tile in decl.dst.tiles(decl.shape).items() if tile[1][1] <= t.box[1][0])
+    other = next(d for d, tile in decl.dst.tiles(decl.shape).items() if tile[1][1] <= t.box[1][0] or
+                 t.box[1][1] <= tile[1][0])
     steps[i] = replace(steps[i], transfer=replace(t, receivers=(other,)))
     return steps
 

@@ -13,6 +13,7 @@ from reshard import Mesh, Sharding, Topology
 from reshard import box as boxes
 from reshard.strategies import (
     MAX_STRIPES,
+    STEP_S,
     Loads,
     _best_delivery,
     _chain_bound,
@@ -22,6 +23,8 @@ from reshard.strategies import (
     _emit_star,
     _emit_stripes,
     _forwarding,
+    _long_route,
+    _long_routes,
     _stripes_worth,
 )
 from reshard.tasks import decompose
@@ -44,11 +47,31 @@ def _random_loads(rng: random.Random, hosts: list[str]) -> Loads:
     return loads
 
 
+def _small_best(box, nbytes, holders, wanting, remote, loads, whole, candidates, order):
+    """A small box's choice (`STEP_S`), plainly: every candidate's chain (routed as `_long_routes` routes) and star,
+    ranked by (peak, steps, sum of squares), the first of the least."""
+    options = []
+    for hs in candidates[:MAX_STRIPES]:
+        route = _long_route(hs, _long_routes(order, loads), loads)
+        delta = {hs: loads.seconds(hs, nbytes), **{h: whole[h] for h in route[:-1]}}
+        peak, sq = loads.score(delta)
+        options.append(((peak, 1, sq), lambda hs=hs, route=route, delta=delta: _emit_chain(
+            box, hs, holders[hs][0], route, nbytes, wanting, loads, delta)))
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        peak, sq = loads.score(star)
+        options.append(((peak, len(remote), sq), lambda hs=hs, star=star: _emit_star(
+            box, hs, holders[hs][0], remote, nbytes, wanting, loads, star)))
+    return min(options, key=lambda o: o[0])[1]()
+
+
 def _eager_best(box, num_elements, nbytes, holders, wanting, remote, loads, whole):
-    """`_best_delivery` as it was before issue 41: every candidate's chain routed and scored."""
+    """`_best_delivery` as it was before issue 41: every candidate's chain routed and scored; a small box's as
+    `_small_best` chooses."""
     send = loads.send
     candidates = sorted(holders, key=lambda h: (send[h], h))
     order = sorted(remote, key=lambda h: (send[h], h))
+    if len(remote) > 1 and loads.seconds(candidates[0], nbytes) < STEP_S:
+        return _small_best(box, nbytes, holders, wanting, remote, loads, whole, candidates, order)
     options = []
     for hs in candidates[:MAX_STRIPES]:
         route = _chain_order(hs, order, loads)

@@ -14,7 +14,7 @@ import pytest
 from reshard import Mesh, Plan, PlanValidationError, Sharding, Topology, plan
 from reshard.cases import n_to_m_cases, one_to_m_cases, overlap_cases
 from reshard.mesh import host_of
-from reshard.strategies import STRIPE_MIN_S
+from reshard.strategies import STEP_S, STRIPE_MIN_S, Loads
 
 SHAPE = (8, 6)
 SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["s0", "s1"]), ("x", None))
@@ -256,6 +256,25 @@ def test_auto_allgather_chains_cross_each_host_pair_once():
     assert [t.method for t in p.transfers] == ["broadcast"] * 4
     assert len(hops) == len(set(hops)) == 4 * 3
     assert p.estimate() == pytest.approx(p.lower_bound())
+
+
+@pytest.mark.parametrize("elements, steps", [(64, 1), (15_616, 1), (15_632, 16), (312_500, 16)])
+def test_a_small_box_goes_as_one_chain_where_a_star_would_take_a_step_a_host(elements, steps):
+    # A vector whole on one training host, wanted whole on 16 serving hosts that already receive the most (the
+    # busiest NICs) and send half as much. A chain over them or a star from the training host leave the same peak
+    # (their receiving); the star keeps the sum of squares lower, the chain takes one step where the star takes 16.
+    # At 10 Gbit/s a box is small under 62.5 KB (STEP_S, 50 us): 256 B and 62,464 B go as one chain, 62,528 B and
+    # 1.25 MB as a star.
+    src = Sharding(Mesh.grid({"host": 1, "gpu": 2}, 2, "t"), (None,))
+    dst = Sharding(Mesh.grid({"host": 16, "gpu": 2}, 2, "s"), (None,))
+    loads = Loads(TEN_GBIT)
+    for h in dst.mesh.hosts:
+        loads.recv[h], loads.send[h] = 1.0, 0.5
+    loads.peak = 1.0
+    p = plan((elements,), "float32", src, dst, loads=loads).validate()
+    assert STEP_S == 50e-6
+    assert len(p.transfers) == steps
+    assert {len(t.route) for t in p.transfers} == ({16} if steps == 1 else {1})
 
 
 @pytest.mark.parametrize("rows, stripes", [(64, 1), (1024, 1), (4096, 2), (8192, 4), (1 << 20, 4)])

@@ -20,6 +20,9 @@ from reshard.strategies import Loads, _long_routes
 # more than a chain's exhaustive route search takes, so plans take the long deliveries (stars, chains, stripes).
 TRAIN = Mesh.grid({"dp": 4, "tp": 4}, 4, "train")
 INFER = Mesh.grid({"dp": 40, "tp": 2}, 4, "infer")
+# NICs of 10 Mbit/s: every box here takes its sender 50 us or more, so none is small (`reshard.strategies.STEP_S`)
+# and stars come up, as they do for the large boxes of real state dicts on real NICs.
+SLOW = Topology(nic_gbps=0.01)
 
 
 def _state_dict(layers: int = 3) -> list[TensorDecl]:
@@ -65,9 +68,9 @@ def test_move_steps_are_the_steps_step_move_builds(strategy):
 
 def test_plan_many_is_each_tensors_plan_against_one_loads_in_steps():
     decls = _state_dict()
-    program = plan_many(decls, bucket_bytes=0).validate()
+    program = plan_many(decls, SLOW, bucket_bytes=0).validate()
     order = sorted(decls, key=lambda t: -math.prod(t.shape) * t.itemsize)  # largest first, stably
-    loads = Loads(Topology())
+    loads = Loads(SLOW)
     want = []
     for t in order:
         p = plan(t.shape, t.dtype, t.src, t.dst, loads=loads)
@@ -136,7 +139,7 @@ def test_what_plan_many_made_skips_the_youngest_generation_and_an_applications_f
     try:
         gc.enable()
         gc.collect()
-        program = plan_many(_state_dict(3))
+        program = plan_many(_state_dict(3), SLOW)
         # Hundreds of steps and transfers were made, and went to the oldest generation without a pass over them.
         step = program.steps[-1]
         assert len(program.steps) > 300 and gc.get_freeze_count() == 0
@@ -160,7 +163,7 @@ class _Forgetful(dict):
 
 def test_stars_sent_again_are_the_stars_built_anew(monkeypatch):
     decls = _state_dict(4)
-    kept = plan_many(decls)
+    kept = plan_many(decls, SLOW)
     init = Loads.__init__
 
     def forgetful(self, topology):
@@ -168,7 +171,7 @@ def test_stars_sent_again_are_the_stars_built_anew(monkeypatch):
         self._stars = _Forgetful()
 
     monkeypatch.setattr(Loads, "__init__", forgetful)
-    anew = plan_many(decls)
+    anew = plan_many(decls, SLOW)
     assert anew.steps == kept.steps and anew.buckets == kept.buckets and anew.id == kept.id
     shared = {id(s.transfer) for s in kept.steps}
     assert len(shared) < len(kept.steps)  # the case sends some star again

@@ -46,7 +46,9 @@ def _assert_as_json_dumps(program: Program) -> None:
 def test_a_moe_programs_moves_cost_python_calls_per_chunk_and_value_not_per_step():
     train, serve = Mesh.grid({"host": 8, "gpu": 4}, 4, "t"), Mesh.grid({"host": 4, "gpu": 4}, 4, "s")
     case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
-    program = plan_many(case.tensors, Topology.gpu_hosts(nics=4), scales=case.scales)
+    # send/recv: a step per receiver, steps that repeat their values (auto sends this case's small boxes as chains,
+    # a few steps of many values each)
+    program = plan_many(case.tensors, Topology.gpu_hosts(nics=4), scales=case.scales, strategy="send_recv")
     steps = len(program.steps)
     assert steps > _STEPS_PER_CHUNK
     for canonical in (True, False):

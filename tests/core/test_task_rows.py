@@ -9,7 +9,17 @@ import random
 
 from reshard import Mesh, Sharding, Topology
 from reshard.cost import HostCache
-from reshard.strategies import _BULK_FROM, Loads, _chain_order, _emit_chain, _emit_star, plan
+from reshard.strategies import (
+    _BULK_FROM,
+    STEP_S,
+    Loads,
+    _chain_order,
+    _emit_chain,
+    _emit_star,
+    _long_route,
+    _long_routes,
+    plan,
+)
 from reshard.tasks import decompose
 
 
@@ -63,10 +73,18 @@ def test_plans_of_one_layout_hold_the_same_boxes_and_the_plans_of_fresh_loads():
 
 def _plain_best_of_one(box, nbytes, holders, wanting, remote, loads):
     """One holder's choice as `_best_delivery` makes it: the chain routed and scored, the star scored, and the chain
-    on a tie (it comes first in the option order)."""
+    on a tie (it comes first in the option order); a small box (`STEP_S`) goes as the chain, routed as
+    `_long_routes` routes, unless the star leaves a lower peak."""
     (hs, group), = holders.items()
     send = loads.send
     order = sorted(remote, key=lambda h: (send[h], h))
+    if len(remote) > 1 and loads.seconds(hs, nbytes) < STEP_S:
+        route = _long_route(hs, _long_routes(order, loads), loads)
+        delta = {hs: loads.seconds(hs, nbytes), **{h: loads.seconds(h, nbytes) for h in route[:-1]}}
+        star = {hs: loads.seconds(hs, nbytes * len(remote))}
+        if loads.score(star)[0] < loads.score(delta)[0]:
+            return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
+        return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
     route = _chain_order(hs, order, loads)
     delta = {hs: loads.seconds(hs, nbytes), **{h: loads.seconds(h, nbytes) for h in route[:-1]}}
     if len(remote) > 1:
