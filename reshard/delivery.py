@@ -32,7 +32,11 @@ from reshard.errors import InvalidMeshError
 from reshard.routes import HostCache
 from reshard.sharding import Sharding
 
-__all__ = ["delivered", "link_numbers"]
+__all__ = ["delivered", "delivered_in_passes", "link_numbers", "DELIVERIES_PER_PASS"]
+
+# `delivered_in_passes` proves at most this many deliveries (a receiver's copy of a transfer's box) in one numpy
+# pass: a pass holds about 200 bytes a delivery, and a trillion-parameter state dict has 30 million of them.
+DELIVERIES_PER_PASS = 2_000_000
 
 _LINK = attrgetter("sender", "receivers", "method", "route")
 _BOX = attrgetter("box")
@@ -143,6 +147,33 @@ def delivered(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, me
     codes = np.sort(np.concatenate(codes))
     twice = codes[1:][codes[1:] == codes[:-1]]
     ok[twice // num_s // num_q] = False
+    return ok
+
+
+def delivered_in_passes(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, methods: Sequence[str],
+                        hosts: HostCache, per_pass: int = DELIVERIES_PER_PASS) -> np.ndarray:
+    """`delivered`, in passes over runs of consecutive ``decls`` of at most ``per_pass`` deliveries each (a tensor
+    with more has a pass of its own), so that its memory stays bounded whatever the program's size. The verdicts are
+    `delivered`'s: every rule it proves is one tensor's."""
+    n = len(transfers)
+    k = np.asarray(tensor_of, dtype=np.int64).reshape(n)
+    receivers = np.fromiter(map(len, map(attrgetter("receivers"), transfers)), dtype=np.int64, count=n)
+    per_tensor = np.bincount(k, weights=receivers, minlength=len(decls)).astype(np.int64)
+    if int(per_tensor.sum()) <= per_pass:
+        return delivered(decls, k, transfers, methods, hosts)
+    # Cut the tensors where the running count of deliveries crosses a multiple of per_pass.
+    ends = np.cumsum(per_tensor)
+    cuts = np.flatnonzero(np.diff(ends // per_pass)) + 1
+    bounds = [0, *cuts.tolist(), len(decls)]
+    order = np.argsort(k, kind="stable")
+    at = np.searchsorted(k[order], bounds)
+    ok = np.empty(len(decls), dtype=bool)
+    for a, b, lo, hi in zip(bounds, bounds[1:], at, at[1:]):
+        if a == b:
+            continue
+        moves = order[lo:hi]
+        ok[a:b] = delivered(decls[a:b], k[moves] - a, list(map(transfers.__getitem__, moves.tolist())), methods,
+                            hosts)
     return ok
 
 

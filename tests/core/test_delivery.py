@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Program, Sharding, TensorDecl
-from reshard.delivery import delivered
+from reshard.delivery import delivered, delivered_in_passes
 from reshard.errors import PlanValidationError
 from reshard.many import plan_many
 from reshard.plans import METHODS, Transfer, check_delivery
@@ -172,3 +172,17 @@ def test_a_tensor_without_moves_is_left_to_check_delivery():
     with pytest.raises(PlanValidationError, match="misses"):
         bad.validate()
     assert np.all([v for n, v in _proof(bad).items() if n != "bias"])
+
+
+@pytest.mark.parametrize("per_pass", [1, 7, 40, 10**9])
+@pytest.mark.parametrize("case, edit", [(c[0], c[1]) for c in BAD] + [("valid", lambda p: list(p.steps))],
+                         ids=[c[0] for c in BAD] + ["valid"])
+def test_passes_of_bounded_deliveries_prove_what_one_pass_proves(case, edit, per_pass):
+    # A pass per tensor or two (1, 7), a few (40), one (10**9): the same verdicts, and validate raises the same.
+    program = _program()
+    bad = _with(program, edit(program))
+    reshard = list(bad.tensors)
+    at = {t.name: k for k, t in enumerate(reshard)}
+    tensor_of, transfers = [at[s.tensor] for s in bad.steps], [s.transfer for s in bad.steps]
+    one = delivered(reshard, tensor_of, transfers, METHODS, HostCache())
+    assert delivered_in_passes(reshard, tensor_of, transfers, METHODS, HostCache(), per_pass).tolist() == one.tolist()
