@@ -392,37 +392,42 @@ def _chain_order(sender: str, order: list[str], loads: Loads) -> list[str]:
 
 
 def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]]:
-    """Routes for a chain over more than `_GREEDY_ROUTE` hosts (``order``: sorted by send load, then name), each
-    with the bytes planned so far over its hops: the most loaded host last, as `_chain_order` puts it, and the
-    others in load order taken at a stride, for the first `_STRIDES` strides coprime to their number. Routes of
-    coprime strides share no hop, so chains over the same hosts spread over distinct pairs, as `_chain_order`
-    seeks, in time linear in the hosts where its search grows with their cube."""
-    *rest, last = order
-    n = len(rest)
+    """Routes for a chain over more than `_GREEDY_ROUTE` hosts, or of a small box (``order``: sorted by send load,
+    then name), each with the bytes planned so far over its hops: the most loaded host last, as `_chain_order` puts
+    it, and the others in load order taken at a stride, for the first `_STRIDES` strides coprime to their number
+    (`_strided_routes`). Routes of coprime strides share no hop, so chains over the same hosts spread over distinct
+    pairs, as `_chain_order` seeks, in time linear in the hosts where its search grows with their cube. Callers
+    must not change the routes."""
     pairs = loads.pairs
     within = set(order)
     if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in order):
         # No bytes planned between these hosts: every stride's hops cost nothing, and all start at rest[0].
         return [(0.0, order)]
     out = []
-    for stride in range(1, n + 1):
-        if len(out) == _STRIDES or out and out[0][0] == 0.0:
+    for route, hops in _strided_routes(tuple(order)):
+        if out and out[0][0] == 0.0:
             # Every route starts at rest[0], so the cheapest hops win, the smaller stride on a tie: none beats 0.
             break
-        if math.gcd(stride, n) != 1:
-            continue
-        route = list(map(rest.__getitem__, _strided(n, stride)))
-        route.append(last)
         # 0.0 plus each hop's bytes in route order, as a loop would add them, without a Python step per hop.
-        cost = reduce(add, map(pairs.get, zip(route, route[1:]), repeat(0.0)), 0.0)
-        out.append((cost, route))
+        out.append((reduce(add, map(pairs.get, hops, repeat(0.0)), 0.0), route))
     return out
 
 
-@lru_cache(maxsize=256)
-def _strided(n: int, stride: int) -> tuple[int, ...]:
-    """0..n-1 taken at ``stride``, modulo ``n``: the positions of a `_long_routes` route."""
-    return tuple(i * stride % n for i in range(n))
+@lru_cache(maxsize=4096)
+def _strided_routes(order: tuple[str, ...]) -> tuple[tuple[list[str], tuple[tuple[str, str], ...]], ...]:
+    """The routes `_long_routes` weighs for ``order``, with their hops: the hosts but the last taken at each of the
+    first `_STRIDES` strides coprime to their number, then the last. Kept: a state dict's chains go over the same
+    hosts in a few orders again and again. Callers must not change the routes."""
+    *rest, last = order
+    n = len(rest)
+    out = []
+    for stride in range(1, n + 1):
+        if len(out) == _STRIDES:
+            break
+        if math.gcd(stride, n) == 1:
+            route = [rest[i * stride % n] for i in range(n)] + [last]
+            out.append((route, tuple(zip(route, route[1:]))))
+    return tuple(out)
 
 
 def _long_route(sender: str, routes: list[tuple[float, list[str]]], loads: Loads) -> list[str]:
