@@ -203,6 +203,8 @@ class Loads:
         self._bandwidth_tuples: dict[tuple[str, ...], tuple[float, ...]] = {}
         # The transfers of the stars planned so far (`_emit_star`), by box, sender and receiving groups.
         self._stars: dict[tuple, tuple] = {}
+        # The receivers and route of the chains planned so far (`_emit_chain`), by receiving groups and route.
+        self._chains: dict[tuple, tuple] = {}
         self._unit_tasks: dict[tuple, UnitTasks] = {}
         self._task_rows: dict[int, tuple] = {}  # id(tasks) -> (tasks, *task_rows(tasks))
 
@@ -817,10 +819,18 @@ def _stripes(box, k: int) -> tuple[tuple[tuple, int], ...]:
 def _emit_chain(box, hs, sender, route, nbytes, wanting, loads: Loads, delta) -> list[Transfer]:
     loads.add_send(delta)
     loads.add_path(hs, route, nbytes)
-    receivers = tuple(chain.from_iterable(wanting[h] for h in route))
+    # The chains of a state dict go over the same hosts in a few routes again and again: each (receivers, route)
+    # is made once and shared by every transfer that takes it (a Kimi-K2-like one has a million chains and a
+    # thousand distinct receiver tuples, each of up to 128 devices). Keyed by the groups' identity, and kept with
+    # them so that it stays theirs.
+    key = (id(wanting), tuple(route))
+    made = loads._chains.get(key)
+    if made is None or made[0] is not wanting:
+        made = loads._chains[key] = (wanting, tuple(chain.from_iterable(wanting[h] for h in route)), key[1])
+    _, receivers, route = made
     if len(receivers) == 1:
         return [Transfer(box, sender, receivers, "p2p")]
-    return [Transfer(box, sender, receivers, "broadcast", 0, tuple(route))]
+    return [Transfer(box, sender, receivers, "broadcast", 0, route)]
 
 
 def _emit_star(box, hs, sender, remote, nbytes, wanting, loads: Loads, delta) -> Sequence[Transfer]:
