@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.kernels import KERNELS, KernelShapeError
+from reshard.server.agent import kernels as agent_kernels
 from reshard.server.agent.kernels import KERNELS as AGENT_KERNELS
 
 # The finite float8_e4m3fn values in code order 0..0x7E (0x7F is NaN): e4m3 with bias 7, subnormals below 2**-6.
@@ -90,9 +91,22 @@ def matrices(draw):
         return float32_to_bfloat16(x.astype(np.float32)), block
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.fixture(params=["numpy", "torch"])
+def cast(request, monkeypatch):
+    """The CPU cast a host tile's quantize takes: numpy's passes, or torch's cast where torch is loaded."""
+    if request.param == "torch":
+        torch = pytest.importorskip("torch")
+        monkeypatch.setattr(agent_kernels, "_loaded_torch", lambda: torch)
+    else:
+        monkeypatch.setattr(agent_kernels, "_loaded_torch", lambda: None)
+    return request.param
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(matrices())
-def test_the_kernels_give_the_reference_quantizers_bits(case):
+def test_the_kernels_give_the_reference_quantizers_bits(cast, case):
+    # the fixture's patch is the same for every example
     bits, block = case
     codes, scales = reference(bfloat16_to_float32(bits), block)
     np.testing.assert_array_equal(_run("fp8_quantize", bits, block), codes)
@@ -179,3 +193,23 @@ def test_the_shape_rules_and_their_refusals():
                                                r"128 block, so its scales are \(3, 2\) \(fp8_scales of x\); got "
                                                r"\(2, 2\)$"):
         scaled(((300, 129), (2, 2)), {})
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(0, 300), st.sampled_from([0.0, 0.05, 0.5]))
+def test_torchs_cpu_cast_gives_the_numpy_passes_bits(seed, n, special):
+    # Every float32 exponent from subnormal to past 448, values on the e4m3fn ties and past its range, and the
+    # specials: the two casts agree bit for bit, and NaNs take the input's sign bit, not the quotient's.
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(seed)
+    x = rng.choice([-1.0, 1.0], n) * rng.uniform(1, 2, n) * 2.0 ** rng.integers(-30, 12, n)
+    ties = rng.random(n) < 0.2
+    x[ties] = rng.choice([-1.0, 1.0], ties.sum()) * (E4M3[rng.integers(0, 0x7E, ties.sum())] +
+                                                      E4M3[rng.integers(1, 0x7F, ties.sum())]) / 2
+    odd = rng.random(n) < special
+    x[odd] = rng.choice([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 448.0, 464.0, -465.0, 2.0**-10], odd.sum())
+    values = x.astype(np.float32)
+    # the input the values were divided from (by positive scales): its signs are theirs, but a NaN's may differ
+    signs = np.where(np.isnan(values) & (rng.random(n) < 0.5), -values, values)
+    want = agent_kernels._e4m3_numpy(values.copy(), signs)
+    np.testing.assert_array_equal(agent_kernels._e4m3_torch(values.copy(), signs, torch), want)
