@@ -85,8 +85,7 @@ def measure(c, n: int) -> dict:
     if bad:
         raise AssertionError(f"after the reshard_many back, {len(bad)} tensors read back different from what was "
                              f"put, {bad[:3]} first")
-    for name in tensors:
-        c.delete(name)
+    c.delete_many(list(tensors))
     return out
 
 

@@ -957,6 +957,14 @@ class Client(FrameworkAdapters):
         through the pin until released."""
         self._planner_call("DeleteTensor", pb.TensorRequest(name=name))
 
+    def delete_many(self, names: Sequence[str]) -> None:
+        """`delete` of every one of ``names`` in one call, their versions freed with one call per host: all of them,
+        or none where one is unknown, named twice or in a queued or running job (the error names it)."""
+        if isinstance(names, str):
+            raise InvalidArgumentError(f"delete_many takes a list of tensor names; got the string {names!r} (use "
+                                       f"[{names!r}])")
+        self._planner_call("DeleteTensors", pb.DeleteTensorsRequest(names=list(names)))
+
     # -- versions ------------------------------------------------------------------------------
 
     def pin(self, names: Optional[Sequence[str]] = None, *, step: Optional[int] = None) -> Pin:

@@ -752,6 +752,11 @@ class PlannerStub:
                 request_serializer=reshard__pb2.TensorRequest.SerializeToString,
                 response_deserializer=reshard__pb2.Empty.FromString,
                 _registered_method=True)
+        self.DeleteTensors = channel.unary_unary(
+                '/reshard.v1.Planner/DeleteTensors',
+                request_serializer=reshard__pb2.DeleteTensorsRequest.SerializeToString,
+                response_deserializer=reshard__pb2.Empty.FromString,
+                _registered_method=True)
         self.Plan = channel.unary_unary(
                 '/reshard.v1.Planner/Plan',
                 request_serializer=reshard__pb2.PlanRequest.SerializeToString,
@@ -870,6 +875,12 @@ class PlannerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteTensor(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteTensors(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1002,6 +1013,11 @@ def add_PlannerServicer_to_server(servicer, server):
             'DeleteTensor': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteTensor,
                     request_deserializer=reshard__pb2.TensorRequest.FromString,
+                    response_serializer=reshard__pb2.Empty.SerializeToString,
+            ),
+            'DeleteTensors': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteTensors,
+                    request_deserializer=reshard__pb2.DeleteTensorsRequest.FromString,
                     response_serializer=reshard__pb2.Empty.SerializeToString,
             ),
             'Plan': grpc.unary_unary_rpc_method_handler(
@@ -1290,6 +1306,33 @@ class Planner:
             target,
             '/reshard.v1.Planner/DeleteTensor',
             reshard__pb2.TensorRequest.SerializeToString,
+            reshard__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteTensors(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/DeleteTensors',
+            reshard__pb2.DeleteTensorsRequest.SerializeToString,
             reshard__pb2.Empty.FromString,
             options,
             channel_credentials,

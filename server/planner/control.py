@@ -510,12 +510,39 @@ class Planner:
         return self.catalog.list()
 
     def delete(self, name: str) -> None:
-        if self.jobs.busy(name):
-            raise FailedPreconditionError(f"tensor {name!r} has a reshard job queued or running; wait for it first")
-        _, freed = self.catalog.delete(name)  # with its base pair; a version a pin holds stays readable through it
-        self.store.delete_tensor(name)
-        if freed:
-            self.jobs.release(*freed)  # best effort: the catalog entry is gone; memory is reclaimed on restart
+        self.delete_many([name])
+
+    def delete_many(self, names: list[str]) -> None:
+        """Take ``names`` out of the catalog, each with its base pair (a version a pin holds stays readable through
+        it), and free their versions with one call per host, not one per tensor (a state dict deleted name by name
+        cost 4 ms a tensor, all of it in its hosts' release calls). All or none: an unknown name, one named twice,
+        or one in a queued or running job is refused before any is deleted."""
+        seen: set[str] = set()
+        for name in names:
+            if name in seen:
+                raise InvalidArgumentError(f"tensor {name!r} is named twice in one delete")
+            seen.add(name)
+        none = f" (none of the {len(names)} was deleted)" if len(names) > 1 else ""
+        if len(names) > 1:  # one name: the catalog's own refusal says it
+            missing = next((n for n in names if not self.catalog.contains(n)), None)
+            if missing is not None:
+                raise NotFoundError(f"no tensor named {missing!r} to delete{none}")
+        busy = self.jobs.busy_of(seen)
+        if busy:
+            first = next(n for n in names if n in busy)
+            raise FailedPreconditionError(f"tensor {first!r} has a reshard job queued or running; wait for it first"
+                                          f"{none}")
+        freed: list = []
+        gone: list[str] = []
+        try:
+            for name in names:
+                freed += self.catalog.delete(name)[1]
+                gone.append(name)
+        finally:  # a name another caller deleted meanwhile ends the loop: what was deleted stays deleted and freed
+            if gone:
+                self.store.delete_tensors(gone)
+            if freed:
+                self.jobs.release(*freed)  # best effort: the entries are gone; memory is reclaimed on restart
 
     # -- planning and jobs -------------------------------------------------------------------------
 

@@ -455,9 +455,14 @@ class JobRunner:
             return self._delta_moved[0], self._delta_moved[1]
 
     def busy(self, tensor: str) -> bool:
+        return bool(self.busy_of({tensor}))
+
+    def busy_of(self, names: set[str]) -> set[str]:
+        """Which of ``names`` a queued or running job names. The state first: the jobs kept are mostly finished, and
+        a reshard_many names thousands of tensors."""
         with self._lock:
-            return any(tensor in (j.tensor, *j.inputs, *j.outputs) and j.state in ("queued", "running")
-                       for j in self._jobs.values())
+            active = [j for j in self._jobs.values() if j.state in ("queued", "running")]
+            return {n for j in active for n in (j.tensor, *j.inputs, *j.outputs) if n in names}
 
     # -- running ------------------------------------------------------------------------
 

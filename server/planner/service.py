@@ -372,6 +372,11 @@ class PlannerServicer(pb_grpc.PlannerServicer):
         return pb.Empty()
 
     @servicer_method
+    def DeleteTensors(self, request, context):
+        self.planner.delete_many(list(request.names))
+        return pb.Empty()
+
+    @servicer_method
     def Plan(self, request, context):
         _, text = self.planner.dry_plan_json(request.name, tuple(request.shape), request.dtype, request.src_json,
                                              request.dst_json, request.strategy)

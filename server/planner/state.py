@@ -53,7 +53,13 @@ class StateStore:
             self._db.commit()
 
     def delete_tensor(self, name: str) -> None:
-        self._write("DELETE FROM tensors WHERE name = ?", (name,))
+        self.delete_tensors([name])
+
+    def delete_tensors(self, names: list[str]) -> None:
+        """The documents of ``names``, in one transaction."""
+        with self._lock:
+            self._db.executemany("DELETE FROM tensors WHERE name = ?", [(n,) for n in names])
+            self._db.commit()
 
     def tensors(self) -> list[dict]:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM tensors ORDER BY name")]

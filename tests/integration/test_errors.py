@@ -109,3 +109,41 @@ def test_mesh_on_a_host_that_is_down(client, tensor):
     with pytest.raises(FailedPreconditionError, match="host 'ghost' is down"):
         client.put("onghost", A, dst)
     _untouched(client, tensor)
+
+
+def _held(client) -> dict[str, int]:
+    """Every agent's shard bytes, once its heartbeats (every second) have reported the same twice running."""
+    seen = None
+    while True:
+        now = {a["host"]: a["memory_used_bytes"] for a in client.agents()}
+        if now == seen:
+            return now
+        seen = now
+        time.sleep(1.2)
+
+
+def test_delete_many_deletes_every_name_and_frees_their_tiles(client, fresh_name):
+    names = [f"{fresh_name}.{i}" for i in range(3)]
+    big = np.ones((1024, 256), dtype=np.float32)  # 1 MiB a tensor, 256 KiB a device
+    before = _held(client)
+    client.put_many({n: (big * i, SRC) for i, n in enumerate(names)})
+    grown = _held(client)
+    assert sum(grown.values()) - sum(before.values()) >= 3 * big.nbytes
+    client.delete_many(names)
+    assert not {t.name for t in client.tensors()} & set(names)
+    for n in names:
+        with pytest.raises(NotFoundError, match=f"no tensor named '{n}'"):
+            client.get(n)
+    assert sum(_held(client).values()) <= sum(before.values())
+    client.delete_many([])  # nothing to do
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (lambda t: [t, "nope"], NotFoundError, r"no tensor named 'nope' to delete \(none of the 2 was deleted\)"),
+    (lambda t: [t, t], InvalidArgumentError, r"tensor '.*' is named twice in one delete"),
+    (lambda t: t, InvalidArgumentError, r"delete_many takes a list of tensor names; got the string"),
+])
+def test_delete_many_refuses_bad_names_and_deletes_none(client, tensor, bad, error, message):
+    with pytest.raises(error, match=message):
+        client.delete_many(bad(tensor))
+    _untouched(client, tensor)

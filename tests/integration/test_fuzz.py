@@ -81,7 +81,8 @@ MESH = Mesh.from_hosts({"x": 2, "y": 2}, HOSTS, DEVICES_PER_HOST)
 KEPT = "fuzz_kept"  # stored before the run; no call may change it
 VICTIM = "fuzz_victim"  # calls may reshard or delete it, to reach the code behind a known name
 KEPT_ARRAY = np.arange(56, dtype=np.float32).reshape(8, 7) / 7
-CHANGES_A_TENSOR = {"DeleteTensor", "Reshard", "ReshardMany"}  # the planner methods that would change KEPT by its name
+# the planner methods that would change KEPT by its name
+CHANGES_A_TENSOR = {"DeleteTensor", "DeleteTensors", "Reshard", "ReshardMany"}
 
 SERVICES = {name: pb.DESCRIPTOR.services_by_name[name] for name in ("Planner", "Agent")}
 METHODS = [(service, method) for service, d in SERVICES.items() for method in d.methods_by_name]
@@ -169,7 +170,7 @@ def _scalar(field: FieldDescriptor, method: str) -> st.SearchStrategy:
     if field.type == FieldDescriptor.TYPE_BYTES:
         return st.one_of(st.sampled_from(POOLS[field.name]), _BYTES) if field.name in POOLS else _BYTES
     pool = POOLS.get(field.name)
-    if pool and method in CHANGES_A_TENSOR and field.name == "name":
+    if pool and method in CHANGES_A_TENSOR and field.name in ("name", "names"):
         pool = [n for n in pool if n != KEPT]
     return st.one_of(st.sampled_from(pool), st.sampled_from(pool), _TEXT) if pool else _TEXT
 
@@ -236,6 +237,7 @@ TEMPLATES = {
                                          kind="numpy"),
     "GetTensor": pb.TensorRequest(name=KEPT),
     "DeleteTensor": pb.TensorRequest(name=VICTIM),
+    "DeleteTensors": pb.DeleteTensorsRequest(names=[VICTIM]),
     "Plan": pb.PlanRequest(shape=[8, 7], dtype="float32", src_json=GOOD_SHARDING, dst_json=OTHER_SHARDING,
                            strategy="auto"),
     "Reshard": pb.ReshardRequest(name=VICTIM, dst_json=OTHER_SHARDING, strategy="auto"),
