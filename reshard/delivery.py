@@ -32,7 +32,7 @@ from reshard.errors import InvalidMeshError
 from reshard.routes import HostCache
 from reshard.sharding import Sharding
 
-__all__ = ["delivered", "delivered_in_passes", "link_numbers", "DELIVERIES_PER_PASS"]
+__all__ = ["delivered", "delivered_in_passes", "delivered_by_pattern", "link_numbers", "DELIVERIES_PER_PASS"]
 
 # `delivered_in_passes` proves at most this many deliveries (a receiver's copy of a transfer's box) in one numpy
 # pass: a pass holds about 200 bytes a delivery, and a trillion-parameter state dict has 30 million of them.
@@ -175,6 +175,64 @@ def delivered_in_passes(decls: Sequence, tensor_of: Sequence[int], transfers: Se
         ok[a:b] = delivered(decls[a:b], k[moves] - a, list(map(transfers.__getitem__, moves.tolist())), methods,
                             hosts)
     return ok
+
+
+def delivered_by_pattern(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, methods: Sequence[str],
+                         hosts: HostCache, per_pass: int = DELIVERIES_PER_PASS) -> np.ndarray:
+    """`delivered`, proving each distinct pattern of moves once: a state dict repeats a few layouts over many tensors
+    (a Kimi-K2-like one 152 over 139,583), moved alike. Two tensors of one (shape, source, destination) whose moves
+    are the same (box, set of receivers, sender) triples get the same verdicts from every per-piece rule: the
+    pieces a move makes are its box for each of its receivers, a receiver twice or the sender among them breaks a
+    link rule, and every other rule reads only the box, the receivers and the sender's and receivers' tiles. So the
+    pieces of one tensor of each pattern are proved (`delivered_in_passes`), and the link rules of every transfer
+    (`_link_ok`, once per distinct link); a tensor is proved when its pattern's is and all its links are."""
+    n = len(transfers)
+    k = np.asarray(tensor_of, dtype=np.int64).reshape(n)
+    num = len(decls)
+    # one number per distinct (box, set of receivers, sender), each tensor's sorted: its moves as bytes
+    triple = np.zeros(n, dtype=np.int64)
+    for number in (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(transfers),
+                   _numbered(list(map(attrgetter("sender"), transfers)))[0]):
+        triple = np.unique(triple * (int(number.max(initial=0)) + 1) + number, return_inverse=True)[1].reshape(-1)
+    order = np.lexsort((triple, k))
+    moved = triple[order]
+    bounds = np.searchsorted(k[order], np.arange(num + 1)).tolist()
+    pattern = np.empty(num, dtype=np.int64)
+    first: dict = {}
+    for i, d in enumerate(decls):
+        try:
+            key = (d.shape, d.src, d.dst, moved[bounds[i]:bounds[i + 1]].tobytes())
+            pattern[i] = first.setdefault(key, i)
+        except TypeError:  # an unhashable field (a bad program's): a pattern of its own
+            pattern[i] = i
+    chosen = np.flatnonzero(pattern == np.arange(num))
+    if len(chosen) == num:
+        return delivered_in_passes(decls, k, transfers, methods, hosts, per_pass)
+    local = np.full(num, -1, dtype=np.int64)
+    local[chosen] = np.arange(len(chosen))
+    moves = np.flatnonzero(local[k] >= 0)
+    proved = delivered_in_passes([decls[i] for i in chosen.tolist()], local[k[moves]],
+                                 list(map(transfers.__getitem__, moves.tolist())), methods, hosts, per_pass)
+    ok = proved[local[pattern]]
+    # every transfer's link rules, once per distinct link
+    unique, link = np.unique(_link_codes(_parts(transfers), n), return_index=True, return_inverse=True)[1:]
+    link_ok = np.array([_link_ok(_LINK(transfers[i]), methods, hosts) for i in unique.tolist()], dtype=bool)
+    ok[k[~link_ok.reshape(-1)[link.reshape(-1)]]] = False
+    return ok
+
+
+def _receiver_sets(transfers: Sequence) -> np.ndarray:
+    """Per transfer, a number that two transfers share exactly when their receivers are the same set (by value;
+    a receivers value that cannot be sorted is its own)."""
+    number, distinct = _numbered(list(map(attrgetter("receivers"), transfers)))
+    sets: dict = {}
+    of_value = []
+    for r in distinct:
+        try:
+            of_value.append(sets.setdefault(tuple(sorted(r)), len(sets)))
+        except TypeError:
+            of_value.append(sets.setdefault(("unsortable", len(sets)), len(sets)))
+    return np.array(of_value, dtype=np.int64).reshape(-1)[number] if len(number) else number
 
 
 def link_numbers(transfers: Sequence) -> np.ndarray:

@@ -75,7 +75,7 @@ from typing import TYPE_CHECKING, Optional
 
 from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, flow_totals, move_phase_loads, reduce_rounds, transfer_flows
-from reshard.delivery import delivered_in_passes
+from reshard.delivery import delivered_by_pattern
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, PlanValidationError
 from reshard.jsonio import brief, field_of, loads, need, quoted
@@ -1138,7 +1138,7 @@ class Program(ContentAddressed):
                     if tensor in read_back:
                         produced[(dev, tensor)].append((s.id, role, b))
         steps = self.steps
-        proven = delivered_in_passes(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts)
+        proven = delivered_by_pattern(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts)
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
         if not proven.all():

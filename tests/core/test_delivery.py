@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Program, Sharding, TensorDecl
-from reshard.delivery import delivered, delivered_in_passes
+from reshard.delivery import delivered, delivered_by_pattern, delivered_in_passes
 from reshard.errors import PlanValidationError
 from reshard.many import plan_many
 from reshard.plans import METHODS, Transfer, check_delivery
@@ -186,3 +186,64 @@ def test_passes_of_bounded_deliveries_prove_what_one_pass_proves(case, edit, per
     tensor_of, transfers = [at[s.tensor] for s in bad.steps], [s.transfer for s in bad.steps]
     one = delivered(reshard, tensor_of, transfers, METHODS, HostCache())
     assert delivered_in_passes(reshard, tensor_of, transfers, METHODS, HostCache(), per_pass).tolist() == one.tolist()
+
+
+def _copies(n: int) -> Program:
+    """``_decls()`` ``n`` times over (``name#i``): tensors of one layout each, moved alike where the planner's loads
+    allow (a state dict's layers)."""
+    decls = [replace(d, name=f"{d.name}#{i}") for i in range(n) for d in _decls()]
+    many = plan_many(decls, bucket_bytes=0)
+    return Program(tensors=many.tensors, steps=many.steps)
+
+
+def _verdicts(program: Program, prove) -> list[bool]:
+    reshard = list(program.tensors)
+    at = {t.name: k for k, t in enumerate(reshard)}
+    return prove(reshard, [at[s.tensor] for s in program.steps], [s.transfer for s in program.steps], METHODS,
+                 HostCache()).tolist()
+
+
+COPY_EDITS = [  # (case, edit, the tensor it breaks)
+    ("repeated receiver", _change("qkv#3", "p2p", receivers=("i0/0", "i0/0")), "qkv#3"),
+    ("sender receives", _change("flip#3", "local", receivers=("t0/0",), sender="t0/0"), "flip#3"),
+    ("p2p with a route", _change("qkv#3", "p2p", route=("i0",)), "qkv#3"),
+    ("wrong route", _change("embed#3", "broadcast", route=("i3",)), "embed#3"),
+    ("not a destination device", _change("qkv#3", "p2p", receivers=("t3/1",)), "qkv#3"),
+    ("sender lacks the box", _change("qkv#3", "p2p", sender="t3/1"), "qkv#3"),
+    ("missing piece", _drop("embed#3"), "embed#3"),
+    ("piece twice", _twice("qkv#3"), "qkv#3"),
+    ("valid", lambda p: list(p.steps), None),
+]
+
+
+@pytest.mark.parametrize("case, edit, broken", COPY_EDITS, ids=[c[0] for c in COPY_EDITS])
+def test_proving_each_pattern_once_gives_every_tensors_verdict(case, edit, broken):
+    # Five copies of each tensor: the copies share patterns, so one of each is proved; an edit to one copy makes
+    # it a pattern of its own (or breaks a link rule, checked for every transfer), and only it fails.
+    program = _copies(5)
+    bad = _with(program, edit(program))
+    got = _verdicts(bad, delivered_by_pattern)
+    assert got == _verdicts(bad, delivered)
+    assert [t.name for t, good in zip(bad.tensors, got) if not good] == ([broken] if broken else [])
+    if broken is None:
+        bad.validate()
+    else:
+        with pytest.raises(PlanValidationError):
+            bad.validate()
+
+
+def test_copies_of_a_layout_share_their_patterns(monkeypatch):
+    # what makes proving each pattern once pay: the 30 tensors' moves fall into fewer patterns, one tensor of each
+    # proved
+    import reshard.delivery as module
+
+    program = _copies(5)
+    proved = []
+
+    def counting(decls, *args, **kw):
+        proved.append(len(decls))
+        return delivered_in_passes(decls, *args, **kw)
+
+    monkeypatch.setattr(module, "delivered_in_passes", counting)
+    assert all(_verdicts(program, delivered_by_pattern))
+    assert proved and proved[0] < len(program.tensors)
