@@ -189,10 +189,10 @@ def delivered_by_pattern(decls: Sequence, tensor_of: Sequence[int], transfers: S
     n = len(transfers)
     k = np.asarray(tensor_of, dtype=np.int64).reshape(n)
     num = len(decls)
+    parts = _parts(transfers)  # (sender, receivers, method, route), each numbered by value
     # one number per distinct (box, set of receivers, sender), each tensor's sorted: its moves as bytes
     triple = np.zeros(n, dtype=np.int64)
-    for number in (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(transfers),
-                   _numbered(list(map(attrgetter("sender"), transfers)))[0]):
+    for number in (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(*parts[1]), parts[0][0]):
         triple = np.unique(triple * (int(number.max(initial=0)) + 1) + number, return_inverse=True)[1].reshape(-1)
     order = np.lexsort((triple, k))
     moved = triple[order]
@@ -215,16 +215,15 @@ def delivered_by_pattern(decls: Sequence, tensor_of: Sequence[int], transfers: S
                                  list(map(transfers.__getitem__, moves.tolist())), methods, hosts, per_pass)
     ok = proved[local[pattern]]
     # every transfer's link rules, once per distinct link
-    unique, link = np.unique(_link_codes(_parts(transfers), n), return_index=True, return_inverse=True)[1:]
+    unique, link = np.unique(_link_codes(parts, n), return_index=True, return_inverse=True)[1:]
     link_ok = np.array([_link_ok(_LINK(transfers[i]), methods, hosts) for i in unique.tolist()], dtype=bool)
     ok[k[~link_ok.reshape(-1)[link.reshape(-1)]]] = False
     return ok
 
 
-def _receiver_sets(transfers: Sequence) -> np.ndarray:
-    """Per transfer, a number that two transfers share exactly when their receivers are the same set (by value;
-    a receivers value that cannot be sorted is its own)."""
-    number, distinct = _numbered(list(map(attrgetter("receivers"), transfers)))
+def _receiver_sets(number: np.ndarray, distinct: list) -> np.ndarray:
+    """Per transfer, a number that two transfers share exactly when their receivers are the same set, from the
+    transfers' receivers numbered by value (`_numbered`; a value that cannot be sorted is its own)."""
     sets: dict = {}
     of_value = []
     for r in distinct:
