@@ -237,7 +237,7 @@ def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]], depths:
     members = np.fromiter(chain.from_iterable(buckets), dtype=np.int64, count=int(size.sum()))
     if (size < 2).any() or (members < 0).any() or (members >= len(steps)).any():
         return False
-    if len(np.unique(members)) != len(members):
+    if np.bincount(members, minlength=len(steps)).max(initial=0) > 1:  # a step in two buckets, or twice in one
         return False
     moves = list(map(steps.__getitem__, members.tolist()))
     if not all(map((MOVE, SRC).__eq__, map(attrgetter("kind", "role"), moves))):
@@ -246,8 +246,16 @@ def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]], depths:
     depth = np.fromiter(map(depths.__getitem__, members.tolist()), dtype=np.int64, count=len(members))
     if not (depth == np.repeat(depth[firsts], size)).all():
         return False
-    # Each member's (sender, receivers, method, route), numbered by value, is its bucket's first member's.
-    path = link_numbers(list(map(attrgetter("transfer"), moves)))
+    # Each member's (sender, receivers, method, route) is its bucket's first member's: the very objects (the planner
+    # shares them between a bucket's moves), else numbered by value.
+    transfers = list(map(attrgetter("transfer"), moves))
+    same = np.ones(len(members), dtype=bool)
+    for part in ("sender", "receivers", "method", "route"):
+        ids = np.fromiter(map(id, map(attrgetter(part), transfers)), dtype=np.int64, count=len(members))
+        same &= ids == np.repeat(ids[firsts], size)
+    if same.all():
+        return True
+    path = link_numbers(transfers)
     return bool((path == np.repeat(path[firsts], size)).all())
 
 
