@@ -70,8 +70,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_
+from operator import attrgetter, is_, not_
 from typing import TYPE_CHECKING, Optional
+
+import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, flow_totals, move_phase_loads, reduce_rounds, transfer_flows
@@ -905,6 +907,9 @@ class Program(ContentAddressed):
         if self.__dict__.get("_graph_checked"):
             return
         n = len(self.steps)
+        if self._graph_columns_ok(n):
+            object.__setattr__(self, "_graph_checked", True)
+            return
         for i, s in enumerate(self.steps):
             if s.id != i:
                 raise PlanValidationError(
@@ -931,6 +936,19 @@ class Program(ContentAddressed):
                         f"step {s} depends on the later steps {later}; list every step after the steps it depends on"
                     )
         object.__setattr__(self, "_graph_checked", True)  # not a field, as ``_valid``
+
+    def _graph_columns_ok(self, n: int) -> bool:
+        """Whether every id is its position and every ``after`` an earlier step, checked as columns (a state dict's
+        hundreds of thousands of steps); False leaves the verdict, and the message, to `_check_graph`'s loop."""
+        try:
+            ids = np.fromiter(map(_step_id, self.steps), dtype=np.int64, count=n)
+            afters = list(map(_step_after, self.steps))
+            lens = np.fromiter(map(len, afters), dtype=np.int64, count=n)
+            flat = np.fromiter(chain.from_iterable(afters), dtype=np.int64, count=int(lens.sum()))
+        except (TypeError, ValueError, OverflowError):
+            return False
+        return bool((ids == np.arange(n)).all() and (flat >= 0).all()
+                    and (flat < np.repeat(np.arange(n), lens)).all())
 
     def _find_cycle(self) -> list[int]:
         state = [0] * len(self.steps)  # 0 unseen, 1 on the current path, 2 done
@@ -1073,7 +1091,9 @@ class Program(ContentAddressed):
         return text
 
     def _validate(self) -> None:
-        ancestors = self._ancestors
+        # The graph's rules now; its ancestor sets (`_ancestors`) only where a check reads what earlier steps wrote
+        # (a state dict's moves read their source tiles only, and 400,000 steps' sets take a quarter second).
+        self._check_graph()
         hosts = HostCache()
         produced: dict[tuple[str, str], list[tuple[int, str, Box]]] = defaultdict(list)
         # A state dict repeats a few layouts over many tensors: each (sharding, shape) pair's tiles are made once.
@@ -1105,7 +1125,7 @@ class Program(ContentAddressed):
             pieces = []
             found = produced.get((device, tensor), ())
             if found:
-                lo, bits = ancestors.of(i)
+                lo, bits = self._ancestors.of(i)
                 for j, r, b in found:
                     if role in (None, r) and j >= lo and bits >> (j - lo) & 1:
                         if boxes.contains(b, box):
@@ -1114,9 +1134,19 @@ class Program(ContentAddressed):
             # Several boxes together (the moved pieces of a tile): the runtime assembles them.
             return not boxes.uncovered(box, pieces + ([tile] if role in (None, SRC) and tile is not None else []))
 
-        for s in self.steps:
+        # The usual move (a state dict's are all of this kind): a reshard tensor's, from its source tile, of a
+        # tensor no check reads back and no addend. Nothing below reads what such a move writes (`holds` looks only
+        # at ``read_back``'s tensors), so these are only listed, in one pass; every other step is checked in order.
+        plain = {t.name for t in reshard if t.name not in addends and t.name not in read_back}
+        steps = self.steps
+        tensors = list(map(_step_tensor, steps))
+        is_plain = [k == MOVE and r == SRC and t in plain
+                    for k, t, r in zip(map(_step_kind, steps), tensors, map(_step_role, steps))]
+        move_step += compress(range(len(steps)), is_plain)
+        move_tensor += map(position.__getitem__, compress(tensors, is_plain))
+        listed = len(move_step)
+        for s in compress(steps, map(not_, is_plain)):
             if s.kind == MOVE:
-                # The usual move (a state dict's are all of this kind) costs two lookups and two appends here.
                 decl = by_name.get(s.tensor)
                 if decl is None:
                     decl = self._declared(_StepWhere(s), s.tensor)
@@ -1137,7 +1167,8 @@ class Program(ContentAddressed):
                 for dev, tensor, role, b in s.produces():
                     if tensor in read_back:
                         produced[(dev, tensor)].append((s.id, role, b))
-        steps = self.steps
+        if listed < len(move_step):  # moves listed above and in the loop: in step order, as one pass lists them
+            move_step, move_tensor = (list(c) for c in zip(*sorted(zip(move_step, move_tensor))))
         proven = delivered_by_pattern(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts)
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
@@ -1149,7 +1180,7 @@ class Program(ContentAddressed):
             if not proven[k]:
                 check_delivery(
                     decl.shape, decl.src, decl.dst, reshard_moves.get(decl.name, []),
-                    before=ancestors.has,
+                    before=self._ancestors.has,
                     where=lambda i, t: _StepWhere(self.steps[i]),
                     when=lambda i, t: _when(self.steps[i]),
                     hosts=hosts,
@@ -1167,12 +1198,15 @@ class Program(ContentAddressed):
         box each of them writes was a fifth of validating one."""
         by_name = {t.name: t for t in self.tensors}
         out = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
-        for s in self.steps:
-            if s.kind == MOVE:
-                decl = by_name.get(s.tensor)
-                if decl is None or not decl.is_reshard or s.role != SRC:
-                    out.add(s.tensor)
-            else:
+        steps = self.steps
+        # each distinct (kind, tensor, role) once: a state dict's steps repeat a few of them per tensor
+        for kind, tensor, role in set(zip(map(_step_kind, steps), map(_step_tensor, steps), map(_step_role, steps))):
+            if kind == MOVE:
+                decl = by_name.get(tensor)
+                if decl is None or not decl.is_reshard or role != SRC:
+                    out.add(tensor)
+        for s in steps:
+            if s.kind != MOVE:
                 out.update(r.tensor for r in s.inputs)
         return out
 
