@@ -403,12 +403,12 @@ def _long_routes(order: list[str], loads: Loads) -> list[tuple[float, list[str]]
     pairs = loads.pairs
     within = set(order)
     if all(within.isdisjoint(loads.next_hops.get(h, ())) for h in order):
-        # No bytes planned between these hosts: every stride's hops cost nothing, and all start at rest[0].
+        # No bytes planned between these hosts: every stride's hops cost nothing, and all start at order[0].
         return [(0.0, order)]
     out = []
     for route, hops in _strided_routes(tuple(order)):
         if out and out[0][0] == 0.0:
-            # Every route starts at rest[0], so the cheapest hops win, the smaller stride on a tie: none beats 0.
+            # Every route starts at order[0], so the cheapest hops win, the smaller stride on a tie: none beats 0.
             break
         # 0.0 plus each hop's bytes in route order, as a loop would add them, without a Python step per hop.
         out.append((reduce(add, map(pairs.get, hops, repeat(0.0)), 0.0), route))
@@ -652,14 +652,7 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     beaten = None  # the star's score, where the chain must beat it
     if len(remote) > 1 and mine < STEP_S:
         # A small box (`STEP_S`): the chain, one step, unless it leaves the busiest NIC busier than the star does.
-        star = {hs: loads.seconds(hs, nbytes * len(remote))}
-        route = _long_route(hs, _long_routes(order, loads), loads)
-        delta = {hs: mine}
-        for h in route[:-1]:
-            delta[h] = whole[h]
-        if loads.score(delta)[0] > loads.score(star)[0]:
-            return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
-        return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
+        return _best_small(box, nbytes, holders, wanting, remote, loads, whole, [hs], order)
     if len(remote) > 1:
         star = {hs: loads.seconds(hs, nbytes * len(remote))}
         beaten = loads.score(star)
