@@ -21,6 +21,17 @@ TRANSPORTS = ("grpc", "collective", "nixl")
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 
 
+def held_bytes(client) -> dict[str, int]:
+    """Every agent's shard bytes, once its heartbeats (every second) have reported the same twice running."""
+    seen = None
+    while True:
+        now = {a["host"]: a["memory_used_bytes"] for a in client.agents()}
+        if now == seen:
+            return now
+        seen = now
+        time.sleep(1.2)
+
+
 def _nixl_missing() -> str | None:
     """Why the nixl transport cannot run here (its own words, ending with the install), or None."""
     if not HAS_TORCH:

@@ -18,7 +18,7 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto.auth import channel
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 
-from .conftest import HEARTBEAT_TIMEOUT_S
+from .conftest import HEARTBEAT_TIMEOUT_S, held_bytes
 
 SRC = Sharding(Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2), ("x", None))
 A = np.arange(40, dtype=np.float32).reshape(8, 5)
@@ -111,30 +111,19 @@ def test_mesh_on_a_host_that_is_down(client, tensor):
     _untouched(client, tensor)
 
 
-def _held(client) -> dict[str, int]:
-    """Every agent's shard bytes, once its heartbeats (every second) have reported the same twice running."""
-    seen = None
-    while True:
-        now = {a["host"]: a["memory_used_bytes"] for a in client.agents()}
-        if now == seen:
-            return now
-        seen = now
-        time.sleep(1.2)
-
-
 def test_delete_many_deletes_every_name_and_frees_their_tiles(client, fresh_name):
     names = [f"{fresh_name}.{i}" for i in range(3)]
     big = np.ones((1024, 256), dtype=np.float32)  # 1 MiB a tensor, 256 KiB a device
-    before = _held(client)
+    before = held_bytes(client)
     client.put_many({n: (big * i, SRC) for i, n in enumerate(names)})
-    grown = _held(client)
+    grown = held_bytes(client)
     assert sum(grown.values()) - sum(before.values()) >= 3 * big.nbytes
     client.delete_many(names)
     assert not {t.name for t in client.tensors()} & set(names)
     for n in names:
         with pytest.raises(NotFoundError, match=f"no tensor named '{n}'"):
             client.get(n)
-    assert sum(_held(client).values()) <= sum(before.values())
+    assert sum(held_bytes(client).values()) <= sum(before.values())
     client.delete_many([])  # nothing to do
 
 

@@ -4,8 +4,6 @@ per-rank names is refused before anything is planned or moved, listing each diff
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import numpy as np
 import pytest
@@ -13,6 +11,8 @@ import pytest
 from reshard import Manifest, Mesh, Sharding
 from reshard.client import InvalidArgumentError
 from reshard.client.cluster import LocalCluster
+
+from .conftest import held_bytes
 
 HOSTS = ["host0", "host1"]
 TRAIN = Sharding(Mesh.from_hosts({"x": 2}, ["host0"], 2), ("x", None))
@@ -42,17 +42,6 @@ def _api(cluster, path: str):
                   timeout=30)
     assert r.status_code == 200, r.text
     return r
-
-
-def _held(c) -> dict[str, int]:
-    """Every agent's shard bytes, once its heartbeats (every second) have reported the same twice running."""
-    seen = None
-    while True:
-        now = {a["host"]: a["memory_used_bytes"] for a in c.agents()}
-        if now == seen:
-            return now
-        seen = now
-        time.sleep(1.2)
 
 
 def test_a_matching_manifest_is_recorded_by_the_job_and_shown(web):
@@ -88,7 +77,7 @@ def test_a_sync_that_does_not_match_is_refused_before_anything_moves(web, publis
     one_device = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
     c.put_many({f"{published}/{n}": (t, one_device if t.ndim == 2 else Sharding(one_device.mesh, (None,)))
                 for n, t in sent.items()})
-    before_jobs, before_held = len(_api(cluster, "/api/jobs").json()), _held(c)
+    before_jobs, before_held = len(_api(cluster, "/api/jobs").json()), held_bytes(c)
     # The consumer syncs what it expects: every name of its model (those not published are not in the catalog) ...
     targets = {f"{published}/{n}": SERVE if t.ndim == 2 else Sharding(SERVE.mesh, (None,))
                for n, t in consumer.items()}
@@ -110,5 +99,5 @@ def test_a_sync_that_does_not_match_is_refused_before_anything_moves(web, publis
                 f"'{published}/embed/rank0', '{published}/embed/rank1', '{published}/layers.0.w/rank0', ") in message
     # Refused as the request arrived: no job was queued, no agent staged a byte.
     assert len(_api(cluster, "/api/jobs").json()) == before_jobs
-    assert _held(c) == before_held
+    assert held_bytes(c) == before_held
     assert all(c.info(f"{published}/{n}").version == 1 for n in sent)
