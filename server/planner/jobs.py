@@ -454,9 +454,6 @@ class JobRunner:
         with self._lock:
             return self._delta_moved[0], self._delta_moved[1]
 
-    def busy(self, tensor: str) -> bool:
-        return bool(self.busy_of({tensor}))
-
     def busy_of(self, names: set[str]) -> set[str]:
         """Which of ``names`` a queued or running job names. The state first: the jobs kept are mostly finished, and
         a reshard_many names thousands of tensors."""
