@@ -22,9 +22,10 @@ expected piece   a destination tile cut by the distinct source tiles: the dim ch
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
+from typing import Optional
 
 import numpy as np
 
@@ -32,7 +33,8 @@ from reshard.errors import InvalidMeshError
 from reshard.routes import HostCache
 from reshard.sharding import Sharding
 
-__all__ = ["delivered", "delivered_in_passes", "delivered_by_pattern", "link_numbers", "DELIVERIES_PER_PASS"]
+__all__ = ["delivered", "delivered_in_passes", "delivered_by_pattern", "link_numbers", "link_ids",
+           "DELIVERIES_PER_PASS"]
 
 # `delivered_in_passes` proves at most this many deliveries (a receiver's copy of a transfer's box) in one numpy
 # pass: a pass holds about 200 bytes a delivery, and a trillion-parameter state dict has 30 million of them.
@@ -178,18 +180,20 @@ def delivered_in_passes(decls: Sequence, tensor_of: Sequence[int], transfers: Se
 
 
 def delivered_by_pattern(decls: Sequence, tensor_of: Sequence[int], transfers: Sequence, methods: Sequence[str],
-                         hosts: HostCache, per_pass: int = DELIVERIES_PER_PASS) -> np.ndarray:
+                         hosts: HostCache, per_pass: int = DELIVERIES_PER_PASS,
+                         link_ids: Optional[np.ndarray] = None) -> np.ndarray:
     """`delivered`, proving each distinct pattern of moves once: a state dict repeats a few layouts over many tensors
     (a Kimi-K2-like one 152 over 139,583), moved alike. Two tensors of one (shape, source, destination) whose moves
     are the same (box, set of receivers, sender) triples get the same verdicts from every per-piece rule: the
     pieces a move makes are its box for each of its receivers, a receiver twice or the sender among them breaks a
     link rule, and every other rule reads only the box, the receivers and the sender's and receivers' tiles. So the
     pieces of one tensor of each pattern are proved (`delivered_in_passes`), and the link rules of every transfer
-    (`_link_ok`, once per distinct link); a tensor is proved when its pattern's is and all its links are."""
+    (`_link_ok`, once per distinct link); a tensor is proved when its pattern's is and all its links are.
+    ``link_ids``, where the caller has them (`link_ids`), are the transfers' parts' ids, not taken again."""
     n = len(transfers)
     k = np.asarray(tensor_of, dtype=np.int64).reshape(n)
     num = len(decls)
-    parts = _parts(transfers)  # (sender, receivers, method, route), each numbered by value
+    parts = _parts(transfers, link_ids)  # (sender, receivers, method, route), each numbered by value
     # one number per distinct (box, set of receivers, sender), each tensor's sorted: its moves as bytes
     triple = np.zeros(n, dtype=np.int64)
     for number in (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(*parts[1]), parts[0][0]):
@@ -234,14 +238,23 @@ def _receiver_sets(number: np.ndarray, distinct: list) -> np.ndarray:
     return np.array(of_value, dtype=np.int64).reshape(-1)[number] if len(number) else number
 
 
-def link_numbers(transfers: Sequence) -> np.ndarray:
+def link_numbers(transfers: Sequence, ids: Optional[np.ndarray] = None) -> np.ndarray:
     """Per transfer, a number that two transfers share exactly when their (sender, receivers, method, route) are
-    equal."""
-    return _link_codes(_parts(transfers), len(transfers))
+    equal (``ids``: their `link_ids`, where the caller has them)."""
+    return _link_codes(_parts(transfers, ids), len(transfers))
 
 
-def _parts(transfers: Sequence) -> list[tuple[np.ndarray, list]]:
-    return [_numbered(list(map(attrgetter(name), transfers))) for name in ("sender", "receivers", "method", "route")]
+def link_ids(transfers: Iterable) -> np.ndarray:
+    """Per transfer, a row of the ids of its sender, receivers, method and route objects: one pass over the
+    transfers that `delivered_by_pattern` and a program's buckets check (`reshard.many`) both number from."""
+    flat = np.fromiter(map(id, chain.from_iterable(map(_LINK, transfers))), dtype=np.int64)
+    return flat.reshape(-1, 4)
+
+
+def _parts(transfers: Sequence, ids: Optional[np.ndarray] = None) -> list[tuple[np.ndarray, list]]:
+    if ids is None:
+        ids = link_ids(transfers)
+    return [_numbered_ids(ids[:, j], lambda i, j=j: _LINK(transfers[i])[j]) for j in range(4)]
 
 
 def _link_codes(parts: list[tuple[np.ndarray, list]], n: int) -> np.ndarray:
@@ -258,7 +271,12 @@ def _link_codes(parts: list[tuple[np.ndarray, list]], n: int) -> np.ndarray:
 def _numbered(values: list) -> tuple[np.ndarray, list]:
     """Per value, its number among the distinct values, and those distinct values. Hashed once per distinct object;
     an unhashable one (a bad program's) is its own value, left to `check_transfer` to name."""
-    ids = np.fromiter(map(id, values), dtype=np.int64, count=len(values))
+    return _numbered_ids(np.fromiter(map(id, values), dtype=np.int64, count=len(values)), values.__getitem__)
+
+
+def _numbered_ids(ids: np.ndarray, value_at) -> tuple[np.ndarray, list]:
+    """`_numbered`, from the values' ids and ``value_at(i)``, the value at position ``i`` (read once per distinct
+    id)."""
     first, inverse = np.unique(ids, return_index=True, return_inverse=True)[1:]
     numbers: dict = {}
     distinct: list = []
@@ -272,7 +290,7 @@ def _numbered(values: list) -> tuple[np.ndarray, list]:
             distinct.append(value)
         return found
 
-    of_object = np.fromiter(map(number, map(values.__getitem__, first.tolist())), dtype=np.int64, count=len(first))
+    of_object = np.fromiter(map(number, map(value_at, first.tolist())), dtype=np.int64, count=len(first))
     return of_object[inverse.reshape(-1)], distinct
 
 

@@ -51,7 +51,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import chain
-from operator import attrgetter
 from typing import Optional, Union
 
 import numpy as np
@@ -149,7 +148,7 @@ class ManyProgram(Program):
         every member reading what a plan's move reads (role ``src``) at one dependency depth, between the same
         sender and receivers by the same method and route."""
         super().validate()
-        if not _buckets_ok(self.steps, self.buckets, self.depths):
+        if not _buckets_ok(self):
             self._check_buckets()
         self._check_made_tiles()
         return self
@@ -227,10 +226,11 @@ class ManyProgram(Program):
                 f"buckets), estimate {self.estimate_seconds:.4g}s")
 
 
-def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]], depths: Sequence[int]) -> bool:
-    """Whether ``buckets`` keep every rule `ManyProgram.validate` names, checked as columns: a bucket per tens of
-    moves of a state dict, where building each member's where-string and path tuple was a quarter of validating it.
-    False leaves the verdict, and the message, to `ManyProgram._check_buckets`."""
+def _buckets_ok(program: ManyProgram) -> bool:
+    """Whether ``program``'s buckets keep every rule `ManyProgram.validate` names, checked as columns: a bucket per
+    tens of moves of a state dict, where building each member's where-string and path tuple was a quarter of
+    validating it. False leaves the verdict, and the message, to `ManyProgram._check_buckets`."""
+    steps, buckets = program.steps, program.buckets
     if not buckets:
         return True
     size = np.fromiter(map(len, buckets), dtype=np.int64, count=len(buckets))
@@ -239,23 +239,18 @@ def _buckets_ok(steps: Sequence[Step], buckets: Sequence[Sequence[int]], depths:
         return False
     if np.bincount(members, minlength=len(steps)).max(initial=0) > 1:  # a step in two buckets, or twice in one
         return False
-    moves = list(map(steps.__getitem__, members.tolist()))
-    if not all(map((MOVE, SRC).__eq__, map(attrgetter("kind", "role"), moves))):
+    if not program._src_moves[members].all():
         return False
     firsts = np.cumsum(size) - size
-    depth = np.fromiter(map(depths.__getitem__, members.tolist()), dtype=np.int64, count=len(members))
+    depth = np.asarray(program.depths, dtype=np.int64)[members]
     if not (depth == np.repeat(depth[firsts], size)).all():
         return False
     # Each member's (sender, receivers, method, route) is its bucket's first member's: the very objects (the planner
     # shares them between a bucket's moves), else numbered by value.
-    transfers = list(map(attrgetter("transfer"), moves))
-    same = np.ones(len(members), dtype=bool)
-    for part in ("sender", "receivers", "method", "route"):
-        ids = np.fromiter(map(id, map(attrgetter(part), transfers)), dtype=np.int64, count=len(members))
-        same &= ids == np.repeat(ids[firsts], size)
-    if same.all():
+    ids = program._link_ids[members]
+    if (ids == np.repeat(ids[firsts], size, axis=0)).all():
         return True
-    path = link_numbers(transfers)
+    path = link_numbers([steps[i].transfer for i in members.tolist()], ids)
     return bool((path == np.repeat(path[firsts], size)).all())
 
 

@@ -70,14 +70,14 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from itertools import chain, compress, repeat
-from operator import attrgetter, is_, not_
+from operator import and_, attrgetter, is_, not_
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import HostCache, PhaseLoad, flow_totals, move_phase_loads, reduce_rounds, transfer_flows
-from reshard.delivery import delivered_by_pattern
+from reshard.delivery import delivered_by_pattern, link_ids
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, PlanValidationError
 from reshard.jsonio import brief, field_of, loads, need, quoted
@@ -896,10 +896,34 @@ class Program(ContentAddressed):
     def depths(self) -> tuple[int, ...]:
         """Per step, its depth: 0 without dependencies, else one more than its deepest dependency."""
         self._check_graph()
-        out: list[int] = []
-        for s in self.steps:
-            out.append(1 + max(out[a] for a in s.after) if s.after else 0)
+        out = [0] * len(self.steps)
+        # only the steps that wait (a state dict's plain moves, most of its steps, wait for nothing)
+        for s in compress(self.steps, map(bool, map(_step_after, self.steps))):
+            out[s.id] = 1 + max(map(out.__getitem__, s.after))
         return tuple(out)
+
+    @cached_property
+    def _columns(self) -> tuple[list[str], list[str], list[Optional[str]]]:
+        """Every step's kind, tensor and role, as three lists in step order (what `_validate` and `_read_back`
+        both go through)."""
+        steps = self.steps
+        return list(map(_step_kind, steps)), list(map(_step_tensor, steps)), list(map(_step_role, steps))
+
+    @cached_property
+    def _src_moves(self) -> np.ndarray:
+        """Per step, whether it is a move that reads what a plan's move reads (role ``src``), as a bool column."""
+        kinds, _, roles = self._columns
+        return np.fromiter(map(and_, map(MOVE.__eq__, kinds), map(SRC.__eq__, roles)), dtype=bool, count=len(kinds))
+
+    @cached_property
+    def _link_ids(self) -> np.ndarray:
+        """Per step, the ids of its transfer's sender, receivers, method and route objects (`delivery.link_ids`;
+        a row of -1 for a step that is not a move): numbered once for the delivery proof and the buckets' check."""
+        kinds = self._columns[0]
+        is_move = np.fromiter(map(MOVE.__eq__, kinds), dtype=bool, count=len(kinds))
+        out = np.full((len(kinds), 4), -1, dtype=np.int64)
+        out[is_move] = link_ids(map(_step_transfer, compress(self.steps, is_move)))
+        return out
 
     def _check_graph(self) -> None:
         """Ids are positions; every ``after`` names an existing, earlier step; no cycle. Checked once: `_ancestors`
@@ -1139,9 +1163,8 @@ class Program(ContentAddressed):
         # at ``read_back``'s tensors), so these are only listed, in one pass; every other step is checked in order.
         plain = {t.name for t in reshard if t.name not in addends and t.name not in read_back}
         steps = self.steps
-        tensors = list(map(_step_tensor, steps))
-        is_plain = [k == MOVE and r == SRC and t in plain
-                    for k, t, r in zip(map(_step_kind, steps), tensors, map(_step_role, steps))]
+        kinds, tensors, roles = self._columns
+        is_plain = [k == MOVE and r == SRC and t in plain for k, t, r in zip(kinds, tensors, roles)]
         move_step += compress(range(len(steps)), is_plain)
         move_tensor += map(position.__getitem__, compress(tensors, is_plain))
         listed = len(move_step)
@@ -1169,7 +1192,8 @@ class Program(ContentAddressed):
                         produced[(dev, tensor)].append((s.id, role, b))
         if listed < len(move_step):  # moves listed above and in the loop: in step order, as one pass lists them
             move_step, move_tensor = (list(c) for c in zip(*sorted(zip(move_step, move_tensor))))
-        proven = delivered_by_pattern(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts)
+        proven = delivered_by_pattern(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts,
+                                      link_ids=self._link_ids[np.asarray(move_step, dtype=np.int64)])
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
         if not proven.all():
@@ -1198,16 +1222,15 @@ class Program(ContentAddressed):
         box each of them writes was a fifth of validating one."""
         by_name = {t.name: t for t in self.tensors}
         out = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
-        steps = self.steps
+        kinds, tensors, roles = self._columns
         # each distinct (kind, tensor, role) once: a state dict's steps repeat a few of them per tensor
-        for kind, tensor, role in set(zip(map(_step_kind, steps), map(_step_tensor, steps), map(_step_role, steps))):
+        for kind, tensor, role in set(zip(kinds, tensors, roles)):
             if kind == MOVE:
                 decl = by_name.get(tensor)
                 if decl is None or not decl.is_reshard or role != SRC:
                     out.add(tensor)
-        for s in steps:
-            if s.kind != MOVE:
-                out.update(r.tensor for r in s.inputs)
+        for s in compress(self.steps, map(MOVE.__ne__, kinds)):
+            out.update(r.tensor for r in s.inputs)
         return out
 
     def _declared(self, where, name: str) -> TensorDecl:
