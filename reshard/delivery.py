@@ -196,8 +196,12 @@ def delivered_by_pattern(decls: Sequence, tensor_of: Sequence[int], transfers: S
     parts = _parts(transfers, link_ids)  # (sender, receivers, method, route), each numbered by value
     # one number per distinct (box, set of receivers, sender), each tensor's sorted: its moves as bytes
     triple = np.zeros(n, dtype=np.int64)
-    for number in (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(*parts[1]), parts[0][0]):
-        triple = np.unique(triple * (int(number.max(initial=0)) + 1) + number, return_inverse=True)[1].reshape(-1)
+    numbers = (_numbered(list(map(_BOX, transfers)))[0], _receiver_sets(*parts[1]), parts[0][0])
+    spans = [int(number.max(initial=0)) + 1 for number in numbers]
+    for number, span in zip(numbers, spans):
+        triple = triple * span + number
+        if math.prod(spans) >= 2**62:  # renumbered part by part, so that a triple's number stays below n squared
+            triple = np.unique(triple, return_inverse=True)[1].reshape(-1)
     order = np.lexsort((triple, k))
     moved = triple[order]
     bounds = np.searchsorted(k[order], np.arange(num + 1)).tolist()

@@ -1192,7 +1192,7 @@ class Program(ContentAddressed):
                         produced[(dev, tensor)].append((s.id, role, b))
         if listed < len(move_step):  # moves listed above and in the loop: in step order, as one pass lists them
             move_step, move_tensor = (list(c) for c in zip(*sorted(zip(move_step, move_tensor))))
-        proven = delivered_by_pattern(reshard, move_tensor, [steps[i].transfer for i in move_step], METHODS, hosts,
+        proven = delivered_by_pattern(reshard, move_tensor, list(map(_step_transfer, map(steps.__getitem__, move_step))), METHODS, hosts,
                                       link_ids=self._link_ids[np.asarray(move_step, dtype=np.int64)])
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)
@@ -1223,12 +1223,13 @@ class Program(ContentAddressed):
         by_name = {t.name: t for t in self.tensors}
         out = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
         kinds, tensors, roles = self._columns
-        # each distinct (kind, tensor, role) once: a state dict's steps repeat a few of them per tensor
-        for kind, tensor, role in set(zip(kinds, tensors, roles)):
-            if kind == MOVE:
-                decl = by_name.get(tensor)
-                if decl is None or not decl.is_reshard or role != SRC:
-                    out.add(tensor)
+        # each distinct tensor once: a state dict's steps repeat each a few times
+        src_moves = self._src_moves
+        for tensor in set(compress(tensors, src_moves)):
+            decl = by_name.get(tensor)
+            if decl is None or not decl.is_reshard:
+                out.add(tensor)
+        out.update(compress(tensors, map(and_, map(MOVE.__eq__, kinds), map(not_, src_moves))))  # other roles
         for s in compress(self.steps, map(MOVE.__ne__, kinds)):
             out.update(r.tensor for r in s.inputs)
         return out
