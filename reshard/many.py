@@ -63,7 +63,7 @@ from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
-from reshard.program import DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps
+from reshard.program import DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps, moves_like
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
@@ -379,6 +379,9 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
                                    f"own scale tensor")
         scale_of[s] = w
     out = []
+    # A state dict's layers repeat a few (weight shape, layout, scale shape, block): each is derived once (the names
+    # only word a refusal, which the first of them raises).
+    derived_of: dict[tuple, Sharding] = {}
     for t in decls:
         w = scale_of.get(t.name)
         if w is not None:
@@ -386,7 +389,10 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
             if weight.dst is None:
                 raise ScaleLayoutError(f"weight {w!r} has no destination sharding for its scale {t.name!r} to "
                                        f"follow")
-            derived = scale_sharding(weight.shape, weight.dst, t.shape, w, t.name, pairs[w][1])
+            key = (weight.shape, weight.dst, t.shape, pairs[w][1])
+            derived = derived_of.get(key)
+            if derived is None:
+                derived = derived_of[key] = scale_sharding(weight.shape, weight.dst, t.shape, w, t.name, pairs[w][1])
             if t.dst is not None and t.dst != derived:
                 raise ScaleLayoutError(
                     f"scale {t.name!r} is given destination {t.dst} but follows weight {w!r} into {derived}; "
@@ -469,14 +475,27 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         decls = _as_moved(decls, converted)
     # Largest first, as each plan's own greedy goes: the joint pass then settles the large transfers first.
     order = sorted(range(len(decls)), key=lambda i: -math.prod(decls[i].shape) * decls[i].itemsize)
+    # A state dict's layers repeat a few layouts: the tensors of one (shape, dtype, source, destination) are planned
+    # once, all together, and each moves the way that plan says.
+    layouts: dict[tuple, list[int]] = defaultdict(list)
+    for i in order:
+        layouts[decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst].append(i)
     if strategy == "auto":
-        # One record of the NICs' loads for all the tensors: each plan's greedy balances against the ones before.
+        # One record of the NICs' loads for all the tensors: each plan's greedy balances against the ones before,
+        # a layout's plan counting all its tensors' bytes (copies=), largest layout first.
         nics = Loads(topology)
-        plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, loads=nics) for i in order}
+        groups = sorted(layouts.values(), key=lambda g: -len(g) * math.prod(decls[g[0]].shape) * decls[g[0]].itemsize)
+        planned = [(g, plan(decls[g[0]].shape, decls[g[0]].dtype, decls[g[0]].src, decls[g[0]].dst, loads=nics,
+                            copies=len(g))) for g in groups]
     else:
-        plans = {i: plan(decls[i].shape, decls[i].dtype, decls[i].src, decls[i].dst, topology, strategy)
-                 for i in order}
-    transfers = {i: list(p.transfers) for i, p in plans.items()}
+        planned = [(g, plan(decls[g[0]].shape, decls[g[0]].dtype, decls[g[0]].src, decls[g[0]].dst, topology,
+                            strategy)) for g in layouts.values()]
+    transfers: dict[int, list[Transfer]] = {}
+    for g, p in planned:
+        moves = list(p.transfers)
+        for i in g:
+            # the same list for all of a layout's tensors where nothing changes it per tensor (_balance does)
+            transfers[i] = moves if strategy not in _BALANCED else list(moves)
     if strategy in _BALANCED:
         _balance([(decls[i], transfers[i]) for i in order], topology)
     steps: list[Step] = []
@@ -484,6 +503,7 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     program_tensors: list[TensorDecl] = []
     position = {d.name: i for i, d in enumerate(decls)}
     scale_of = {c.scale: w for w, c in converted.items()}
+    templates: dict[int, list[Step]] = {}  # per list of transfers (a layout's, shared by its tensors): its moves
     for i in order:
         d = decls[i]
         if d.name in scale_of:
@@ -501,7 +521,11 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             program_tensors += [replace(d, src=None), replace(decls[k], src=None),
                                 TensorDecl(source_name(d.name, source.dtype), d.shape, source.dtype, source.src)]
             continue
-        made = move_steps(transfers[i], len(steps), d.name)
+        moves = transfers[i]
+        template = templates.get(id(moves))
+        if template is None:
+            template = templates[id(moves)] = move_steps(moves, 0, d.name)
+        made = moves_like(template, len(steps), d.name)
         if bucket_bytes:
             packer.add(len(steps), transfers[i], made, d.itemsize)
         steps += made
@@ -543,11 +567,35 @@ class _Buckets:
         self._open: dict[tuple, list] = {}  # key -> [step ids, bytes so far]
         self._full: list[list[int]] = []
         self._routes: dict[tuple, Transfer] = {}  # (sender, receivers as a set) -> its first small chain
+        self._packables: dict[tuple, tuple] = {}  # (id of a list of transfers, itemsize) -> (it, `_packable`'s)
 
     def add(self, first: int, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> None:
         """Pack the moves ``steps`` (ids from ``first`` on) of ``transfers``; a small chain's step is replaced by one
         along the shared route (`SHARED_ROUTE_BYTES`)."""
-        limit, open_ = self.bucket_bytes, self._open
+        open_, full, limit = self._open, self._full, self.bucket_bytes
+        for k, key, nbytes, small_chain in self._packable(transfers, steps, itemsize):
+            group = open_.get(key)
+            if group is None and small_chain:  # a small chain's order was a choice
+                t = self._shared_route(transfers[k], steps, k)
+                key = (t.sender, t.receivers, t.method, t.route)
+                group = open_.get(key)
+            # as _pack, inline: a state dict packs a million moves
+            if group is None:
+                group = open_[key] = [[first + k], nbytes]
+            else:
+                group[0].append(first + k)
+                group[1] += nbytes
+            if group[1] >= limit:
+                full.append(group[0])
+                del open_[key]
+
+    def _packable(self, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> list[tuple]:
+        """Of ``transfers``, those a bucket may take, as (position, path key, bytes, whether a small chain), worked
+        out once per list (the tensors of one layout share theirs) and itemsize."""
+        found = self._packables.get((id(transfers), itemsize))
+        if found is not None and found[0] is transfers:
+            return found[1]
+        out = []
         box, nbytes = None, 0
         for k, t in enumerate(transfers):
             if t.phase and steps[k].after:
@@ -556,14 +604,11 @@ class _Buckets:
                 # The moves of a star share their box and come one after another: its bytes are worked out once.
                 box = t.box
                 nbytes = boxes.volume(box) * itemsize
-            if nbytes >= limit:
-                continue
-            key = (t.sender, t.receivers, t.method, t.route)
-            group = open_.get(key)
-            if group is None and len(t.route) > 1 and nbytes < SHARED_ROUTE_BYTES:  # a chain's order was a choice
-                t = self._shared_route(t, steps, k)
-                key = (t.sender, t.receivers, t.method, t.route)
-            self._pack(key, first + k, nbytes)
+            if nbytes < self.bucket_bytes:
+                out.append((k, (t.sender, t.receivers, t.method, t.route), nbytes,
+                            len(t.route) > 1 and nbytes < SHARED_ROUTE_BYTES))
+        self._packables[id(transfers), itemsize] = (transfers, out)  # the list kept: its id stays its own
+        return out
 
     def add_waiting(self, first: int, steps: Sequence[Step], itemsize: Mapping[str, int]) -> None:
         """Pack the small moves among ``steps`` (ids from ``first`` on, waiting only for one another: a quantized

@@ -447,6 +447,21 @@ def move_steps(transfers: Sequence[Transfer], first: int = 0, tensor: str = RESH
     return steps
 
 
+def moves_like(template: Sequence[Step], first: int, tensor: str) -> list[Step]:
+    """The move steps of ``template`` (`move_steps` from id 0) for ``tensor``, ids from ``first`` on: the steps of
+    a tensor that moves as another of its layout does (`reshard.plan_many`), sharing their transfers, built without
+    redoing `move_steps`' dependencies per tensor."""
+    new, set_state = object.__new__, object.__setattr__
+    steps = []
+    for s in template:
+        step = new(Step)
+        after = tuple([first + a for a in s.after]) if s.after else ()
+        set_state(step, "__dict__", {"id": first + s.id, "kind": MOVE, "after": after, "transfer": s.transfer,
+                                     "tensor": tensor})
+        steps.append(step)
+    return steps
+
+
 # Steps written per chunk of JSON text: the id hashes one chunk at a time, and dumps joins a few hundred of them.
 _STEPS_PER_CHUNK = 4096
 

@@ -439,16 +439,18 @@ def _long_route(sender: str, routes: list[tuple[float, list[str]]], loads: Loads
 
 
 def _auto(tasks: UnitTasks, hosts: HostCache, topology: Topology, size: int,
-          space: Optional[DeviceSpace] = None, loads: Optional[Loads] = None) -> Union[list[Transfer], TransferTable]:
+          space: Optional[DeviceSpace] = None, loads: Optional[Loads] = None,
+          step_s: float = STEP_S) -> Union[list[Transfer], TransferTable]:
     """Auto's transfers, planned against ``loads`` (new ones if None); columns where a run of one-to-one tasks
-    ends the order and ``space`` numbers the devices."""
+    ends the order and ``space`` numbers the devices. ``step_s``: a step's cost (`STEP_S`, times the copies a
+    transfer stands for)."""
     loads = loads if loads is not None else Loads(topology)
     order, cut, rows = loads.task_rows(tasks, hosts)
     if len(rows) == len(order):
-        return _auto_loop(rows, size, loads, hosts)
+        return _auto_loop(rows, size, loads, hosts, step_s)
     if space is None:
-        return _auto_loop(rows + _rows(tasks, order[cut:], hosts), size, loads, hosts)
-    head = _auto_loop(rows, size, loads, hosts)
+        return _auto_loop(rows + _rows(tasks, order[cut:], hosts), size, loads, hosts, step_s)
+    head = _auto_loop(rows, size, loads, hosts, step_s)
     tail = _one_to_one(tasks, order[cut:], space, size, loads)
     return TransferTable.concat(TransferTable.from_transfers(head, tasks.lo.shape[1], space), tail) if head else tail
 
@@ -498,7 +500,8 @@ def _one_to_one(tasks: UnitTasks, order: np.ndarray, space: DeviceSpace, size: i
                          np.zeros(0, dtype=np.int64))
 
 
-def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache) -> list[Transfer]:
+def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache,
+               step_s: float = STEP_S) -> list[Transfer]:
     """Auto's greedy over the tasks of ``rows`` (`_rows`), one by one."""
     local_out = loads.local_out
     out: list[Transfer] = []
@@ -526,7 +529,7 @@ def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache) -> 
             continue
         if len(remote) > _GREEDY_ROUTE:
             loads.add_recv_all(remote, nbytes)
-            out.extend(_best_long_delivery(box, num, nbytes, holders, wanting, remote, loads, hosts))
+            out.extend(_best_long_delivery(box, num, nbytes, holders, wanting, remote, loads, hosts, step_s))
             continue
         # Each receiving host's NIC seconds for the box, worked out once for its receive load and the chain's
         # forwarding; added to the receive loads as add_recv adds them, one host after the other.
@@ -544,12 +547,12 @@ def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache) -> 
             loads.add_path(hs, remote, nbytes)
             out.append(_deliver(box, group[0], wanting[remote[0]], hosts))
             continue
-        out.extend(_best_delivery(box, num, nbytes, holders, wanting, remote, loads, whole))
+        out.extend(_best_delivery(box, num, nbytes, holders, wanting, remote, loads, whole, step_s))
     return out
 
 
 def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
-                   whole: dict[str, float]) -> Sequence[Transfer]:
+                   whole: dict[str, float], step_s: float = STEP_S) -> Sequence[Transfer]:
     """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest (the first of the
     lowest, in the order chain and star of each candidate sender, then stripes). ``whole``: each receiving host's
     NIC seconds for the box.
@@ -558,12 +561,12 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
     bounded below without the route (`_chain_bound`), and a chain whose bound is above another option's score
     cannot be the first of the lowest."""
     if len(holders) == 1:
-        return _best_of_one(box, nbytes, holders, wanting, remote, loads, whole)
+        return _best_of_one(box, nbytes, holders, wanting, remote, loads, whole, step_s)
     send = loads.send
     candidates = sorted(holders, key=lambda h: (send[h], h))
     # By name, then stably by load: ordered by (load, name) without a key tuple per host.
     order = sorted(_names(remote), key=send.__getitem__)
-    if len(remote) > 1 and loads.seconds(candidates[0], nbytes) < STEP_S:
+    if len(remote) > 1 and loads.seconds(candidates[0], nbytes) < step_s:
         return _best_small(box, nbytes, holders, wanting, remote, loads, whole, candidates, order)
     # (score, position in the option order above, emit or None, and for a chain still to route: hs and delta)
     options: list[tuple] = []
@@ -575,7 +578,8 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), len(options), lambda hs=hs, star=star: _emit_star(
                 box, hs, holders[hs][0], remote, nbytes, wanting, loads, star)))
-    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads)) if len(candidates) > 1 else 1
+    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads, step_s)) \
+        if len(candidates) > 1 else 1
     pieces = boxes.split(box, k) if k > 1 else []
     pieces = [p for p in pieces if boxes.volume(p)]
     if len(pieces) > 1:
@@ -640,7 +644,7 @@ def _best_small(box, nbytes: int, holders, wanting, remote, loads: Loads, whole:
 
 
 def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
-                 whole: dict[str, float]) -> Sequence[Transfer]:
+                 whole: dict[str, float], step_s: float = STEP_S) -> Sequence[Transfer]:
     """`_best_delivery` where one host holds the box (experts, in a state dict): its options are a chain and, to
     more than one host, a star from that host (no stripes), and the chain wins a tie. The same choice, without
     the option list."""
@@ -650,7 +654,7 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     order = sorted(_names(remote), key=send.__getitem__)
     mine = loads.seconds(hs, nbytes)
     beaten = None  # the star's score, where the chain must beat it
-    if len(remote) > 1 and mine < STEP_S:
+    if len(remote) > 1 and mine < step_s:
         # A small box (`STEP_S`): the chain, one step, unless it leaves the busiest NIC busier than the star does.
         return _best_small(box, nbytes, holders, wanting, remote, loads, whole, [hs], order)
     if len(remote) > 1:
@@ -721,7 +725,7 @@ def _lasts(order: list[str], send) -> list[int]:
 
 
 def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
-                        hosts) -> Sequence[Transfer]:
+                        hosts, step_s: float = STEP_S) -> Sequence[Transfer]:
     """`_best_delivery` for more than `_GREEDY_ROUTE` receiving hosts: the same options, routes from
     `_long_routes`, scored over all hosts at once with numpy. Every such route makes all receiving hosts but the
     most loaded forward, so the chains of the candidate senders differ in score only by the sender's own term."""
@@ -743,7 +747,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
     forward_sq = float(np.sum(forward * forward - old[:-1] * old[:-1]))
     options: list[tuple[tuple, int, Callable[[], list[Transfer]]]] = []
     # A small box (`STEP_S`) ranks its options by peak, then steps, then the sum of squares.
-    small = loads.seconds(candidates[0], nbytes) < STEP_S
+    small = loads.seconds(candidates[0], nbytes) < step_s
 
     def option(score, emit, steps: int) -> None:
         options.append(((score[0], steps, score[1]) if small else score, len(options), emit))
@@ -760,7 +764,7 @@ def _best_long_delivery(box, num_elements: int, nbytes: int, holders, wanting, r
         new = was + star[hs]
         option((max(loads.peak, new), new * new - was * was), lambda hs=hs, star=star: _emit_star(
             box, hs, holders[hs][0], remote, nbytes, wanting, loads, star), len(remote))
-    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads))
+    k = min(len(candidates), MAX_STRIPES, _stripes_worth(nbytes, candidates, loads, step_s))
     pieces = _stripes(box, k) if k > 1 else ()
     if len(pieces) > 1:
         n = len(order)
@@ -796,10 +800,11 @@ def _names(hosts: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(sorted(hosts))
 
 
-def _stripes_worth(nbytes: int, candidates: Sequence[str], loads: Loads) -> int:
-    """How many stripes of ``nbytes`` keep each sender (the first ``candidates``) busy `STRIPE_MIN_S` at least."""
+def _stripes_worth(nbytes: int, candidates: Sequence[str], loads: Loads, step_s: float = STRIPE_MIN_S) -> int:
+    """How many stripes of ``nbytes`` keep each sender (the first ``candidates``) busy `STRIPE_MIN_S` at least
+    (``step_s``: times the copies a transfer stands for)."""
     fastest = min(loads.seconds(h, nbytes) for h in candidates[:MAX_STRIPES])
-    return max(1, int(fastest / STRIPE_MIN_S))
+    return max(1, int(fastest / step_s))
 
 
 @lru_cache(maxsize=4096)
@@ -872,6 +877,7 @@ def plan(
     topology: Optional[Topology] = None,
     strategy: str = "auto",
     loads: Optional[Loads] = None,
+    copies: int = 1,
 ) -> Plan:
     """Plan moving a tensor of ``shape`` and ``dtype`` from ``src`` to ``dst``.
 
@@ -882,6 +888,11 @@ def plan(
     same topology (``topology`` may then be left out). The greedy balances this
     plan's transfers against them and adds them in; as the plan is one part of a
     larger whole, it is not swapped for a baseline that would be cheaper alone.
+
+    ``copies`` (with ``loads``): the plan's transfers stand for that many tensors of
+    this shape, dtype and layouts, each moved the same way (`reshard.plan_many` plans a
+    state dict's layers so): the loads count every copy's bytes, and a box is small
+    (`STEP_S`) or worth striping as one copy of it is, since each copy is a step.
     """
     if strategy not in _BUILDERS:
         raise InvalidShardingError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
@@ -895,6 +906,9 @@ def plan(
                 f"so it would copy addends as if they were the tensor; use reshard.reshard_program, which adds the "
                 f"reduce steps"
             )
+    if isinstance(copies, bool) or not isinstance(copies, int) or copies < 1 or (copies > 1 and loads is None):
+        raise InvalidShardingError(f"copies {copies!r} must be a positive integer, and more than 1 only with loads= "
+                                   f"(a plan alone is for one tensor)")
     if loads is not None:
         if strategy != "auto":
             raise InvalidShardingError(
@@ -913,7 +927,7 @@ def plan(
     space = device_space(src.mesh, dst.mesh)
     hosts = space.host_of
     if strategy == "auto":
-        transfers = _auto(tasks, hosts, topology, size, space, loads)
+        transfers = _auto(tasks, hosts, topology, size * copies, space, loads, STEP_S * copies)
     else:
         transfers = _BUILDERS[strategy](tasks, hosts, topology, size)
     figures = {}

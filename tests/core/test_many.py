@@ -66,15 +66,22 @@ def test_every_tensor_is_delivered_whole_and_exactly():
     assert isinstance(program, ManyProgram) and {t.name for t in program.tensors} == {t.name for t in decls}
     for (name, dev), (got, want) in _run(program).items():
         assert np.array_equal(got, want), (name, dev)
-    # each tensor moves as reshard.plan moves it against one Loads of the tensors before it, largest first (a
-    # small chain may run its receivers in another order: `SHARED_ROUTE_BYTES`)
+    # each layout's tensors move as reshard.plan moves all of them at once (copies=) against one Loads of the
+    # layouts before it, largest in all first (a small chain may run its receivers in another order:
+    # `SHARED_ROUTE_BYTES`)
+    layouts: dict[tuple, list[TensorDecl]] = {}
+    for decl in sorted(program.tensors, key=lambda d: -math.prod(d.shape) * d.itemsize):
+        layouts.setdefault((decl.shape, decl.dtype, decl.src, decl.dst), []).append(decl)
+    assert len(layouts) == 6  # the embedding, and the layers' five
     nics = Loads(program.topology)
-    for decl in program.tensors:
-        mine = sorted((s.transfer.box, s.transfer.sender, tuple(sorted(s.transfer.receivers)))
-                      for s in program.steps if s.tensor == decl.name and s.role == SRC)
+    for group in sorted(layouts.values(), key=lambda g: -len(g) * math.prod(g[0].shape) * g[0].itemsize):
+        d = group[0]
         alone = sorted((t.box, t.sender, tuple(sorted(t.receivers)))
-                       for t in plan(decl.shape, decl.dtype, decl.src, decl.dst, loads=nics).transfers)
-        assert mine == alone, decl.name
+                       for t in plan(d.shape, d.dtype, d.src, d.dst, loads=nics, copies=len(group)).transfers)
+        for decl in group:
+            mine = sorted((s.transfer.box, s.transfer.sender, tuple(sorted(s.transfer.receivers)))
+                          for s in program.steps if s.tensor == decl.name and s.role == SRC)
+            assert mine == alone, decl.name
 
 
 def test_buckets_are_at_least_the_bucket_size_except_the_last_between_two_ends():
@@ -171,7 +178,8 @@ def _move(step) -> tuple:
 def test_small_chains_share_one_route_and_bucket_and_large_ones_keep_theirs():
     train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
     infer = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"i{i}" for i in range(4)], 1)
-    decls = _state_dict() + [TensorDecl(f"big{i}", (4096, 64), "float32", Sharding(train, ("tp", None)),
+    # (of four shapes: each its own layout, planned on its own, so their chains may take several orders)
+    decls = _state_dict() + [TensorDecl(f"big{i}", (4096 + 64 * i, 64), "float32", Sharding(train, ("tp", None)),
                                         Sharding(infer, ("tp", None))) for i in range(4)]
     alone = plan_many(decls, bucket_bytes=0)  # every chain as its tensor's plan ordered it
     packed = plan_many(decls, bucket_bytes=200 * 1024).validate()  # holds all the small moves of two ends

@@ -13,7 +13,7 @@ import pytest
 from reshard import Mesh, Sharding, TensorDecl, Topology, plan
 from reshard.many import plan_many
 from reshard.plans import Transfer
-from reshard.program import MOVE, SRC, Program, Step, move_steps
+from reshard.program import MOVE, SRC, Program, Step, move_steps, moves_like
 from reshard.strategies import Loads, _long_routes
 
 # 4 training hosts of 4 devices -> 20 inference hosts holding two replicas each: a tile is wanted on 20 hosts,
@@ -64,16 +64,27 @@ def test_move_steps_are_the_steps_step_move_builds(strategy):
     assert all(s.kind == MOVE and s.role == SRC and s.inputs == () and s.output is None for s in got)
     if strategy == "local_allgather":
         assert any(s.after for s in got)
+    # another tensor of the layout, moved alike (plan_many): the same steps as move_steps makes for it
+    like = moves_like(move_steps(p.transfers, 0, "v"), 5, "w")
+    assert like == got and [s.to_json() for s in like] == [s.to_json() for s in got]
 
 
-def test_plan_many_is_each_tensors_plan_against_one_loads_in_steps():
+def test_plan_many_is_each_layouts_plan_against_one_loads_in_steps():
     decls = _state_dict()
     program = plan_many(decls, SLOW, bucket_bytes=0).validate()
     order = sorted(decls, key=lambda t: -math.prod(t.shape) * t.itemsize)  # largest first, stably
+    # each (shape, dtype, src, dst) planned once for all its tensors (copies=), largest in all first
+    layouts: dict[tuple, list[TensorDecl]] = defaultdict(list)
+    for t in order:
+        layouts[t.shape, t.dtype, t.src, t.dst].append(t)
     loads = Loads(SLOW)
+    plans = {}
+    for group in sorted(layouts.values(), key=lambda g: -len(g) * math.prod(g[0].shape) * g[0].itemsize):
+        t = group[0]
+        plans[t.shape, t.dtype, t.src, t.dst] = plan(t.shape, t.dtype, t.src, t.dst, loads=loads, copies=len(group))
     want = []
     for t in order:
-        p = plan(t.shape, t.dtype, t.src, t.dst, loads=loads)
+        p = plans[t.shape, t.dtype, t.src, t.dst]
         want += [Step.move(len(want) + s.id, s.transfer, [len(want) + a for a in s.after], t.name)
                  for s in Program.from_plan(p).steps]
     assert [t.name for t in program.tensors] == [t.name for t in order]
