@@ -63,7 +63,8 @@ from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
-from reshard.program import DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, TensorDecl, move_steps, moves_like
+from reshard.program import (DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, StepsLike, TensorDecl, move_steps,
+                             moves_like)
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
@@ -393,11 +394,12 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
             derived = derived_of.get(key)
             if derived is None:
                 derived = derived_of[key] = scale_sharding(weight.shape, weight.dst, t.shape, w, t.name, pairs[w][1])
+                derived.check_shape(t.shape)  # as TensorDecl checks it, once per key
             if t.dst is not None and t.dst != derived:
                 raise ScaleLayoutError(
                     f"scale {t.name!r} is given destination {t.dst} but follows weight {w!r} into {derived}; "
                     f"leave the scale's destination out, or give it that one")
-            t = replace(t, dst=derived)
+            t = _decl_with(t, dst=derived)
         out.append(t)
     return out
 
@@ -504,6 +506,7 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     position = {d.name: i for i, d in enumerate(decls)}
     scale_of = {c.scale: w for w, c in converted.items()}
     templates: dict[int, list[Step]] = {}  # per list of transfers (a layout's, shared by its tensors): its moves
+    quantized: dict[tuple, tuple] = {}  # per layout of quantized weights: its steps, their names, their packing
     for i in order:
         d = decls[i]
         if d.name in scale_of:
@@ -512,14 +515,25 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         if c is not None:
             k = position[c.scale]
             source = given[i]
-            made = QuantizedSteps(len(steps), source, c, d, decls[k], transfers[i], transfers[k]).steps
-            if bucket_bytes:
+            names = (d.name, decls[k].name, source_name(d.name, source.dtype))
+            # The weights of one layout (their moves and their scales' one list each) are made and moved alike: the
+            # first's steps, renamed.
+            key = (id(transfers[i]), id(transfers[k]), source.shape, source.dtype, source.src, c.dtype, c.block)
+            found = quantized.get(key)
+            if found is None:
+                template = QuantizedSteps(0, source, c, d, decls[k], transfers[i], transfers[k]).steps
                 # The weight (in its new dtype), its scale, and the weight as held, which the gathers move.
-                packer.add_waiting(len(steps), made, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
-                                                      source_name(d.name, source.dtype): source.itemsize})
+                packing = _Buckets.waiting(template, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
+                                                      names[2]: source.itemsize}, bucket_bytes)
+                found = quantized[key] = (StepsLike(template), names, packing)
+            like, was, packing = found
+            made = like.make(len(steps), dict(zip(was, names)))
+            if bucket_bytes:
+                packer.pack_all(len(steps), packing)
             steps += made
-            program_tensors += [replace(d, src=None), replace(decls[k], src=None),
-                                TensorDecl(source_name(d.name, source.dtype), d.shape, source.dtype, source.src)]
+            # declarations made without their checks: the fields of checked ones, src left out or a name changed
+            program_tensors += [_decl_with(d, src=None), _decl_with(decls[k], src=None),
+                                _decl_with(source, name=names[2], dst=None)]
             continue
         moves = transfers[i]
         template = templates.get(id(moves))
@@ -533,26 +547,37 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())
 
 
+def _decl_with(decl: TensorDecl, **fields) -> TensorDecl:
+    """``decl`` with ``fields`` changed, without `TensorDecl`'s checks: for a src or dst left out, or a new name."""
+    out = object.__new__(TensorDecl)
+    object.__setattr__(out, "__dict__", {**decl.__dict__, **fields})
+    return out
+
+
 def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> list[TensorDecl]:
     """``decls`` as their moves carry them: a converted weight in its new dtype from its quantize layout, its scale
     (float32) from the same layout over the scale's blocks; the others as they are."""
     by_name = {d.name: d for d in decls}
-    layouts: dict[tuple, Sharding] = {}  # a state dict repeats a few (shape, layout, block): each is chosen once
+    # A state dict repeats a few (shapes, layouts, block, dtype): each is chosen, and its declarations checked, once;
+    # the others are the first's fields with their own names.
+    layouts: dict[tuple, tuple[TensorDecl, TensorDecl]] = {}
     moved: dict[str, TensorDecl] = {}
     for w, c in converted.items():
         d = by_name[w]
-        key = (d.shape, d.src, c.block)
-        q = layouts.get(key)
-        if q is None:
-            q = layouts[key] = quantize_layout(d.shape, d.src, c.block)
         taken = source_name(w, d.dtype)
         if taken in by_name:
             raise DtypeConversionError(f"tensor {taken!r} is moved here too, but quantizing {w!r} names the weight as "
                                        f"it is held so in the program; rename that tensor")
-        moved[w] = TensorDecl(w, d.shape, c.dtype, q, d.dst)
         s = by_name[c.scale]
-        # A block-aligned layout's scale tiles are its weight tiles' blocks (`scale_sharding`).
-        moved[c.scale] = TensorDecl(c.scale, s.shape, "float32", Sharding(q.mesh, q.spec), s.dst)
+        key = (d.shape, d.src, d.dst, c.block, c.dtype, s.shape, s.dst)
+        first = layouts.get(key)
+        if first is None:
+            q = quantize_layout(d.shape, d.src, c.block)
+            # A block-aligned layout's scale tiles are its weight tiles' blocks (`scale_sharding`).
+            first = layouts[key] = (TensorDecl(w, d.shape, c.dtype, q, d.dst),
+                                    TensorDecl(c.scale, s.shape, "float32", Sharding(q.mesh, q.spec), s.dst))
+        moved[w] = _decl_with(first[0], name=w)
+        moved[c.scale] = _decl_with(first[1], name=c.scale)
     return [moved.get(d.name, d) for d in decls]
 
 
@@ -560,7 +585,7 @@ class _Buckets:
     """Packs the small moves that wait for nothing, per (sender, receivers, method, route), in step order: each
     tensor's moves as `move_steps` made them, one step per transfer (ids from ``first`` on), read from the
     transfers themselves (a state dict's program is hundreds of thousands of steps); and, apart from them, a
-    quantized weight's moves by depth too (`add_waiting`)."""
+    quantized weight's moves by depth too (`waiting`, `pack_all`)."""
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -572,14 +597,19 @@ class _Buckets:
     def add(self, first: int, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> None:
         """Pack the moves ``steps`` (ids from ``first`` on) of ``transfers``; a small chain's step is replaced by one
         along the shared route (`SHARED_ROUTE_BYTES`)."""
+        self._pack(first, self._packable(transfers, steps, itemsize), transfers, steps)
+
+    def _pack(self, first: int, packing: Sequence[tuple], transfers: Sequence[Transfer] = (),
+              steps: Optional[list[Step]] = None) -> None:
+        """Pack the moves of ``packing`` ((position, path key, bytes, whether a small chain) each, ids from
+        ``first`` on), a small chain along its shared route (of ``transfers``, replacing its step in ``steps``)."""
         open_, full, limit = self._open, self._full, self.bucket_bytes
-        for k, key, nbytes, small_chain in self._packable(transfers, steps, itemsize):
+        for k, key, nbytes, small_chain in packing:
             group = open_.get(key)
             if group is None and small_chain:  # a small chain's order was a choice
                 t = self._shared_route(transfers[k], steps, k)
                 key = (t.sender, t.receivers, t.method, t.route)
                 group = open_.get(key)
-            # as _pack, inline: a state dict packs a million moves
             if group is None:
                 group = open_[key] = [[first + k], nbytes]
             else:
@@ -610,30 +640,28 @@ class _Buckets:
         self._packables[id(transfers), itemsize] = (transfers, out)  # the list kept: its id stays its own
         return out
 
-    def add_waiting(self, first: int, steps: Sequence[Step], itemsize: Mapping[str, int]) -> None:
-        """Pack the small moves among ``steps`` (ids from ``first`` on, waiting only for one another: a quantized
-        weight's and its scale's), by dependency depth as well as path: moves of one depth never wait for one
-        another, so a bucket that waits for all its members wait for makes no cycle."""
-        depth: dict[int, int] = {}
+    @staticmethod
+    def waiting(steps: Sequence[Step], itemsize: Mapping[str, int], bucket_bytes: int) -> list[tuple]:
+        """The small moves among ``steps`` (ids from 0 on, waiting only for one another: a quantized weight's and
+        its scale's) as `pack_all` packs them: by dependency depth as well as path, since moves of one depth never
+        wait for one another, so a bucket that waits for all its members wait for makes no cycle. As `_pack` reads
+        them, the same for every weight of one layout."""
+        depth: list[int] = []
+        out = []
         for k, s in enumerate(steps):
-            d = depth[first + k] = 1 + max(depth[a] for a in s.after) if s.after else 0
+            d = 1 + max(depth[a] for a in s.after) if s.after else 0
+            depth.append(d)
             if s.kind != MOVE or s.role != SRC:
                 continue
             t = s.transfer
             nbytes = boxes.volume(t.box) * itemsize[s.tensor]
-            if nbytes < self.bucket_bytes:
-                self._pack(("waiting", d, t.sender, t.receivers, t.method, t.route), first + k, nbytes)
+            if nbytes < bucket_bytes:
+                out.append((k, ("waiting", d, t.sender, t.receivers, t.method, t.route), nbytes, False))
+        return out
 
-    def _pack(self, key: tuple, step: int, nbytes: int) -> None:
-        group = self._open.get(key)
-        if group is None:
-            group = self._open[key] = [[step], nbytes]
-        else:
-            group[0].append(step)
-            group[1] += nbytes
-        if group[1] >= self.bucket_bytes:
-            self._full.append(group[0])
-            del self._open[key]
+    def pack_all(self, first: int, packing: Sequence[tuple]) -> None:
+        """Pack the moves `waiting` found, ids from ``first`` on."""
+        self._pack(first, packing)
 
     def _shared_route(self, t: Transfer, steps: list[Step], k: int) -> Transfer:
         """``t`` along the route of the first small chain from its sender to the same receivers, and step ``k`` of

@@ -67,7 +67,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from itertools import chain, compress, repeat
 from operator import and_, attrgetter, is_, not_
@@ -460,6 +460,71 @@ def moves_like(template: Sequence[Step], first: int, tensor: str) -> list[Step]:
                                      "tensor": tensor})
         steps.append(step)
     return steps
+
+
+_STEP_DEFAULTS = {f.name: f.default for f in fields(Step)}
+
+
+class StepsLike:
+    """The steps of ``template`` (ids from 0 on), ready to be made again for other tensors (`make`): the steps of
+    tensors made and moved as others of their layouts are (`reshard.plan_many`'s quantized weights)."""
+
+    def __init__(self, template: Sequence[Step]):
+        ref_at: dict[int, int] = {}
+        tensor_at: dict[str, int] = {}
+        self.refs: list[TileRef] = []  # the template's distinct tile refs
+        self.tensors: list[str] = []  # the tensors its moves name
+        # per step: its state, its after, and which of the tensors (a move) or refs (a compute) it names, by position
+        self.steps: list[tuple] = []
+
+        def ref(r: TileRef) -> int:
+            k = ref_at.get(id(r))
+            if k is None:
+                k = ref_at[id(r)] = len(self.refs)
+                self.refs.append(r)
+            return k
+
+        for s in template:
+            # Only the fields a step sets to other than their defaults, which the others read from the class (as
+            # `move_steps` builds them): fewer to copy per step made.
+            state = {k: v for k, v in s.__dict__.items() if k in ("id", "kind") or v != _STEP_DEFAULTS[k]}
+            if s.kind == MOVE:
+                tensor = tensor_at.setdefault(s.tensor, len(tensor_at))
+                if tensor == len(self.tensors):
+                    self.tensors.append(s.tensor)
+                self.steps.append((state, s.after, tensor, None, None))
+            else:
+                self.steps.append((state, s.after, None, [ref(r) for r in s.inputs],
+                                   ref(s.output) if s.output is not None else None))
+
+    def make(self, first: int, names: Mapping[str, str]) -> list[Step]:
+        """The template's steps with ids from ``first`` on and the tensors they name renamed by ``names`` (template
+        name -> name, every tensor a step names in it), built without their checks, which renaming keeps passing."""
+        new, set_state = object.__new__, object.__setattr__
+        refs = []
+        for ref in self.refs:
+            out = new(TileRef)
+            set_state(out, "tensor", names[ref.tensor])
+            set_state(out, "role", ref.role)
+            set_state(out, "box", ref.box)
+            refs.append(out)
+        tensors = [names[t] for t in self.tensors]
+        steps = []
+        for state, after, tensor, inputs, output in self.steps:
+            state = state.copy()
+            state["id"] += first
+            if after:
+                state["after"] = tuple([first + a for a in after])
+            if tensor is not None:
+                state["tensor"] = tensors[tensor]
+            else:
+                state["inputs"] = tuple([refs[k] for k in inputs])
+                if output is not None:
+                    state["output"] = refs[output]
+            step = new(Step)
+            set_state(step, "__dict__", state)
+            steps.append(step)
+        return steps
 
 
 # Steps written per chunk of JSON text: the id hashes one chunk at a time, and dumps joins a few hundred of them.

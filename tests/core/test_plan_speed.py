@@ -11,9 +11,10 @@ from functools import reduce
 import pytest
 
 from reshard import Mesh, Sharding, TensorDecl, Topology, plan
-from reshard.many import plan_many
+from reshard.many import _as_moved, follow_scales, plan_many, scale_pairs
 from reshard.plans import Transfer
-from reshard.program import MOVE, SRC, Program, Step, move_steps, moves_like
+from reshard.program import MOVE, SRC, Program, Step, StepsLike, move_steps, moves_like
+from reshard.quantize import QuantizedSteps, conversions, source_name
 from reshard.strategies import Loads, _long_routes
 
 # 4 training hosts of 4 devices -> 20 inference hosts holding two replicas each: a tile is wanted on 20 hosts,
@@ -205,3 +206,32 @@ def test_a_normal_shape_comes_back_as_it_is_and_others_are_still_checked():
     for bad in [(True, 2), (np.bool_(True),), (0, 3), (2.0,), (np.float32(2),), (-1,), (2**63,), tuple([1] * 65)]:
         with pytest.raises(InvalidShapeError):
             normalise_shape(bad)
+
+
+def test_a_quantized_weights_steps_made_from_another_of_its_layout_are_its_own():
+    """`StepsLike`: plan_many makes the steps of every quantized weight of one layout from the first's, renamed and
+    shifted; they must equal what `QuantizedSteps` builds for that weight itself."""
+    train = Mesh.from_hosts({"x": 4}, ["h0", "h1"], 2)  # rows over 4 devices cut 128-row blocks: gathers first
+    serve = Mesh.from_hosts({"r": 2, "t": 2}, ["s0", "s1"], 2)
+    decls = []
+    for w in ("a", "b"):
+        decls += [TensorDecl(w, (384, 256), "bfloat16", Sharding(train, ("x", None)), Sharding(serve, (None, "t"))),
+                  TensorDecl(f"{w}_s", (3, 2), "float32")]
+    pairs = scale_pairs({"a": "a_s", "b": "b_s"})
+    decls = follow_scales(decls, pairs)
+    converted = conversions(decls, {"a": "float8_e4m3fn", "b": "float8_e4m3fn"}, pairs)
+    moved = {d.name: d for d in _as_moved(decls, converted)}
+    given = {d.name: d for d in decls}
+    moves = {n: list(plan(d.shape, d.dtype, d.src, d.dst).transfers) for n, d in moved.items()}
+
+    def quantized(w: str, first: int):
+        return QuantizedSteps(first, given[w], converted[w], moved[w], moved[f"{w}_s"], moves["a"], moves["a_s"]).steps
+
+    template = quantized("a", 0)
+    assert any(s.kind == MOVE and s.after for s in template) and any(s.kind != MOVE for s in template)
+    names = {"a": "b", "a_s": "b_s", source_name("a", "bfloat16"): source_name("b", "bfloat16")}
+    made = StepsLike(template).make(37, names)
+    want = quantized("b", 37)
+    assert made == want
+    assert [s.to_json() for s in made] == [s.to_json() for s in want]
+    assert [str(s) for s in made] == [str(s) for s in want]
