@@ -4,11 +4,16 @@ follow their weights.
 `plan_many` plans every tensor's reshard into one `ManyProgram`, which agents run as one job:
 
 ================ ==================================================================================
-load balance     strategy ``auto``: every tensor is planned by `reshard.plan` against one `Loads`
-                 shared by all of them, largest first, so each plan's greedy sees the NIC loads of
-                 the tensors before it and spreads replicated tiles over their replicas' hosts,
-                 where planning each tensor alone picks the same least-loaded replica for all of
-                 them. Strategy ``broadcast`` plans each tensor alone, then, over all tensors at
+load balance     strategy ``auto``: every layout (shape, dtype, source and destination shardings) is
+                 planned once, by `reshard.plan` with ``copies=`` its tensors, against one `Loads`
+                 shared by all of them, largest layout in all first, so each plan's greedy sees the
+                 NIC loads of the layouts before it and spreads replicated tiles over their
+                 replicas' hosts, where planning each tensor alone picks the same least-loaded
+                 replica for all of them. The tensors of one layout (a state dict's layers) move
+                 alike, sharing their transfers: the 61 layers of a Kimi-K2-like state dict are a
+                 few thousand layouts over 139,583 tensors, so planning costs what one layer's does,
+                 and the estimate stays at the lower bound (bench/plan_quality.py).
+                 Strategy ``broadcast`` plans each tensor alone, then, over all tensors at
                  once, gives every network transfer that reads a replicated source tile again the
                  replica host (and, for a chain, the host that ends the chain and so forwards
                  nothing) that keeps the busiest NIC lowest, largest transfers first; kept only
