@@ -56,6 +56,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import chain
+from operator import attrgetter, is_
 from typing import Optional, Union
 
 import numpy as np
@@ -68,8 +69,9 @@ from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
-from reshard.program import (DST, MOVE, PROGRAM_VERSION, SRC, Program, Step, StepsLike, TensorDecl, move_steps,
-                             moves_like)
+from reshard.program import (DST, MOVE, PROGRAM_VERSION, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with,
+                             move_steps, moves_like)
+from reshard.program import _read_steps, _read_tensors
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
@@ -96,6 +98,7 @@ MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; lar
 SHARED_ROUTE_BYTES = 64 * 2**10
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
+_TRANSFER = attrgetter("transfer")
 _BALANCED = ("broadcast",)  # auto balances as it plans, against one Loads
 
 
@@ -140,10 +143,8 @@ class ManyProgram(Program):
             raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
         check_version(data, "program", PROGRAM_VERSION)
         made = cls(
-            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}", seen)
-                          for i, t in enumerate(field_of(data, "tensors", "array", "program JSON", E))),
-            steps=tuple(Step.from_json(t, f"program JSON step {i}")
-                        for i, t in enumerate(field_of(data, "steps", "array", "program JSON", E))),
+            tensors=tuple(_read_tensors(data, seen)),  # written whole, or by layout (the compact text)
+            steps=tuple(_read_steps(data)),  # written whole, or as runs of earlier steps (the compact text)
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
             buckets=tuple(buckets))
@@ -404,7 +405,7 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
                 raise ScaleLayoutError(
                     f"scale {t.name!r} is given destination {t.dst} but follows weight {w!r} into {derived}; "
                     f"leave the scale's destination out, or give it that one")
-            t = _decl_with(t, dst=derived)
+            t = decl_with(t, dst=derived)
         out.append(t)
     return out
 
@@ -510,8 +511,10 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     program_tensors: list[TensorDecl] = []
     position = {d.name: i for i, d in enumerate(decls)}
     scale_of = {c.scale: w for w, c in converted.items()}
-    templates: dict[int, list[Step]] = {}  # per list of transfers (a layout's, shared by its tensors): its moves
-    quantized: dict[tuple, tuple] = {}  # per layout of quantized weights: its steps, their names, their packing
+    # per list of transfers (a layout's, shared by its tensors): its moves, where the first's begin, its name
+    templates: dict[int, tuple[list[Step], int, str]] = {}
+    quantized: dict[tuple, tuple] = {}  # per layout of quantized weights: its steps, names, packing, first step
+    runs: list[Run] = []  # tensors' steps that repeat another's of their layout, renamed (the compact text)
     for i in order:
         d = decls[i]
         if d.name in scale_of:
@@ -530,33 +533,40 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
                 # The weight (in its new dtype), its scale, and the weight as held, which the gathers move.
                 packing = _Buckets.waiting(template, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
                                                       names[2]: source.itemsize}, bucket_bytes)
-                found = quantized[key] = (StepsLike(template), names, packing)
-            like, was, packing = found
+                found = quantized[key] = (StepsLike(template), names, packing, len(steps))
+            like, was, packing, at = found
             made = like.make(len(steps), dict(zip(was, names)))
             if bucket_bytes:
                 packer.pack_all(len(steps), packing)
+            if at != len(steps):
+                _run(runs, steps, made, at, tuple(zip(was, names)))
             steps += made
             # declarations made without their checks: the fields of checked ones, src left out or a name changed
-            program_tensors += [_decl_with(d, src=None), _decl_with(decls[k], src=None),
-                                _decl_with(source, name=names[2], dst=None)]
+            program_tensors += [decl_with(d, src=None), decl_with(decls[k], src=None),
+                                decl_with(source, name=names[2], dst=None)]
             continue
         moves = transfers[i]
-        template = templates.get(id(moves))
-        if template is None:
-            template = templates[id(moves)] = move_steps(moves, 0, d.name)
+        found = templates.get(id(moves))
+        if found is None:
+            found = templates[id(moves)] = (move_steps(moves, 0, d.name), len(steps), d.name)
+        template, like, was = found
         made = moves_like(template, len(steps), d.name)
         if bucket_bytes:
             packer.add(len(steps), transfers[i], made, d.itemsize)
+        if like != len(steps):
+            _run(runs, steps, made, like, ((was, d.name),))
         steps += made
         program_tensors.append(d)
-    return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())
+    return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())._with_runs(runs)
 
 
-def _decl_with(decl: TensorDecl, **fields) -> TensorDecl:
-    """``decl`` with ``fields`` changed, without `TensorDecl`'s checks: for a src or dst left out, or a new name."""
-    out = object.__new__(TensorDecl)
-    object.__setattr__(out, "__dict__", {**decl.__dict__, **fields})
-    return out
+def _run(runs: list[Run], steps: list[Step], made: list[Step], like: int, renames: tuple) -> None:
+    """Note ``made``, the next steps, as a run of steps ``like`` onwards renamed (the program's compact text, `Run`)
+    where they still are that: the packer gives a small chain a shared route (`_Buckets._shared_route`) by
+    replacing its step, so their transfers are compared, each the same object or not a run."""
+    n = len(made)
+    if all(map(is_, map(_TRANSFER, made), map(_TRANSFER, steps[like:like + n]))):
+        runs.append((len(steps), n, like, renames))
 
 
 def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> list[TensorDecl]:
@@ -581,8 +591,8 @@ def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> l
             # A block-aligned layout's scale tiles are its weight tiles' blocks (`scale_sharding`).
             first = layouts[key] = (TensorDecl(w, d.shape, c.dtype, q, d.dst),
                                     TensorDecl(c.scale, s.shape, "float32", Sharding(q.mesh, q.spec), s.dst))
-        moved[w] = _decl_with(first[0], name=w)
-        moved[c.scale] = _decl_with(first[1], name=c.scale)
+        moved[w] = decl_with(first[0], name=w)
+        moved[c.scale] = decl_with(first[1], name=c.scale)
     return [moved.get(d.name, d) for d in decls]
 
 
@@ -598,6 +608,7 @@ class _Buckets:
         self._full: list[list[int]] = []
         self._routes: dict[tuple, Transfer] = {}  # (sender, receivers as a set) -> its first small chain
         self._packables: dict[tuple, tuple] = {}  # (id of a list of transfers, itemsize) -> (it, `_packable`'s)
+        self._chosen: dict[int, tuple[Transfer, Transfer]] = {}  # id of a small chain -> (it, the one it goes as)
 
     def add(self, first: int, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> None:
         """Pack the moves ``steps`` (ids from ``first`` on) of ``transfers``; a small chain's step is replaced by one
@@ -611,8 +622,8 @@ class _Buckets:
         open_, full, limit = self._open, self._full, self.bucket_bytes
         for k, key, nbytes, small_chain in packing:
             group = open_.get(key)
-            if group is None and small_chain:  # a small chain's order was a choice
-                t = self._shared_route(transfers[k], steps, k)
+            if small_chain:  # a small chain's order was a choice
+                t = self._shared_route(transfers[k], steps, k, group is None)
                 key = (t.sender, t.receivers, t.method, t.route)
                 group = open_.get(key)
             if group is None:
@@ -668,16 +679,20 @@ class _Buckets:
         """Pack the moves `waiting` found, ids from ``first`` on."""
         self._pack(first, packing)
 
-    def _shared_route(self, t: Transfer, steps: list[Step], k: int) -> Transfer:
-        """``t`` along the route of the first small chain from its sender to the same receivers, and step ``k`` of
-        ``steps`` with it."""
-        key = (t.sender, frozenset(t.receivers))
-        first = self._routes.setdefault(key, t)
-        if first.route == t.route and first.receivers == t.receivers:
-            return t
-        t = replace(t, receivers=first.receivers, route=first.route)
-        steps[k] = replace(steps[k], transfer=t)
-        return t
+    def _shared_route(self, t: Transfer, steps: list[Step], k: int, unopened: bool) -> Transfer:
+        """``t`` along the route of the first small chain from its sender to the same receivers where no bucket of
+        its own path is open (``unopened``), and step ``k`` of ``steps`` with it. Decided once per transfer object:
+        the tensors of one layout share their transfers (`plan_many`), and each of them goes the way the first did,
+        in the very same transfer, so that their steps stay the first's renamed (the program's compact text)."""
+        chosen = self._chosen.get(id(t))
+        if chosen is None:
+            key = (t.sender, frozenset(t.receivers))
+            first = self._routes.setdefault(key, t)
+            same = not unopened or (first.route == t.route and first.receivers == t.receivers)
+            chosen = self._chosen[id(t)] = (t, t if same else replace(t, receivers=first.receivers, route=first.route))
+        if chosen[1] is not t:
+            steps[k] = replace(steps[k], transfer=chosen[1])
+        return chosen[1]
 
     def buckets(self) -> tuple[tuple[int, ...], ...]:
         out = self._full + [ids for ids, _ in self._open.values()]

@@ -120,6 +120,10 @@ __all__ = [
     "DST",
     "RESHARD_TENSOR",
     "PROGRAM_VERSION",
+    "Run",
+    "decl_with",
+    "StepsLike",
+    "moves_like",
 ]
 
 PROGRAM_VERSION = 1
@@ -223,6 +227,14 @@ class TensorDecl:
             src=_sharding_of(src, shardings) if src is not None else None,
             dst=_sharding_of(dst, shardings) if dst is not None else None,
         )
+
+
+def decl_with(decl: TensorDecl, **fields) -> TensorDecl:
+    """``decl`` with ``fields`` changed, without `TensorDecl`'s checks: for a src or dst left out, a new name, or
+    fields already checked together on another declaration."""
+    out = object.__new__(TensorDecl)
+    object.__setattr__(out, "__dict__", {**decl.__dict__, **fields})
+    return out
 
 
 _INTS = frozenset({int})
@@ -525,6 +537,122 @@ class StepsLike:
             set_state(step, "__dict__", state)
             steps.append(step)
         return steps
+
+
+# -- the compact text ----------------------------------------------------------------------------------------
+#
+# A state dict's program repeats a few layouts over many tensors, and each tensor's steps are another's of its layout
+# with the names changed (`reshard.plan_many` makes them so: `moves_like`, `StepsLike`). Its text (`Program.dumps`)
+# then says so instead of writing every step: ``layouts`` lists each distinct (shape, dtype, src, dst) once and a
+# tensor names its layout by position (``{"name": ..., "layout": k}``), and a ``steps`` entry
+# ``{"like": a, "count": n, "rename": {old: new, ...}}`` stands for steps a .. a + n - 1, written before it, again,
+# as the next n steps: each id and ``after`` moved by the same amount, and the tensors they name renamed (those not
+# in ``rename`` kept). The steps of a run wait only for steps of the run. The program is the same: its id is the
+# hash of its canonical text, every step written out (the Kimi-K2-like state dict of bench/plan_quality.py: 919 MiB
+# of plain text, 40 written so).
+
+# (first step, count, first step it repeats, ((old name, new name), ...)) each, in step order, not overlapping
+Run = tuple[int, int, int, tuple[tuple[str, str], ...]]
+
+
+def _compact_fields(tensors: Sequence[TensorDecl], steps: Sequence[Step], runs: Sequence[Run]) -> dict:
+    """The ``layouts``, ``tensors`` and ``steps`` fields of the compact text, as chunks of plain JSON text."""
+    layouts: dict[tuple, int] = {}
+    layout_texts: list[str] = []
+    tensor_texts: list[str] = []
+    for t in tensors:
+        key = (t.shape, t.dtype, t.src, t.dst)
+        k = layouts.get(key)
+        if k is None:
+            k = layouts[key] = len(layout_texts)
+            fields = t.to_json()
+            del fields["name"]
+            layout_texts.append(plain_text(fields))
+        tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}}}')
+    return {"layouts": (f"[{', '.join(layout_texts)}]",), "tensors": (f"[{', '.join(tensor_texts)}]",),
+            "steps": _run_chunks(steps, runs)}
+
+
+def _run_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
+    """The compact ``steps`` field: the steps outside ``runs`` written out (as `_step_chunks` writes them), a run
+    entry for each run."""
+    writer = _StepWriter(canonical=False)
+    sep = ", "
+    yield "["
+    written = 0  # entries so far
+    at = 0
+    for first, count, like, renames in (*runs, (len(steps), 0, 0, ())):
+        for start in range(at, first, _STEPS_PER_CHUNK):
+            part = steps[start:min(first, start + _STEPS_PER_CHUNK)]
+            chunk = writer.moves(part)
+            if chunk is None:
+                chunk = sep.join(map(writer.step, part))
+            yield f"{sep}{chunk}" if written else chunk
+            written += 1
+        if count:
+            rename = ", ".join(f"{quoted(a)}: {quoted(b)}" for a, b in renames)
+            entry = f'{{"like": {like}, "count": {count}, "rename": {{{rename}}}}}'
+            yield f"{sep}{entry}" if written else entry
+            written += 1
+        at = first + count
+    yield "]"
+
+
+class _Renamed(dict):
+    """A ``rename`` of a run: a name it does not list stays as it is."""
+
+    def __missing__(self, key):
+        return key
+
+
+def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
+    """The ``tensors`` of program JSON, each written whole or (the compact text) by name and layout."""
+    E = PlanValidationError
+    raw = field_of(data, "tensors", "array", "program JSON", E)
+    layouts = [TensorDecl.from_json({**need(fields, "object", f"program JSON layout {k}", E), "name": ""},
+                                    f"program JSON layout {k}", seen)
+               for k, fields in enumerate(field_of(data, "layouts", "array", "program JSON", E, default=[]))]
+    out = []
+    for i, t in enumerate(raw):
+        if isinstance(t, Mapping) and "layout" in t:
+            what = f"program JSON tensor {i}"
+            k = field_of(t, "layout", "integer", what, E)
+            if not 0 <= k < len(layouts):
+                raise E(f"{what} names layout {k}, but the program lists {len(layouts)} layouts (0.."
+                        f"{len(layouts) - 1})")
+            out.append(decl_with(layouts[k], name=field_of(t, "name", "string", what, E)))
+        else:
+            out.append(TensorDecl.from_json(t, f"program JSON tensor {i}", seen))
+    return out
+
+
+def _read_steps(data: Mapping) -> list[Step]:
+    """The ``steps`` of program JSON, each written whole or (the compact text) as a run of earlier steps again."""
+    E = PlanValidationError
+    out: list[Step] = []
+    forms: dict[tuple[int, int], StepsLike] = {}  # a state dict's runs repeat a few hundred templates
+    for i, item in enumerate(field_of(data, "steps", "array", "program JSON", E)):
+        if not (isinstance(item, Mapping) and "like" in item):
+            out.append(Step.from_json(item, f"program JSON step {len(out)}"))
+            continue
+        what = f"program JSON steps entry {i} (a run, from step {len(out)})"
+        like, count = (field_of(item, key, "integer", what, E) for key in ("like", "count"))
+        rename = field_of(item, "rename", "object", what, E, default={})
+        if not all(isinstance(a, str) and isinstance(b, str) for a, b in rename.items()):
+            raise E(f"{what}: rename maps tensor names to tensor names; got {brief(rename)}")
+        if not (0 <= like and 0 < count and like + count <= len(out)):
+            raise E(f"{what} repeats steps {like}..{like + count - 1}, which are not all steps written before it "
+                    f"(there are {len(out)}); a run repeats earlier steps")
+        form = forms.get((like, count))
+        if form is None:
+            template = out[like:like + count]
+            outside = [(s.id, a) for s in template for a in s.after if not like <= a < like + count]
+            if outside:
+                raise E(f"{what} repeats steps {like}..{like + count - 1}, but step {outside[0][0]} of them waits "
+                        f"for step {outside[0][1]}, outside the run; a run's steps wait only for steps of the run")
+            form = forms[like, count] = StepsLike(template)
+        out.extend(form.make(len(out) - like, _Renamed(rename)))
+    return out
 
 
 # Steps written per chunk of JSON text: the id hashes one chunk at a time, and dumps joins a few hundred of them.
@@ -1145,12 +1273,10 @@ class Program(ContentAddressed):
             raise E(f"JSON with kind {brief(data.get('kind'))} and fields {brief(sorted(map(str, data)))} is neither "
                     f"a program (kind 'program', with steps) nor a plan (with transfers)")
         check_version(data, "program", PROGRAM_VERSION)
-        tensors = field_of(data, "tensors", "array", "program JSON", E)
-        steps = field_of(data, "steps", "array", "program JSON", E)
         seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
         program = cls(
-            tensors=tuple(TensorDecl.from_json(t, f"program JSON tensor {i}", seen) for i, t in enumerate(tensors)),
-            steps=tuple(Step.from_json(s, f"program JSON step {i}") for i, s in enumerate(steps)),
+            tensors=tuple(_read_tensors(data, seen)),
+            steps=tuple(_read_steps(data)),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
         )
@@ -1182,17 +1308,32 @@ class Program(ContentAddressed):
         return self
 
     def dumps(self) -> str:
-        """The program's JSON, written out once (a program is immutable)."""
+        """The program's JSON, written out once (a program is immutable): ``json.dumps(self.to_json())``'s text,
+        or, for a program made with runs of steps that repeat others (`_with_runs`), its compact text (see `Run`),
+        which `from_json` reads back into the same program."""
         text = self.__dict__.get("_text")
         if text is None:
             # What ``json.dumps(self.to_json())`` writes: the canonical fields, the extras, then the id.
             ident = self.id
             fields = self._json_fields(canonical=False)
+            runs = self.__dict__.get("_runs")
+            if runs:  # the compact text (see `Run`): layouts before the tensors that name them
+                compact = _compact_fields(self.tensors, self.steps, runs)
+                fields = {k: v for key, value in fields.items()
+                          for k, v in ((("layouts", compact["layouts"]),) if key == "tensors" else ())
+                          + ((key, compact.get(key, value)),)}
             fields.update((key, (plain_text(value),)) for key, value in self._extras().items())
             fields["id"] = (plain_text(ident),)
             text = "".join(_json_text_chunks(fields, canonical=False))
             object.__setattr__(self, "_text", text)
         return text
+
+    def _with_runs(self, runs: Sequence[Run]) -> "Program":
+        """This program, whose text (`dumps`) writes ``runs`` as runs of the steps they repeat (see `Run`). The
+        caller guarantees each is that (`reshard.plan_many` builds them so): nothing here checks it, and a reader
+        of the text that trusts its claimed id (an agent) would not either. Returns self."""
+        object.__setattr__(self, "_runs", tuple(runs))  # not a field: the text only
+        return self
 
     def _validate(self) -> None:
         # The graph's rules now; its ancestor sets (`_ancestors`) only where a check reads what earlier steps wrote
@@ -1272,7 +1413,8 @@ class Program(ContentAddressed):
                         produced[(dev, tensor)].append((s.id, role, b))
         if listed < len(move_step):  # moves listed above and in the loop: in step order, as one pass lists them
             move_step, move_tensor = (list(c) for c in zip(*sorted(zip(move_step, move_tensor))))
-        proven = delivered_by_pattern(reshard, move_tensor, list(map(_step_transfer, map(steps.__getitem__, move_step))), METHODS, hosts,
+        transfers = list(map(_step_transfer, map(steps.__getitem__, move_step)))
+        proven = delivered_by_pattern(reshard, move_tensor, transfers, METHODS, hosts,
                                       link_ids=self._link_ids[np.asarray(move_step, dtype=np.int64)])
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
         reshard_moves: dict[str, list[tuple[int, Transfer]]] = defaultdict(list)

@@ -13,6 +13,11 @@ Updated again when `reshard.plan_many` began to plan each layout (shape, dtype, 
 its tensors (`plan(..., copies=)`: a state dict's layers repeat a few layouts, and planning every tensor of the
 61-layer Kimi-K2-like one took 36-46 s of issue 41's 5). The tensors of one layout now move alike; the paper suites'
 plans, the broadcast strategy's, and the small MoE's did not change.
+
+The small MoE's changed when a small chain's shared route (`reshard.many.SHARED_ROUTE_BYTES`) came to be decided
+once per transfer, for every tensor of a layout alike (before, a later tensor found its own path's bucket open and
+kept its route): the steps of a layout's tensors stay one another's renamed, which the program's compact text
+writes as runs (`reshard.program.Run`).
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ def test_a_state_dict_of_long_chains_plans_as_it_did():
 def test_moe_state_dicts_plan_as_they_did():
     train, serve = Mesh.grid({"host": 4, "gpu": 2}, 2, "t"), Mesh.grid({"host": 2, "gpu": 2}, 2, "s")
     small = moe_state_dict(SMALL_MOE, train, serve, ep_devices=2)
-    assert plan_many(small.tensors, Topology.gpu_hosts(nics=2), scales=small.scales).id[:16] == "1f9cb42cfe4d6a5c"
+    assert plan_many(small.tensors, Topology.gpu_hosts(nics=2), scales=small.scales).id[:16] == "5c07d65a8832202e"
     # Kimi K2's shapes, one MoE layer of 16 experts, from 16 training hosts of 2 GPUs to the records' serving mesh:
     # chains over the 16 serving hosts (attention) and over 8 (each expert to its replicas), where the route search
     # takes its greedy walks (its small boxes' chains take `_long_routes`' routes).
