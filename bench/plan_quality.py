@@ -195,6 +195,13 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
 
     resource.setrlimit(resource.RLIMIT_AS, (int(cap_gib * GIB), int(cap_gib * GIB)))
     out: dict = {"layers": layers, "quantize": quantize}
+
+    def start(what: str) -> str:
+        """A JSON line of the figures so far and the stage now under way: a parent that stops this child at its
+        timeout still has them."""
+        print(json.dumps({**out, "stage": what}), flush=True)
+        return what
+
     stage = "build"
     try:
         case = build(layers, KIMI_EXPERTS)
@@ -202,27 +209,27 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
         weights = {t.name for t in case.weights}
         dtypes = {k: v for k, v in case.serve_dtypes.items() if k in weights} if quantize else None
         out.update(tensors=len(case.tensors), params=case.num_params, serve_bytes=case.serve_bytes)
-        stage = "plan_many"
+        stage = start("plan_many")
         t0 = time.perf_counter()
         program = plan_many(case.tensors, topo, scales=case.scales, dtypes=dtypes)
         out["plan"] = time.perf_counter() - t0
         out.update(steps=len(program.steps), buckets=len(program.buckets), rss_plan_gib=_rss_gib())
-        stage = "validate"
+        stage = start("validate")
         t0 = time.perf_counter()
         program.validate()
         out["validate"] = time.perf_counter() - t0
-        stage = "the program's text"
+        stage = start("the program's text")
         t0 = time.perf_counter()
         out["text_mib"] = len(program.dumps()) / 2**20
         out["dumps"] = time.perf_counter() - t0
         # What a planner holds: the program planned, validated and written out (the measures below are the bench's).
         out["rss_gib"] = _rss_gib()
-        stage = "the estimate"
+        stage = start("the estimate")
         out["estimate"] = program.estimate_seconds
-        stage = "the lower bound"
+        stage = start("the lower bound")
         wire = {t.name: itemsize(case.serve_dtypes[t.name]) for t in case.tensors} if quantize else None
         out["bound"] = many_lower_bound(case.tensors, topo, wire)
-        stage = "the per-host slices"
+        stage = start("the per-host slices")
         slices = host_slice_bytes(program)
         host = max(slices, key=slices.get)
         out.update(slice_mib=slices[host] / 2**20, slice_host=host, hosts=len(slices))
@@ -241,8 +248,13 @@ def _moe_run(layers: int, quantize: bool, timeout: float, cap_gib: float) -> dic
     try:
         child = subprocess.run([sys.executable, __file__, "--moe-child", str(layers), str(int(quantize)),
                                 str(cap_gib)], capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"layers": layers, "quantize": quantize, "over": what}
+    except subprocess.TimeoutExpired as stopped:
+        # the figures of the stages that finished, and the one under way
+        out = stopped.stdout.decode() if isinstance(stopped.stdout, bytes) else (stopped.stdout or "")
+        lines = out.strip().splitlines()
+        m = json.loads(lines[-1]) if lines else {"layers": layers, "quantize": quantize}
+        m["over"] = what + (f" (while {m.pop('stage')})" if "stage" in m else "")
+        return m
     lines = child.stdout.strip().splitlines()
     if child.returncode or not lines:
         # numpy's or the allocator's own failure under the cap ends the child without the JSON line
@@ -250,12 +262,13 @@ def _moe_run(layers: int, quantize: bool, timeout: float, cap_gib: float) -> dic
         return {"layers": layers, "quantize": quantize,
                 "over": f"over {cap_gib:g} GiB of address space (the child ended: {tail})"}
     m = json.loads(lines[-1])
+    m.pop("stage", None)
     if "over_memory" in m:
         m["over"] = f"over {cap_gib:g} GiB of address space (while {m['over_memory']})"
     return m
 
 
-QUANTIZED_LADDER = [4, 2]  # quantized on the way: the sizes tried, largest first (see `moe_markdown` for why so few)
+QUANTIZED_LADDER = [61, 4]  # quantized on the way: the sizes tried, largest first
 
 
 def _ladder(ladder: list[int], quantize: bool, timeout: float, cap_gib: float) -> list[dict]:
@@ -309,9 +322,9 @@ def _quantized_note(quantized: list[dict]) -> str:
             "wire), and the last rows quantize on the way (`dtypes=` the serving dtypes: fp8 and scales made by "
             "the senders)")
     if over:
-        said += (f": at {over[0]['layers']} layers that is {over[0]['over']}, as validating its program holds a "
-                 "bit set of ancestors per step (`Program._ancestors`), whose size grows with the square of the "
-                 "steps once moves wait for quantize steps")
+        said += (f": at {over[0]['layers']} layers that is {over[0]['over']}; validating a quantized program still "
+                 "checks its quantize steps and the moves that wait for them one step at a time (the columnar "
+                 "proof covers the moves from source tiles only)")
     if done is not None and done["estimate"] < done["bound"]:
         said += (f". Its estimate ({done['estimate']:.3f} s) is below the lower bound ({done['bound']:.3f} s): "
                  "`Program.estimate` starts each dependency depth's moves when their own dependencies end and "
@@ -348,8 +361,8 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
     runs, quantized, b = moe["runs"], moe["quantized"], moe["bounds"]
     full = runs[0]
     done = next((m for m in runs if "over" not in m), None)
-    head = ["case", "tensors", "steps", "plan s", "validate s", "peak RSS GiB", "text MiB",
-            "largest per-host slice MiB (would hold; not cut today)", "estimate s", "lower bound s",
+    head = ["case", "tensors", "steps", "plan s", "validate s", "peak RSS GiB", "text MiB (what every agent gets)",
+            "largest per-host cut MiB (would hold; not cut today)", "estimate s", "lower bound s",
             "estimate / bound"]
     table = _table(head, [_moe_row(m) for m in runs + quantized])
     g = MOE_GOALS
@@ -364,7 +377,9 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         ("validated < 5 s", _goal(at_full("validate"), g["validate"], over, " s")),
         ("planner memory (peak RSS of the child) < 4 GiB", _goal(at_full("rss_gib"), g["rss_gib"], over, " GiB")),
         ("largest per-host slice < 64 MiB of program text",
-         _goal(at_full("slice_mib"), g["slice_mib"], over, " MiB")),
+         _goal(at_full("text_mib"), g["slice_mib"], over, " MiB") + " by the program's text, which every agent "
+         "gets whole (the program is not cut per host: a cut of the text written step by step would hold "
+         + (f"{full['slice_mib']:,.1f} MiB" if "slice_mib" in full else "more") + ")"),
         ("estimate <= 1.05x the lower bound", _goal(ratio, g["ratio"], over, "x")),
         ("a repeated sync (cached program) < 50 ms from request to every agent started",
          "not measured here (needs a planner and agents; this bench plans only)"),
@@ -376,7 +391,7 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
             ("planned < 5 s", _goal(done["plan"], g["plan"], unit=" s")),
             ("validated < 5 s", _goal(done["validate"], g["validate"], unit=" s")),
             ("peak RSS < 4 GiB", _goal(done["rss_gib"], g["rss_gib"], unit=" GiB")),
-            ("largest per-host slice < 64 MiB", _goal(done["slice_mib"], g["slice_mib"], unit=" MiB")),
+            ("program text < 64 MiB", _goal(done["text_mib"], g["slice_mib"], unit=" MiB")),
             ("estimate <= 1.05x bound", _goal(done["estimate"] / done["bound"], g["ratio"], unit="x")),
         ]
         tail = (f"\n\nAt {done['layers']} layers, the largest size that finished: "
@@ -400,10 +415,12 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         f"{timeout:g} s and an address space of {cap_gib:g} GiB (`RLIMIT_AS`), which keep this shared machine "
         "usable; where the full 61 layers do not finish within them the row says so, and the next rows are the "
         "largest of the smaller sizes that did. Peak RSS is the child's after planning, validating and writing the "
-        "program's text (what a planner holds). The program's text is `Program.dumps`. No per-host slices exist "
-        "today (every agent gets the whole program): the slice column measures what the largest one WOULD hold, the "
-        "steps that host takes part in (as sender, receiving or forwarding hop, compute device), their tensors' "
-        "declarations and buckets, as program JSON (`bench/_program_parts.py`). The lower bound is the cost "
+        "program's text (what a planner holds). The program's text is `Program.dumps`, which every agent gets "
+        "whole: each tensor by its layout, and each tensor's steps as a run of the first of its layout's, renamed "
+        "(`reshard.program.Run`). No per-host cut exists today: the cut column measures what the largest one WOULD "
+        "hold written step by step, the steps that host takes part in (as sender, receiving or forwarding hop, "
+        "compute device), their tensors' declarations and buckets, as program JSON (`bench/_program_parts.py`). "
+        "The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         "Must-show 1's goals, from the full case's figures:\n\n| goal | verdict |\n|---|---|\n" + "\n".join(lines)

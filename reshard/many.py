@@ -142,9 +142,10 @@ class ManyProgram(Program):
         if data.get("kind") != "program":
             raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
         check_version(data, "program", PROGRAM_VERSION)
+        tensors = tuple(_read_tensors(data, seen))  # written whole, or by layout (the compact text)
         made = cls(
-            tensors=tuple(_read_tensors(data, seen)),  # written whole, or by layout (the compact text)
-            steps=tuple(_read_steps(data)),  # written whole, or as runs of earlier steps (the compact text)
+            tensors=tensors,
+            steps=tuple(_read_steps(data, tensors)),  # written whole, or as runs of earlier steps (the compact text)
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
             buckets=tuple(buckets))

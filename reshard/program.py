@@ -545,11 +545,11 @@ class StepsLike:
 # with the names changed (`reshard.plan_many` makes them so: `moves_like`, `StepsLike`). Its text (`Program.dumps`)
 # then says so instead of writing every step: ``layouts`` lists each distinct (shape, dtype, src, dst) once and a
 # tensor names its layout by position (``{"name": ..., "layout": k}``), and a ``steps`` entry
-# ``{"like": a, "count": n, "rename": {old: new, ...}}`` stands for steps a .. a + n - 1, written before it, again,
-# as the next n steps: each id and ``after`` moved by the same amount, and the tensors they name renamed (those not
-# in ``rename`` kept). The steps of a run wait only for steps of the run. The program is the same: its id is the
-# hash of its canonical text, every step written out (the Kimi-K2-like state dict of bench/plan_quality.py: 919 MiB
-# of plain text, 40 written so).
+# ``{"like": a, "count": n, "rename": [[i, j], ...]}`` stands for steps a .. a + n - 1, written before it, again, as
+# the next n steps: each id and ``after`` moved by the same amount, and the tensors they name renamed, tensor i of
+# the program's to tensor j (by position; those not renamed kept). The steps of a run wait only for steps of the
+# run. The program is the same: its id is the hash of its canonical text, every step written out (the Kimi-K2-like
+# state dict of bench/plan_quality.py: 919 MiB of plain text, under 64 written so).
 
 # (first step, count, first step it repeats, ((old name, new name), ...)) each, in step order, not overlapping
 Run = tuple[int, int, int, tuple[tuple[str, str], ...]]
@@ -570,12 +570,12 @@ def _compact_fields(tensors: Sequence[TensorDecl], steps: Sequence[Step], runs: 
             layout_texts.append(plain_text(fields))
         tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}}}')
     return {"layouts": (f"[{', '.join(layout_texts)}]",), "tensors": (f"[{', '.join(tensor_texts)}]",),
-            "steps": _run_chunks(steps, runs)}
+            "steps": _run_chunks(steps, runs, {t.name: i for i, t in enumerate(tensors)})}
 
 
-def _run_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
+def _run_chunks(steps: Sequence[Step], runs: Sequence[Run], position: Mapping[str, int]) -> Iterator[str]:
     """The compact ``steps`` field: the steps outside ``runs`` written out (as `_step_chunks` writes them), a run
-    entry for each run."""
+    entry for each run, naming tensors by their ``position`` among the program's."""
     writer = _StepWriter(canonical=False)
     sep = ", "
     yield "["
@@ -590,8 +590,8 @@ def _run_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
             yield f"{sep}{chunk}" if written else chunk
             written += 1
         if count:
-            rename = ", ".join(f"{quoted(a)}: {quoted(b)}" for a, b in renames)
-            entry = f'{{"like": {like}, "count": {count}, "rename": {{{rename}}}}}'
+            rename = ", ".join(f"[{position[a]}, {position[b]}]" for a, b in renames)
+            entry = f'{{"like": {like}, "count": {count}, "rename": [{rename}]}}'
             yield f"{sep}{entry}" if written else entry
             written += 1
         at = first + count
@@ -626,8 +626,9 @@ def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
     return out
 
 
-def _read_steps(data: Mapping) -> list[Step]:
-    """The ``steps`` of program JSON, each written whole or (the compact text) as a run of earlier steps again."""
+def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> list[Step]:
+    """The ``steps`` of program JSON, each written whole or (the compact text) as a run of earlier steps again,
+    renaming ``tensors`` by position."""
     E = PlanValidationError
     out: list[Step] = []
     forms: dict[tuple[int, int], StepsLike] = {}  # a state dict's runs repeat a few hundred templates
@@ -637,9 +638,12 @@ def _read_steps(data: Mapping) -> list[Step]:
             continue
         what = f"program JSON steps entry {i} (a run, from step {len(out)})"
         like, count = (field_of(item, key, "integer", what, E) for key in ("like", "count"))
-        rename = field_of(item, "rename", "object", what, E, default={})
-        if not all(isinstance(a, str) and isinstance(b, str) for a, b in rename.items()):
-            raise E(f"{what}: rename maps tensor names to tensor names; got {brief(rename)}")
+        pairs = field_of(item, "rename", "array", what, E, default=[])
+        if not all(isinstance(p, list) and len(p) == 2 and all(type(k) is int and 0 <= k < len(tensors) for k in p)
+                   for p in pairs):
+            raise E(f"{what}: rename is a list of [tensor, tensor] pairs, each a position among the program's "
+                    f"{len(tensors)} tensors; got {brief(pairs)}")
+        rename = {tensors[a].name: tensors[b].name for a, b in pairs}
         if not (0 <= like and 0 < count and like + count <= len(out)):
             raise E(f"{what} repeats steps {like}..{like + count - 1}, which are not all steps written before it "
                     f"(there are {len(out)}); a run repeats earlier steps")
@@ -1274,9 +1278,10 @@ class Program(ContentAddressed):
                     f"a program (kind 'program', with steps) nor a plan (with transfers)")
         check_version(data, "program", PROGRAM_VERSION)
         seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
+        tensors = tuple(_read_tensors(data, seen))
         program = cls(
-            tensors=tuple(_read_tensors(data, seen)),
-            steps=tuple(_read_steps(data)),
+            tensors=tensors,
+            steps=tuple(_read_steps(data, tensors)),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
         )

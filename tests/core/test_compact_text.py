@@ -36,8 +36,11 @@ def test_a_state_dicts_layers_are_written_as_runs_of_the_first_layers_steps():
     data = _round_trip(program)
     runs = [e for e in data["steps"] if "like" in e]
     # each layer but the first repeats the first's five tensors' steps, renamed; each tensor names its layout
-    assert len(runs) == 5 * 5 and all(set(e["rename"]) == {f"layers.0.{e['rename'][k].split('.')[-1]}"
-                                                           for k in e["rename"]} for e in runs)
+    names = [t["name"] for t in data["tensors"]]
+    assert len(runs) == 5 * 5
+    for e in runs:
+        (a, b), = e["rename"]
+        assert names[a].startswith("layers.0.") and names[a].split(".")[-1] == names[b].split(".")[-1]
     assert len(data["layouts"]) == 6 and all(set(t) == {"name", "layout"} for t in data["tensors"])
     written = sum(1 for e in data["steps"] if "like" not in e) + sum(e["count"] for e in runs)
     assert written == len(program.steps)
@@ -65,7 +68,8 @@ def test_runs_that_name_what_is_not_there_are_refused_naming_the_entry():
     run = data["steps"][at]
     for change, message in (({"like": at + 5}, "not all steps written before it"),
                             ({"count": 0}, "not all steps written before it"),
-                            ({"rename": {"layers.0.qkv": 7}}, "rename maps tensor names to tensor names")):
+                            ({"rename": [[0, len(data["tensors"])]]}, "rename is a list of .tensor, tensor. pairs"),
+                            ({"rename": {"layers.0.qkv": "x"}}, "field 'rename' must be a JSON array")):
         bad = {**data, "steps": [*data["steps"][:at], {**run, **change}, *data["steps"][at + 1:]]}
         with pytest.raises(PlanValidationError, match=f"steps entry {at} .*{message}"):
             program_from_json(bad, check_id=False)
@@ -79,8 +83,8 @@ def test_a_run_whose_steps_wait_outside_it_is_refused():
     src, dst = Sharding(mesh, ("x",)), Sharding(mesh, (None,))
     program = plan_many([TensorDecl("u", (8,), "float32", src, dst), TensorDecl("v", (8,), "float32", src, dst)])
     data = json.loads(program.dumps())
-    assert [e for e in data["steps"] if "like" in e] == [{"like": 0, "count": 2, "rename": {"u": "v"}}]
+    assert [e for e in data["steps"] if "like" in e] == [{"like": 0, "count": 2, "rename": [[0, 1]]}]
     # a run of step 1 alone, which waits for step 0: its copy would wait for the wrong step
-    steps = [data["steps"][0], {**data["steps"][1], "after": [0]}, {"like": 1, "count": 1, "rename": {"u": "v"}}]
+    steps = [data["steps"][0], {**data["steps"][1], "after": [0]}, {"like": 1, "count": 1, "rename": [[0, 1]]}]
     with pytest.raises(PlanValidationError, match="waits for step 0, outside the run"):
         ManyProgram.from_json({**data, "steps": steps, "buckets": []}, check_id=False)
