@@ -54,3 +54,8 @@ class ScaleLayoutError(InvalidShardingError):
 class InvalidScheduleError(ReshardError, ValueError):
     """A pipeline schedule asked for with an unknown kind, a count that is not a positive integer, or times
     that are not finite seconds."""
+
+
+class ProgramSizeError(ReshardError, ValueError):
+    """A program that would hold more steps than its planner allows (`reshard.plan_many`'s ``max_steps``, the
+    planner's ``--max-program-steps``); the service answers RESOURCE_EXHAUSTED."""

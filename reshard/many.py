@@ -64,7 +64,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.cost import HostCache
 from reshard.delivery import link_numbers
-from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
+from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
@@ -416,7 +416,7 @@ def follow_scales(tensors: Iterable[TensorDecl], scales: Mapping[str, object]) -
 
 def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None, strategy: str = "auto",
               bucket_bytes: int = DEFAULT_BUCKET_BYTES, scales: Optional[Mapping[str, object]] = None,
-              dtypes: Union[str, Mapping[str, str], None] = None) -> ManyProgram:
+              dtypes: Union[str, Mapping[str, str], None] = None, max_steps: Optional[int] = None) -> ManyProgram:
     """One program that moves every tensor (a `TensorDecl` with ``src`` and ``dst``) to its destination.
 
     Tensors are planned one by one with ``strategy`` (as `reshard.plan`), balanced together, and small moves
@@ -424,7 +424,9 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
     block-scale tensor's (or to (name, block), `scale_sharding`), whose destination may be left None: it follows
     the weight's. ``dtypes`` (one dtype name for every tensor but the scales, or {name: dtype}) asks for weights in
     another dtype: ``float8_e4m3fn`` quantizes them on the way (`reshard.quantize`), each with its scale in
-    ``scales``, whose ``src`` is then unused (it may be None: the program makes the scales).
+    ``scales``, whose ``src`` is then unused (it may be None: the program makes the scales). ``max_steps`` bounds
+    the steps the program may hold (what its planner holds, about a kilobyte each): `ProgramSizeError`, naming the
+    count, as soon as the planned layouts show more, before their steps are made.
     """
     if strategy not in STRATEGIES:
         raise InvalidShardingError(f"unknown strategy {strategy!r}; choose one of {list(STRATEGIES)}")
@@ -446,9 +448,11 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
         if (t.src is None and t.name not in made) or t.dst is None:
             raise InvalidShardingError(f"tensor {t.name!r} needs both src and dst shardings to be moved; it has "
                                        f"src {t.src} and dst {t.dst}")
+    if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
+        raise InvalidShardingError(f"max_steps {max_steps!r} must be a positive integer, or None for no bound")
     topology = topology or Topology()
     with _no_cycle_collection():
-        return _plan_many(decls, topology, strategy, bucket_bytes, converted)
+        return _plan_many(decls, topology, strategy, bucket_bytes, converted, max_steps)
 
 
 @contextmanager
@@ -477,7 +481,7 @@ def _no_cycle_collection():
 
 
 def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucket_bytes: int,
-               converted: Mapping[str, Conversion]) -> ManyProgram:
+               converted: Mapping[str, Conversion], max_steps: Optional[int] = None) -> ManyProgram:
     """`plan_many` of checked arguments."""
     given = decls
     if converted:
@@ -499,6 +503,12 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     else:
         planned = [(g, plan(decls[g[0]].shape, decls[g[0]].dtype, decls[g[0]].src, decls[g[0]].dst, topology,
                             strategy)) for g in layouts.values()]
+    if max_steps is not None:
+        # Every tensor's moves at least (a quantized weight's gathers and computes come on top): known from the
+        # layouts' plans alone, before a step is made.
+        moving = sum(p.num_transfers * len(g) for g, p in planned)
+        if moving > max_steps:
+            raise ProgramSizeError(_too_many(moving, max_steps, len(decls), len(planned), "at least "))
     transfers: dict[int, list[Transfer]] = {}
     for g, p in planned:
         moves = list(p.transfers)
@@ -542,6 +552,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             if at != len(steps):
                 _run(runs, steps, made, at, tuple(zip(was, names)))
             steps += made
+            if max_steps is not None and len(steps) > max_steps:
+                raise ProgramSizeError(_too_many(len(steps), max_steps, len(decls), len(layouts), "more than "))
             # declarations made without their checks: the fields of checked ones, src left out or a name changed
             program_tensors += [decl_with(d, src=None), decl_with(decls[k], src=None),
                                 decl_with(source, name=names[2], dst=None)]
@@ -558,7 +570,15 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             _run(runs, steps, made, like, ((was, d.name),))
         steps += made
         program_tensors.append(d)
+        if max_steps is not None and len(steps) > max_steps:
+            raise ProgramSizeError(_too_many(len(steps), max_steps, len(decls), len(layouts), "more than "))
     return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())._with_runs(runs)
+
+
+def _too_many(steps: int, max_steps: int, tensors: int, layouts: int, bound: str) -> str:
+    return (f"a program of these {tensors:,} tensors ({layouts:,} layouts) would hold {bound}{steps:,} steps, over "
+            f"the {max_steps:,} allowed (max_steps, reshard planner --max-program-steps); move the tensors in "
+            f"several jobs, or raise the limit")
 
 
 def _run(runs: list[Run], steps: list[Step], made: list[Step], like: int, renames: tuple) -> None:

@@ -37,7 +37,7 @@ from reshard.mesh import host_of
 from reshard.sharding import Sharding
 from reshard.strategies import MAX_STRIPES, chain_route_steps
 
-__all__ = ["PlanSize", "estimate_plan_size", "excess_text", "ROUTE_STEPS_PER_TASK"]
+__all__ = ["PlanSize", "estimate_plan_size", "layouts_plan_size", "excess_text", "ROUTE_STEPS_PER_TASK"]
 
 ROUTE_STEPS_PER_TASK = 256
 
@@ -108,3 +108,15 @@ def estimate_plan_size(shape, src: Sharding, dst: Sharding) -> PlanSize:
                 tasks = math.prod(c[i] for c, i in zip(counts, key))
                 route_steps += tasks * senders * chain_route_steps(num_hosts, exactly=disjoint)
     return PlanSize(unit_tasks, deliveries, route_steps)
+
+
+def layouts_plan_size(decls) -> PlanSize:
+    """What planning ``decls`` (each with ``shape``, ``src`` and ``dst``) together costs as `reshard.plan_many`
+    plans them: each distinct (shape, src, dst) once, whatever the number of its tensors. A tensor without ``src``
+    (a block scale made on the way) is sized from its destination's mesh, unsplit, as its weight's layout moves it."""
+    sizes: dict[tuple, PlanSize] = {}
+    for d in decls:
+        if (d.shape, d.src, d.dst) not in sizes:
+            src = d.src if d.src is not None else Sharding(d.dst.mesh, [None] * len(d.shape))
+            sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, src, d.dst)
+    return PlanSize.total(sizes.values())

@@ -210,7 +210,11 @@ def _add_planner_command(sub) -> None:
                         "--heartbeat-timeout fails its jobs as soon as it is marked down")
     p.add_argument("--max-plan-tasks", type=int, default=d.max_plan_tasks, metavar="N",
                    help="largest plan one request may make: N unit tasks, N deliveries to devices, and for strategy "
-                        "auto 256*N chain-route steps; larger requests are refused before planning (reshard.plan_size)")
+                        "auto 256*N chain-route steps, summed over a reshard_many's distinct layouts (each planned "
+                        "once); larger requests are refused before planning (reshard.plan_size)")
+    p.add_argument("--max-program-steps", type=int, default=d.max_program_steps, metavar="N",
+                   help="most steps one reshard_many program may hold (about 1 KiB of planner memory each); a job "
+                        "whose planned layouts show more fails before its steps are made")
     p.add_argument("--no-rendezvous", dest="rendezvous", action="store_false",
                    help="host no torch.distributed rendezvous store: every agent runs gRPC (one started with "
                         "--transport collective is refused, auto ones run gRPC), and the planner does not import "
@@ -231,7 +235,8 @@ def _run_planner(args) -> int:
                            upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
                            job_timeout_s=args.job_timeout,
                            group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
-                           max_plan_tasks=args.max_plan_tasks, rendezvous=args.rendezvous, delta=args.delta,
+                           max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
+                           rendezvous=args.rendezvous, delta=args.delta,
                            **_security(args))
     token = None
     if args.http:

@@ -174,3 +174,6 @@ class PlannerConfig:
     max_json_bytes: int = 4 * MiB
     max_json_depth: int = 32
     max_plan_tasks: int = 250_000
+    # The most steps one program may hold (reshard_many's, `reshard.plan_many`): about a kilobyte of planner memory
+    # each. The 61-layer Kimi-K2-like state dict is 1.6 million, 3.4 million quantized on the way.
+    max_program_steps: int = 4_000_000

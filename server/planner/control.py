@@ -27,7 +27,7 @@ from reshard.plans import Plan
 from reshard.program import Program, TensorDecl
 from reshard.many import DEFAULT_BUCKET_BYTES, MAX_BUCKET_BYTES, follow_scales, program_from_json, scale_pairs
 from reshard.quantize import block_of, conversions, made_scale, scale_shape
-from reshard.plan_size import ROUTE_STEPS_PER_TASK, PlanSize, estimate_plan_size, excess_text
+from reshard.plan_size import ROUTE_STEPS_PER_TASK, estimate_plan_size, excess_text, layouts_plan_size
 from reshard.strategies import STRATEGIES
 from reshard.strategies import plan as make_plan
 from reshard.proto.errors import (
@@ -129,7 +129,7 @@ class Planner:
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
                               group=self.group, group_wait_s=config.group_wait_s,
-                              stall_timeout_s=config.stall_timeout_s)
+                              stall_timeout_s=config.stall_timeout_s, max_program_steps=config.max_program_steps)
         self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many), `_planned`
         self._layouts_lock = threading.Lock()
         self._layouts: OrderedDict[str, Sharding] = OrderedDict()  # sharding text -> its sharding, `_sharding`
@@ -802,19 +802,15 @@ class Planner:
                 raise InvalidArgumentError(
                     f"tensor {d.name!r} goes from {d.src} to {d.dst}, a pending sum on one side; reshard_many moves "
                     f"values, so reshard that tensor on its own (reshard completes or keeps a sum)")
-        sizes: dict[tuple, PlanSize] = {}  # a state dict's tensors share a few (shape, layouts): each is sized once
-        for d in decls:
-            if (d.shape, d.src, d.dst) not in sizes:
-                # a scale the job makes moves from its weight's layout
-                src = d.src if d.src is not None else Sharding(d.dst.mesh, [None] * len(d.shape))
-                sizes[d.shape, d.src, d.dst] = estimate_plan_size(d.shape, src, d.dst)
-        size = [sizes[d.shape, d.src, d.dst] for d in decls]
-        over = PlanSize.total(size).excess(self.config.max_plan_tasks, strategy)
+        # What planning costs: each distinct layout is planned once for all its tensors (`plan_many`); the steps
+        # the program holds are bounded as it is made (--max-program-steps).
+        over = layouts_plan_size(decls).excess(self.config.max_plan_tasks, strategy)
         if over:
             raise ResourceExhaustedError(
-                f"reshard_many of {len(decls)} tensors would make too large a program: {excess_text(over)} "
-                f"(reshard planner --max-plan-tasks {self.config.max_plan_tasks:,}); move the tensors in several "
-                f"reshard_many jobs, or raise the limit")
+                f"reshard_many of {len(decls)} tensors would make too large a "
+                f"program: {excess_text(over)} (reshard planner --max-plan-tasks {self.config.max_plan_tasks:,}, "
+                f"summed over the distinct layouts); move the tensors in several reshard_many jobs, or raise the "
+                f"limit")
         self._check_memory_together([(d.dst, d.shape, converted[d.name].dtype if d.name in converted else d.dtype,
                                       f"resharding {d.name!r}") for d in decls],
                                     f"reshard_many of {len(decls)} tensors")

@@ -347,8 +347,10 @@ class JobRunner:
     def __init__(self, registry: Registry, catalog: Catalog, store: StateStore, agents: AgentCalls, *,
                  job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int,
                  group: GroupCoordinator | None = None, group_wait_s: float = 0.0,
-                 stall_timeout_s: float = PlannerConfig.stall_timeout_s):
+                 stall_timeout_s: float = PlannerConfig.stall_timeout_s,
+                 max_program_steps: int = PlannerConfig.max_program_steps):
         self.registry = registry
+        self.max_program_steps = max_program_steps  # the most steps a reshard_many program may hold
         self.group = group
         self.group_wait_s = group_wait_s
         self._moved: dict[str, int] = defaultdict(int)  # bytes moved by succeeded jobs, per transport
@@ -717,7 +719,8 @@ class JobRunner:
                          if n not in scales]
                 decls += [made_scale(s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()]
                 hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
-                                                             job.scales, job.dtypes or None).validate())
+                                                             job.scales, job.dtypes or None,
+                                                             self.max_program_steps).validate())
             program, text = hit
             job.versions = claimed
             job.version = job.versions[job.tensor]

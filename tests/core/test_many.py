@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Program, Sharding, TensorDecl, plan
-from reshard.errors import InvalidShardingError, PlanValidationError, ScaleLayoutError
+from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.many import SHARED_ROUTE_BYTES, ManyProgram, plan_many, program_from_json, scale_sharding
 from reshard.program import MOVE, SRC
 from reshard.strategies import Loads
@@ -292,3 +292,16 @@ def test_plan_many_moves_scales_with_their_weights():
         plan_many([w, s], scales={"v": "w_scale"})
     with pytest.raises(ScaleLayoutError, match="scale 'w_scale' follows both"):
         plan_many([w, replace(s, name="w2"), s], scales={"w": "w_scale", "w2": "w_scale"})
+
+
+def test_a_program_over_max_steps_is_refused_naming_its_steps_before_they_are_made():
+    decls = _state_dict()
+    steps = len(plan_many(decls).steps)
+    assert len(plan_many(decls, max_steps=steps).steps) == steps  # at the bound: made
+    with pytest.raises(ProgramSizeError, match=rf"{len(decls)} tensors \(6 layouts\) would hold (at least|more "
+                                               rf"than) [\d,]+ steps, over the {steps - 1:,} allowed \(max_steps"):
+        plan_many(decls, max_steps=steps - 1)
+    with pytest.raises(ProgramSizeError, match="would hold at least"):  # from the layouts' plans alone
+        plan_many(decls, max_steps=10)
+    with pytest.raises(InvalidShardingError, match="max_steps 0 must be a positive integer"):
+        plan_many(decls, max_steps=0)

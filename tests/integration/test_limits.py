@@ -38,6 +38,7 @@ MiB = 2**20
 LIMIT = 8 * MiB
 UPLOAD_TIMEOUT_S = 3.0
 MAX_PLAN_TASKS = 32
+MAX_PROGRAM_STEPS = 200
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,8 @@ def cluster(tmp_path_factory):
     with LocalCluster(4, 2, transport="grpc", dashboard=True, log_dir=str(tmp_path_factory.mktemp("limits")),
                       agent_args=["--memory-limit", "8MiB"],
                       planner_args=["--heartbeat-timeout", "2", "--upload-timeout", str(UPLOAD_TIMEOUT_S),
-                                    "--max-plan-tasks", str(MAX_PLAN_TASKS)]) as cluster:
+                                    "--max-plan-tasks", str(MAX_PLAN_TASKS),
+                                    "--max-program-steps", str(MAX_PROGRAM_STEPS)]) as cluster:
         yield cluster
 
 
@@ -272,6 +274,31 @@ def test_plans_over_the_size_limit_are_refused_before_planning(cluster, client):
     client.reshard("grid", two).result(timeout=60)  # 7 unit tasks: fits
     assert np.array_equal(client.get("grid"), data)
     client.delete("grid")
+
+
+def test_a_state_dict_is_sized_by_its_layouts_and_its_program_by_its_steps(cluster, client):
+    # 40 tensors of one layout, 2 unit tasks each: 80 in all, over the limit of 32, but planned once (2): one job
+    split = Sharding(Mesh.from_hosts({"x": 2}, ["host1"], 2), ("x",))
+    whole = Sharding(Mesh.from_hosts({"x": 2}, ["host1"], 2), (None,))
+    values = {f"sd{i}": np.arange(8, dtype=np.float32) + i for i in range(160)}
+
+    def put(names):  # a put_many takes up to --max-plan-tasks tensors
+        for k in range(0, len(names), MAX_PLAN_TASKS):
+            client.put_many({n: (values[n], split) for n in names[k:k + MAX_PLAN_TASKS]})
+
+    put(list(values)[:40])
+    client.reshard_many({n: whole for n in list(values)[:40]}).result(timeout=60)
+    assert all(np.array_equal(client.get(n), values[n]) and client.info(n).version == 2 for n in list(values)[:40])
+    # 120 more hold 240 steps, over --max-program-steps 200: the job fails naming the count, and every tensor
+    # stays as it was
+    put(list(values)[40:])
+    before = {n: client.info(n).version for n in values}
+    with pytest.raises(JobFailedError, match=r"would hold at least 240 steps, over the 200 allowed "
+                                             r"\(max_steps, reshard planner --max-program-steps\)"):
+        client.reshard_many({n: whole for n in list(values)[40:]}).result(timeout=60)
+    assert {n: client.info(n).version for n in values} == before
+    assert all(np.array_equal(client.get(n), values[n]) for n in values)
+    client.delete_many(list(values))
 
 
 def _dashboard(cluster, path: str):

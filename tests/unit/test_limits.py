@@ -222,18 +222,24 @@ def test_the_planner_refuses_a_plan_over_its_size_limit_naming_count_limit_and_f
 
 
 def test_a_reshard_many_over_the_size_limit_is_refused_whole_naming_counts_limit_and_flag(planner):
-    """70 tensors of 16 unit tasks each: each alone is within --max-plan-tasks 1,000, together they are not."""
+    """70 tensors of 16 unit tasks each, each of its own layout: each alone is within --max-plan-tasks 1,000,
+    together they are not. 70 of one layout are planned once (`plan_many`): 16."""
     src, dst = Sharding(MESH, ("x", None)), Sharding(MESH, (None, "x"))
     names = [f"t{i}" for i in range(70)]
-    for name in names:
-        planner.catalog.add(TensorRecord(name, (8, 8), "float32", src, 1))
+    for i, name in enumerate(names):
+        planner.catalog.add(TensorRecord(name, (8, 8 + 4 * i), "float32", src, 1))
     with pytest.raises(ResourceExhaustedError) as refused:
         planner.reshard_many([(name, _json(dst)) for name in names], "auto", None, [])
     assert str(refused.value) == (
         "reshard_many of 70 tensors would make too large a program: 1,120 unit tasks where the limit is 1,000; "
-        "1,120 deliveries where the limit is 1,000 (reshard planner --max-plan-tasks 1,000); move the tensors in "
-        "several reshard_many jobs, or raise the limit")
+        "1,120 deliveries where the limit is 1,000 (reshard planner --max-plan-tasks 1,000, summed over the "
+        "distinct layouts); move the tensors in several reshard_many jobs, or raise the limit")
     assert all(planner.catalog.get(name).version == 1 for name in names)
+    alike = [f"u{i}" for i in range(70)]
+    for name in alike:
+        planner.catalog.add(TensorRecord(name, (8, 8), "float32", src, 1))
+    job = planner.reshard_many([(name, _json(dst)) for name in alike], "auto", None, [])
+    assert job.kind == "reshard_many"  # taken as one job (its agents are not up here: it runs no further)
 
 
 def test_a_restarted_host_marks_its_shards_lost(planner):
