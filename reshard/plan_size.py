@@ -67,7 +67,7 @@ class PlanSize:
 
 
 def excess_text(over: list[tuple[str, int, int]]) -> str:
-    """`PlanSize.excess` in words, as a refusal names it: "1,640,448 deliveries where the limit is 250,000; ..."."""
+    """`PlanSize.excess` in words, as a refusal names it: "1,640,448 deliveries where the limit is 1,000,000; ..."."""
     return "; ".join(f"{count:,} {figure.replace('_', ' ')} where the limit is {bound:,}"
                      for figure, count, bound in over)
 

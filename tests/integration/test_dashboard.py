@@ -99,8 +99,8 @@ def test_whatif_refuses_a_plan_over_the_size_limit_before_planning(web):
     for path in ("/api/whatif", "/whatif"):
         r = _get(web, path, params=params)
         text = r.json()["detail"] if path.startswith("/api") else r.text
-        assert "16,777,216 deliveries where the limit is 250,000" in text, text[:500]
-        assert "--max-plan-tasks 250,000" in text
+        assert "16,777,216 deliveries where the limit is 1,000,000" in text, text[:500]
+        assert "--max-plan-tasks 1,000,000" in text
     assert _get(web, "/api/whatif", params=params).status_code == 422
 
 
