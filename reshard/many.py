@@ -542,8 +542,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             if found is None:
                 template = QuantizedSteps(0, source, c, d, decls[k], transfers[i], transfers[k]).steps
                 # The weight (in its new dtype), its scale, and the weight as held, which the gathers move.
-                packing = _Buckets.waiting(template, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
-                                                      names[2]: source.itemsize}, bucket_bytes)
+                packing = packer.waiting(template, {d.name: d.itemsize, decls[k].name: decls[k].itemsize,
+                                                    names[2]: source.itemsize})
                 found = quantized[key] = (StepsLike(template), names, packing, len(steps))
             like, was, packing, at = found
             made = like.make(len(steps), dict(zip(was, names)))
@@ -625,11 +625,16 @@ class _Buckets:
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
-        self._open: dict[tuple, list] = {}  # key -> [step ids, bytes so far]
+        self._open: dict[int, list] = {}  # path key's number (`_key`) -> [step ids, bytes so far]
+        self._keys: dict[tuple, int] = {}  # path key -> its number: a tuple of receivers is hashed once, not per move
         self._full: list[list[int]] = []
         self._routes: dict[tuple, Transfer] = {}  # (sender, receivers as a set) -> its first small chain
         self._packables: dict[tuple, tuple] = {}  # (id of a list of transfers, itemsize) -> (it, `_packable`'s)
-        self._chosen: dict[int, tuple[Transfer, Transfer]] = {}  # id of a small chain -> (it, the one it goes as)
+        # id of a small chain -> (it, the one it goes as, that one's path key's number)
+        self._chosen: dict[int, tuple[Transfer, Transfer, int]] = {}
+
+    def _key(self, key: tuple) -> int:
+        return self._keys.setdefault(key, len(self._keys))
 
     def add(self, first: int, transfers: Sequence[Transfer], steps: list[Step], itemsize: int) -> None:
         """Pack the moves ``steps`` (ids from ``first`` on) of ``transfers``; a small chain's step is replaced by one
@@ -638,14 +643,14 @@ class _Buckets:
 
     def _pack(self, first: int, packing: Sequence[tuple], transfers: Sequence[Transfer] = (),
               steps: Optional[list[Step]] = None) -> None:
-        """Pack the moves of ``packing`` ((position, path key, bytes, whether a small chain) each, ids from
-        ``first`` on), a small chain along its shared route (of ``transfers``, replacing its step in ``steps``)."""
+        """Pack the moves of ``packing`` ((position, path key's number, bytes, whether a small chain) each, ids
+        from ``first`` on), a small chain along its shared route (of ``transfers``, replacing its step in
+        ``steps``)."""
         open_, full, limit = self._open, self._full, self.bucket_bytes
         for k, key, nbytes, small_chain in packing:
             group = open_.get(key)
             if small_chain:  # a small chain's order was a choice
-                t = self._shared_route(transfers[k], steps, k, group is None)
-                key = (t.sender, t.receivers, t.method, t.route)
+                key = self._shared_route(transfers[k], steps, k, group is None)
                 group = open_.get(key)
             if group is None:
                 group = open_[key] = [[first + k], nbytes]
@@ -672,13 +677,12 @@ class _Buckets:
                 box = t.box
                 nbytes = boxes.volume(box) * itemsize
             if nbytes < self.bucket_bytes:
-                out.append((k, (t.sender, t.receivers, t.method, t.route), nbytes,
+                out.append((k, self._key((t.sender, t.receivers, t.method, t.route)), nbytes,
                             len(t.route) > 1 and nbytes < SHARED_ROUTE_BYTES))
         self._packables[id(transfers), itemsize] = (transfers, out)  # the list kept: its id stays its own
         return out
 
-    @staticmethod
-    def waiting(steps: Sequence[Step], itemsize: Mapping[str, int], bucket_bytes: int) -> list[tuple]:
+    def waiting(self, steps: Sequence[Step], itemsize: Mapping[str, int]) -> list[tuple]:
         """The small moves among ``steps`` (ids from 0 on, waiting only for one another: a quantized weight's and
         its scale's) as `pack_all` packs them: by dependency depth as well as path, since moves of one depth never
         wait for one another, so a bucket that waits for all its members wait for makes no cycle. As `_pack` reads
@@ -692,17 +696,18 @@ class _Buckets:
                 continue
             t = s.transfer
             nbytes = boxes.volume(t.box) * itemsize[s.tensor]
-            if nbytes < bucket_bytes:
-                out.append((k, ("waiting", d, t.sender, t.receivers, t.method, t.route), nbytes, False))
+            if nbytes < self.bucket_bytes:
+                out.append((k, self._key(("waiting", d, t.sender, t.receivers, t.method, t.route)), nbytes, False))
         return out
 
     def pack_all(self, first: int, packing: Sequence[tuple]) -> None:
         """Pack the moves `waiting` found, ids from ``first`` on."""
         self._pack(first, packing)
 
-    def _shared_route(self, t: Transfer, steps: list[Step], k: int, unopened: bool) -> Transfer:
+    def _shared_route(self, t: Transfer, steps: list[Step], k: int, unopened: bool) -> int:
         """``t`` along the route of the first small chain from its sender to the same receivers where no bucket of
-        its own path is open (``unopened``), and step ``k`` of ``steps`` with it. Decided once per transfer object:
+        its own path is open (``unopened``), and step ``k`` of ``steps`` with it; the path key's number of the
+        transfer it goes as. Decided once per transfer object:
         the tensors of one layout share their transfers (`plan_many`), and each of them goes the way the first did,
         in the very same transfer, so that their steps stay the first's renamed (the program's compact text)."""
         chosen = self._chosen.get(id(t))
@@ -710,10 +715,15 @@ class _Buckets:
             key = (t.sender, frozenset(t.receivers))
             first = self._routes.setdefault(key, t)
             same = not unopened or (first.route == t.route and first.receivers == t.receivers)
-            chosen = self._chosen[id(t)] = (t, t if same else replace(t, receivers=first.receivers, route=first.route))
+            went = t if same else replace(t, receivers=first.receivers, route=first.route)
+            chosen = self._chosen[id(t)] = (t, went, self._key((went.sender, went.receivers, went.method, went.route)))
         if chosen[1] is not t:
-            steps[k] = replace(steps[k], transfer=chosen[1])
-        return chosen[1]
+            # the step with its transfer along the shared route, made without Step's checks: the same move, its
+            # receivers in the first chain's order
+            step = object.__new__(Step)
+            object.__setattr__(step, "__dict__", {**steps[k].__dict__, "transfer": chosen[1]})
+            steps[k] = step
+        return chosen[2]
 
     def buckets(self) -> tuple[tuple[int, ...], ...]:
         out = self._full + [ids for ids, _ in self._open.values()]
