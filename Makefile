@@ -50,6 +50,7 @@ bench: $(STAMP)
 	$(PY) bench/einsum.py  # (c) on emulated hosts needs root, else prints why it skipped
 	$(PY) bench/buckets.py
 	$(PY) bench/paper.py  # emulated hosts: needs root, else prints why it skipped
+	$(PY) bench/paper.py --transport nixl --strategies auto  # issue 38's nixl rows: a section of its own
 	$(PY) bench/pipeline.py  # emulated hosts: needs root, else prints why it skipped
 	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
 	$(PY) bench/weight_sync.py --transport nixl  # the same on the NIXL transport: a section of its own
