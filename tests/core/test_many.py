@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from reshard import Mesh, Program, Sharding, TensorDecl, plan
+from reshard import Mesh, Program, Sharding, TensorDecl, Topology, plan
 from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.many import SHARED_ROUTE_BYTES, ManyProgram, plan_many, program_from_json, scale_sharding
 from reshard.program import MOVE, SRC
@@ -305,3 +305,18 @@ def test_a_program_over_max_steps_is_refused_naming_its_steps_before_they_are_ma
         plan_many(decls, max_steps=10)
     with pytest.raises(InvalidShardingError, match="max_steps 0 must be a positive integer"):
         plan_many(decls, max_steps=0)
+
+
+def test_copies_count_a_layouts_tensors_only_against_loads():
+    d = _state_dict()[1]
+    with pytest.raises(InvalidShardingError, match="copies 2 must be a positive integer, and more than 1 only with "
+                                                   "loads="):
+        plan(d.shape, d.dtype, d.src, d.dst, copies=2)
+    with pytest.raises(InvalidShardingError, match="copies 0 must be a positive integer"):
+        plan(d.shape, d.dtype, d.src, d.dst, loads=Loads(Topology()), copies=0)
+    # the same transfers as one copy's, the loads counting three
+    one, three = Loads(Topology()), Loads(Topology())
+    alone = plan(d.shape, d.dtype, d.src, d.dst, loads=one)
+    tripled = plan(d.shape, d.dtype, d.src, d.dst, loads=three, copies=3)
+    assert tripled.transfers == alone.transfers
+    assert max(three.send.values()) == pytest.approx(3 * max(one.send.values()))
