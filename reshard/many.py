@@ -167,18 +167,29 @@ class ManyProgram(Program):
         made = {t.name: t for t in self.tensors if t.src is None and t.dst is not None}
         if not made:
             return
-        written: dict[tuple[str, str], list] = defaultdict(list)
+        # Per made tensor, what writes it, in step order: (a move's receivers or a compute's device, box).
+        writes: dict[str, list] = defaultdict(list)
         for s in self.steps:
             if s.kind == MOVE:
                 if s.tensor in made:
-                    for r in s.transfer.receivers:
-                        written[r, s.tensor].append(s.transfer.box)
+                    writes[s.tensor].append((s.transfer.receivers, s.transfer.box))
             elif s.output is not None and s.output.tensor in made and s.output.role == DST:
-                for dev, _, _, b in s.produces():
-                    written[dev, s.output.tensor].append(b)
+                writes[s.output.tensor] += [(dev, b) for dev, _, _, b in s.produces()]
+        # A state dict's made tensors of one layout are written by the very same objects (their steps are one
+        # another's renamed, `reshard.program.Run`): each such pattern is checked once. (The objects live as long
+        # as this program, so their ids stay theirs; equal values in other objects only cost a check more.)
+        proven: set[tuple] = set()
         for t in made.values():
+            done = writes.get(t.name, [])
+            key = (t.shape, t.dst, tuple((id(where), id(box)) for where, box in done))
+            if key in proven:
+                continue
+            written: dict[str, list] = defaultdict(list)
+            for where, box in done:
+                for dev in (where,) if type(where) is str else where:
+                    written[dev].append(box)
             for dev, tile in t.dst.tiles(t.shape).items():
-                pieces = written.get((dev, t.name), [])
+                pieces = written.get(dev, [])
                 left = boxes.uncovered(tile, pieces)
                 if left or sum(map(boxes.volume, pieces)) != boxes.volume(tile):
                     why = (f"no step writes {boxes.box_str(left[0])} of it" if left else
@@ -188,6 +199,7 @@ class ManyProgram(Program):
                         f"tensor {t.name!r} is made by the program's steps and must end in {t.dst.spec_str()}, but "
                         f"device {dev}'s destination tile {boxes.box_str(tile)}: {why}; each element of a made "
                         f"tile is written once, by a move or a compute step into role 'dst'")
+            proven.add(key)
 
     def _check_buckets(self) -> None:
         """The buckets' rules one step at a time, naming the first problem (`_buckets_ok` found one, or could not

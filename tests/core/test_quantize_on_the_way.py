@@ -227,6 +227,25 @@ def test_a_made_tile_left_short_is_refused_by_validate():
         short.validate()
 
 
+def test_a_made_tile_left_short_is_refused_for_the_second_weight_of_a_layout_too():
+    """The made tiles of one layout's weights are checked once per pattern of the steps that write them: a second
+    weight written otherwise (a move left out) is checked on its own, and refused."""
+    src, dst = Sharding(TRAIN, ("x", None)), Sharding(SERVE, ("y", None))
+    decls = [TensorDecl(w, (512, 256), "bfloat16", src, dst) for w in ("w", "v")]
+    decls += [TensorDecl(f"{w}_s", (4, 2), "float32") for w in ("w", "v")]
+    program = plan_many(decls, scales={"w": "w_s", "v": "v_s"}, dtypes={"w": FP8, "v": FP8}).validate()
+    last = max(s.id for s in program.steps if s.kind == MOVE and s.tensor == "v")
+    steps = tuple(s for s in program.steps if s.id != last)
+    steps = tuple(type(s)(**{f: getattr(s, f) for f in ("kind", "after", "transfer", "tensor", "role", "kernel",
+                                                         "device", "inputs", "output", "params", "op", "devices",
+                                                         "result", "algorithm", "dim")},
+                          id=i) for i, s in enumerate(steps))
+    short = ManyProgram(program.tensors, steps, program.strategy, program.topology)
+    with pytest.raises(PlanValidationError, match=r"tensor 'v' is made by the program's steps and must end in .* "
+                                                  r"no step writes \[.*\] of it"):
+        short.validate()
+
+
 @pytest.mark.parametrize("dtypes, scales, message", [
     ({"w": "float9"}, {"w": "w_s"}, r"tensor 'w' \(bfloat16\) is asked for as 'float9': .*; reshard converts "
                                     r"float8_e4m3fn from bfloat16, float16, float32"),
