@@ -50,6 +50,11 @@ def pytest_collection_modifyitems(items):
         for item, values in params:
             if "collective" in values:
                 item.add_marker(skip)
+    # A slow test whose behaviour the transport does not change runs on grpc in make test, the others in the slow
+    # suite (`make bench`).
+    for item, values in params:
+        if item.get_closest_marker("grpc_in_make_test") and values & {"collective", "nixl"}:
+            item.add_marker(pytest.mark.slow)
     uses_nixl = [item for item, values in params if "nixl" in values]
     missing = _nixl_missing() if uses_nixl else None
     if missing:

@@ -111,6 +111,7 @@ def test_mesh_on_a_host_that_is_down(client, tensor):
     _untouched(client, tensor)
 
 
+@pytest.mark.grpc_in_make_test  # the agents free tiles on their control calls, whatever moves the bytes
 def test_delete_many_deletes_every_name_and_frees_their_tiles(client, fresh_name):
     names = [f"{fresh_name}.{i}" for i in range(3)]
     big = np.ones((1024, 256), dtype=np.float32)  # 1 MiB a tensor, 256 KiB a device
