@@ -538,7 +538,12 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
     templates: dict[int, tuple[list[Step], int, str]] = {}
     quantized: dict[tuple, tuple] = {}  # per layout of quantized weights: its steps, names, packing, first step
     runs: list[Run] = []  # tensors' steps that repeat another's of their layout, renamed (the compact text)
-    for i in order:
+    for i in (*order, None):
+        # the steps so far against max_steps, once per tensor (and after the last)
+        if max_steps is not None and len(steps) > max_steps:
+            raise ProgramSizeError(_too_many(len(steps), max_steps, len(decls), len(layouts), "more than "))
+        if i is None:
+            break
         d = decls[i]
         if d.name in scale_of:
             continue  # made and moved with its weight
@@ -564,8 +569,6 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             if at != len(steps):
                 _run(runs, steps, made, at, tuple(zip(was, names)))
             steps += made
-            if max_steps is not None and len(steps) > max_steps:
-                raise ProgramSizeError(_too_many(len(steps), max_steps, len(decls), len(layouts), "more than "))
             # declarations made without their checks: the fields of checked ones, src left out or a name changed
             program_tensors += [decl_with(d, src=None), decl_with(decls[k], src=None),
                                 decl_with(source, name=names[2], dst=None)]
@@ -582,8 +585,6 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             _run(runs, steps, made, like, ((was, d.name),))
         steps += made
         program_tensors.append(d)
-        if max_steps is not None and len(steps) > max_steps:
-            raise ProgramSizeError(_too_many(len(steps), max_steps, len(decls), len(layouts), "more than "))
     return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())._with_runs(runs)
 
 
