@@ -242,10 +242,13 @@ def _receiver_sets(number: np.ndarray, distinct: list) -> np.ndarray:
     return np.array(of_value, dtype=np.int64).reshape(-1)[number] if len(number) else number
 
 
-def link_numbers(transfers: Sequence, ids: Optional[np.ndarray] = None) -> np.ndarray:
+def link_numbers(transfers: Sequence, ids: Optional[np.ndarray] = None,
+                 parts: Sequence[int] = range(4)) -> np.ndarray:
     """Per transfer, a number that two transfers share exactly when their (sender, receivers, method, route) are
-    equal (``ids``: their `link_ids`, where the caller has them)."""
-    return _link_codes(_parts(transfers, ids), len(transfers))
+    equal (``ids``: their `link_ids`, where the caller has them), or only those ``parts`` of them (0 sender, 1
+    receivers, 2 method, 3 route) that the caller does not know equal already. ``transfers`` is read at the
+    first of each distinct object only."""
+    return _link_codes(_parts(transfers, ids, parts), len(transfers))
 
 
 def link_ids(transfers: Iterable) -> np.ndarray:
@@ -255,10 +258,11 @@ def link_ids(transfers: Iterable) -> np.ndarray:
     return flat.reshape(-1, 4)
 
 
-def _parts(transfers: Sequence, ids: Optional[np.ndarray] = None) -> list[tuple[np.ndarray, list]]:
+def _parts(transfers: Sequence, ids: Optional[np.ndarray] = None,
+           parts: Sequence[int] = range(4)) -> list[tuple[np.ndarray, list]]:
     if ids is None:
         ids = link_ids(transfers)
-    return [_numbered_ids(ids[:, j], lambda i, j=j: _LINK(transfers[i])[j]) for j in range(4)]
+    return [_numbered_ids(ids[:, j], lambda i, j=j: _LINK(transfers[i])[j]) for j in parts]
 
 
 def _link_codes(parts: list[tuple[np.ndarray, list]], n: int) -> np.ndarray:

@@ -49,13 +49,11 @@ of its id, and `ManyProgram.validate` checks them with the rest.
 
 from __future__ import annotations
 
-import gc
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from itertools import chain
+from itertools import chain, compress
 from operator import attrgetter, is_
 from typing import Optional, Union
 
@@ -71,12 +69,14 @@ from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer, check_claimed_id, check_version
 from reshard.program import (DST, MOVE, PROGRAM_VERSION, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with,
                              move_steps, moves_like)
-from reshard.program import _read_steps, _read_tensors
+from reshard.program import _read_steps, _read_tensors, no_cycle_collection
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
 from reshard.strategies import STRATEGIES, Loads, plan
 from reshard.topology import Topology
+
+_step_output = attrgetter("output")
 
 __all__ = ["ManyProgram", "plan_many", "scale_sharding", "scale_pairs", "follow_scales", "program_from_json",
            "DEFAULT_BUCKET_BYTES", "MAX_BUCKET_BYTES", "SHARED_ROUTE_BYTES"]
@@ -143,23 +143,27 @@ class ManyProgram(Program):
             raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
         check_version(data, "program", PROGRAM_VERSION)
         tensors = tuple(_read_tensors(data, seen))  # written whole, or by layout (the compact text)
+        with no_cycle_collection():
+            steps, runs = _read_steps(data, tensors)  # written whole, or as runs of earlier steps (the compact text)
         made = cls(
             tensors=tensors,
-            steps=tuple(_read_steps(data, tensors)),  # written whole, or as runs of earlier steps (the compact text)
+            steps=tuple(steps),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
-            buckets=tuple(buckets))
+            buckets=tuple(buckets))._with_runs(runs)
         return check_claimed_id(data, made, "program") if check_id else made
 
     def validate(self) -> "ManyProgram":
         """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,
         every member reading what a plan's move reads (role ``src``) at one dependency depth, between the same
         sender and receivers by the same method and route."""
-        super().validate()
+        return super().validate()  # which runs `_validate` below
+
+    def _validate(self) -> None:
+        super()._validate()
         if not _buckets_ok(self):
             self._check_buckets()
         self._check_made_tiles()
-        return self
 
     def _check_made_tiles(self) -> None:
         """A tensor the steps make (a destination and no source: quantized on the way) gets every destination tile
@@ -167,23 +171,37 @@ class ManyProgram(Program):
         made = {t.name: t for t in self.tensors if t.src is None and t.dst is not None}
         if not made:
             return
-        # Per made tensor, what writes it, in step order: (a move's receivers or a compute's device, box).
-        writes: dict[str, list] = defaultdict(list)
-        for s in self.steps:
-            if s.kind == MOVE:
-                if s.tensor in made:
-                    writes[s.tensor].append((s.transfer.receivers, s.transfer.box))
-            elif s.output is not None and s.output.tensor in made and s.output.role == DST:
-                writes[s.output.tensor] += [(dev, b) for dev, _, _, b in s.produces()]
+        # Per made tensor, what writes it: (a move's receivers or a compute's device, box), its moves first, then its
+        # other steps. A run's writes are its template's, renamed (`Program._repeated`): listed once per template,
+        # as a group that each run renames, so the steps looked at one by one are those outside the runs (a state
+        # dict quantized on the way holds millions of steps, nearly all in runs).
+        groups: dict[str, list[list]] = defaultdict(list)
+        single: dict[str, list] = defaultdict(list)
+        repeated = self._repeated
+        if repeated is None:
+            self._made_writes(range(len(self.steps)), made, single)
+        else:
+            self._made_writes(np.flatnonzero(~repeated).tolist(), made, single)
+            templates: dict[tuple[int, int], dict[str, list]] = {}
+            for first, count, like, renames in self.__dict__["_runs"]:
+                written = templates.get((like, count))
+                if written is None:
+                    written = templates[like, count] = defaultdict(list)
+                    self._made_writes(range(like, like + count), made, written)
+                if written:
+                    rename = dict(renames)
+                    for name, pairs in written.items():
+                        groups[rename.get(name, name)].append(pairs)
         # A state dict's made tensors of one layout are written by the very same objects (their steps are one
         # another's renamed, `reshard.program.Run`): each such pattern is checked once. (The objects live as long
         # as this program, so their ids stay theirs; equal values in other objects only cost a check more.)
         proven: set[tuple] = set()
         for t in made.values():
-            done = writes.get(t.name, [])
-            key = (t.shape, t.dst, tuple((id(where), id(box)) for where, box in done))
+            done = single.get(t.name, [])
+            key = (t.shape, t.dst, tuple((id(where), id(box)) for where, box in done), tuple(map(id, groups[t.name])))
             if key in proven:
                 continue
+            done = [*done, *chain.from_iterable(groups[t.name])]
             written: dict[str, list] = defaultdict(list)
             for where, box in done:
                 for dev in (where,) if type(where) is str else where:
@@ -200,6 +218,20 @@ class ManyProgram(Program):
                         f"device {dev}'s destination tile {boxes.box_str(tile)}: {why}; each element of a made "
                         f"tile is written once, by a move or a compute step into role 'dst'")
             proven.add(key)
+
+    def _made_writes(self, at: Iterable[int], made: Mapping[str, TensorDecl], writes: dict[str, list]) -> None:
+        """Add to ``writes`` what the steps ``at`` write into the made tensors: per tensor, (a move's receivers or a
+        compute's device, box) in role ``dst``, the moves first, then the other steps, each in step order."""
+        steps = self.steps
+        kinds, tensors, _ = self._columns
+        at = list(at)
+        for s in compress(map(steps.__getitem__, at), [tensors[i] in made for i in at]):  # only moves name a tensor
+            writes[s.tensor].append((s.transfer.receivers, s.transfer.box))
+        others = [steps[i] for i in at if kinds[i] != MOVE]
+        outputs = list(map(_step_output, others))
+        for s, out in compress(zip(others, outputs),
+                               [o is not None and o.tensor in made and o.role == DST for o in outputs]):
+            writes[out.tensor] += [(dev, b) for dev, _, _, b in s.produces()]
 
     def _check_buckets(self) -> None:
         """The buckets' rules one step at a time, naming the first problem (`_buckets_ok` found one, or could not
@@ -262,16 +294,33 @@ def _buckets_ok(program: ManyProgram) -> bool:
     if not program._src_moves[members].all():
         return False
     firsts = np.cumsum(size) - size
-    depth = np.asarray(program.depths, dtype=np.int64)[members]
+    depth = program._depth_column[members]
     if not (depth == np.repeat(depth[firsts], size)).all():
         return False
     # Each member's (sender, receivers, method, route) is its bucket's first member's: the very objects (the planner
     # shares them between a bucket's moves), else numbered by value.
     ids = program._link_ids[members]
-    if (ids == np.repeat(ids[firsts], size, axis=0)).all():
+    same = (ids == np.repeat(ids[firsts], size, axis=0)).all(axis=0)
+    if same.all():
         return True
-    path = link_numbers([steps[i].transfer for i in members.tolist()], ids)
+    # equal values in other objects (a layout's plan and another's make their own receivers' tuples): the parts
+    # that differ numbered by value, each distinct object read once
+    path = link_numbers(_Members(steps, members), ids, np.flatnonzero(~same).tolist())
     return bool((path == np.repeat(path[firsts], size)).all())
+
+
+class _Members(Sequence):
+    """The transfers of a program's bucket members, in bucket order, read where asked (`link_numbers` reads the
+    first of each distinct object only)."""
+
+    def __init__(self, steps: Sequence[Step], members: np.ndarray):
+        self.steps, self.members = steps, members
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, i):
+        return self.steps[self.members[i]].transfer
 
 
 def program_from_json(data, check_id: bool = True) -> Program:
@@ -463,33 +512,8 @@ def plan_many(tensors: Iterable[TensorDecl], topology: Optional[Topology] = None
     if max_steps is not None and (isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1):
         raise InvalidShardingError(f"max_steps {max_steps!r} must be a positive integer, or None for no bound")
     topology = topology or Topology()
-    with _no_cycle_collection():
+    with no_cycle_collection():
         return _plan_many(decls, topology, strategy, bucket_bytes, converted, max_steps)
-
-
-@contextmanager
-def _no_cycle_collection():
-    """Pause the cyclic garbage collector while a program is built, and restore it as it was.
-
-    A state dict's program is hundreds of thousands of steps, transfers and tuples that form no cycles (reference
-    counting frees them). Each still counts towards the collector's thresholds, and the full passes that the
-    growing heap sets off visit every live object again: a third of planning the 1,001-tensor state dict of
-    bench/plan_quality.py. Mercurial pauses the collector around building large containers for the same reason.
-    """
-    was = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was:
-            if not gc.get_freeze_count():
-                # Everything made meanwhile is still the youngest generation: the first allocation after enable()
-                # would visit all of it (0.15 s for that state dict). Freezing and unfreezing moves it to the
-                # oldest generation without a visit; the next full pass, when the heap has grown enough, sees it.
-                # (Skipped where the application froze objects itself: unfreeze would undo that.)
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
 
 
 def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucket_bytes: int,

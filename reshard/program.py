@@ -64,9 +64,11 @@ reduce its rounds on the fluid model.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from itertools import chain, compress, repeat
@@ -626,11 +628,12 @@ def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
     return out
 
 
-def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> list[Step]:
+def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> tuple[list[Step], list[Run]]:
     """The ``steps`` of program JSON, each written whole or (the compact text) as a run of earlier steps again,
-    renaming ``tensors`` by position."""
+    renaming ``tensors`` by position; and the runs read (`Run`), for `Program._with_runs`."""
     E = PlanValidationError
     out: list[Step] = []
+    runs: list[Run] = []
     forms: dict[tuple[int, int], StepsLike] = {}  # a state dict's runs repeat a few hundred templates
     for i, item in enumerate(field_of(data, "steps", "array", "program JSON", E)):
         if not (isinstance(item, Mapping) and "like" in item):
@@ -655,8 +658,9 @@ def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> list[Step]:
                 raise E(f"{what} repeats steps {like}..{like + count - 1}, but step {outside[0][0]} of them waits "
                         f"for step {outside[0][1]}, outside the run; a run's steps wait only for steps of the run")
             form = forms[like, count] = StepsLike(template)
+        runs.append((len(out), count, like, tuple(rename.items())))
         out.extend(form.make(len(out) - like, _Renamed(rename)))
-    return out
+    return out, runs
 
 
 # Steps written per chunk of JSON text: the id hashes one chunk at a time, and dumps joins a few hundred of them.
@@ -922,51 +926,103 @@ class _StepWhere:
         return f"step {self.step}"
 
 
+@contextmanager
+def no_cycle_collection():
+    """Pause the cyclic garbage collector while a program is built, read or validated, and restore it as it was.
+
+    A state dict's program is hundreds of thousands of steps, transfers and tuples that form no cycles (reference
+    counting frees them). Each still counts towards the collector's thresholds, and the full passes that the
+    growing heap sets off visit every live object again: a third of planning the 1,001-tensor state dict of
+    bench/plan_quality.py, and a third of validating the 61-layer Kimi-K2-like one. Mercurial pauses the collector
+    around building large containers for the same reason.
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            if not gc.get_freeze_count():
+                # Everything made meanwhile is still the youngest generation: the first allocation after enable()
+                # would visit all of it (0.15 s for that state dict). Freezing and unfreezing moves it to the
+                # oldest generation without a visit; the next full pass, when the heap has grown enough, sees it.
+                # (Skipped where the application froze objects itself: unfreeze would undo that.)
+                gc.freeze()
+                gc.unfreeze()
+            gc.enable()
+
+
+
+def _named(s: Step) -> tuple[str, ...]:
+    """The tensors a step names: a move's, or a compute's or reduce's inputs' and output's."""
+    if s.kind == MOVE:
+        return (s.tensor,)
+    return (*(r.tensor for r in s.inputs), *(() if s.output is None else (s.output.tensor,)))
+
+
 class _Ancestors:
     """Which steps are ancestors of which: `has` answers "is step ``j`` an ancestor of step ``i``" for `_validate`.
 
     A bit set per step grows with the square of the steps where moves wait for compute steps (issue 41: 1.75 GiB
-    for a quantized two-layer MoE program), so a set is kept only for the steps others wait for, and relative to
-    its lowest member (bit ``k``: step ``lo + k``): a planner lists a tensor's steps together, so a set spans one
-    tensor's steps, not the program's. Any other step's set is the union of its dependencies', made when a check
-    asks about it; the last one made is kept, as the checks ask about one step many times in a row.
+    for a quantized two-layer MoE program), so a set is kept only for the steps others wait for, made when a check
+    first needs it, and relative to its lowest member (bit ``k``: step ``lo + k``): a planner lists a tensor's
+    steps together, so a set spans one tensor's steps, not the program's. Any other step's set is the union of its
+    dependencies', made when a check asks about it; the last one made is kept, as the checks ask about one step
+    many times in a row.
     """
 
-    __slots__ = ("_after", "_lo", "_bits", "_last", "_last_set")
+    __slots__ = ("_steps", "_kept", "_last", "_last_set")
 
     def __init__(self, steps: Sequence[Step]):
-        self._after = [s.after for s in steps]
-        waited_for = sorted({a for after in self._after for a in after})
-        self._lo = [0] * len(steps)
-        self._bits = [0] * len(steps)
-        # Ascending: the dependencies of a step others wait for are waited for too, so their sets are made first.
-        for i in waited_for:
-            self._lo[i], self._bits[i] = self._union(self._after[i])
+        self._steps = steps
+        # (lo, bits) per step others wait for, made when a check first needs it: a state dict's checks ask about a
+        # few template tensors' steps among millions (`Program._repeated`)
+        self._kept: dict[int, tuple[int, int]] = {}
         self._last, self._last_set = -1, (0, 0)
 
+    def _keep(self, after: Sequence[int]) -> None:
+        """Make the kept sets of the steps in ``after`` and of their ancestors, those others wait for first."""
+        kept, steps = self._kept, self._steps
+        stack = [a for a in after if a not in kept]
+        while stack:
+            top = stack[-1]
+            if top in kept:
+                stack.pop()
+                continue
+            missing = [b for b in steps[top].after if b not in kept]
+            if missing:
+                stack += missing
+            else:
+                kept[top] = self._union(steps[top].after)
+                stack.pop()
+
     def _union(self, after: Sequence[int]) -> tuple[int, int]:
-        """(lo, bits) of the steps in ``after`` and their ancestors (from the kept sets of those steps)."""
+        """(lo, bits) of the steps in ``after`` and their ancestors (from the kept sets of those steps, made)."""
         if not after:
             return 0, 0
-        lo_of, bits_of = self._lo, self._bits
+        kept = self._kept
         if len(after) == 1:  # most moves that wait: for the step that made their box
             a = after[0]
-            return (lo_of[a], bits_of[a] | 1 << (a - lo_of[a])) if bits_of[a] else (a, 1)
-        lo = min(min(after), min((lo_of[a] for a in after if bits_of[a]), default=len(lo_of)))
+            lo, bits = kept[a]
+            return (lo, bits | 1 << (a - lo)) if bits else (a, 1)
+        lo = min(min(after), min((kept[a][0] for a in after if kept[a][1]), default=len(self._steps)))
         bits = 0
         for a in after:
             bits |= 1 << (a - lo)
-            if bits_of[a]:
-                bits |= bits_of[a] << (lo_of[a] - lo)
+            lo_a, bits_a = kept[a]
+            if bits_a:
+                bits |= bits_a << (lo_a - lo)
         return lo, bits
 
     def of(self, i: int) -> tuple[int, int]:
         """(lo, bits) of step ``i``'s ancestors: bit ``k`` set when step ``lo + k`` is one."""
-        bits = self._bits[i]
-        if bits:
-            return self._lo[i], bits
+        got = self._kept.get(i)
+        if got is not None:
+            return got
         if i != self._last:
-            self._last, self._last_set = i, self._union(self._after[i])
+            after = self._steps[i].after
+            self._keep(after)
+            self._last, self._last_set = i, self._union(after)
         return self._last_set
 
     def has(self, i: int, j: int) -> bool:
@@ -1107,19 +1163,49 @@ class Program(ContentAddressed):
     @cached_property
     def depths(self) -> tuple[int, ...]:
         """Per step, its depth: 0 without dependencies, else one more than its deepest dependency."""
+        return tuple(self._depth_column.tolist())
+
+    @cached_property
+    def _depth_column(self) -> np.ndarray:
+        """`depths` as an int64 column. A run's steps (`_repeated`) are at its template's depths."""
         self._check_graph()
-        out = [0] * len(self.steps)
-        # only the steps that wait (a state dict's plain moves, most of its steps, wait for nothing)
-        for s in compress(self.steps, map(bool, map(_step_after, self.steps))):
-            out[s.id] = 1 + max(map(out.__getitem__, s.after))
-        return tuple(out)
+        out = np.zeros(len(self.steps), dtype=np.int64)
+        repeated = self._repeated
+        steps = self.steps if repeated is None else list(map(self.steps.__getitem__, np.flatnonzero(~repeated)))
+        # only the steps that wait (a state dict's plain moves, most of its steps, wait for nothing); outside the
+        # runs, none waits for a step in one
+        for s in compress(steps, map(bool, map(_step_after, steps))):
+            out[s.id] = 1 + max(out[list(s.after)])
+        for first, count, like, _ in self._ordered_runs():
+            out[first:first + count] = out[like:like + count]
+        return out
+
+    def _ordered_runs(self) -> list[Run]:
+        """The runs `_repeated` stands for, in step order (a run's template before it), or none."""
+        return sorted(self.__dict__["_runs"]) if self._repeated is not None else []
 
     @cached_property
     def _columns(self) -> tuple[list[str], list[str], list[Optional[str]]]:
         """Every step's kind, tensor and role, as three lists in step order (what `_validate` and `_read_back`
         both go through)."""
         steps = self.steps
-        return list(map(_step_kind, steps)), list(map(_step_tensor, steps)), list(map(_step_role, steps))
+        if self._repeated is None:
+            return list(map(_step_kind, steps)), list(map(_step_tensor, steps)), list(map(_step_role, steps))
+        # A run's steps are its template's renamed (`_repeated`): its columns are the template's, its tensors renamed.
+        kinds, tensors, roles = [None] * len(steps), [None] * len(steps), [None] * len(steps)
+        at, runs = 0, self._ordered_runs()
+        for first, count, like, renames in (*runs, (len(steps), 0, 0, ())):
+            if at < first:
+                part = steps[at:first]
+                kinds[at:first], tensors[at:first] = map(_step_kind, part), map(_step_tensor, part)
+                roles[at:first] = map(_step_role, part)
+            if count:
+                kinds[first:first + count] = kinds[like:like + count]
+                roles[first:first + count] = roles[like:like + count]
+                get = _Renamed(renames).__getitem__
+                tensors[first:first + count] = map(get, tensors[like:like + count])
+            at = first + count
+        return kinds, tensors, roles
 
     @cached_property
     def _src_moves(self) -> np.ndarray:
@@ -1134,7 +1220,12 @@ class Program(ContentAddressed):
         kinds = self._columns[0]
         is_move = np.fromiter(map(MOVE.__eq__, kinds), dtype=bool, count=len(kinds))
         out = np.full((len(kinds), 4), -1, dtype=np.int64)
+        repeated = self._repeated
+        if repeated is not None:  # a run's moves share its template's transfers: their rows are the template's
+            is_move &= ~repeated
         out[is_move] = link_ids(map(_step_transfer, compress(self.steps, is_move)))
+        for first, count, like, _ in self._ordered_runs():
+            out[first:first + count] = out[like:like + count]
         return out
 
     def _check_graph(self) -> None:
@@ -1143,7 +1234,7 @@ class Program(ContentAddressed):
         if self.__dict__.get("_graph_checked"):
             return
         n = len(self.steps)
-        if self._graph_columns_ok(n):
+        if self._graph_columns_ok(n, self._repeated):
             object.__setattr__(self, "_graph_checked", True)
             return
         for i, s in enumerate(self.steps):
@@ -1173,18 +1264,21 @@ class Program(ContentAddressed):
                     )
         object.__setattr__(self, "_graph_checked", True)  # not a field, as ``_valid``
 
-    def _graph_columns_ok(self, n: int) -> bool:
+    def _graph_columns_ok(self, n: int, repeated: Optional[np.ndarray] = None) -> bool:
         """Whether every id is its position and every ``after`` an earlier step, checked as columns (a state dict's
-        hundreds of thousands of steps); False leaves the verdict, and the message, to `_check_graph`'s loop."""
+        hundreds of thousands of steps); False leaves the verdict, and the message, to `_check_graph`'s loop. The
+        steps of runs (``repeated``) are their templates' shifted, which keeps both rules: only the others are
+        read."""
+        at = np.arange(n) if repeated is None else np.flatnonzero(~repeated)
+        steps = self.steps if repeated is None else list(map(self.steps.__getitem__, at))
         try:
-            ids = np.fromiter(map(_step_id, self.steps), dtype=np.int64, count=n)
-            afters = list(map(_step_after, self.steps))
-            lens = np.fromiter(map(len, afters), dtype=np.int64, count=n)
+            ids = np.fromiter(map(_step_id, steps), dtype=np.int64, count=len(at))
+            afters = list(map(_step_after, steps))
+            lens = np.fromiter(map(len, afters), dtype=np.int64, count=len(at))
             flat = np.fromiter(chain.from_iterable(afters), dtype=np.int64, count=int(lens.sum()))
         except (TypeError, ValueError, OverflowError):
             return False
-        return bool((ids == np.arange(n)).all() and (flat >= 0).all()
-                    and (flat < np.repeat(np.arange(n), lens)).all())
+        return bool((ids == at).all() and (flat >= 0).all() and (flat < np.repeat(at, lens)).all())
 
     def _find_cycle(self) -> list[int]:
         state = [0] * len(self.steps)  # 0 unseen, 1 on the current path, 2 done
@@ -1279,12 +1373,14 @@ class Program(ContentAddressed):
         check_version(data, "program", PROGRAM_VERSION)
         seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
         tensors = tuple(_read_tensors(data, seen))
+        with no_cycle_collection():
+            steps, runs = _read_steps(data, tensors)
         program = cls(
             tensors=tensors,
-            steps=tuple(_read_steps(data, tensors)),
+            steps=tuple(steps),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
-        )
+        )._with_runs(runs)
         return check_claimed_id(data, program, "program") if check_id else program
 
     # -- validation ---------------------------------------------------------------------------------
@@ -1308,7 +1404,8 @@ class Program(ContentAddressed):
         """
         if self.__dict__.get("_valid"):
             return self
-        self._validate()
+        with no_cycle_collection():
+            self._validate()
         object.__setattr__(self, "_valid", True)  # not a field: equality, hashing and repr ignore it
         return self
 
@@ -1356,6 +1453,8 @@ class Program(ContentAddressed):
                     tiles = layouts[(t.src, t.shape)] = t.src.tiles(t.shape)
                 src_tiles[t.name] = tiles
         by_name = self._by_name
+        # Steps that repeat others (runs, see `Run`): the steps they repeat stand for their checks (`_repeated`).
+        repeated = self._repeated
         reshard = [t for t in self.tensors if t.is_reshard]
         position = {t.name: k for k, t in enumerate(reshard)}
         # Every move of a reshard tensor, as columns for `delivered`: its tensor's position in ``reshard``, its step.
@@ -1364,7 +1463,7 @@ class Program(ContentAddressed):
         other_role: list[Step] = []  # reshard moves that read a role other than the source tile, checked last
         addends = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
         addend_coords: dict[str, dict[str, tuple[int, ...]]] = {}
-        read_back = self._read_back()
+        read_back = self._read_back(repeated)
 
         def holds(i: int, device: str, tensor: str, role: Optional[str], box: Box) -> bool:
             if not boxes.volume(box):
@@ -1390,11 +1489,19 @@ class Program(ContentAddressed):
         plain = {t.name for t in reshard if t.name not in addends and t.name not in read_back}
         steps = self.steps
         kinds, tensors, roles = self._columns
-        is_plain = [k == MOVE and r == SRC and t in plain for k, t, r in zip(kinds, tensors, roles)]
-        move_step += compress(range(len(steps)), is_plain)
-        move_tensor += map(position.__getitem__, compress(tensors, is_plain))
+        is_plain = self._src_moves & np.fromiter(map(plain.__contains__, tensors), dtype=bool, count=len(steps))
+        move_step += np.flatnonzero(is_plain).tolist()
+        move_tensor += map(position.__getitem__, map(tensors.__getitem__, move_step))
         listed = len(move_step)
-        for s in compress(steps, map(not_, is_plain)):
+        checked = ~is_plain
+        if repeated is not None:
+            # A repeated step's checks are its template's; its reshard moves still count for the delivery proof.
+            for i in np.flatnonzero(repeated & checked).tolist():
+                if kinds[i] == MOVE and by_name[tensors[i]].is_reshard:
+                    move_tensor.append(position[tensors[i]])
+                    move_step.append(i)
+            checked &= ~repeated
+        for s in map(steps.__getitem__, np.flatnonzero(checked).tolist()):
             if s.kind == MOVE:
                 decl = by_name.get(s.tensor)
                 if decl is None:
@@ -1442,23 +1549,79 @@ class Program(ContentAddressed):
             # reads another role must hold the box in that role.
             self._check_held(_StepWhere(s), s, s.transfer.sender, TileRef(s.tensor, s.role, s.transfer.box), holds)
 
-    def _read_back(self) -> set[str]:
+    def _read_back(self, repeated: Optional[np.ndarray] = None) -> set[str]:
         """The tensors whose written boxes a check looks up (`_validate`'s ``holds``, `_check_summed_tiles`):
         those a step reads other than as a reshard's move from its source tiles, and the sums of Partial ones.
         A state dict's moves are all of that one kind, which `check_delivery` proves on its own; indexing every
-        box each of them writes was a fifth of validating one."""
+        box each of them writes was a fifth of validating one. Steps marked ``repeated`` are not checked, so what
+        they read is not looked up."""
         by_name = {t.name: t for t in self.tensors}
         out = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
         kinds, tensors, roles = self._columns
+        src_moves, steps = self._src_moves, self.steps
+        if repeated is not None:
+            at = np.flatnonzero(~repeated)
+            kinds, tensors = list(map(kinds.__getitem__, at)), list(map(tensors.__getitem__, at))
+            src_moves, steps = src_moves[at], list(map(steps.__getitem__, at))
         # each distinct tensor once: a state dict's steps repeat each a few times
-        src_moves = self._src_moves
         for tensor in set(compress(tensors, src_moves)):
             decl = by_name.get(tensor)
             if decl is None or not decl.is_reshard:
                 out.add(tensor)
         out.update(compress(tensors, map(and_, map(MOVE.__eq__, kinds), map(not_, src_moves))))  # other roles
-        for s in compress(self.steps, map(MOVE.__ne__, kinds)):
+        for s in compress(steps, map(MOVE.__ne__, kinds)):
             out.update(r.tensor for r in s.inputs)
+        return out
+
+    @cached_property
+    def _repeated(self) -> Optional[np.ndarray]:
+        """Per step, whether a run (`Run`, `_with_runs`) repeats it from a template whose checks stand for its own,
+        as a bool column; None where the program has no runs, or where a condition below fails (then every step
+        is checked, as without runs).
+
+        A run's steps are its template's (steps written before it), their ids and ``after`` shifted and the tensors
+        they name renamed: where each renamed tensor is declared as the one it replaces (shape, dtype, shardings),
+        the template's steps wait only for one another, and no addends are named (their sums are checked from what
+        every step writes), each step of the run passes `_validate`'s checks of one step if the template's did:
+        the same transfers, kernels and boxes against the same declarations, and a device holds what its template
+        step's held, from the same source tiles and from the same writes by its ancestors (the template's,
+        shifted). Nothing outside the runs may wait for a step in one, so what runs write is never looked up. The
+        delivery proof, the buckets and the made tiles still read every step. A program read from text repeats
+        its runs' templates by construction; `plan_many` builds its runs so."""
+        runs = self.__dict__.get("_runs")
+        if not runs:
+            return None
+        n = len(self.steps)
+        by_name = self._by_name
+        addends = {t.name for t in self.tensors if t.src is not None and t.src.is_partial}
+        out = np.zeros(n, dtype=bool)
+        named: dict[tuple[int, int], set[str]] = {}  # per template, the tensors its steps name
+        for first, count, like, renames in runs:
+            if not (0 <= like and like + count <= first and first + count <= n) or out[first:first + count].any():
+                return None
+            names = named.get((like, count))
+            if names is None:
+                template = self.steps[like:like + count]
+                try:
+                    if any(not like <= a < like + count for s in template for a in s.after):
+                        return None
+                except TypeError:  # not a step's number: `_check_graph` names it
+                    return None
+                names = named[like, count] = {t for s in template for t in _named(s)}
+            rename = dict(renames)
+            for was, now in renames:
+                a, b = by_name.get(was), by_name.get(now)
+                if a is None or b is None or (a.shape, a.dtype, a.src, a.dst) != (b.shape, b.dtype, b.src, b.dst):
+                    return None
+            if addends and any(rename.get(t, t) in addends for t in names):
+                return None
+            out[first:first + count] = True
+        try:
+            for s in map(self.steps.__getitem__, np.flatnonzero(~out)):
+                if s.after and out[list(s.after)].any():
+                    return None
+        except (IndexError, TypeError, ValueError):  # an ``after`` that is no step: `_check_graph` names it
+            return None
         return out
 
     def _declared(self, where, name: str) -> TensorDecl:

@@ -145,6 +145,7 @@ def test_old_versions_leave_the_agents_once_no_pin_holds_them(c):
     assert c.put("w", weights(3)["w"], Sharding(TRAIN, ("x", None))).version == 1
 
 
+@pytest.mark.slow  # it waits out the pin timeout twice (13 s); make test was at CI's 10 minutes
 def test_a_pin_that_goes_unused_expires_and_frees_its_versions(c):
     c.put("w", weights(0)["w"], Sharding(TRAIN, ("x", None)), step=0)
     pin = c.pin()  # every tensor
