@@ -67,7 +67,7 @@ from __future__ import annotations
 import gc
 import hashlib
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
@@ -953,6 +953,14 @@ def no_cycle_collection():
 
 
 
+def _is_move(s: Step) -> bool:
+    return s.kind == MOVE
+
+
+def _is_src_move(s: Step) -> bool:
+    return s.kind == MOVE and s.role == SRC
+
+
 def _named(s: Step) -> tuple[str, ...]:
     """The tensors a step names: a move's, or a compute's or reduce's inputs' and output's."""
     if s.kind == MOVE:
@@ -1207,23 +1215,34 @@ class Program(ContentAddressed):
             at = first + count
         return kinds, tensors, roles
 
+    def _bool_column(self, of: Callable[[Step], bool]) -> np.ndarray:
+        """``of`` each step, as a bool column: asked of the steps outside runs, a run's copied from its template's
+        (`_repeated`)."""
+        steps, repeated = self.steps, self._repeated
+        if repeated is None:
+            return np.fromiter(map(of, steps), dtype=bool, count=len(steps))
+        out = np.zeros(len(steps), dtype=bool)
+        at = np.flatnonzero(~repeated)
+        out[at] = np.fromiter(map(of, map(steps.__getitem__, at)), dtype=bool, count=len(at))
+        for first, count, like, _ in self._ordered_runs():
+            out[first:first + count] = out[like:like + count]
+        return out
+
     @cached_property
     def _src_moves(self) -> np.ndarray:
         """Per step, whether it is a move that reads what a plan's move reads (role ``src``), as a bool column."""
-        kinds, _, roles = self._columns
-        return np.fromiter(map(and_, map(MOVE.__eq__, kinds), map(SRC.__eq__, roles)), dtype=bool, count=len(kinds))
+        return self._bool_column(_is_src_move)
 
     @cached_property
     def _link_ids(self) -> np.ndarray:
         """Per step, the ids of its transfer's sender, receivers, method and route objects (`delivery.link_ids`;
         a row of -1 for a step that is not a move): numbered once for the delivery proof and the buckets' check."""
-        kinds = self._columns[0]
-        is_move = np.fromiter(map(MOVE.__eq__, kinds), dtype=bool, count=len(kinds))
-        out = np.full((len(kinds), 4), -1, dtype=np.int64)
+        is_move = self._bool_column(_is_move)
+        out = np.full((len(is_move), 4), -1, dtype=np.int64)
         repeated = self._repeated
         if repeated is not None:  # a run's moves share its template's transfers: their rows are the template's
             is_move &= ~repeated
-        out[is_move] = link_ids(map(_step_transfer, compress(self.steps, is_move)))
+        out[is_move] = link_ids(map(_step_transfer, map(self.steps.__getitem__, np.flatnonzero(is_move))))
         for first, count, like, _ in self._ordered_runs():
             out[first:first + count] = out[like:like + count]
         return out
@@ -1497,8 +1516,9 @@ class Program(ContentAddressed):
         if repeated is not None:
             # A repeated step's checks are its template's; its reshard moves still count for the delivery proof.
             for i in np.flatnonzero(repeated & checked).tolist():
-                if kinds[i] == MOVE and by_name[tensors[i]].is_reshard:
-                    move_tensor.append(position[tensors[i]])
+                k = position.get(tensors[i])  # a reshard tensor's
+                if k is not None and kinds[i] == MOVE:
+                    move_tensor.append(k)
                     move_step.append(i)
             checked &= ~repeated
         for s in map(steps.__getitem__, np.flatnonzero(checked).tolist()):

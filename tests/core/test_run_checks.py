@@ -35,7 +35,7 @@ def test_a_quantized_state_dicts_runs_are_checked_by_their_templates_and_pass_as
     assert plain.__dict__.get("_runs") is None and plain._repeated is None
     plain.validate()
     assert plain._columns == program._columns and plain.depths == program.depths
-    assert (plain._link_ids == program._link_ids).all()
+    assert (plain._link_ids == program._link_ids).all() and (plain._src_moves == program._src_moves).all()
     # and read back from its compact text, the runs come with it
     back = program_from_json(program.dumps())
     assert back._repeated is not None and (back._repeated == repeated).all()
