@@ -66,10 +66,9 @@ from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSiz
 from reshard.jsonio import brief, field_of, loads, need
 from reshard.jsonio import canonical as canonical_text
 from reshard.jsonio import plain as plain_text
-from reshard.plans import Transfer, check_claimed_id, check_version
-from reshard.program import (DST, MOVE, PROGRAM_VERSION, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with,
-                             move_steps, moves_like)
-from reshard.program import _read_steps, _read_tensors, no_cycle_collection
+from reshard.plans import Transfer
+from reshard.program import (DST, MOVE, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with, move_steps,
+                             moves_like, no_cycle_collection)
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
@@ -136,22 +135,9 @@ class ManyProgram(Program):
             need(group, "array", f"program JSON bucket {i}", PlanValidationError)
             buckets.append(tuple(need(s, "integer", f"program JSON bucket {i} item {j}", PlanValidationError)
                                  for j, s in enumerate(group)))
-        # Read here rather than through Program.from_json, which would hash the program without its buckets too.
-        E = PlanValidationError
-        seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
         if data.get("kind") != "program":
-            raise E(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
-        check_version(data, "program", PROGRAM_VERSION)
-        tensors = tuple(_read_tensors(data, seen))  # written whole, or by layout (the compact text)
-        with no_cycle_collection():
-            steps, runs = _read_steps(data, tensors)  # written whole, or as runs of earlier steps (the compact text)
-        made = cls(
-            tensors=tensors,
-            steps=tuple(steps),
-            strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
-            topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
-            buckets=tuple(buckets))._with_runs(runs)
-        return check_claimed_id(data, made, "program") if check_id else made
+            raise PlanValidationError(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
+        return cls._read(data, check_id, buckets=tuple(buckets))
 
     def validate(self) -> "ManyProgram":
         """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,

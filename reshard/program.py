@@ -1389,16 +1389,24 @@ class Program(ContentAddressed):
                 return cls.from_plan(Plan.from_json(data))
             raise E(f"JSON with kind {brief(data.get('kind'))} and fields {brief(sorted(map(str, data)))} is neither "
                     f"a program (kind 'program', with steps) nor a plan (with transfers)")
+        return cls._read(data, check_id)
+
+    @classmethod
+    def _read(cls, data: Mapping, check_id: bool, **fields) -> "Program":
+        """A program of kind ``program`` from its JSON object, with a subclass's own ``fields`` (read by it);
+        its claimed id checked unless ``check_id`` is False."""
+        E = PlanValidationError
         check_version(data, "program", PROGRAM_VERSION)
         seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
-        tensors = tuple(_read_tensors(data, seen))
+        tensors = tuple(_read_tensors(data, seen))  # written whole, or by layout (the compact text)
         with no_cycle_collection():
-            steps, runs = _read_steps(data, tensors)
+            steps, runs = _read_steps(data, tensors)  # written whole, or as runs of earlier steps (the compact text)
         program = cls(
             tensors=tensors,
             steps=tuple(steps),
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
+            **fields,
         )._with_runs(runs)
         return check_claimed_id(data, program, "program") if check_id else program
 
