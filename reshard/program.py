@@ -71,7 +71,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
-from itertools import chain, compress, repeat
+from itertools import chain, compress, groupby, repeat
 from operator import and_, attrgetter, is_, not_
 from typing import TYPE_CHECKING, Optional
 
@@ -585,10 +585,7 @@ def _run_chunks(steps: Sequence[Step], runs: Sequence[Run], position: Mapping[st
     at = 0
     for first, count, like, renames in (*runs, (len(steps), 0, 0, ())):
         for start in range(at, first, _STEPS_PER_CHUNK):
-            part = steps[start:min(first, start + _STEPS_PER_CHUNK)]
-            chunk = writer.moves(part)
-            if chunk is None:
-                chunk = sep.join(map(writer.step, part))
+            chunk = writer.chunk(steps[start:min(first, start + _STEPS_PER_CHUNK)])
             yield f"{sep}{chunk}" if written else chunk
             written += 1
         if count:
@@ -705,7 +702,7 @@ def _tensor_chunks(tensors: Sequence[TensorDecl], canonical: bool) -> Iterator[s
 
 _step_id, _step_kind, _step_role, _step_after, _step_tensor, _step_transfer = (
     attrgetter(f) for f in ("id", "kind", "role", "after", "tensor", "transfer"))
-_transfer_box = attrgetter("box")
+_transfer_box = _ref_box = attrgetter("box")
 _transfer_path = attrgetter("sender", "method", "receivers", "route")
 _flat = chain.from_iterable
 
@@ -745,11 +742,14 @@ class _StepWriter:
         self.names: dict[str, str] = {}  # tensors, devices, methods, roles
         self.lists: dict[tuple[str, ...], str] = {}  # receivers, routes
         self.boxes: dict[Box, str] = {}  # boxes of int pairs (True == 1, but not in JSON)
+        self.box_objects: dict[int, str] = {}  # the same, by id
         # What `moves` writes for a move's transfer: canonical, between its after and its id (the box) and between
         # its id and its tensor (the rest, by the transfer's sender, method, receivers and route); plain, both
         # after its tensor.
         self.box_texts: dict[int, str] = {}  # by id(box)
         self.paths: dict[tuple, str] = {}
+        self.params: dict[int, str] = {}  # a compute step's params, by id
+        self.refs: dict[int, str] = {}  # a compute step's tile refs, by id
 
     # -- one value at a time, for `step` ---------------------------------------------------------------
 
@@ -771,12 +771,17 @@ class _StepWriter:
         return text
 
     def box(self, b: Box) -> str:
+        text = self.box_objects.get(id(b))  # a program's steps share a few thousand box objects
+        if text is not None:
+            return text
         if type(b) is not tuple or not all(type(p) is tuple and len(p) == 2 and type(p[0]) is int and
                                            type(p[1]) is int for p in b):
             return self.enc([[lo, hi] for lo, hi in b])
         text = self.boxes.get(b)
         if text is None:
             text = self.boxes[b] = self.int_boxes([b])[0]
+        self.keep.append(b)
+        self.box_objects[id(b)] = text
         return text
 
     def path(self, sender, method, receivers, route) -> tuple[str, str]:
@@ -793,11 +798,12 @@ class _StepWriter:
     def step(self, s: Step) -> str:
         """Any step's text."""
         if s.kind != MOVE:
-            return self.enc(s.to_json())
+            text = self.compute(s) if s.kind == COMPUTE else None
+            return self.enc(s.to_json()) if text is None else text
         t = s.transfer
         box, (first, second) = self.box(t.box), self.path(t.sender, t.method, t.receivers, t.route)
         sid = str(s.id) if type(s.id) is int else self.enc(s.id)
-        after = self.enc(list(s.after)) if s.after else "[]"
+        after = self.after(s.after)
         tensor = self.name(s.tensor)
         if self.canonical:
             role = f',"role":{self.name(s.role)}' if s.role != SRC else ""
@@ -805,6 +811,67 @@ class _StepWriter:
                     f'"tensor":{tensor}}}')
         role = f', "role": {self.name(s.role)}' if s.role != SRC else ""
         return f'{{"id": {sid}, "kind": "move", "after": {after}, "tensor": {tensor}{role}, "box": {box}, {first}}}'
+
+    def compute(self, s: Step) -> Optional[str]:
+        """A compute step's text from its values' remembered texts (a state dict quantized on the way holds
+        1.7 million compute steps); None where a value is not of the usual types (then the encoder writes it)."""
+        if type(s.id) is not int or type(s.inputs) is not tuple:
+            return None
+        refs = [*map(self.ref, s.inputs), "null" if s.output is None else self.ref(s.output)]
+        if None in refs:
+            return None
+        # by object (True == 1, but not in JSON); a template's steps share theirs
+        params = self.params.get(id(s.params))
+        if params is None:
+            try:
+                params = self.params[id(s.params)] = self.enc(dict(s.params))
+            except (TypeError, ValueError):  # odd params: the encoder's text from to_json, or its error
+                return None
+            self.keep.append(s.params)
+        after = self.after(s.after)
+        kernel, device, output = self.name(s.kernel), self.name(s.device), refs.pop()
+        if self.canonical:
+            return (f'{{"after":{after},"device":{device},"id":{s.id},"inputs":[{",".join(refs)}],"kernel":{kernel},'
+                    f'"kind":"compute","output":{output},"params":{params}}}')
+        return (f'{{"id": {s.id}, "kind": "compute", "after": {after}, "kernel": {kernel}, "device": {device}, '
+                f'"params": {params}, "inputs": [{", ".join(refs)}], "output": {output}}}')
+
+    def after(self, after) -> str:
+        """A step's ``after``'s text."""
+        if not after:
+            return "[]"
+        if {*map(type, after)} == {int}:  # what the encoder writes for a list of ints, without its set-up
+            return f"[{self.sep.join(map(str, after))}]"
+        return self.enc(list(after))
+
+    def ref(self, r) -> Optional[str]:
+        """A `TileRef`'s text, by object (a tensor's steps share theirs); None unless it is one."""
+        text = self.refs.get(id(r))
+        if text is not None:
+            return text
+        if type(r) is not TileRef:
+            return None
+        tensor, role, box = self.name(r.tensor), self.name(r.role), self.box(r.box)
+        if self.canonical:
+            text = f'{{"box":{box},"role":{role},"tensor":{tensor}}}'
+        else:
+            text = f'{{"tensor": {tensor}, "role": {role}, "box": {box}}}'
+        self.keep.append(r)
+        self.refs[id(r)] = text
+        return text
+
+    def chunk(self, steps: Sequence[Step]) -> str:
+        """The texts of ``steps`` joined by the separator: moves that read role 'src' a column at a time (`moves`),
+        in stretches of such steps, the others one at a time (`step`)."""
+        text = self.moves(steps)
+        if text is not None:
+            return text
+        pieces = []
+        for plain, stretch in groupby(steps, key=_is_src_move):
+            stretch = list(stretch)
+            text = self.moves(stretch) if plain else None
+            pieces.append(self.sep.join(map(self.step, stretch)) if text is None else text)
+        return self.sep.join(pieces)
 
     # -- many values at once, for `moves` -------------------------------------------------------------
 
@@ -866,7 +933,7 @@ class _StepWriter:
             return None
         step_ids = list(map(str, map(_step_id, steps)))  # str of an int is its JSON
         afters = list(map(_step_after, steps))
-        afters = [self.enc(list(a)) if a else "[]" for a in afters] if any(afters) else None
+        afters = list(map(self.after, afters)) if any(afters) else None
         # Each step's pieces, the first carrying the end of the step before it.
         if self.canonical:
             columns = (['},{"after":', afters, boxes, step_ids, paths, tensors] if afters else
@@ -890,10 +957,7 @@ def _step_chunks(steps: Sequence[Step], canonical: bool) -> Iterator[str]:
     sep = writer.sep
     yield "["
     for start in range(0, len(steps), _STEPS_PER_CHUNK):
-        part = steps[start:start + _STEPS_PER_CHUNK]
-        chunk = writer.moves(part)
-        if chunk is None:
-            chunk = sep.join(map(writer.step, part))
+        chunk = writer.chunk(steps[start:start + _STEPS_PER_CHUNK])
         yield f"{sep}{chunk}" if start else chunk
     yield "]"
 
@@ -1371,8 +1435,9 @@ class Program(ContentAddressed):
         """sha256 of the canonical JSON, hashed a chunk at a time as `_json_fields` writes it: the text of a
         million steps is never held whole."""
         digest = hashlib.sha256()
-        for chunk in _json_text_chunks(self._json_fields(canonical=True), canonical=True):
-            digest.update(chunk.encode())
+        with no_cycle_collection():
+            for chunk in _json_text_chunks(self._json_fields(canonical=True), canonical=True):
+                digest.update(chunk.encode())
         return digest.hexdigest()
 
     @classmethod
@@ -1453,7 +1518,8 @@ class Program(ContentAddressed):
                           + ((key, compact.get(key, value)),)}
             fields.update((key, (plain_text(value),)) for key, value in self._extras().items())
             fields["id"] = (plain_text(ident),)
-            text = "".join(_json_text_chunks(fields, canonical=False))
+            with no_cycle_collection():
+                text = "".join(_json_text_chunks(fields, canonical=False))
             object.__setattr__(self, "_text", text)
         return text
 
@@ -1910,6 +1976,20 @@ class Program(ContentAddressed):
             elif s.after:
                 waits[d].append(s.after)
         other_end: dict[int, float] = {}
+        # A compute's seconds by its kernel, device, params and tiles' boxes and itemsizes: a state dict's computes
+        # repeat a few hundred templates' (their box and params objects shared, which live as long as the program).
+        priced: dict[tuple, float] = {}
+
+        def seconds(s: Step) -> float:
+            if s.kind != COMPUTE:
+                return self._seconds(s, topo, hosts)[0]
+            refs = (*s.inputs, s.output)
+            key = (s.kernel, s.device, id(s.params), *map(id, map(_ref_box, refs)),
+                   *(itemsizes.get(r.tensor) for r in refs))
+            found = priced.get(key)
+            if found is None:
+                found = priced[key] = self._seconds(s, topo, hosts)[0]
+            return found
 
         def finish(i: int) -> float:
             return other_end[i] if i in other_end else move_end[depths[i]]
@@ -1922,7 +2002,7 @@ class Program(ContentAddressed):
                 move_end[depth] = links.run(by_depth[depth], start, move_end[depth], "")[0]
             for s in others.get(depth, ()):
                 start = max((finish(a) for a in s.after), default=0.0)
-                other_end[s.id] = start + self._seconds(s, topo, hosts)[0]
+                other_end[s.id] = start + seconds(s)
         return max([*move_end.values(), *other_end.values()], default=0.0)
 
     @cached_property

@@ -16,7 +16,7 @@ from reshard import Mesh, Topology
 from reshard.many import plan_many
 from reshard.moe import SMALL_MOE, moe_state_dict
 from reshard.plans import Transfer, content_id
-from reshard.program import _STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, _json_text_chunks
+from reshard.program import _STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, TileRef, _json_text_chunks
 
 
 def _python_calls(work) -> int:
@@ -91,3 +91,34 @@ def test_values_written_one_step_at_a_time_come_out_as_json_dumps_writes_them_am
     for first, second in ((plain, odd[0]), (odd[0], plain)):
         chunk = [Step.move(i, second if i % 2 else first, tensor="w") for i in range(2 * _STEPS_PER_CHUNK)]
         _assert_as_json_dumps(Program(tensors, tuple(chunk)))
+
+
+def test_compute_steps_are_written_from_remembered_pieces_as_json_dumps_writes_them():
+    # a small MoE quantized on the way: compute steps (fp8 scales and quantize, copies) amid moves
+    train, serve = Mesh.grid({"host": 2, "gpu": 4}, 4, "t"), Mesh.grid({"host": 2, "gpu": 4}, 4, "s", first_host=2)
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    program = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes)
+    assert {s.kind for s in program.steps} == {"move", "compute"}
+    _assert_as_json_dumps(program)
+    steps = len(program.steps)
+    for canonical in (True, False):
+        fields = program._json_fields(canonical)
+        calls = _python_calls(lambda: "".join(_json_text_chunks(fields, canonical)))
+        # about 9 a step (a compute: its refs, names and after, each text made once per object); through the
+        # encoder and to_json, about 16
+        assert calls < 11 * steps, (canonical, calls, steps)
+    # odd values: names that are str subclasses, a box of bools beside the same box in ints, params
+    w = TensorDecl("w", (4, 4), "float32")
+
+    class Name(str):
+        pass
+
+    one, true = {"k": 1}, {"k": True}
+    odd = [Step.compute(0, "copy", "a/0", [TileRef("w", "src", ((0, 4), (0, 4)))],
+                        TileRef("w", "dst", ((0, 4), (0, 4))), params=one),
+           Step.compute(1, Name("copy"), Name("a/0"), [TileRef(Name("w"), "src", ((0, 2), (0, 4)))],
+                        TileRef("w", "dst", ((0, 2), (0, 4))), after=[0], params=true),
+           Step.compute(2, "copy", "a/0", [TileRef("w", "src", ((False, True), (0, 4)))],
+                        TileRef("w", "dst", ((0, 1), (0, 4))), params=one)]
+    made = Program((w,), tuple(odd))
+    _assert_as_json_dumps(made)
