@@ -16,7 +16,8 @@ from reshard import Mesh, Topology
 from reshard.many import plan_many
 from reshard.moe import SMALL_MOE, moe_state_dict
 from reshard.plans import Transfer, content_id
-from reshard.program import _STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, TileRef, _json_text_chunks
+from reshard.program import (_STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, TileRef, _json_text_chunks,
+                             _run_step_chunks, _step_chunks, decl_with)
 
 
 def _python_calls(work) -> int:
@@ -102,8 +103,7 @@ def test_compute_steps_are_written_from_remembered_pieces_as_json_dumps_writes_t
     _assert_as_json_dumps(program)
     steps = len(program.steps)
     for canonical in (True, False):
-        fields = program._json_fields(canonical)
-        calls = _python_calls(lambda: "".join(_json_text_chunks(fields, canonical)))
+        calls = _python_calls(lambda: "".join(_step_chunks(program.steps, canonical)))
         # about 9 a step (a compute: its refs, names and after, each text made once per object); through the
         # encoder and to_json, about 16
         assert calls < 11 * steps, (canonical, calls, steps)
@@ -122,3 +122,26 @@ def test_compute_steps_are_written_from_remembered_pieces_as_json_dumps_writes_t
                         TileRef("w", "dst", ((0, 1), (0, 4))), params=one)]
     made = Program((w,), tuple(odd))
     _assert_as_json_dumps(made)
+
+
+def test_a_programs_runs_are_written_into_its_id_from_their_templates_texts():
+    """`Program.id` writes a run's steps from its template's text with the ids, afters and names filled in
+    (`reshard.program._RunText`): the same text as every step written out, so the same id as the program without
+    its runs."""
+    train, serve = Mesh.grid({"host": 2, "gpu": 4}, 4, "t"), Mesh.grid({"host": 2, "gpu": 4}, 4, "s", first_host=2)
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    quantized = plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes)
+    # the same with names that a format string or JSON would take for their own: braces, quotes, a backslash,
+    # non-ASCII
+
+    def renamed(name: str) -> str:
+        return name.replace("layers.", 'la{0}"y\\e{x}rs\u00e9.')
+
+    odd = plan_many([decl_with(t, name=renamed(t.name)) for t in case.tensors],
+                    scales={renamed(w): renamed(s) for w, s in case.scales.items()},
+                    dtypes={renamed(k): v for k, v in case.serve_dtypes.items()})
+    for program in (quantized, odd):
+        assert program._repeated is not None and program._repeated.any()
+        assert "".join(_run_step_chunks(program.steps, program._ordered_runs())) == \
+            "".join(_step_chunks(program.steps, canonical=True))
+        assert program.id == dataclasses.replace(program).id == content_id(program._canonical())
