@@ -579,20 +579,32 @@ def _compact_fields(tensors: Sequence[TensorDecl], steps: Sequence[Step], runs: 
 def _run_chunks(steps: Sequence[Step], runs: Sequence[Run], position: Mapping[str, int]) -> Iterator[str]:
     """The compact ``steps`` field: the steps outside ``runs`` written out (as `_step_chunks` writes them), a run
     entry for each run, naming tensors by their ``position`` among the program's."""
-    writer = _StepWriter(canonical=False)
-    sep = ", "
+
+    def entry(run: Run) -> str:
+        _, count, like, renames = run
+        rename = ", ".join(f"[{position[a]}, {position[b]}]" for a, b in renames)
+        return f'{{"like": {like}, "count": {count}, "rename": [{rename}]}}'
+
+    return _chunks_with_runs(steps, runs, _StepWriter(canonical=False), entry)
+
+
+def _chunks_with_runs(steps: Sequence[Step], runs: Sequence[Run], writer: "_StepWriter",
+                      run_text: Callable[[Run], str]) -> Iterator[str]:
+    """A JSON list's text in chunks: the steps outside ``runs`` (in step order) as ``writer`` writes them, a
+    chunk at a time, and ``run_text`` of each run in its place."""
+    sep = writer.sep
     yield "["
-    written = 0  # entries so far
+    written = 0  # chunks so far
     at = 0
-    for first, count, like, renames in (*runs, (len(steps), 0, 0, ())):
+    for run in (*runs, (len(steps), 0, 0, ())):
+        first, count = run[:2]
         for start in range(at, first, _STEPS_PER_CHUNK):
             chunk = writer.chunk(steps[start:min(first, start + _STEPS_PER_CHUNK)])
             yield f"{sep}{chunk}" if written else chunk
             written += 1
         if count:
-            rename = ", ".join(f"[{position[a]}, {position[b]}]" for a, b in renames)
-            entry = f'{{"like": {like}, "count": {count}, "rename": [{rename}]}}'
-            yield f"{sep}{entry}" if written else entry
+            chunk = run_text(run)
+            yield f"{sep}{chunk}" if written else chunk
             written += 1
         at = first + count
     yield "]"
@@ -968,24 +980,17 @@ def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str
     (`_RunText`) rather than one by one: the same text, a third of the time for a state dict quantized on the
     way. ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
     writer = _StepWriter(canonical=True)
-    forms: dict[tuple[int, int], _RunText] = {}
-    yield "["
-    written, at = 0, 0
-    for first, count, like, renames in (*runs, (len(steps), 0, 0, ())):
-        for start in range(at, first, _STEPS_PER_CHUNK):
-            chunk = writer.chunk(steps[start:min(first, start + _STEPS_PER_CHUNK)])
-            yield f",{chunk}" if written else chunk
-            written += 1
-        if count:
-            if (like, count) not in forms:
-                forms[like, count] = _RunText.of(steps[like:like + count])
-            form = forms[like, count]
-            chunk = (writer.chunk(steps[first:first + count]) if form is None else
-                     form.text(first, _Renamed(renames), writer))
-            yield f",{chunk}" if written else chunk
-            written += 1
-        at = first + count
-    yield "]"
+    forms: dict[tuple[int, int], Optional[_RunText]] = {}
+
+    def run_text(run: Run) -> str:
+        first, count, like, renames = run
+        if (like, count) not in forms:
+            forms[like, count] = _RunText.of(steps[like:like + count])
+        form = forms[like, count]
+        return writer.chunk(steps[first:first + count]) if form is None else \
+            form.text(first, _Renamed(renames), writer)
+
+    return _chunks_with_runs(steps, runs, writer, run_text)
 
 
 class _RunText:
