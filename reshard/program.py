@@ -981,16 +981,23 @@ def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str
     way. ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
     writer = _StepWriter(canonical=True)
     forms: dict[tuple[int, int], Optional[_RunText]] = {}
+    repeats = Counter((like, count) for _, count, like, _ in runs)
 
     def run_text(run: Run) -> str:
         first, count, like, renames = run
         if (like, count) not in forms:
-            forms[like, count] = _RunText.of(steps[like:like + count])
+            forms[like, count] = _RunText.of(steps[like:like + count], repeats[like, count])
         form = forms[like, count]
         return writer.chunk(steps[first:first + count]) if form is None else \
             form.text(first, _Renamed(renames), writer)
 
     return _chunks_with_runs(steps, runs, writer, run_text)
+
+
+# How many runs of moves alone a form pays for: making one writes its template's steps one by one, which runs
+# repeated this often win back against the columnar writer (the 61-layer Kimi-K2-like program's id, bf16 on the
+# wire: 4.0 -> 3.0 s here).
+_FORM_REPEATS = 8
 
 
 class _RunText:
@@ -1000,11 +1007,12 @@ class _RunText:
     _MARK = re.compile(r'"\\u0000(\d+)\\u0000"')  # a marker name, as the writer quotes it
 
     @classmethod
-    def of(cls, template: Sequence[Step]) -> Optional["_RunText"]:
-        """The template's form, or None where its steps are all moves from source tiles (the writer writes those a
-        column at a time, as fast) or a step's text is not as this reads it (values of odd types): then the run's
-        steps are written as any others."""
-        if all(map(_is_src_move, template)):
+    def of(cls, template: Sequence[Step], repeats: int) -> Optional["_RunText"]:
+        """The form of a template that ``repeats`` runs repeat, or None where its steps are all moves from source
+        tiles and repeat too few times for a form to pay (the writer writes those a column at a time, nearly as
+        fast), or where a step's text is not as this reads it (values of odd types): then the run's steps are
+        written as any others."""
+        if all(map(_is_src_move, template)) and repeats < _FORM_REPEATS:
             return None
         try:
             return cls(template)

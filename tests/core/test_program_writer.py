@@ -16,8 +16,9 @@ from reshard import Mesh, Topology
 from reshard.many import plan_many
 from reshard.moe import SMALL_MOE, moe_state_dict
 from reshard.plans import Transfer, content_id
-from reshard.program import (_STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, TileRef, _json_text_chunks,
-                             _run_step_chunks, _step_chunks, decl_with)
+from reshard.program import (_FORM_REPEATS, _STEPS_PER_CHUNK, DST, Program, Step, TensorDecl, TileRef,
+                             _json_text_chunks, _run_step_chunks, _step_chunks, decl_with)
+from tests.core.test_many import _state_dict
 
 
 def _python_calls(work) -> int:
@@ -140,7 +141,9 @@ def test_a_programs_runs_are_written_into_its_id_from_their_templates_texts():
     odd = plan_many([decl_with(t, name=renamed(t.name)) for t in case.tensors],
                     scales={renamed(w): renamed(s) for w, s in case.scales.items()},
                     dtypes={renamed(k): v for k, v in case.serve_dtypes.items()})
-    for program in (quantized, odd):
+    # and runs of moves alone, repeated often enough to be written from a form (`_FORM_REPEATS`)
+    layers = plan_many(_state_dict(num_layers=2 + _FORM_REPEATS))
+    for program in (quantized, odd, layers):
         assert program._repeated is not None and program._repeated.any()
         assert "".join(_run_step_chunks(program.steps, program._ordered_runs())) == \
             "".join(_step_chunks(program.steps, canonical=True))
