@@ -64,8 +64,6 @@ from reshard.cost import HostCache
 from reshard.delivery import link_numbers
 from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
-from reshard.jsonio import canonical as canonical_text
-from reshard.jsonio import plain as plain_text
 from reshard.plans import Transfer
 from reshard.program import (DST, MOVE, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with, move_steps,
                              moves_like, no_cycle_collection)
@@ -120,7 +118,9 @@ class ManyProgram(Program):
 
     def _json_fields(self, canonical: bool) -> dict[str, Iterable[str]]:
         out = super()._json_fields(canonical)
-        out["buckets"] = ((canonical_text if canonical else plain_text)([list(b) for b in self.buckets]),)
+        # what the encoder writes for a list of lists of ints (`__post_init__` made them so), without it
+        sep = "," if canonical else ", "
+        out["buckets"] = (f"[{sep.join([f'[{sep.join(map(str, b))}]' for b in self.buckets])}]",)
         return out
 
     @classmethod

@@ -2064,7 +2064,12 @@ class Program(ContentAddressed):
         links = _LinkClock(topo, hosts)
         waits: dict[int, list[tuple[int, ...]]] = defaultdict(list)  # per depth, what its moves wait for
         others: dict[int, list[Step]] = defaultdict(list)  # per depth, its reduces and computes
-        for s, d in zip(steps, depths):
+        # A run's steps wait only for one another, at its template's depths, and nothing else waits for them: each
+        # ends when its template's step does (the same depths' moves' ends, the same computes), so a run adds no
+        # wait and no end that its template does not (`_repeated`).
+        repeated = self._repeated
+        timed = range(len(steps)) if repeated is None else np.flatnonzero(~repeated).tolist()
+        for s, d in zip(map(steps.__getitem__, timed), map(depths.__getitem__, timed)):
             if s.kind != MOVE:
                 others[d].append(s)
             elif s.after:

@@ -36,6 +36,8 @@ def test_a_quantized_state_dicts_runs_are_checked_by_their_templates_and_pass_as
     plain.validate()
     assert plain._columns == program._columns and plain.depths == program.depths
     assert (plain._link_ids == program._link_ids).all() and (plain._src_moves == program._src_moves).all()
+    # the estimate, which times a run's steps by its template's
+    assert plain.estimate_seconds == program.estimate_seconds == max(e.finish for e in program.step_estimates())
     # and read back from its compact text, the runs come with it
     back = program_from_json(program.dumps())
     assert back._repeated is not None and (back._repeated == repeated).all()
