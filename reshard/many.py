@@ -109,7 +109,10 @@ class ManyProgram(Program):
         super().__post_init__()
         if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Iterable):
             raise PlanValidationError(f"buckets {brief(self.buckets)} must be a sequence of step id sequences")
-        object.__setattr__(self, "buckets", tuple(tuple(map(int, b)) for b in self.buckets))
+        buckets = self.buckets
+        if not (type(buckets) is tuple and {*map(type, buckets)} <= {tuple}
+                and {*map(type, chain.from_iterable(buckets))} <= {int}):  # as plan_many makes them: kept
+            object.__setattr__(self, "buckets", tuple(tuple(map(int, b)) for b in buckets))
 
     def _canonical(self) -> dict:
         out = super()._canonical()
@@ -576,8 +579,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             made = like.make(len(steps), dict(zip(was, names)))
             if bucket_bytes:
                 packer.pack_all(len(steps), packing)
-            if at != len(steps):
-                _run(runs, steps, made, at, tuple(zip(was, names)))
+            if at != len(steps):  # a run of the first's steps (`pack_all` replaces none, unlike `add`)
+                runs.append((len(steps), len(made), at, tuple(zip(was, names))))
             steps += made
             # declarations made without their checks: the fields of checked ones, src left out or a name changed
             program_tensors += [decl_with(d, src=None), decl_with(decls[k], src=None),
