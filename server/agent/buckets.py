@@ -29,9 +29,11 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.mesh import host_of
 from reshard.plans import Transfer
 from reshard.program import Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
+from reshard.routes import receiving_hops
 from reshard.server.transport import buffers
 from reshard.server.transport.streams import Gather, Segments
 
@@ -57,24 +59,37 @@ def _drop(buffer: np.ndarray) -> None:
 class Bucket:
     """Move steps ``members`` of ``program`` sent as one stream; ``step`` is the move that stands for them."""
 
-    def __init__(self, program: Program, members: list[Step]):
+    def __init__(self, program: Program, members: list[Step], known: dict | None = None):
         self.members = members
         # Per member, worked out once per program (a weight sync packs and unpacks the same buckets every step):
-        # (tensor, box, its bytes' range in the bucket, numpy dtype, shape).
+        # (tensor, box, its bytes' range in the bucket, numpy dtype, shape). ``known`` keeps, for the buckets of
+        # one program, each tensor's (numpy dtype, whether it has a source) and each (box object, dtype)'s shape
+        # and bytes: a state dict's million members share a few thousand of each.
+        known = {} if known is None else known
         self.parts: list[tuple[str, Box, int, int, np.dtype, tuple[int, ...]]] = []
         n = 0
+        sourced = True
         for s in members:
-            kind = np_dtype(program.tensor(s.tensor).dtype)
-            shape = tile_shape(s.transfer.box)
-            size = math.prod(shape) * kind.itemsize
-            self.parts.append((s.tensor, s.transfer.box, n, n + size, kind, shape))
+            tensor, box = s.tensor, s.transfer.box
+            of_tensor = known.get(tensor)
+            if of_tensor is None:
+                decl = program.tensor(tensor)
+                of_tensor = known[tensor] = (np_dtype(decl.dtype), decl.src is not None)
+            kind = of_tensor[0]
+            sourced = sourced and of_tensor[1]
+            sized = known.get((id(box), kind))
+            if sized is None:
+                shape = tile_shape(box)
+                sized = known[id(box), kind] = (shape, math.prod(shape) * kind.itemsize, box)  # box: its id stays
+            shape, size = sized[0], sized[1]
+            self.parts.append((tensor, box, n, n + size, kind, shape))
             n += size
         self.nbytes = n
         self.tensors = [s.tensor for s in members]
         # Whether every member's tensor has source shards, which the sender then packs from (`pack`); and, filled
         # as runs pack, (member index, the tile of its shard) -> the member's slices in that shard, or None where
         # the shard lacks the member's box: a weight sync packs the same boxes from the same tiles every run.
-        self.sourced = all(program.tensor(t).src is not None for t in self.tensors)
+        self.sourced = sourced
         self._regions: dict[tuple[int, Box], tuple | None] = {}
         t = members[0].transfer
         # It waits for all its members wait for (the quantize steps that made them, in a quantizing sync): members of
@@ -260,8 +275,17 @@ class _Unpack:
                 self.destination(tensor, box).write(device, box, region.view(kind).reshape(shape))
 
 
-def bucket_moves(program: Program) -> dict[int, Bucket]:
-    """The program's buckets by the id of the step that stands for each (its first); none for a program
-    without buckets."""
+def bucket_moves(program: Program, host: str | None = None) -> dict[int, Bucket]:
+    """The program's buckets by the id of the step that stands for each (its first), or only those ``host`` sends,
+    receives or forwards (a state dict's program packs a million moves, most of them other hosts'); none for a
+    program without buckets."""
     groups = getattr(program, "buckets", ())
-    return {g[0]: Bucket(program, [program.steps[i] for i in g]) for g in groups}
+    steps = program.steps
+    if host is not None:  # a bucket's members share sender, receivers and route: its first says where it goes
+        groups = [g for g in groups if _goes_through(steps[g[0]].transfer, host)]
+    known: dict = {}
+    return {g[0]: Bucket(program, [steps[i] for i in g], known) for g in groups}
+
+
+def _goes_through(t: Transfer, host: str) -> bool:
+    return host_of(t.sender) == host or bool(receiving_hops(t, host))

@@ -11,7 +11,7 @@ from reshard.cost import sender_bytes
 from reshard.jsonio import loads
 from reshard.many import program_from_json
 from reshard.mesh import host_of
-from reshard.program import MOVE, Program, Step
+from reshard.program import MOVE, Program, Step, no_cycle_collection
 from reshard.routes import stream_count
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
@@ -46,13 +46,20 @@ class HostLayout:
     took most of a receiving agent's CPU in a job; the runtime keeps them with the parsed program."""
 
     def __init__(self, program: Program, host: str):
+        with no_cycle_collection():  # a state dict's layout: millions of small objects (see no_cycle_collection)
+            self._work_out(program, host)
+
+    def _work_out(self, program: Program, host: str) -> None:
         self.program = program
-        self.buckets = bucket_moves(program)  # first step id -> the bucket that travels as that step's stream
+        # first step id -> the bucket that travels as that step's stream, of those this host sends, receives or
+        # forwards
+        self.buckets = bucket_moves(program, host)
+        leads = {g[0] for g in getattr(program, "buckets", ())}  # every bucket's stream carries bytes
         self.streams, self.dtypes, n = {}, {}, 0
         for s in program.steps:
             self.streams[s.id] = n
             n += stream_count(s.kind, s.transfer, len(s.devices))
-            self.dtypes[s.id] = BYTES if s.id in self.buckets else \
+            self.dtypes[s.id] = BYTES if s.id in leads else \
                 program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
         self.num_streams = n
         self.dtype_pairs = dtype_pairs_of(self.dtypes)

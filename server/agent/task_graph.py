@@ -87,10 +87,12 @@ class Task:
 def host_tasks(program: Program, host: str, buckets: dict[int, Bucket] | None = None) -> list[Task]:
     """``host``'s tasks of ``program`` in the order every host derives alike: by dependency depth, then
     moves round-robin over (sender, destination) host pairs (`interleaved`), then the other steps by id.
-    A bucket (``buckets``: by the id of its first step) is one move, its first step's; a step that waits for
-    a member of a bucket waits for that move."""
-    buckets = bucket_moves(program) if buckets is None else buckets
-    lead = {i: first for first, b in buckets.items() for i in b.ids}
+    A bucket (the program's ``buckets``) is one move, its first step's; a step that waits for a member of a bucket
+    waits for that move. ``buckets`` (`bucket_moves`: by the id of its first step) holds those ``host`` takes part
+    in, at least; another goes through the ordering as its first member, which has its sender, receivers and route.
+    """
+    buckets = bucket_moves(program, host) if buckets is None else buckets
+    lead = {i: g[0] for g in getattr(program, "buckets", ()) for i in g}
     depth = program.depths
     by_depth: dict[int, list[Step]] = defaultdict(list)
     for s in program.steps:

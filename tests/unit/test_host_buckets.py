@@ -1,0 +1,51 @@
+"""An agent builds only the buckets its host sends, receives or forwards (`bucket_moves(program, host)`): a
+state dict's program packs a million moves, and building every host's buckets was half of an agent's
+`HostLayout` of the Kimi-K2-like program (issue 41: an agent never parses another host's steps). Its tasks, in
+their order, are the ones it derives knowing every bucket."""
+
+from __future__ import annotations
+
+from reshard import Mesh
+from reshard.many import plan_many
+from reshard.mesh import host_of
+from reshard.moe import SMALL_MOE, moe_state_dict
+from reshard.server.agent.buckets import BYTES, bucket_moves
+from reshard.server.agent.programs import HostLayout
+from reshard.server.agent.task_graph import host_tasks
+from tests.core.test_many import _state_dict
+
+
+def _programs():
+    train, serve = Mesh.grid({"host": 2, "gpu": 4}, 4, "t"), Mesh.grid({"host": 2, "gpu": 4}, 4, "s", first_host=2)
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    yield plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes)
+    yield plan_many(_state_dict(num_layers=4))
+
+
+def _hosts(program) -> set[str]:
+    return {host_of(d) for t in program.tensors for s in (t.src, t.dst) if s is not None
+            for d in s.mesh.require_devices()}
+
+
+def _described(tasks):
+    return [(t.step.id, t.role, t.depth, t.hop, t.peer, t.deps, t.step.transfer if t.step.kind == "move" else None)
+            for t in tasks]
+
+
+def test_a_hosts_buckets_are_those_it_takes_part_in_and_its_tasks_are_as_with_every_bucket():
+    for program in _programs():
+        every = bucket_moves(program)
+        assert len(every) == len(program.buckets) > 0
+        fewer = 0
+        for host in sorted(_hosts(program)):
+            mine = bucket_moves(program, host)
+            assert set(mine) <= set(every)
+            fewer += len(mine) < len(every)
+            tasks = host_tasks(program, host)
+            assert _described(tasks) == _described(host_tasks(program, host, every))
+            # every bucket among its tasks is one it built, and the layout's streams and dtypes are every host's
+            assert {t.step.id for t in tasks if t.step.id in every} <= set(mine)
+            layout = HostLayout(program, host)
+            assert set(layout.buckets) == set(mine)
+            assert all(layout.dtypes[g[0]] == BYTES for g in program.buckets)
+        assert fewer  # some host takes part in fewer than all
