@@ -833,7 +833,7 @@ class _StepWriter:
         refs = [*map(self.ref, s.inputs), "null" if s.output is None else self.ref(s.output)]
         if None in refs:
             return None
-        # by object (True == 1, but not in JSON); a template's steps share theirs
+        # by object: a template's steps share theirs
         params = self.params.get(id(s.params))
         if params is None:
             try:
@@ -977,8 +977,7 @@ def _step_chunks(steps: Sequence[Step], canonical: bool) -> Iterator[str]:
 
 def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
     """`_step_chunks`' canonical text of ``steps`` (the id's), each run's steps written from its template's text
-    (`_RunText`) rather than one by one: the same text, a third of the time for a state dict quantized on the
-    way. ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
+    (`_RunText`) rather than one by one: the same text, in half the time for a state dict quantized on the way. ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
     writer = _StepWriter(canonical=True)
     forms: dict[tuple[int, int], Optional[_RunText]] = {}
     repeats = Counter((like, count) for _, count, like, _ in runs)
@@ -1105,7 +1104,6 @@ def no_cycle_collection():
                 gc.freeze()
                 gc.unfreeze()
             gc.enable()
-
 
 
 def _is_move(s: Step) -> bool:
