@@ -977,7 +977,8 @@ def _step_chunks(steps: Sequence[Step], canonical: bool) -> Iterator[str]:
 
 def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
     """`_step_chunks`' canonical text of ``steps`` (the id's), each run's steps written from its template's text
-    (`_RunText`) rather than one by one: the same text, in half the time for a state dict quantized on the way. ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
+    (`_RunText`) rather than one by one: the same text, in half the time for a state dict quantized on the way.
+    ``runs`` in step order, their steps the templates' renamed (`Program._repeated`)."""
     writer = _StepWriter(canonical=True)
     forms: dict[tuple[int, int], Optional[_RunText]] = {}
     repeats = Counter((like, count) for _, count, like, _ in runs)
@@ -1368,15 +1369,16 @@ class Program(ContentAddressed):
             at = first + count
         return kinds, tensors, roles
 
-    def _bool_column(self, of: Callable[[Step], bool]) -> np.ndarray:
-        """``of`` each step, as a bool column: asked of the steps outside runs, a run's copied from its template's
-        (`_repeated`)."""
+    def step_column(self, of: Callable[[Step], object], dtype=bool) -> np.ndarray:
+        """``of`` each step, as a numpy column of ``dtype``: asked of the steps outside runs, a run's copied from
+        its template's (`_repeated`), so ``of`` must give a run's step what it gives its template's (a value of
+        its transfer, kind or devices, not of its id or tensors)."""
         steps, repeated = self.steps, self._repeated
         if repeated is None:
-            return np.fromiter(map(of, steps), dtype=bool, count=len(steps))
-        out = np.zeros(len(steps), dtype=bool)
+            return np.fromiter(map(of, steps), dtype=dtype, count=len(steps))
+        out = np.zeros(len(steps), dtype=dtype)
         at = np.flatnonzero(~repeated)
-        out[at] = np.fromiter(map(of, map(steps.__getitem__, at)), dtype=bool, count=len(at))
+        out[at] = np.fromiter(map(of, map(steps.__getitem__, at)), dtype=dtype, count=len(at))
         for first, count, like, _ in self._ordered_runs():
             out[first:first + count] = out[like:like + count]
         return out
@@ -1384,13 +1386,13 @@ class Program(ContentAddressed):
     @cached_property
     def _src_moves(self) -> np.ndarray:
         """Per step, whether it is a move that reads what a plan's move reads (role ``src``), as a bool column."""
-        return self._bool_column(_is_src_move)
+        return self.step_column(_is_src_move)
 
     @cached_property
     def _link_ids(self) -> np.ndarray:
         """Per step, the ids of its transfer's sender, receivers, method and route objects (`delivery.link_ids`;
         a row of -1 for a step that is not a move): numbered once for the delivery proof and the buckets' check."""
-        is_move = self._bool_column(_is_move)
+        is_move = self.step_column(_is_move)
         out = np.full((len(is_move), 4), -1, dtype=np.int64)
         repeated = self._repeated
         if repeated is not None:  # a run's moves share its template's transfers: their rows are the template's

@@ -5,6 +5,9 @@ program alone for every run of it (`HostLayout`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+
+import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import sender_bytes
@@ -39,6 +42,41 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
     return program, claimed if isinstance(claimed, str) else program.id
 
 
+def _stream_count(s: Step) -> int:
+    return stream_count(s.kind, s.transfer, len(s.devices))
+
+
+def _dtype_of(program: Program, s: Step) -> str:
+    """The dtype of the tensor step ``s`` moves, or of its first input (its output's without one)."""
+    return program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
+
+
+class _PerStep(dict):
+    """Step id -> a value worked out the first time it is asked for (a state dict's program holds millions of
+    steps; a host asks about its own)."""
+
+    def __init__(self, work_out: Callable[[int], object]):
+        super().__init__()
+        self._work_out = work_out
+
+    def __missing__(self, step: int):
+        value = self[step] = self._work_out(step)
+        return value
+
+
+class _Streams:
+    """Step id -> its first stream number (`Session.streams`), from a column of them."""
+
+    def __init__(self, first: np.ndarray):
+        self._first = first
+
+    def __getitem__(self, step: int) -> int:
+        return int(self._first[step])
+
+    def get(self, step: int, default: int = 0) -> int:
+        return int(self._first[step]) if 0 <= step < len(self._first) else default
+
+
 class HostLayout:
     """What a run of ``program`` on ``host`` works out from the program alone: its buckets, streams and each step's
     dtype, this host's tasks (templates: each run counts down copies), the bytes it sends, and the tiles it stages.
@@ -54,15 +92,14 @@ class HostLayout:
         # first step id -> the bucket that travels as that step's stream, of those this host sends, receives or
         # forwards
         self.buckets = bucket_moves(program, host)
+        # Step -> its first stream number, over every step of the program (a run's counts are its template's), and
+        # step -> its dtype, worked out for the steps this host asks about.
+        counts = program.step_column(_stream_count, dtype=np.int64)
+        self.streams = _Streams(np.cumsum(counts) - counts)
+        self.num_streams = int(counts.sum())
         leads = {g[0] for g in getattr(program, "buckets", ())}  # every bucket's stream carries bytes
-        self.streams, self.dtypes, n = {}, {}, 0
-        for s in program.steps:
-            self.streams[s.id] = n
-            n += stream_count(s.kind, s.transfer, len(s.devices))
-            self.dtypes[s.id] = BYTES if s.id in leads else \
-                program.tensor(s.tensor if s.kind == MOVE else (s.inputs or (s.output,))[0].tensor).dtype
-        self.num_streams = n
-        self.dtype_pairs = dtype_pairs_of(self.dtypes)
+        self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
+        self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: self.dtypes[i]})[i])
         self.tasks = host_tasks(program, host, self.buckets)
         self.bytes_total = sum(
             sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps

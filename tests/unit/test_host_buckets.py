@@ -1,7 +1,8 @@
 """An agent builds only the buckets its host sends, receives or forwards (`bucket_moves(program, host)`): a
 state dict's program packs a million moves, and building every host's buckets was half of an agent's
 `HostLayout` of the Kimi-K2-like program (issue 41: an agent never parses another host's steps). Its tasks, in
-their order, are the ones it derives knowing every bucket."""
+their order, are the ones it derives knowing every bucket; its stream numbers come from a column (a run's counts
+are its template's) and its steps' dtypes are worked out when asked for."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from reshard import Mesh
 from reshard.many import plan_many
 from reshard.mesh import host_of
 from reshard.moe import SMALL_MOE, moe_state_dict
+from reshard.proto.layout import np_dtype
+from reshard.routes import stream_count
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.programs import HostLayout
 from reshard.server.agent.task_graph import host_tasks
@@ -49,3 +52,18 @@ def test_a_hosts_buckets_are_those_it_takes_part_in_and_its_tasks_are_as_with_ev
             assert set(layout.buckets) == set(mine)
             assert all(layout.dtypes[g[0]] == BYTES for g in program.buckets)
         assert fewer  # some host takes part in fewer than all
+
+
+def test_a_layouts_stream_numbers_and_dtypes_are_those_worked_out_step_by_step():
+    # over every step (a run's stream counts copied from its template's), and dtypes worked out when asked
+    for program in _programs():
+        leads = {g[0] for g in program.buckets}
+        layout = HostLayout(program, sorted(_hosts(program))[0])
+        n = 0
+        for s in program.steps:
+            assert layout.streams[s.id] == layout.streams.get(s.id) == n
+            n += stream_count(s.kind, s.transfer, len(s.devices))
+            name = BYTES if s.id in leads else program.tensor(
+                s.tensor if s.kind == "move" else (s.inputs or (s.output,))[0].tensor).dtype
+            assert layout.dtypes[s.id] == name and layout.dtype_pairs[s.id] == (name, np_dtype(name))
+        assert layout.num_streams == n and layout.streams.get(len(program.steps), 7) == 7
