@@ -31,7 +31,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
 from reshard.plans import Transfer
-from reshard.program import Program, Step
+from reshard.program import MOVE, Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.routes import receiving_hops
 from reshard.server.transport import buffers
@@ -281,8 +281,11 @@ def bucket_moves(program: Program, host: str | None = None) -> dict[int, Bucket]
     program without buckets."""
     groups = getattr(program, "buckets", ())
     steps = program.steps
-    if host is not None:  # a bucket's members share sender, receivers and route: its first says where it goes
-        groups = [g for g in groups if _goes_through(steps[g[0]].transfer, host)]
+    if host is not None and groups:
+        # a bucket's members share sender, receivers and route: its first says where it goes (a column: a run's
+        # moves go as its template's)
+        through = program.step_column(lambda s: s.kind == MOVE and _goes_through(s.transfer, host))
+        groups = [g for g in groups if through[g[0]]]
     known: dict = {}
     return {g[0]: Bucket(program, [steps[i] for i in g], known) for g in groups}
 

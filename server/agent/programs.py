@@ -101,22 +101,31 @@ class HostLayout:
         self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
         self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: self.dtypes[i]})[i])
         self.tasks = host_tasks(program, host, self.buckets)
-        self.bytes_total = sum(
-            sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
-            if s.kind == MOVE and host_of(s.transfer.sender) == host)
+        # the moves this host sends, found as a column (a run's as its template's: the same transfers)
+        sends = program.step_column(lambda s: s.kind == MOVE and host_of(s.transfer.sender) == host)
+        self.bytes_total = sum(sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host)
+                               for s in map(program.steps.__getitem__, np.flatnonzero(sends)))
         self.committed = [t for t in program.tensors if t.dst is not None]
         self.committed_names = frozenset(t.name for t in self.committed)
         self.unresharded = [t.name for t in self.committed if not t.is_reshard]
-        self.staged = staged_bytes(self.committed, host) if len(self.committed) > 1 else {}
-        # tensor -> this host's devices' destination tiles
-        self.dst_tiles = {t.name: {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
-                          for t in self.committed}
+        # tensor -> this host's devices' destination tiles, and how this host stages them (`staging.tile_plan`):
+        # worked out once per layout, which a state dict's layers repeat (tensors of one layout share them)
+        self.dst_tiles, self.tile_plans = {}, {}
+        plans: dict[tuple, tuple] = {}
+        for t in self.committed:
+            key = (t.shape, t.src, t.dst)
+            found = plans.get(key)
+            if found is None:
+                tiles = {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
+                found = plans[key] = (tiles, tile_plan(t, tiles) if tiles else None)
+            self.dst_tiles[t.name] = found[0]
+            if found[1] is not None:
+                self.tile_plans[t.name] = found[1]
         self.here = [t for t in self.committed if self.dst_tiles[t.name]]  # the tensors this host stages tiles of
+        self.staged = staged_bytes(self.here, host) if len(self.committed) > 1 else {}
         # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
         # (`Run._stage`).
-        self.moves_only = all(s.kind == MOVE and not s.after for s in program.steps)
-        # tensor -> how this host stages its tiles (`staging.tile_plan`)
-        self.tile_plans = {t.name: tile_plan(t, self.dst_tiles[t.name]) for t in self.here}
+        self.moves_only = bool(program.step_column(lambda s: s.kind == MOVE and not s.after).all())
         # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).

@@ -7,6 +7,7 @@ are its template's) and its steps' dtypes are worked out when asked for."""
 from __future__ import annotations
 
 from reshard import Mesh
+from reshard.cost import sender_bytes
 from reshard.many import plan_many
 from reshard.mesh import host_of
 from reshard.moe import SMALL_MOE, moe_state_dict
@@ -14,6 +15,7 @@ from reshard.proto.layout import np_dtype
 from reshard.routes import stream_count
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.programs import HostLayout
+from reshard.server.agent.staging import staged_bytes, tile_plan
 from reshard.server.agent.task_graph import host_tasks
 from tests.core.test_many import _state_dict
 
@@ -67,3 +69,20 @@ def test_a_layouts_stream_numbers_and_dtypes_are_those_worked_out_step_by_step()
                 s.tensor if s.kind == "move" else (s.inputs or (s.output,))[0].tensor).dtype
             assert layout.dtypes[s.id] == name and layout.dtype_pairs[s.id] == (name, np_dtype(name))
         assert layout.num_streams == n and layout.streams.get(len(program.steps), 7) == 7
+
+
+def test_a_layouts_bytes_tiles_and_plans_are_those_worked_out_tensor_by_tensor():
+    # worked out once per layout (tensors of one layout share them) and from columns, as every host needs them
+    for program in _programs():
+        committed = [t for t in program.tensors if t.dst is not None]
+        for host in sorted(_hosts(program)):
+            layout = HostLayout(program, host)
+            assert layout.bytes_total == sum(
+                sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host) for s in program.steps
+                if s.kind == "move" and host_of(s.transfer.sender) == host)
+            assert layout.moves_only == all(s.kind == "move" and not s.after for s in program.steps)
+            assert layout.staged == staged_bytes(committed, host)
+            for t in committed:
+                tiles = {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
+                assert layout.dst_tiles[t.name] == tiles
+                assert (layout.tile_plans[t.name] == tile_plan(t, tiles)) if tiles else t.name not in layout.tile_plans
