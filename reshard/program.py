@@ -1618,10 +1618,14 @@ class Program(ContentAddressed):
         return text
 
     def _with_runs(self, runs: Sequence[Run]) -> "Program":
-        """This program, whose text (`dumps`) writes ``runs`` as runs of the steps they repeat (see `Run`). The
-        caller guarantees each is that (`reshard.plan_many` builds them so): nothing here checks it, and a reader
-        of the text that trusts its claimed id (an agent) would not either. Returns self."""
-        object.__setattr__(self, "_runs", tuple(runs))  # not a field: the text only
+        """This program, whose text (`dumps`) writes ``runs`` as runs of the steps they repeat (see `Run`), and
+        whose checks, id, estimate and columns read a run's template for it (`_repeated`). The caller guarantees
+        each run is that (`reshard.plan_many` builds them so, and the text's reader makes them so): nothing here
+        checks it, and a reader of the text that trusts its claimed id (an agent) would not either. Returns
+        self."""
+        object.__setattr__(self, "_runs", tuple(runs))  # not a field: equality, hashing and repr ignore it
+        for worked_out in ("_repeated", "_columns", "_src_moves", "_link_ids", "_depth_column", "_text"):
+            self.__dict__.pop(worked_out, None)  # what the runs change how it is worked out, if it was already
         return self
 
     def _validate(self) -> None:

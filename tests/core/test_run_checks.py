@@ -95,3 +95,12 @@ def test_a_step_outside_the_runs_that_waits_for_a_step_in_one_turns_the_shortcut
     w = TensorDecl("w", (8,), "float32", None, Sharding(mesh, (None,)))
     made = Program((*program.tensors, w), (*program.steps, extra), program.strategy, program.topology)._with_runs(runs)
     assert made._repeated is None
+
+
+def test_runs_noted_after_columns_were_worked_out_are_read_by_them():
+    program = _quantized()
+    plain = dataclasses.replace(program)
+    assert plain._repeated is None and plain._columns == program._columns  # worked out without runs
+    plain._with_runs(program.__dict__["_runs"])
+    assert plain._repeated is not None and (plain._repeated == program._repeated).all()
+    assert plain.dumps() == program.dumps()  # the compact text, no longer the one written step by step
