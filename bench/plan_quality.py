@@ -266,6 +266,19 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
         slices = host_slice_bytes(program)
         host = max(slices, key=slices.get)
         out.update(slice_mib=slices[host] / 2**20, slice_host=host, hosts=len(slices))
+        # What the agent of that host does with the text before its first run of the job: read it whole (every
+        # agent gets it whole) and work out its own layout (`HostLayout`: its buckets, tasks, streams, tiles).
+        stage = start("an agent's reading and layout")
+        from reshard.server.agent.programs import HostLayout, load_program
+
+        text = program.dumps()
+        del program
+        t0 = time.perf_counter()
+        read, _ = load_program(text, max_bytes=None)
+        out["agent_read_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        HostLayout(read, host)
+        out["agent_layout_s"] = time.perf_counter() - t0
     except MemoryError:
         out["over_memory"] = stage
     print(json.dumps(out), flush=True)
@@ -381,6 +394,7 @@ def _moe_row(m: dict) -> list[str]:
         f"{m['plan'] + m['validate'] + sum(after):.1f}" if None not in after else None,
         f"{m['rss_gib']:.2f}" if "rss_gib" in m else None, f"{m['text_mib']:,.0f}" if "text_mib" in m else None,
         f"{m['slice_mib']:,.1f} ({m['slice_host']})" if "slice_mib" in m else None,
+        f"{m['agent_read_s']:.1f} / {m['agent_layout_s']:.1f}" if "agent_layout_s" in m else None,
         f"{m['estimate']:.3f}" if "estimate" in m else None, f"{m['bound']:.3f}" if "bound" in m else None,
         f"{m['estimate'] / m['bound']:.3f}" if "bound" in m else None,
     ]
@@ -397,7 +411,8 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
     done = next((m for m in runs if "over" not in m), None)
     head = ["case", "tensors", "steps", "plan s", "validate s", "then id / estimate / text s",
             "a planner's seconds before an agent gets it", "peak RSS GiB", "text MiB (what every agent gets)",
-            "largest per-host cut MiB (would hold; not cut today)", "estimate s", "lower bound s",
+            "largest per-host cut MiB (would hold; not cut today)", "that host's agent: read / layout s",
+            "estimate s", "lower bound s",
             "estimate / bound"]
     table = _table(head, [_moe_row(m) for m in runs + quantized])
     g = MOE_GOALS
@@ -468,7 +483,9 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         "tensor's steps as a run of the first of its layout's, renamed (`reshard.program.Run`). No per-host cut "
         "exists today: the cut column measures what the largest one WOULD hold written step by step, the steps "
         "that host takes part in (as sender, receiving or forwarding hop, compute device), their tensors' "
-        "declarations and buckets, as program JSON (`bench/_program_parts.py`). The lower bound is the cost "
+        "declarations and buckets, as program JSON (`bench/_program_parts.py`). That host's agent then reads the "
+        "whole text (`load_program`) and works out its own layout (`HostLayout`: the buckets it sends, receives or "
+        "forwards, its tasks in order, stream numbers, tiles), timed in the same child. The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         f"Must-show 1's goals, from the full {full['layers']} layers' figures, planned without dtypes and as the "
