@@ -98,8 +98,8 @@ class HostLayout:
         self.streams = _Streams(np.cumsum(counts) - counts)
         self.num_streams = int(counts.sum())
         leads = {g[0] for g in getattr(program, "buckets", ())}  # every bucket's stream carries bytes
-        self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
-        self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: self.dtypes[i]})[i])
+        dtypes = self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
+        self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: dtypes[i]})[i])  # (not self: no cycle through it)
         self.tasks = host_tasks(program, host, self.buckets)
         # the moves this host sends, found as a column (a run's as its template's: the same transfers)
         sends = program.step_column(lambda s: s.kind == MOVE and host_of(s.transfer.sender) == host)
