@@ -1338,13 +1338,18 @@ class Program(ContentAddressed):
         # runs, none waits for a step in one
         for s in compress(steps, map(bool, map(_step_after, steps))):
             out[s.id] = 1 + max(out[list(s.after)])
-        for first, count, like, _ in self._ordered_runs():
-            out[first:first + count] = out[like:like + count]
+        self._copy_runs(out)
         return out
 
     def _ordered_runs(self) -> list[Run]:
         """The runs `_repeated` stands for, in step order (a run's template before it), or none."""
         return sorted(self.__dict__["_runs"]) if self._repeated is not None else []
+
+    def _copy_runs(self, column: np.ndarray) -> None:
+        """Fill each run's rows of a per-step ``column`` from its template's rows, in step order (a template that
+        is itself in an earlier run is filled first)."""
+        for first, count, like, _ in self._ordered_runs():
+            column[first:first + count] = column[like:like + count]
 
     @cached_property
     def _columns(self) -> tuple[list[str], list[str], list[Optional[str]]]:
@@ -1379,8 +1384,7 @@ class Program(ContentAddressed):
         out = np.zeros(len(steps), dtype=dtype)
         at = np.flatnonzero(~repeated)
         out[at] = np.fromiter(map(of, map(steps.__getitem__, at)), dtype=dtype, count=len(at))
-        for first, count, like, _ in self._ordered_runs():
-            out[first:first + count] = out[like:like + count]
+        self._copy_runs(out)
         return out
 
     @cached_property
@@ -1398,8 +1402,7 @@ class Program(ContentAddressed):
         if repeated is not None:  # a run's moves share its template's transfers: their rows are the template's
             is_move &= ~repeated
         out[is_move] = link_ids(map(_step_transfer, map(self.steps.__getitem__, np.flatnonzero(is_move))))
-        for first, count, like, _ in self._ordered_runs():
-            out[first:first + count] = out[like:like + count]
+        self._copy_runs(out)
         return out
 
     def _check_graph(self) -> None:
