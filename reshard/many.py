@@ -53,7 +53,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from itertools import chain, compress
+from itertools import chain, compress, repeat
 from operator import attrgetter, is_
 from typing import Optional, Union
 
@@ -65,8 +65,8 @@ from reshard.delivery import link_numbers
 from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.jsonio import brief, field_of, loads, need
 from reshard.plans import Transfer
-from reshard.program import (DST, MOVE, SRC, Program, Run, Step, StepsLike, TensorDecl, decl_with, move_steps,
-                             moves_like, no_cycle_collection)
+from reshard.program import (DST, MOVE, SRC, Program, Run, RunSteps, Step, StepsLike, TensorDecl, decl_with,
+                             move_steps, moves_like, no_cycle_collection)
 from reshard.quantize import (Conversion, DtypeConversionError, QuantizedSteps, conversions, quantize_layout,
                               source_name)
 from reshard.sharding import Sharding
@@ -294,7 +294,7 @@ def _buckets_ok(program: ManyProgram) -> bool:
         return True
     # equal values in other objects (a layout's plan and another's make their own receivers' tuples): the parts
     # that differ numbered by value, each distinct object read once
-    path = link_numbers(_Members(steps, members), ids, np.flatnonzero(~same).tolist())
+    path = link_numbers(_Members(program, members), ids, np.flatnonzero(~same).tolist())
     return bool((path == np.repeat(path[firsts], size)).all())
 
 
@@ -302,14 +302,14 @@ class _Members(Sequence):
     """The transfers of a program's bucket members, in bucket order, read where asked (`link_numbers` reads the
     first of each distinct object only)."""
 
-    def __init__(self, steps: Sequence[Step], members: np.ndarray):
-        self.steps, self.members = steps, members
+    def __init__(self, program: Program, members: np.ndarray):
+        self.program, self.members = program, members
 
     def __len__(self) -> int:
         return len(self.members)
 
     def __getitem__(self, i):
-        return self.steps[self.members[i]].transfer
+        return self.program.transfers_of(self.members[i:i + 1])[0]  # a run's member's: its template's
 
 
 def program_from_json(data, check_id: bool = True) -> Program:
@@ -576,12 +576,15 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
                                                     names[2]: source.itemsize})
                 found = quantized[key] = (StepsLike(template), names, packing, len(steps))
             like, was, packing, at = found
-            made = like.make(len(steps), dict(zip(was, names)))
             if bucket_bytes:
                 packer.pack_all(len(steps), packing)
-            if at != len(steps):  # a run of the first's steps (`pack_all` replaces none, unlike `add`)
-                runs.append((len(steps), len(made), at, tuple(zip(was, names))))
-            steps += made
+            if at != len(steps):
+                # A run of the first's steps (`pack_all` replaces none, unlike `add`), made only when asked for
+                # (`RunSteps`): a planner validates, hashes, prices and writes it by its template's.
+                runs.append((len(steps), len(like.steps), at, tuple(zip(was, names))))
+                steps += repeat(None, len(like.steps))
+            else:
+                steps += like.make(len(steps), dict(zip(was, names)))
             # declarations made without their checks: the fields of checked ones, src left out or a name changed
             program_tensors += [decl_with(d, src=None), decl_with(decls[k], src=None),
                                 decl_with(source, name=names[2], dst=None)]
@@ -598,7 +601,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
             _run(runs, steps, made, like, ((was, d.name),))
         steps += made
         program_tensors.append(d)
-    return ManyProgram(tuple(program_tensors), tuple(steps), strategy, topology, packer.buckets())._with_runs(runs)
+    made = RunSteps(steps, runs) if converted else tuple(steps)
+    return ManyProgram(tuple(program_tensors), made, strategy, topology, packer.buckets())._with_runs(runs)
 
 
 def _too_many(steps: int, max_steps: int, tensors: int, layouts: int, bound: str) -> str:

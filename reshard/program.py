@@ -67,6 +67,8 @@ from __future__ import annotations
 import gc
 import hashlib
 import re
+import threading
+from bisect import bisect_right
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -542,6 +544,103 @@ class StepsLike:
         return steps
 
 
+class RunSteps(Sequence):
+    """A program's steps where the steps of runs (`Run`) are made from their templates' (`StepsLike`) when first
+    asked for, a run at a time: a state dict quantized on the way holds millions of steps, nearly all in runs, and
+    a planner that validates, hashes, prices and writes it by its templates (`Program._repeated`) never needs them
+    as objects (making them was half of planning one). Reads as a tuple of the steps; iterating makes them all.
+
+    ``items`` holds each step, or None for one of a run of ``runs`` not made yet (each run's template made, or in
+    an earlier run)."""
+
+    __slots__ = ("_items", "_pending", "_firsts", "_forms", "_lock")
+
+    def __init__(self, items: list, runs: Iterable[Run]):
+        self._items = items
+        self._pending: dict[int, Run] = {}  # first step -> a run not made yet
+        for run in runs:
+            first, count = run[:2]
+            if items[first] is None:
+                self._pending[first] = run
+        self._firsts = sorted(self._pending)
+        self._forms: dict[tuple[int, int], StepsLike] = {}
+        self._lock = threading.Lock()  # an agent's threads read one program
+
+    @property
+    def items(self) -> list:
+        """The steps made so far, None for the others: the steps outside runs (templates) are all made."""
+        return self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            at = range(*i.indices(len(self._items)))
+            if self._pending and at:
+                self._make_between(min(at[0], at[-1]), max(at[0], at[-1]) + 1)
+            return tuple(self._items[i])
+        s = self._items[i]
+        if s is None:
+            self._make_between(i % len(self._items), i % len(self._items) + 1)
+            s = self._items[i]
+        return s
+
+    def __iter__(self) -> Iterator[Step]:
+        if self._pending:
+            self._make_between(0, len(self._items))
+        return iter(self._items)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, (tuple, list, RunSteps)):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+    def add_run(self, run: Run) -> None:
+        """Append ``run``'s steps, after every step so far, unmade (a program's text read a run at a time)."""
+        first, count = run[:2]
+        if first != len(self._items):
+            raise ValueError(f"run {run[:3]} starts at step {first}, not after the {len(self._items)} steps so far")
+        self._items.extend(repeat(None, count))
+        self._pending[first] = run
+        self._firsts.append(first)
+
+    def _make_between(self, lo: int, hi: int) -> None:
+        """Make every pending run with a step in ``lo`` .. ``hi`` - 1."""
+        with self._lock:
+            firsts = self._firsts
+            k = max(0, bisect_right(firsts, lo) - 1)
+            todo = []
+            while k < len(firsts) and firsts[k] < hi:
+                run = self._pending.get(firsts[k])
+                if run is not None and run[0] + run[1] > lo:
+                    todo.append(run)
+                k += 1
+            for run in todo:
+                self._make(run)
+
+    def _make(self, run: Run) -> None:
+        """Make ``run``'s steps (its template's first, where it is in an earlier run); the lock held."""
+        first, count, like, renames = run
+        if self._pending.pop(first, None) is None:
+            return
+        if any(s is None for s in self._items[like:like + count]):
+            for earlier in [r for f, r in self._pending.items() if f < first and f + r[1] > like]:
+                self._make(earlier)
+        form = self._forms.get((like, count))
+        if form is None:
+            form = self._forms[like, count] = StepsLike(self._items[like:like + count])
+        self._items[first:first + count] = form.make(first - like, _Renamed(renames))
+        if not self._pending:
+            self._firsts, self._forms = [], {}
+
+
 # -- the compact text ----------------------------------------------------------------------------------------
 #
 # A state dict's program repeats a few layouts over many tensors, and each tensor's steps are another's of its layout
@@ -638,13 +737,15 @@ def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
     return out
 
 
-def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> tuple[list[Step], list[Run]]:
+def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> tuple[Sequence[Step], list[Run]]:
     """The ``steps`` of program JSON, each written whole or (the compact text) as a run of earlier steps again,
-    renaming ``tensors`` by position; and the runs read (`Run`), for `Program._with_runs`."""
+    renaming ``tensors`` by position, a run's made when asked for (`RunSteps`); and the runs read (`Run`), for
+    `Program._with_runs`."""
     E = PlanValidationError
-    out: list[Step] = []
+    out: list[Optional[Step]] = []
+    steps = RunSteps(out, ())
     runs: list[Run] = []
-    forms: dict[tuple[int, int], StepsLike] = {}  # a state dict's runs repeat a few hundred templates
+    checked: set[tuple[int, int]] = set()  # a state dict's runs repeat a few hundred templates
     for i, item in enumerate(field_of(data, "steps", "array", "program JSON", E)):
         if not (isinstance(item, Mapping) and "like" in item):
             out.append(Step.from_json(item, f"program JSON step {len(out)}"))
@@ -660,17 +761,16 @@ def _read_steps(data: Mapping, tensors: Sequence[TensorDecl]) -> tuple[list[Step
         if not (0 <= like and 0 < count and like + count <= len(out)):
             raise E(f"{what} repeats steps {like}..{like + count - 1}, which are not all steps written before it "
                     f"(there are {len(out)}); a run repeats earlier steps")
-        form = forms.get((like, count))
-        if form is None:
-            template = out[like:like + count]
+        if (like, count) not in checked:
+            template = steps[like:like + count]
             outside = [(s.id, a) for s in template for a in s.after if not like <= a < like + count]
             if outside:
                 raise E(f"{what} repeats steps {like}..{like + count - 1}, but step {outside[0][0]} of them waits "
                         f"for step {outside[0][1]}, outside the run; a run's steps wait only for steps of the run")
-            form = forms[like, count] = StepsLike(template)
+            checked.add((like, count))
         runs.append((len(out), count, like, tuple(rename.items())))
-        out.extend(form.make(len(out) - like, _Renamed(rename)))
-    return out, runs
+        steps.add_run(runs[-1])
+    return (steps if runs else out), runs
 
 
 # Steps written per chunk of JSON text: the id hashes one chunk at a time, and dumps joins a few hundred of them.
@@ -1248,7 +1348,7 @@ class Program(ContentAddressed):
     """
 
     tensors: tuple[TensorDecl, ...]
-    steps: tuple[Step, ...]
+    steps: Sequence[Step]  # a tuple, or `RunSteps` (a run's steps made when asked for)
     strategy: str = ""
     topology: Topology = field(default_factory=Topology, compare=False)
     einsum_layout: Optional[Layout] = field(default=None, compare=False, repr=False, kw_only=True)
@@ -1256,7 +1356,8 @@ class Program(ContentAddressed):
 
     def __post_init__(self):
         object.__setattr__(self, "tensors", tuple(self.tensors))
-        object.__setattr__(self, "steps", tuple(self.steps))
+        if not isinstance(self.steps, RunSteps):  # a run's steps made when asked for (`RunSteps`)
+            object.__setattr__(self, "steps", tuple(self.steps))
         names = [t.name for t in self.tensors]
         if len(set(names)) != len(names):
             raise PlanValidationError(f"program tensors {names} repeat a name; each tensor needs its own name")
@@ -1341,6 +1442,13 @@ class Program(ContentAddressed):
         self._copy_runs(out)
         return out
 
+    @property
+    def depth_column(self) -> np.ndarray:
+        """`depths` as a read-only int64 numpy column."""
+        view = self._depth_column.view()
+        view.flags.writeable = False
+        return view
+
     def _ordered_runs(self) -> list[Run]:
         """The runs `_repeated` stands for, in step order (a run's template before it), or none."""
         return sorted(self.__dict__["_runs"]) if self._repeated is not None else []
@@ -1386,6 +1494,41 @@ class Program(ContentAddressed):
         out[at] = np.fromiter(map(of, map(steps.__getitem__, at)), dtype=dtype, count=len(at))
         self._copy_runs(out)
         return out
+
+    @cached_property
+    def _template_index(self) -> np.ndarray:
+        """Per step, the step outside runs it repeats (`_repeated`; itself for a step outside runs), as an int64
+        column: a run's step moves its template's very transfer (`StepsLike` shares it)."""
+        out = np.arange(len(self.steps), dtype=np.int64)
+        self._copy_runs(out)
+        return out
+
+    def transfers_of(self, ids: Sequence[int] | np.ndarray) -> list[Transfer]:
+        """The transfers of the move steps ``ids``, read from the steps outside runs (a run's step's is its
+        template's), so that a program's runs (`RunSteps`) are not made to be read."""
+        at = np.asarray(ids, dtype=np.int64)
+        steps = self.steps
+        if self._repeated is not None:
+            at = self._template_index[at]
+            steps = steps.items if isinstance(steps, RunSteps) else steps  # the steps outside runs are all made
+        return list(map(_step_transfer, map(steps.__getitem__, at.tolist())))
+
+    def moves(self) -> tuple[np.ndarray, list[Transfer], list[str]]:
+        """The move steps' ids, transfers and tensors, in step order, read as columns (`transfers_of`): a planner
+        asks this of every program it runs, and a state dict's runs need not be made for it."""
+        kinds, tensors, _ = self._columns
+        at = np.flatnonzero(np.fromiter(map(MOVE.__eq__, kinds), dtype=bool, count=len(kinds)))
+        return at, self.transfers_of(at), list(map(tensors.__getitem__, at.tolist()))
+
+    def step_kinds(self) -> set[str]:
+        """The kinds of step the program holds."""
+        return set(self._columns[0])
+
+    def hosts(self) -> set[str]:
+        """Every host a step takes part in (`Step.participants`; a run's steps' are their templates')."""
+        repeated = self._repeated
+        steps = self.steps if repeated is None else map(self.steps.__getitem__, np.flatnonzero(~repeated).tolist())
+        return set(map(host_of, set(chain.from_iterable(map(Step.participants, steps)))))
 
     @cached_property
     def _src_moves(self) -> np.ndarray:
@@ -1565,7 +1708,7 @@ class Program(ContentAddressed):
             steps, runs = _read_steps(data, tensors)  # written whole, or as runs of earlier steps (the compact text)
         program = cls(
             tensors=tensors,
-            steps=tuple(steps),
+            steps=steps,
             strategy=field_of(data, "strategy", "string", "program JSON", E, default=""),
             topology=Topology.from_json(field_of(data, "topology", "object", "program JSON", E, default={})),
             **fields,
@@ -1627,7 +1770,8 @@ class Program(ContentAddressed):
         checks it, and a reader of the text that trusts its claimed id (an agent) would not either. Returns
         self."""
         object.__setattr__(self, "_runs", tuple(runs))  # not a field: equality, hashing and repr ignore it
-        for worked_out in ("_repeated", "_columns", "_src_moves", "_link_ids", "_depth_column", "_text"):
+        for worked_out in ("_repeated", "_columns", "_src_moves", "_link_ids", "_depth_column", "_template_index",
+                           "_text"):
             self.__dict__.pop(worked_out, None)  # what the runs change how it is worked out, if it was already
         return self
 
@@ -1720,7 +1864,7 @@ class Program(ContentAddressed):
                         produced[(dev, tensor)].append((s.id, role, b))
         if listed < len(move_step):  # moves listed above and in the loop: in step order, as one pass lists them
             move_step, move_tensor = (list(c) for c in zip(*sorted(zip(move_step, move_tensor))))
-        transfers = list(map(_step_transfer, map(steps.__getitem__, move_step)))
+        transfers = self.transfers_of(move_step)
         proven = delivered_by_pattern(reshard, move_tensor, transfers, METHODS, hosts,
                                       link_ids=self._link_ids[np.asarray(move_step, dtype=np.int64)])
         # What the columns did not prove, check_delivery proves or names the first problem of, tensor by tensor.
@@ -1781,8 +1925,9 @@ class Program(ContentAddressed):
         the same transfers, kernels and boxes against the same declarations, and a device holds what its template
         step's held, from the same source tiles and from the same writes by its ancestors (the template's,
         shifted). Nothing outside the runs may wait for a step in one, so what runs write is never looked up. The
-        delivery proof, the buckets and the made tiles still read every step. A program read from text repeats
-        its runs' templates by construction; `plan_many` builds its runs so."""
+        delivery proof, the buckets and the made tiles still count every step, a run's by its template's (its
+        transfers, `transfers_of`; its writes, renamed), so its steps need not be made (`RunSteps`). A program
+        read from text repeats its runs' templates by construction; `plan_many` builds its runs so."""
         runs = self.__dict__.get("_runs")
         if not runs:
             return None
@@ -2063,9 +2208,11 @@ class Program(ContentAddressed):
         hosts = HostCache()
         steps, depths = self.steps, self.depths
         itemsizes = {t.name: t.itemsize for t in self.tensors}
-        # ``self.tensor`` raises for a tensor the program does not declare, as `step_estimates` does.
-        loads = move_phase_loads(((d, s.transfer, itemsizes.get(s.tensor) or self.tensor(s.tensor).itemsize)
-                                  for s, d in zip(steps, depths) if s.kind == MOVE), hosts)
+        # The moves as columns, in step order (a run's transfers its template's, `transfers_of`); ``self.tensor``
+        # raises for a tensor the program does not declare, as `step_estimates` does.
+        at, transfers, tensors = self.moves()
+        sizes = [itemsizes.get(t) or self.tensor(t).itemsize for t in tensors]
+        loads = move_phase_loads(zip(self._depth_column[at].tolist(), transfers, sizes), hosts)
         by_depth = {load.phase: load for load in loads}
         move_end = {load.phase: load.seconds(topo, hosts)[0] for load in loads}  # each depth's seconds, for now
         links = _LinkClock(topo, hosts)

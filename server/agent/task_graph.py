@@ -47,10 +47,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
 
 from reshard.mesh import host_of
 from reshard.program import MOVE, REDUCE, Program, Step
-from reshard.routes import hop_targets, interleaved, receiving_hops, sending_peers
+from reshard.routes import first_peer, hop_targets, receiving_hops, sending_peers
 from reshard.server.agent.buckets import Bucket, bucket_moves
 
 __all__ = ["Task", "host_tasks", "lane_units", "depth_order", "SMALL_UNIT_BYTES"]
@@ -92,31 +95,69 @@ def host_tasks(program: Program, host: str, buckets: dict[int, Bucket] | None = 
     in, at least; another goes through the ordering as its first member, which has its sender, receivers and route.
     """
     buckets = bucket_moves(program, host) if buckets is None else buckets
-    lead = {i: g[0] for g in getattr(program, "buckets", ()) for i in g}
-    depth = program.depths
-    by_depth: dict[int, list[Step]] = defaultdict(list)
-    for s in program.steps:
-        if lead.get(s.id, s.id) == s.id:
-            by_depth[depth[s.id]].append(buckets[s.id].step if s.id in buckets else s)
+    # As columns over every step (a state dict's program holds millions, most of them other hosts' and in runs that
+    # need not be made, `reshard.program.RunSteps`; a run's step goes where its template's does): each step's
+    # bucket lead (itself outside buckets), depth, (sender host, first peer) pair number (-1: not a move), and
+    # whether this host takes part.
+    steps, n = program.steps, len(program.steps)
+    lead = np.arange(n, dtype=np.int64)
+    groups = getattr(program, "buckets", ())
+    if groups:
+        size = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
+        members = np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=int(size.sum()))
+        lead[members] = np.repeat(members[np.cumsum(size) - size], size)
+    depth = program.depth_column
+    pairs: dict[tuple[str, str], int] = {}
+    pair = program.step_column(lambda s: pairs.setdefault((host_of(s.transfer.sender), first_peer(s.transfer)),
+                                                          len(pairs)) if s.kind == MOVE else -1, dtype=np.int64)
+    mine = program.step_column(lambda s: _takes_part(s, host))
+    stands = lead == np.arange(n)  # a step that stands for itself, or for its bucket
     out = []
-    for d in sorted(by_depth):
-        steps = by_depth[d]
-        moves = {s.id: s for s in steps if s.kind == MOVE}
-        ordered = [moves[i] for i, _ in interleaved([(s.id, s.transfer) for s in moves.values()])]
-        for s in ordered + [s for s in steps if s.kind != MOVE]:
-            if s.kind == MOVE:
-                t = s.transfer
-                if host_of(t.sender) == host:
-                    out.append(Task(s, "send", d))
-                out += [Task(s, "recv", d, hop, hop_targets(t, hop, host)[2]) for hop in receiving_hops(t, host)]
-            elif any(host_of(dev) == host for dev in s.participants()):
-                out.append(Task(s, s.kind, d))
+    for d in np.unique(depth[stands]).tolist():
+        at_depth = stands & (depth == d)
+        moves = np.flatnonzero(at_depth & (pair >= 0))
+        for i in moves[_interleaved_order(pair[moves])]:
+            if not mine[i]:
+                continue
+            s = buckets[i].step if i in buckets else steps[i]
+            t = s.transfer
+            if host_of(t.sender) == host:
+                out.append(Task(s, "send", d))
+            out += [Task(s, "recv", d, hop, hop_targets(t, hop, host)[2]) for hop in receiving_hops(t, host)]
+        out += [Task(steps[i], steps[i].kind, d) for i in np.flatnonzero(at_depth & (pair < 0) & mine).tolist()]
     here = {t.step.id for t in out}
     for t in out:
         if t.role != "recv":
-            t.deps = tuple(sorted({lead.get(a, a) for a in t.step.after} & here))
+            t.deps = tuple(sorted(set(lead[list(t.step.after)].tolist()) & here)) if t.step.after else ()
             t.waiting = len(t.deps)
     return out
+
+
+def _takes_part(s: Step, host: str) -> bool:
+    """Whether ``host`` sends, receives or forwards move ``s``, or runs a part of another step."""
+    if s.kind == MOVE:
+        return host_of(s.transfer.sender) == host or bool(receiving_hops(s.transfer, host))
+    return any(host_of(dev) == host for dev in s.participants())
+
+
+def _interleaved_order(pairs: np.ndarray) -> np.ndarray:
+    """The positions of moves whose (sender host, first peer) pairs are numbered ``pairs`` (in step order) in
+    `interleaved`'s order of their transfers: round-robin over the pairs in the order each first appears, each
+    pair's moves in step order (the k-th of every pair before the (k+1)-th of any)."""
+    n = len(pairs)
+    if not n:
+        return np.zeros(0, dtype=np.int64)
+    by_pair = np.argsort(pairs, kind="stable")
+    ordered = pairs[by_pair]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    counts = np.diff(np.r_[starts, n])
+    k = np.empty(n, dtype=np.int64)  # each move's place in its pair's queue
+    k[by_pair] = np.arange(n) - np.repeat(starts, counts)
+    rank = np.empty(len(starts), dtype=np.int64)  # each pair's queue by where it first appears
+    rank[np.argsort(by_pair[starts])] = np.arange(len(starts))
+    queue = np.empty(n, dtype=np.int64)
+    queue[by_pair] = np.repeat(rank, counts)
+    return np.lexsort((queue, k))
 
 
 def _task_peers(task: Task, host: str) -> set[str]:

@@ -57,7 +57,7 @@ from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plans import Plan, Transfer
-from reshard.program import MOVE, REDUCE, Program, TensorDecl
+from reshard.program import REDUCE, Program, TensorDecl
 from reshard.quantize import block_of, made_scale, source_name
 from reshard.routes import hops
 from reshard.sequence import aliased
@@ -793,12 +793,11 @@ class JobRunner:
         if moves is None:  # once per program: a weight sync or a training step runs the same one every time
             text = text or program.dumps()
             self.store.save_plan(program.id, text)
-            hosts = set()
-            for s in program.steps:
-                hosts |= {host_of(d) for d in s.participants()}
-            steps = [s for s in program.steps if s.kind == MOVE]
-            moves = _Moves.of([(s.transfer, program.tensor(s.tensor).itemsize) for s in steps], hosts,
-                              any(s.kind == REDUCE for s in program.steps), [s.tensor for s in steps])
+            # as columns: a state dict's runs of steps are read by their templates (`Program.moves`)
+            _, transfers, tensors = program.moves()
+            size = {t.name: t.itemsize for t in program.tensors}
+            moves = _Moves.of(list(zip(transfers, [size.get(t) or program.tensor(t).itemsize for t in tensors])),
+                              program.hosts(), REDUCE in program.step_kinds(), tensors)
             with self._lock:
                 self._program_moves[program.id] = moves
                 while len(self._program_moves) > PROGRAM_MOVES_KEPT:

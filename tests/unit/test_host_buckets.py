@@ -86,3 +86,52 @@ def test_a_layouts_bytes_tiles_and_plans_are_those_worked_out_tensor_by_tensor()
                 tiles = {d: b for d, b in t.dst.tiles(t.shape).items() if host_of(d) == host}
                 assert layout.dst_tiles[t.name] == tiles
                 assert (layout.tile_plans[t.name] == tile_plan(t, tiles)) if tiles else t.name not in layout.tile_plans
+
+
+def _tasks_step_by_step(program, host, buckets):
+    """`host_tasks` as it was written before its columns, every step of the program read one by one: by depth,
+    moves round-robin over (sender host, first peer) pairs (`interleaved`), then the other steps by id."""
+    from collections import defaultdict
+
+    from reshard.routes import hop_targets, interleaved, receiving_hops
+    from reshard.server.agent.task_graph import Task
+
+    lead = {i: g[0] for g in getattr(program, "buckets", ()) for i in g}
+    by_depth = defaultdict(list)
+    for s in program.steps:
+        if lead.get(s.id, s.id) == s.id:
+            by_depth[program.depths[s.id]].append(buckets[s.id].step if s.id in buckets else s)
+    out = []
+    for d in sorted(by_depth):
+        moves = {s.id: s for s in by_depth[d] if s.kind == "move"}
+        for i, t in interleaved([(s.id, s.transfer) for s in moves.values()]):
+            if host_of(t.sender) == host:
+                out.append(Task(moves[i], "send", d))
+            out += [Task(moves[i], "recv", d, hop, hop_targets(t, hop, host)[2]) for hop in receiving_hops(t, host)]
+        out += [Task(s, s.kind, d) for s in by_depth[d]
+                if s.kind != "move" and any(host_of(dev) == host for dev in s.participants())]
+    here = {t.step.id for t in out}
+    for t in out:
+        if t.role != "recv":
+            t.deps = tuple(sorted({lead.get(a, a) for a in t.step.after} & here))
+    return out
+
+
+def test_a_hosts_tasks_from_columns_are_those_read_step_by_step_and_leave_other_hosts_runs_unmade():
+    from reshard import plan_einsum
+    from reshard.program import RunSteps
+    from tests.core.test_einsum import CASES
+
+    einsums = [plan_einsum(*case[:2], "c", case[2]) for case in CASES.values()]  # computes, reduces and moves
+    for program in [*_programs(), *einsums]:
+        every = bucket_moves(program)
+        for host in sorted(_hosts(program)):
+            assert _described(host_tasks(program, host, every)) == \
+                _described(_tasks_step_by_step(program, host, every))
+    # a quantized program's runs (`RunSteps`): a host makes those it takes part in, no other
+    program = next(_programs())
+    host = sorted(_hosts(program))[-1]
+    tasks = host_tasks(program, host)
+    assert isinstance(program.steps, RunSteps)
+    made = {i for i, s in enumerate(program.steps.items) if s is not None}
+    assert {t.step.id for t in tasks} <= made and len(made) < len(program.steps)
