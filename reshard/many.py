@@ -594,15 +594,28 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         if found is None:
             found = templates[id(moves)] = (move_steps(moves, 0, d.name), len(steps), d.name)
         template, like, was = found
-        made = moves_like(template, len(steps), d.name)
-        if bucket_bytes:
-            packer.add(len(steps), transfers[i], made, d.itemsize)
-        if like != len(steps):
-            _run(runs, steps, made, like, ((was, d.name),))
-        steps += made
+        if like == len(steps):
+            made = moves_like(template, len(steps), d.name)
+            if bucket_bytes:
+                packer.add(len(steps), transfers[i], made, d.itemsize)
+            steps += made
+        else:
+            # Packed as the first's steps: where each keeps its transfer (`_Buckets._shared_route` may give a small
+            # chain another), the tensor's steps are a run of the first's, renamed, made only when asked for
+            # (`RunSteps`).
+            n = len(template)
+            packed = steps[like:like + n]
+            if bucket_bytes:
+                packer.add(len(steps), transfers[i], packed, d.itemsize)
+            if all(map(is_, map(_TRANSFER, packed), map(_TRANSFER, steps[like:like + n]))):
+                runs.append((len(steps), n, like, ((was, d.name),)))
+                steps += repeat(None, n)
+            else:
+                steps += [_with_transfer(s, p.transfer) if p.transfer is not s.transfer else s
+                          for s, p in zip(moves_like(template, len(steps), d.name), packed)]
         program_tensors.append(d)
-    made = RunSteps(steps, runs) if converted else tuple(steps)
-    return ManyProgram(tuple(program_tensors), made, strategy, topology, packer.buckets())._with_runs(runs)
+    return ManyProgram(tuple(program_tensors), RunSteps(steps, runs) if runs else tuple(steps), strategy, topology,
+                       packer.buckets())._with_runs(runs)
 
 
 def _too_many(steps: int, max_steps: int, tensors: int, layouts: int, bound: str) -> str:
@@ -611,13 +624,11 @@ def _too_many(steps: int, max_steps: int, tensors: int, layouts: int, bound: str
             f"several jobs, or raise the limit")
 
 
-def _run(runs: list[Run], steps: list[Step], made: list[Step], like: int, renames: tuple) -> None:
-    """Note ``made``, the next steps, as a run of steps ``like`` onwards renamed (the program's compact text, `Run`)
-    where they still are that: the packer gives a small chain a shared route (`_Buckets._shared_route`) by
-    replacing its step, so their transfers are compared, each the same object or not a run."""
-    n = len(made)
-    if all(map(is_, map(_TRANSFER, made), map(_TRANSFER, steps[like:like + n]))):
-        runs.append((len(steps), n, like, renames))
+def _with_transfer(step: Step, transfer: Transfer) -> Step:
+    """``step`` moving ``transfer`` instead, made without Step's checks: the same move along another route."""
+    out = object.__new__(Step)
+    object.__setattr__(out, "__dict__", {**step.__dict__, "transfer": transfer})
+    return out
 
 
 def _as_moved(decls: list[TensorDecl], converted: Mapping[str, Conversion]) -> list[TensorDecl]:
@@ -747,12 +758,8 @@ class _Buckets:
             same = not unopened or (first.route == t.route and first.receivers == t.receivers)
             went = t if same else replace(t, receivers=first.receivers, route=first.route)
             chosen = self._chosen[id(t)] = (t, went, self._key((went.sender, went.receivers, went.method, went.route)))
-        if chosen[1] is not t:
-            # the step with its transfer along the shared route, made without Step's checks: the same move, its
-            # receivers in the first chain's order
-            step = object.__new__(Step)
-            object.__setattr__(step, "__dict__", {**steps[k].__dict__, "transfer": chosen[1]})
-            steps[k] = step
+        if chosen[1] is not t:  # the step with its transfer along the shared route (its receivers in that order)
+            steps[k] = _with_transfer(steps[k], chosen[1])
         return chosen[2]
 
     def buckets(self) -> tuple[tuple[int, ...], ...]:

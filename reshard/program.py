@@ -567,6 +567,11 @@ class RunSteps(Sequence):
         self._lock = threading.Lock()  # an agent's threads read one program
 
     @property
+    def unmade(self) -> bool:
+        """Whether some run's steps are not made yet."""
+        return bool(self._pending)
+
+    @property
     def items(self) -> list:
         """The steps made so far, None for the others: the steps outside runs (templates) are all made."""
         return self._items
@@ -612,8 +617,9 @@ class RunSteps(Sequence):
         self._firsts.append(first)
 
     def _make_between(self, lo: int, hi: int) -> None:
-        """Make every pending run with a step in ``lo`` .. ``hi`` - 1."""
-        with self._lock:
+        """Make every pending run with a step in ``lo`` .. ``hi`` - 1 (as many objects as `plan_many` would have
+        made: without cycle collection, see `no_cycle_collection`)."""
+        with self._lock, no_cycle_collection():
             firsts = self._firsts
             k = max(0, bisect_right(firsts, lo) - 1)
             todo = []
@@ -1082,6 +1088,8 @@ def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str
     writer = _StepWriter(canonical=True)
     forms: dict[tuple[int, int], Optional[_RunText]] = {}
     repeats = Counter((like, count) for _, count, like, _ in runs)
+    if isinstance(steps, RunSteps) and steps.unmade:  # a form pays where the steps would be made to be written
+        repeats = Counter(dict.fromkeys(repeats, _FORM_REPEATS))
 
     def run_text(run: Run) -> str:
         first, count, like, renames = run

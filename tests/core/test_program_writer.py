@@ -51,7 +51,7 @@ def test_a_moe_programs_moves_cost_python_calls_per_chunk_and_value_not_per_step
     # send/recv: a step per receiver, steps that repeat their values (auto sends this case's small boxes as chains,
     # a few steps of many values each)
     program = plan_many(case.tensors, Topology.gpu_hosts(nics=4), scales=case.scales, strategy="send_recv")
-    steps = len(program.steps)
+    steps = len(list(program.steps))  # every run's steps made (`RunSteps`): the writer's calls alone are counted
     assert steps > _STEPS_PER_CHUNK
     for canonical in (True, False):
         fields = program._json_fields(canonical)
