@@ -133,14 +133,20 @@ class ManyProgram(Program):
             data = loads(data, "program JSON", max_bytes=None)
         need(data, "object", "program JSON", PlanValidationError)
         raw = field_of(data, "buckets", "array", "program JSON", PlanValidationError)
+        if {*map(type, raw)} <= {list} and {*map(type, chain.from_iterable(raw))} <= {int}:  # as they are written
+            return cls._read(cls._program_kind(data), check_id, buckets=tuple(map(tuple, raw)))
         buckets = []
         for i, group in enumerate(raw):
             need(group, "array", f"program JSON bucket {i}", PlanValidationError)
             buckets.append(tuple(need(s, "integer", f"program JSON bucket {i} item {j}", PlanValidationError)
                                  for j, s in enumerate(group)))
+        return cls._read(cls._program_kind(data), check_id, buckets=tuple(buckets))
+
+    @staticmethod
+    def _program_kind(data: Mapping) -> Mapping:
         if data.get("kind") != "program":
             raise PlanValidationError(f"program JSON with buckets has kind {brief(data.get('kind'))}, not 'program'")
-        return cls._read(data, check_id, buckets=tuple(buckets))
+        return data
 
     def validate(self) -> "ManyProgram":
         """`Program.validate`, and the buckets: each two or more move steps of the program, no step in two,

@@ -731,7 +731,10 @@ def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
                for k, fields in enumerate(field_of(data, "layouts", "array", "program JSON", E, default=[]))]
     out = []
     for i, t in enumerate(raw):
-        if isinstance(t, Mapping) and "layout" in t:
+        if type(t) is dict and type(t.get("name")) is str and type(t.get("layout")) is int \
+                and 0 <= t["layout"] < len(layouts):  # by name and layout, as the compact text writes it
+            out.append(decl_with(layouts[t["layout"]], name=t["name"]))
+        elif isinstance(t, Mapping) and "layout" in t:
             what = f"program JSON tensor {i}"
             k = field_of(t, "layout", "integer", what, E)
             if not 0 <= k < len(layouts):
@@ -1462,10 +1465,10 @@ class Program(ContentAddressed):
         return sorted(self.__dict__["_runs"]) if self._repeated is not None else []
 
     def _copy_runs(self, column: np.ndarray) -> None:
-        """Fill each run's rows of a per-step ``column`` from its template's rows, in step order (a template that
-        is itself in an earlier run is filled first)."""
-        for first, count, like, _ in self._ordered_runs():
-            column[first:first + count] = column[like:like + count]
+        """Fill each run's rows of a per-step ``column`` from its template's rows (the rows of the steps outside
+        runs that `_template_index` names), in one gather."""
+        if self._repeated is not None:
+            column[...] = column[self._template_index]
 
     @cached_property
     def _columns(self) -> tuple[list[str], list[str], list[Optional[str]]]:
@@ -1508,7 +1511,17 @@ class Program(ContentAddressed):
         """Per step, the step outside runs it repeats (`_repeated`; itself for a step outside runs), as an int64
         column: a run's step moves its template's very transfer (`StepsLike` shares it)."""
         out = np.arange(len(self.steps), dtype=np.int64)
-        self._copy_runs(out)
+        runs = self._ordered_runs()
+        if runs:
+            first, count, like = (np.fromiter((r[k] for r in runs), dtype=np.int64, count=len(runs)) for k in range(3))
+            # every run's rows at once: row first + j of a run is its template's like + j
+            rows = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
+            out[rows] -= np.repeat(first - like, count)
+            while True:  # a template inside an earlier run: follow it to the steps outside runs
+                deeper = out[out]
+                if (deeper == out).all():
+                    break
+                out = deeper
         return out
 
     def transfers_of(self, ids: Sequence[int] | np.ndarray) -> list[Transfer]:

@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from reshard import Mesh
+from reshard import Mesh, Sharding
 from reshard.many import program_from_json
 from reshard.plans import Transfer
-from reshard.program import MOVE, Program, RunSteps, Step
+from reshard.program import MOVE, Program, RunSteps, Step, TensorDecl
 from tests.core.test_run_checks import _quantized
 
 
@@ -85,3 +85,10 @@ def test_a_run_whose_template_is_itself_in_a_run_is_made_after_it():
     assert [s.tensor for s in steps] == ["a", "a", "b", "b", "c", "c"]
     assert all(s.kind == MOVE and s.transfer is t for s in steps)
     assert isinstance(Program((), steps).steps, RunSteps)  # kept as it is, not made into a tuple
+    # a program's columns follow such a run to the steps outside runs
+    decls = tuple(TensorDecl(n, (4,), "float32", Sharding(mesh, (None,)), Sharding(mesh, (None,))) for n in "abc")
+    program = Program(decls, RunSteps(items[:2] + [None] * 4, runs))._with_runs(runs)
+    assert program._repeated.tolist() == [False, False, True, True, True, True]
+    assert program._template_index.tolist() == [0, 1, 0, 1, 0, 1]
+    assert program.depths == (0, 1, 0, 1, 0, 1) == Program(decls, tuple(steps)).depths
+    assert program.transfers_of([5]) == [t] and program.moves()[2] == ["a", "a", "b", "b", "c", "c"]
