@@ -76,7 +76,7 @@ from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from itertools import chain, compress, groupby, repeat
 from operator import and_, attrgetter, is_, not_
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
@@ -542,6 +542,16 @@ class StepsLike:
             set_state(step, "__dict__", state)
             steps.append(step)
         return steps
+
+
+class MoveView(NamedTuple):
+    """What a move step says, without the step (`Program.moves_at`)."""
+
+    id: int
+    tensor: str
+    transfer: Transfer
+    after: tuple[int, ...]
+    role: str
 
 
 class RunSteps(Sequence):
@@ -1533,6 +1543,23 @@ class Program(ContentAddressed):
             at = self._template_index[at]
             steps = steps.items if isinstance(steps, RunSteps) else steps  # the steps outside runs are all made
         return list(map(_step_transfer, map(steps.__getitem__, at.tolist())))
+
+    def moves_at(self, ids: Sequence[int]) -> list["MoveView"]:
+        """The move steps ``ids`` as `MoveView`s, read as columns where they are in runs (a run's step is its
+        template's, renamed and shifted), so that a host's buckets do not make the runs they draw from."""
+        steps, repeated = self.steps, self._repeated
+        if repeated is None or not isinstance(steps, RunSteps):
+            return [MoveView(s.id, s.tensor, s.transfer, s.after, s.role) for s in map(steps.__getitem__, ids)]
+        items, tensors, like = steps.items, self._columns[1], self._template_index
+        out = []
+        for i in ids:
+            s = items[i]
+            if s is None:
+                s, shift = items[like[i]], i - int(like[i])
+                out.append(MoveView(i, tensors[i], s.transfer, tuple([a + shift for a in s.after]), s.role))
+            else:
+                out.append(MoveView(s.id, s.tensor, s.transfer, s.after, s.role))
+        return out
 
     def moves(self) -> tuple[np.ndarray, list[Transfer], list[str]]:
         """The move steps' ids, transfers and tensors, in step order, read as columns (`transfers_of`): a planner

@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,7 +31,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
 from reshard.plans import Transfer
-from reshard.program import MOVE, Program, Step
+from reshard.program import MOVE, MoveView, Program, Step
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.routes import receiving_hops
 from reshard.server.transport import buffers
@@ -57,9 +57,10 @@ def _drop(buffer: np.ndarray) -> None:
 
 
 class Bucket:
-    """Move steps ``members`` of ``program`` sent as one stream; ``step`` is the move that stands for them."""
+    """Move steps ``members`` of ``program`` (steps, or `MoveView`s of them) sent as one stream; ``step`` is the
+    move that stands for them."""
 
-    def __init__(self, program: Program, members: list[Step], known: dict | None = None):
+    def __init__(self, program: Program, members: Sequence[Step | MoveView], known: dict | None = None):
         self.members = members
         # Per member, worked out once per program (a weight sync packs and unpacks the same buckets every step):
         # (tensor, box, its bytes' range in the bucket, numpy dtype, shape). ``known`` keeps, for the buckets of
@@ -280,14 +281,13 @@ def bucket_moves(program: Program, host: str | None = None) -> dict[int, Bucket]
     receives or forwards (a state dict's program packs a million moves, most of them other hosts'); none for a
     program without buckets."""
     groups = getattr(program, "buckets", ())
-    steps = program.steps
     if host is not None and groups:
         # a bucket's members share sender, receivers and route: its first says where it goes (a column: a run's
         # moves go as its template's)
         through = program.step_column(lambda s: s.kind == MOVE and _goes_through(s.transfer, host))
         groups = [g for g in groups if through[g[0]]]
     known: dict = {}
-    return {g[0]: Bucket(program, [steps[i] for i in g], known) for g in groups}
+    return {g[0]: Bucket(program, program.moves_at(g), known) for g in groups}  # runs' members: not made
 
 
 def _goes_through(t: Transfer, host: str) -> bool:

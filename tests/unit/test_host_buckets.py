@@ -135,3 +135,20 @@ def test_a_hosts_tasks_from_columns_are_those_read_step_by_step_and_leave_other_
     assert isinstance(program.steps, RunSteps)
     made = {i for i, s in enumerate(program.steps.items) if s is not None}
     assert {t.step.id for t in tasks} <= made and len(made) < len(program.steps)
+
+
+def test_a_buckets_members_are_read_from_columns_as_the_steps_say_and_make_no_run():
+    from reshard.program import RunSteps
+
+    program = next(_programs())
+    steps = program.steps
+    assert isinstance(steps, RunSteps)
+    unmade = sum(s is None for s in steps.items)
+    buckets = {host: bucket_moves(program, host) for host in sorted(_hosts(program))}
+    assert sum(s is None for s in steps.items) == unmade  # no run made for its members
+    for mine in buckets.values():
+        for bucket in mine.values():
+            for m in bucket.members:
+                s = steps[m.id]  # made now, to compare
+                assert (m.id, m.tensor, m.transfer, m.after, m.role) == (s.id, s.tensor, s.transfer, s.after, s.role)
+    assert sum(s is None for s in steps.items) < unmade
