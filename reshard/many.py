@@ -184,9 +184,17 @@ class ManyProgram(Program):
                     written = templates[like, count] = defaultdict(list)
                     self._made_writes(range(like, like + count), made, written)
                 if written:
-                    rename = dict(renames)
-                    for name, pairs in written.items():
-                        groups[rename.get(name, name)].append(pairs)
+                    found = 0
+                    for was, now in renames:  # (as many as the template names: a quantized weight's three)
+                        pairs = written.get(was)
+                        if pairs is not None:
+                            groups[now].append(pairs)
+                            found += 1
+                    if found < len(written):  # names the run keeps
+                        kept = {was for was, _ in renames}
+                        for name, pairs in written.items():
+                            if name not in kept:
+                                groups[name].append(pairs)
         # A state dict's made tensors of one layout are written by the very same objects (their steps are one
         # another's renamed, `reshard.program.Run`): each such pattern is checked once. (The objects live as long
         # as this program, so their ids stay theirs; equal values in other objects only cost a check more.)

@@ -1527,11 +1527,8 @@ class Program(ContentAddressed):
             # every run's rows at once: row first + j of a run is its template's like + j
             rows = np.repeat(first - np.cumsum(count) + count, count) + np.arange(int(count.sum()))
             out[rows] -= np.repeat(first - like, count)
-            while True:  # a template inside an earlier run: follow it to the steps outside runs
-                deeper = out[out]
-                if (deeper == out).all():
-                    break
-                out = deeper
+            while self._repeated[out].any():  # a template inside an earlier run: follow it to the steps outside runs
+                out = out[out]
         return out
 
     def transfers_of(self, ids: Sequence[int] | np.ndarray) -> list[Transfer]:
