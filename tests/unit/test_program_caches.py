@@ -219,3 +219,42 @@ def test_the_planner_reads_a_layout_once_and_hands_out_one_object_for_it(monkeyp
         assert len(planner._layouts) == 2 and len(planner._by_layout) <= 2 * 2 + 1
     finally:
         planner.close()
+
+
+def test_the_planners_moves_of_a_state_dict_are_counted_once_per_transfer_as_move_by_move():
+    """`_Moves.of` works each distinct (transfer, item size) out once and counts it as often as it moves (a state
+    dict's tensors share their layout's transfers): the same figures as reading every move, tensor by tensor."""
+    from collections import defaultdict
+
+    from reshard import Mesh
+    from reshard.box import volume
+    from reshard.cost import sender_bytes
+    from reshard.many import plan_many
+    from reshard.moe import SMALL_MOE, moe_state_dict
+    from reshard.routes import hops
+    from reshard.server.planner.jobs import _Moves
+    from tests.core.test_many import _state_dict
+
+    train, serve = Mesh.grid({"host": 2, "gpu": 4}, 4, "t"), Mesh.grid({"host": 2, "gpu": 4}, 4, "s", first_host=2)
+    case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
+    for program in (plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes),
+                    plan_many(_state_dict(num_layers=4))):
+        _, transfers, tensors = program.moves()
+        moves = [(t, program.tensor(n).itemsize) for t, n in zip(transfers, tensors)]
+        assert len({id(t) for t in transfers}) < len(transfers) / 2  # moves share transfers
+        made = _Moves.of(moves, set(), False, tensors)
+        to_send, per_tensor, codec = defaultdict(int), defaultdict(int), {}
+        for (t, itemsize), name in zip(moves, tensors):
+            sender = t.sender.split("/")[0]
+            to_send[sender] += sender_bytes([t], itemsize, sender)
+            n, went = volume(t.box) * itemsize, hops(t)
+            per_tensor[name] += n * len(went)
+            if went:
+                diffs, applies = codec.setdefault(name, (defaultdict(int), defaultdict(int)))
+                diffs[sender] += n
+                for hop in went:
+                    applies[hop.dst] += n
+        assert made.to_send == dict(to_send) and made.tensor_network == dict(per_tensor)
+        assert made.tensor_codec == {n: (dict(d), dict(a)) for n, (d, a) in codec.items()}
+        assert made.network == [bool(hops(t)) for t in transfers]
+        assert made.network_bytes == sum(per_tensor.values()) > 0
