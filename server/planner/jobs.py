@@ -47,6 +47,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from collections import Counter, OrderedDict, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -59,7 +60,7 @@ from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
 from reshard.plans import Plan, Transfer
-from reshard.program import REDUCE, Program, TensorDecl
+from reshard.program import REDUCE, Program, TensorDecl, no_cycle_collection
 from reshard.quantize import block_of, made_scale, source_name
 from reshard.routes import hops
 from reshard.sequence import aliased
@@ -1097,16 +1098,14 @@ class _Moves:
         # 61-layer Kimi-K2-like program quantized on the way, a few hundred thousand distinct transfers): each
         # distinct (transfer, item size) is worked out once and counted as often as it moves (this loop, move by
         # move, took a minute for that program).
-        numbered: dict[tuple[int, int], int] = {}
-        distinct: list[tuple[Transfer, int]] = []
-        keys = []
-        for t, itemsize in moves:
-            k = numbered.get((id(t), itemsize))
-            if k is None:
-                k = numbered[id(t), itemsize] = len(distinct)
-                distinct.append((t, itemsize))
-            keys.append(k)
-        key = np.asarray(keys, dtype=np.int64)
+        # (numbered as columns: each move's transfer object and item size as one int64, an object's address
+        # within 2**59 and an item size under 16; the moves hold the objects, so their ids stay theirs)
+        objects = np.fromiter(map(id, map(_FIRST, moves)), dtype=np.int64, count=len(moves))
+        itemsizes = np.fromiter(map(_SECOND, moves), dtype=np.int64, count=len(moves))
+        firsts, key = np.unique(objects * 16 + itemsizes, return_index=True, return_inverse=True)[1:]
+        if len(moves) and not ((itemsizes > 0) & (itemsizes < 16)).all():
+            raise ValueError(f"item sizes {sorted(set(itemsizes.tolist()))[:8]} of a program's moves are not 1..15")
+        distinct = list(map(moves.__getitem__, firsts.tolist()))
         count = np.bincount(key, minlength=len(distinct)).tolist()
         to_send: dict[str, int] = defaultdict(int)
         pushed: dict[str, int] = defaultdict(int)
@@ -1125,8 +1124,7 @@ class _Moves:
             senders.append(sender)
             sizes.append(n)
             copies.append(tuple(hop.dst for hop in went))
-        network = [bool(c) for c in copies]
-        network = list(map(network.__getitem__, keys))
+        network = np.fromiter(map(bool, copies), dtype=bool, count=len(copies))[key].tolist()
         per_tensor: dict[str, int] = {}
         codec: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
         if tensors is not None and len(moves):
@@ -1161,13 +1159,17 @@ class _Moves:
                    per_tensor, codec)
 
 
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
 def program_moves(program: Program) -> _Moves:
     """What a planner works out of ``program``'s moves before it runs the program the first time (`_Moves`), read
     as columns (`Program.moves`: a state dict's runs of steps by their templates)."""
-    _, transfers, tensors = program.moves()
-    size = {t.name: t.itemsize for t in program.tensors}
-    return _Moves.of(list(zip(transfers, [size.get(t) or program.tensor(t).itemsize for t in tensors])),
-                     program.hosts(), REDUCE in program.step_kinds(), tensors)
+    with no_cycle_collection():  # millions of moves' tuples, in no cycle (see no_cycle_collection)
+        _, transfers, tensors = program.moves()
+        size = {t.name: t.itemsize for t in program.tensors}
+        return _Moves.of(list(zip(transfers, [size.get(t) or program.tensor(t).itemsize for t in tensors])),
+                         program.hosts(), REDUCE in program.step_kinds(), tensors)
 
 
 def _made_scales(job: Job) -> dict[str, str]:
