@@ -647,7 +647,7 @@ class RunSteps(Sequence):
         if self._pending.pop(first, None) is None:
             return
         if any(s is None for s in self._items[like:like + count]):
-            for earlier in [r for f, r in self._pending.items() if f < first and f + r[1] > like]:
+            for earlier in [r for f, r in self._pending.items() if f < like + count and f + r[1] > like]:
                 self._make(earlier)
         form = self._forms.get((like, count))
         if form is None:

@@ -1098,13 +1098,15 @@ class _Moves:
         # 61-layer Kimi-K2-like program quantized on the way, a few hundred thousand distinct transfers): each
         # distinct (transfer, item size) is worked out once and counted as often as it moves (this loop, move by
         # move, took a minute for that program).
-        # (numbered as columns: each move's transfer object and item size as one int64, an object's address
-        # within 2**59 and an item size under 16; the moves hold the objects, so their ids stay theirs)
-        objects = np.fromiter(map(id, map(_FIRST, moves)), dtype=np.int64, count=len(moves))
+        # (numbered as columns: each move's transfer object, then that number and its item size as one int64; the
+        # moves hold the objects, so their ids stay theirs)
+        objects = np.fromiter(map(id, map(_FIRST, moves)), dtype=np.uint64, count=len(moves))
         itemsizes = np.fromiter(map(_SECOND, moves), dtype=np.int64, count=len(moves))
-        firsts, key = np.unique(objects * 16 + itemsizes, return_index=True, return_inverse=True)[1:]
-        if len(moves) and not ((itemsizes > 0) & (itemsizes < 16)).all():
-            raise ValueError(f"item sizes {sorted(set(itemsizes.tolist()))[:8]} of a program's moves are not 1..15")
+        numbered = np.unique(objects, return_inverse=True)[1].astype(np.int64).reshape(-1)
+        sizes_seen = np.unique(itemsizes, return_inverse=True)
+        firsts, key = np.unique(numbered * len(sizes_seen[0]) + sizes_seen[1].reshape(-1), return_index=True,
+                                return_inverse=True)[1:]
+        key = key.reshape(-1)
         distinct = list(map(moves.__getitem__, firsts.tolist()))
         count = np.bincount(key, minlength=len(distinct)).tolist()
         to_send: dict[str, int] = defaultdict(int)
