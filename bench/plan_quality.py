@@ -257,6 +257,12 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
         t0 = time.perf_counter()
         out["text_mib"] = len(program.dumps()) / 2**20
         out["dumps"] = time.perf_counter() - t0
+        stage = start("the planner's account of the moves")
+        from reshard.server.planner.jobs import program_moves
+
+        t0 = time.perf_counter()
+        program_moves(program)
+        out["moves_s"] = time.perf_counter() - t0
         # What a planner holds: the program planned, validated and written out (the measures below are the bench's).
         out["rss_gib"] = _rss_gib()
         stage = start("the lower bound")
@@ -386,7 +392,7 @@ def _goal(value: float | None, limit: float, over: str = "", unit: str = "") -> 
 def _moe_row(m: dict) -> list[str]:
     label = f"{m['layers']} layers" + (", quantized on the way (fp8 + scales)" if m["quantize"] else
                                        ", planned without dtypes (bf16 weights and scales on the wire)")
-    after = [m.get(k) for k in ("id_s", "estimate_s", "dumps")]
+    after = [m.get(k) for k in ("id_s", "estimate_s", "dumps", "moves_s")]
     cells = [
         f"{m['tensors']:,}" if "tensors" in m else None, f"{m['steps']:,}" if "steps" in m else None,
         f"{m['plan']:.2f}" if "plan" in m else None, f"{m['validate']:.2f}" if "validate" in m else None,
@@ -409,7 +415,7 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
     runs, quantized, b = moe["runs"], moe["quantized"], moe["bounds"]
     full = runs[0]
     done = next((m for m in runs if "over" not in m), None)
-    head = ["case", "tensors", "steps", "plan s", "validate s", "then id / estimate / text s",
+    head = ["case", "tensors", "steps", "plan s", "validate s", "then id / estimate / text / the job's moves s",
             "a planner's seconds before an agent gets it", "peak RSS GiB", "text MiB (what every agent gets)",
             "largest per-host cut MiB (would hold; not cut today)", "that host's agent: read / layout s",
             "estimate s", "lower bound s",
@@ -476,16 +482,21 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         f"{timeout:g} s and an address space of {cap_gib:g} GiB (`RLIMIT_AS`), which keep this shared machine "
         "usable; where the full 61 layers do not finish within them the row says so, and the next rows are the "
         "largest of the smaller sizes that did. After planning and validating, a planner works out the program's "
-        "id (the hash of its canonical text, every step written out), its estimate and its text before any agent "
-        "gets it: each is timed, and the sum is what a planner spends on a fresh request of this state dict. Peak "
-        "RSS is the child's after planning, validating and writing the program's text (what a planner holds). "
+        "id (the hash of its canonical text, every step written out), its estimate, its text and, as a job, its "
+        "account of the moves (`reshard.server.planner.jobs.program_moves`: each host's bytes to send, the bytes "
+        "over NICs per tensor, the streams pushed into each host) before any agent gets it: each is timed, and the "
+        "sum is what a planner spends on a fresh request of this state dict. Peak RSS is the child's after all of "
+        "these (what a planner holds). "
+        "A run's steps are made only where something asks for one of them (`reshard.program.RunSteps`): a planner "
+        "validates, hashes, prices and writes the program by the runs' templates, so it never makes them. "
         "The program's text is `Program.dumps`, which every agent gets whole: each tensor by its layout, and each "
         "tensor's steps as a run of the first of its layout's, renamed (`reshard.program.Run`). No per-host cut "
         "exists today: the cut column measures what the largest one WOULD hold written step by step, the steps "
         "that host takes part in (as sender, receiving or forwarding hop, compute device), their tensors' "
         "declarations and buckets, as program JSON (`bench/_program_parts.py`). That host's agent then reads the "
-        "whole text (`load_program`) and works out its own layout (`HostLayout`: the buckets it sends, receives or "
-        "forwards, its tasks in order, stream numbers, tiles), timed in the same child. The lower bound is the cost "
+        "whole text (`load_program`, which leaves the runs unmade too) and works out its own layout (`HostLayout`: "
+        "the buckets it sends, receives or forwards, its tasks in order from columns, stream numbers, tiles; it "
+        "makes the runs of the steps it takes part in), timed in the same child. The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         f"Must-show 1's goals, from the full {full['layers']} layers' figures, planned without dtypes and as the "
