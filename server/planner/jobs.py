@@ -1070,13 +1070,13 @@ class _Work:
 
 @dataclass(frozen=True)
 class _Moves:
-    """A job's moves (each with its tensor's item size) and what the runner needs of them, worked out once per
-    program: every host a move or step touches, the bytes each host sends as a sender (its progress total), per
-    move whether it crosses a NIC, the bytes that go over NICs and within hosts, and the most streams pushed into
-    any one host (``pushes_in``; None where the count is unbounded: a reduce's ring messages), and the bytes that
-    go over NICs per program tensor (where the moves' tensors were given)."""
+    """What the runner needs of a job's moves (each with its tensor's item size), worked out once per program and
+    kept without the moves themselves (a state dict's program has millions): every host a move or step touches,
+    the bytes each host sends as a sender (its progress total), per move whether it crosses a NIC, the bytes that
+    go over NICs and within hosts, and the most streams pushed into any one host (``pushes_in``; None where the
+    count is unbounded: a reduce's ring messages), and the bytes that go over NICs per program tensor (where the
+    moves' tensors were given)."""
 
-    moves: list[tuple[Transfer, int]]
     hosts: frozenset[str]
     to_send: dict[str, int]
     network: list[bool]
@@ -1157,7 +1157,7 @@ class _Moves:
                 if found[1] is not None:
                     codec[name] = (dict(found[1][0]), dict(found[1][1]))
         pushes_in = None if reduces and len(hosts) > 1 else max(pushed.values(), default=0)
-        return cls(moves, frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in,
+        return cls(frozenset(hosts), dict(to_send), network, network_bytes, local_bytes, pushes_in,
                    per_tensor, codec)
 
 
