@@ -116,7 +116,7 @@ def host_tasks(program: Program, host: str, buckets: dict[int, Bucket] | None = 
     for d in np.unique(depth[stands]).tolist():
         at_depth = stands & (depth == d)
         moves = np.flatnonzero(at_depth & (pair >= 0))
-        for i in moves[_interleaved_order(pair[moves])]:
+        for i in moves[_interleaved_order(pair[moves])].tolist():
             if not mine[i]:
                 continue
             s = buckets[i].step if i in buckets else steps[i]
