@@ -609,7 +609,7 @@ class RunSteps(Sequence):
     def __eq__(self, other) -> bool:
         if not isinstance(other, (tuple, list, RunSteps)):
             return NotImplemented
-        return len(self) == len(other) and tuple(self) == tuple(other)
+        return tuple(self) == tuple(other)
 
     def __hash__(self) -> int:
         return hash(tuple(self))
@@ -1558,12 +1558,15 @@ class Program(ContentAddressed):
                 out.append(MoveView(s.id, s.tensor, s.transfer, s.after, s.role))
         return out
 
-    def moves(self) -> tuple[np.ndarray, list[Transfer], list[str]]:
-        """The move steps' ids, transfers and tensors, in step order, read as columns (`transfers_of`): a planner
-        asks this of every program it runs, and a state dict's runs need not be made for it."""
+    def moves(self) -> tuple[np.ndarray, list[Transfer], list[str], list[int]]:
+        """The move steps' ids, transfers, tensors and their tensors' item sizes, in step order, read as columns
+        (`transfers_of`): a planner asks this of every program it runs, and a state dict's runs need not be made
+        for it. Raises `PlanValidationError` for a move of a tensor the program does not declare."""
         kinds, tensors, _ = self._columns
         at = np.flatnonzero(np.fromiter(map(MOVE.__eq__, kinds), dtype=bool, count=len(kinds)))
-        return at, self.transfers_of(at), list(map(tensors.__getitem__, at.tolist()))
+        moved = list(map(tensors.__getitem__, at.tolist()))
+        itemsizes = {t.name: t.itemsize for t in self.tensors}
+        return at, self.transfers_of(at), moved, [itemsizes.get(t) or self.tensor(t).itemsize for t in moved]
 
     def step_kinds(self) -> set[str]:
         """The kinds of step the program holds."""
@@ -2255,8 +2258,7 @@ class Program(ContentAddressed):
         itemsizes = {t.name: t.itemsize for t in self.tensors}
         # The moves as columns, in step order (a run's transfers its template's, `transfers_of`); ``self.tensor``
         # raises for a tensor the program does not declare, as `step_estimates` does.
-        at, transfers, tensors = self.moves()
-        sizes = [itemsizes.get(t) or self.tensor(t).itemsize for t in tensors]
+        at, transfers, _, sizes = self.moves()
         loads = move_phase_loads(zip(self._depth_column[at].tolist(), transfers, sizes), hosts)
         by_depth = {load.phase: load for load in loads}
         move_end = {load.phase: load.seconds(topo, hosts)[0] for load in loads}  # each depth's seconds, for now

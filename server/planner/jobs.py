@@ -1168,10 +1168,8 @@ def program_moves(program: Program) -> _Moves:
     """What a planner works out of ``program``'s moves before it runs the program the first time (`_Moves`), read
     as columns (`Program.moves`: a state dict's runs of steps by their templates)."""
     with no_cycle_collection():  # millions of moves' tuples, in no cycle (see no_cycle_collection)
-        _, transfers, tensors = program.moves()
-        size = {t.name: t.itemsize for t in program.tensors}
-        return _Moves.of(list(zip(transfers, [size.get(t) or program.tensor(t).itemsize for t in tensors])),
-                         program.hosts(), REDUCE in program.step_kinds(), tensors)
+        _, transfers, tensors, itemsizes = program.moves()
+        return _Moves.of(list(zip(transfers, itemsizes)), program.hosts(), REDUCE in program.step_kinds(), tensors)
 
 
 def _made_scales(job: Job) -> dict[str, str]:

@@ -239,7 +239,7 @@ def test_the_planners_moves_of_a_state_dict_are_counted_once_per_transfer_as_mov
     case = moe_state_dict(SMALL_MOE, train, serve, ep_devices=4)
     for program in (plan_many(case.tensors, scales=case.scales, dtypes=case.serve_dtypes),
                     plan_many(_state_dict(num_layers=4))):
-        _, transfers, tensors = program.moves()
+        _, transfers, tensors, _ = program.moves()
         moves = [(t, program.tensor(n).itemsize) for t, n in zip(transfers, tensors)]
         assert len({id(t) for t in transfers}) < len(transfers) / 2  # moves share transfers
         made = _Moves.of(moves, set(), False, tensors)
