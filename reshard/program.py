@@ -129,6 +129,11 @@ __all__ = [
     "decl_with",
     "StepsLike",
     "moves_like",
+    "MoveView",
+    "RunSteps",
+    "steps_text",
+    "read_tensors",
+    "no_cycle_collection",
 ]
 
 PROGRAM_VERSION = 1
@@ -340,6 +345,12 @@ class Step:
         if self.kind == REDUCE:
             return self.inputs[0].box
         return self.output.box
+
+    def named(self) -> tuple[str, ...]:
+        """The tensors the step names: a move's, or a compute's or reduce's inputs' and output's."""
+        if self.kind == MOVE:
+            return (self.tensor,)
+        return (*(r.tensor for r in self.inputs), *(() if self.output is None else (self.output.tensor,)))
 
     def participants(self) -> tuple[str, ...]:
         """The devices that take part: the sender and receivers, the compute device, the group."""
@@ -732,7 +743,7 @@ class _Renamed(dict):
         return key
 
 
-def _read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
+def read_tensors(data: Mapping, seen: dict) -> list[TensorDecl]:
     """The ``tensors`` of program JSON, each written whole or (the compact text) by name and layout."""
     E = PlanValidationError
     raw = field_of(data, "tensors", "array", "program JSON", E)
@@ -1094,6 +1105,15 @@ def _step_chunks(steps: Sequence[Step], canonical: bool) -> Iterator[str]:
     yield "]"
 
 
+def steps_text(stretches: Iterable[Sequence[Step]]) -> list[str]:
+    """The plain JSON text of each stretch of steps, its steps' texts joined by ", " (no brackets), as `dumps`
+    writes them, with one writer's caches for them all: what a host's slice of a program (`reshard.host_slice`)
+    writes of the steps outside runs."""
+    writer = _StepWriter(canonical=False)
+    return [writer.sep.join(writer.chunk(stretch[k:k + _STEPS_PER_CHUNK])
+                            for k in range(0, len(stretch), _STEPS_PER_CHUNK)) for stretch in stretches]
+
+
 def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str]:
     """`_step_chunks`' canonical text of ``steps`` (the id's), each run's steps written from its template's text
     (`_RunText`) rather than one by one: the same text, in half the time for a state dict quantized on the way.
@@ -1142,7 +1162,7 @@ class _RunText:
 
     def __init__(self, template: Sequence[Step]):
         like = template[0].id
-        self.names = list(dict.fromkeys(t for s in template for t in _named(s)))
+        self.names = list(dict.fromkeys(t for s in template for t in s.named()))
         # the template's steps with ids from 0 and each tensor named by a marker, written out
         steps = StepsLike(template).make(-like, {t: f"\x00{k}\x00" for k, t in enumerate(self.names)})
         writer = _StepWriter(canonical=True)
@@ -1234,13 +1254,6 @@ def _is_move(s: Step) -> bool:
 
 def _is_src_move(s: Step) -> bool:
     return s.kind == MOVE and s.role == SRC
-
-
-def _named(s: Step) -> tuple[str, ...]:
-    """The tensors a step names: a move's, or a compute's or reduce's inputs' and output's."""
-    if s.kind == MOVE:
-        return (s.tensor,)
-    return (*(r.tensor for r in s.inputs), *(() if s.output is None else (s.output.tensor,)))
 
 
 class _Ancestors:
@@ -1469,6 +1482,12 @@ class Program(ContentAddressed):
         view = self._depth_column.view()
         view.flags.writeable = False
         return view
+
+    @property
+    def runs(self) -> tuple[Run, ...]:
+        """The runs (`Run`) whose steps repeat earlier steps, in step order, as the text writes them; none where
+        the program has none (or its runs are not read as runs, `_repeated`)."""
+        return tuple(self._ordered_runs())
 
     def _ordered_runs(self) -> list[Run]:
         """The runs `_repeated` stands for, in step order (a run's template before it), or none."""
@@ -1751,7 +1770,7 @@ class Program(ContentAddressed):
         E = PlanValidationError
         check_version(data, "program", PROGRAM_VERSION)
         seen: dict = {}  # each distinct sharding read once (`TensorDecl.from_json`)
-        tensors = tuple(_read_tensors(data, seen))  # written whole, or by layout (the compact text)
+        tensors = tuple(read_tensors(data, seen))  # written whole, or by layout (the compact text)
         with no_cycle_collection():
             steps, runs = _read_steps(data, tensors)  # written whole, or as runs of earlier steps (the compact text)
         program = cls(
@@ -1995,7 +2014,7 @@ class Program(ContentAddressed):
                         return None
                 except TypeError:  # not a step's number: `_check_graph` names it
                     return None
-                names = named[like, count] = {t for s in template for t in _named(s)}
+                names = named[like, count] = {t for s in template for t in s.named()}
             rename = dict(renames)
             for was, now in renames:
                 a, b = by_name.get(was), by_name.get(now)

@@ -29,6 +29,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.host_slice import ProgramSlice
 from reshard.mesh import host_of
 from reshard.plans import Transfer
 from reshard.program import MOVE, MoveView, Program, Step
@@ -281,7 +282,7 @@ def bucket_moves(program: Program, host: str | None = None) -> dict[int, Bucket]
     receives or forwards (a state dict's program packs a million moves, most of them other hosts'); none for a
     program without buckets."""
     groups = getattr(program, "buckets", ())
-    if host is not None and groups:
+    if host is not None and groups and not isinstance(program, ProgramSlice):  # a slice's are the host's
         # a bucket's members share sender, receivers and route: its first says where it goes (a column: a run's
         # moves go as its template's)
         through = program.step_column(lambda s: s.kind == MOVE and _goes_through(s.transfer, host))

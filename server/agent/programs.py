@@ -11,10 +11,12 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import sender_bytes
+from reshard.host_slice import SLICE_KIND, ProgramSlice, read_slice
 from reshard.jsonio import loads
 from reshard.many import program_from_json
 from reshard.mesh import host_of
 from reshard.program import MOVE, Program, Step, no_cycle_collection
+from reshard.proto.errors import InvalidArgumentError
 from reshard.routes import stream_count
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
@@ -26,9 +28,10 @@ __all__ = ["load_program", "HostLayout"]
 
 
 def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
-                 max_depth: int = PlannerConfig.max_json_depth) -> tuple[Program, str]:
-    """A program from its JSON (or plan JSON v1), and the id it goes by: the id of the document handed over
-    (a plan's id for plan JSON), which the planner's Execute and every peer name.
+                 max_depth: int = PlannerConfig.max_json_depth) -> tuple[Program | ProgramSlice, str]:
+    """A program from its JSON (or plan JSON v1, or one host's slice of a program), and the id it goes by: the id
+    of the document handed over (a plan's id for plan JSON, the whole program's for a slice), which the planner's
+    Execute and every peer name.
 
     The JSON nests no deeper than the planner reads JSON, and is no larger than the message that brings it:
     the planner's 4 MiB for a sharding would refuse the program of a 256-device all-to-all (10 MiB).
@@ -37,6 +40,9 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
     16,000-step program): the planner's ticket for the Prepare signs the text's hash, and every host confirms the
     id with its peers before it calls them. A text without an id gets its content's."""
     data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
+    if isinstance(data, dict) and data.get("kind") == SLICE_KIND:  # this host's part alone (`reshard.host_slice`)
+        program = read_slice(data)
+        return program, program.id
     claimed = data.get("id") if isinstance(data, dict) else None
     program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
     return program, claimed if isinstance(claimed, str) else program.id
@@ -77,6 +83,20 @@ class _Streams:
         return int(self._first[step]) if 0 <= step < len(self._first) else default
 
 
+def _bytes_sent(program: Program | ProgramSlice, host: str) -> int:
+    """The bytes ``host`` sends of ``program``'s moves whose sender is on it, found from the steps outside runs (a
+    run's moves are its template's transfers), so that no run is made for it."""
+    if isinstance(program, ProgramSlice):
+        ids = np.flatnonzero(program.steps.present).tolist()
+        sends = [i for i, s in zip(ids, program.steps.templates(ids))
+                 if s.kind == MOVE and host_of(s.transfer.sender) == host]
+        return sum(sender_bytes([m.transfer], program.tensor(m.tensor).itemsize, host)
+                   for m in program.moves_at(sends))
+    sends = program.step_column(lambda s: s.kind == MOVE and host_of(s.transfer.sender) == host)
+    return sum(sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host)
+               for s in map(program.steps.__getitem__, np.flatnonzero(sends)))
+
+
 class HostLayout:
     """What a run of ``program`` on ``host`` works out from the program alone: its buckets, streams and each step's
     dtype, this host's tasks (templates: each run counts down copies), the bytes it sends, and the tiles it stages.
@@ -89,23 +109,30 @@ class HostLayout:
 
     def _work_out(self, program: Program, host: str) -> None:
         self.program = program
+        sliced = isinstance(program, ProgramSlice)
+        if sliced and program.host != host:
+            raise InvalidArgumentError(f"agent {host} was handed host {program.host}'s slice of program "
+                                       f"{program.id[:12]}; each agent runs its own")
         # first step id -> the bucket that travels as that step's stream, of those this host sends, receives or
         # forwards
         self.buckets = bucket_moves(program, host)
-        # Step -> its first stream number, over every step of the program (a run's counts are its template's), and
-        # step -> its dtype, worked out for the steps this host asks about.
-        counts = program.step_column(_stream_count, dtype=np.int64)
-        self.streams = _Streams(np.cumsum(counts) - counts)
-        self.num_streams = int(counts.sum())
+        # Step -> its first stream number, over every step of the program (a run's counts are its template's; a
+        # slice brings its steps'), and step -> its dtype, worked out for the steps this host asks about.
+        if sliced:
+            self.streams = dict(zip(program.standing_ids.tolist(), program.stream.tolist()))
+            self.num_streams = program.num_streams
+        else:
+            counts = program.step_column(_stream_count, dtype=np.int64)
+            self.streams = _Streams(np.cumsum(counts) - counts)
+            self.num_streams = int(counts.sum())
         leads = {g[0] for g in getattr(program, "buckets", ())}  # every bucket's stream carries bytes
         dtypes = self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
         self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: dtypes[i]})[i])  # (not self: no cycle through it)
         self.tasks = host_tasks(program, host, self.buckets)
-        # the moves this host sends, found as a column (a run's as its template's: the same transfers)
-        sends = program.step_column(lambda s: s.kind == MOVE and host_of(s.transfer.sender) == host)
-        self.bytes_total = sum(sender_bytes([s.transfer], program.tensor(s.tensor).itemsize, host)
-                               for s in map(program.steps.__getitem__, np.flatnonzero(sends)))
+        self.bytes_total = _bytes_sent(program, host)
         self.committed = [t for t in program.tensors if t.dst is not None]
+        # how many tensors the job commits, on every host: a slice holds those this host stages alone
+        self.num_committed = program.num_committed if sliced else len(self.committed)
         self.committed_names = frozenset(t.name for t in self.committed)
         self.unresharded = [t.name for t in self.committed if not t.is_reshard]
         # tensor -> this host's devices' destination tiles, and how this host stages them (`staging.tile_plan`):
@@ -122,10 +149,11 @@ class HostLayout:
             if found[1] is not None:
                 self.tile_plans[t.name] = found[1]
         self.here = [t for t in self.committed if self.dst_tiles[t.name]]  # the tensors this host stages tiles of
-        self.staged = staged_bytes(self.here, host) if len(self.committed) > 1 else {}
+        self.staged = staged_bytes(self.here, host) if self.num_committed > 1 else {}
         # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
         # (`Run._stage`).
-        self.moves_only = bool(program.step_column(lambda s: s.kind == MOVE and not s.after).all())
+        self.moves_only = program.moves_only if sliced else \
+            bool(program.step_column(lambda s: s.kind == MOVE and not s.after).all())
         # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).

@@ -12,6 +12,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.host_slice import ProgramSlice
 from reshard.program import DST, SRC, Program, Step
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
@@ -110,12 +111,12 @@ class Run(Session):
     def _stage(self, tasks_at_once: int) -> None:
         """Stage this host's destination tiles and hold room for its bucket buffers (`_reserve_buckets`); a
         failure leaves none of the run's own transactions behind."""
-        committed = self.layout.committed
+        committed, several = self.layout.committed, self.layout.num_committed > 1
         unversioned = [name for name in self.layout.unresharded if name not in self.versions]
-        if len(committed) > 1 and unversioned:
+        if several and unversioned:
             raise FailedPreconditionError(
-                f"job {self.job}: the program ends {len(committed)} tensors in a destination sharding "
-                f"({[t.name for t in committed]}); an agent commits several tensors in one job only when each is "
+                f"job {self.job}: the program ends {self.layout.num_committed} tensors in a destination sharding "
+                f"({[t.name for t in committed][:8]}); an agent commits several tensors in one job only when each is "
                 f"resharded (reshard_many) or the job names its version (compute_many), and {unversioned} are neither"
             )
         # The part of a tile that the device's own source shard holds is copied in at prepare, unless every step
@@ -129,7 +130,7 @@ class Run(Session):
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
         # would each pass over everything the store holds. Every tile is staged at the end, under one hold of the
         # store's lock.
-        together = staging_owner(self.job, "", 2) if len(committed) > 1 else None
+        together = staging_owner(self.job, "", 2) if several else None
         staged: list = []
         try:
             if together is not None:
@@ -137,7 +138,7 @@ class Run(Session):
                 self.store.reserve(together, self.layout.staged,
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
             for decl in self.layout.here:
-                owners.append(staging_owner(self.job, decl.name, len(committed)))
+                owners.append(staging_owner(self.job, decl.name, self.layout.num_committed))
                 tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store,
                                     self.version(decl.name), self.empty, defer, self.layout.tile_plans[decl.name],
                                     staged, reserve=together is None)
@@ -148,7 +149,7 @@ class Run(Session):
                 self.store.abort(together)  # every tile is staged now, and counts as staged
             self._reserve_buckets(tasks_at_once)
         except BaseException:
-            if len(committed) > 1:  # the job's own transaction is the planner's to abort; these are the run's
+            if several:  # the job's own transaction is the planner's to abort; these are the run's
                 for owner in owners:
                     self.store.abort(owner)
             raise
@@ -176,7 +177,7 @@ class Run(Session):
         go as ``full`` segments), of at least one element. Every host works out the same from the same program and
         the same signed ``delta_bases``."""
         unknown = sorted(set(self.delta_bases) - {t.name for t in self.program.tensors})
-        if unknown:
+        if unknown and not isinstance(self.program, ProgramSlice):  # a slice holds its host's tensors alone
             raise InvalidArgumentError(f"job {self.job}: delta_bases name tensors {unknown[:5]} that its program does "
                                        f"not have; it has {[t.name for t in self.program.tensors][:5]}")
         out: dict[int, DeltaStream] = {}
@@ -221,7 +222,7 @@ class Run(Session):
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several
         tensors, where a resharded one, read at a version of its own (``versions``), commits as the version after
         it, and one the program makes (no ``src``) as the version the job names for it (compute_many)."""
-        if len(self.layout.committed) > 1 and tensor in self.versions:
+        if self.layout.num_committed > 1 and tensor in self.versions:
             return self.versions[tensor] + (self.program.tensor(tensor).src is not None)
         return self.dst_version
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.host_slice import ProgramSlice, StepNotHere
 from reshard.kernels import KERNELS as KERNEL_RULES
 from reshard.program import COMPUTE, MOVE, REDUCE, SRC, Program, Step
 from reshard.proto.errors import (
@@ -127,9 +128,12 @@ class Runtime:
         program, ident, layout = self._loaded(program_json, program_sha256)
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
-        if len(resharded) == 1:
+        # (counted over the whole program: a slice holds its host's tensors alone)
+        if len(resharded) == 1 and (program.num_resharded if isinstance(program, ProgramSlice) else 1) == 1:
             names[resharded[0]] = tensor
         unknown = sorted(set(reads or ()) - set(names))
+        if unknown and isinstance(program, ProgramSlice):  # a job's reads name every host's tensors
+            reads, unknown = {t: r for t, r in reads.items() if t in names}, []
         if unknown:
             raise InvalidArgumentError(f"job {job}: reads name tensors {unknown[:5]} that its program does not have")
         names.update((t, name) for t, (name, _) in (reads or {}).items())
@@ -471,7 +475,11 @@ class Runtime:
                 f"{self.host} prepared program {run.program_id[:12]}"
             )
         steps = run.program.steps
-        step = run.executed(header.step) if 0 <= header.step < len(steps) else None
+        try:
+            step = run.executed(header.step) if 0 <= header.step < len(steps) else None
+        except StepNotHere:
+            raise InvalidArgumentError(f"job {header.job}: step {header.step} is not one of host {self.host}'s steps "
+                                       f"of the program; it was pushed from {header.from_host}") from None
         if step is None:
             raise InvalidArgumentError(f"job {header.job}: step {header.step} is not in the program")
         if step.kind == REDUCE:

@@ -47,13 +47,12 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from itertools import chain
-
 import numpy as np
 
+from reshard.host_slice import ProgramSlice, task_order
 from reshard.mesh import host_of
 from reshard.program import MOVE, REDUCE, Program, Step
-from reshard.routes import first_peer, hop_targets, receiving_hops, sending_peers
+from reshard.routes import hop_targets, receiving_hops, sending_peers
 from reshard.server.agent.buckets import Bucket, bucket_moves
 
 __all__ = ["Task", "host_tasks", "lane_units", "depth_order", "SMALL_UNIT_BYTES"]
@@ -87,48 +86,46 @@ class Task:
         return f"step {self.step.id} ({self.step})"
 
 
-def host_tasks(program: Program, host: str, buckets: dict[int, Bucket] | None = None) -> list[Task]:
-    """``host``'s tasks of ``program`` in the order every host derives alike: by dependency depth, then
-    moves round-robin over (sender, destination) host pairs (`interleaved`), then the other steps by id.
-    A bucket (the program's ``buckets``) is one move, its first step's; a step that waits for a member of a bucket
-    waits for that move. ``buckets`` (`bucket_moves`: by the id of its first step) holds those ``host`` takes part
-    in, at least; another goes through the ordering as its first member, which has its sender, receivers and route.
-    """
+def host_tasks(program: Program | ProgramSlice, host: str, buckets: dict[int, Bucket] | None = None) -> list[Task]:
+    """``host``'s tasks of ``program`` (or of its slice for ``host``) in the order every host derives alike
+    (`reshard.host_slice.task_order`): by dependency depth, then moves round-robin over (sender, destination) host
+    pairs (`interleaved`), then the other steps by id. A bucket (the program's ``buckets``) is one move, its first
+    step's; a step that waits for a member of a bucket waits for that move. ``buckets`` (`bucket_moves`: by the id
+    of its first step) holds those ``host`` takes part in, at least."""
     buckets = bucket_moves(program, host) if buckets is None else buckets
-    # As columns over every step (a state dict's program holds millions, most of them other hosts' and in runs that
-    # need not be made, `reshard.program.RunSteps`; a run's step goes where its template's does): each step's
-    # bucket lead (itself outside buckets), depth, (sender host, first peer) pair number (-1: not a move), and
-    # whether this host takes part.
-    steps, n = program.steps, len(program.steps)
-    lead = np.arange(n, dtype=np.int64)
-    groups = getattr(program, "buckets", ())
-    if groups:
-        size = np.fromiter(map(len, groups), dtype=np.int64, count=len(groups))
-        members = np.fromiter(chain.from_iterable(groups), dtype=np.int64, count=int(size.sum()))
-        lead[members] = np.repeat(members[np.cumsum(size) - size], size)
-    depth = program.depth_column
-    pairs: dict[tuple[str, str], int] = {}
-    pair = program.step_column(lambda s: pairs.setdefault((host_of(s.transfer.sender), first_peer(s.transfer)),
-                                                          len(pairs)) if s.kind == MOVE else -1, dtype=np.int64)
-    mine = program.step_column(lambda s: _takes_part(s, host))
-    stands = lead == np.arange(n)  # a step that stands for itself, or for its bucket
+    steps = program.steps
+    if isinstance(program, ProgramSlice):  # its standing steps are the host's, with their places in the order
+        order = np.argsort(program.rank, kind="stable")
+        walk = zip(program.standing_ids[order].tolist(), program.depth[order].tolist())
+        leads = {m: g[0] for g in program.buckets for m in g}
+    else:
+        # As columns over every step (a state dict's program holds millions, most of them other hosts' and in runs
+        # that need not be made, `reshard.program.RunSteps`; a run's step goes where its template's does).
+        lead, depth, order = task_order(program)
+        mine = program.step_column(lambda s: _takes_part(s, host))
+        here = order[mine[order]]
+        walk = zip(here.tolist(), depth[here].tolist())
+        leads = None
     out = []
-    for d in np.unique(depth[stands]).tolist():
-        at_depth = stands & (depth == d)
-        moves = np.flatnonzero(at_depth & (pair >= 0))
-        for i in moves[_interleaved_order(pair[moves])].tolist():
-            if not mine[i]:
-                continue
-            s = buckets[i].step if i in buckets else steps[i]
+    for i, d in walk:
+        s = buckets[i].step if i in buckets else steps[i]
+        if s.kind == MOVE:
             t = s.transfer
             if host_of(t.sender) == host:
                 out.append(Task(s, "send", d))
             out += [Task(s, "recv", d, hop, hop_targets(t, hop, host)[2]) for hop in receiving_hops(t, host)]
-        out += [Task(steps[i], steps[i].kind, d) for i in np.flatnonzero(at_depth & (pair < 0) & mine).tolist()]
+        else:
+            out.append(Task(s, s.kind, d))
     here = {t.step.id for t in out}
     for t in out:
         if t.role != "recv":
-            t.deps = tuple(sorted(set(lead[list(t.step.after)].tolist()) & here)) if t.step.after else ()
+            after = t.step.after
+            if not after:
+                t.deps = ()
+            elif leads is None:
+                t.deps = tuple(sorted(set(lead[list(after)].tolist()) & here))
+            else:
+                t.deps = tuple(sorted({leads.get(a, a) for a in after} & here))
             t.waiting = len(t.deps)
     return out
 
@@ -138,26 +135,6 @@ def _takes_part(s: Step, host: str) -> bool:
     if s.kind == MOVE:
         return host_of(s.transfer.sender) == host or bool(receiving_hops(s.transfer, host))
     return any(host_of(dev) == host for dev in s.participants())
-
-
-def _interleaved_order(pairs: np.ndarray) -> np.ndarray:
-    """The positions of moves whose (sender host, first peer) pairs are numbered ``pairs`` (in step order) in
-    `interleaved`'s order of their transfers: round-robin over the pairs in the order each first appears, each
-    pair's moves in step order (the k-th of every pair before the (k+1)-th of any)."""
-    n = len(pairs)
-    if not n:
-        return np.zeros(0, dtype=np.int64)
-    by_pair = np.argsort(pairs, kind="stable")
-    ordered = pairs[by_pair]
-    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-    counts = np.diff(np.r_[starts, n])
-    k = np.empty(n, dtype=np.int64)  # each move's place in its pair's queue
-    k[by_pair] = np.arange(n) - np.repeat(starts, counts)
-    rank = np.empty(len(starts), dtype=np.int64)  # each pair's queue by where it first appears
-    rank[np.argsort(by_pair[starts])] = np.arange(len(starts))
-    queue = np.empty(n, dtype=np.int64)
-    queue[by_pair] = np.repeat(rank, counts)
-    return np.lexsort((queue, k))
 
 
 def _task_peers(task: Task, host: str) -> set[str]:
