@@ -215,6 +215,9 @@ def _add_planner_command(sub) -> None:
     p.add_argument("--max-program-steps", type=int, default=d.max_program_steps, metavar="N",
                    help="most steps one reshard_many program may hold (about 1 KiB of planner memory each); a job "
                         "whose planned layouts show more fails before its steps are made")
+    p.add_argument("--slice-program-bytes", type=int, default=d.slice_program_bytes, metavar="N",
+                   help="cut a program whose text is N bytes or more per host, each agent handed only its own steps "
+                        "(0: every program; default %(default)s)")
     p.add_argument("--no-rendezvous", dest="rendezvous", action="store_false",
                    help="host no torch.distributed rendezvous store: every agent runs gRPC (one started with "
                         "--transport collective is refused, auto ones run gRPC), and the planner does not import "
@@ -236,7 +239,7 @@ def _run_planner(args) -> int:
                            job_timeout_s=args.job_timeout,
                            group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
                            max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
-                           rendezvous=args.rendezvous, delta=args.delta,
+                           slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous, delta=args.delta,
                            **_security(args))
     token = None
     if args.http:

@@ -36,7 +36,8 @@ class DashboardSource(Protocol):
         bytes_done, bytes_total, seconds, started, error, plan_id, transports, kind ("reshard", "einsum" or an
         apply's kernel), inputs, program_id (the program the job runs, once planned, where that is no plan of moves:
         a compute job, a Partial tensor's reshard; else None), phases ({phase: seconds} in `PHASES` order, those it
-        reached), host_seconds ({host: seconds of its Execute call}), manifest_digest (the SHA-256 of the consumer's
+        reached), host_seconds ({host: seconds of its Execute call}), program_bytes ({host: bytes of program text it
+        was handed: its slice, where the program is cut per host}), manifest_digest (the SHA-256 of the consumer's
         manifest a reshard_many was checked against, or None), deltas (a reshard_many's tensors: {name, mode, why,
         bytes, full_bytes, expected}), network_bytes, full_network_bytes, expected_network_bytes, delta_note"""
 

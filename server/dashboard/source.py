@@ -48,6 +48,7 @@ def _job_doc(job: Job) -> dict:
         "program_id": job.program.id if job.program is not None else None,
         "transports": transports, "estimate_seconds": _estimate(job),
         "phases": dict(job.phases), "host_seconds": dict(sorted(job.host_seconds.items())),
+        "program_bytes": dict(sorted(job.program_bytes.items())),
         "manifest_digest": job.manifest_digest or None,
         "deltas": [{"name": n, **d} for n, d in job.deltas.items()], "network_bytes": job.network_bytes,
         "full_network_bytes": job.full_network_bytes, "expected_network_bytes": job.expected_network_bytes,

@@ -129,7 +129,8 @@ class Planner:
         self.jobs = JobRunner(self.registry, self.catalog, self.store, agents, job_timeout_s=config.job_timeout_s,
                               rpc_timeout_s=config.agent_rpc_timeout_s, max_concurrent=config.max_concurrent_jobs,
                               group=self.group, group_wait_s=config.group_wait_s,
-                              stall_timeout_s=config.stall_timeout_s, max_program_steps=config.max_program_steps)
+                              stall_timeout_s=config.stall_timeout_s, max_program_steps=config.max_program_steps,
+                              slice_program_bytes=config.slice_program_bytes)
         self._sequences = ProgramCache(SEQUENCES_KEPT)  # compute programs (einsum, apply, compute_many), `_planned`
         self._layouts_lock = threading.Lock()
         self._layouts: OrderedDict[str, Sharding] = OrderedDict()  # sharding text -> its sharding, `_sharding`

@@ -55,6 +55,7 @@ import numpy as np
 from reshard import box as boxes
 from reshard.cost import sender_bytes
 from reshard.delta import RECEIVER_PASSES, SENDER_PASSES
+from reshard.host_slice import HostCut
 from reshard.mesh import host_of
 from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
@@ -69,6 +70,7 @@ from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging
+from reshard.server.common.sizes import format_size
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped, new_content
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
@@ -140,6 +142,13 @@ class Preparation:
     nixl_peers: dict[str, bytes] = field(default_factory=dict)  # nixl: host -> the NIXL metadata it registered
     # delta sync: program tensor -> (src_version, dst_version), the base its move's deltas start from
     delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)
+    # host -> its slice of the program (`reshard.host_slice`) where it is cut per host: handed that host instead of
+    # ``program_json``
+    host_texts: dict[str, str] = field(default_factory=dict)
+
+    def text_for(self, host: str) -> str:
+        """The program's text ``host`` is handed: its slice, or the whole program."""
+        return self.host_texts.get(host, self.program_json)
 
 
 class AgentCalls(Protocol):
@@ -205,6 +214,8 @@ class Job:
     # Where the job's seconds went, in `PHASES` order (those it reached), and each host's Execute call, seconds
     phases: dict[str, float] = field(default_factory=dict)
     host_seconds: dict[str, float] = field(default_factory=dict)
+    # the bytes of program text each host was handed: its slice where the program is cut per host, else all of it
+    program_bytes: dict[str, int] = field(default_factory=dict)
     transport_reason: str = ""  # why the job runs on ``transport`` (`GroupCoordinator.choose`)
     manifest_digest: str = ""  # reshard_many: SHA-256 of the consumer's manifest it was checked against, if any
     # Delta sync (reshard_many): the request's choice (None: where it pays, False: never, True: wherever a base
@@ -263,7 +274,8 @@ class Job:
                 "traffic": self.traffic, "transport": self.transport, "transports": self.transports,
                 "kind": self.kind, "inputs": self.inputs, "scales": self.scales, "bucket_bytes": self.bucket_bytes,
                 "versions": self.versions, "outputs": self.outputs, "phases": self.phases,
-                "host_seconds": self.host_seconds, "transport_reason": self.transport_reason,
+                "host_seconds": self.host_seconds, "program_bytes": self.program_bytes,
+                "transport_reason": self.transport_reason,
                 "manifest_digest": self.manifest_digest, "delta": self.delta, "deltas": self.deltas,
                 "network_bytes": self.network_bytes, "full_network_bytes": self.full_network_bytes,
                 "expected_network_bytes": self.expected_network_bytes, "delta_note": self.delta_note,
@@ -279,6 +291,7 @@ class Job:
                   dsts={n: Sharding.from_json(x) for n, x in d.get("dsts", {}).items()}, scales=d.get("scales", {}),
                   bucket_bytes=d.get("bucket_bytes", 0), versions=d.get("versions", {}),
                   outputs=d.get("outputs", []), phases=d.get("phases", {}), host_seconds=d.get("host_seconds", {}),
+                  program_bytes=d.get("program_bytes", {}),
                   transport_reason=d.get("transport_reason", ""), manifest_digest=d.get("manifest_digest", ""),
                   delta=d.get("delta"), deltas=d.get("deltas", {}), network_bytes=d.get("network_bytes", 0),
                   full_network_bytes=d.get("full_network_bytes", 0),
@@ -295,6 +308,7 @@ class Job:
 # Execute, from the first call to the last host's end); committing (every host's commit and the catalog's).
 PHASES = ("waiting", "planning", "running", "committing")
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
+SLICED_PROGRAMS_KEPT = 4  # programs whose per-host slices a planner keeps (each about as large as its text)
 PROGRAM_MOVES_KEPT = 512  # programs whose moves a planner keeps worked out (`_Moves`), newest last
 JOBS_KEPT = 5000  # finished jobs a planner keeps, in memory and in its state store; older ones are forgotten
 PLANS_KEPT = 256  # reshard plans a planner keeps (a pipeline's boundary moves repeat every microbatch)
@@ -352,9 +366,11 @@ class JobRunner:
                  job_timeout_s: float, rpc_timeout_s: float, max_concurrent: int,
                  group: GroupCoordinator | None = None, group_wait_s: float = 0.0,
                  stall_timeout_s: float = PlannerConfig.stall_timeout_s,
-                 max_program_steps: int = PlannerConfig.max_program_steps):
+                 max_program_steps: int = PlannerConfig.max_program_steps,
+                 slice_program_bytes: int = PlannerConfig.slice_program_bytes):
         self.registry = registry
         self.max_program_steps = max_program_steps  # the most steps a reshard_many program may hold
+        self.slice_program_bytes = slice_program_bytes  # a program's text this long or longer is cut per host
         self.group = group
         self.group_wait_s = group_wait_s
         self._moved: dict[str, int] = defaultdict(int)  # bytes moved by succeeded jobs, per transport
@@ -381,6 +397,8 @@ class JobRunner:
         self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
         self._plans = ProgramCache(PLANS_KEPT)
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
+        # program id -> each host's slice of it (`_slices`), for the programs cut per host
+        self._program_slices: OrderedDict[str, dict[str, str]] = OrderedDict()
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
@@ -626,13 +644,14 @@ class JobRunner:
         # only a move's sender's host sends its first copies
         job.progress = {h: [0, work.moves.to_send.get(h, 0)] for h in hosts}
         job.traffic, job.host_seconds = {}, {}
+        job.program_bytes = {h: len(work.host_texts.get(h, work.program_json)) for h in hosts}
         transport, generation, seq = self._transport(job, work.moves.network, hosts)
         # The NIXL metadata of every host, as it registered: each agent adds the others as peers before the job.
         nixl_peers = ({h: self.registry.require_up(h).nixl_metadata for h in hosts} if transport == "nixl"
                       else {})
         prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
-                           delta_bases=work.delta_bases)
+                           delta_bases=work.delta_bases, host_texts=work.host_texts)
         # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair; not a
         # quantized one's, nor its scale's: their new version holds other values (no delta could start there).
         made = _made_on_the_way(job)
@@ -804,7 +823,31 @@ class JobRunner:
                     self._program_moves.popitem(last=False)
         text = text or program.dumps()
         hosts = moves.hosts.union(*{new.sharding.mesh.hosts for _, new in commits})
-        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits)
+        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits,
+                     host_texts=self._slices(program, text, hosts))
+
+    def _slices(self, program: Program, text: str, hosts: set[str]) -> dict[str, str]:
+        """Each of ``hosts``' slice of ``program`` (`reshard.host_slice`) where its ``text`` is long enough to cut
+        (``slice_program_bytes``), else none: worked out once per program and kept for the last few, as a weight
+        sync runs the same program every step."""
+        if len(text) < self.slice_program_bytes:
+            return {}
+        with self._lock:
+            slices = self._program_slices.get(program.id)
+            if slices is not None:
+                self._program_slices.move_to_end(program.id)
+        if slices is None or not hosts <= slices.keys():
+            began = time.monotonic()
+            cut = HostCut(program)
+            slices = {h: cut.text(h) for h in sorted(hosts)}
+            log.info("program %s cut for %d hosts in %.2f s: %s of text, the largest part %s", program.id[:8],
+                     len(slices), time.monotonic() - began, format_size(len(text)),
+                     format_size(max(map(len, slices.values()), default=0)))
+            with self._lock:
+                self._program_slices[program.id] = slices
+                while len(self._program_slices) > SLICED_PROGRAMS_KEPT:
+                    self._program_slices.popitem(last=False)
+        return slices
 
     def _plan(self, job: Job, rec: TensorRecord) -> tuple[Plan, str]:
         """Plan the job on the registered topology, validate the plan whole and persist it; a move planned before
@@ -1066,6 +1109,7 @@ class _Work:
     reads: dict[str, tuple[str, int]]
     commits: list[tuple[TensorRecord | None, TensorRecord]]
     delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)  # reshard_many: `_choose_deltas`
+    host_texts: dict[str, str] = field(default_factory=dict)  # host -> its slice, where the program is cut per host
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,11 @@ def _traffic(t: pb.HostTraffic) -> dict:
 # thread: a job's Execute calls each took two thread switches more per message, most of a small job's planner time.
 _AGENT_CHANNEL_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
 _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
-_DIGESTS_KEPT = 8  # program texts whose SHA-256 the planner keeps (`GrpcAgentCalls._digest`)
-_DIGEST_KEPT_TEXT_BYTES = 16 << 20  # a larger text is hashed each time: keeping it could hold too much memory
+# Program texts whose SHA-256 the planner keeps (`GrpcAgentCalls._digest`), and their bytes in all: a program cut per
+# host is a text per host (48 for the Kimi-K2-like sync, 412 MiB), each hashed once, not at every job. The texts are
+# the planner's caches' own (`JobRunner._slices`): a key holds them a while longer at most.
+_DIGESTS_KEPT = 256
+_DIGESTS_KEPT_BYTES = 1 << 30
 
 
 class GrpcAgentCalls:
@@ -69,6 +72,7 @@ class GrpcAgentCalls:
         # a digest must be of the very text sent. The planner's caches hand out the same string object for a
         # repeated move, whose hash Python keeps, so a hit costs no pass over the text.
         self._digests: OrderedDict[str, str] = OrderedDict()
+        self._digests_bytes = 0
 
     def _stub(self, address: str) -> pb_grpc.AgentStub:
         with self._lock:
@@ -83,9 +87,10 @@ class GrpcAgentCalls:
         return sign(self._secret_of(host), kind, *fields)
 
     def _made(self, p: Preparation) -> tuple:
-        """Job ``p``'s Prepare as every host gets it but for its tickets: built once per job (a state dict's
-        reads are large), by the first of the job's calls to get here, and signed per host. (p, the request naming
-        the program by its SHA-256, the fields its ticket signs, push tickets by peer)."""
+        """Job ``p``'s Prepare as every host gets it but for its program and tickets: built once per job (a state
+        dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
+        without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
+        peer)."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -95,53 +100,60 @@ class GrpcAgentCalls:
                 made = self._prepared.get(p.job)
             if made is not None and made[0] is p:
                 return made
-            digest = self._digest(p)
-            by_digest = pb.PrepareRequest(
-                job=p.job, program_sha256=digest, tensor=p.tensor, src_version=p.src_version,
+            base = pb.PrepareRequest(
+                job=p.job, tensor=p.tensor, src_version=p.src_version,
                 dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
                 job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
                 nixl_peers=p.nixl_peers,
                 delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in p.delta_bases.items()})
-            fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
+            fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport,
                                     p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
-            made = (p, by_digest, fields, pushes)
+            made = (p, base, fields, pushes)
             with self._lock:
                 self._prepared[p.job] = made
                 while len(self._prepared) > _PREPARED_KEPT:
                     self._prepared.popitem(last=False)
         return made
 
-    def _digest(self, p: Preparation) -> str:
-        text = p.program_json
+    def _digest(self, text: str) -> str:
+        """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""
         with self._lock:
             digest = self._digests.get(text)
-        if digest is None:
-            digest = program_digest(text)
-            if len(text) <= _DIGEST_KEPT_TEXT_BYTES:
-                with self._lock:
-                    self._digests[text] = digest
-                    while len(self._digests) > _DIGESTS_KEPT:
-                        self._digests.popitem(last=False)
+            if digest is not None:
+                self._digests.move_to_end(text)
+                return digest
+        digest = program_digest(text)
+        with self._lock:
+            if text not in self._digests:
+                self._digests[text] = digest
+                self._digests_bytes += len(text)
+            while len(self._digests) > 1 and (len(self._digests) > _DIGESTS_KEPT
+                                              or self._digests_bytes > _DIGESTS_KEPT_BYTES):
+                self._digests_bytes -= len(self._digests.popitem(last=False)[0])
         return digest
 
     def _prepare_request(self, host: str, p: Preparation, held: bool = False,
                          request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
         """The Prepare of job ``p`` for ``host``, written into ``request`` (default: a new one): with the program's
-        text, or (``held``) naming the program by its SHA-256 alone."""
-        _, by_digest, fields, pushes = self._made(p)
+        text (or ``host``'s slice of it, `Preparation.text_for`), or (``held``) naming it by its SHA-256 alone."""
+        _, base, fields, pushes = self._made(p)
+        text = p.text_for(host)
+        digest = self._digest(text)
         request = request if request is not None else pb.PrepareRequest()
-        request.CopyFrom(by_digest)
-        if not held:
-            request.ClearField("program_sha256")
-            request.program_json = p.program_json
-        request.ticket = self._sign(host, "prepare", *fields)
+        request.CopyFrom(base)
+        if held:
+            request.program_sha256 = digest
+        else:
+            request.program_json = text
+        request.ticket = self._sign(host, "prepare", fields[0], digest, *fields[2:])
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
 
-    def _holds(self, address: str, p: Preparation) -> bool:
-        """Whether the agent at ``address`` holds ``p``'s program (it was sent the text, and kept it since)."""
-        digest = self._prepared_digest(p)
+    def _holds(self, host: str, address: str, p: Preparation) -> bool:
+        """Whether the agent of ``host`` at ``address`` holds its text of ``p``'s program (it was sent the text,
+        and kept it since)."""
+        digest = self._digest(p.text_for(host))
         with self._lock:
             held = self._held.get(address)
             if held is None or digest not in held:
@@ -149,36 +161,35 @@ class GrpcAgentCalls:
             held.move_to_end(digest)
             return True
 
-    def _sent(self, address: str, p: Preparation, kept: bool) -> None:
-        """The agent at ``address`` read ``p``'s program (``kept``), or said it no longer holds it."""
-        digest = self._prepared_digest(p)
+    def _sent(self, host: str, address: str, p: Preparation, kept: bool) -> None:
+        """The agent of ``host`` at ``address`` read its text of ``p``'s program (``kept``), or said it no longer
+        holds it."""
+        text = p.text_for(host)
+        digest = self._digest(text)
         with self._lock:
             held = self._held.setdefault(address, OrderedDict())
             held.pop(digest, None)
             if kept:
-                held[digest] = len(p.program_json)
+                held[digest] = len(text)
             # The agent's own rule (`Runtime._loaded`): past PROGRAMS_KEPT programs or PROGRAMS_KEPT_BYTES of text,
             # it drops the least recently used, keeping the newest whatever its size.
             while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) > PROGRAMS_KEPT_BYTES):
                 held.popitem(last=False)
 
-    def _prepared_digest(self, p: Preparation) -> str:
-        return self._made(p)[1].program_sha256
-
-    def _by_digest_first(self, address: str, p: Preparation | None, call: Callable[[bool], object]):
-        """``call(held)`` naming ``p``'s program by its SHA-256 where the agent should hold it, and again with
-        the text if it does not (an agent restarted, or one that dropped it)."""
+    def _by_digest_first(self, host: str, address: str, p: Preparation | None, call: Callable[[bool], object]):
+        """``call(held)`` naming ``p``'s program by its SHA-256 where the agent of ``host`` should hold it, and
+        again with the text if it does not (an agent restarted, or one that dropped it)."""
         if p is None:
             return call(False)
-        if self._holds(address, p):
+        if self._holds(host, address, p):
             try:
                 return call(True)
             except NotFoundError as e:
                 if not str(e).startswith(PROGRAM_NOT_HELD):
                     raise
-                self._sent(address, p, kept=False)
+                self._sent(host, address, p, kept=False)
         result = call(False)
-        self._sent(address, p, kept=True)
+        self._sent(host, address, p, kept=True)
         return result
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
@@ -188,11 +199,11 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
     def prepare(self, host, address, prep, timeout):
-        self._by_digest_first(address, prep, lambda held: self._call(
+        self._by_digest_first(host, address, prep, lambda held: self._call(
             host, address, "Prepare", self._prepare_request(host, prep, held), timeout))
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
-        return self._by_digest_first(address, prepare, lambda held: self._execute(
+        return self._by_digest_first(host, address, prepare, lambda held: self._execute(
             host, address, job, program_id, on_progress, timeout, prepare, commit, held))
 
     def _execute(self, host, address, job, program_id, on_progress, timeout, prepare, commit, held):

@@ -66,7 +66,10 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(scope="session", params=TRANSPORTS)
 def cluster(request):
     """One planner and 4 agents x 2 devices, shared by the tests that leave it healthy."""
-    with LocalCluster(HOSTS, DEVICES_PER_HOST, planner_args=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S)],
+    # Every program is cut per host (the default cuts those of a megabyte or more), so that every test on this
+    # cluster runs each agent on its own slice (`reshard.host_slice`); clusters of their own run the default.
+    with LocalCluster(HOSTS, DEVICES_PER_HOST, planner_args=["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+                                                             "--slice-program-bytes", "0"],
                       transport=request.param) as c:
         yield c
 
