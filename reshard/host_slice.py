@@ -4,7 +4,7 @@ A state dict's program holds millions of steps over dozens of hosts; every host 
 text for the Kimi-K2-like sync of bench/plan_quality.py) to run its own part. `HostCut` cuts a program's text per
 host on the planner, and `read_slice` reads one back on the agent as a `ProgramSlice`: a program with the same id,
 whose steps are only those the host takes part in (`step_hosts`), still with their ids in the whole program, and
-whose runs (`reshard.program.Run`) repeat only their templates' steps of this host.
+whose runs (`reshard.program.Run`) repeat only their templates' steps of this host, with ``at``, their first step.
 
 What a host works out from the whole program that its own steps do not say travels with its slice, as columns over
 its *standing* steps (each of its steps but the members of a bucket after its first, which stand for the bucket):
@@ -19,8 +19,8 @@ its *standing* steps (each of its steps but the members of a bucket after its fi
 
 and, for the whole program: its step count, its stream count, its number of committed and of resharded tensors, and
 whether every step is a move that waits for nothing. The slice's tensors are those its steps name and those with a
-destination tile on the host; a run's renames name tensors by their position in the whole program's list
-(``tensor_ids`` gives each slice tensor's).
+destination tile on the host, each with ``at``, its position in the whole program's list, by which a run's renames
+name tensors.
 
 The planner signs each host's text as it signs a whole program's; the agents of a job confirm with one another the
 whole program's id, which every slice carries.
@@ -167,7 +167,7 @@ class HostCut:
                 fields = t.to_json()
                 del fields["name"]
                 self._layout_texts.append(plain_text(fields))
-            self._tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}}}')
+            self._tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}, "at": {len(self._tensor_texts)}}}')
         # The tensors a host's slice declares: those its steps name (the tensors named by the steps of each set,
         # a run's steps naming their template's, renamed), and those it stages a destination tile of (and
         # commits), steps or none. And each run's sets: a host's slice holds a run where one holds it.
@@ -246,7 +246,6 @@ class HostCut:
             "resharded": str(self._resharded), "moves_only": plain_text(self._moves_only),
             "layouts": f"[{', '.join(self._layout_texts)}]",
             "tensors": f"[{', '.join([self._tensor_texts[i] for i in keep])}]",
-            "tensor_ids": f"[{', '.join(map(str, keep))}]",
             "steps": f"[{', '.join(entries)}]",
             "buckets": f"[{', '.join(bucket_texts)}]",
             "standing": (f'{{"ids": {_ints(ids[at])}, "depth": {_ints(depth[at])}, "rank": {_ints(rank[at])}, '
@@ -438,9 +437,9 @@ def read_slice(data: Mapping) -> ProgramSlice:
         raise E(f"{what} has version {brief(data.get('version'))}; this reader reads version {PROGRAM_VERSION}")
     n = field_of(data, "steps_total", "integer", what, E)
     tensors = read_tensors(data, {})  # the compact text's: by name and layout
-    ids = field_of(data, "tensor_ids", "array", what, E)
-    if len(ids) != len(tensors) or not all(type(k) is int for k in ids):
-        raise E(f"{what}: tensor_ids must give each of its {len(tensors)} tensors its position in the program")
+    ids = [t.get("at") if isinstance(t, Mapping) else None for t in data["tensors"]]
+    if not all(type(k) is int for k in ids):
+        raise E(f"{what}: each tensor must give its position in the program as 'at'")
     name_at = dict(zip(ids, (t.name for t in tensors)))
     steps = SliceSteps(n)
     for i, item in enumerate(field_of(data, "steps", "array", what, E)):

@@ -39,12 +39,13 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
     The id the text claims is taken as it is, not worked out again from the content (a quarter of reading a
     16,000-step program): the planner's ticket for the Prepare signs the text's hash, and every host confirms the
     id with its peers before it calls them. A text without an id gets its content's."""
-    data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
-    if isinstance(data, dict) and data.get("kind") == SLICE_KIND:  # this host's part alone (`reshard.host_slice`)
-        program = read_slice(data)
-        return program, program.id
-    claimed = data.get("id") if isinstance(data, dict) else None
-    program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
+    with no_cycle_collection():  # a state dict's text: millions of small objects (see no_cycle_collection)
+        data = loads(text, "program_json", max_bytes=max_bytes, max_depth=max_depth)
+        if isinstance(data, dict) and data.get("kind") == SLICE_KIND:  # this host's part (`reshard.host_slice`)
+            program = read_slice(data)
+            return program, program.id
+        claimed = data.get("id") if isinstance(data, dict) else None
+        program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
     return program, claimed if isinstance(claimed, str) else program.id
 
 
