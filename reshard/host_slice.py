@@ -32,6 +32,7 @@ import threading
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import chain
+from operator import itemgetter
 
 import numpy as np
 
@@ -157,17 +158,18 @@ class HostCut:
             f'[{", ".join(f"[{position[a]}, {position[b]}]" for a, b in renames)}]}}'
             for first, count, like, renames in runs]
         layouts: dict[tuple, int] = {}
-        self._layout_texts: list[str] = []
+        layout_texts: list[str] = []
         self._tensor_texts: list[str] = []
         for t in program.tensors:
             key = (t.shape, t.dtype, t.src, t.dst)
             k = layouts.get(key)
             if k is None:
-                k = layouts[key] = len(self._layout_texts)
+                k = layouts[key] = len(layout_texts)
                 fields = t.to_json()
                 del fields["name"]
-                self._layout_texts.append(plain_text(fields))
+                layout_texts.append(plain_text(fields))
             self._tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}, "at": {len(self._tensor_texts)}}}')
+        self._layouts_text = ", ".join(layout_texts)
         # The tensors a host's slice declares: those its steps name (the tensors named by the steps of each set,
         # a run's steps naming their template's, renamed), and those it stages a destination tile of (and
         # commits), steps or none. And each run's sets: a host's slice holds a run where one holds it.
@@ -234,26 +236,28 @@ class HostCut:
             entries.append(text)
             at = j
         entries += [run_texts[k] for k in runs_kept[at:]]
-        keep = np.unique(np.concatenate([self._named[k] for k in np.flatnonzero(mine).tolist()]
-                                        + [self._staged.get(host, np.zeros(0, dtype=np.int64))])).tolist()
+        keep = np.zeros(len(self._tensor_texts), dtype=bool)
+        for k in np.flatnonzero(mine).tolist():
+            keep[self._named[k]] = True
+        keep[self._staged.get(host, [])] = True
+        tensors = np.flatnonzero(keep).tolist()
         ids, sets, depth, rank, stream = self._standing
         at = mine[sets]
-        bucket_texts = [self._bucket_texts[k] for k in np.flatnonzero(mine[self._bucket_sets]).tolist()]
-        fields = {
-            "kind": plain_text(SLICE_KIND), "version": plain_text(PROGRAM_VERSION), "host": quoted(host),
-            "strategy": plain_text(program.strategy), "steps_total": str(len(steps)),
-            "num_streams": str(self.num_streams), "committed": str(self._committed),
-            "resharded": str(self._resharded), "moves_only": plain_text(self._moves_only),
-            "layouts": f"[{', '.join(self._layout_texts)}]",
-            "tensors": f"[{', '.join([self._tensor_texts[i] for i in keep])}]",
-            "steps": f"[{', '.join(entries)}]",
-            "buckets": f"[{', '.join(bucket_texts)}]",
-            "standing": (f'{{"ids": {_ints(ids[at])}, "depth": {_ints(depth[at])}, "rank": {_ints(rank[at])}, '
-                         f'"stream": {_ints(stream[at])}}}'),
-            "estimate_seconds": plain_text(program.estimate_seconds),
-            "topology": plain_text(program.topology.to_json()), "id": quoted(program.id),
-        }
-        return "{" + ", ".join(f"{quoted(k)}: {v}" for k, v in fields.items()) + "}"
+        buckets = np.flatnonzero(mine[self._bucket_sets]).tolist()
+        # The text in pieces joined once (a serving host's is tens of megabytes: each copy of it counts).
+        return "".join((
+            f'{{"kind": {plain_text(SLICE_KIND)}, "version": {PROGRAM_VERSION}, "host": {quoted(host)}, '
+            f'"strategy": {plain_text(program.strategy)}, "steps_total": {len(steps)}, '
+            f'"num_streams": {self.num_streams}, "committed": {self._committed}, "resharded": {self._resharded}, '
+            f'"moves_only": {plain_text(self._moves_only)}, "layouts": [', self._layouts_text, '], "tensors": [',
+            ", ".join(itemgetter(*tensors)(self._tensor_texts)) if len(tensors) > 1 else
+            "".join(self._tensor_texts[i] for i in tensors),
+            '], "steps": [', ", ".join(entries), '], "buckets": [',
+            ", ".join(itemgetter(*buckets)(self._bucket_texts)) if len(buckets) > 1 else
+            "".join(self._bucket_texts[i] for i in buckets),
+            f'], "standing": {{"ids": {_ints(ids[at])}, "depth": {_ints(depth[at])}, "rank": {_ints(rank[at])}, '
+            f'"stream": {_ints(stream[at])}}}, "estimate_seconds": {plain_text(program.estimate_seconds)}, '
+            f'"topology": {plain_text(program.topology.to_json())}, "id": {quoted(program.id)}}}'))
 
 
 class StepNotHere(LookupError):
