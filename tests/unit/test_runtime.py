@@ -442,6 +442,29 @@ def test_a_push_for_an_unknown_job_or_step_is_refused(memory_hosts):
     hosts.finish(job, runs)
 
 
+def test_runtimes_handed_their_hosts_slices_deliver_and_refuse_a_push_of_another_hosts_step(memory_hosts):
+    """Each host prepares its own slice of the program (`reshard.host_slice`, as a planner hands a large one): the
+    job runs as with the whole program, and a push naming a step of another host is refused, naming both hosts."""
+    from reshard.host_slice import HostCut
+    from reshard.proto.errors import InvalidArgumentError
+    from reshard.server.transport.streams import PushHeader
+
+    hosts = memory_hosts
+    program, src, dst = _chain_program()
+    a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    hosts.put_tensor("t", a, src)
+    cut, job, peers = HostCut(program), uuid.uuid4().hex, {h: h for h in hosts.runtimes}
+    runs = {h: r.prepare(job, cut.text(h), "t", 1, 2, peers, hosts.kind) for h, r in hosts.runtimes.items()}
+    assert {run.program_id for run in runs.values()} == {program.id}
+    with pytest.raises(InvalidArgumentError, match="step 2 is not one of host host1's steps of the program; it was "
+                                                   "pushed from host3"):
+        hosts.runtimes["host1"].accept(PushHeader(job, program.id, 2, 0, "host3"), [])
+    for r in hosts.runtimes.values():
+        r.execute(job, program.id)
+    hosts.finish(job, runs)
+    assert np.array_equal(hosts.get("t", dst, a.shape), a)
+
+
 def test_a_prepare_that_arrives_after_its_jobs_abort_or_end_is_refused(memory_hosts):
     """A paused agent can get its job's abort and its prepare in either order when it resumes; a prepare after
     the abort (or a replayed one after the job ended) would stage buffers no one ever frees."""
