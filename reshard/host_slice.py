@@ -121,6 +121,7 @@ class HostCut:
         with no_cycle_collection():
             self._work_out(program)
         self._texts: dict[str, str] = {}
+        self._names: dict[str, frozenset[str]] = {}
         self._lock = threading.Lock()
 
     def _work_out(self, program: Program) -> None:
@@ -216,6 +217,11 @@ class HostCut:
                     text = self._texts[host] = self._write(host)
         return text
 
+    def tensors(self, host: str) -> frozenset[str]:
+        """The names of the tensors ``host``'s slice declares: what a job's reads of it may name."""
+        self.text(host)
+        return self._names[host]
+
     def _write(self, host: str) -> str:
         program, steps = self.program, self._steps
         mine = np.zeros(len(self._sets), dtype=bool)  # per set, whether the host is in it
@@ -241,6 +247,7 @@ class HostCut:
             keep[self._named[k]] = True
         keep[self._staged.get(host, [])] = True
         tensors = np.flatnonzero(keep).tolist()
+        self._names[host] = frozenset(program.tensors[i].name for i in tensors)
         ids, sets, depth, rank, stream = self._standing
         at = mine[sets]
         buckets = np.flatnonzero(mine[self._bucket_sets]).tolist()

@@ -12,7 +12,6 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.host_slice import ProgramSlice
 from reshard.program import DST, SRC, Program, Step
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
@@ -177,7 +176,7 @@ class Run(Session):
         go as ``full`` segments), of at least one element. Every host works out the same from the same program and
         the same signed ``delta_bases``."""
         unknown = sorted(set(self.delta_bases) - {t.name for t in self.program.tensors})
-        if unknown and not isinstance(self.program, ProgramSlice):  # a slice holds its host's tensors alone
+        if unknown:
             raise InvalidArgumentError(f"job {self.job}: delta_bases name tensors {unknown[:5]} that its program does "
                                        f"not have; it has {[t.name for t in self.program.tensors][:5]}")
         out: dict[int, DeltaStream] = {}

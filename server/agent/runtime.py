@@ -132,8 +132,6 @@ class Runtime:
         if len(resharded) == 1 and (program.num_resharded if isinstance(program, ProgramSlice) else 1) == 1:
             names[resharded[0]] = tensor
         unknown = sorted(set(reads or ()) - set(names))
-        if unknown and isinstance(program, ProgramSlice):  # a job's reads name every host's tensors
-            reads, unknown = {t: r for t, r in reads.items() if t in names}, []
         if unknown:
             raise InvalidArgumentError(f"job {job}: reads name tensors {unknown[:5]} that its program does not have")
         names.update((t, name) for t, (name, _) in (reads or {}).items())

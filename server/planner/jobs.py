@@ -145,10 +145,28 @@ class Preparation:
     # host -> its slice of the program (`reshard.host_slice`) where it is cut per host: handed that host instead of
     # ``program_json``
     host_texts: dict[str, str] = field(default_factory=dict)
+    # host -> the tensors its slice declares: its Prepare carries the reads and delta bases of those alone
+    host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)
 
     def text_for(self, host: str) -> str:
         """The program's text ``host`` is handed: its slice, or the whole program."""
         return self.host_texts.get(host, self.program_json)
+
+    def reads_for(self, host: str) -> dict[str, tuple[str, int]]:
+        """The ``reads`` ``host`` is handed: those of its slice's tensors (a state dict's job reads 139,583 tensors,
+        a serving host's slice half of them), or all."""
+        names = self.host_tensors.get(host)
+        if names is None:
+            return self.reads
+        reads = self.reads
+        return {t: reads[t] for t in names if t in reads}
+
+    def delta_bases_for(self, host: str) -> dict[str, tuple[int, int]]:
+        """The ``delta_bases`` ``host`` is handed, as `reads_for`."""
+        names = self.host_tensors.get(host)
+        if names is None or not self.delta_bases:
+            return self.delta_bases
+        return {t: b for t, b in self.delta_bases.items() if t in names}
 
 
 class AgentCalls(Protocol):
@@ -398,7 +416,7 @@ class JobRunner:
         self._plans = ProgramCache(PLANS_KEPT)
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
         # program id -> each host's slice of it (`_slices`), for the programs cut per host
-        self._program_slices: OrderedDict[str, dict[str, str]] = OrderedDict()
+        self._program_slices: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
         self._tensor_locks: dict[str, threading.Lock] = {}
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
@@ -651,7 +669,8 @@ class JobRunner:
                       else {})
         prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
-                           delta_bases=work.delta_bases, host_texts=work.host_texts)
+                           delta_bases=work.delta_bases, host_texts=work.host_texts,
+                           host_tensors=work.host_tensors)
         # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair; not a
         # quantized one's, nor its scale's: their new version holds other values (no delta could start there).
         made = _made_on_the_way(job)
@@ -823,26 +842,28 @@ class JobRunner:
                     self._program_moves.popitem(last=False)
         text = text or program.dumps()
         hosts = moves.hosts.union(*{new.sharding.mesh.hosts for _, new in commits})
-        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits,
-                     host_texts=self._slices(program, text, hosts))
+        texts, tensors = self._slices(program, text, hosts)
+        return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits, host_texts=texts,
+                     host_tensors=tensors)
 
-    def _slices(self, program: Program, text: str, hosts: set[str]) -> dict[str, str]:
-        """Each of ``hosts``' slice of ``program`` (`reshard.host_slice`) where its ``text`` is long enough to cut
-        (``slice_program_bytes``), else none: worked out once per program and kept for the last few, as a weight
-        sync runs the same program every step."""
+    def _slices(self, program: Program, text: str,
+                hosts: set[str]) -> tuple[dict[str, str], dict[str, frozenset[str]]]:
+        """Each of ``hosts``' slice of ``program`` (`reshard.host_slice`) and the tensors it declares, where its
+        ``text`` is long enough to cut (``slice_program_bytes``), else none: worked out once per program and kept
+        for the last few, as a weight sync runs the same program every step."""
         if len(text) < self.slice_program_bytes:
-            return {}
+            return {}, {}
         with self._lock:
             slices = self._program_slices.get(program.id)
             if slices is not None:
                 self._program_slices.move_to_end(program.id)
-        if slices is None or not hosts <= slices.keys():
+        if slices is None or not hosts <= slices[0].keys():
             began = time.monotonic()
             cut = HostCut(program)
-            slices = {h: cut.text(h) for h in sorted(hosts)}
+            slices = ({h: cut.text(h) for h in sorted(hosts)}, {h: cut.tensors(h) for h in sorted(hosts)})
             log.info("program %s cut for %d hosts in %.2f s: %s of text, the largest part %s", program.id[:8],
-                     len(slices), time.monotonic() - began, format_size(len(text)),
-                     format_size(max(map(len, slices.values()), default=0)))
+                     len(hosts), time.monotonic() - began, format_size(len(text)),
+                     format_size(max(map(len, slices[0].values()), default=0)))
             with self._lock:
                 self._program_slices[program.id] = slices
                 while len(self._program_slices) > SLICED_PROGRAMS_KEPT:
@@ -1110,6 +1131,7 @@ class _Work:
     commits: list[tuple[TensorRecord | None, TensorRecord]]
     delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)  # reshard_many: `_choose_deltas`
     host_texts: dict[str, str] = field(default_factory=dict)  # host -> its slice, where the program is cut per host
+    host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)  # host -> the tensors its slice declares
 
 
 @dataclass(frozen=True)

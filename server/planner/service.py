@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent import futures
 
 import grpc
@@ -49,6 +49,16 @@ _DIGESTS_KEPT = 256
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
+def _request_of(p: Preparation, reads: Mapping[str, tuple[str, int]],
+                delta_bases: Mapping[str, tuple[int, int]]) -> pb.PrepareRequest:
+    """Job ``p``'s Prepare without its program and tickets, carrying ``reads`` and ``delta_bases``."""
+    return pb.PrepareRequest(
+        job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
+        transport=p.transport, generation=p.generation, job_seq=p.job_seq,
+        reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in reads.items()}, nixl_peers=p.nixl_peers,
+        delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()})
+
+
 class GrpcAgentCalls:
     """`AgentCalls` over gRPC: one cached channel per agent address, every call presenting the cluster token
     and a ticket signed with the host's registration secret (``secret_of``)."""
@@ -90,7 +100,8 @@ class GrpcAgentCalls:
         """Job ``p``'s Prepare as every host gets it but for its program and tickets: built once per job (a state
         dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
         without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
-        peer)."""
+        peer.) A program cut per host has each host's reads and delta bases in its own request: the request here
+        has none, and no fields (`_prepare_request` works them out per host)."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -100,14 +111,12 @@ class GrpcAgentCalls:
                 made = self._prepared.get(p.job)
             if made is not None and made[0] is p:
                 return made
-            base = pb.PrepareRequest(
-                job=p.job, tensor=p.tensor, src_version=p.src_version,
-                dst_version=p.dst_version, peers=p.peers, transport=p.transport, generation=p.generation,
-                job_seq=p.job_seq, reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in p.reads.items()},
-                nixl_peers=p.nixl_peers,
-                delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in p.delta_bases.items()})
-            fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport,
-                                    p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
+            if p.host_tensors:
+                base, fields = _request_of(p, {}, {}), None
+            else:
+                base = _request_of(p, p.reads, p.delta_bases)
+                fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport,
+                                        p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, base, fields, pushes)
             with self._lock:
@@ -140,13 +149,22 @@ class GrpcAgentCalls:
         _, base, fields, pushes = self._made(p)
         text = p.text_for(host)
         digest = self._digest(text)
-        request = request if request is not None else pb.PrepareRequest()
-        request.CopyFrom(base)
+        if fields is None:  # a slice: the reads and delta bases of this host's tensors alone
+            reads, deltas = p.reads_for(host), p.delta_bases_for(host)
+            made = _request_of(p, reads, deltas)
+            fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
+                                    p.generation, p.job_seq, p.peers, reads, p.nixl_peers, deltas)
+        else:
+            made, fields = base, (fields[0], digest, *fields[2:])
+        if request is None:
+            request = made if made is not base else pb.PrepareRequest()
+        if request is not made:
+            request.CopyFrom(made)
         if held:
             request.program_sha256 = digest
         else:
             request.program_json = text
-        request.ticket = self._sign(host, "prepare", fields[0], digest, *fields[2:])
+        request.ticket = self._sign(host, "prepare", *fields)
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
 
