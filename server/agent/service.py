@@ -37,7 +37,7 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.streams import IpcRegion, Piece, PushHeader, Throttle, Trailer
 from reshard.server.transport.grpc_link import GrpcTransport, LocalDevice, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.contract import GroupView
+from reshard.server.common.contract import GroupView, prepare_reads
 from reshard.server.common.tickets import (TicketCheck, abort_fields, commit_fields, execute_fields, new_secret,
                                            prepare_fields, program_digest, put_fields, release_fields, sign)
 from reshard.proto.auth import channel
@@ -238,7 +238,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         return pb.Empty()
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
-        reads = {t: (x.name, x.version) for t, x in r.reads.items()}
+        reads = prepare_reads(r)
         delta_bases = {t: (b.src_version, b.dst_version) for t, b in r.delta_bases.items()}
         # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
         sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256

@@ -15,6 +15,8 @@
 ``PROGRAMS_KEPT_BYTES`` how much of their text (the newest stays whatever its size): the planner
                         names a program by its SHA-256 to an agent it sent the text to while both
                         would still hold it
+``prepare_reads``       a Prepare's reads (program tensor -> stored name and version) from the columns
+                        the request carries them in
 ``DELTA_BASE_MISMATCH`` how an agent's FAILED_PRECONDITION begins when a delta stream's base (the
                         receiver's copy of the version it starts from) differs from the sender's, or
                         the delta applied to it does not give the sender's box: the planner runs the
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
+__all__ = ["GroupView", "Staging", "prepare_reads", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
            "PROGRAMS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto", "nixl")
@@ -83,3 +85,14 @@ def check_host_name(host: str) -> str:
         raise InvalidArgumentError(f"host name {host[:80]!r} must be 1 to 253 characters of letters, digits, '.', "
                                    f"'-' and '_'")
     return host
+
+
+def prepare_reads(request) -> dict[str, tuple[str, int]]:
+    """The reads of a ``PrepareRequest``: program tensor ``read_tensors[i]`` -> (``read_names[i]``, or its own name
+    where the request names none, ``read_versions[i]``)."""
+    tensors, names, versions = request.read_tensors, request.read_names or request.read_tensors, request.read_versions
+    if not len(tensors) == len(names) == len(versions):
+        raise InvalidArgumentError(f"Prepare of job {request.job[:12]!r} reads {len(tensors)} tensors with "
+                                   f"{len(request.read_names)} stored names and {len(versions)} versions; give a "
+                                   f"version for each, and a name for each or none")
+    return dict(zip(tensors, zip(names, versions)))

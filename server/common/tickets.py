@@ -77,7 +77,9 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
-        fields += (";".join(f"{t}={n}@{v}" for t, (n, v) in sorted(reads.items())),)
+        # (in the order the request carries them, which the agent reads back: a state dict's job reads a hundred
+        # thousand, and sorting them cost the planner more than writing them)
+        fields += (";".join([f"{t}={n}@{v}" for t, (n, v) in reads.items()]),)
     if nixl_peers:
         fields += ("nixl:" + ",".join(f"{h}={hashlib.sha256(m).hexdigest()}" for h, m in sorted(nixl_peers.items())),)
     if delta_bases:

@@ -51,11 +51,15 @@ _DIGESTS_KEPT_BYTES = 1 << 30
 
 def _request_of(p: Preparation, reads: Mapping[str, tuple[str, int]],
                 delta_bases: Mapping[str, tuple[int, int]]) -> pb.PrepareRequest:
-    """Job ``p``'s Prepare without its program and tickets, carrying ``reads`` and ``delta_bases``."""
+    """Job ``p``'s Prepare without its program and tickets, carrying ``reads`` (as columns; no names where each
+    tensor reads its own name, a state dict's case) and ``delta_bases``."""
+    tensors = list(reads)
+    names = [n for n, _ in reads.values()]
     return pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
-        transport=p.transport, generation=p.generation, job_seq=p.job_seq,
-        reads={t: pb.TensorRead(name=n, version=v) for t, (n, v) in reads.items()}, nixl_peers=p.nixl_peers,
+        transport=p.transport, generation=p.generation, job_seq=p.job_seq, read_tensors=tensors,
+        read_names=names if names != tensors else (), read_versions=[v for _, v in reads.values()],
+        nixl_peers=p.nixl_peers,
         delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()})
 
 

@@ -52,10 +52,12 @@ from google.protobuf.message import Message
 from reshard import Mesh, Sharding
 from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
+from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.auth import METADATA_KEY
 from reshard.proto.layout import Checksum
 from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
+from reshard.server.common.contract import prepare_reads
 from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
                                            program_digest, put_fields, sign)
 from reshard.strategies import STRATEGIES
@@ -532,9 +534,13 @@ TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShar
 
 def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
     program = program_digest(r.program_json) if r.program_json else r.program_sha256
+    try:
+        reads = prepare_reads(r)
+    except InvalidArgumentError:  # columns of different lengths: the agent refuses them before the ticket
+        reads = {}
     r.ticket = sign(secret, "prepare", *prepare_fields(r.job, program, r.tensor, r.src_version, r.dst_version,
                                                        r.transport, r.generation, r.job_seq, r.peers,
-                                                       {t: (x.name, x.version) for t, x in r.reads.items()},
+                                                       reads,
                                                        None, {t: (b.src_version, b.dst_version)
                                                               for t, b in r.delta_bases.items()}))
 
