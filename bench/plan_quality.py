@@ -275,6 +275,20 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
         host = max(slices.items(), key=lambda item: len(item[1]))[0]
         out.update(slice_mib=len(slices[host]) / 2**20, slice_host=host, hosts=len(slices),
                    slices_mib=sum(map(len, slices.values())) / 2**20)
+        # What every job of this program costs a planner before its agents start, a repeated sync's included: each
+        # host's Prepare (by digest: the agents hold their slices), reading every program tensor at one version.
+        stage = start("a job's Prepares")
+        from reshard.server.planner.jobs import Preparation
+        from reshard.server.planner.service import GrpcAgentCalls
+
+        calls = GrpcAgentCalls(lambda host: bytes(32))
+        prep = Preparation("bench", "", "", 1, 2, {h: h for h in slices}, program_id=program.id,
+                           reads={t.name: (t.name, 1) for t in program.tensors}, host_texts=slices,
+                           host_tensors={h: cut.tensors(h) for h in slices})
+        t0 = time.perf_counter()
+        sent = sum(len(calls.prepare_request(h, prep, held=True).SerializeToString()) for h in slices)
+        out.update(prepares_s=time.perf_counter() - t0, prepares_mib=sent / 2**20)
+        del calls, prep
         # What a planner holds: the program planned, validated, written out and cut (the measures below are the
         # bench's).
         out["rss_gib"] = _rss_gib()
@@ -410,6 +424,7 @@ def _moe_row(m: dict) -> list[str]:
         f"{m['rss_gib']:.2f}" if "rss_gib" in m else None, f"{m['text_mib']:,.0f}" if "text_mib" in m else None,
         f"{m['slice_mib']:,.1f} ({m['slice_host']})" if "slice_mib" in m else None,
         f"{m['agent_read_s']:.1f} / {m['agent_layout_s']:.1f}" if "agent_layout_s" in m else None,
+        f"{m['prepares_s']:.2f} ({m['prepares_mib']:,.0f} MiB)" if "prepares_s" in m else None,
         f"{m['estimate']:.3f}" if "estimate" in m else None, f"{m['bound']:.3f}" if "bound" in m else None,
         f"{m['estimate'] / m['bound']:.3f}" if "bound" in m else None,
     ]
@@ -428,6 +443,7 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
             "then id / estimate / text / the job's moves / the per-host cut s",
             "a planner's seconds before an agent gets it", "peak RSS GiB", "whole text MiB",
             "largest per-host slice MiB (what that host's agent gets)", "that host's agent: read / layout s",
+            "every job's Prepares s (sent)",
             "estimate s", "lower bound s",
             "estimate / bound"]
     table = _table(head, [_moe_row(m) for m in runs + quantized])
@@ -455,8 +471,11 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         ("largest per-host slice < 64 MiB of program text", plain["slice_mib"], fp8["slice_mib"]),
         ("estimate <= 1.05x the lower bound", plain["ratio"], fp8["ratio"]),
         ("a repeated sync (cached program) < 50 ms from request to every agent started",
-         "not measured here (needs a planner and agents; this bench plans only; see bench/small_tensors.py)",
-         "not measured here"),
+         "not measured whole here (needs a planner and agents; see bench/small_tensors.py); "
+         + _goal(full.get("prepares_s"), 0.05, over, " s") + " for the hosts' Prepares alone",
+         "not measured whole here; " + _goal(asked.get("prepares_s") if asked else None, 0.05,
+                                            asked.get("over", "") if asked else "", " s")
+         + " for the hosts' Prepares alone"),
         ("one job, one atomic commit (both programs: see below)", one_job, one_job),
     ]
     lines = [f"| {what} | {a} | {b} |" for what, a, b in goals]
@@ -503,7 +522,10 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         "facts of the whole program its order needs, still as runs. The agent of the host with the largest slice "
         "then reads it (`load_program`, which leaves the runs unmade too) and works out its own layout "
         "(`HostLayout`: the buckets it sends, receives or forwards, its tasks in order, stream numbers, tiles; it "
-        "makes the runs of the steps it takes part in), timed in the same child. The lower bound is the cost "
+        "makes the runs of the steps it takes part in), timed in the same child. Every job of the program, a "
+        "repeated sync's included, then costs the planner each host's Prepare (`GrpcAgentCalls.prepare_request`: "
+        "by digest, the agents holding their slices; each with the reads of its own tensors, every program tensor "
+        "read at one version here), built and serialized for all hosts and timed. The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         f"Must-show 1's goals, from the full {full['layers']} layers' figures, planned without dtypes and as the "

@@ -105,7 +105,7 @@ class GrpcAgentCalls:
         dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
         without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
         peer.) A program cut per host has each host's reads and delta bases in its own request: the request here
-        has none, and no fields (`_prepare_request` works them out per host)."""
+        has none, and no fields (`prepare_request` works them out per host)."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -146,8 +146,8 @@ class GrpcAgentCalls:
                 self._digests_bytes -= len(self._digests.popitem(last=False)[0])
         return digest
 
-    def _prepare_request(self, host: str, p: Preparation, held: bool = False,
-                         request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
+    def prepare_request(self, host: str, p: Preparation, held: bool = False,
+                        request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
         """The Prepare of job ``p`` for ``host``, written into ``request`` (default: a new one): with the program's
         text (or ``host``'s slice of it, `Preparation.text_for`), or (``held``) naming it by its SHA-256 alone."""
         _, base, fields, pushes = self._made(p)
@@ -222,7 +222,7 @@ class GrpcAgentCalls:
 
     def prepare(self, host, address, prep, timeout):
         self._by_digest_first(host, address, prep, lambda held: self._call(
-            host, address, "Prepare", self._prepare_request(host, prep, held), timeout))
+            host, address, "Prepare", self.prepare_request(host, prep, held), timeout))
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         return self._by_digest_first(host, address, prepare, lambda held: self._execute(
@@ -233,7 +233,7 @@ class GrpcAgentCalls:
                                     ticket=self._sign(host, "execute", *execute_fields(job, program_id, commit)),
                                     commit=commit)
         if prepare is not None:
-            self._prepare_request(host, prepare, held, request.prepare)
+            self.prepare_request(host, prepare, held, request.prepare)
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
