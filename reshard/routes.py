@@ -21,6 +21,7 @@ is read from them, and so are the cost model (``reshard.cost.transfer_flows``,
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from reshard.mesh import host_of
@@ -62,8 +63,27 @@ def home_receivers(t: Transfer, hosts: HostCache | None = None) -> tuple[str, ..
     return tuple([r for r in t.receivers if host(r) == hs])
 
 
-def hops(t: Transfer, hosts: HostCache | None = None) -> list[Hop]:
-    """The hops of ``t`` in the order of their numbers (none for a local transfer)."""
+def hops(t: Transfer, hosts: HostCache | None = None) -> Sequence[Hop]:
+    """The hops of ``t`` in the order of their numbers (none for a local transfer), worked out once per distinct
+    (sender, method, receivers, route): an agent asks for the hops of each of its moves several times over (its
+    tasks, their peers, the streams), and a state dict's moves share a few thousand routes."""
+    key = (t.sender, t.method, t.receivers, t.route)
+    try:
+        known = _HOPS.get(key)
+    except TypeError:  # a transfer built with lists: worked out each time
+        return _hops(t, hosts)
+    if known is None:
+        if len(_HOPS) >= _HOPS_KEPT:
+            _HOPS.clear()
+        known = _HOPS[key] = tuple(_hops(t, hosts))
+    return known
+
+
+_HOPS: dict[tuple, tuple[Hop, ...]] = {}
+_HOPS_KEPT = 1 << 16
+
+
+def _hops(t: Transfer, hosts: HostCache | None) -> list[Hop]:
     host = hosts.__getitem__ if hosts is not None else host_of
     hs = host(t.sender)
     if t.method == "p2p":

@@ -58,7 +58,7 @@ TABLE = {
 def test_copies_and_hops_of_each_method(case):
     t, home, expected = TABLE[case]
     assert home_receivers(t) == home
-    assert hops(t) == expected
+    assert list(hops(t)) == expected
     assert [find_hop(t, h.index) for h in expected] == expected
     assert find_hop(t, 1 if t.method == "p2p" else 5) is None
 
