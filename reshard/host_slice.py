@@ -458,17 +458,19 @@ def read_slice(data: Mapping) -> ProgramSlice:
             where = f"{what} steps entry {i} (a run)"
             first, like, count = (field_of(item, k, "integer", where, E) for k in ("at", "like", "count"))
             if not (0 <= like and 0 < count and like + count <= first and first + count <= n) or \
-                    (steps._firsts and first < steps._firsts[-1] + steps._runs[-1][1]):
+                    (steps._firsts and first < steps._firsts[-1] + steps._runs[-1][1]) or \
+                    steps.present[first:first + count].any():
                 raise E(f"{where} repeats steps {like}..{like + count - 1} as {first}..{first + count - 1}; a run "
-                        f"repeats earlier steps, after the runs before it, within the program's {n} steps")
+                        f"repeats earlier steps, after the runs and steps before it, within the program's {n} steps")
             pairs = field_of(item, "rename", "array", where, E)
             # a rename of a tensor the slice does not hold names none of its steps
             renames = tuple((name_at[a], name_at[b]) for a, b in pairs if a in name_at and b in name_at)
             steps._add_run((first, count, like, renames))
             continue
         s = Step.from_json(need(item, "object", f"{what} step {i}", E), f"{what} step {i}")
-        if not 0 <= s.id < n or steps.present[s.id]:
-            raise E(f"{what} step {i} has id {s.id}, outside the program's {n} steps or given twice")
+        if not 0 <= s.id < n or steps.present[s.id] or (steps._runs and s.id < sum(steps._runs[-1][:2])):
+            raise E(f"{what} step {i} has id {s.id}: outside the program's {n} steps, given twice, or not after the "
+                    f"runs before it")
         steps._add(s)
     raw = field_of(data, "standing", "object", what, E)
     standing = {k: np.asarray(field_of(raw, k, "array", f"{what} standing", E), dtype=np.int64)

@@ -96,6 +96,12 @@ def test_a_broken_slice_is_refused_naming_what_is_wrong():
         steps = list(data["steps"])
         steps[run] = {**steps[run], "like": steps[run]["at"]}
         read_slice(broken(steps=steps))
+    after = next((k for k, e in enumerate(data["steps"]) if k > run and "like" not in e), None)
+    if after is not None:  # a step written out inside the run before it
+        with pytest.raises(PlanValidationError, match="not after the runs before it"):
+            steps = list(data["steps"])
+            steps[after] = {**steps[after], "id": steps[run]["at"]}
+            read_slice(broken(steps=steps))
     with pytest.raises(PlanValidationError, match="columns of one length"):
         read_slice(broken(standing={**data["standing"], "rank": data["standing"]["rank"][1:]}))
     with pytest.raises(PlanValidationError, match="not 'program_slice'"):
