@@ -74,8 +74,8 @@ class GrpcAgentCalls:
         self._building = threading.Lock()  # held while a job's Prepare is built (`_made`)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
-        # job -> (its Preparation, the request without tickets naming the program by its SHA-256, the fields its
-        # ticket signs, push tickets by peer)
+        # job -> (its Preparation, the request without its program and tickets, the fields its ticket signs but the
+        # program's SHA-256 (None for a program cut per host: each host's are its own), push tickets by peer)
         self._prepared: OrderedDict[str, tuple] = OrderedDict()
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
