@@ -75,7 +75,8 @@ class GrpcAgentCalls:
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
         # job -> (its Preparation, the request without its program and tickets, the fields its ticket signs but the
-        # program's SHA-256 (None for a program cut per host: each host's are its own), push tickets by peer)
+        # program's SHA-256 (None for a program cut per host), push tickets by peer, and per set of tensors that
+        # hosts' slices declare the same two: `_made`, `_part`)
         self._prepared: OrderedDict[str, tuple] = OrderedDict()
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
@@ -104,8 +105,8 @@ class GrpcAgentCalls:
         """Job ``p``'s Prepare as every host gets it but for its program and tickets: built once per job (a state
         dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
         without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
-        peer.) A program cut per host has each host's reads and delta bases in its own request: the request here
-        has none, and no fields (`prepare_request` works them out per host)."""
+        peer, and for a program cut per host the same two per set of tensors its hosts' slices declare, filled by
+        `_part`.) A program cut per host has no request and fields for every host."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -116,18 +117,38 @@ class GrpcAgentCalls:
             if made is not None and made[0] is p:
                 return made
             if p.host_tensors:
-                base, fields = _request_of(p, {}, {}), None
+                base = fields = None
             else:
                 base = _request_of(p, p.reads, p.delta_bases)
                 fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport,
                                         p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
-            made = (p, base, fields, pushes)
+            made = (p, base, fields, pushes, {})
             with self._lock:
                 self._prepared[p.job] = made
                 while len(self._prepared) > _PREPARED_KEPT:
                     self._prepared.popitem(last=False)
         return made
+
+    def _part(self, made: tuple, host: str) -> tuple[pb.PrepareRequest, tuple]:
+        """``host``'s Prepare of job ``made`` (`_made`) without its program and tickets, and the fields its ticket
+        signs but the program's SHA-256: with the reads and delta bases of its slice's tensors where the program is
+        cut per host, built once for every host whose slice declares the same tensors (a serving host's replicas
+        hold the same experts: 8 of the Kimi-K2-like sync's 16 serving hosts share each set)."""
+        p, base, fields, _, parts = made
+        if base is not None:
+            return base, fields
+        names = p.host_tensors.get(host)
+        with self._lock:
+            part = parts.get(names)
+        if part is None:
+            reads, deltas = p.reads_for(host), p.delta_bases_for(host)
+            part = (_request_of(p, reads, deltas),
+                    prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation,
+                                   p.job_seq, p.peers, reads, p.nixl_peers, deltas))
+            with self._lock:
+                part = parts.setdefault(names, part)
+        return part
 
     def _digest(self, text: str) -> str:
         """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""
@@ -150,25 +171,18 @@ class GrpcAgentCalls:
                         request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
         """The Prepare of job ``p`` for ``host``, written into ``request`` (default: a new one): with the program's
         text (or ``host``'s slice of it, `Preparation.text_for`), or (``held``) naming it by its SHA-256 alone."""
-        _, base, fields, pushes = self._made(p)
+        made = self._made(p)
+        part, fields = self._part(made, host)
         text = p.text_for(host)
         digest = self._digest(text)
-        if fields is None:  # a slice: the reads and delta bases of this host's tensors alone
-            reads, deltas = p.reads_for(host), p.delta_bases_for(host)
-            made = _request_of(p, reads, deltas)
-            fields = prepare_fields(p.job, digest, p.tensor, p.src_version, p.dst_version, p.transport,
-                                    p.generation, p.job_seq, p.peers, reads, p.nixl_peers, deltas)
-        else:
-            made, fields = base, (fields[0], digest, *fields[2:])
-        if request is None:
-            request = made if made is not base else pb.PrepareRequest()
-        if request is not made:
-            request.CopyFrom(made)
+        request = request if request is not None else pb.PrepareRequest()
+        request.CopyFrom(part)
         if held:
             request.program_sha256 = digest
         else:
             request.program_json = text
-        request.ticket = self._sign(host, "prepare", *fields)
+        request.ticket = self._sign(host, "prepare", fields[0], digest, *fields[2:])
+        pushes = made[3]
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
 
