@@ -182,5 +182,5 @@ class PlannerConfig:
     max_program_steps: int = 4_000_000
     # A program whose text is this long or longer is cut per host (`reshard.host_slice`): each agent is handed the
     # steps it takes part in, not every host's (the Kimi-K2-like state dict's text is 48 MiB, its largest host's
-    # part about a third of it). A shorter one goes whole, once, to every agent that keeps it.
+    # part 19.7 MiB). A shorter one goes whole, once, to every agent that keeps it.
     slice_program_bytes: int = 1 * MiB
