@@ -38,8 +38,8 @@ class RuntimeCalls:
         return self.hosts.runtimes[host]
 
     def prepare(self, host, address, prep: Preparation, timeout):
-        self._record("prepare", host).prepare(prep.job, prep.program_json, prep.tensor, prep.src_version,
-                                              prep.dst_version, prep.peers, "memory", reads=prep.reads)
+        self._record("prepare", host).prepare(prep.job, prep.text_for(host), prep.tensor, prep.src_version,
+                                              prep.dst_version, prep.peers, "memory", reads=prep.reads_for(host))
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         if prepare is not None:  # a small job's hosts prepare inside their Execute

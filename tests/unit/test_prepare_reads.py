@@ -1,7 +1,8 @@
 """A Prepare carries its reads as columns (`PrepareRequest.read_tensors`, ``read_names``, ``read_versions``): a
 state dict's job reads a hundred thousand tensors, and a message per read cost the planner more than a microsecond
 each. The agent reads them back in the order sent (which the ticket signs), each tensor its own stored name where
-the request names none, and refuses columns of different lengths, naming them."""
+the request names none, and refuses columns of different lengths, naming them. A program cut per host hands each
+host its slice with the reads of its own tensors, each ticket signing exactly what its host gets."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.common.contract import prepare_reads
+from reshard.server.common.tickets import prepare_fields, program_digest, sign
 
 
 def test_reads_come_back_in_order_with_their_own_names_where_none_are_given():
@@ -26,3 +28,44 @@ def test_columns_of_different_lengths_are_refused_naming_them(names, versions):
     with pytest.raises(InvalidArgumentError, match=rf"Prepare of job 'job-1' reads 2 tensors with {len(names)} "
                                                    rf"stored names and {len(versions)} versions"):
         prepare_reads(r)
+
+
+def _ticket_of(secret: bytes, r: pb.PrepareRequest, text: str) -> str:
+    """The ticket an agent expects for ``r`` (`Agent._prepare`'s check), its program being ``text``."""
+    return sign(secret, "prepare", *prepare_fields(r.job, program_digest(text), r.tensor, r.src_version,
+                                                   r.dst_version, r.transport, r.generation, r.job_seq, r.peers,
+                                                   prepare_reads(r), dict(r.nixl_peers),
+                                                   {t: (b.src_version, b.dst_version)
+                                                    for t, b in r.delta_bases.items()}))
+
+
+def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it():
+    """A program cut per host (`reshard.host_slice`): each host's Prepare carries its slice (or names it by its
+    SHA-256) and the reads and delta bases of its slice's tensors alone, signed for exactly those; hosts whose
+    slices declare the same tensors get the same reads. A program handed whole carries every read to every host."""
+    from reshard.server.planner.jobs import Preparation
+    from reshard.server.planner.service import GrpcAgentCalls
+
+    secrets = {h: h.encode() * 8 for h in "abc"}
+    calls = GrpcAgentCalls(secrets.__getitem__)
+    reads = {"x": ("x", 3), "y": ("y", 4), "z@0": ("z", 5)}
+    both = frozenset({"x", "y"})
+    cut = Preparation("job", "WHOLE", "t", 1, 2, {h: h for h in "abc"}, program_id="pid", reads=reads,
+                      delta_bases={"y": (4, 2), "z@0": (5, 1)}, host_texts={"a": "A", "b": "B", "c": "C"},
+                      host_tensors={"a": both, "b": frozenset(both), "c": frozenset({"z@0"})})
+    got = {h: calls.prepare_request(h, cut) for h in "abc"}
+    assert {h: r.program_json for h, r in got.items()} == {"a": "A", "b": "B", "c": "C"}
+    assert prepare_reads(got["a"]) == prepare_reads(got["b"]) == {"x": ("x", 3), "y": ("y", 4)}
+    assert prepare_reads(got["c"]) == {"z@0": ("z", 5)}
+    assert dict(got["a"].delta_bases) == {"y": pb.DeltaBase(src_version=4, dst_version=2)}
+    for h, r in got.items():
+        assert r.ticket == _ticket_of(secrets[h], r, cut.text_for(h))
+        assert set(r.push_tickets) == set("abc") - {h}
+    held = calls.prepare_request("c", cut, held=True)
+    assert not held.program_json and held.program_sha256 == program_digest("C")
+    assert held.ticket == _ticket_of(secrets["c"], held, "C")
+    whole = Preparation("job2", "WHOLE", "t", 1, 2, {h: h for h in "abc"}, program_id="pid", reads=reads)
+    for h in "abc":
+        r = calls.prepare_request(h, whole)
+        assert r.program_json == "WHOLE" and prepare_reads(r) == reads
+        assert r.ticket == _ticket_of(secrets[h], r, "WHOLE")
