@@ -40,12 +40,13 @@ from reshard.errors import PlanValidationError
 from reshard.jsonio import brief, field_of, need, quoted
 from reshard.jsonio import plain as plain_text
 from reshard.mesh import host_of
-from reshard.program import (MOVE, PROGRAM_VERSION, MoveView, Program, Step, StepsLike, TensorDecl,
-                             no_cycle_collection, read_tensors, steps_text)
+from reshard.program import (MOVE, PROGRAM_VERSION, MoveView, Program, Renamed, Step, StepsLike, TensorDecl,
+                             layouts_of, no_cycle_collection, read_tensors, steps_text)
 from reshard.routes import first_peer, hops, stream_count
 from reshard.topology import Topology
 
-__all__ = ["SLICE_KIND", "HostCut", "ProgramSlice", "StepNotHere", "read_slice", "step_hosts", "task_order"]
+__all__ = ["SLICE_KIND", "HostCut", "ProgramSlice", "StepNotHere", "read_slice", "step_hosts", "step_stream_count",
+           "task_order"]
 
 SLICE_KIND = "program_slice"
 
@@ -104,7 +105,8 @@ def interleaved_order(pairs: np.ndarray) -> np.ndarray:
     return np.lexsort((queue, k))
 
 
-def _stream_count(s: Step) -> int:
+def step_stream_count(s: Step) -> int:
+    """How many stream numbers step ``s`` may use (`reshard.routes.stream_count`)."""
     return stream_count(s.kind, s.transfer, len(s.devices))
 
 
@@ -131,7 +133,7 @@ class HostCut:
         its set's number: a host's are the rows whose set holds it."""
         steps, n = program.steps, len(program.steps)
         lead, depth, order = task_order(program)
-        counts = program.step_column(_stream_count, dtype=np.int64)
+        counts = program.step_column(step_stream_count, dtype=np.int64)
         self.num_streams = int(counts.sum())
         sets: dict[frozenset[str], int] = {}
         where = program.step_column(lambda s: sets.setdefault(step_hosts(s), len(sets)), dtype=np.int64)
@@ -158,18 +160,9 @@ class HostCut:
             f'{{"at": {first}, "like": {like}, "count": {count}, "rename": '
             f'[{", ".join(f"[{position[a]}, {position[b]}]" for a, b in renames)}]}}'
             for first, count, like, renames in runs]
-        layouts: dict[tuple, int] = {}
-        layout_texts: list[str] = []
-        self._tensor_texts: list[str] = []
-        for t in program.tensors:
-            key = (t.shape, t.dtype, t.src, t.dst)
-            k = layouts.get(key)
-            if k is None:
-                k = layouts[key] = len(layout_texts)
-                fields = t.to_json()
-                del fields["name"]
-                layout_texts.append(plain_text(fields))
-            self._tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}, "at": {len(self._tensor_texts)}}}')
+        layout_texts, layout_of = layouts_of(program.tensors)
+        self._tensor_texts = [f'{{"name": {quoted(t.name)}, "layout": {k}, "at": {i}}}'
+                              for i, (t, k) in enumerate(zip(program.tensors, layout_of))]
         self._layouts_text = ", ".join(layout_texts)
         # The tensors a host's slice declares: those its steps name (the tensors named by the steps of each set,
         # a run's steps naming their template's, renamed), and those it stages a destination tile of (and
@@ -205,7 +198,6 @@ class HostCut:
         self._bucket_sets = where[np.fromiter((g[0] for g in groups), dtype=np.int64, count=len(groups))]
         self._committed = sum(t.dst is not None for t in program.tensors)
         self._resharded = sum(t.is_reshard for t in program.tensors)
-        self._moves_only = bool(program.step_column(lambda s: s.kind == MOVE and not s.after).all())
         self._steps = steps
 
     def text(self, host: str) -> str:
@@ -256,7 +248,7 @@ class HostCut:
             f'{{"kind": {plain_text(SLICE_KIND)}, "version": {PROGRAM_VERSION}, "host": {quoted(host)}, '
             f'"strategy": {plain_text(program.strategy)}, "steps_total": {len(steps)}, '
             f'"num_streams": {self.num_streams}, "committed": {self._committed}, "resharded": {self._resharded}, '
-            f'"moves_only": {plain_text(self._moves_only)}, "layouts": [', self._layouts_text, '], "tensors": [',
+            f'"moves_only": {plain_text(program.moves_only)}, "layouts": [', self._layouts_text, '], "tensors": [',
             ", ".join(itemgetter(*tensors)(self._tensor_texts)) if len(tensors) > 1 else
             "".join(self._tensor_texts[i] for i in tensors),
             '], "steps": [', ", ".join(entries), '], "buckets": [',
@@ -269,11 +261,6 @@ class HostCut:
 
 class StepNotHere(LookupError):
     """A step of the whole program that is not in this host's slice."""
-
-
-class _Renamed(dict):
-    def __missing__(self, key):
-        return key
 
 
 class SliceSteps(Sequence):
@@ -336,7 +323,7 @@ class SliceSteps(Sequence):
             form = self._forms.get((like, count))
             if form is None:
                 form = self._forms[like, count] = StepsLike(template)
-            for k, s in zip(at, form.make(first - like, _Renamed(renames))):
+            for k, s in zip(at, form.make(first - like, Renamed(renames))):
                 self._items[first + k] = s
 
     def _run_columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict[str, str]]]:
@@ -348,7 +335,7 @@ class SliceSteps(Sequence):
             first = np.fromiter((r[0] for r in runs), dtype=np.int64, count=n)
             end = first + np.fromiter((r[1] for r in runs), dtype=np.int64, count=n)
             like = np.fromiter((r[2] for r in runs), dtype=np.int64, count=n)
-            columns = self._columns = (first, end, like, [_Renamed(r[3]) for r in runs])
+            columns = self._columns = (first, end, like, [Renamed(r[3]) for r in runs])
         return columns
 
     def _template_rows(self, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:

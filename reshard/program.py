@@ -133,6 +133,8 @@ __all__ = [
     "RunSteps",
     "steps_text",
     "read_tensors",
+    "layouts_of",
+    "Renamed",
     "no_cycle_collection",
 ]
 
@@ -663,7 +665,7 @@ class RunSteps(Sequence):
         form = self._forms.get((like, count))
         if form is None:
             form = self._forms[like, count] = StepsLike(self._items[like:like + count])
-        self._items[first:first + count] = form.make(first - like, _Renamed(renames))
+        self._items[first:first + count] = form.make(first - like, Renamed(renames))
         if not self._pending:
             self._firsts, self._forms = [], {}
 
@@ -684,20 +686,28 @@ class RunSteps(Sequence):
 Run = tuple[int, int, int, tuple[tuple[str, str], ...]]
 
 
-def _compact_fields(tensors: Sequence[TensorDecl], steps: Sequence[Step], runs: Sequence[Run]) -> dict:
-    """The ``layouts``, ``tensors`` and ``steps`` fields of the compact text, as chunks of plain JSON text."""
+def layouts_of(tensors: Sequence[TensorDecl]) -> tuple[list[str], list[int]]:
+    """The compact text's layouts: each distinct (shape, dtype, src, dst) of ``tensors`` as the plain JSON text of a
+    declaration without its name, and each tensor's layout by position (what its ``{"name", "layout"}`` names)."""
     layouts: dict[tuple, int] = {}
-    layout_texts: list[str] = []
-    tensor_texts: list[str] = []
+    texts: list[str] = []
+    of: list[int] = []
     for t in tensors:
         key = (t.shape, t.dtype, t.src, t.dst)
         k = layouts.get(key)
         if k is None:
-            k = layouts[key] = len(layout_texts)
+            k = layouts[key] = len(texts)
             fields = t.to_json()
             del fields["name"]
-            layout_texts.append(plain_text(fields))
-        tensor_texts.append(f'{{"name": {quoted(t.name)}, "layout": {k}}}')
+            texts.append(plain_text(fields))
+        of.append(k)
+    return texts, of
+
+
+def _compact_fields(tensors: Sequence[TensorDecl], steps: Sequence[Step], runs: Sequence[Run]) -> dict:
+    """The ``layouts``, ``tensors`` and ``steps`` fields of the compact text, as chunks of plain JSON text."""
+    layout_texts, of = layouts_of(tensors)
+    tensor_texts = [f'{{"name": {quoted(t.name)}, "layout": {k}}}' for t, k in zip(tensors, of)]
     return {"layouts": (f"[{', '.join(layout_texts)}]",), "tensors": (f"[{', '.join(tensor_texts)}]",),
             "steps": _run_chunks(steps, runs, {t.name: i for i, t in enumerate(tensors)})}
 
@@ -736,8 +746,8 @@ def _chunks_with_runs(steps: Sequence[Step], runs: Sequence[Run], writer: "_Step
     yield "]"
 
 
-class _Renamed(dict):
-    """A ``rename`` of a run: a name it does not list stays as it is."""
+class Renamed(dict):
+    """A ``rename`` of a run (old name -> new name): a name it does not list stays as it is."""
 
     def __missing__(self, key):
         return key
@@ -1130,7 +1140,7 @@ def _run_step_chunks(steps: Sequence[Step], runs: Sequence[Run]) -> Iterator[str
             forms[like, count] = _RunText.of(steps[like:like + count], repeats[like, count])
         form = forms[like, count]
         return writer.chunk(steps[first:first + count]) if form is None else \
-            form.text(first, _Renamed(renames), writer)
+            form.text(first, Renamed(renames), writer)
 
     return _chunks_with_runs(steps, runs, writer, run_text)
 
@@ -1483,6 +1493,12 @@ class Program(ContentAddressed):
         view.flags.writeable = False
         return view
 
+    @cached_property
+    def moves_only(self) -> bool:
+        """Whether every step is a move that waits for nothing (an agent then copies the held parts of its tiles
+        beside the streams)."""
+        return bool(self.step_column(lambda s: s.kind == MOVE and not s.after).all())
+
     @property
     def runs(self) -> tuple[Run, ...]:
         """The runs (`Run`) whose steps repeat earlier steps, in step order, as the text writes them; none where
@@ -1517,7 +1533,7 @@ class Program(ContentAddressed):
             if count:
                 kinds[first:first + count] = kinds[like:like + count]
                 roles[first:first + count] = roles[like:like + count]
-                get = _Renamed(renames).__getitem__
+                get = Renamed(renames).__getitem__
                 tensors[first:first + count] = map(get, tensors[like:like + count])
             at = first + count
         return kinds, tensors, roles

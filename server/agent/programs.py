@@ -11,13 +11,12 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.cost import sender_bytes
-from reshard.host_slice import SLICE_KIND, ProgramSlice, read_slice
+from reshard.host_slice import SLICE_KIND, ProgramSlice, read_slice, step_stream_count
 from reshard.jsonio import loads
 from reshard.many import program_from_json
 from reshard.mesh import host_of
 from reshard.program import MOVE, Program, Step, no_cycle_collection
 from reshard.proto.errors import InvalidArgumentError
-from reshard.routes import stream_count
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
 from reshard.server.agent.task_graph import Task, depth_order, host_tasks
@@ -47,10 +46,6 @@ def load_program(text: str, max_bytes: int = AgentConfig.max_message_bytes,
         claimed = data.get("id") if isinstance(data, dict) else None
         program = program_from_json(data, check_id=not isinstance(claimed, str))  # many tensors: with its buckets
     return program, claimed if isinstance(claimed, str) else program.id
-
-
-def _stream_count(s: Step) -> int:
-    return stream_count(s.kind, s.transfer, len(s.devices))
 
 
 def _dtype_of(program: Program, s: Step) -> str:
@@ -123,7 +118,7 @@ class HostLayout:
             self.streams = dict(zip(program.standing_ids.tolist(), program.stream.tolist()))
             self.num_streams = program.num_streams
         else:
-            counts = program.step_column(_stream_count, dtype=np.int64)
+            counts = program.step_column(step_stream_count, dtype=np.int64)
             self.streams = _Streams(np.cumsum(counts) - counts)
             self.num_streams = int(counts.sum())
         leads = {g[0] for g in getattr(program, "buckets", ())}  # every bucket's stream carries bytes
@@ -153,8 +148,7 @@ class HostLayout:
         self.staged = staged_bytes(self.here, host) if self.num_committed > 1 else {}
         # Every step a move that waits for nothing: the held parts of the tiles are copied beside the streams
         # (`Run._stage`).
-        self.moves_only = program.moves_only if sliced else \
-            bool(program.step_column(lambda s: s.kind == MOVE and not s.after).all())
+        self.moves_only = program.moves_only
         # How the active transports run this host's tasks (`Runtime._in_order`), by index into `tasks`: whether
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).

@@ -49,7 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 import numpy as np
 
-from reshard.host_slice import ProgramSlice, task_order
+from reshard.host_slice import ProgramSlice, step_hosts, task_order
 from reshard.mesh import host_of
 from reshard.program import MOVE, REDUCE, Program, Step
 from reshard.routes import hop_targets, receiving_hops, sending_peers
@@ -102,7 +102,7 @@ def host_tasks(program: Program | ProgramSlice, host: str, buckets: dict[int, Bu
         # As columns over every step (a state dict's program holds millions, most of them other hosts' and in runs
         # that need not be made, `reshard.program.RunSteps`; a run's step goes where its template's does).
         lead, depth, order = task_order(program)
-        mine = program.step_column(lambda s: _takes_part(s, host))
+        mine = program.step_column(lambda s: host in step_hosts(s))
         here = order[mine[order]]
         walk = zip(here.tolist(), depth[here].tolist())
         leads = None
@@ -128,13 +128,6 @@ def host_tasks(program: Program | ProgramSlice, host: str, buckets: dict[int, Bu
                 t.deps = tuple(sorted({leads.get(a, a) for a in after} & here))
             t.waiting = len(t.deps)
     return out
-
-
-def _takes_part(s: Step, host: str) -> bool:
-    """Whether ``host`` sends, receives or forwards move ``s``, or runs a part of another step."""
-    if s.kind == MOVE:
-        return host_of(s.transfer.sender) == host or bool(receiving_hops(s.transfer, host))
-    return any(host_of(dev) == host for dev in s.participants())
 
 
 def _task_peers(task: Task, host: str) -> set[str]:
