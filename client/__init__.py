@@ -3,7 +3,7 @@
 Imports the core and the wire contract (``reshard.proto``), never the services.
 """
 
-from reshard.client.client import Client, Job, JobFailedError, JobResult, Pin, TensorInfo, connect
+from reshard.client.client import Client, Job, JobFailedError, JobResult, Pin, RegisteredSync, TensorInfo, connect
 from reshard.client.cluster import LocalCluster, local_cluster
 from reshard.proto.errors import (
     AlreadyExistsError,
@@ -28,6 +28,7 @@ __all__ = [
     "JobFailedError",
     "TensorInfo",
     "Pin",
+    "RegisteredSync",
     "InvalidArgumentError",
     "NotFoundError",
     "AlreadyExistsError",

@@ -62,7 +62,7 @@ from reshard.proto.status import domain_error
 from reshard.proto.wire import box_from_pb, message_size_options, read_shard_stream, shard_stream
 from reshard.sharding import Sharding
 
-__all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin"]
+__all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin", "RegisteredSync"]
 
 MiB = 2**20
 _GROUP_WAIT_S = 5.0  # how long one FinishUploads of a shared group waits for the other ranks before asking again
@@ -191,6 +191,12 @@ class JobResult:
     deltas: dict[str, dict] = field(default_factory=dict)
     full_network_bytes: int = 0
     delta_note: str = ""
+    # Seconds from the request to every host's part of the job running (its agent's first report), on the
+    # planner's clock: what starting the job cost (a weight sync's step waits this long before any byte moves)
+    started_s: float = 0.0
+    # Of it, until the planner's calls reached every host (each host's report less its agent's own seconds to start,
+    # its prepare): what starting the job cost the planner
+    handed_s: float = 0.0
 
     @property
     def network_bytes(self) -> int:
@@ -212,7 +218,37 @@ def _result(info: pb.JobInfo) -> JobResult:
         manifest_digest=info.manifest_digest,
         deltas={d.name: {"mode": d.mode, "why": d.why, "bytes": d.bytes, "full_bytes": d.full_bytes}
                 for d in info.deltas},
-        full_network_bytes=info.full_network_bytes, delta_note=info.delta_note)
+        full_network_bytes=info.full_network_bytes, delta_note=info.delta_note, started_s=info.started_s,
+        handed_s=info.handed_s)
+
+
+def _delta(delta: Optional[bool]) -> Optional[bool]:
+    """A reshard_many's ``delta``, checked."""
+    if delta is not None and not isinstance(delta, bool):
+        raise InvalidArgumentError(f"delta={delta!r}: give None (where it pays), True or False")
+    return delta
+
+
+class RegisteredSync:
+    """A `reshard_many` the planner checked once (`Client.register_sync`): ``run`` starts it again, each step of a
+    weight sync, naming it by ``id``."""
+
+    def __init__(self, client: "Client", sync_id: str, num_tensors: int):
+        self._client = client
+        self.id = sync_id
+        self.num_tensors = num_tensors  # the tensors each run commits, the weights' scales included
+
+    def run(self, version=None, delta: Optional[bool] = None) -> "Job":
+        """Start the sync's job and return it at once, as `Client.reshard_many` does: ``version`` (a `Pin` or a step
+        label) names the versions it moves, which must be current (its job fails otherwise), and ``delta`` is
+        `reshard_many`'s."""
+        request = pb.SyncRequest(sync_id=self.id, **_version_fields(version))
+        if _delta(delta) is not None:
+            request.delta = delta
+        return Job(self._client, self._client._planner_call("Sync", request))
+
+    def __repr__(self) -> str:
+        return f"RegisteredSync({self.id[:12]}, {self.num_tensors} tensors)"
 
 
 class Job:
@@ -1047,17 +1083,36 @@ class Client(FrameworkAdapters):
         `InvalidArgumentError` naming the tensor, its dtype, what was asked and what is supported. Such a tensor
         never moves as a delta (``JobResult.deltas`` says it was quantized).
         """
-        if delta is not None and not isinstance(delta, bool):
-            raise InvalidArgumentError(f"delta={delta!r}: give None (where it pays), True or False")
+        request = self._many_request("reshard_many", shardings, strategy, bucket_mib, scales, manifest, dtype)
+        request.MergeFrom(pb.ReshardManyRequest(**_version_fields(version)))
+        if _delta(delta) is not None:
+            request.delta = delta
+        return Job(self, self._planner_call("ReshardMany", request))
+
+    def register_sync(self, shardings: Mapping[str, Sharding], strategy: str = "auto",
+                      bucket_mib: Optional[float] = None, scales: Optional[Mapping[str, str]] = None, *,
+                      manifest: Optional[Manifest] = None,
+                      dtype: Union[str, Mapping[str, str], None] = None) -> "RegisteredSync":
+        """A weight sync's `reshard_many`, checked once by the planner and then run every step by
+        `RegisteredSync.run`, which sends no names or shardings: the arguments are `reshard_many`'s (the versions
+        and ``delta`` go to each run). The planner checks the request again at a run only where a tensor's shape
+        or dtype, the catalog's names or an agent's registration changed since; a tensor put back in another
+        sharding is planned again by that run. The planner keeps the last 64 syncs registered, in memory: a run
+        of one it forgot (it restarted) raises `NotFoundError`; register it again."""
+        request = self._many_request("register_sync", shardings, strategy, bucket_mib, scales, manifest, dtype)
+        info = self._planner_call("RegisterSync", request)
+        return RegisteredSync(self, info.sync_id, info.num_tensors)
+
+    def _many_request(self, what: str, shardings: Mapping[str, Sharding], strategy: str,
+                      bucket_mib: Optional[float], scales: Optional[Mapping[str, str]], manifest: Optional[Manifest],
+                      dtype: Union[str, Mapping[str, str], None]) -> pb.ReshardManyRequest:
+        """A `reshard_many` (``what``) request but its versions and delta."""
         if not isinstance(shardings, Mapping):
-            raise InvalidArgumentError(f"reshard_many takes a dict {{name: sharding}}; got {type(shardings).__name__}")
+            raise InvalidArgumentError(f"{what} takes a dict {{name: sharding}}; got {type(shardings).__name__}")
         request = pb.ReshardManyRequest(
             targets=[pb.TensorTarget(name=n, dst_json=_sharding_json(s)) for n, s in shardings.items()],
             strategy=strategy, scales=[pb.ScalePair(weight=w, scale=s, block=block or ())
-                                       for w, (s, block) in scale_pairs(scales or {}).items()],
-            **_version_fields(version))
-        if delta is not None:
-            request.delta = delta
+                                       for w, (s, block) in scale_pairs(scales or {}).items()])
         if dtype is not None:
             # One dtype for all asks it of every tensor but the scales, which stay float32; the planner checks the rest.
             followers = {s for s, _ in scale_pairs(scales or {}).values()}
@@ -1077,7 +1132,7 @@ class Client(FrameworkAdapters):
                 raise InvalidArgumentError(f"bucket_mib={bucket_mib!r}: give a size in MiB, 0 for no buckets, or None "
                                            f"for the planner's default")
             request.bucket_bytes = int(bucket_mib * MiB)
-        return Job(self, self._planner_call("ReshardMany", request))
+        return request
 
     def plan(self, tensor: Union[str, Sequence[int]], dst: Sharding, strategy: str = "auto", *,
              dtype: Optional[str] = None, src: Optional[Sharding] = None) -> Plan:

@@ -827,6 +827,16 @@ class PlannerStub:
                 request_serializer=reshard__pb2.TensorRequest.SerializeToString,
                 response_deserializer=reshard__pb2.TensorList.FromString,
                 _registered_method=True)
+        self.RegisterSync = channel.unary_unary(
+                '/reshard.v1.Planner/RegisterSync',
+                request_serializer=reshard__pb2.ReshardManyRequest.SerializeToString,
+                response_deserializer=reshard__pb2.SyncInfo.FromString,
+                _registered_method=True)
+        self.Sync = channel.unary_unary(
+                '/reshard.v1.Planner/Sync',
+                request_serializer=reshard__pb2.SyncRequest.SerializeToString,
+                response_deserializer=reshard__pb2.JobInfo.FromString,
+                _registered_method=True)
 
 
 class PlannerServicer:
@@ -972,6 +982,20 @@ class PlannerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterSync(self, request, context):
+        """A weight sync: a reshard_many request checked once (RegisterSync; its step, pin and delta must be unset), then
+        run every step by its id (Sync), with no names or shardings sent again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Sync(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PlannerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1089,6 +1113,16 @@ def add_PlannerServicer_to_server(servicer, server):
                     servicer.Versions,
                     request_deserializer=reshard__pb2.TensorRequest.FromString,
                     response_serializer=reshard__pb2.TensorList.SerializeToString,
+            ),
+            'RegisterSync': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterSync,
+                    request_deserializer=reshard__pb2.ReshardManyRequest.FromString,
+                    response_serializer=reshard__pb2.SyncInfo.SerializeToString,
+            ),
+            'Sync': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sync,
+                    request_deserializer=reshard__pb2.SyncRequest.FromString,
+                    response_serializer=reshard__pb2.JobInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1712,6 +1746,60 @@ class Planner:
             '/reshard.v1.Planner/Versions',
             reshard__pb2.TensorRequest.SerializeToString,
             reshard__pb2.TensorList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterSync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/RegisterSync',
+            reshard__pb2.ReshardManyRequest.SerializeToString,
+            reshard__pb2.SyncInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sync(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/reshard.v1.Planner/Sync',
+            reshard__pb2.SyncRequest.SerializeToString,
+            reshard__pb2.JobInfo.FromString,
             options,
             channel_credentials,
             insecure,

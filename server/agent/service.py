@@ -268,6 +268,7 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Execute(self, request, context):
+        received = time.monotonic()
         self.tickets.check(request.ticket, "execute", *execute_fields(request.job, request.program_id,
                                                                         request.commit),
                            what=f"Execute of job {request.job[:12]!r}")
@@ -277,6 +278,8 @@ class AgentServicer(pb_grpc.AgentServicer):
                                            f"{request.prepare.job}")
             self._prepare(request.prepare)
         run = self.runtime.execute(request.job, request.program_id)
+        # The run started: the planner counts a job's hosts started (`Job.started_s`, `Job.handed_s`)
+        yield self._progress(run, started_after_s=time.monotonic() - received)
         while not run.wait(_PROGRESS_INTERVAL_S, self.runtime.step_timeout_s):
             if not context.is_active():
                 self.runtime.abort(request.job)

@@ -159,6 +159,11 @@ def check_same_layout(current: TensorRecord, new: TensorRecord) -> None:
             f"change its shape or dtype, or put it under another name")
 
 
+def _same_declaration(old: TensorRecord | None, new: TensorRecord) -> bool:
+    """Whether ``new`` keeps ``old``'s shape, dtype, kind and lost devices (a weight sync's next version does)."""
+    return old is not None and (old.shape, old.dtype, old.kind, old.lost) == (new.shape, new.dtype, new.kind, new.lost)
+
+
 def label(rec: TensorRecord) -> str:
     return "unlabeled" if rec.step is None else f"step {rec.step}"
 
@@ -218,6 +223,10 @@ class Catalog:
         self._publishing: Counter[str] = Counter()  # names an upload is committing now
         self._bases: dict[str, BasePair] = {}  # name -> its delta base pair
         self._bases_used: dict[str, float] = {}  # name -> when a job last made or used its pair (clock)
+        # Bumped by every change to which names exist or to a name's shape, dtype, kind or lost devices: what a
+        # registered sync was checked against (`Planner.sync`). A new version of the same shape and dtype, in any
+        # sharding (a weight sync's tensors go back and forth between two every step), leaves it.
+        self._declared = 0
         self._store = store
         self.pin_timeout_s = pin_timeout_s
         self._clock = clock
@@ -242,6 +251,11 @@ class Catalog:
                 self._bases[pair.name] = pair
                 self._bases_used[pair.name] = now if self.delta else -math.inf
                 self._holds.update(((pair.name, pair.src), (pair.name, pair.dst)))
+
+    @property
+    def declared(self) -> int:
+        """How many times the catalog's names, shapes, dtypes, kinds or lost devices changed (``_declared``)."""
+        return self._declared
 
     def get(self, name: str) -> TensorRecord:
         with self._lock:
@@ -286,11 +300,14 @@ class Catalog:
             bases = (bases or {}) if self.delta else {}
             unpaired = self._free_locked(self._set_bases_locked(bases))
             freed, kept = list(unpaired), []
+            changed = False
             for _, new in changes:
                 current = self._tensors.get(new.name)
                 self._tensors[new.name] = new
+                changed = changed or not _same_declaration(current, new)
                 if current is not None and current.version != new.version:
                     (kept if self._holds[current.name, current.version] else freed).append(current)
+            self._declared += changed
             for rec in kept:
                 self._keep_locked(rec)
         self._save_old(kept)
@@ -330,6 +347,7 @@ class Catalog:
         pair on it keeps it; `delete` drops the pair first)."""
         with self._lock:
             rec = self._tensors.pop(name, None)
+            self._declared += rec is not None
             pinned = rec is not None and bool(self._holds[rec.name, rec.version])
             if pinned:
                 self._keep_locked(rec)
@@ -356,6 +374,7 @@ class Catalog:
             old = [r for kept in self._old.values() for r in map(reconciled, kept.values()) if r is not None]
             for rec in out:
                 self._tensors[rec.name] = rec
+            self._declared += bool(out)
             for rec in old:
                 self._keep_locked(rec)
         self._save_old(old)
@@ -365,6 +384,7 @@ class Catalog:
         with self._lock:
             for r in records:
                 self._tensors[r.name] = r
+            self._declared += 1
 
     # -- version numbers ------------------------------------------------------------------------------------------
 

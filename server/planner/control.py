@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import uuid
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -51,12 +53,26 @@ from reshard.server.planner.state import StateStore
 from reshard.sharding import Sharding
 from reshard.topology import Topology
 
-__all__ = ["Planner", "parse_sharding", "check_plan_size"]
+__all__ = ["Planner", "RegisteredSync", "parse_sharding", "check_plan_size"]
 
 log = logging.getLogger(__name__)
 
 GENERATION = "process group generation"  # the state's counter of `GroupCoordinator` generations
 _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
+
+
+SYNCS_KEPT = 64  # registered syncs a planner keeps (`Planner.register_sync`), least recently used dropped first
+
+
+@dataclass(frozen=True)
+class RegisteredSync:
+    """A reshard_many request checked once, that a weight sync runs every step by ``id`` (`Planner.sync`)."""
+
+    id: str
+    request: tuple  # (targets, strategy, bucket_bytes, scales, manifest_json, dtypes), as registered
+    args: dict  # what `JobRunner.submit_many` takes for it but the pin, step and delta (`Planner._many_job`)
+    checked: tuple[int, int]  # `Catalog.declared` and `Registry.generation` as it was last checked
+    names: list[str]  # every tensor the job commits, in order (the job's ``inputs``)
 
 
 class TileLocation(NamedTuple):
@@ -135,6 +151,8 @@ class Planner:
         self._layouts_lock = threading.Lock()
         self._layouts: OrderedDict[str, Sharding] = OrderedDict()  # sharding text -> its sharding, `_sharding`
         self._by_layout: dict[Sharding, Sharding] = {}  # each layout read, as the one object that stands for it
+        self._syncs_lock = threading.Lock()
+        self._syncs: OrderedDict[str, RegisteredSync] = OrderedDict()  # registered syncs, most recently used last
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -739,15 +757,74 @@ class Planner:
                      pin: str = "", step: int | None = None, delta: bool | None = None,
                      dtypes: dict[str, str] | None = None) -> Job:
         """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
+        commits them together: `_many_job` checks the request, `JobRunner.submit_many` queues it."""
+        received = time.time()
+        return self.jobs.submit_many(**self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, pin,
+                                                      step, dtypes), pin=pin, step=step, delta=delta,
+                                     received=received)
+
+    def register_sync(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
+                      scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
+                      dtypes: dict[str, str] | None = None) -> RegisteredSync:
+        """Check a reshard_many request once and keep it (`RegisteredSync`): a weight sync then runs it every step
+        by its id (`sync`), sending no names or shardings and checking nothing again while no tensor's layout and
+        no agent's registration changed. The planner keeps the last `SYNCS_KEPT` registered, in memory only."""
+        request = (list(targets), strategy, bucket_bytes, list(scales), manifest_json, dict(dtypes or {}))
+        args = self._many_job(*request[:5], "", None, request[5])
+        sync = RegisteredSync(uuid.uuid4().hex, request, args, self._checked_now(), sorted(args["dsts"]))
+        with self._syncs_lock:
+            self._syncs[sync.id] = sync
+            while len(self._syncs) > SYNCS_KEPT:
+                self._syncs.popitem(last=False)
+        log.info("sync %s registered: %d tensors", sync.id[:8], len(args["dsts"]))
+        return sync
+
+    def sync(self, sync_id: str, *, pin: str = "", step: int | None = None, delta: bool | None = None) -> Job:
+        """Queue the reshard_many job of registered sync ``sync_id`` (`register_sync`), moving the versions ``pin``
+        or ``step`` names (each must be current; the job checks) or the current ones. Its request is checked
+        again, naming what no longer holds, only where a tensor's shape or dtype, the names in the catalog or an
+        agent's registration changed since it last was; a tensor put in another sharding is planned again by the
+        job, within --max-program-steps."""
+        received = time.time()
+        with self._syncs_lock:
+            sync = self._syncs.get(sync_id)
+            if sync is not None:
+                self._syncs.move_to_end(sync_id)
+        if sync is None:
+            raise NotFoundError(f"no registered sync {sync_id[:32]!r}: the planner keeps the last {SYNCS_KEPT} syncs "
+                                f"registered, and none across a restart; register it again (register_sync)")
+        now = self._checked_now()
+        if sync.checked != now:
+            args = self._many_job(*sync.request[:5], "", None, sync.request[5])
+            sync = replace(sync, args=args, checked=now, names=sorted(args["dsts"]))
+            with self._syncs_lock:
+                if sync_id in self._syncs:
+                    self._syncs[sync_id] = sync
+        return self.jobs.submit_many(**sync.args, pin=pin, step=check_step(step), delta=delta,
+                                     sync=(sync.id, sync.names), received=received)
+
+    def _checked_now(self) -> tuple[int, int]:
+        """What a reshard_many's checks read besides the request and the tensors' source shardings: the catalog's
+        names, shapes and dtypes and the agents' registrations, as counters (`Catalog.declared`,
+        `Registry.generation`). A source sharding a sync was not checked with is its job's to find: it plans
+        again (`JobRunner._work`)."""
+        return self.catalog.declared, self.registry.generation
+
+    def _many_job(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
+                  scales: list[tuple[str, str, tuple[int, ...] | None]], manifest_json: str, pin: str,
+                  step: int | None, dtypes: dict[str, str] | None) -> dict:
+        """Check a reshard_many request; returns the arguments `JobRunner.submit_many` takes but its pin, step
+        and delta. The job reshards every (name, destination sharding JSON) of ``targets`` in one program and
         commits them together (`reshard.many`). ``scales`` pairs a weight with its block-scale tensor and block
         (None: from the shapes), which follows the weight's destination (its own may be left empty, or out of
         ``targets``). ``bucket_bytes`` None is the default bucket size, 0 packs nothing. ``manifest_json`` (a
         `reshard.Manifest`'s JSON, or empty) is the consumer's manifest, checked before anything else is
-        (`_check_manifest`); the job records its digest. ``delta`` (delta sync): None moves each tensor as a delta
-        where a usable base pair is held and its change rate says it pays, False moves every tensor whole, True
-        moves a delta wherever a usable base pair is held (`JobRunner._choose_deltas`). ``dtypes`` (name -> dtype)
-        quantizes those tensors on the way (`reshard.quantize`); a quantized weight's scale is made by the job, so
-        it need not be in the catalog."""
+        (`_check_manifest`); the job records its digest. ``pin`` or ``step`` name the versions it moves, which must
+        be current. ``dtypes`` (name -> dtype) quantizes those tensors on the way (`reshard.quantize`); a quantized
+        weight's scale is made by the job, so it need not be in the catalog. The job's ``delta`` (delta sync):
+        None moves each tensor as a delta where a usable base pair is held and its change rate says it pays, False
+        moves every tensor whole, True moves a delta wherever a usable base pair is held
+        (`JobRunner._choose_deltas`)."""
         if not targets:
             raise InvalidArgumentError("reshard_many needs at least one tensor and its destination; got none")
         names = [n for n, _ in targets]
@@ -815,10 +892,10 @@ class Planner:
         self._check_memory_together([(d.dst, d.shape, converted[d.name].dtype if d.name in converted else d.dtype,
                                       f"resharding {d.name!r}") for d in decls],
                                     f"reshard_many of {len(decls)} tensors")
-        return self.jobs.submit_many({d.name: d.dst for d in decls}, strategy, bucket,
-                                     {w: [s, list(b) if b else None] for w, (s, b) in pairs.items()},
-                                     manifest_digest=manifest.digest if manifest is not None else "", pin=pin,
-                                     step=step, delta=delta, dtypes={w: c.dtype for w, c in converted.items()})
+        return dict(dsts={d.name: d.dst for d in decls}, strategy=strategy, bucket_bytes=bucket,
+                    scales={w: [s, list(b) if b else None] for w, (s, b) in pairs.items()},
+                    manifest_digest=manifest.digest if manifest is not None else "",
+                    dtypes={w: c.dtype for w, c in converted.items()})
 
     def _check_manifest(self, manifest_json: str, names: list[str], what: str,
                         converting: dict[str, tuple[str, str, object]] | None = None) -> Manifest | None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import re
 import threading
 import time
@@ -47,7 +48,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from collections import Counter, OrderedDict, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Protocol
 
 import numpy as np
@@ -92,6 +93,9 @@ EARLY_PUSHES_MAX = 4
 # delta again, since a training run's change rate falls as its learning rate decays.
 DELTA_FULL_ABOVE = 0.9
 DELTA_PROBE_EVERY = 16
+
+
+_SHARDING = attrgetter("sharding")
 
 
 class _NotAnswering(UnavailableError):
@@ -173,11 +177,12 @@ class AgentCalls(Protocol):
     def prepare(self, host: str, address: str, prep: Preparation, timeout: float) -> None: ...
 
     def execute(self, host: str, address: str, job: str, program_id: str,
-                on_progress: Callable[[int, int, int, int], None], timeout: float,
+                on_progress: Callable[..., None], timeout: float,
                 prepare: Preparation | None = None, commit: bool = False) -> dict | None:
         """Run the host's part of the whole program (preparing first when ``prepare`` is given), reporting
-        ``on_progress(bytes done, bytes to send, steps done, steps)``, and commit what it staged as the run ends
-        when ``commit`` (the job's only staging host); returns the host's traffic for the job."""
+        ``on_progress(bytes done, bytes to send, steps done, steps, started after)`` (the last: on the first
+        report, the agent's seconds from the call to its run starting; may be left out), and commit what it staged
+        as the run ends when ``commit`` (the job's only staging host); returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float, more: list[tuple[str, str, int, list[str]]] = ()) -> None:
@@ -248,6 +253,12 @@ class Job:
     delta_note: str = ""
     # reshard_many: weight -> the dtype it is quantized to on the way (`reshard.quantize`); its scale is made
     dtypes: dict[str, str] = field(default_factory=dict)
+    sync: str = ""  # reshard_many: the registered sync it runs (`Planner.sync`), if any
+    # Seconds from the request (``created``) to every host's part running (its agent's first report), and to the
+    # planner's calls having reached every host (each report's time less the agent's own seconds before it: its
+    # prepare): what starting the job cost the planner. 0 until then.
+    started_s: float = 0.0
+    handed_s: float = 0.0
     done_event: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
@@ -297,7 +308,8 @@ class Job:
                 "manifest_digest": self.manifest_digest, "delta": self.delta, "deltas": self.deltas,
                 "network_bytes": self.network_bytes, "full_network_bytes": self.full_network_bytes,
                 "expected_network_bytes": self.expected_network_bytes, "delta_note": self.delta_note,
-                "dtypes": self.dtypes}
+                "dtypes": self.dtypes, "sync": self.sync, "started_s": self.started_s,
+                "handed_s": self.handed_s}
 
     @classmethod
     def from_json(cls, d: dict, ran: Plan | Program | None) -> "Job":
@@ -314,7 +326,8 @@ class Job:
                   delta=d.get("delta"), deltas=d.get("deltas", {}), network_bytes=d.get("network_bytes", 0),
                   full_network_bytes=d.get("full_network_bytes", 0),
                   expected_network_bytes=d.get("expected_network_bytes", 0), delta_note=d.get("delta_note", ""),
-                  dtypes=d.get("dtypes", {}))
+                  dtypes=d.get("dtypes", {}), sync=d.get("sync", ""), started_s=d.get("started_s", 0.0),
+                  handed_s=d.get("handed_s", 0.0))
         if job.state in ("queued", "running"):
             job.state, job.error = "failed", "the planner restarted while this job was in flight"
         job.done_event.set()
@@ -413,6 +426,9 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         # reshard_many's programs by what they were planned from: a weight sync repeats the same move every step
         self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
+        # registered sync -> ((`Catalog.declared`, topology), its tensors' source shardings, (program, text)) as
+        # its last job found them: the next finds its program by comparing those (`_work`)
+        self._sync_programs: OrderedDict[str, tuple] = OrderedDict()
         self._plans = ProgramCache(PLANS_KEPT)
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
         # program id -> each host's slice of it (`_slices`), for the programs cut per host
@@ -440,16 +456,24 @@ class JobRunner:
 
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
-                    step: int | None = None, delta: bool | None = None, dtypes: dict[str, str] | None = None) -> Job:
+                    step: int | None = None, delta: bool | None = None, dtypes: dict[str, str] | None = None,
+                    sync: tuple[str, list[str]] | None = None, received: float | None = None) -> Job:
         """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
         ``pin`` or ``step``, of the versions they name (still current as the job starts). ``delta``: move tensors
         as deltas where it pays (None), never (False), or wherever a base pair is usable (True). ``dtypes``: the
-        weights quantized on the way, each to its dtype; their scales (in ``scales``) are made by the job."""
-        names = sorted(dsts)
+        weights quantized on the way, each to its dtype; their scales (in ``scales``) are made by the job.
+        ``sync``: the registered sync the job runs (`Planner.sync`): its id and its tensors in order; the arguments
+        are the sync's own, not copied. ``received``: when its request arrived (`time.time`; default now), which the
+        job's waiting phase and ``started_s`` count from."""
+        if sync is None:
+            names, dsts, scales, dtypes = sorted(dsts), dict(dsts), dict(scales), dict(dtypes or {})
+        else:
+            names = sync[1]
         return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
-                                dsts=dict(dsts), scales=dict(scales), bucket_bytes=bucket_bytes,
+                                dsts=dsts, scales=scales, bucket_bytes=bucket_bytes,
                                 manifest_digest=manifest_digest, pin=pin, step=step, delta=delta,
-                                dtypes=dict(dtypes or {})))
+                                dtypes=dtypes or {}, sync=sync[0] if sync is not None else "",
+                                created=time.time() if received is None else received))
 
     def _submit(self, job: Job) -> Job:
         with self._lock:
@@ -744,25 +768,26 @@ class JobRunner:
             # A scale made on the way (its weight is quantized) need not exist yet: the job creates it.
             scales = _made_scales(job)
             stored = [n for n in job.inputs if n not in scales or self.catalog.contains(n)]
+            declared = self.catalog.declared
             records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step)))
             topology = self.registry.topology()
             blocks = {s: block_of(w, s, job.scales[w][1]) for s, w in scales.items()}
-            # What the program is planned from, read off the records: a repeated sync finds its program without
-            # declaring every tensor again (equal records and destinations declare equal tensors)
-            key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
-                         if n not in scales),
-                   tuple((s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()), topology,
-                   job.strategy, job.bucket_bytes,
-                   tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())),
-                   tuple(sorted(job.dtypes.items())))
-            hit = self._many_programs.get(key)
-            if hit is None:
-                decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
-                         if n not in scales]
-                decls += [made_scale(s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()]
-                hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
-                                                             job.scales, job.dtypes or None,
-                                                             self.max_program_steps).validate())
+            # A registered sync's program, where the tensors it read are declared as they were and each comes from
+            # the very sharding object it came from then (the planner reads each layout's text into one object):
+            # found without a key of every tensor's layout
+            sources = list(map(_SHARDING, records.values())) if job.sync else []
+            with self._lock:
+                kept = self._sync_programs.get(job.sync)
+            if (kept is not None and kept[0] == (declared, topology) and len(kept[1]) == len(sources)
+                    and all(map(operator.is_, sources, kept[1])) and self.catalog.declared == declared):
+                hit = kept[2]
+            else:
+                hit = self._many_program(job, records, topology, scales, blocks)
+                if job.sync:
+                    with self._lock:
+                        self._sync_programs[job.sync] = ((declared, topology), sources, hit)
+                        while len(self._sync_programs) > MANY_PROGRAMS_KEPT:
+                            self._sync_programs.popitem(last=False)
             program, text = hit
             job.versions = claimed
             job.version = job.versions[job.tensor]
@@ -804,6 +829,26 @@ class JobRunner:
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
         return self._program_work(job, program, 0, reads, [(old, new)])
+
+    def _many_program(self, job: Job, records: dict[str, TensorRecord], topology: Topology,
+                      scales: dict[str, str], blocks: dict[str, tuple]) -> tuple[Program, str]:
+        """Job ``job``'s reshard_many program and its text, from ``records`` (its tensors' current versions): kept
+        under what it is planned from, read off the records, so a repeated sync finds its program without
+        declaring every tensor again (equal records and destinations declare equal tensors)."""
+        key = (tuple((n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items() if n not in scales),
+               tuple((s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()), topology,
+               job.strategy, job.bucket_bytes,
+               tuple(sorted((w, s, tuple(b) if b else None) for w, (s, b) in job.scales.items())),
+               tuple(sorted(job.dtypes.items())))
+        hit = self._many_programs.get(key)
+        if hit is None:
+            decls = [TensorDecl(n, r.shape, r.dtype, r.sharding, job.dsts[n]) for n, r in records.items()
+                     if n not in scales]
+            decls += [made_scale(s, records[w].shape, blocks[s], job.dsts[s]) for s, w in scales.items()]
+            hit = self._many_programs.put(key, plan_many(decls, topology, job.strategy, job.bucket_bytes,
+                                                         job.scales, job.dtypes or None,
+                                                         self.max_program_steps).validate())
+        return hit
 
     def _many_outputs_work(self, job: Job, program: Program, inputs: dict[str, TensorRecord],
                            claimed: dict[str, int]) -> "_Work":
@@ -924,9 +969,15 @@ class JobRunner:
                           deadline, self._watch(prep.peers, {}))
         job.steps = {h: [0, 0] for h in hosts}
         reported: dict[str, float] = {}  # host -> when its Execute stream last reported (from its first report)
+        handed: dict[str, float] = {}  # host -> when the planner's call reached it (`time.time`)
 
         def run(h: str) -> None:
-            def on_progress(done: int, total: int, steps_done: int, steps: int) -> None:
+            def on_progress(done: int, total: int, steps_done: int, steps: int, started_after: float = 0.0) -> None:
+                if h not in reported:  # its first report, as the run starts there
+                    now = time.time()
+                    handed[h] = now - started_after
+                    if len(handed) == len(hosts):
+                        job.started_s, job.handed_s = now - job.created, max(handed.values()) - job.created
                 reported[h] = time.monotonic()
                 if job.done_event.is_set():
                     return  # a host that answers again after the job failed

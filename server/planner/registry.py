@@ -63,6 +63,12 @@ class Registry:
         self._clock = clock
         self._lock = threading.Lock()
         self._agents: dict[str, AgentRecord] = {}
+        self._generation = 0  # bumped by every registration: a registered sync's checks of devices and memory hold
+
+    @property
+    def generation(self) -> int:
+        """How many registrations the planner took: equal, no agent's devices, address or memory limit changed."""
+        return self._generation
 
     def check(self, host: str, secret: bytes) -> AgentRecord | None:
         """Whether an agent with ``secret`` may register ``host``; returns the record it replaces, if any."""
@@ -103,6 +109,7 @@ class Registry:
         with self._lock:
             self._check_locked(host, secret)  # again, with the write: two registrants of a free name race here
             self._agents[host] = rec
+            self._generation += 1
         return rec
 
     def heartbeat(self, host: str, address: str, proof: str = "", memory_used_bytes: int = 0) -> bool:

@@ -251,7 +251,7 @@ class GrpcAgentCalls:
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
-                on_progress(msg.bytes_done, msg.bytes_total, msg.steps_done, msg.steps_total)
+                on_progress(msg.bytes_done, msg.bytes_total, msg.steps_done, msg.steps_total, msg.started_after_s)
                 if msg.HasField("traffic"):
                     traffic = _traffic(msg.traffic)
         except grpc.RpcError as e:
@@ -327,7 +327,8 @@ def job_info(job: Job) -> pb.JobInfo:
         host_seconds=dict(job.host_seconds), manifest_digest=job.manifest_digest,
         deltas=[pb.TensorDelta(name=n, mode=d["mode"], why=d["why"], bytes=d["bytes"], full_bytes=d["full_bytes"])
                 for n, d in job.deltas.items()],
-        network_bytes=job.network_bytes, full_network_bytes=job.full_network_bytes, delta_note=job.delta_note)
+        network_bytes=job.network_bytes, full_network_bytes=job.full_network_bytes, delta_note=job.delta_note,
+        started_s=job.started_s, handed_s=job.handed_s)
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:
@@ -441,6 +442,23 @@ class PlannerServicer(pb_grpc.PlannerServicer):
             [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
             manifest_json=request.manifest_json, pin=request.pin, step=_step(request),
             delta=request.delta if request.HasField("delta") else None, dtypes=dict(request.dtypes)))
+
+    @servicer_method
+    def RegisterSync(self, request, context):
+        if request.HasField("step") or request.pin or request.HasField("delta"):
+            raise InvalidArgumentError("RegisterSync keeps what every run of the sync moves; give the step, pin and "
+                                       "delta to each Sync")
+        sync = self.planner.register_sync(
+            [(t.name, t.dst_json) for t in request.targets], request.strategy,
+            request.bucket_bytes if request.HasField("bucket_bytes") else None,
+            [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
+            manifest_json=request.manifest_json, dtypes=dict(request.dtypes))
+        return pb.SyncInfo(sync_id=sync.id, num_tensors=len(sync.names))
+
+    @servicer_method
+    def Sync(self, request, context):
+        return job_info(self.planner.sync(request.sync_id, pin=request.pin, step=_step(request),
+                                          delta=request.delta if request.HasField("delta") else None))
 
     @servicer_method
     def BeginUploads(self, request, context):
