@@ -5,8 +5,9 @@ where the fixed cost per tensor, not the bytes, sets the time. Each size puts N 
 split over tensor-parallel 4 on host0..host3 (`put_many`), moves them to columns over tensor-parallel 2 times two
 replicas on host4..host7 (one `reshard_many`, with the planner's record of where its time went) and back, and reads
 them all (`get_many`), on local agents (collective transport); before the move back, the tensors are put again and
-moved out again, as a weight sync repeats its move every step (the planner and the agents hold its program), timed
-against issue 41's goal for a repeated sync of the 139,583-tensor Kimi-K2-like state dict. Each tensor holds its
+moved out again, as a weight sync repeats its move every step (the planner and the agents hold its program), by the
+same request and by a registered sync's run side by side, timed against issue 41's goal for a repeated sync of the
+139,583-tensor Kimi-K2-like state dict. Each tensor holds its
 own run of integers, so a tile put in the wrong place, or another tensor's tile, reads back different: every
 device's tile is checked bit for bit after each move out, and every tensor as `get_many` returns it after the move
 back (all outside the timed calls).
@@ -42,7 +43,6 @@ MAX_COUNT = 2**24 // NUM_VALUES  # float32 holds every integer up to 2**24 exact
 TIMEOUT_S = 1800
 KIMI_TENSORS = 139_583  # reshard.moe.KIMI_K2's state dict with its block scales (bench/plan_quality.py's MoE rows)
 GOAL_MS = 50  # issue 41: a repeated sync of it, request to every agent started
-REPEAT_PHASES = ("waiting", "planning", "running", "committing")
 
 
 def values(i: int) -> np.ndarray:
@@ -64,17 +64,27 @@ def measure(c, n: int) -> dict:
     check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the reshard_many out")
     # The same move again, as a weight sync repeats it every step: the trainer publishes the next version in its
     # layout (untimed), and the planner and the agents hold the move's program, so what is left is a job's cost per
-    # tensor.
+    # tensor. Once as the same reshard_many request again, once as a registered sync's run (registered once,
+    # before the put), side by side.
     c.put_many(tensors)
     t0 = time.monotonic()
     # Whole (delta=False): the same values put again would otherwise move as an empty delta where one pays.
     again = c.reshard_many({name: INFER for name in tensors}, delta=False).result(timeout=TIMEOUT_S)
     out["again"] = time.monotonic() - t0
-    out["again_phases"] = again.phases
-    if again.plan_id != result.plan_id:
-        raise AssertionError(f"the repeated move ran program {again.plan_id[:12]}, not the first's "
-                             f"{result.plan_id[:12]}: the same layouts planned another program")
-    check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the repeated reshard_many")
+    out["again_job"] = again
+    t0 = time.monotonic()
+    sync = c.register_sync({name: INFER for name in tensors})
+    out["register"] = time.monotonic() - t0
+    c.put_many(tensors)
+    t0 = time.monotonic()
+    synced = sync.run(delta=False).result(timeout=TIMEOUT_S)
+    out["sync"] = time.monotonic() - t0
+    out["sync_job"] = synced
+    for what, job in (("repeated reshard_many", again), ("registered sync", synced)):
+        if job.plan_id != result.plan_id:
+            raise AssertionError(f"the {what} ran program {job.plan_id[:12]}, not the first move's "
+                                 f"{result.plan_id[:12]}: the same layouts planned another program")
+    check_every_device(c, expected_digests(tensors, {name: INFER for name in tensors}), "the registered sync")
     t0 = time.monotonic()
     c.reshard_many({name: TRAIN for name in tensors}).result(timeout=TIMEOUT_S)
     out["back"] = time.monotonic() - t0
@@ -104,10 +114,10 @@ def main() -> int:
                  f"in float32 up to 2**24); got {args.counts}")
     rows = ["| tensors | put_many s | ms per tensor | reshard_many s | ms per tensor | of it: planning s | running s "
             "| back s | get_many s | ms per tensor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    repeats = ["| tensors | repeated reshard_many s | us per tensor | "
-               + " | ".join(f"of it: {k} s" for k in REPEAT_PHASES)
-               + f" | at {KIMI_TENSORS:,} tensors (linear): waiting + planning s | the whole job s |",
-               "|---:|---:|---:|" + "---:|" * len(REPEAT_PHASES) + "---:|---:|"]
+    repeats = ["| tensors | repeated reshard_many s | its planner's part s | register_sync s | the sync's run s | "
+               "its planner's part s | us per tensor | of it: waiting s | planning s | until every host ran s | "
+               f"at {KIMI_TENSORS:,} tensors (linear): reshard_many's planner part s | the sync's s |",
+               "|---:|" + "---:|" * 12]
     last = 0.0
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         for n in counts:
@@ -118,12 +128,13 @@ def main() -> int:
                         f"{1e3 * m['reshard_many'] / n:.1f} | {m['phases'].get('planning', 0):.2f} | "
                         f"{m['phases'].get('running', 0):.2f} | {m['back']:.2f} | {m['get_many']:.2f} | "
                         f"{1e3 * m['get_many'] / n:.1f} |")
-            phases = m["again_phases"]
-            planner = phases.get("waiting", 0) + phases.get("planning", 0)
-            repeats.append(f"| {n} | {m['again']:.3f} | {1e6 * m['again'] / n:.0f} | "
-                           + " | ".join(f"{phases.get(k, 0):.3f}" for k in REPEAT_PHASES)
-                           + f" | {planner / n * KIMI_TENSORS:.2f} | {m['again'] / n * KIMI_TENSORS:.1f} |")
-            last = planner / n
+            again, synced = m["again_job"], m["sync_job"]
+            repeats.append(f"| {n} | {m['again']:.3f} | {again.handed_s:.3f} | {m['register']:.3f} | {m['sync']:.3f} | "
+                           f"{synced.handed_s:.3f} | {1e6 * synced.handed_s / n:.1f} | "
+                           f"{synced.phases.get('waiting', 0):.3f} | {synced.phases.get('planning', 0):.3f} | "
+                           f"{synced.started_s:.3f} | {again.handed_s / n * KIMI_TENSORS:.2f} | "
+                           f"{synced.handed_s / n * KIMI_TENSORS:.2f} |")
+            last = synced.handed_s / n
     body = ("Tensors of 64 x 8 float32 (2 KiB) put split over tensor-parallel 4 on host0..host3, moved by one "
             "`reshard_many` to columns over tensor-parallel 2 times two replicas on host4..host7 and back, and read "
             "by one `get_many`, on 8 local agents (collective transport) of this machine; one run per size. Each "
@@ -138,22 +149,24 @@ def main() -> int:
             "that repeats its move reads it once).\n\n"
             + "\n".join(rows)
             + "\n\nThe same move again, as a weight sync repeats it every step: the tensors are put again in the "
-            "training layout (untimed) and moved out again. The planner finds the program it planned (the run must "
-            "report the first move's program id, and its tiles are checked again), and every agent holds it parsed, "
-            "so what is left is a job's cost per tensor: the request, the catalog's records and claims, each host's "
-            "prepare and run, the commit. Issue 41 asks "
-            f"for a repeated sync of the {KIMI_TENSORS:,}-tensor Kimi-K2-like state dict to cost the planner under "
-            f"{GOAL_MS} ms from request to every agent started: here the phases before any agent is called "
-            "(waiting and planning: the records, the claims, the cached program, the transport), which leave out "
-            "the request's own parsing before the job exists. The last two columns scale them, and the whole job, "
-            "linearly to that count.\n\n"
+            "training layout (untimed) and moved out again, first by the same `reshard_many` request again, then "
+            "(put again) by a registered sync's run (`Client.register_sync` once, timed apart, then "
+            "`RegisteredSync.run`, which sends the sync's id alone). Both must run the first move's program (its "
+            "id is checked, and the tiles again after the sync). Issue 41 asks for a repeated sync of the "
+            f"{KIMI_TENSORS:,}-tensor Kimi-K2-like state dict to cost the planner under {GOAL_MS} ms from request "
+            "to every agent started. The planner's part is `JobResult.handed_s`: from the request's arrival at the "
+            "planner (its checks included) to the planner's calls having reached every host, i.e. each host's "
+            "first report as its run starts, less that agent's own seconds before it (its prepare: staging every "
+            "tile it receives, which an agent on its own host does in parallel with the others); `started_s` is "
+            "the same to every host running, the agents' prepare included (8 agents on this machine's 2 cores "
+            "take turns there). The last two columns scale the planner's part linearly to that count.\n\n"
             + "\n".join(repeats)
-            + f"\n\nThe planner's part costs {1e6 * last:.1f} us per tensor at the largest count; the goal allows "
+            + f"\n\nThe registered sync's planner part costs {1e6 * last:.1f} us per tensor at the largest count, "
+            f"{last * KIMI_TENSORS * 1e3:.0f} ms at {KIMI_TENSORS:,} tensors; the goal allows "
             f"{1e6 * GOAL_MS / 1e3 / KIMI_TENSORS:.2f} us "
-            f"({'met' if last * KIMI_TENSORS <= GOAL_MS / 1e3 else '**not met**'}). Reaching it takes a job whose "
-            "records, claims and commits are columns rather than an object per "
-            "tensor (issue 41 part 1), and a request that names a sync it registered once instead of resending "
-            "every name and sharding."
+            f"({'met' if last * KIMI_TENSORS <= GOAL_MS / 1e3 else '**not met**'}). What is left per tensor: the "
+            "catalog's claim and read of each version, the job's read columns, each host's Prepare carrying its "
+            "tensors' names and versions (and signing them), and the agents' reading of them."
             + f"\n\nReproduce: `python bench/small_tensors.py --counts {args.counts}`.")
     print(body)
     if not args.no_write:

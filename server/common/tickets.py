@@ -34,16 +34,21 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from operator import itemgetter
+
+import numpy as np
 
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
 
-__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "program_digest", "prepare_fields", "commit_fields",
+__all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "program_digest", "reads_digest", "prepare_fields",
+           "commit_fields",
            "abort_fields", "execute_fields", "release_fields", "SECRET_BYTES"]
 
 SECRET_BYTES = 32
 _SEP = "\x1f"
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def new_secret() -> bytes:
@@ -65,21 +70,34 @@ def program_digest(program_json: str) -> str:
     return hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
 
 
+def reads_digest(tensors: Sequence[str], names: Sequence[str], versions: Sequence[int]) -> str:
+    """The SHA-256 (hex) of a Prepare's reads as columns, in the order carried: program tensor ``tensors[i]``
+    reads stored ``names[i]`` at ``versions[i]``. Columns, not a string per read: a state dict's job signs 139,583
+    reads, and each host's agent checks its own."""
+    h = hashlib.sha256(_SEP.join(tensors).encode("utf-8", "surrogatepass"))
+    h.update(b"\x1e" + _SEP.join(names).encode("utf-8", "surrogatepass") + b"\x1e")
+    h.update(np.asarray(versions, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
 def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int, dst_version: int, transport: str,
                    generation: int, job_seq: int, peers: Mapping[str, str],
                    reads: Mapping[str, tuple[str, int]] | None = None,
                    nixl_peers: Mapping[str, bytes] | None = None,
-                   delta_bases: Mapping[str, tuple[int, int]] | None = None) -> tuple:
-    """``program_sha256`` is `program_digest` of the program's text. ``nixl_peers`` (host -> NIXL metadata) is
-    signed too: an agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody.
-    ``delta_bases`` (program tensor -> (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which
-    stored versions a delta move reads."""
+                   delta_bases: Mapping[str, tuple[int, int]] | None = None, signed_reads: str = "") -> tuple:
+    """``program_sha256`` is `program_digest` of the program's text. ``reads`` (program tensor -> (stored name,
+    version), in the order the request carries them) is signed as its `reads_digest`, or ``signed_reads`` is that
+    digest where the caller has it. ``nixl_peers`` (host -> NIXL metadata) is signed too: an agent adds as NIXL
+    peers only the agents the planner introduced, and UCX authenticates nobody. ``delta_bases`` (program tensor ->
+    (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which stored versions a delta move
+    reads."""
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
-        # (in the order the request carries them, which the agent reads back: a state dict's job reads a hundred
-        # thousand, and sorting them cost the planner more than writing them)
-        fields += (";".join([f"{t}={n}@{v}" for t, (n, v) in reads.items()]),)
+        read = list(reads.values())
+        signed_reads = reads_digest(list(reads), list(map(_FIRST, read)), list(map(_SECOND, read)))
+    if signed_reads:
+        fields += ("reads:" + signed_reads,)
     if nixl_peers:
         fields += ("nixl:" + ",".join(f"{h}={hashlib.sha256(m).hexdigest()}" for h, m in sorted(nixl_peers.items())),)
     if delta_bases:

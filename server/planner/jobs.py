@@ -43,12 +43,13 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from collections import Counter, OrderedDict, defaultdict
-from contextlib import ExitStack
+from collections import Counter, OrderedDict, defaultdict, deque
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
-from operator import attrgetter, itemgetter
+from functools import cached_property
+from operator import attrgetter, itemgetter, methodcaller
 from typing import Protocol
 
 import numpy as np
@@ -57,7 +58,7 @@ from reshard import box as boxes
 from reshard.cost import sender_bytes
 from reshard.delta import RECEIVER_PASSES, SENDER_PASSES
 from reshard.host_slice import HostCut
-from reshard.mesh import host_of
+from reshard.mesh import Mesh, host_of
 from reshard.jsonio import loads, quoted
 from reshard.many import plan_many, program_from_json
 from reshard.partial_plan import reshard_program
@@ -95,7 +96,18 @@ DELTA_FULL_ABOVE = 0.9
 DELTA_PROBE_EVERY = 16
 
 
-_SHARDING = attrgetter("sharding")
+_SHARDING, _VERSION = attrgetter("sharding"), attrgetter("version")
+_ACQUIRE, _RELEASE = methodcaller("acquire"), methodcaller("release")
+
+
+@contextmanager
+def _holding(locks: list[threading.Lock]) -> Iterator[None]:
+    """Hold every lock of ``locks``, taken in order (a state dict's job takes 139,583, one per tensor)."""
+    deque(map(_ACQUIRE, locks), maxlen=0)
+    try:
+        yield
+    finally:
+        deque(map(_RELEASE, reversed(locks)), maxlen=0)
 
 
 class _NotAnswering(UnavailableError):
@@ -269,6 +281,8 @@ class Job:
     def what(self) -> str:
         if self.kind == "reshard":
             return f"reshard of {self.tensor!r}" + (f" to {self.dst.spec_str()}" if self.dst is not None else "")
+        if self.kind == "reshard_many" and self.sync and not self.inputs:  # read back brief (`json_text`)
+            return f"reshard_many of registered sync {self.sync[:12]}"
         if self.kind == "reshard_many":
             shown = ", ".join(map(repr, self.inputs[:3])) + (", ..." if len(self.inputs) > 3 else "")
             return f"reshard_many of {len(self.inputs)} tensors ({shown})"
@@ -285,10 +299,13 @@ class Job:
     def to_json(self) -> dict:
         return {**self._fields(), "dsts": {n: d.to_json() for n, d in self.dsts.items()}}
 
-    def json_text(self) -> str:
+    def json_text(self, brief: bool = False) -> str:
         """``json.dumps(self.to_json())``, with each destination sharding's part written once per sharding
-        (`Sharding.json_text`): a state dict's job, saved as it starts and as it ends, names hundreds of
-        destinations that share a few layouts."""
+        (`Sharding.json_text`): a state dict's job, saved as it ends, names thousands of destinations that share
+        a few layouts. ``brief``: without its tensors and their destinations, as a registered sync's job is saved
+        as it is queued (a restart reads it back failed, naming its sync; the record it ends with has them)."""
+        if brief and self.sync:
+            return json.dumps({**self._fields(), "inputs": [], "dsts": {}})
         head = json.dumps(self._fields())
         dsts = ", ".join(f"{quoted(n)}: {d.json_text()}" for n, d in self.dsts.items())
         return f'{head[:-1]}, "dsts": {{{dsts}}}}}'
@@ -478,10 +495,12 @@ class JobRunner:
     def _submit(self, job: Job) -> Job:
         with self._lock:
             self._jobs[job.id] = job
-            # Taken in name order by every job, so two jobs that share tensors cannot wait for each other.
-            locks = [self._tensor_locks.setdefault(n, threading.Lock())
-                     for n in sorted({job.tensor, *job.inputs, *job.outputs})]
-        self.store.save_job(job.id, job.created, job.json_text())
+            # Taken in name order by every job, so two jobs that share tensors cannot wait for each other. A
+            # registered sync's tensors are in order already, and one of them is its ``tensor``.
+            names = job.inputs if job.sync else sorted({job.tensor, *job.inputs, *job.outputs})
+            have = self._tensor_locks.get
+            locks = [have(n) or self._tensor_locks.setdefault(n, threading.Lock()) for n in names]
+        self.store.save_job(job.id, job.created, job.json_text(brief=True))
         self._jobs_pool.submit(self._run, job, locks)
         return job
 
@@ -530,9 +549,7 @@ class JobRunner:
     # -- running ------------------------------------------------------------------------
 
     def _run(self, job: Job, locks: list[threading.Lock]) -> None:
-        with ExitStack() as held:
-            for lock in locks:
-                held.enter_context(lock)
+        with _holding(locks):
             job.state, job.started = "running", time.time()
             job.phases["waiting"] = job.started - job.created
             # Not saved here: after a restart a queued job and a running one both read back as failed (`Job.from_json`),
@@ -687,7 +704,7 @@ class JobRunner:
         job.progress = {h: [0, work.moves.to_send.get(h, 0)] for h in hosts}
         job.traffic, job.host_seconds = {}, {}
         job.program_bytes = {h: len(work.host_texts.get(h, work.program_json)) for h in hosts}
-        transport, generation, seq = self._transport(job, work.moves.network, hosts)
+        transport, generation, seq = self._transport(job, work.moves, hosts)
         # The NIXL metadata of every host, as it registered: each agent adds the others as peers before the job.
         nixl_peers = ({h: self.registry.require_up(h).nixl_metadata for h in hosts} if transport == "nixl"
                       else {})
@@ -695,11 +712,6 @@ class JobRunner:
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
                            delta_bases=work.delta_bases, host_texts=work.host_texts,
                            host_tensors=work.host_tensors)
-        # A reshard_many's commit makes each tensor's (version moved, version committed) its next base pair; not a
-        # quantized one's, nor its scale's: their new version holds other values (no delta could start there).
-        made = _made_on_the_way(job)
-        bases = ({new.name: (old.version, new.version) for old, new in work.commits
-                  if old is not None and new.name not in made} if job.kind == "reshard_many" else None)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -711,7 +723,7 @@ class JobRunner:
                 committing.add(h)
                 self.agents.commit(h, peers[h], Staging(job=run_id), job.tensor, job.version, [], self.rpc_timeout_s)
 
-            staging = sorted({h for mesh in {new.sharding.mesh for _, new in work.commits} for h in mesh.hosts})
+            staging = sorted(work.commits.hosts)
             # A job whose new versions are staged on one host (a move into a one-host mesh, a compute job on one)
             # has nothing to make atomic across hosts: that host commits as its run ends, and the Commit call's
             # round trip is saved. Nothing is visible before the catalog swap below, which still waits for every
@@ -724,14 +736,18 @@ class JobRunner:
                 ran = time.monotonic()
                 job.phases["planning"] = job.phases.get("planning", 0.0) + ran - began
                 self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), at_once)
+                if work.report is not None:
+                    work.report()
                 committed = time.monotonic()
                 job.phases["running"] = job.phases.get("running", 0.0) + committed - ran
                 if at_once is None:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
-                freed = self.catalog.commit(work.commits, bases)
+                freed = self.catalog.commit(work.commits.records, self._bases(job, work.commits.records))
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
-                self._undo(job, prep, hosts, e, [new for _, new in work.commits], committing)
+                if work.report is not None and not job.deltas:
+                    work.report()
+                self._undo(job, prep, hosts, e, [new for _, new in work.commits.records], committing)
                 raise
             finally:
                 # A host writes its plan-id key only to call a peer: a job on one host wrote none to drop.
@@ -740,9 +756,20 @@ class JobRunner:
                         self.collective_cleanup(generation, run_id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", run_id[:8], e)
-        self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits])
+        self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits.records])
         self._count_moved(job, work)
         return freed
+
+    @staticmethod
+    def _bases(job: Job, commits: list[tuple[TensorRecord | None, TensorRecord]]) -> dict[str, tuple[int, int]] | None:
+        """The delta base pairs a job's commit makes: a reshard_many's makes each tensor's (version moved, version
+        committed) its next; not a quantized one's, nor its scale's: their new version holds other values (no
+        delta could start there)."""
+        if job.kind != "reshard_many":
+            return None
+        made = _made_on_the_way(job)
+        return {new.name: (old.version, new.version) for old, new in commits
+                if old is not None and new.name not in made}
 
     def _work(self, job: Job) -> "_Work":
         """What the job runs: a plan of moves for a reshard between value shardings, else a program (a Partial
@@ -757,13 +784,13 @@ class JobRunner:
                 plan, plan_json = self._plan(job, rec)
                 moves = _Moves.of([(t, plan.itemsize) for t in plan.transfers], set(job.dst.mesh.hosts))
                 return _Work(plan_json, plan.id, moves, sorted(moves.hosts), rec.version, {},
-                             [(rec, bumped(rec, job.dst, job.version))])
+                             _Commits.of([(rec, bumped(rec, job.dst, job.version))]))
             topology = self.registry.topology()
             program = _still_fits(planned, [rec], topology)
             if program is None:
                 program = reshard_program(rec.shape, rec.dtype, rec.sharding, job.dst, topology, job.strategy)
             return self._program_work(job, program.validate(), rec.version, {},
-                                      [(rec, bumped(rec, job.dst, job.version))])
+                                      _Commits.of([(rec, bumped(rec, job.dst, job.version))]))
         if job.kind == "reshard_many":
             # A scale made on the way (its weight is quantized) need not exist yet: the job creates it.
             scales = _made_scales(job)
@@ -793,26 +820,37 @@ class JobRunner:
             job.version = job.versions[job.tensor]
             # Each tensor is read at its own version and commits as the next (the agents' rule for a program
             # that commits several tensors): what a claim gives a current version, as no upload commits meanwhile.
-            assert all(claimed[n] == r.version + 1 for n, r in records.items()), (claimed, records)
-            reads = {n: (n, r.version) for n, r in records.items() if n not in job.dtypes and n not in scales}
-            commits = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in records.items()
-                       if n not in job.dtypes and n not in scales]
-            for w, dtype in job.dtypes.items():
+            # A state dict's job reads 139,583 tensors: the reads are made column by column.
+            moved = [n for n in records if n not in job.dtypes and n not in scales] if job.dtypes or scales else \
+                list(records)
+            versions = list(map(_VERSION, map(records.__getitem__, moved)))
+            assert list(map(claimed.__getitem__, moved)) == [v + 1 for v in versions], (claimed, records)
+            reads = dict(zip(moved, zip(moved, versions)))
+            for w in job.dtypes:
                 # The quantized weight and its scale are made by the program (no src), and commit as the versions
                 # claimed; the weight as held is read as its own program tensor.
-                rec, d = records[w], program.tensor(w)
                 s = job.scales[w][0]
                 reads[w], reads[s] = (w, claimed[w]), (s, claimed[s])
-                reads[source_name(w, rec.dtype)] = (w, rec.version)
-                made = program.tensor(s)
-                commits.append((rec, TensorRecord(w, rec.shape, dtype, d.dst, claimed[w], rec.kind, step=rec.step,
+                reads[source_name(w, records[w].dtype)] = (w, records[w].version)
+
+            def commits() -> list[tuple[TensorRecord | None, TensorRecord]]:
+                out = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in zip(moved, map(records.__getitem__, moved))]
+                for w, dtype in job.dtypes.items():
+                    rec, d = records[w], program.tensor(w)
+                    s = job.scales[w][0]
+                    made = program.tensor(s)
+                    out.append((rec, TensorRecord(w, rec.shape, dtype, d.dst, claimed[w], rec.kind, step=rec.step,
                                                   content=new_content(), converted_from=rec.dtype)))
-                commits.append((records.get(s), TensorRecord(s, made.shape, made.dtype, made.dst, claimed[s],
+                    out.append((records.get(s), TensorRecord(s, made.shape, made.dtype, made.dst, claimed[s],
                                                              rec.kind, step=rec.step, content=new_content())))
+                return out
+
             src_version = records[job.tensor].version if job.tensor in records else 0
-            work = self._program_work(job, program, src_version, reads, commits, text)
+            meshes = {d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes}
+            work = self._program_work(job, program, src_version, reads, _Commits(commits, meshes), text)
             # Program tensors are the stored names here (``reads``): delta_bases is keyed by them too.
-            return replace(work, delta_bases=self._choose_deltas(job, records, work.moves))
+            bases, report = self._choose_deltas(job, records, work.moves)
+            return replace(work, delta_bases=bases, report=report)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         topology = self.registry.topology()
         program = _still_fits(planned, inputs.values(), topology)
@@ -828,7 +866,7 @@ class JobRunner:
         reads = {n: (n, r.version) for n, r in inputs.items()}
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
-        return self._program_work(job, program, 0, reads, [(old, new)])
+        return self._program_work(job, program, 0, reads, _Commits.of([(old, new)]))
 
     def _many_program(self, job: Job, records: dict[str, TensorRecord], topology: Topology,
                       scales: dict[str, str], blocks: dict[str, tuple]) -> tuple[Program, str]:
@@ -871,10 +909,10 @@ class JobRunner:
             commits.append((old, TensorRecord(t.name, t.shape, t.dtype, t.dst, version, kind)))
         job.dst = program.tensor(job.tensor).dst
         job.version = job.versions[job.tensor]
-        return self._program_work(job, program, 0, reads, commits)
+        return self._program_work(job, program, 0, reads, _Commits.of(commits))
 
     def _program_work(self, job: Job, program: Program, src_version: int, reads: dict[str, tuple[str, int]],
-                      commits: list[tuple[TensorRecord | None, TensorRecord]], text: str = "") -> "_Work":
+                      commits: _Commits, text: str = "") -> "_Work":
         job.program = program
         moves = self._program_moves.get(program.id)
         if moves is None:  # once per program: a weight sync or a training step runs the same one every time
@@ -886,7 +924,7 @@ class JobRunner:
                 while len(self._program_moves) > PROGRAM_MOVES_KEPT:
                     self._program_moves.popitem(last=False)
         text = text or program.dumps()
-        hosts = moves.hosts.union(*{new.sharding.mesh.hosts for _, new in commits})
+        hosts = moves.hosts | commits.hosts
         texts, tensors = self._slices(program, text, hosts)
         return _Work(text, program.id, moves, sorted(hosts), src_version, reads, commits, host_texts=texts,
                      host_tensors=tensors)
@@ -933,15 +971,15 @@ class JobRunner:
         job.plan = hit[0]
         return hit
 
-    def _transport(self, job: Job, network: list[bool], hosts: list[str]) -> tuple[str, int, int]:
-        """(transport, group generation, job number) for the job; records it, why, and what carries each transfer
-        (``network``: whether each crosses a NIC)."""
+    def _transport(self, job: Job, moves: "_Moves", hosts: list[str]) -> tuple[str, int, int]:
+        """(transport, group generation, job number) for the job; records it, why, and what carries each of its
+        ``moves``."""
         if self.group is not None:
             transport, generation, seq, job.transport_reason = self.group.choose(hosts, self.group_wait_s)
         else:
             transport, generation, seq, job.transport_reason = "grpc", 0, 0, "the planner runs no process group"
         job.transport = transport
-        job.transports = [transport if net else "local" for net in network]
+        job.transports = moves.carriers(transport)
         return transport, generation, seq
 
     @staticmethod
@@ -1063,7 +1101,7 @@ class JobRunner:
         return sent, replaced
 
     def _choose_deltas(self, job: Job, records: dict[str, TensorRecord], moves: "_Moves"
-                       ) -> dict[str, tuple[int, int]]:
+                       ) -> tuple[dict[str, tuple[int, int]], Callable[[], None] | None]:
         """Which tensors of reshard_many ``job`` move as deltas, each with its base (src_version, dst_version);
         records every tensor's mode and why in ``job.deltas``, priced by its expected network bytes (rate x full
         for a delta; full where its rate is unknown yet) in ``job.expected_network_bytes``.
@@ -1073,11 +1111,27 @@ class JobRunner:
         ``job.delta`` None a usable pair is used where a delta pays (`_delta_pays`: the link time it saves at the
         tensor's last change rate, or at none where that is unknown, against its hosts' CPU to diff and apply), and
         not where the tensor's last delta sync sent more than `DELTA_FULL_ABOVE` of its full bytes (then every
-        `DELTA_PROBE_EVERY`-th sync tries again); True uses every usable pair; False none."""
+        `DELTA_PROBE_EVERY`-th sync tries again); True uses every usable pair; False none.
+
+        Returns the bases, and where no tensor has a pair to consider (delta off, a first sync) the report to write
+        once the job's agents run: every tensor moves whole then, and a state dict's job writes 139,583 entries."""
         pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
         topology = self.registry.topology() if pairs else None
         bases: dict[str, tuple[int, int]] = {}
         made = _made_scales(job)
+
+        def report() -> None:
+            self._delta_report(job, records, moves, pairs, topology, made, bases)
+
+        if not pairs:
+            return bases, report
+        report()
+        return bases, None
+
+    def _delta_report(self, job: Job, records: dict[str, TensorRecord], moves: "_Moves", pairs: dict,
+                      topology: Topology | None, made: dict[str, str], bases: dict[str, tuple[int, int]]) -> None:
+        """`_choose_deltas`'s decision per tensor, recorded in ``job.deltas``; those that move as deltas are added
+        to ``bases``."""
         for n, rec in [*records.items(), *((s, None) for s in made if s not in records)]:
             full = moves.tensor_network.get(n, 0)
             mode, why, expected = "full", "", full
@@ -1128,7 +1182,6 @@ class JobRunner:
             job.deltas[n] = {"mode": mode, "why": why, "bytes": full, "full_bytes": full, "expected": expected}
         job.expected_network_bytes = sum(d["expected"] for d in job.deltas.values())
         job.full_network_bytes = moves.network_bytes
-        return bases
 
     def _best_effort(self, fn, hosts) -> None:
         hosts = list(hosts)
@@ -1168,10 +1221,28 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
 
+class _Commits:
+    """Each record a job commits, as it was (None: a new tensor) and as it will be (``records``), made when first
+    asked for: a state dict's job makes 139,583, which nothing needs before its agents start; and the hosts of the
+    meshes they commit into (``hosts``), which the job needs at once."""
+
+    def __init__(self, make: Callable[[], list[tuple[TensorRecord | None, TensorRecord]]], meshes: Iterable[Mesh]):
+        self._make = make
+        self.hosts = frozenset(h for mesh in set(meshes) for h in mesh.hosts)
+
+    @classmethod
+    def of(cls, records: list[tuple[TensorRecord | None, TensorRecord]]) -> "_Commits":
+        return cls(lambda: records, {new.sharding.mesh for _, new in records})
+
+    @cached_property
+    def records(self) -> list[tuple[TensorRecord | None, TensorRecord]]:
+        return self._make()
+
+
 @dataclass(frozen=True)
 class _Work:
     """A job's program as planned: its JSON and id, its moves (each with its tensor's item size), its hosts, the
-    versions it reads, and each record it commits, as it was (None: a new tensor) and as it will be."""
+    versions it reads, and each record it commits (`_Commits`)."""
 
     program_json: str
     program_id: str
@@ -1179,10 +1250,11 @@ class _Work:
     hosts: list[str]
     src_version: int
     reads: dict[str, tuple[str, int]]
-    commits: list[tuple[TensorRecord | None, TensorRecord]]
+    commits: _Commits
     delta_bases: dict[str, tuple[int, int]] = field(default_factory=dict)  # reshard_many: `_choose_deltas`
     host_texts: dict[str, str] = field(default_factory=dict)  # host -> its slice, where the program is cut per host
     host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)  # host -> the tensors its slice declares
+    report: Callable[[], None] | None = None  # what to record of the job once its agents run (`_choose_deltas`)
 
 
 @dataclass(frozen=True)
@@ -1204,6 +1276,16 @@ class _Moves:
     # per program tensor: the bytes of its moves' boxes each sending host would diff and each host a hop reaches
     # would apply as deltas (`_delta_pays`); moves within a host are left out, as no bytes of theirs cross a NIC
     tensor_codec: dict[str, tuple[dict[str, int], dict[str, int]]] = field(default_factory=dict)
+    # transport -> what carries each move on it (``transport``, or "local" where it stays within a host), made once
+    # per transport: a state dict's program has millions of moves, and every job of it names them (`Job.transports`)
+    _carriers: dict[str, list[str]] = field(default_factory=dict, compare=False, repr=False)
+
+    def carriers(self, transport: str) -> list[str]:
+        """What carries each move on ``transport`` (shared by the jobs of the program: read it, never change it)."""
+        got = self._carriers.get(transport)
+        if got is None:
+            got = self._carriers[transport] = [transport if net else "local" for net in self.network]
+        return got
 
     @classmethod
     def of(cls, moves: list[tuple[Transfer, int]], hosts: set[str], reduces: bool = False,

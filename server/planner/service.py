@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from operator import itemgetter
 from concurrent import futures
 
 import grpc
@@ -17,8 +18,8 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
-                                           program_digest, release_fields, sign)
+from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields, program_digest,
+                                           reads_digest, release_fields, sign)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
@@ -41,6 +42,7 @@ def _traffic(t: pb.HostTraffic) -> dict:
 # An Execute stream's messages are read by the thread that called it, not handed over by the channel's own polling
 # thread: a job's Execute calls each took two thread switches more per message, most of a small job's planner time.
 _AGENT_CHANNEL_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
 # Program texts whose SHA-256 the planner keeps (`GrpcAgentCalls._digest`), and their bytes in all: a program cut per
 # host is a text per host (48 for the Kimi-K2-like sync, 412 MiB), each hashed once, not at every job. The texts are
@@ -49,18 +51,35 @@ _DIGESTS_KEPT = 256
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
-def _request_of(p: Preparation, reads: Mapping[str, tuple[str, int]],
-                delta_bases: Mapping[str, tuple[int, int]]) -> pb.PrepareRequest:
-    """Job ``p``'s Prepare without its program and tickets, carrying ``reads`` (as columns; no names where each
-    tensor reads its own name, a state dict's case) and ``delta_bases``."""
-    tensors = list(reads)
-    names = [n for n, _ in reads.values()]
-    return pb.PrepareRequest(
+def _read_columns(reads: Mapping[str, tuple[str, int]],
+                  tensors: Iterable[str] | None = None) -> tuple[list[str], list[str], list[int]]:
+    """``reads`` as the columns a Prepare carries (program tensors, stored names, versions): all of them, or
+    those of ``tensors`` (a host's slice's) in that order. Made a column at a time: a state dict's job reads
+    139,583 tensors."""
+    if tensors is None:
+        tensors, read = list(reads), list(reads.values())
+    else:
+        tensors, read = list(tensors), list(map(reads.get, tensors))
+        if not all(read):  # a slice's tensor no read names: one its program makes
+            tensors, read = [t for t, r in zip(tensors, read) if r], [r for r in read if r]
+    return tensors, list(map(_FIRST, read)), list(map(_SECOND, read))
+
+
+def _request_of(p: Preparation, columns: tuple[list[str], list[str], list[int]],
+                delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
+    """Job ``p``'s Prepare without its program and tickets, carrying the reads ``columns`` (`_read_columns`; no
+    names where each tensor reads its own name, a state dict's case) and ``delta_bases``; and the fields its ticket
+    signs but the program's SHA-256."""
+    tensors, names, versions = columns
+    request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
         transport=p.transport, generation=p.generation, job_seq=p.job_seq, read_tensors=tensors,
-        read_names=names if names != tensors else (), read_versions=[v for _, v in reads.values()],
-        nixl_peers=p.nixl_peers,
+        read_names=names if names != tensors else (), read_versions=versions, nixl_peers=p.nixl_peers,
         delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()})
+    fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation, p.job_seq,
+                            p.peers, None, p.nixl_peers, delta_bases,
+                            signed_reads=reads_digest(tensors, names, versions) if tensors else "")
+    return request, fields
 
 
 class GrpcAgentCalls:
@@ -119,9 +138,7 @@ class GrpcAgentCalls:
             if p.host_tensors:
                 base = fields = None
             else:
-                base = _request_of(p, p.reads, p.delta_bases)
-                fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport,
-                                        p.generation, p.job_seq, p.peers, p.reads, p.nixl_peers, p.delta_bases)
+                base, fields = _request_of(p, _read_columns(p.reads), p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, base, fields, pushes, {})
             with self._lock:
@@ -142,10 +159,7 @@ class GrpcAgentCalls:
         with self._lock:
             part = parts.get(names)
         if part is None:
-            reads, deltas = p.reads_for(host), p.delta_bases_for(host)
-            part = (_request_of(p, reads, deltas),
-                    prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation,
-                                   p.job_seq, p.peers, reads, p.nixl_peers, deltas))
+            part = _request_of(p, _read_columns(p.reads, names), p.delta_bases_for(host))
             with self._lock:
                 part = parts.setdefault(names, part)
         return part
