@@ -298,7 +298,7 @@ class Catalog:
                 current = self._tensors.get(new.name)
                 if old is None and current is not None:
                     check_same_layout(current, new)
-                if old is not None and current != old:
+                if old is not None and current is not old and current != old:
                     raise NotFoundError(f"tensor {old.name!r} v{old.version} changed or was deleted during the "
                                         f"reshard")
             bases = (bases or {}) if self.delta else {}
@@ -642,8 +642,13 @@ class Catalog:
             return current
         return self._old.get(name, {}).get(version)
 
+    @property
+    def _saving(self) -> bool:
+        """Whether changes are written to a store a restarted planner reads back (`StateStore.durable`)."""
+        return self._store is not None and self._store.durable
+
     def _save_bases(self, bases: dict[str, tuple[int, int]], dropped: list[str]) -> None:
-        if self._store is None:
+        if not self._saving:
             return
         if bases:
             self._store.save_delta_bases([(n, json.dumps(BasePair(n, s, d).to_json())) for n, (s, d) in bases.items()])
@@ -652,7 +657,7 @@ class Catalog:
 
     def _forget_held(self, freed: list[TensorRecord]) -> None:
         """Drop the saved copies of kept versions ``freed`` (a current version freed had none: harmless)."""
-        if self._store is not None and freed:
+        if self._saving and freed:
             self._store.delete_held_versions([(r.name, r.version) for r in freed])
 
     def pins_on(self, rec: TensorRecord) -> int:
@@ -670,7 +675,7 @@ class Catalog:
         return rec
 
     def _save_old(self, records: list[TensorRecord]) -> None:
-        if self._store is not None and records:
+        if self._saving and records:
             self._store.save_held_versions([(r.name, r.version, r.json_text()) for r in records])
 
 

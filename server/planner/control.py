@@ -439,7 +439,8 @@ class Planner:
         except BaseException:
             self._drop_uploads(uploads, committed)
             raise
-        self.store.save_tensors([(up.record.name, up.record.json_text()) for up in uploads])
+        if self.store.durable:
+            self.store.save_tensors([(up.record.name, up.record.json_text()) for up in uploads])
         return freed
 
     def _drop_upload(self, upload: Upload) -> None:

@@ -500,7 +500,8 @@ class JobRunner:
             names = job.inputs if job.sync else sorted({job.tensor, *job.inputs, *job.outputs})
             have = self._tensor_locks.get
             locks = [have(n) or self._tensor_locks.setdefault(n, threading.Lock()) for n in names]
-        self.store.save_job(job.id, job.created, job.json_text(brief=True))
+        if self.store.durable:
+            self.store.save_job(job.id, job.created, job.json_text(brief=True))
         self._jobs_pool.submit(self._run, job, locks)
         return job
 
@@ -584,7 +585,8 @@ class JobRunner:
         if error is None:
             with self._lock:
                 self._durations.add(job.seconds)
-        self.store.save_job(job.id, job.created, job.json_text())
+        if self.store.durable:
+            self.store.save_job(job.id, job.created, job.json_text())
         job.done_event.set()
         self._forget_old()
 
@@ -756,7 +758,8 @@ class JobRunner:
                         self.collective_cleanup(generation, run_id, {0: hosts})
                     except Exception as e:  # noqa: BLE001 - a few stale keys are no reason to fail the job
                         log.info("could not drop the confirmation keys of job %s: %s", run_id[:8], e)
-        self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits.records])
+        if self.store.durable:
+            self.store.save_tensors([(new.name, new.json_text()) for _, new in work.commits.records])
         self._count_moved(job, work)
         return freed
 

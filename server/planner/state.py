@@ -1,7 +1,9 @@
 """The planner's durable state: tensors (current and pinned versions), pins, delta base pairs, jobs, plans and
 counters in SQLite (``--state PATH``).
 
-Without a path the same tables live in memory, so one code path serves both.
+Without a path the tables live in memory, and only the plans and counters are written there: the rest is read
+back by a restarted planner alone, which an in-memory store never has, and writing it cost a state dict's job a
+row per tensor, several times over (`durable`; callers that build a row's text first check it).
 Rows hold JSON documents; no pickle.
 """
 
@@ -28,6 +30,7 @@ CREATE TABLE IF NOT EXISTS delta_bases (name TEXT PRIMARY KEY, doc TEXT NOT NULL
 class StateStore:
     def __init__(self, path: str | None):
         self.path = path
+        self.durable = path is not None  # whether a restarted planner reads it back: else only plans are kept
         self._lock = threading.Lock()
         self._db = sqlite3.connect(path or ":memory:", check_same_thread=False)
         self._db.executescript(_SCHEMA)
@@ -48,6 +51,8 @@ class StateStore:
     def save_tensors(self, docs: list[tuple[str, str]]) -> None:
         """Every tensor document of ``docs`` (name, its JSON text), in one transaction (a job that commits a whole
         state dict)."""
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("INSERT OR REPLACE INTO tensors (name, doc) VALUES (?, ?)", docs)
             self._db.commit()
@@ -57,6 +62,8 @@ class StateStore:
 
     def delete_tensors(self, names: list[str]) -> None:
         """The documents of ``names``, in one transaction."""
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("DELETE FROM tensors WHERE name = ?", [(n,) for n in names])
             self._db.commit()
@@ -66,11 +73,15 @@ class StateStore:
 
     def save_held_versions(self, docs: list[tuple[str, int, str]]) -> None:
         """Versions no longer current that pins hold (name, version, the record's JSON text), in one transaction."""
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("INSERT OR REPLACE INTO held_versions (name, version, doc) VALUES (?, ?, ?)", docs)
             self._db.commit()
 
     def delete_held_versions(self, keys: list[tuple[str, int]]) -> None:
+        if not self.durable:
+            return
         if not keys:
             return
         with self._lock:
@@ -81,9 +92,13 @@ class StateStore:
         return [json.loads(d) for (d,) in self._read("SELECT doc FROM held_versions ORDER BY name, version")]
 
     def save_pin(self, pin_id: str, text: str) -> None:
+        if not self.durable:
+            return
         self._write("INSERT OR REPLACE INTO pins (id, doc) VALUES (?, ?)", (pin_id, text))
 
     def delete_pin(self, pin_id: str) -> None:
+        if not self.durable:
+            return
         self._write("DELETE FROM pins WHERE id = ?", (pin_id,))
 
     def pins(self) -> list[dict]:
@@ -91,11 +106,15 @@ class StateStore:
 
     def save_delta_bases(self, docs: list[tuple[str, str]]) -> None:
         """Delta base pairs (tensor name, the pair's JSON text), each replacing the name's previous one."""
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("INSERT OR REPLACE INTO delta_bases (name, doc) VALUES (?, ?)", docs)
             self._db.commit()
 
     def delete_delta_bases(self, names: list[str]) -> None:
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("DELETE FROM delta_bases WHERE name = ?", [(n,) for n in names])
             self._db.commit()
@@ -105,10 +124,14 @@ class StateStore:
 
     def save_job(self, job_id: str, created: float, text: str) -> None:
         """The job ``job_id``'s document, as its JSON text (`Job.json_text`)."""
+        if not self.durable:
+            return
         self._write("INSERT OR REPLACE INTO jobs (id, created, doc) VALUES (?, ?, ?)", (job_id, created, text))
 
     def delete_jobs(self, job_ids: list[str]) -> None:
         """Forget the jobs of ``job_ids`` (the plans they ran stay: other jobs may share them)."""
+        if not self.durable:
+            return
         with self._lock:
             self._db.executemany("DELETE FROM jobs WHERE id = ?", [(i,) for i in job_ids])
             self._db.commit()

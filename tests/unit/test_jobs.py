@@ -74,7 +74,7 @@ class RuntimeCalls:
         return out
 
 
-def _runner(hosts: Hosts) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]:
+def _runner(hosts: Hosts, store: StateStore | None = None) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]:
     registry = Registry(heartbeat_timeout_s=60.0)
     for h in HOSTS:
         registry.register(h, 2, h, 10.0, secret=bytes(16))
@@ -83,7 +83,7 @@ def _runner(hosts: Hosts) -> tuple[JobRunner, RuntimeCalls, Catalog, np.ndarray]
     catalog.add(TensorRecord("t", SHAPE, "int32", SRC, 1))
     hosts.put_tensor("t", a, SRC)
     calls = RuntimeCalls(hosts)
-    runner = JobRunner(registry, catalog, StateStore(None), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
+    runner = JobRunner(registry, catalog, store or StateStore(None), calls, job_timeout_s=30.0, rpc_timeout_s=10.0,
                        max_concurrent=2)
     return runner, calls, catalog, a
 
@@ -226,13 +226,13 @@ def test_a_host_that_stops_answering_fails_the_job_naming_it_before_its_own_clea
         hosts.close()
 
 
-def test_a_repeated_move_reuses_its_plan_and_the_runner_forgets_the_oldest_finished_jobs(monkeypatch):
+def test_a_repeated_move_reuses_its_plan_and_the_runner_forgets_the_oldest_finished_jobs(monkeypatch, tmp_path):
     from reshard.server.planner import jobs as jobs_module
 
     monkeypatch.setattr(jobs_module, "JOBS_KEPT", 4)
     hosts = Hosts()
     try:
-        runner, calls, catalog, a = _runner(hosts)
+        runner, calls, catalog, a = _runner(hosts, StateStore(str(tmp_path / "state.db")))
         back = catalog.get("t").sharding
         done = []
         for i in range(8):  # there and back four times: two distinct moves

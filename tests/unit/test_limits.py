@@ -165,8 +165,9 @@ HOSTS = ["h0", "h1"]
 
 
 @pytest.fixture()
-def planner():
-    p = Planner(PlannerConfig(heartbeat_timeout_s=0.05, max_plan_tasks=1000), RecordingCalls())
+def planner(tmp_path):
+    p = Planner(PlannerConfig(heartbeat_timeout_s=0.05, max_plan_tasks=1000, state_path=str(tmp_path / "state.db")),
+                RecordingCalls())
     for h in HOSTS:
         p.register(h, 2, f"{h}:1", 10.0, secret=f"{h}-first-secret-0123".encode(), memory_limit_bytes=64 * MiB)
     yield p

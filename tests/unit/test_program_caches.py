@@ -110,11 +110,11 @@ def test_the_moves_the_planner_works_out_of_a_program_match_its_steps():
                                    for t, n in moves)
 
 
-def test_the_state_store_saves_many_tensors_in_one_transaction_and_reads_them_back():
+def test_the_state_store_saves_many_tensors_in_one_transaction_and_reads_them_back(tmp_path):
     from reshard.server.planner.catalog import TensorRecord, bumped
     from reshard.server.planner.state import StateStore
 
-    store = StateStore(None)
+    store = StateStore(str(tmp_path / "state.db"))
     partial = Sharding(A, (None, None), partial=("x",))
     recs = [TensorRecord("t0", (8, 4), "float32", Sharding(A, ("x", None)), 1),
             TensorRecord('t1"\u00e9', (8,), "bfloat16", partial, 2, "torch", frozenset({"a1/0", "a0/1"})),
