@@ -117,7 +117,7 @@ def main() -> int:
     repeats = ["| tensors | repeated reshard_many s | its planner's part s | register_sync s | the sync's run s | "
                "its planner's part s | us per tensor | of it: waiting s | planning s | until every host ran s | "
                f"at {KIMI_TENSORS:,} tensors (linear): reshard_many's planner part s | the sync's s |",
-               "|---:|" + "---:|" * 12]
+               "|---:|" + "---:|" * 11]
     last = 0.0
     with LocalCluster(len(HOSTS), 1, host_names=HOSTS, transport="collective") as cluster, cluster.connect() as c:
         for n in counts:

@@ -189,7 +189,8 @@ def _add_planner_command(sub) -> None:
     p = sub.add_parser("planner", help="run the planner service: registry, catalog and jobs",
                        formatter_class=HelpFormatter)
     p.add_argument("--listen", default=d.listen, help="address to bind (port 0: any free port)")
-    p.add_argument("--state", default=None, help="SQLite file for tensors, jobs and plans (default: memory)")
+    p.add_argument("--state", default=None, help="SQLite file for tensors, pins, delta bases, jobs and plans, read "
+                   "back at a restart (default: none; the plans alone are kept in memory, for the dashboard)")
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
                    help="seconds without a heartbeat before an agent is down")
     p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,

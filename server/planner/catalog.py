@@ -410,11 +410,16 @@ class Catalog:
         with self._changed:
             # (`_publishing` holds the names at a count above zero only)
             self._changed.wait_for(lambda: self._publishing.keys().isdisjoint(names))
-            # `_top_locked` of each, a column at a time: a state dict's job claims 139,583
-            current = [r.version if r is not None else 0 for r in map(self._tensors.get, names)]
-            kept = map(max, map(self._old.get, names, repeat(_NONE_KEPT)))
-            claimed = dict(zip(names, [max(v, c, k) + 1 for v, c, k in
-                                       zip(current, map(self._claims.get, names, repeat(0)), kept)]))
+            # `_top_locked` of each, a column at a time: a state dict's job claims 139,583. A current version is
+            # above every kept one (each numbers on from the highest), so where each name has one and no job in
+            # flight claimed any, it is the top.
+            current = list(map(self._tensors.get, names))
+            if all(current) and self._claims.keys().isdisjoint(names):
+                claimed = dict(zip(names, [r.version + 1 for r in current]))
+            else:
+                kept = map(max, map(self._old.get, names, repeat(_NONE_KEPT)))
+                claimed = dict(zip(names, [max(r.version if r is not None else 0, c, k) + 1 for r, c, k in
+                                           zip(current, map(self._claims.get, names, repeat(0)), kept)]))
             self._claims.update(claimed)
         return claimed
 
