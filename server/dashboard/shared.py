@@ -39,7 +39,9 @@ class DashboardSource(Protocol):
         reached), host_seconds ({host: seconds of its Execute call}), program_bytes ({host: bytes of program text it
         was handed: its slice, where the program is cut per host}), manifest_digest (the SHA-256 of the consumer's
         manifest a reshard_many was checked against, or None), deltas (a reshard_many's tensors: {name, mode, why,
-        bytes, full_bytes, expected}), network_bytes, full_network_bytes, expected_network_bytes, delta_note"""
+        bytes, full_bytes, expected}), network_bytes, full_network_bytes, expected_network_bytes, delta_note, sync
+        (the registered sync a reshard_many runs, or None), started_s and handed_s (seconds from the request to
+        every host's part running, and to the planner's calls having reached every host; None until then)"""
 
     def job_count(self) -> int:
         """How many jobs the planner keeps (the last `JOBS_KEPT` finished ones and every one in flight)."""

@@ -168,6 +168,13 @@ def _same_declaration(old: TensorRecord | None, new: TensorRecord) -> bool:
     return old is not None and (old.shape, old.dtype, old.kind, old.lost) == (new.shape, new.dtype, new.kind, new.lost)
 
 
+def _converted(old: TensorRecord | None, new: TensorRecord) -> bool:
+    """Whether ``new`` keeps ``old``'s shape, kind and lost devices and changes its dtype only as a conversion does:
+    quantized on the way from ``old``'s, or published again in the dtype ``old`` was quantized from."""
+    return old is not None and (old.shape, old.kind, old.lost) == (new.shape, new.kind, new.lost) and (
+        new.converted_from == old.dtype or (old.converted_from == new.dtype and not new.converted_from))
+
+
 def label(rec: TensorRecord) -> str:
     return "unlabeled" if rec.step is None else f"step {rec.step}"
 
@@ -229,8 +236,11 @@ class Catalog:
         self._bases_used: dict[str, float] = {}  # name -> when a job last made or used its pair (clock)
         # Bumped by every change to which names exist or to a name's shape, dtype, kind or lost devices: what a
         # registered sync was checked against (`Planner.sync`). A new version of the same shape and dtype, in any
-        # sharding (a weight sync's tensors go back and forth between two every step), leaves it.
+        # sharding (a weight sync's tensors go back and forth between two every step), leaves it. ``_shapes`` the
+        # same but for a conversion's dtype: a weight quantized on the way (fp8 from bf16) and published again in
+        # its source dtype changes dtype twice a step, which a sync that quantizes it checks itself.
         self._declared = 0
+        self._shapes = 0
         self._store = store
         self.pin_timeout_s = pin_timeout_s
         self._clock = clock
@@ -260,6 +270,12 @@ class Catalog:
     def declared(self) -> int:
         """How many times the catalog's names, shapes, dtypes, kinds or lost devices changed (``_declared``)."""
         return self._declared
+
+    @property
+    def shapes(self) -> int:
+        """`declared`, less the dtype changes of conversions (a weight quantized on the way, and its source
+        dtype published again): see ``_shapes``."""
+        return self._shapes
 
     def get(self, name: str) -> TensorRecord:
         with self._lock:
@@ -304,14 +320,19 @@ class Catalog:
             bases = (bases or {}) if self.delta else {}
             unpaired = self._free_locked(self._set_bases_locked(bases))
             freed, kept = list(unpaired), []
-            changed = False
+            changed = converted = False
             for _, new in changes:
                 current = self._tensors.get(new.name)
                 self._tensors[new.name] = new
-                changed = changed or not _same_declaration(current, new)
+                if not _same_declaration(current, new):
+                    if _converted(current, new):
+                        converted = True
+                    else:
+                        changed = True
                 if current is not None and current.version != new.version:
                     (kept if self._holds[current.name, current.version] else freed).append(current)
-            self._declared += changed
+            self._declared += changed or converted
+            self._shapes += changed
             for rec in kept:
                 self._keep_locked(rec)
         self._save_old(kept)
@@ -352,6 +373,7 @@ class Catalog:
         with self._lock:
             rec = self._tensors.pop(name, None)
             self._declared += rec is not None
+            self._shapes += rec is not None
             pinned = rec is not None and bool(self._holds[rec.name, rec.version])
             if pinned:
                 self._keep_locked(rec)
@@ -379,6 +401,7 @@ class Catalog:
             for rec in out:
                 self._tensors[rec.name] = rec
             self._declared += bool(out)
+            self._shapes += bool(out)
             for rec in old:
                 self._keep_locked(rec)
         self._save_old(old)
@@ -389,6 +412,7 @@ class Catalog:
             for r in records:
                 self._tensors[r.name] = r
             self._declared += 1
+            self._shapes += 1
 
     # -- version numbers ------------------------------------------------------------------------------------------
 
@@ -549,14 +573,18 @@ class Catalog:
                 return out
             return [self._labeled_locked(n, step) for n in names]
 
-    def current_named(self, names: list[str], pin_id: str = "", step: int | None = None) -> list[TensorRecord]:
+    def current_named(self, names: list[str], pin_id: str = "", step: int | None = None,
+                      unnamed: Collection[str] = ()) -> list[TensorRecord]:
         """The current records of ``names``, each checked to be the version ``pin_id`` or ``step`` names: a job
-        moves a tensor's current version (moving an older one would commit it over a newer one)."""
-        if not pin_id and step is None:
-            return self.snapshot(names)
-        named = self.resolve(names, pin_id, step)
+        moves a tensor's current version (moving an older one would commit it over a newer one). Those of
+        ``unnamed`` are read as they are (a block scale a job makes on the way: its publisher never pins or labels
+        it)."""
         current = self.snapshot(names)
-        for old, now in zip(named, current):
+        if not pin_id and step is None:
+            return current
+        checked = [r for r in current if r.name not in unnamed] if unnamed else current
+        named = self.resolve([r.name for r in checked], pin_id, step)
+        for old, now in zip(named, checked):
             if old.version != now.version:
                 what = f"pin {pin_id[:12]}" if pin_id else f"step {step}"
                 raise FailedPreconditionError(

@@ -14,6 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from operator import attrgetter
 from typing import NamedTuple
 
 from reshard.box import Box, box_str, volume
@@ -61,6 +62,7 @@ GENERATION = "process group generation"  # the state's counter of `GroupCoordina
 _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
 
 
+_DTYPE = attrgetter("dtype")
 SYNCS_KEPT = 64  # registered syncs a planner keeps (`Planner.register_sync`), least recently used dropped first
 
 
@@ -71,8 +73,15 @@ class RegisteredSync:
     id: str
     request: tuple  # (targets, strategy, bucket_bytes, scales, manifest_json, dtypes), as registered
     args: dict  # what `JobRunner.submit_many` takes for it but the pin, step and delta (`Planner._many_job`)
-    checked: tuple[int, int]  # `Catalog.declared` and `Registry.generation` as it was last checked
+    checked: tuple[int, int]  # `Catalog.declared` (`shapes`, where it quantizes) and `Registry.generation`, checked
     names: list[str]  # every tensor the job commits, in order (the job's ``inputs``)
+    # where it quantizes on the way: the tensors the catalog held as it was checked, and their dtypes then (its
+    # weights change dtype twice a step, which `Catalog.shapes` leaves out: a run compares them instead)
+    seen: tuple[list[str], list[str]] = ([], [])
+
+    @property
+    def quantizes(self) -> bool:
+        return bool(self.request[5])
 
 
 class TileLocation(NamedTuple):
@@ -768,24 +777,25 @@ class Planner:
                       scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
                       dtypes: dict[str, str] | None = None) -> RegisteredSync:
         """Check a reshard_many request once and keep it (`RegisteredSync`): a weight sync then runs it every step
-        by its id (`sync`), sending no names or shardings and checking nothing again while no tensor's layout and
-        no agent's registration changed. The planner keeps the last `SYNCS_KEPT` registered, in memory only."""
+        by its id (`sync`), sending no names or shardings and checking nothing again while the catalog's names,
+        shapes and dtypes and the agents' registrations stay as they were (`_checked_now`; a sync that quantizes on
+        the way compares its tensors' dtypes, as its weights change dtype twice a step). The planner keeps the last
+        `SYNCS_KEPT` registered, in memory only."""
         request = (list(targets), strategy, bucket_bytes, list(scales), manifest_json, dict(dtypes or {}))
-        args = self._many_job(*request[:5], "", None, request[5])
-        sync = RegisteredSync(uuid.uuid4().hex, request, args, self._checked_now(), sorted(args["dsts"]))
+        sync = self._check_sync(RegisteredSync(uuid.uuid4().hex, request, {}, (-1, -1), []))
         with self._syncs_lock:
             self._syncs[sync.id] = sync
             while len(self._syncs) > SYNCS_KEPT:
                 self._syncs.popitem(last=False)
-        log.info("sync %s registered: %d tensors", sync.id[:8], len(args["dsts"]))
+        log.info("sync %s registered: %d tensors", sync.id[:8], len(sync.names))
         return sync
 
     def sync(self, sync_id: str, *, pin: str = "", step: int | None = None, delta: bool | None = None) -> Job:
         """Queue the reshard_many job of registered sync ``sync_id`` (`register_sync`), moving the versions ``pin``
         or ``step`` names (each must be current; the job checks) or the current ones. Its request is checked
-        again, naming what no longer holds, only where a tensor's shape or dtype, the names in the catalog or an
-        agent's registration changed since it last was; a tensor put in another sharding is planned again by the
-        job, within --max-program-steps."""
+        again, naming what no longer holds, only where a tensor's shape or dtype (of its own, for a sync that
+        quantizes: `_same_dtypes`), the names in the catalog or an agent's registration changed since it last was;
+        a tensor put in another sharding is planned again by the job, within --max-program-steps."""
         received = time.time()
         with self._syncs_lock:
             sync = self._syncs.get(sync_id)
@@ -794,22 +804,43 @@ class Planner:
         if sync is None:
             raise NotFoundError(f"no registered sync {sync_id[:32]!r}: the planner keeps the last {SYNCS_KEPT} syncs "
                                 f"registered, and none across a restart; register it again (register_sync)")
-        now = self._checked_now()
-        if sync.checked != now:
-            args = self._many_job(*sync.request[:5], "", None, sync.request[5])
-            sync = replace(sync, args=args, checked=now, names=sorted(args["dsts"]))
+        if sync.checked != self._checked_now(sync.quantizes) or (sync.quantizes and not self._same_dtypes(sync)):
+            sync = self._check_sync(sync)
             with self._syncs_lock:
                 if sync_id in self._syncs:
                     self._syncs[sync_id] = sync
         return self.jobs.submit_many(**sync.args, pin=pin, step=check_step(step), delta=delta,
                                      sync=(sync.id, sync.names), received=received)
 
-    def _checked_now(self) -> tuple[int, int]:
+    def _check_sync(self, sync: RegisteredSync) -> RegisteredSync:
+        """``sync`` checked now (`_many_job`), with what its checks read (`_checked_now`, and where it quantizes
+        the dtypes of the tensors it names), read before them: a change while they run is seen at its next run."""
+        targets, strategy, bucket_bytes, scales, manifest_json, dtypes = sync.request
+        checked = self._checked_now(sync.quantizes)
+        seen: tuple[list[str], list[str]] = ([], [])
+        if sync.quantizes:
+            held = [n for n in dict.fromkeys([n for n, _ in targets] + [s for _, s, _ in scales])
+                    if self.catalog.contains(n)]
+            seen = (held, [r.dtype for r in self.catalog.snapshot(held)])
+        args = self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, "", None, dtypes)
+        return replace(sync, args=args, checked=checked, names=sorted(args["dsts"]), seen=seen)
+
+    def _same_dtypes(self, sync: RegisteredSync) -> bool:
+        """Whether every tensor ``sync`` saw as it was checked is still in the catalog, in the dtype it had then."""
+        held, dtypes = sync.seen
+        try:
+            records = self.catalog.snapshot(held)
+        except NotFoundError:
+            return False
+        return list(map(_DTYPE, records)) == dtypes
+
+    def _checked_now(self, quantizes: bool) -> tuple[int, int]:
         """What a reshard_many's checks read besides the request and the tensors' source shardings: the catalog's
         names, shapes and dtypes and the agents' registrations, as counters (`Catalog.declared`,
-        `Registry.generation`). A source sharding a sync was not checked with is its job's to find: it plans
-        again (`JobRunner._work`)."""
-        return self.catalog.declared, self.registry.generation
+        `Registry.generation`); for a sync that quantizes on the way, `Catalog.shapes` in place of the first (it
+        compares its tensors' dtypes itself). A source sharding a sync was not checked with is its job's to find:
+        it plans again (`JobRunner._work`)."""
+        return self.catalog.shapes if quantizes else self.catalog.declared, self.registry.generation
 
     def _many_job(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
                   scales: list[tuple[str, str, tuple[int, ...] | None]], manifest_json: str, pin: str,
@@ -849,10 +880,12 @@ class Planner:
                                         converting={w: (d, *pairs[w]) for w, d in (dtypes or {}).items()
                                                     if w in pairs})
         # A scale the job may make (its weight is asked for in another dtype) need not exist yet.
-        absent = {pairs[w][0] for w in dtypes or {} if w in pairs} - {n for n in names if self.catalog.contains(n)}
+        made = {pairs[w][0] for w in dtypes or {} if w in pairs}
+        absent = made - {n for n in names if self.catalog.contains(n)}
         stored = [n for n in names if n not in absent]
-        # With a pin or a step: the versions they name, which must be current (a job moves the current version)
-        records = dict(zip(stored, self.catalog.current_named(stored, pin, check_step(step))))
+        # With a pin or a step: the versions they name, which must be current (a job moves the current version);
+        # a scale the job makes again is read as it is (its publisher never labels it)
+        records = dict(zip(stored, self.catalog.current_named(stored, pin, check_step(step), made)))
         for rec in records.values():
             self._check_not_lost(rec)
         converted = conversions([TensorDecl(n, r.shape, r.dtype, r.sharding) for n, r in records.items()], dtypes,

@@ -96,7 +96,7 @@ DELTA_FULL_ABOVE = 0.9
 DELTA_PROBE_EVERY = 16
 
 
-_SHARDING, _VERSION = attrgetter("sharding"), attrgetter("version")
+_SHARDING, _VERSION, _DTYPE = attrgetter("sharding"), attrgetter("version"), attrgetter("dtype")
 _ACQUIRE, _RELEASE = methodcaller("acquire"), methodcaller("release")
 
 
@@ -443,8 +443,9 @@ class JobRunner:
         self._jobs: dict[str, Job] = {}
         # reshard_many's programs by what they were planned from: a weight sync repeats the same move every step
         self._many_programs = ProgramCache(MANY_PROGRAMS_KEPT)
-        # registered sync -> ((`Catalog.declared`, topology), its tensors' source shardings, (program, text)) as
-        # its last job found them: the next finds its program by comparing those (`_work`)
+        # registered sync -> ((`Catalog.shapes`, topology), its arguments' dsts, its tensors' source shardings and
+        # dtypes, (program, text)) as its last job found them: the next finds its program by comparing those
+        # (`_work`)
         self._sync_programs: OrderedDict[str, tuple] = OrderedDict()
         self._plans = ProgramCache(PLANS_KEPT)
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
@@ -798,24 +799,27 @@ class JobRunner:
             # A scale made on the way (its weight is quantized) need not exist yet: the job creates it.
             scales = _made_scales(job)
             stored = [n for n in job.inputs if n not in scales or self.catalog.contains(n)]
-            declared = self.catalog.declared
-            records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step)))
+            shapes = self.catalog.shapes
+            records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step, scales)))
             topology = self.registry.topology()
             blocks = {s: block_of(w, s, job.scales[w][1]) for s, w in scales.items()}
-            # A registered sync's program, where the tensors it read are declared as they were and each comes from
-            # the very sharding object it came from then (the planner reads each layout's text into one object):
-            # found without a key of every tensor's layout
+            # A registered sync's program, where its request was checked as at its last job (the same arguments),
+            # the tensors it read are declared as they were, each in the dtype it had and from the very sharding
+            # object it came from then (the planner reads each layout's text into one object): found without a key
+            # of every tensor's layout
             sources = list(map(_SHARDING, records.values())) if job.sync else []
+            dtypes = list(map(_DTYPE, records.values())) if job.sync else []
             with self._lock:
                 kept = self._sync_programs.get(job.sync)
-            if (kept is not None and kept[0] == (declared, topology) and len(kept[1]) == len(sources)
-                    and all(map(operator.is_, sources, kept[1])) and self.catalog.declared == declared):
-                hit = kept[2]
+            if (kept is not None and kept[0] == (shapes, topology) and kept[1] is job.dsts and kept[3] == dtypes
+                    and len(kept[2]) == len(sources) and all(map(operator.is_, sources, kept[2]))
+                    and self.catalog.shapes == shapes):
+                hit = kept[4]
             else:
                 hit = self._many_program(job, records, topology, scales, blocks)
                 if job.sync:
                     with self._lock:
-                        self._sync_programs[job.sync] = ((declared, topology), sources, hit)
+                        self._sync_programs[job.sync] = ((shapes, topology), job.dsts, sources, dtypes, hit)
                         while len(self._sync_programs) > MANY_PROGRAMS_KEPT:
                             self._sync_programs.popitem(last=False)
             program, text = hit

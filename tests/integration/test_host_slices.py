@@ -73,6 +73,46 @@ def test_each_agent_gets_its_hosts_part_of_a_quantized_moe_and_the_result_is_bit
         assert "each its own part" in _page(cluster, result.id)
 
 
+def test_a_registered_sync_quantizes_a_moe_on_the_way_every_step_bit_exact_on_one_program(web):
+    cluster, client = web
+    case = moe_state_dict(TINY_MOE, TRAIN_GRID, SERVE_GRID, ep_devices=2)
+    names = [t.name for t in case.tensors]
+    dtypes = {k: d for k, d in case.serve_dtypes.items() if k not in case.scales.values()}
+    weights = {t.name: t for t in case.weights}
+    client.put_many({n: (np.zeros(t.shape, np.float32).astype(ml_dtypes.bfloat16 if t.dtype != "float32"
+                                                               else np.float32), t.src) for n, t in weights.items()})
+    sync = client.register_sync({n: t.dst for n, t in weights.items()}, scales=case.scales, dtype=dtypes)
+    programs = set()
+    try:
+        for step in range(3):  # the trainer publishes bf16, the sync commits fp8 over it: every step
+            rng = np.random.default_rng(10 + step)
+            values = {}
+            for t in case.weights:
+                x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
+                values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
+            client.put_many({n: (values[n], t.src) for n, t in weights.items()}, step=step)
+            result = sync.run(version=step).result(timeout=300)
+            programs.add(result.plan_id)
+            got = client.get_many(names)
+            for t in case.weights:
+                if t.name not in case.scales:
+                    assert got[t.name].tobytes() == values[t.name].tobytes(), t.name
+                    continue
+                codes, scales = reference(bfloat16_to_float32(values[t.name].view(np.uint16)), 128)
+                np.testing.assert_array_equal(got[t.name].view(np.uint8), codes, err_msg=t.name)
+                np.testing.assert_array_equal(got[case.scales[t.name]], scales, err_msg=t.name)
+            assert _job(cluster, result.id)["sync"] == sync.id
+        assert len(programs) == 1, programs
+        # the same as a reshard_many naming the step: the scales the syncs made carry no later step of their own,
+        # and are read as they are
+        client.put_many({n: (values[n], t.src) for n, t in weights.items()}, step=3)
+        again = client.reshard_many({n: t.dst for n, t in weights.items()}, scales=case.scales, dtype=dtypes,
+                                    version=3).result(timeout=300)
+        assert again.plan_id in programs and _job(cluster, again.id)["sync"] is None
+    finally:
+        client.delete_many([n for n in names if n in {t.name for t in client.tensors()}])
+
+
 def test_a_program_under_the_threshold_goes_whole_to_every_agent(web):
     cluster, client = web
     src = Sharding(Mesh.from_hosts({"x": 2}, ["host0", "host1"], 1), ("x", None))

@@ -60,8 +60,8 @@ def test_a_registered_sync_runs_every_step_bit_exact_on_the_program_planned_once
             listed = {t.name: t for t in c.tensors()}
             assert all(listed[n].sharding.mesh == INFER for n in tensors)
             assert set(result.versions) == set(tensors)
-            # the job reports when every host started, and how much of that was the planner's
-            assert 0 < result.handed_s <= result.started_s <= result.seconds
+            # the job reports when every host started, and how much of that was the planner's: both within the job
+            assert 0 < result.handed_s <= result.started_s <= sum(result.phases.values())
         assert len(programs) == 1, programs
     finally:
         _delete(c, tensors)
@@ -112,8 +112,9 @@ def test_a_registered_sync_refuses_what_reshard_many_refuses(client, fresh_name)
     name = f"{fresh_name}_w"
     c.put(name, np.zeros((8, 8), np.float32), Sharding(TRAIN, ("tp", None)))
     try:
-        with pytest.raises(InvalidArgumentError, match="unknown device 'ghost/0'"):
-            c.register_sync({name: Sharding(Mesh.from_hosts({"x": 2}, ["ghost"], 2), ("x", None))})
+        # (a host no test registers: another registers a "ghost" on this cluster)
+        with pytest.raises(InvalidArgumentError, match="unknown device 'never-registered/0'"):
+            c.register_sync({name: Sharding(Mesh.from_hosts({"x": 2}, ["never-registered"], 2), ("x", None))})
         with pytest.raises(NotFoundError, match="no tensor named 'nope'"):
             c.register_sync({"nope": Sharding(INFER, (None, "tp"))})
         assert np.array_equal(c.get(name), np.zeros((8, 8), np.float32))

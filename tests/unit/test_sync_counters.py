@@ -103,3 +103,59 @@ def test_a_snapshot_names_the_tensor_it_lacks(missing):
     with pytest.raises(Exception, match=f"no tensor named '{missing}'"):
         cat.snapshot(["u", "v", "w"])
     assert [r.name for r in cat.current_named(["u"])] == ["u"]
+
+
+class _Recording:
+    """`AgentCalls` that only record: these tests are of the planner's checks, which come before any agent's part."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name):
+        return lambda host, *args, **kw: self.calls.append((name, host))
+
+
+def test_a_quantizing_sync_is_checked_again_only_where_its_tensors_dtypes_differ_from_its_last_check(monkeypatch):
+    import json
+
+    from reshard.server.common.config import PlannerConfig
+    from reshard.server.planner.control import Planner
+
+    planner = Planner(PlannerConfig(heartbeat_timeout_s=600), _Recording())
+    try:
+        for h in ("a", "b"):
+            planner.register(h, 1, f"{h}:1", 10.0, secret=f"{h}-secret-0123456789".encode())
+        shape, src = (256, 256), ROWS
+        planner.catalog.add(TensorRecord("w", shape, "bfloat16", src, 1))
+        checks = []
+        check = planner._check_sync
+        monkeypatch.setattr(planner, "_check_sync", lambda sync: checks.append(sync.id) or check(sync))
+
+        def publish() -> None:  # the trainer's next step, in its own dtype and layout
+            version = planner.catalog.next_version("w")
+            planner.catalog.commit([(None, TensorRecord("w", shape, "bfloat16", src, version))])
+
+        def run() -> object:
+            job = planner.sync(sync.id)
+            assert job.done_event.wait(30) and job.state == "succeeded", job.error
+            return job
+
+        sync = planner.register_sync([("w", json.dumps(COLS.to_json()))], "auto", None, [("w", "w_scale", None)],
+                                     dtypes={"w": "float8_e4m3fn"})
+        assert len(checks) == 1
+        first = run()
+        assert planner.catalog.get("w").dtype == "float8_e4m3fn" and planner.catalog.contains("w_scale")
+        publish()
+        run()  # its scale is a new name since the check: checked again
+        assert len(checks) == 2
+        for _ in range(2):  # each step: fp8 committed, bf16 published again: the dtypes it was checked with
+            publish()
+            job = run()
+            assert len(checks) == 2 and job.ran.id == first.ran.id
+        assert planner.catalog.get("w").dtype == "float8_e4m3fn"
+        # run again before the trainer publishes: the weight is fp8 already, so the request is checked again, and
+        # the job moves it as it is
+        job = run()
+        assert len(checks) == 3 and job.dtypes == {} and job.ran.id != first.ran.id
+    finally:
+        planner.close()
