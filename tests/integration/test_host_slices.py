@@ -43,29 +43,40 @@ def _page(cluster, job_id: str) -> str:
     return r.text
 
 
+def _step_values(case, seed: int) -> dict[str, np.ndarray]:
+    """A training step's weights of ``case``: bf16 (float32 where the case says), drawn from ``seed``."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for t in case.weights:
+        x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
+        values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
+    return values
+
+
+def _check_served(got: dict, values: dict, case) -> None:
+    """Every weight as served is what was published, bit for bit, or its quantized form the reference quantizer
+    makes, with its scales."""
+    for t in case.weights:
+        if t.name not in case.scales:
+            assert got[t.name].tobytes() == values[t.name].tobytes(), t.name
+            continue
+        codes, scales = reference(bfloat16_to_float32(values[t.name].view(np.uint16)), 128)
+        np.testing.assert_array_equal(got[t.name].view(np.uint8), codes, err_msg=t.name)
+        np.testing.assert_array_equal(got[case.scales[t.name]], scales, err_msg=t.name)
+
+
 def test_each_agent_gets_its_hosts_part_of_a_quantized_moe_and_the_result_is_bit_exact(web):
     cluster, client = web
     case = moe_state_dict(TINY_MOE, TRAIN_GRID, SERVE_GRID, ep_devices=2)
     names = [t.name for t in case.tensors]
     dtypes = {k: d for k, d in case.serve_dtypes.items() if k not in case.scales.values()}
     for step in range(2):  # the second sync runs the same program: the agents hold their slices
-        rng = np.random.default_rng(step)
-        values = {}
-        for t in case.weights:
-            x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
-            values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
+        values = _step_values(case, step)
         client.put_many({t.name: (values[t.name], t.src) for t in case.weights}, step=step)
         result = client.reshard_many({t.name: t.dst for t in case.weights}, scales=case.scales,
                                      dtype=dtypes).result(timeout=300)
         assert result.state == "succeeded", result.error
-        got = client.get_many(names)
-        for t in case.weights:
-            if t.name not in case.scales:
-                assert got[t.name].tobytes() == values[t.name].tobytes(), t.name
-                continue
-            codes, scales = reference(bfloat16_to_float32(values[t.name].view(np.uint16)), 128)
-            np.testing.assert_array_equal(got[t.name].view(np.uint8), codes, err_msg=t.name)
-            np.testing.assert_array_equal(got[case.scales[t.name]], scales, err_msg=t.name)
+        _check_served(client.get_many(names), values, case)
         handed = _job(cluster, result.id)["program_bytes"]
         assert sorted(handed) == ["host0", "host1", "host2", "host3"]
         # each its own part: the training hosts' (sends and quantizes) and the serving hosts' (receives) differ
@@ -85,22 +96,11 @@ def test_a_registered_sync_quantizes_a_moe_on_the_way_every_step_bit_exact_on_on
     programs = set()
     try:
         for step in range(3):  # the trainer publishes bf16, the sync commits fp8 over it: every step
-            rng = np.random.default_rng(10 + step)
-            values = {}
-            for t in case.weights:
-                x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
-                values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
+            values = _step_values(case, 10 + step)
             client.put_many({n: (values[n], t.src) for n, t in weights.items()}, step=step)
             result = sync.run(version=step).result(timeout=300)
             programs.add(result.plan_id)
-            got = client.get_many(names)
-            for t in case.weights:
-                if t.name not in case.scales:
-                    assert got[t.name].tobytes() == values[t.name].tobytes(), t.name
-                    continue
-                codes, scales = reference(bfloat16_to_float32(values[t.name].view(np.uint16)), 128)
-                np.testing.assert_array_equal(got[t.name].view(np.uint8), codes, err_msg=t.name)
-                np.testing.assert_array_equal(got[case.scales[t.name]], scales, err_msg=t.name)
+            _check_served(client.get_many(names), values, case)
             assert _job(cluster, result.id)["sync"] == sync.id
         assert len(programs) == 1, programs
         # the same as a reshard_many naming the step: the scales the syncs made carry no later step of their own,
