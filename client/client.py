@@ -1096,8 +1096,9 @@ class Client(FrameworkAdapters):
         """A weight sync's `reshard_many`, checked once by the planner and then run every step by
         `RegisteredSync.run`, which sends no names or shardings: the arguments are `reshard_many`'s (the versions
         and ``delta`` go to each run). The planner checks the request again at a run only where a tensor's shape
-        or dtype, the catalog's names or an agent's registration changed since; a tensor put back in another
-        sharding is planned again by that run. The planner keeps the last 64 syncs registered, in memory: a run
+        or dtype, the catalog's names or an agent's registration changed since (a sync that quantizes on the way,
+        whose weights go fp8 and back every step, compares its tensors' dtypes with those it was checked with); a
+        tensor put back in another sharding is planned again by that run. The planner keeps the last 64 syncs registered, in memory: a run
         of one it forgot (it restarted) raises `NotFoundError`; register it again."""
         request = self._many_request("register_sync", shardings, strategy, bucket_mib, scales, manifest, dtype)
         info = self._planner_call("RegisterSync", request)
