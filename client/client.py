@@ -259,16 +259,19 @@ class Job:
         self.id = info.id
         self.tensor = info.tensor
 
-    def info(self, wait_s: float = 0.0) -> JobResult:
-        return _result(self._client._planner_call("GetJob", pb.JobRequest(job=self.id, wait_s=wait_s),
+    def info(self, wait_s: float = 0.0, brief: bool = False) -> JobResult:
+        """The job as the planner has it, waiting up to ``wait_s`` for it to end; ``brief``: while it runs, without
+        its tensors' versions and deltas, its inputs and what carries each transfer (a state dict's job has
+        millions), which a finished job's reply always has."""
+        return _result(self._client._planner_call("GetJob", pb.JobRequest(job=self.id, wait_s=wait_s, brief=brief),
                                                   timeout=wait_s + self._client.timeout))
 
     def done(self) -> bool:
-        return self.info().state in ("succeeded", "failed")
+        return self.info(brief=True).state in ("succeeded", "failed")
 
     def progress(self) -> tuple[int, int]:
         """(bytes sent, bytes to send) summed over the agents."""
-        p = self.info().progress
+        p = self.info(brief=True).progress
         return sum(d for d, _ in p.values()), sum(t for _, t in p.values())
 
     def result(self, timeout: Optional[float] = None) -> JobResult:
@@ -276,7 +279,7 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
-            info = self.info(wait_s=max(left, 0.0))
+            info = self.info(wait_s=max(left, 0.0), brief=True)  # whole once it has ended
             if info.state == "succeeded":
                 return info
             if info.state == "failed":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -324,7 +325,10 @@ def _locations(items: list[TileLocation]) -> list[pb.TileLocation]:
             for t in items]
 
 
-def job_info(job: Job) -> pb.JobInfo:
+def job_info(job: Job, brief: bool = False) -> pb.JobInfo:
+    """``job`` as the wire has it; ``brief``, without the fields that grow with it (`JobRequest.brief`)."""
+    if brief:
+        job = replace(job, inputs=[], versions={}, deltas={}, transports=[])
     return pb.JobInfo(
         id=job.id, tensor=job.tensor, state=job.state, error=job.error,
         plan_id=job.ran.id if job.ran is not None else "", strategy=job.strategy,  # the program, where no plan ran
@@ -499,7 +503,8 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def GetJob(self, request, context):
-        return job_info(self.planner.job(request.job, request.wait_s))
+        job = self.planner.job(request.job, request.wait_s)
+        return job_info(job, brief=request.brief and job.state in ("queued", "running"))
 
     @staticmethod
     def _compute_args(r: pb.ComputeRequest) -> tuple:

@@ -159,3 +159,21 @@ def test_a_quantizing_sync_is_checked_again_only_where_its_tensors_dtypes_differ
         assert len(checks) == 3 and job.dtypes == {} and job.ran.id != first.ran.id
     finally:
         planner.close()
+
+
+def test_a_brief_job_info_leaves_out_what_grows_with_the_job():
+    from reshard.server.planner.jobs import Job
+    from reshard.server.planner.service import job_info
+
+    names = [f"t{i}" for i in range(1000)]
+    job = Job("j" * 32, names[0], None, "auto", state="running", kind="reshard_many", inputs=names,
+              versions=dict.fromkeys(names, 2), transports=["grpc"] * 5000,
+              deltas={n: {"mode": "full", "why": "", "bytes": 1, "full_bytes": 1, "expected": 1} for n in names})
+    job.progress = {"a": [5, 10]}
+    whole, brief = job_info(job), job_info(job, brief=True)
+    assert len(whole.inputs) == len(whole.versions) == len(whole.deltas) == 1000 and len(whole.transports) == 5000
+    assert not (brief.inputs or brief.versions or brief.deltas or brief.transports)
+    assert (brief.id, brief.state, brief.tensor, list(brief.progress)) == (whole.id, whole.state, whole.tensor,
+                                                                          list(whole.progress))
+    assert len(brief.SerializeToString()) < len(whole.SerializeToString()) // 50
+    assert job.inputs == names and len(job.transports) == 5000  # the job itself keeps them
