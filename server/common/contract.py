@@ -16,7 +16,7 @@
                         names a program by its SHA-256 to an agent it sent the text to while both
                         would still hold it
 ``prepare_reads``       a Prepare's reads (program tensor -> stored name and version) from the columns
-                        the request carries them in
+                        the request carries them in, and ``read_columns`` those columns from the reads
 ``DELTA_BASE_MISMATCH`` how an agent's FAILED_PRECONDITION begins when a delta stream's base (the
                         receiver's copy of the version it starts from) differs from the sender's, or
                         the delta applied to it does not give the sender's box: the planner runs the
@@ -28,10 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Iterable, Mapping
+from operator import itemgetter
+
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "prepare_reads", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD", "PROGRAMS_KEPT",
-           "PROGRAMS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
+__all__ = ["GroupView", "Staging", "prepare_reads", "read_columns", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD",
+           "PROGRAMS_KEPT", "PROGRAMS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto", "nixl")
 BACKENDS = ("gloo", "nccl")
@@ -96,3 +99,20 @@ def prepare_reads(request) -> dict[str, tuple[str, int]]:
                                    f"{len(request.read_names)} stored names and {len(versions)} versions; give a "
                                    f"version for each, and a name for each or none")
     return dict(zip(tensors, zip(names, versions)))
+
+
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+
+
+def read_columns(reads: Mapping[str, tuple[str, int]],
+                 tensors: Iterable[str] | None = None) -> tuple[list[str], list[str], list[int]]:
+    """``reads`` (program tensor -> (stored name, version)) as the columns a Prepare carries them in (program
+    tensors, stored names, versions): all of them, or those of ``tensors`` (a host's slice's) in that order.
+    Made a column at a time: a state dict's job reads 139,583 tensors. `prepare_reads` reads them back."""
+    if tensors is None:
+        tensors, read = list(reads), list(reads.values())
+    else:
+        tensors, read = list(tensors), list(map(reads.get, tensors))
+        if not all(read):  # a slice's tensor no read names: one its program makes
+            tensors, read = [t for t, r in zip(tensors, read) if r], [r for r in read if r]
+    return tensors, list(map(_FIRST, read)), list(map(_SECOND, read))

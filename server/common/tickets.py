@@ -35,12 +35,11 @@ import hashlib
 import hmac
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
-from operator import itemgetter
-
 import numpy as np
 
 from reshard.box import Box
 from reshard.proto.errors import PermissionDeniedError
+from reshard.server.common.contract import read_columns
 
 __all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "program_digest", "reads_digest", "prepare_fields",
            "commit_fields",
@@ -48,7 +47,6 @@ __all__ = ["new_secret", "sign", "TicketCheck", "put_fields", "program_digest", 
 
 SECRET_BYTES = 32
 _SEP = "\x1f"
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def new_secret() -> bytes:
@@ -94,8 +92,7 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
-        read = list(reads.values())
-        signed_reads = reads_digest(list(reads), list(map(_FIRST, read)), list(map(_SECOND, read)))
+        signed_reads = reads_digest(*read_columns(reads))
     if signed_reads:
         fields += ("reads:" + signed_reads,)
     if nixl_peers:

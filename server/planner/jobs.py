@@ -71,7 +71,7 @@ from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
 from reshard.proto.errors import DeadlineExceededError, UnavailableError
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging
+from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging, read_columns
 from reshard.server.common.sizes import format_size
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped, new_content
 from reshard.server.planner.membership import GroupCoordinator
@@ -174,8 +174,8 @@ class Preparation:
         names = self.host_tensors.get(host)
         if names is None:
             return self.reads
-        reads = self.reads
-        return {t: reads[t] for t in names if t in reads}
+        tensors, stored, versions = read_columns(self.reads, names)  # what its Prepare carries (the service's)
+        return dict(zip(tensors, zip(stored, versions)))
 
     def delta_bases_for(self, host: str) -> dict[str, tuple[int, int]]:
         """The ``delta_bases`` ``host`` is handed, as `reads_for`."""

@@ -6,8 +6,7 @@ import json
 from dataclasses import replace
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
-from operator import itemgetter
+from collections.abc import Callable, Mapping
 from concurrent import futures
 
 import grpc
@@ -25,7 +24,8 @@ from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, GroupView, Staging
+from reshard.server.common.contract import (PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, GroupView, Staging,
+                                            read_columns)
 from reshard.server.planner.jobs import Job, Preparation
 from reshard.server.planner.control import Planner, TileLocation
 
@@ -43,7 +43,6 @@ def _traffic(t: pb.HostTraffic) -> dict:
 # An Execute stream's messages are read by the thread that called it, not handed over by the channel's own polling
 # thread: a job's Execute calls each took two thread switches more per message, most of a small job's planner time.
 _AGENT_CHANNEL_OPTIONS = ((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),)
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newest last
 # Program texts whose SHA-256 the planner keeps (`GrpcAgentCalls._digest`), and their bytes in all: a program cut per
 # host is a text per host (48 for the Kimi-K2-like sync, 412 MiB), each hashed once, not at every job. The texts are
@@ -52,25 +51,11 @@ _DIGESTS_KEPT = 256
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
-def _read_columns(reads: Mapping[str, tuple[str, int]],
-                  tensors: Iterable[str] | None = None) -> tuple[list[str], list[str], list[int]]:
-    """``reads`` as the columns a Prepare carries (program tensors, stored names, versions): all of them, or
-    those of ``tensors`` (a host's slice's) in that order. Made a column at a time: a state dict's job reads
-    139,583 tensors."""
-    if tensors is None:
-        tensors, read = list(reads), list(reads.values())
-    else:
-        tensors, read = list(tensors), list(map(reads.get, tensors))
-        if not all(read):  # a slice's tensor no read names: one its program makes
-            tensors, read = [t for t, r in zip(tensors, read) if r], [r for r in read if r]
-    return tensors, list(map(_FIRST, read)), list(map(_SECOND, read))
-
-
 def _request_of(p: Preparation, columns: tuple[list[str], list[str], list[int]],
                 delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
-    """Job ``p``'s Prepare without its program and tickets, carrying the reads ``columns`` (`_read_columns`; no
-    names where each tensor reads its own name, a state dict's case) and ``delta_bases``; and the fields its ticket
-    signs but the program's SHA-256."""
+    """Job ``p``'s Prepare without its program and tickets, carrying the reads ``columns`` (`read_columns`; no names
+    where each tensor reads its own name, a state dict's case) and ``delta_bases``; and the fields its ticket signs
+    but the program's SHA-256."""
     tensors, names, versions = columns
     request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
@@ -139,7 +124,7 @@ class GrpcAgentCalls:
             if p.host_tensors:
                 base = fields = None
             else:
-                base, fields = _request_of(p, _read_columns(p.reads), p.delta_bases)
+                base, fields = _request_of(p, read_columns(p.reads), p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, base, fields, pushes, {})
             with self._lock:
@@ -160,7 +145,7 @@ class GrpcAgentCalls:
         with self._lock:
             part = parts.get(names)
         if part is None:
-            part = _request_of(p, _read_columns(p.reads, names), p.delta_bases_for(host))
+            part = _request_of(p, read_columns(p.reads, names), p.delta_bases_for(host))
             with self._lock:
                 part = parts.setdefault(names, part)
         return part
