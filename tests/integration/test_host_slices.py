@@ -84,6 +84,9 @@ def test_each_agent_gets_its_hosts_part_of_a_quantized_moe_and_the_result_is_bit
         assert "each its own part" in _page(cluster, result.id)
 
 
+# 10 s (three quantized steps): in the slow suite; make test syncs registered syncs in test_registered_sync.py and
+# checks a quantizing one's checks in tests/unit/test_sync_counters.py.
+@pytest.mark.slow
 def test_a_registered_sync_quantizes_a_moe_on_the_way_every_step_bit_exact_on_one_program(web):
     cluster, client = web
     case = moe_state_dict(TINY_MOE, TRAIN_GRID, SERVE_GRID, ep_devices=2)

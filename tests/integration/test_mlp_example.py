@@ -6,9 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# 8-10 s, most of it the example starting its own cluster: in the slow suite (make bench), which keeps make test
+# under its 10 minutes; the same einsum and apply calls run in make test's own einsum and pipeline tests.
+@pytest.mark.slow
 def test_the_mlp_example_trains_and_matches_numpy():
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "mlp.py"), "--steps", "10"], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
