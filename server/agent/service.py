@@ -451,7 +451,7 @@ def nixl_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
     os.environ.update(env)  # UCX reads its environment as the NIXL agent is made, which is next
     log.info("agent %s: nixl transport on backend %s; %s", config.host, config.nixl_backend, said)
     return nixl.NixlTransport(config.host, backend=config.nixl_backend, lanes=config.collective_lanes,
-                              chunk_bytes=config.collective_chunk, timeout_s=config.transfer_timeout_s,
+                              chunk_bytes=config.nixl_chunk, timeout_s=config.transfer_timeout_s,
                               throttle=throttle, stall_timeout_s=config.stall_timeout_s)
 
 

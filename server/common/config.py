@@ -99,10 +99,20 @@ class AgentConfig:
     def collective_chunk(self) -> int:
         """The collective transport's chunk size: as set, else about 3 ms on the NIC, in whole MiB powers
         of two from 2 to 16 (4 MiB at the default 10 Gbit/s, 2 MiB at 1 Gbit/s, 16 MiB from 40 Gbit/s)."""
-        if self.collective_chunk_bytes:
-            return self.collective_chunk_bytes
+        return self.collective_chunk_bytes or self._chunk_on_the_nic(2 * MiB)
+
+    @property
+    def nixl_chunk(self) -> int:
+        """The nixl transport's chunk size: as set (--collective-chunk-mib), else the collective rule down to 1 MiB
+        (1 MiB at 1 Gbit/s). A chain hop learns that a chunk landed only once the WRITEs after it in the window
+        are on their way too (a WRITE's notification leaves as it completes), so each hop of a chain adds about
+        a window of chunks to the job: a gloo message's cost per chunk does not apply here."""
+        return self.collective_chunk_bytes or self._chunk_on_the_nic(MiB)
+
+    def _chunk_on_the_nic(self, least: int) -> int:
+        """About 3 ms on the NIC, in powers of two from ``least`` to 16 MiB."""
         target = self.nic_gbps * 1e9 / 8 * 0.003
-        chunk = 2 * MiB
+        chunk = least
         while chunk < 16 * MiB and chunk * 1.5 < target:
             chunk *= 2
         return chunk

@@ -97,7 +97,11 @@ __all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES"]
 
 log = logging.getLogger(__name__)
 
-WINDOW = 4  # WRITEs in flight per stream: bounds a stream's staging and keeps the receiver's pieces coming
+# WRITEs in flight per stream: bounds a stream's staging and keeps the receiver's pieces coming. Two, not more: a
+# WRITE's notification leaves as the WRITE completes, behind the WRITEs already posted after it, so a chain hop
+# learns of a chunk a window late, and a chain pays that per hop (bench/paper.py --transport nixl: a 4-host chain on
+# 1 Gbit/s links 1.25x its estimate with four 2 MiB WRITEs, 1.09x with two of 1 MiB, `AgentConfig.nixl_chunk`)
+WINDOW = 2
 # A box whose runs in the destination average fewer bytes lands in a scratch buffer and is copied into place:
 # below this a descriptor per run costs more than the copy
 MIN_RUN_BYTES = 1024
