@@ -8,6 +8,9 @@ run (chains, reduces, uneven tiles, many jobs at once) run on nixl too, through 
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import Future
 
@@ -277,6 +280,56 @@ def test_a_sender_that_gives_up_midway_fails_its_receiver_at_once(pair):
         receiving.result(5)
     assert time.monotonic() - t0 < 0.3  # not the 0.5 s stall limit
     assert not any(isinstance(item, Trailer) for item in got)
+
+
+# A receiving agent in a process of its own, so that it can die with a WRITE into it under way
+_RECEIVER = """
+import sys
+from reshard.server.transport.nixl import NixlTransport
+from reshard.server.transport.session import Session
+from reshard.server.transport.streams import StreamKey
+c = NixlTransport("c", chunk_bytes=1 << 20, timeout_s=30, stall_timeout_s=30, shared_memory=False)
+print("MD", c.metadata().hex(), flush=True)  # NIXL's own log lines go to stdout too
+c.add_peer("a", bytes.fromhex(sys.stdin.readline()))
+n = int(sys.argv[1])
+for item in c.arrivals(Session("dies", "p", {0: "uint8"}, {}), StreamKey("dies", 0, 0), "a", ((0, n),),
+                       lambda sub: None):
+    pass
+"""
+
+
+def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_host(monkeypatch):
+    """Every poll of an agent's notifications polls all its WRITEs under way, another job's too: one into a killed
+    agent (NIXL_ERR_REMOTE_DISCONNECT) fails the stream it belongs to, naming the host, and no other."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # over loopback's TCP, 128 MiB are still under way when the receiver dies
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    n = 128 << 20
+    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(n)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    a, b = (NixlTransport(h, chunk_bytes=n, timeout_s=5, stall_timeout_s=1, shared_memory=False) for h in "ab")
+    try:
+        a.add_peer("c", bytes.fromhex(next(line for line in child.stdout if line.startswith("MD "))[3:].strip()))
+        child.stdin.write(a.metadata().hex() + "\n")
+        child.stdin.flush()
+        a.add_peer("b", b.metadata())
+        b.add_peer("a", a.metadata())
+        dying = Session("dies", "p", {0: "uint8"}, {})
+        out = a.open(dying, StreamKey("dies", 0, 0), "c")
+        out.put(((0, n),), np.ones(n, np.uint8))
+        assert a._agent.check_xfer_state(next(iter(a._inflight))) == "PROC"  # the WRITE is under way
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        # another job's stream, while the dead WRITE is still polled with every notification
+        src = np.arange(4096, dtype=np.float32)
+        pieces, trailer = _move(a, b, "lives", src, ((0, 4096),), lambda sub: None)
+        assert trailer.nbytes == src.nbytes
+        assert b"".join(bytes(p.data) for p in pieces) == src.tobytes()
+        with pytest.raises(UnavailableError, match="job dies: a WRITE of stream 0 of step 0 to host c failed"):
+            out.wait(5)
+    finally:
+        child.kill()
+        a.close()
+        b.close()
 
 
 def test_idle_agents_burn_no_cpu(pair):
