@@ -494,9 +494,13 @@ class NixlTransport(Transport):
         kind, key, payload = decode(msg)
         if kind == b"D":
             _, mdlen, _ = POST.unpack_from(payload)
-            for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
-                self._agent.add_remote_agent(blob)  # here before any WRITE into it
-        role = "out" if kind in (b"D", b"K") else "in"
+            try:
+                for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
+                    self._agent.add_remote_agent(blob)  # here before any WRITE into it
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the peer went away meanwhile)
+                # the stream that waits for this post fails naming the host, not whichever stream was polling
+                kind, payload = b"E", f"{type(e).__name__}: {e}".encode()
+        role = "out" if kind in (b"D", b"K", b"E") else "in"
         with self._lock:
             if key.job in self._ended:
                 return
@@ -534,6 +538,10 @@ class NixlTransport(Transport):
                 if kind == b"X":
                     raise UnavailableError(f"job {key.job}: host {peer} gave up stream {key.hop} of step "
                                            f"{key.step} (its job failed there)")
+                if kind == b"E":
+                    raise UnavailableError(f"job {key.job}: host {peer} posted stream {key.hop} of step {key.step}, "
+                                           f"but the memory it named could not be loaded here "
+                                           f"({payload.decode(errors='replace')}): its agent went away")
                 return item
             s.check()  # a job that failed elsewhere stops waiting at once
             if self._pump():

@@ -292,10 +292,26 @@ c = NixlTransport("c", chunk_bytes=1 << 20, timeout_s=30, stall_timeout_s=30, sh
 print("MD", c.metadata().hex(), flush=True)  # NIXL's own log lines go to stdout too
 c.add_peer("a", bytes.fromhex(sys.stdin.readline()))
 n = int(sys.argv[1])
-for item in c.arrivals(Session("dies", "p", {0: "uint8"}, {}), StreamKey("dies", 0, 0), "a", ((0, n),),
-                       lambda sub: None):
+s = Session("dies", "p", {0: "uint8"}, {})
+if sys.argv[2:] == ["post-only"]:  # take a first stream (connected both ways), then post a second into new memory (its
+    import threading, time     # registration goes with the post), say so, and wait to be killed
+    for item in c.arrivals(s, StreamKey("dies", 0, 0), "a", ((0, 1024),), lambda sub: None):
+        pass
+    items = c.arrivals(s, StreamKey("dies", 0, 1), "a", ((0, n),), lambda sub: None)
+    threading.Thread(target=lambda: next(items), daemon=True).start()
+    time.sleep(0.5)
+    print("POSTED", flush=True)
+    time.sleep(60)
+for item in c.arrivals(s, StreamKey("dies", 0, 0), "a", ((0, n),), lambda sub: None):
     pass
 """
+
+
+def _receiver(n: int, *mode: str) -> tuple[subprocess.Popen, bytes]:
+    """The receiving agent's process, and its NIXL metadata."""
+    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(n), *mode], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    return child, bytes.fromhex(next(line for line in child.stdout if line.startswith("MD "))[3:].strip())
 
 
 def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_host(monkeypatch):
@@ -304,11 +320,10 @@ def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_ho
     monkeypatch.setenv("UCX_TLS", "tcp")  # over loopback's TCP, 128 MiB are still under way when the receiver dies
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     n = 128 << 20
-    child = subprocess.Popen([sys.executable, "-c", _RECEIVER, str(n)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child, metadata = _receiver(n)
     a, b = (NixlTransport(h, chunk_bytes=n, timeout_s=5, stall_timeout_s=1, shared_memory=False) for h in "ab")
     try:
-        a.add_peer("c", bytes.fromhex(next(line for line in child.stdout if line.startswith("MD "))[3:].strip()))
+        a.add_peer("c", metadata)
         child.stdin.write(a.metadata().hex() + "\n")
         child.stdin.flush()
         a.add_peer("b", b.metadata())
@@ -330,6 +345,32 @@ def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_ho
         child.kill()
         a.close()
         b.close()
+
+
+def test_a_post_from_an_agent_that_died_before_it_was_read_fails_its_stream_naming_the_host(monkeypatch):
+    """A post carries the memory the receiver registered since (NIXL partial metadata), loaded as the post is read:
+    from an agent that died meanwhile it cannot load, and the stream waiting for it fails naming the host."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    child, metadata = _receiver(4 << 20, "post-only")
+    a = NixlTransport("a", chunk_bytes=1 << 20, timeout_s=5, stall_timeout_s=1, shared_memory=False)
+    try:
+        a.add_peer("c", metadata)
+        child.stdin.write(a.metadata().hex() + "\n")
+        child.stdin.flush()
+        s = Session("dies", "p", {0: "uint8"}, {})
+        a.send(s, StreamKey("dies", 0, 0), "c", np.ones(1024, np.uint8), ((0, 1024),), ((0, 1024),))
+        next(line for line in child.stdout if line.startswith("POSTED"))
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        out = a.open(s, StreamKey("dies", 0, 1), "c")
+        with pytest.raises(UnavailableError, match=r"job dies: host c posted stream 1 of step 0, but the memory it "
+                                                   r"named could not be loaded here \(.*\): its agent went away"):
+            out.put(((0, 4 << 20),), np.ones(4 << 20, np.uint8))
+        out.cancel()
+    finally:
+        child.kill()
+        a.close()
 
 
 def test_idle_agents_burn_no_cpu(pair):
