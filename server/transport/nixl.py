@@ -71,6 +71,8 @@ from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, 
 from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+from reshard.server.transport.nixl_api import api as _api
+from reshard.server.transport.nixl_api import nixl_missing
 from reshard.server.transport.nixl_memory import (
     CHUNK,
     POST,
@@ -112,29 +114,6 @@ STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered 
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
 _ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
-_INSTALL = "pip install 'reshard[nixl]'"
-
-
-def _api():
-    """NIXL's Python API: the ``nixl_cu12`` wheel the extra pins, else ``nixl_cu13`` (CUDA 13 hosts), else the
-    ``nixl`` meta package's pick."""
-    try:
-        from nixl_cu12 import _api
-    except ImportError:
-        try:
-            from nixl_cu13 import _api
-        except ImportError:
-            from nixl import _api
-    return _api
-
-
-def nixl_missing() -> str | None:
-    """None when NIXL imports here; else why not, ending with the command to run: pip install 'reshard[nixl]'"""
-    try:
-        _api()
-    except (ImportError, OSError) as e:  # OSError: the wheel is there but its shared libraries do not load
-        return f"NIXL does not import in this Python ({type(e).__name__}: {e}); {_INSTALL}"
-    return None
 
 
 class _Backoff:

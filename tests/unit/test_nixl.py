@@ -297,6 +297,7 @@ if sys.argv[2:] == ["post-only"]:  # take a first stream (connected both ways), 
     import threading, time     # registration goes with the post), say so, and wait to be killed
     for item in c.arrivals(s, StreamKey("dies", 0, 0), "a", ((0, 1024),), lambda sub: None):
         pass
+    time.sleep(1.0)  # the sender has its confirmation and polls no more: the post waits unread until it does
     items = c.arrivals(s, StreamKey("dies", 0, 1), "a", ((0, n),), lambda sub: None)
     threading.Thread(target=lambda: next(items), daemon=True).start()
     time.sleep(0.5)
