@@ -49,8 +49,10 @@ one machine     where the box lands in shared segments (`shm`: host tiles are, w
 =============== ==============================================================================
 
 A peer that never posts its receive, goes silent or whose WRITE fails fails the stream
-within ``stall_timeout_s`` (else ``timeout_s``) with `UnavailableError` naming the host;
-a digest mismatch is the base class's DATA_LOSS.
+within ``stall_timeout_s`` (else ``timeout_s``) with `UnavailableError` naming the host,
+as does a post whose memory cannot be loaded (its agent died before the post was read):
+only that stream, whichever stream's poll met the error; a digest mismatch is the base
+class's DATA_LOSS.
 """
 
 from __future__ import annotations
