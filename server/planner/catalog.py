@@ -277,6 +277,12 @@ class Catalog:
         dtype published again): see ``_shapes``."""
         return self._shapes
 
+    def _redeclared_locked(self, changed: bool, converted: bool = False) -> None:
+        """Count a change to the declarations (``changed``: names, shapes, dtypes, kinds or lost devices), or one
+        of a conversion's dtype alone (``converted``), which `declared` counts and `shapes` does not."""
+        self._declared += changed or converted
+        self._shapes += changed
+
     def get(self, name: str) -> TensorRecord:
         with self._lock:
             rec = self._tensors.get(name)
@@ -331,8 +337,7 @@ class Catalog:
                         changed = True
                 if current is not None and current.version != new.version:
                     (kept if self._holds[current.name, current.version] else freed).append(current)
-            self._declared += changed or converted
-            self._shapes += changed
+            self._redeclared_locked(changed, converted)
             for rec in kept:
                 self._keep_locked(rec)
         self._save_old(kept)
@@ -372,8 +377,7 @@ class Catalog:
         pair on it keeps it; `delete` drops the pair first)."""
         with self._lock:
             rec = self._tensors.pop(name, None)
-            self._declared += rec is not None
-            self._shapes += rec is not None
+            self._redeclared_locked(rec is not None)
             pinned = rec is not None and bool(self._holds[rec.name, rec.version])
             if pinned:
                 self._keep_locked(rec)
@@ -400,8 +404,7 @@ class Catalog:
             old = [r for kept in self._old.values() for r in map(reconciled, kept.values()) if r is not None]
             for rec in out:
                 self._tensors[rec.name] = rec
-            self._declared += bool(out)
-            self._shapes += bool(out)
+            self._redeclared_locked(bool(out))
             for rec in old:
                 self._keep_locked(rec)
         self._save_old(old)
@@ -411,8 +414,7 @@ class Catalog:
         with self._lock:
             for r in records:
                 self._tensors[r.name] = r
-            self._declared += 1
-            self._shapes += 1
+            self._redeclared_locked(True)
 
     # -- version numbers ------------------------------------------------------------------------------------------
 
