@@ -55,12 +55,31 @@ def pytest_collection_modifyitems(items):
     for item, values in params:
         if item.get_closest_marker("grpc_in_make_test") and values & {"collective", "nixl"}:
             item.add_marker(pytest.mark.slow)
+    _transports_in_turn(params)
     uses_nixl = [item for item, values in params if "nixl" in values]
     missing = _nixl_missing() if uses_nixl else None
     if missing:
         skip = pytest.mark.skip(reason=missing)
         for item in uses_nixl:
             item.add_marker(skip)
+
+
+def _transports_in_turn(params) -> None:
+    """A test marked ``transports_in_turn`` runs each of its cases on one transport in make test, taking the
+    transports in turn from the marker's ``first`` (default grpc), and every case on every transport in the slow
+    suite: for cases whose behaviour the transport does not change, where all of them on every transport would
+    cost make test more than they find."""
+    turns: dict[tuple, int] = {}
+    for item, values in params:
+        marker = item.get_closest_marker("transports_in_turn")
+        transport = next(iter(values & set(TRANSPORTS)), None)
+        if marker is None or transport is None:
+            continue
+        others = tuple((k, repr(v)) for k, v in sorted(item.callspec.params.items()) if v != transport)
+        case = turns.setdefault((item.originalname, others), sum(k[0] == item.originalname for k in turns))
+        first = TRANSPORTS.index(marker.kwargs.get("first", TRANSPORTS[0]))
+        if TRANSPORTS[(first + case) % len(TRANSPORTS)] != transport:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session", params=TRANSPORTS)

@@ -426,11 +426,15 @@ def _fuzz(fuzzed, service: str, method: str, strategy, examples: int) -> None:
 # -- the tests ----------------------------------------------------------------------------------------------------
 
 
+# make test fuzzes each method on one transport, in turn (the slow suite on every one, and `_long` at length): the
+# servicers behind a method are the same whichever transport the agents run
+@pytest.mark.transports_in_turn
 @pytest.mark.parametrize("service,method", METHODS, ids=[m for _, m in METHODS])
 def test_generated_messages(fuzzed, service, method):
     _fuzz(fuzzed, service, method, requests(service, method), EXAMPLES)
 
 
+@pytest.mark.transports_in_turn
 @pytest.mark.parametrize("service,method", METHODS, ids=[m for _, m in METHODS])
 def test_random_bytes(fuzzed, service, method):
     _fuzz(fuzzed, service, method, raw_requests(service, method), RAW_EXAMPLES)

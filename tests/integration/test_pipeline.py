@@ -67,8 +67,9 @@ def _numpy_losses(weights, batches) -> list[float]:
     return losses
 
 
-# The collective transport's run adds 15 s to make test: it runs from make bench (pytest -m slow).
-@pytest.mark.parametrize("cluster", ["grpc", pytest.param("collective", marks=pytest.mark.slow), "nixl"], indirect=True)
+# Each schedule on every transport costs make test 3 s a case: it runs each schedule on one transport, in turn, and
+# make bench (pytest -m slow) the rest.
+@pytest.mark.transports_in_turn
 @pytest.mark.parametrize("kind", schedule.KINDS)
 def test_a_four_stage_mlp_trains_as_numpy_does(client, kind):
     weights, batches = _data()

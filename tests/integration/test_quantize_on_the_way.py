@@ -56,6 +56,7 @@ def _cleanup(client, names) -> None:
             client.delete(n)
 
 
+@pytest.mark.transports_in_turn
 @pytest.mark.parametrize("src", [Sharding(TRAIN, ("x", None)), Sharding(TRAIN_GRID, ("host", None))],
                          ids=["64-rows-a-device-cut-blocks", "128-rows-a-host-aligned"])
 def test_bf16_weights_arrive_as_fp8_with_scales_the_job_makes(client, fresh_name, src):
@@ -95,6 +96,7 @@ def test_bf16_weights_arrive_as_fp8_with_scales_the_job_makes(client, fresh_name
         _cleanup(client, names)
 
 
+@pytest.mark.transports_in_turn
 def test_a_trainer_publishes_bf16_every_step_and_each_sync_serves_fp8(client, fresh_name):
     """The RL loop: the serving side's version is fp8, and the trainer's next put of the name is bf16 again (the
     dtype the sync quantized from); any other dtype is still refused, naming both."""
@@ -118,6 +120,7 @@ def test_a_trainer_publishes_bf16_every_step_and_each_sync_serves_fp8(client, fr
         _cleanup(client, [f"{n}.w", f"{n}.w_s"])
 
 
+@pytest.mark.transports_in_turn
 def test_a_serving_manifest_lists_what_the_job_commits_fp8_weights_and_float32_scales(client, fresh_name):
     """The consumer's manifest gate checks what the job will commit: the weight in fp8 and its scale (made by the
     job, not in the catalog yet) as float32, one entry per block; one that expects the weight in bf16 is refused
@@ -144,6 +147,7 @@ def test_a_serving_manifest_lists_what_the_job_commits_fp8_weights_and_float32_s
         _cleanup(client, [f"{n}.w", f"{n}.w_s"])
 
 
+@pytest.mark.transports_in_turn(first="nixl")
 def test_a_small_moe_state_dict_arrives_quantized(client, fresh_name):
     n = fresh_name
     case = moe_state_dict(TINY_MOE, TRAIN_GRID, SERVE_GRID, ep_devices=2)

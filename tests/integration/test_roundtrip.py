@@ -137,6 +137,7 @@ def _ranks(client, mode):
     return outs
 
 
+@pytest.mark.transports_in_turn(first="collective")
 def test_put_shard_and_get_shard_from_rank_processes(client):
     outs = _ranks(client, "put")
     assert sorted(outs) == ["False", "False", "False", "True"]  # exactly one rank completed the tensor
