@@ -12,7 +12,7 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
 
-__all__ = ["box_to_pb", "box_from_pb", "shard_stream", "read_shard_stream", "message_size_options"]
+__all__ = ["box_to_pb", "box_from_pb", "shard_stream", "read_shard_stream", "run_start", "message_size_options"]
 
 # A message carries one chunk plus its box and framing.
 _MESSAGE_SLACK = 2**16
@@ -46,9 +46,11 @@ def shard_stream(array: np.ndarray, header: pb.ShardHeader, chunk_bytes: int) ->
     yield pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, xxh3_64=check.xxh3_64))
 
 
-def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None, *, or_end: bool = False
-                      ) -> Optional[tuple[pb.ShardHeader, np.ndarray]]:
-    """Assemble a shard from a stream, checking every piece lies in the tile and the trailer matches.
+def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None, *, or_end: bool = False,
+                      with_digest: bool = False) -> Optional[tuple]:
+    """Assemble a shard from a stream, checking every piece lies in the tile and the trailer matches; returns
+    (header, array), and with ``with_digest`` a third item: the XXH3-64 of the tile's bytes in C order where its
+    pieces came in that order (as `shard_stream` sends them), else None.
 
     ``check_header(header)`` may reject the stream before any bytes are read. A stream may carry several shards
     in a row, each a header, its pieces and a trailer: called again on the same iterator, this reads the next one;
@@ -67,20 +69,37 @@ def read_shard_stream(chunks: Iterable[pb.ShardChunk], check_header=None, *, or_
     dtype = np_dtype(header.dtype)
     out = np.empty(tile_shape(tile), dtype=dtype)
     check = Checksum()
+    in_order = True
     for msg in it:
         kind = msg.WhichOneof("kind")
         if kind == "piece":
-            write_piece(out, tile, msg.piece, dtype)
+            sub = write_piece(out, tile, msg.piece, dtype)
+            in_order = in_order and run_start(tile, sub) * dtype.itemsize == check.nbytes
             check.update(msg.piece.data)
         elif kind == "trailer":
             verify_trailer(check, msg.trailer, out.nbytes, f"shard of device {header.device!r}")
-            return header, out
+            if not with_digest:
+                return header, out
+            return header, out, check.xxh3_64 if in_order else None
         else:
             raise InvalidArgumentError("a shard stream carries, per shard, one header, then pieces, then one trailer")
     raise InvalidArgumentError(
         f"shard stream for device {header.device!r} ended after {check.nbytes} bytes without a trailer; "
         f"the upload was cut off"
     )
+
+
+def run_start(tile: Box, box: Box) -> int:
+    """The element at which ``box`` starts in ``tile``'s C order, where its elements are one run there (every dim
+    before its first of more than one element holds one, every dim after it the tile's whole extent), else -1."""
+    lens = [hi - lo for lo, hi in box]
+    first = next((d for d, n in enumerate(lens) if n != 1), len(lens))
+    if any(lens[d] != hi - lo for d, (lo, hi) in enumerate(tile) if d > first):
+        return -1
+    start = 0
+    for (lo, _), (t_lo, t_hi) in zip(box, tile):
+        start = start * (t_hi - t_lo) + lo - t_lo
+    return start
 
 
 def write_piece(out: np.ndarray, tile: Box, piece: pb.Piece, dtype: np.dtype) -> Box:

@@ -252,6 +252,9 @@ class _Unpack:
         (lo, hi), = box
         self._arrived(device, hi - lo)
 
+    def digested(self, device: str, box: Box, digest: int) -> None:
+        pass  # the digest of the packed bucket: no member's tile
+
     def _arrived(self, device: str, n: int) -> None:
         with self._lock:
             self._got[device] = self._got.get(device, 0) + n

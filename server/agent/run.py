@@ -48,6 +48,9 @@ class _Scratch:
     def mark(self, device: str, box: Box) -> None:
         pass
 
+    def digested(self, device: str, box: Box, digest: int) -> None:
+        pass
+
 
 class Run(Session):
     """One program's run on this host: its buffers, its tasks and their progress.

@@ -144,13 +144,13 @@ class AgentServicer(pb_grpc.AgentServicer):
                     receiving.enter_context(self._room(h, "PutShard"))
                     receiving.enter_context(self.store.receiving(h.upload_id))  # heartbeats keep the upload alive
 
-                got = read_shard_stream(chunks, check, or_end=shards > 0)
+                got = read_shard_stream(chunks, check, or_end=shards > 0, with_digest=True)
                 if got is None:
                     return pb.PutShardReply(nbytes=nbytes)
-                header, shard = got
+                header, shard, digest = got
                 # On a GPU agent the bytes go on to the GPU through pinned staging buffers.
                 self.store.stage(header.upload_id, header.device,
-                                 self.store.adopt(shard, box_from_pb(header.box), dtype_name(header.dtype)))
+                                 self.store.adopt(shard, box_from_pb(header.box), dtype_name(header.dtype), digest))
             nbytes, shards = nbytes + shard.nbytes, shards + 1
 
     @servicer_method

@@ -87,6 +87,7 @@ class StagedTiles:
         """``plan`` is worked out once for every run of a program (`programs.HostLayout`). The caller stages the
         buffers: each (owner, device, buffer) is appended to ``staged`` for `ShardStore.stage_many`."""
         self.job, self.decl, self.name, self.owner = job, decl, name, owner
+        self._store = store
         self.made_whole = plan.made_whole
         self.tiles: dict[str, Box] = plan.tiles
         self._places = plan.places
@@ -181,6 +182,11 @@ class StagedTiles:
         with self._lock:
             self.missing[device] -= n
 
+    def digested(self, device: str, box: Box, digest: int) -> None:
+        """Where ``box`` is ``device``'s whole tile, its digest goes with the staged buffer (`TileBuffer.digest`)."""
+        if self.tiles.get(device) == box and not self.made_whole:
+            self._store.digested(self.owner, device, self.buffers[device], digest)
+
     def short(self) -> dict[str, int]:
         """Devices whose tile still lacks elements, and how many."""
         with self._lock:
@@ -207,4 +213,7 @@ class NoTiles:
         raise self.error(device, box)
 
     def mark(self, device: str, box: Box) -> None:
+        raise self.error(device, box)
+
+    def digested(self, device: str, box: Box, digest: int) -> None:
         raise self.error(device, box)

@@ -32,7 +32,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -52,11 +52,16 @@ DEFAULT_RECYCLE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class TileBuffer:
-    """One device's tile of a tensor: ``array`` (numpy, or a torch tensor on a GPU) holds the box ``tile``."""
+    """One device's tile of a tensor: ``array`` (numpy, or a torch tensor on a GPU) holds the box ``tile``.
+
+    ``digest`` is the XXH3-64 of the tile's bytes in C order where their arrival proved it (a job's stream whose
+    box was the whole tile, an upload read in order against its trailer), else None: a job that sends the whole
+    tile on then needs no pass over its bytes for its trailer (`runtime.AgentRuntime._digest_sources`)."""
 
     array: Any
     tile: Box
     dtype: str
+    digest: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -177,10 +182,10 @@ class ShardStore:
         """``array`` is no longer needed by whoever made it (a program's scratch buffer)."""
         self.recycler.put(array)
 
-    def adopt(self, array, tile: Box, dtype: str) -> TileBuffer:
+    def adopt(self, array, tile: Box, dtype: str, digest: int | None = None) -> TileBuffer:
         """``array`` (numpy, or torch on any device) as a tile buffer on this store's device: moved there if it is
-        not."""
-        return TileBuffer(buffers.to_device(array, dtype, self.device), tile, dtype)
+        not; ``digest`` is its bytes' XXH3-64 where known (`TileBuffer.digest`)."""
+        return TileBuffer(buffers.to_device(array, dtype, self.device), tile, dtype, digest)
 
     def _check_open_locked(self, owner: str, what: str) -> None:
         if owner in self._ended:
@@ -220,6 +225,15 @@ class ShardStore:
                 self._staged.setdefault(owner, {})[device] = shard
                 if self._reserved:
                     self._reserved.pop((owner, device), None)
+
+    def digested(self, owner: str, device: str, array, digest: int) -> None:
+        """Note ``digest`` (`TileBuffer.digest`) on ``device``'s buffer staged for ``owner``, if it is still
+        ``array``."""
+        with self._lock:
+            staged = self._staged.get(owner, {})
+            shard = staged.get(device)
+            if shard is not None and shard.array is array:
+                staged[device] = replace(shard, digest=digest)
 
     def staged(self, owner: str, device: str) -> TileBuffer | None:
         with self._lock:

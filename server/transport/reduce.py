@@ -342,3 +342,6 @@ class _ArraySink:
 
     def mark(self, device: str, box: Box) -> None:
         pass
+
+    def digested(self, device: str, box: Box, digest: int) -> None:
+        pass

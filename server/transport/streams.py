@@ -167,6 +167,11 @@ class Sink(Protocol):
     def mark(self, device: str, box: Box) -> None:
         """Count ``box`` as arrived in ``device``'s buffer, which a transport received into in place."""
 
+    def digested(self, device: str, box: Box, digest: int) -> None:
+        """``box`` arrived in ``device``'s buffer from a stream whose trailer gave its bytes' XXH3-64 ``digest``
+        (checked here, or at the chain's last hop before the job commits): a sink whose tile is that box may keep
+        it (`store.TileBuffer.digest`); the others ignore it."""
+
 
 class Outgoing(ABC):
     """One stream to a peer: pieces, then the trailer, then wait for the far end.

@@ -20,7 +20,8 @@ from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import channel
-from reshard.proto.wire import read_shard_stream, shard_stream
+from reshard.proto.layout import Checksum, digest
+from reshard.proto.wire import read_shard_stream, run_start, shard_stream
 from reshard.server.common.tickets import commit_fields
 
 TWO = Sharding(Mesh.from_hosts({"x": 2}, ["host0"], 2), ("x",))  # both tiles on host0
@@ -88,6 +89,36 @@ def test_a_shard_stream_that_stops_between_shards_or_inside_one_says_which():
     assert read_shard_stream(chunks, or_end=True) is None  # the stream's end, after a whole shard
     with pytest.raises(ValueError, match="ended after 0 bytes without a trailer"):
         read_shard_stream(iter(parts[:1]), or_end=True)  # cut inside a shard: an error even where an end may come
+
+
+def test_a_shard_read_in_order_gives_its_tiles_digest_and_one_read_out_of_order_none():
+    # What an agent keeps of an upload (`TileBuffer.digest`): the tile's C-order XXH3-64 only where its pieces
+    # came as runs in that order, whatever their size; the bytes land either way.
+    a = np.arange(6 * 5 * 4, dtype=np.float32).reshape(6, 5, 4)
+    header = pb.ShardHeader(device="h/0", dtype="float32", box=pb.Box(lo=[2, 0, 0], hi=[8, 5, 4]))
+    for chunk in (a.nbytes, 5 * 4 * 4, 4 * 4, 12):  # whole, a row, a row's column, parts of one
+        head, *pieces, _ = shard_stream(a, header, chunk)
+        _, values, got = read_shard_stream(iter(shard_stream(a, header, chunk)), with_digest=True)
+        assert np.array_equal(values, a) and got == digest(a), chunk
+        if len(pieces) > 1:  # the same pieces, the first two swapped, under a trailer of that order
+            pieces[:2] = pieces[1::-1]
+            check = Checksum()
+            for p in pieces:
+                check.update(p.piece.data)
+            trailer = pb.ShardChunk(trailer=pb.Trailer(nbytes=check.nbytes, xxh3_64=check.xxh3_64))
+            _, values, got = read_shard_stream(iter([head, *pieces, trailer]), with_digest=True)
+            assert np.array_equal(values, a) and got is None, chunk
+
+
+def test_run_start_finds_where_a_box_starts_in_its_tiles_c_order_only_if_it_is_one_run_there():
+    tile = ((2, 8), (0, 5), (10, 14))
+    assert run_start(tile, tile) == 0
+    assert run_start(tile, ((3, 5), (0, 5), (10, 14))) == 20  # whole rows
+    assert run_start(tile, ((3, 4), (1, 3), (10, 14))) == 24  # one row, whole columns of it
+    assert run_start(tile, ((3, 4), (1, 2), (11, 13))) == 25  # inside one column
+    assert run_start(tile, ((3, 5), (1, 3), (10, 14))) == -1  # two rows, part of each
+    assert run_start(tile, ((3, 4), (1, 3), (11, 13))) == -1  # two columns, part of each
+    assert run_start((), ()) == 0
 
 
 def test_one_get_shard_call_streams_several_shards_in_order_or_fails_before_any(cluster, client):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 import uuid
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -22,7 +23,8 @@ import pytest
 from reshard import Mesh, Sharding
 from reshard.plans import Transfer
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
-from reshard.proto.errors import DeadlineExceededError, UnavailableError
+from reshard.proto.errors import DataLossError, DeadlineExceededError, UnavailableError
+from reshard.proto.layout import digest
 from reshard.server.agent.runtime import Runtime
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.common.contract import GroupView
@@ -240,6 +242,28 @@ def test_a_reshard_program_delivers_every_tile(hosts, strategy):
     for h, run in runs.items():
         done, total, steps_done, steps = run.progress()
         assert done == total and steps_done == steps, h
+
+
+def test_a_tile_that_arrived_whole_is_sent_on_under_the_digest_it_arrived_with(hosts):
+    # A tile one stream filled keeps its sender's XXH3-64 (`TileBuffer.digest`), which the next job's trailer
+    # reuses instead of a pass over the bytes: noted wrong, it fails that job at its receiver, so it is the one sent.
+    a = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    on = {h: _sharding({"x": 1}, [h], 1, (None, None)) for h in HOSTS}
+    hosts.put_tensor("a", a, on["host0"])
+    for version, (frm, to) in enumerate([("host0", "host1"), ("host1", "host2")], start=1):
+        plan = make_plan(a.shape, a.dtype, on[frm], on[to], strategy="send_recv").validate()
+        job, runs = hosts.start(plan.dumps(), "a", src_version=version)
+        hosts.finish(job, runs)
+        assert np.array_equal(hosts.get("a", on[to], a.shape, version + 1), a)
+        (device, _), = on[to].tiles(a.shape).items()
+        shard = hosts.stores[to].get("a", version + 1, device)
+        assert shard.digest == digest(a), (frm, to)
+    store = hosts.stores["host2"]
+    store._committed[("a", 3, device)] = replace(shard, digest=shard.digest ^ 1)
+    plan = make_plan(a.shape, a.dtype, on["host2"], on["host3"], strategy="send_recv").validate()
+    job, runs = hosts.start(plan.dumps(), "a", src_version=3)
+    with pytest.raises(DataLossError, match="XXH3-64"):
+        hosts.finish(job, runs)
 
 
 @pytest.mark.parametrize("strategy, deferred", [("auto", True), ("broadcast", True), ("local_allgather", False)])
