@@ -80,7 +80,7 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 sent += hi - lo
                 s.traffic.add_out(peer, hi - lo, origin_bytes)
             return out.finish(sent, check.xxh3_64, transport.timeout_s)
-        for sub in chunk_boxes(box, dtype, transport.chunk_bytes):
+        for sub in chunk_boxes(box, dtype, out.chunk_bytes(transport.chunk_bytes)):
             s.check()
             n = boxes.volume(sub) * np_type.itemsize
             if not n:

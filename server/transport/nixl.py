@@ -43,7 +43,10 @@ one machine     where the box lands in shared segments (`shm`: host tiles are, w
                 transport shares host memory), the post also offers them; a sender of the
                 same kernel maps each once (kept across jobs) and copies its chunks straight
                 into it, each chunk's ``S`` notification after its bytes: one copy, where
-                UCX's same-host path copies twice. A sender that cannot map them (another
+                UCX's same-host path copies twice. Such a chunk costs a notification and a
+                wake-up, not NIC time: they are `SHARED_CHUNK_BYTES` (256 MiB on the host pair
+                of bench/transport.py: 50 ms in 4 MiB chunks, 43 ms in 16, no less in 32 or 64;
+                memcpy 25 ms). A sender that cannot map them (another
                 kernel, container or user) WRITEs as above. Off, on both ends, where UCX is
                 kept off shared memory (``UCX_TLS``, which ``--nixl-tcp-only`` sets to tcp)
 =============== ==============================================================================
@@ -112,6 +115,7 @@ MIN_RUN_BYTES = 1024
 # A chunk of a source tile whose runs average fewer bytes is packed and staged rather than written run by run: below
 # this (measured on loopback, bench/nixl_path.py) UCX's cost per descriptor outweighs the copy it saves
 SOURCE_RUN_BYTES = 8192
+SHARED_CHUNK_BYTES = 16 << 20  # a stream's chunks into a mapped shared segment (the module table: one machine)
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
@@ -180,6 +184,9 @@ class _Out(Outgoing):
             self.remote = remote
         return self.remote
 
+    def chunk_bytes(self, default: int) -> int:  # into a mapped shared segment (known once the receiver posted)
+        return max(default, SHARED_CHUNK_BYTES) if self._posted().local is not None else default
+
     def put(self, box: Box, data, wire=None) -> None:
         if isinstance(data, Segments):  # a chain hop forwards a bucket from where it landed
             self.put_parts(box, list(data))
@@ -197,8 +204,7 @@ class _Out(Outgoing):
 
     def put_region(self, box: Box, view) -> None:
         """WRITE ``box`` from the source tile's own runs, registered through the cache, where ``view`` is a numpy
-        view of a host buffer whose runs average `SOURCE_RUN_BYTES` or more: no staging copy; else packed (the
-        default)."""
+        view of a host buffer whose runs average `SOURCE_RUN_BYTES` or more: no staging copy; else packed."""
         found = source_runs(view, max(1, view.nbytes // SOURCE_RUN_BYTES)) if isinstance(view, np.ndarray) else None
         if found is None:
             super().put_region(box, view)
@@ -212,8 +218,7 @@ class _Out(Outgoing):
     def put_parts(self, box: Box, parts: list) -> None:
         """WRITE byte box ``box`` from ``parts`` in one go: each part of `RECYCLE_MIN_BYTES` or more whose runs
         average `SOURCE_RUN_BYTES` or more from where it lies (its tile, registered through the cache), the others
-        packed, in their places, into one registered staging buffer (a smaller tile is not recycled, so its
-        registration would rarely be used twice)."""
+        packed, in their places, into one registered staging buffer (a smaller tile is not recycled)."""
         n = sum(p.nbytes for p in parts)
         if not n:
             return
@@ -296,8 +301,7 @@ class _Out(Outgoing):
 
     def wait(self, timeout: float) -> None:
         """Wait for the WRITEs, then for the receiver's word that every chunk and the trailer arrived: a message
-        leaves only while its agent makes progress, so a sender that stopped polling after its trailer could
-        leave it unsent."""
+        leaves only while its agent makes progress (a sender that stopped polling could leave its trailer unsent)."""
         while self.pending:
             self._finish(self.pending.popleft(), timeout)
         kind, _ = self.t._await(self.s, self.peer, "out", self.key, "did not confirm", min(timeout, self.t._limit()))

@@ -196,6 +196,11 @@ class Outgoing(ABC):
         packs them into one buffer for ``put``."""
         self.put(box, Segments(np.ascontiguousarray(p) for p in parts).packed())
 
+    def chunk_bytes(self, default: int) -> int:
+        """The size of the pieces this stream's box goes in: ``default`` (the transport's), unless its far end
+        takes larger ones at no cost (nixl into a mapped shared segment)."""
+        return default
+
     @abstractmethod
     def end(self, nbytes: int, digest: int) -> None:
         """Hand the trailer over (without waiting for the far end)."""
