@@ -100,7 +100,7 @@ from reshard.server.transport.nixl_memory import (
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, Segments, StreamKey, Throttle, Trailer
 
-__all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES"]
+__all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES", "SHARED_CHUNK_BYTES"]
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import xxhash
 from reshard.proto.errors import DataLossError
 from reshard.server.transport import buffers, shm
 from reshard.server.transport.faults import CorruptRelay
-from reshard.server.transport.nixl import NixlTransport, nixl_missing
+from reshard.server.transport.nixl import SHARED_CHUNK_BYTES, NixlTransport, nixl_missing
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import StreamKey, in_thread
 from tests.unit.test_nixl import _broadcast_to_three
@@ -62,7 +62,8 @@ def _move(a: NixlTransport, b: NixlTransport, job: str, src: np.ndarray, tile: n
 
 def test_a_box_that_lands_in_a_shared_tile_is_copied_straight_into_it_by_its_sender(pair):
     a, b = pair
-    src = np.random.default_rng(0).integers(0, 255, 4 * MiB + 123, dtype=np.uint8)  # 5 chunks, the last short
+    # two chunks, the second short: a copy into a shared segment goes in SHARED_CHUNK_BYTES, not the 1 MiB of a WRITE
+    src = np.random.default_rng(0).integers(0, 255, SHARED_CHUNK_BYTES + 123, dtype=np.uint8)
     tile = buffers.empty((len(src),), "uint8")  # a host tile while a transport shares memory: a segment
     assert shm.segment_of(tile.base) is not None
     for job in ("job-1", "job-2"):
@@ -71,6 +72,7 @@ def test_a_box_that_lands_in_a_shared_tile_is_copied_straight_into_it_by_its_sen
         assert np.array_equal(tile, src)
         assert items[-1] == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()), False)
         assert all(p.landed == "b/0" for p in items[:-1])
+        assert [p.data.nbytes for p in items[:-1]] == [SHARED_CHUNK_BYTES, 123]
     assert a.shared.bytes_sent == b.shared.bytes_received == 2 * src.nbytes  # every byte both jobs: no WRITE
     assert a.shared.mapped == 1  # mapped by the first job, kept for the second
     assert a.registered == 0  # nothing registered with NIXL on the sending side
