@@ -197,13 +197,13 @@ class Runtime:
                     run.program.tensor(task.step.tensor).src is None or task.step.id in run.deltas:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
-            # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a
-            # CUDA IPC move digests it on the GPU, a byte stream each chunk as it goes.
             if shard is not None and shard.digest is not None and t.box == shard.tile and \
                     buffers.device_of(shard.array) == "cpu":
                 run.digests[task.step.id] = known = Future()  # the whole tile, as its bytes arrived: no pass
                 known.set_result(shard.digest)
                 continue
+            # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a
+            # CUDA IPC move digests it on the GPU, a byte stream each chunk as it goes.
             if shard is not None and boxes.contains(shard.tile, t.box) and buffers.device_of(shard.array) == "cpu":
                 dtype, np_type = run.dtype(task.step.id)
                 args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)

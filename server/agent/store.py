@@ -56,7 +56,7 @@ class TileBuffer:
 
     ``digest`` is the XXH3-64 of the tile's bytes in C order where their arrival proved it (a job's stream whose
     box was the whole tile, an upload read in order against its trailer), else None: a job that sends the whole
-    tile on then needs no pass over its bytes for its trailer (`runtime.AgentRuntime._digest_sources`)."""
+    tile on then needs no pass over its bytes for its trailer (`runtime.Runtime._digest_sources`)."""
 
     array: Any
     tile: Box
