@@ -194,6 +194,9 @@ def _add_planner_command(sub) -> None:
                    "back at a restart (default: none; the plans alone are kept in memory, for the dashboard)")
     p.add_argument("--heartbeat-timeout", type=float, default=d.heartbeat_timeout_s,
                    help="seconds without a heartbeat before an agent is down")
+    p.add_argument("--heartbeat-interval", type=float, default=d.heartbeat_interval_s,
+                   help="seconds between an agent's heartbeats, which the planner tells every agent: the agents' "
+                        "memory and health in the SDK and on the dashboard are this fresh; under --heartbeat-timeout")
     p.add_argument("--upload-timeout", type=float, default=d.upload_timeout_s,
                    help="seconds an idle upload is kept before its staged shards are dropped")
     p.add_argument("--pin-timeout-s", type=float, default=d.pin_timeout_s,
@@ -236,13 +239,17 @@ def _run_planner(args) -> int:
     from reshard.server.common.config import PlannerConfig
     from reshard.server.planner.service import serve_planner
 
-    config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
-                           upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
-                           job_timeout_s=args.job_timeout,
-                           group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
-                           max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
-                           slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous, delta=args.delta,
-                           **_security(args))
+    try:
+        config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
+                               heartbeat_interval_s=args.heartbeat_interval,
+                               upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
+                               job_timeout_s=args.job_timeout,
+                               group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
+                               max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
+                               slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous,
+                               delta=args.delta, **_security(args))
+    except ValueError as e:
+        raise InvalidArgumentError(f"reshard planner: {e}") from None
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from .conftest import reshard_up
@@ -80,3 +81,24 @@ def test_up_names_its_own_flags_in_errors():
     assert "device=" not in said
     assert "argument --devices: '0' is not a whole number of at least 1" in \
         _fails("agent", "--planner", "127.0.0.1:9", "--host", "h", "--devices", "0")
+
+
+def test_the_planner_refuses_a_heartbeat_interval_not_under_its_timeout_naming_both():
+    said = _fails("planner", "--heartbeat-interval", "5", "--heartbeat-timeout", "5")
+    assert "error: reshard planner: the heartbeat interval (5.0 s) must be above 0 and under the heartbeat timeout " \
+           "(5.0 s)" in said
+
+
+def test_agents_heartbeat_as_often_as_the_planner_tells_them():
+    # Sampled every 50 ms for 1.5 s, the age of an agent's last heartbeat stays under 0.6 s at --heartbeat-interval
+    # 0.2; at the default 1 s it reaches about a second.
+    from reshard.client.cluster import LocalCluster
+
+    with LocalCluster(1, 1, transport="grpc", planner_args=["--heartbeat-interval", "0.2"]) as cluster, \
+            cluster.connect() as c:
+        ages = []
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            ages += [a["heartbeat_age_s"] for a in c.agents()]
+            time.sleep(0.05)
+    assert ages and max(ages) < 0.6, max(ages)
