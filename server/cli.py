@@ -239,6 +239,7 @@ def _run_planner(args) -> int:
     from reshard.server.common.config import PlannerConfig
     from reshard.server.planner.service import serve_planner
 
+    security = _security(args)  # its own errors name their flags
     try:
         config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
                                heartbeat_interval_s=args.heartbeat_interval,
@@ -247,7 +248,7 @@ def _run_planner(args) -> int:
                                group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
                                max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
                                slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous,
-                               delta=args.delta, **_security(args))
+                               delta=args.delta, **security)
     except ValueError as e:
         raise InvalidArgumentError(f"reshard planner: {e}") from None
     token = None
