@@ -239,18 +239,18 @@ def _run_planner(args) -> int:
     from reshard.server.common.config import PlannerConfig
     from reshard.server.planner.service import serve_planner
 
-    security = _security(args)  # its own errors name their flags
-    try:
-        config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
-                               heartbeat_interval_s=args.heartbeat_interval,
-                               upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
-                               job_timeout_s=args.job_timeout,
-                               group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
-                               max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
-                               slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous,
-                               delta=args.delta, **security)
-    except ValueError as e:
-        raise InvalidArgumentError(f"reshard planner: {e}") from None
+    if not 0 < args.heartbeat_interval < args.heartbeat_timeout:
+        raise InvalidArgumentError(f"--heartbeat-interval {args.heartbeat_interval:g} must be above 0 and under "
+                                   f"--heartbeat-timeout ({args.heartbeat_timeout:g}), or the planner would take every "
+                                   f"agent for down between two of its heartbeats")
+    config = PlannerConfig(listen=args.listen, state_path=args.state, heartbeat_timeout_s=args.heartbeat_timeout,
+                           heartbeat_interval_s=args.heartbeat_interval,
+                           upload_timeout_s=args.upload_timeout, pin_timeout_s=args.pin_timeout_s,
+                           job_timeout_s=args.job_timeout,
+                           group_wait_s=args.group_wait, stall_timeout_s=args.stall_timeout,
+                           max_plan_tasks=args.max_plan_tasks, max_program_steps=args.max_program_steps,
+                           slice_program_bytes=args.slice_program_bytes, rendezvous=args.rendezvous, delta=args.delta,
+                           **_security(args))
     token = None
     if args.http:
         from reshard.server.dashboard.source import read_token
