@@ -197,25 +197,25 @@ class Runtime:
                     run.program.tensor(task.step.tensor).src is None or task.step.id in run.deltas:
                 continue
             shard = self.store.find(run.names[task.step.tensor], run.version(task.step.tensor), t.sender)
-            if shard is not None and shard.digest is not None and t.box == shard.tile and \
-                    buffers.device_of(shard.array) == "cpu":
-                run.digests[task.step.id] = known = Future()  # the whole tile, as its bytes arrived: no pass
-                known.set_result(shard.digest)
-                continue
             # A GPU tile is not digested here: reading it to the host for XXH3 would double its bytes' trips; a
             # CUDA IPC move digests it on the GPU, a byte stream each chunk as it goes.
-            if shard is not None and boxes.contains(shard.tile, t.box) and buffers.device_of(shard.array) == "cpu":
-                dtype, np_type = run.dtype(task.step.id)
-                args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)
-                if boxes.volume(t.box) * np_type.itemsize > _DIGEST_HERE_BYTES:
-                    run.digests[task.step.id] = self._digest_pool.submit(_digest, *args)
-                    continue
-                # A small box is digested here: a few microseconds, where the pool's thread switches cost more.
-                run.digests[task.step.id] = digested = Future()
-                try:
-                    digested.set_result(_digest(*args))
-                except BaseException as e:  # noqa: BLE001 - the send that reads the digest raises it
-                    digested.set_exception(e)
+            if shard is None or not boxes.contains(shard.tile, t.box) or buffers.device_of(shard.array) != "cpu":
+                continue
+            if shard.digest is not None and t.box == shard.tile:  # the whole tile, as its bytes arrived: no pass
+                run.digests[task.step.id] = known = Future()
+                known.set_result(shard.digest)
+                continue
+            dtype, np_type = run.dtype(task.step.id)
+            args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)
+            if boxes.volume(t.box) * np_type.itemsize > _DIGEST_HERE_BYTES:
+                run.digests[task.step.id] = self._digest_pool.submit(_digest, *args)
+                continue
+            # A small box is digested here: a few microseconds, where the pool's thread switches cost more.
+            run.digests[task.step.id] = digested = Future()
+            try:
+                digested.set_result(_digest(*args))
+            except BaseException as e:  # noqa: BLE001 - the send that reads the digest raises it
+                digested.set_exception(e)
 
     def run(self, job: str) -> Run:
         with self._lock:

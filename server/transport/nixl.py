@@ -43,8 +43,8 @@ one machine     where the box lands in shared segments (`shm`: host tiles are, w
                 transport shares host memory), the post also offers them; a sender of the
                 same kernel maps each once (kept across jobs) and copies its chunks straight
                 into it, each chunk's ``S`` notification after its bytes: one copy, where
-                UCX's same-host path copies twice. Such a chunk costs a notification and a
-                wake-up, not NIC time: they are `SHARED_CHUNK_BYTES` (256 MiB on the host pair
+                UCX's same-host path copies twice. Such chunks cost a notification and a
+                wake-up, not NIC time, so they are `SHARED_CHUNK_BYTES` (256 MiB on the host pair
                 of bench/transport.py: 50 ms in 4 MiB chunks, 43 ms in 16, no less in 32 or 64;
                 memcpy 25 ms). A sender that cannot map them (another
                 kernel, container or user) WRITEs as above. Off, on both ends, where UCX is
