@@ -278,15 +278,17 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
         # What every job of this program costs a planner before its agents start, a repeated sync's included: each
         # host's Prepare (by digest: the agents hold their slices), reading every program tensor at one version.
         stage = start("a job's Prepares")
-        from reshard.server.planner.jobs import Preparation
+        from reshard.server.planner.jobs import Preparation, reads_at_of
         from reshard.server.planner.service import GrpcAgentCalls
 
         calls = GrpcAgentCalls(lambda host: bytes(32))
         names = {h: cut.tensors(h) for h in slices}
         for job in (1, 2):  # the first job hashes each slice once (the ticket signs it); the next find them kept
+            # as the planner reads them (`JobRunner._work`): each by its version alone where none is quantized
+            moved = [t.name for t in program.tensors if t.src is not None]
             prep = Preparation(f"bench{job}", "", "", job, job + 1, {h: h for h in slices}, program_id=program.id,
                                reads={t.name: (t.name, job) for t in program.tensors}, host_texts=slices,
-                               host_tensors=names)
+                               host_tensors=names, reads_at=reads_at_of(program, moved, [job] * len(moved), quantize))
             t0 = time.perf_counter()
             sent = sum(len(calls.prepare_request(h, prep, held=True).SerializeToString()) for h in slices)
             out[f"prepares{job}_s"] = time.perf_counter() - t0
@@ -359,7 +361,8 @@ def _ladder(ladder: list[int], quantize: bool, timeout: float, cap_gib: float) -
         print(f"MoE {layers} layers, {what}: " + (m["over"] if "over" in m else
               f"plan {m['plan']:.2f} s, validate {m['validate']:.2f} s, {m['steps']:,} steps, peak RSS "
               f"{m['rss_gib']:.2f} GiB, largest slice {m['slice_mib']:.1f} MiB, estimate {m['estimate']:.3f} s, "
-              f"bound {m['bound']:.3f} s"), flush=True)
+              f"bound {m['bound']:.3f} s, a job's Prepares {m['prepares_s']:.3f} s ({m['prepares_mib']:,.1f} MiB)"),
+              flush=True)
         if "over" not in m:
             break
     return runs

@@ -1426,6 +1426,11 @@ class Program(ContentAddressed):
             f"tensor {name!r} is not declared by the program; it declares {[t.name for t in self.tensors]}"
         )
 
+    @cached_property
+    def num_sources(self) -> int:
+        """How many of its tensors have a source (are read from stored shards, not made by its steps)."""
+        return sum(t.src is not None for t in self.tensors)
+
     @property
     def is_reshard(self) -> bool:
         """One tensor, with a source and a destination sharding: what `from_plan` makes."""

@@ -108,7 +108,8 @@ class Runtime:
     def prepare(self, job: str, program_json: str, tensor: str, src_version: int, dst_version: int,
                 peers: dict[str, str], transport: str = "grpc", generation: int = 0, seq: int = 0,
                 push_tickets: dict[str, str] | None = None, reads: dict[str, tuple[str, int]] | None = None,
-                program_sha256: str = "", delta_bases: dict[str, tuple[int, int]] | None = None) -> Run:
+                program_sha256: str = "", delta_bases: dict[str, tuple[int, int]] | None = None,
+                reads_at: int | None = None) -> Run:
         """Stage ``job``'s destination buffers on this host and get ready to run the program (or plan) in
         ``program_json``, or the one held under ``program_sha256`` (`_loaded`); ``tensor`` is the store's name
         of the program's reshard tensor (the one with a source and a destination sharding); its other tensors go
@@ -116,7 +117,8 @@ class Runtime:
         instead: the inputs' versions to read, and the name the output commits as. ``push_tickets`` are the
         planner's tickets for this job's pushes, by receiving host. ``delta_bases`` (program tensor ->
         (src_version, dst_version)) names the tensors whose moves carry delta frames
-        (``reshard.server.transport.deltas``)."""
+        (``reshard.server.transport.deltas``). ``reads_at`` stands for ``reads`` where every program tensor with a
+        source reads its own name at that version (`PrepareRequest.reads_at`)."""
         if self.store.ended(job):  # an abort overtook this prepare (a paused agent), or a replayed prepare
             raise FailedPreconditionError(f"job {job} has already ended on agent {self.host}")
         link = self.transports.get(transport or "grpc")
@@ -126,6 +128,8 @@ class Runtime:
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
         program, ident, layout = self._loaded(program_json, program_sha256)
+        if reads_at is not None:
+            reads = {t.name: (t.name, reads_at) for t in program.tensors if t.src is not None}
         names = {t.name: t.name for t in program.tensors}
         resharded = [t.name for t in program.tensors if t.is_reshard]
         # (counted over the whole program: a slice holds its host's tensors alone)

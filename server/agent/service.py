@@ -239,6 +239,10 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
         reads = prepare_reads(r)
+        reads_at = r.reads_at if r.HasField("reads_at") else None
+        if reads and reads_at is not None:
+            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names its reads twice: as columns of "
+                                       f"{len(reads)} tensors and as reads_at {reads_at}; give one")
         delta_bases = {t: (b.src_version, b.dst_version) for t, b in r.delta_bases.items()}
         # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
         sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256
@@ -247,13 +251,14 @@ class AgentServicer(pb_grpc.AgentServicer):
                                        f"one this agent holds, and not two that differ")
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
-                                                                r.peers, reads, dict(r.nixl_peers), delta_bases),
+                                                                r.peers, reads, dict(r.nixl_peers), delta_bases,
+                                                                reads_at=reads_at),
                           what=f"Prepare of job {r.job[:12]!r}")
         if r.transport == "nixl":
             self.nixl_peers.introduce(r.job, dict(r.nixl_peers))
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
                                     r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads,
-                                    program_sha256=sha256, delta_bases=delta_bases)
+                                    program_sha256=sha256, delta_bases=delta_bases, reads_at=reads_at)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)

@@ -82,17 +82,23 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
                    generation: int, job_seq: int, peers: Mapping[str, str],
                    reads: Mapping[str, tuple[str, int]] | None = None,
                    nixl_peers: Mapping[str, bytes] | None = None,
-                   delta_bases: Mapping[str, tuple[int, int]] | None = None, signed_reads: str = "") -> tuple:
+                   delta_bases: Mapping[str, tuple[int, int]] | None = None, signed_reads: str = "",
+                   reads_at: int | None = None) -> tuple:
     """``program_sha256`` is `program_digest` of the program's text. ``reads`` (program tensor -> (stored name,
     version), in the order the request carries them) is signed as its `reads_digest`, or ``signed_reads`` is that
-    digest where the caller has it. ``nixl_peers`` (host -> NIXL metadata) is signed too: an agent adds as NIXL
-    peers only the agents the planner introduced, and UCX authenticates nobody. ``delta_bases`` (program tensor ->
+    digest where the caller has it; ``reads_at`` (`PrepareRequest.reads_at`: every program tensor with a source
+    reads its own name at that version) in their place. ``nixl_peers`` (host -> NIXL metadata) is signed too: an
+    agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody. ``delta_bases`` (program tensor ->
     (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which stored versions a delta move
     reads."""
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
         signed_reads = reads_digest(*read_columns(reads))
+    if reads_at is not None:
+        if signed_reads:
+            raise ValueError("a Prepare's reads are columns or reads_at, not both")
+        fields += (f"reads_at:{reads_at}",)
     if signed_reads:
         fields += ("reads:" + signed_reads,)
     if nixl_peers:

@@ -163,6 +163,9 @@ class Preparation:
     host_texts: dict[str, str] = field(default_factory=dict)
     # host -> the tensors its slice declares: its Prepare carries the reads and delta bases of those alone
     host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)
+    # ``reads`` is every program tensor with a source reading its own stored name at this version (a state dict
+    # published in one step): Prepares say so in one number (`PrepareRequest.reads_at`), not a column per tensor
+    reads_at: int | None = None
 
     def text_for(self, host: str) -> str:
         """The program's text ``host`` is handed: its slice, or the whole program."""
@@ -714,7 +717,7 @@ class JobRunner:
         prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
                            delta_bases=work.delta_bases, host_texts=work.host_texts,
-                           host_tensors=work.host_tensors)
+                           host_tensors=work.host_tensors, reads_at=work.reads_at)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -833,6 +836,7 @@ class JobRunner:
             versions = list(map(_VERSION, map(records.__getitem__, moved)))
             assert list(map(claimed.__getitem__, moved)) == [v + 1 for v in versions], (claimed, records)
             reads = dict(zip(moved, zip(moved, versions)))
+            reads_at = reads_at_of(program, moved, versions, bool(job.dtypes))
             for w in job.dtypes:
                 # The quantized weight and its scale are made by the program (no src), and commit as the versions
                 # claimed; the weight as held is read as its own program tensor.
@@ -857,7 +861,7 @@ class JobRunner:
             work = self._program_work(job, program, src_version, reads, _Commits(commits, meshes), text)
             # Program tensors are the stored names here (``reads``): delta_bases is keyed by them too.
             bases, report = self._choose_deltas(job, records, work.moves)
-            return replace(work, delta_bases=bases, report=report)
+            return replace(work, delta_bases=bases, report=report, reads_at=reads_at)
         inputs = {n: self.catalog.get(n) for n in dict.fromkeys(job.inputs)}
         topology = self.registry.topology()
         program = _still_fits(planned, inputs.values(), topology)
@@ -1224,6 +1228,16 @@ def _delta_pays(codec: tuple[dict[str, int], dict[str, int]] | None, topology: T
     return saved, cost
 
 
+def reads_at_of(program: Program, moved: list[str], versions: list[int], converts: bool) -> int | None:
+    """The version a reshard_many job's Prepares name its reads by (`Preparation.reads_at`), or None for columns:
+    where its tensors ``moved`` (each reading its own stored name, at ``versions``) are every program tensor with
+    a source, all at one version, and none is converted on the way (``converts``: a quantized weight is read under
+    another program tensor's name, and it and its scale commit as versions of their own)."""
+    if converts or not versions or len(moved) != program.num_sources or versions.count(versions[0]) != len(versions):
+        return None
+    return versions[0]
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
@@ -1262,6 +1276,7 @@ class _Work:
     host_texts: dict[str, str] = field(default_factory=dict)  # host -> its slice, where the program is cut per host
     host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)  # host -> the tensors its slice declares
     report: Callable[[], None] | None = None  # what to record of the job once its agents run (`_choose_deltas`)
+    reads_at: int | None = None  # every program tensor with a source reads its own name at it (`Preparation`)
 
 
 @dataclass(frozen=True)

@@ -51,20 +51,22 @@ _DIGESTS_KEPT = 256
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
-def _request_of(p: Preparation, columns: tuple[list[str], list[str], list[int]],
+def _request_of(p: Preparation, columns: tuple[list[str], list[str], list[int]] | None,
                 delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
     """Job ``p``'s Prepare without its program and tickets, carrying the reads ``columns`` (`read_columns`; no names
-    where each tensor reads its own name, a state dict's case) and ``delta_bases``; and the fields its ticket signs
-    but the program's SHA-256."""
-    tensors, names, versions = columns
+    where each tensor reads its own name, a state dict's case), or None for ``p.reads_at`` in their place, and
+    ``delta_bases``; and the fields its ticket signs but the program's SHA-256."""
+    tensors, names, versions = columns if columns is not None else ((), (), ())
     request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
         transport=p.transport, generation=p.generation, job_seq=p.job_seq, read_tensors=tensors,
         read_names=names if names != tensors else (), read_versions=versions, nixl_peers=p.nixl_peers,
-        delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()})
+        delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()},
+        reads_at=p.reads_at if columns is None else None)
     fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation, p.job_seq,
                             p.peers, None, p.nixl_peers, delta_bases,
-                            signed_reads=reads_digest(tensors, names, versions) if tensors else "")
+                            signed_reads=reads_digest(tensors, names, versions) if tensors else "",
+                            reads_at=p.reads_at if columns is None else None)
     return request, fields
 
 
@@ -111,7 +113,8 @@ class GrpcAgentCalls:
         dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
         without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
         peer, and for a program cut per host the same two per set of tensors its hosts' slices declare, filled by
-        `_part`.) A program cut per host has no request and fields for every host."""
+        `_part`.) A program cut per host has no request and fields for every host, unless its reads go by one version
+        (``reads_at``) and it moves no deltas."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -121,10 +124,10 @@ class GrpcAgentCalls:
                 made = self._prepared.get(p.job)
             if made is not None and made[0] is p:
                 return made
-            if p.host_tensors:
+            if p.host_tensors and (p.reads_at is None or p.delta_bases):
                 base = fields = None
-            else:
-                base, fields = _request_of(p, read_columns(p.reads), p.delta_bases)
+            else:  # the same for every host: no slices, or each slice's reads named by reads_at and no deltas
+                base, fields = _request_of(p, read_columns(p.reads) if p.reads_at is None else None, p.delta_bases)
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, base, fields, pushes, {})
             with self._lock:
@@ -145,7 +148,8 @@ class GrpcAgentCalls:
         with self._lock:
             part = parts.get(names)
         if part is None:
-            part = _request_of(p, read_columns(p.reads, names), p.delta_bases_for(host))
+            part = _request_of(p, read_columns(p.reads, names) if p.reads_at is None else None,
+                               p.delta_bases_for(host))
             with self._lock:
                 part = parts.setdefault(names, part)
         return part

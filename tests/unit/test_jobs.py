@@ -30,6 +30,7 @@ class RuntimeCalls:
     def __init__(self, hosts: Hosts):
         self.hosts = hosts
         self.calls: list[tuple[str, str]] = []
+        self.preparations: list[Preparation] = []
         self._lock = threading.Lock()
 
     def _record(self, call: str, host: str):
@@ -38,8 +39,13 @@ class RuntimeCalls:
         return self.hosts.runtimes[host]
 
     def prepare(self, host, address, prep: Preparation, timeout):
+        with self._lock:
+            self.preparations.append(prep)
+        # as a Prepare carries its reads: one version for every tensor (`PrepareRequest.reads_at`), else columns
+        reads = None if prep.reads_at is not None else prep.reads_for(host)
         self._record("prepare", host).prepare(prep.job, prep.text_for(host), prep.tensor, prep.src_version,
-                                              prep.dst_version, prep.peers, "memory", reads=prep.reads_for(host))
+                                              prep.dst_version, prep.peers, "memory", reads=reads,
+                                              reads_at=prep.reads_at)
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         if prepare is not None:  # a small job's hosts prepare inside their Execute
@@ -566,6 +572,35 @@ def test_a_reshard_many_of_layouts_it_moved_before_runs_the_program_it_planned_t
         assert made[0] == 2, f"three moves over two layouts planned {made[0]} programs"
         assert jobs[2].program.id == jobs[0].program.id != jobs[1].program.id
         assert np.array_equal(hosts.get("t", DST, SHAPE, version=4), a)
+    finally:
+        planner.close()
+        hosts.close()
+
+
+def test_a_state_dict_at_one_version_names_its_reads_by_that_version_and_one_at_several_by_columns():
+    """A reshard_many whose tensors are all at one version hands its hosts that version alone
+    (`Preparation.reads_at`: a 139,583-tensor sync's Prepares do not name every tensor again each job), which each
+    agent expands over its program's tensors; tensors at different versions go as columns. Both commit the values
+    moved, each tensor the version after the one it read."""
+    hosts = Hosts()
+    calls = RuntimeCalls(hosts)
+    planner = _planner(hosts, calls)
+    try:
+        values = {}
+        for i, (name, version) in enumerate((("a", 1), ("b", 1), ("c", 4))):
+            values[name] = np.arange(np.prod(SHAPE), dtype=np.int32).reshape(SHAPE) * (i + 2)
+            planner.catalog.add(TensorRecord(name, SHAPE, "int32", SRC, version))
+            tiles = SRC.tiles(SHAPE)
+            hosts.put(name, {d: (values[name][tuple(slice(lo, hi) for lo, hi in b)].copy(), b)
+                             for d, b in tiles.items()}, version=version)
+        for names, reads_at in ((["a", "b"], 1), (["a", "b", "c"], None)):
+            job = planner.jobs.submit_many({n: DST for n in names}, "auto", 0, {})
+            assert job.done_event.wait(30) and job.state == "succeeded", job.error
+            prep = calls.preparations[-1]
+            assert prep.job == job.id and prep.reads_at == reads_at
+            for name in names:
+                assert np.array_equal(hosts.get(name, DST, SHAPE, version=job.versions[name]), values[name])
+        assert (job.versions["a"], job.versions["c"]) == (3, 5)  # read 2 (the first job's) and 4, each one on
     finally:
         planner.close()
         hosts.close()

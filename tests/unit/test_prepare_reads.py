@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from reshard.proto import reshard_pb2 as pb
-from reshard.proto.errors import InvalidArgumentError
+from reshard.proto.errors import InvalidArgumentError, PermissionDeniedError
 from reshard.server.common.contract import prepare_reads
 from reshard.server.common.tickets import prepare_fields, program_digest, sign
 
@@ -36,7 +36,8 @@ def _ticket_of(secret: bytes, r: pb.PrepareRequest, text: str) -> str:
                                                    r.dst_version, r.transport, r.generation, r.job_seq, r.peers,
                                                    prepare_reads(r), dict(r.nixl_peers),
                                                    {t: (b.src_version, b.dst_version)
-                                                    for t, b in r.delta_bases.items()}))
+                                                    for t, b in r.delta_bases.items()},
+                                                   reads_at=r.reads_at if r.HasField("reads_at") else None))
 
 
 def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it():
@@ -69,3 +70,41 @@ def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it(
         r = calls.prepare_request(h, whole)
         assert r.program_json == "WHOLE" and prepare_reads(r) == reads
         assert r.ticket == _ticket_of(secrets[h], r, "WHOLE")
+
+
+def test_reads_at_one_version_go_as_that_version_alone_and_the_ticket_signs_it():
+    """A state dict's sync at one version: every host's Prepare carries ``reads_at`` and no column, whatever its
+    slice (so one request serves every host without deltas), and its ticket signs the version: a Prepare whose
+    version was changed on the way fails the agent's check. With delta bases, each host still gets its own."""
+    from reshard.server.common.tickets import TicketCheck
+    from reshard.server.planner.jobs import Preparation
+    from reshard.server.planner.service import GrpcAgentCalls
+
+    secrets = {h: h.encode() * 8 for h in "ab"}
+    calls = GrpcAgentCalls(secrets.__getitem__)
+    reads = {n: (n, 7) for n in ("x", "y", "z")}
+    slices = {"a": frozenset({"x", "y"}), "b": frozenset({"z"})}
+    cut = Preparation("job", "WHOLE", "t", 1, 2, {h: h for h in "ab"}, program_id="pid", reads=reads,
+                      host_texts={"a": "A", "b": "B"}, host_tensors=slices, reads_at=7)
+    for h in "ab":
+        r = calls.prepare_request(h, cut)
+        assert r.HasField("reads_at") and r.reads_at == 7
+        assert not r.read_tensors and not r.read_names and not r.read_versions
+        assert r.ticket == _ticket_of(secrets[h], r, cut.text_for(h))
+        check = TicketCheck(h, secrets[h])
+        fields = prepare_fields(r.job, program_digest(cut.text_for(h)), r.tensor, r.src_version, r.dst_version,
+                                r.transport, r.generation, r.job_seq, r.peers, {}, {}, {}, reads_at=7)
+        check.check(r.ticket, "prepare", *fields, what="Prepare")
+        tampered = fields[:-1] + ("reads_at:6",)
+        with pytest.raises(PermissionDeniedError, match="carries a ticket this agent.s planner did not issue"):
+            check.check(r.ticket, "prepare", *tampered, what="Prepare")
+    with pytest.raises(ValueError, match="columns or reads_at, not both"):
+        prepare_fields("j", "", "t", 1, 2, "grpc", 0, 0, {}, None, None, None, signed_reads="abc", reads_at=1)
+    deltas = Preparation("job2", "WHOLE", "t", 1, 2, {h: h for h in "ab"}, program_id="pid", reads=reads,
+                         delta_bases={"x": (6, 5), "z": (6, 5)}, host_texts={"a": "A", "b": "B"},
+                         host_tensors=slices, reads_at=7)
+    got = {h: calls.prepare_request(h, deltas) for h in "ab"}
+    assert {h: set(r.delta_bases) for h, r in got.items()} == {"a": {"x"}, "b": {"z"}}
+    assert all(r.reads_at == 7 and not r.read_tensors for r in got.values())
+    for h, r in got.items():
+        assert r.ticket == _ticket_of(secrets[h], r, deltas.text_for(h))
