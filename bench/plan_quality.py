@@ -290,7 +290,9 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
                                reads={t.name: (t.name, job) for t in program.tensors}, host_texts=slices,
                                host_tensors=names, reads_at=reads_at_of(program, moved, [job] * len(moved), quantize))
             t0 = time.perf_counter()
-            sent = sum(len(calls.prepare_request(h, prep, held=True).SerializeToString()) for h in slices)
+            # (the first job carries each host's read columns; a later one names them by their SHA-256)
+            sent = sum(len(calls.prepare_request(h, prep, held=True, columns_held=job > 1).SerializeToString())
+                       for h in slices)
             out[f"prepares{job}_s"] = time.perf_counter() - t0
         out.update(prepares_s=out.pop("prepares2_s"), prepares_mib=sent / 2**20)
         del calls, prep, names

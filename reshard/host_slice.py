@@ -124,6 +124,7 @@ class HostCut:
             self._work_out(program)
         self._texts: dict[str, str] = {}
         self._names: dict[str, frozenset[str]] = {}
+        self._interned: dict[frozenset[str], frozenset[str]] = {}
         self._lock = threading.Lock()
 
     def _work_out(self, program: Program) -> None:
@@ -239,7 +240,10 @@ class HostCut:
             keep[self._named[k]] = True
         keep[self._staged.get(host, [])] = True
         tensors = np.flatnonzero(keep).tolist()
-        self._names[host] = frozenset(program.tensors[i].name for i in tensors)
+        names = frozenset(program.tensors[i].name for i in tensors)
+        # One object for hosts whose slices declare the same tensors (a serving group's replicas): what is worked
+        # out per set of them (a job's read columns) is then found by identity, not by comparing the sets
+        self._names[host] = self._interned.setdefault(names, names)
         ids, sets, depth, rank, stream = self._standing
         at = mine[sets]
         buckets = np.flatnonzero(mine[self._bucket_sets]).tolist()

@@ -11,10 +11,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import socket
 import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
@@ -25,7 +27,7 @@ from reshard import box as boxes
 from reshard.dtypes import dtype_name, itemsize
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
-from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
+from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.proto.frames import RawPiece, decode_push_chunk
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
@@ -37,9 +39,11 @@ from reshard.server.transport.faults import wrap
 from reshard.server.transport.streams import IpcRegion, Piece, PushHeader, Throttle, Trailer
 from reshard.server.transport.grpc_link import GrpcTransport, LocalDevice, channel_options
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.contract import GroupView, prepare_reads
-from reshard.server.common.tickets import (TicketCheck, abort_fields, commit_fields, execute_fields, new_secret,
-                                           prepare_fields, program_digest, put_fields, release_fields, sign)
+from reshard.server.common.contract import (READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, GroupView,
+                                            columns_nbytes, prepare_reads)
+from reshard.server.common.tickets import (TicketCheck, abort_fields, columns_digest, commit_fields, execute_fields,
+                                           new_secret, prepare_fields, program_digest, put_fields, release_fields, sign,
+                                           signed_reads)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -104,6 +108,47 @@ class NixlPeers:
             log.info("host %s dropped its nixl peers %s: %s", self.host, known, why)
 
 
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class HeldColumns:
+    """The read columns (program tensors, stored names) Prepares carried under their SHA-256, most recently used
+    last: at most `READ_COLUMNS_KEPT`, and `READ_COLUMNS_KEPT_BYTES` of names (the newest whatever its size), the
+    rule the planner mirrors to know which it may name by digest."""
+
+    def __init__(self, host: str):
+        self.host = host
+        self._lock = threading.Lock()
+        self._held: OrderedDict[str, tuple[list[str], list[str], int]] = OrderedDict()
+        self._bytes = 0
+
+    def keep(self, sha256: str, tensors: list[str], names: list[str]) -> None:
+        with self._lock:
+            old = self._held.pop(sha256, None)
+            self._bytes -= old[2] if old is not None else 0
+            nbytes = columns_nbytes(tensors, names)
+            self._held[sha256] = (tensors, names, nbytes)
+            self._bytes += nbytes
+            while len(self._held) > 1 and (len(self._held) > READ_COLUMNS_KEPT or
+                                           self._bytes > READ_COLUMNS_KEPT_BYTES):
+                self._bytes -= self._held.popitem(last=False)[1][2]
+
+    def reads(self, sha256: str, versions, job: str) -> dict[str, tuple[str, int]]:
+        """The reads of columns held under ``sha256`` at ``versions`` (one per tensor)."""
+        with self._lock:
+            held = self._held.get(sha256)
+            if held is not None:
+                self._held.move_to_end(sha256)
+        if held is None:
+            raise NotFoundError(f"{READS_NOT_HELD}: agent {self.host} holds no read columns with SHA-256 "
+                                f"{sha256[:16]} (it keeps the last {READ_COLUMNS_KEPT}); the planner sends them again")
+        tensors, names, _ = held
+        if len(versions) != len(tensors):
+            raise InvalidArgumentError(f"Prepare of job {job[:12]!r} reads the {len(tensors)} tensors of columns "
+                                       f"{sha256[:16]} at {len(versions)} versions; give one for each")
+        return dict(zip(tensors, zip(names, versions)))
+
+
 class AgentServicer(pb_grpc.AgentServicer):
     def __init__(self, config: AgentConfig, store: ShardStore, runtime: Runtime, tickets: TicketCheck):
         self.config = config
@@ -114,6 +159,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
         self.handover = CudaHandover(config.host, store)
         self.shm = ShmHandover(config.host, store)
+        self.read_columns = HeldColumns(config.host)
 
     def _check_device(self, device: str) -> None:
         if device not in self.devices:
@@ -238,11 +284,28 @@ class AgentServicer(pb_grpc.AgentServicer):
         return pb.Empty()
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
-        reads = prepare_reads(r)
+        # The reads: columns carried (kept under their SHA-256 where the Prepare gives it, for the Prepares that
+        # name them by it), named by that SHA-256 alone (looked up once the ticket checked), or reads_at.
+        sha, by_digest = r.read_columns_sha256, bool(r.read_columns_sha256) and not r.read_tensors
+        if sha and not _SHA256_HEX.fullmatch(sha):
+            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names read columns by {sha[:80]!r}, which is "
+                                       f"not a SHA-256 in 64 hexadecimal digits")
+        reads, signed, columns = {}, "", None
+        if by_digest:
+            signed = signed_reads(sha, r.read_versions)
+        else:
+            reads = prepare_reads(r)
+            if reads:
+                columns = (list(r.read_tensors), list(r.read_names or r.read_tensors))
+                digest = columns_digest(*columns)
+                if sha and sha != digest:
+                    raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} carries read columns whose SHA-256 is "
+                                               f"{digest[:16]}, not the {sha[:16]} it names them by")
+                signed = signed_reads(digest, r.read_versions)
         reads_at = r.reads_at if r.HasField("reads_at") else None
-        if reads and reads_at is not None:
-            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names its reads twice: as columns of "
-                                       f"{len(reads)} tensors and as reads_at {reads_at}; give one")
+        if (reads or by_digest) and reads_at is not None:
+            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names its reads twice: as columns "
+                                       f"and as reads_at {reads_at}; give one")
         delta_bases = {t: (b.src_version, b.dst_version) for t, b in r.delta_bases.items()}
         # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
         sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256
@@ -251,9 +314,13 @@ class AgentServicer(pb_grpc.AgentServicer):
                                        f"one this agent holds, and not two that differ")
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
-                                                                r.peers, reads, dict(r.nixl_peers), delta_bases,
-                                                                reads_at=reads_at),
+                                                                r.peers, None, dict(r.nixl_peers), delta_bases,
+                                                                signed_reads=signed, reads_at=reads_at),
                           what=f"Prepare of job {r.job[:12]!r}")
+        if by_digest:
+            reads = self.read_columns.reads(sha, r.read_versions, r.job)
+        elif columns is not None and sha:
+            self.read_columns.keep(sha, *columns)
         if r.transport == "nixl":
             self.nixl_peers.introduce(r.job, dict(r.nixl_peers))
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),

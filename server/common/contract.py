@@ -17,6 +17,11 @@
                         would still hold it
 ``prepare_reads``       a Prepare's reads (program tensor -> stored name and version) from the columns
                         the request carries them in, and ``read_columns`` those columns from the reads
+``READS_NOT_HELD``      how an agent's NOT_FOUND begins when a Prepare names read columns by their
+                        SHA-256 that the agent no longer holds: the planner sends them then
+``READ_COLUMNS_KEPT``   how many read columns an agent keeps, most recently used, and how many
+                        bytes of names (``READ_COLUMNS_KEPT_BYTES``, `columns_nbytes`; the newest
+                        stays whatever its size), which the planner mirrors as for programs
 ``DELTA_BASE_MISMATCH`` how an agent's FAILED_PRECONDITION begins when a delta stream's base (the
                         receiver's copy of the version it starts from) differs from the sender's, or
                         the delta applied to it does not give the sender's box: the planner runs the
@@ -28,17 +33,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from operator import itemgetter
 
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "prepare_reads", "read_columns", "TRANSPORT_MODES", "BACKENDS", "PROGRAM_NOT_HELD",
-           "PROGRAMS_KEPT", "PROGRAMS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
+__all__ = ["GroupView", "Staging", "prepare_reads", "read_columns", "columns_nbytes", "TRANSPORT_MODES", "BACKENDS",
+           "PROGRAM_NOT_HELD", "PROGRAMS_KEPT", "PROGRAMS_KEPT_BYTES", "READS_NOT_HELD", "READ_COLUMNS_KEPT",
+           "READ_COLUMNS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
 TRANSPORT_MODES = ("grpc", "collective", "auto", "nixl")
 BACKENDS = ("gloo", "nccl")
 PROGRAM_NOT_HELD = "program not held"
+READS_NOT_HELD = "read columns not held"
 DELTA_BASE_MISMATCH = "delta base mismatch"
 # A pipeline stage runs a dozen small programs in turn every step; a state dict's program is megabytes of JSON, and
 # its parsed form several times that (an 8,000-tensor reshard_many is 15 MiB of text; agents holding it and the move
@@ -47,6 +54,9 @@ DELTA_BASE_MISMATCH = "delta base mismatch"
 # with both held, most of it each agent reading the text).
 PROGRAMS_KEPT = 64
 PROGRAMS_KEPT_BYTES = 64 * 2**20
+# A quantized 139,583-tensor sync's columns are a few MiB of names per host: a sync out and back, and a few more
+READ_COLUMNS_KEPT = 64
+READ_COLUMNS_KEPT_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -116,3 +126,9 @@ def read_columns(reads: Mapping[str, tuple[str, int]],
         if not all(read):  # a slice's tensor no read names: one its program makes
             tensors, read = [t for t, r in zip(tensors, read) if r], [r for r in read if r]
     return tensors, list(map(_FIRST, read)), list(map(_SECOND, read))
+
+
+def columns_nbytes(tensors: Sequence[str], names: Sequence[str]) -> int:
+    """What a pair of read columns (program tensors, stored names: each given) counts against
+    `READ_COLUMNS_KEPT_BYTES`: its characters."""
+    return sum(map(len, tensors)) + sum(map(len, names))

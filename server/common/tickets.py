@@ -68,14 +68,28 @@ def program_digest(program_json: str) -> str:
     return hashlib.sha256(program_json.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def reads_digest(tensors: Sequence[str], names: Sequence[str], versions: Sequence[int]) -> str:
-    """The SHA-256 (hex) of a Prepare's reads as columns, in the order carried: program tensor ``tensors[i]``
-    reads stored ``names[i]`` at ``versions[i]``. Columns, not a string per read: a state dict's job signs 139,583
-    reads, and each host's agent checks its own."""
+def columns_digest(tensors: Sequence[str], names: Sequence[str]) -> str:
+    """The SHA-256 (hex) of a Prepare's read columns but the versions: program tensor ``tensors[i]`` reads stored
+    ``names[i]`` (each given, its own name too). A later Prepare names them by it
+    (`PrepareRequest.read_columns_sha256`)."""
     h = hashlib.sha256(_SEP.join(tensors).encode("utf-8", "surrogatepass"))
     h.update(b"\x1e" + _SEP.join(names).encode("utf-8", "surrogatepass") + b"\x1e")
+    return h.hexdigest()
+
+
+def signed_reads(columns_sha256: str, versions: Sequence[int]) -> str:
+    """What a Prepare's ticket signs of its reads: the SHA-256 (hex) of its columns' `columns_digest` and its
+    versions. Columns, not a string per read: a state dict's job signs 139,583 reads, and each host's agent checks
+    its own; the names are hashed once for as long as they are the same (a repeated sync's)."""
+    h = hashlib.sha256(columns_sha256.encode("utf-8", "surrogatepass"))
     h.update(np.asarray(versions, dtype="<i8").tobytes())
     return h.hexdigest()
+
+
+def reads_digest(tensors: Sequence[str], names: Sequence[str], versions: Sequence[int]) -> str:
+    """`signed_reads` of columns given whole, in the order carried: program tensor ``tensors[i]`` reads stored
+    ``names[i]`` at ``versions[i]``."""
+    return signed_reads(columns_digest(tensors, names), versions)
 
 
 def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int, dst_version: int, transport: str,
@@ -88,9 +102,9 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
     version), in the order the request carries them) is signed as its `reads_digest`, or ``signed_reads`` is that
     digest where the caller has it; ``reads_at`` (`PrepareRequest.reads_at`: every program tensor with a source
     reads its own name at that version) in their place. ``nixl_peers`` (host -> NIXL metadata) is signed too: an
-    agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody. ``delta_bases`` (program tensor ->
-    (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which stored versions a delta move
-    reads."""
+    agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody.
+    ``delta_bases`` (program tensor -> (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which
+    stored versions a delta move reads."""
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as

@@ -7,10 +7,12 @@ from dataclasses import replace
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from operator import itemgetter
 from concurrent import futures
 
 import grpc
 import grpc.experimental
+import numpy as np
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
@@ -18,14 +20,15 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields, program_digest,
-                                           reads_digest, release_fields, sign)
+from reshard.server.common.tickets import (abort_fields, columns_digest, commit_fields, execute_fields, prepare_fields,
+                                           program_digest, release_fields, sign, signed_reads)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
-from reshard.server.common.contract import (PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, GroupView, Staging,
-                                            read_columns)
+from reshard.server.common.contract import (PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, READ_COLUMNS_KEPT,
+                                            READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, GroupView, Staging,
+                                            columns_nbytes)
 from reshard.server.planner.jobs import Job, Preparation
 from reshard.server.planner.control import Planner, TileLocation
 
@@ -48,24 +51,29 @@ _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newes
 # host is a text per host (48 for the Kimi-K2-like sync, 412 MiB), each hashed once, not at every job. The texts are
 # the planner's caches' own (`JobRunner._slices`): a key holds them a while longer at most.
 _DIGESTS_KEPT = 256
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
+_READ_ORDERS_KEPT = 8  # programs whose reads' order and columns' SHA-256 the planner keeps: `_read_order`
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
-def _request_of(p: Preparation, columns: tuple[list[str], list[str], list[int]] | None,
+def _request_of(p: Preparation, columns: tuple[list[str], list[str], np.ndarray, str] | None,
                 delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
-    """Job ``p``'s Prepare without its program and tickets, carrying the reads ``columns`` (`read_columns`; no names
-    where each tensor reads its own name, a state dict's case), or None for ``p.reads_at`` in their place, and
-    ``delta_bases``; and the fields its ticket signs but the program's SHA-256."""
-    tensors, names, versions = columns if columns is not None else ((), (), ())
+    """Job ``p``'s Prepare without its program and tickets, naming its reads by ``columns`` (program tensors,
+    stored names, versions, the SHA-256 of the first two: `GrpcAgentCalls._columns`) by that SHA-256 and its
+    versions (`GrpcAgentCalls.prepare_request` adds the columns themselves for an agent that does not hold them),
+    or None for ``p.reads_at`` in their place, and carrying ``delta_bases``; and the fields its ticket signs but
+    the program's SHA-256."""
+    versions, digest = (columns[2], columns[3]) if columns is not None else ((), "")
     request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
-        transport=p.transport, generation=p.generation, job_seq=p.job_seq, read_tensors=tensors,
-        read_names=names if names != tensors else (), read_versions=versions, nixl_peers=p.nixl_peers,
+        transport=p.transport, generation=p.generation, job_seq=p.job_seq,
+        read_versions=versions.tolist() if columns is not None else (),
+        read_columns_sha256=digest, nixl_peers=p.nixl_peers,
         delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()},
         reads_at=p.reads_at if columns is None else None)
     fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation, p.job_seq,
                             p.peers, None, p.nixl_peers, delta_bases,
-                            signed_reads=reads_digest(tensors, names, versions) if tensors else "",
+                            signed_reads=signed_reads(digest, versions) if digest else "",
                             reads_at=p.reads_at if columns is None else None)
     return request, fields
 
@@ -81,13 +89,17 @@ class GrpcAgentCalls:
         self._building = threading.Lock()  # held while a job's Prepare is built (`_made`)
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, pb_grpc.AgentStub] = {}  # one per channel: a stub builds a callable per method
-        # job -> (its Preparation, the request without its program and tickets, the fields its ticket signs but the
-        # program's SHA-256 (None for a program cut per host), push tickets by peer, and per set of tensors that
-        # hosts' slices declare the same two: `_made`, `_part`)
+        # job -> (its Preparation, (the request without its program and tickets, the fields its ticket signs but the
+        # program's SHA-256, its read columns) or None for a program cut per host, push tickets by peer, per set of
+        # tensors that hosts' slices declare the same three, and its reads in order: `_made`, `_part`, `_read_order`)
         self._prepared: OrderedDict[str, tuple] = OrderedDict()
         # agent address -> SHA-256 of the program texts it was sent, most recent last, with their lengths: what it
         # holds while it keeps programs as it is meant to (contract.PROGRAMS_KEPT); a Prepare names those
         self._held: dict[str, OrderedDict[str, int]] = {}
+        # agent address -> SHA-256 of the read columns it was sent, most recent last, with their `columns_nbytes`
+        self._held_columns: dict[str, OrderedDict[str, int]] = {}
+        # program id -> its jobs' reads in order, and per slice their columns' SHA-256: `_read_order`, `_columns`
+        self._read_orders: OrderedDict[str, tuple] = OrderedDict()
         # program text -> its SHA-256: a weight sync runs one program every step, and hashing its half megabyte of
         # JSON again each time cost the planner most of a millisecond per job. Keyed by the text itself, not the
         # program's id: a plan's id leaves out figures its JSON carries (a restarted agent's measured rates), and
@@ -111,10 +123,10 @@ class GrpcAgentCalls:
     def _made(self, p: Preparation) -> tuple:
         """Job ``p``'s Prepare as every host gets it but for its program and tickets: built once per job (a state
         dict's reads are large), by the first of the job's calls to get here, and signed per host. (p, the request
-        without its program, the fields its ticket signs with the program's SHA-256 left empty, push tickets by
-        peer, and for a program cut per host the same two per set of tensors its hosts' slices declare, filled by
-        `_part`.) A program cut per host has no request and fields for every host, unless its reads go by one version
-        (``reads_at``) and it moves no deltas."""
+        without its program, the fields its ticket signs with the program's SHA-256 left empty and its read columns,
+        push tickets by peer, for a program cut per host the same three per set of tensors its hosts' slices
+        declare, filled by `_part`, and its reads in order, `_read_order`.) A program cut per host has none for every
+        host, unless its reads go by one version (``reads_at``) and it moves no deltas."""
         with self._lock:
             made = self._prepared.get(p.job)
         if made is not None and made[0] is p:
@@ -124,35 +136,78 @@ class GrpcAgentCalls:
                 made = self._prepared.get(p.job)
             if made is not None and made[0] is p:
                 return made
-            if p.host_tensors and (p.reads_at is None or p.delta_bases):
-                base = fields = None
-            else:  # the same for every host: no slices, or each slice's reads named by reads_at and no deltas
-                base, fields = _request_of(p, read_columns(p.reads) if p.reads_at is None else None, p.delta_bases)
+            order = self._read_order(p) if p.reads_at is None else None
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
-            made = (p, base, fields, pushes, {})
+            made = (p, None, pushes, {}, order)
+            if not p.host_tensors or (p.reads_at is not None and not p.delta_bases):
+                # the same for every host: no slices, or each slice's reads named by reads_at and no deltas
+                columns = self._columns(made, None) if order is not None else None
+                made = (p, (*_request_of(p, columns, p.delta_bases), columns), pushes, {}, order)
             with self._lock:
                 self._prepared[p.job] = made
                 while len(self._prepared) > _PREPARED_KEPT:
                     self._prepared.popitem(last=False)
         return made
 
-    def _part(self, made: tuple, host: str) -> tuple[pb.PrepareRequest, tuple]:
-        """``host``'s Prepare of job ``made`` (`_made`) without its program and tickets, and the fields its ticket
-        signs but the program's SHA-256: with the reads and delta bases of its slice's tensors where the program is
-        cut per host, built once for every host whose slice declares the same tensors (a serving host's replicas
-        hold the same experts: 8 of the Kimi-K2-like sync's 16 serving hosts share each set)."""
-        p, base, fields, _, parts = made
+    def _part(self, made: tuple, host: str) -> tuple[pb.PrepareRequest, tuple, tuple | None]:
+        """``host``'s Prepare of job ``made`` (`_made`) without its program and tickets, the fields its ticket
+        signs but the program's SHA-256, and its read columns (`_columns`, None where it has none): with the reads
+        and delta bases of its slice's tensors where the program is cut per host, built once for every host whose
+        slice declares the same tensors (a serving host's replicas hold the same experts: 8 of the Kimi-K2-like
+        sync's 16 serving hosts share each set)."""
+        p, base, _, parts, order = made
         if base is not None:
-            return base, fields
+            return base
         names = p.host_tensors.get(host)
         with self._lock:
             part = parts.get(names)
         if part is None:
-            part = _request_of(p, read_columns(p.reads, names) if p.reads_at is None else None,
-                               p.delta_bases_for(host))
+            columns = self._columns(made, names) if order is not None else None
+            part = (*_request_of(p, columns, p.delta_bases_for(host)), columns)
             with self._lock:
                 part = parts.setdefault(names, part)
         return part
+
+    def _read_order(self, p: Preparation) -> tuple[tuple, np.ndarray]:
+        """``p``'s reads in the order it holds them: (program tensors, stored names, each tensor's place, and per
+        slice `_columns`' columns), kept per program while its jobs read the same tensors under the same names (a
+        repeated sync's), and its versions as an int64 column. A job then costs a pass over its reads, not one per
+        host: the Kimi-K2-like sync quantized on the way reads 139,583 tensors, its 48 hosts' slices 395,638."""
+        keys, values = list(p.reads), list(p.reads.values())
+        stored = list(map(_FIRST, values))
+        versions = np.fromiter(map(_SECOND, values), dtype="<i8", count=len(values))
+        with self._lock:
+            kept = self._read_orders.get(p.program_id)
+            if kept is not None:
+                self._read_orders.move_to_end(p.program_id)
+        if kept is None or kept[0] != keys or kept[1] != stored:
+            kept = (keys, stored, {t: i for i, t in enumerate(keys)}, {})
+            with self._lock:
+                self._read_orders[p.program_id] = kept
+                while len(self._read_orders) > _READ_ORDERS_KEPT:
+                    self._read_orders.popitem(last=False)
+        return kept, versions
+
+    def _columns(self, made: tuple, names: frozenset[str] | None) -> tuple[list[str], list[str], np.ndarray, str]:
+        """Job ``made``'s reads of the tensors ``names`` (a host's slice's; None: all) as columns (program
+        tensors, stored names, versions as an int64 column: `read_columns`) and the SHA-256 of the first two
+        (`tickets.columns_digest`, "" where there are none), the first two and their SHA-256 worked out once per
+        program and slice."""
+        (keys, stored, place, slices), versions = made[4]
+        with self._lock:
+            kept = slices.get(names)
+        if kept is None:
+            if names is None:
+                tensors, index = keys, np.arange(len(keys))
+            else:  # the slice's tensors a read names (not those its program makes)
+                tensors = [t for t in names if t in place]
+                index = np.fromiter(map(place.__getitem__, tensors), dtype=np.intp, count=len(tensors))
+            names_read = list(map(stored.__getitem__, index.tolist()))
+            kept = (tensors, names_read, index, columns_digest(tensors, names_read) if tensors else "")
+            with self._lock:
+                kept = slices.setdefault(names, kept)
+        tensors, names_read, index, digest = kept
+        return tensors, names_read, versions[index], digest
 
     def _digest(self, text: str) -> str:
         """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""
@@ -172,11 +227,12 @@ class GrpcAgentCalls:
         return digest
 
     def prepare_request(self, host: str, p: Preparation, held: bool = False,
-                        request: pb.PrepareRequest | None = None) -> pb.PrepareRequest:
+                        request: pb.PrepareRequest | None = None, columns_held: bool = False) -> pb.PrepareRequest:
         """The Prepare of job ``p`` for ``host``, written into ``request`` (default: a new one): with the program's
-        text (or ``host``'s slice of it, `Preparation.text_for`), or (``held``) naming it by its SHA-256 alone."""
+        text (or ``host``'s slice of it, `Preparation.text_for`), or (``held``) naming it by its SHA-256 alone; with
+        its read columns, or (``columns_held``) naming them by their SHA-256 and versions alone."""
         made = self._made(p)
-        part, fields = self._part(made, host)
+        part, fields, columns = self._part(made, host)
         text = p.text_for(host)
         digest = self._digest(text)
         request = request if request is not None else pb.PrepareRequest()
@@ -185,17 +241,25 @@ class GrpcAgentCalls:
             request.program_sha256 = digest
         else:
             request.program_json = text
+        if columns is not None and columns[0] and not columns_held:
+            request.read_tensors.extend(columns[0])
+            if columns[1] != columns[0]:  # none where each tensor reads its own name, a state dict's case
+                request.read_names.extend(columns[1])
         request.ticket = self._sign(host, "prepare", fields[0], digest, *fields[2:])
-        pushes = made[3]
+        pushes = made[2]
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
         return request
 
     def _holds(self, host: str, address: str, p: Preparation) -> bool:
         """Whether the agent of ``host`` at ``address`` holds its text of ``p``'s program (it was sent the text,
         and kept it since)."""
-        digest = self._digest(p.text_for(host))
+        return self._still_held(self._held, address, self._digest(p.text_for(host)))
+
+    def _still_held(self, table: dict[str, OrderedDict[str, int]], address: str, digest: str) -> bool:
+        """Whether ``table`` (`_held`, `_held_columns`) has the agent at ``address`` holding ``digest``, which
+        counts as its latest use."""
         with self._lock:
-            held = self._held.get(address)
+            held = table.get(address)
             if held is None or digest not in held:
                 return False
             held.move_to_end(digest)
@@ -216,20 +280,47 @@ class GrpcAgentCalls:
             while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) > PROGRAMS_KEPT_BYTES):
                 held.popitem(last=False)
 
-    def _by_digest_first(self, host: str, address: str, p: Preparation | None, call: Callable[[bool], object]):
-        """``call(held)`` naming ``p``'s program by its SHA-256 where the agent of ``host`` should hold it, and
-        again with the text if it does not (an agent restarted, or one that dropped it)."""
+    def _columns_sent(self, address: str, columns: tuple | None, kept: bool) -> None:
+        """The agent at ``address`` was sent ``columns`` (`_columns`) and keeps them (``kept``), or said it no
+        longer holds them: its own rule (`agent.service.HeldColumns`) mirrored."""
+        if columns is None or not columns[3]:
+            return
+        with self._lock:
+            held = self._held_columns.setdefault(address, OrderedDict())
+            held.pop(columns[3], None)
+            if kept:
+                held[columns[3]] = columns_nbytes(columns[0], columns[1])
+            while len(held) > 1 and (len(held) > READ_COLUMNS_KEPT or sum(held.values()) > READ_COLUMNS_KEPT_BYTES):
+                held.popitem(last=False)
+
+    def _by_digest_first(self, host: str, address: str, p: Preparation | None,
+                         call: Callable[[bool, bool], object]):
+        """``call(held, columns_held)`` naming ``p``'s program and its read columns by their SHA-256 where the agent
+        of ``host`` should hold them, and again with both whole if it does not (an agent restarted, or one that
+        dropped them)."""
         if p is None:
-            return call(False)
-        if self._holds(host, address, p):
+            return call(False, False)
+        columns = self._part(self._made(p), host)[2]
+        held = self._holds(host, address, p)
+        columns_held = columns is not None and bool(columns[3]) and self._still_held(self._held_columns, address,
+                                                                                     columns[3])
+        if held or columns_held:
             try:
-                return call(True)
+                result = call(held, columns_held)
             except NotFoundError as e:
-                if not str(e).startswith(PROGRAM_NOT_HELD):
+                if not str(e).startswith((PROGRAM_NOT_HELD, READS_NOT_HELD)):
                     raise
                 self._sent(host, address, p, kept=False)
-        result = call(False)
+                self._columns_sent(address, columns, kept=False)
+            else:
+                if not held:
+                    self._sent(host, address, p, kept=True)
+                if not columns_held:
+                    self._columns_sent(address, columns, kept=True)
+                return result
+        result = call(False, False)
         self._sent(host, address, p, kept=True)
+        self._columns_sent(address, columns, kept=True)
         return result
 
     def _call(self, host: str, address: str, method: str, request, timeout: float):
@@ -239,19 +330,19 @@ class GrpcAgentCalls:
             raise domain_error(e, f"agent of host {host} at {address}") from None
 
     def prepare(self, host, address, prep, timeout):
-        self._by_digest_first(host, address, prep, lambda held: self._call(
-            host, address, "Prepare", self.prepare_request(host, prep, held), timeout))
+        self._by_digest_first(host, address, prep, lambda held, columns_held: self._call(
+            host, address, "Prepare", self.prepare_request(host, prep, held, columns_held=columns_held), timeout))
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
-        return self._by_digest_first(host, address, prepare, lambda held: self._execute(
-            host, address, job, program_id, on_progress, timeout, prepare, commit, held))
+        return self._by_digest_first(host, address, prepare, lambda held, columns_held: self._execute(
+            host, address, job, program_id, on_progress, timeout, prepare, commit, held, columns_held))
 
-    def _execute(self, host, address, job, program_id, on_progress, timeout, prepare, commit, held):
+    def _execute(self, host, address, job, program_id, on_progress, timeout, prepare, commit, held, columns_held):
         request = pb.ExecuteRequest(job=job, program_id=program_id,
                                     ticket=self._sign(host, "execute", *execute_fields(job, program_id, commit)),
                                     commit=commit)
         if prepare is not None:
-            self.prepare_request(host, prepare, held, request.prepare)
+            self.prepare_request(host, prepare, held, request.prepare, columns_held)
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
@@ -289,6 +380,7 @@ class GrpcAgentCalls:
             ch = self._channels.pop(address, None)
             self._stubs.pop(address, None)
             self._held.pop(address, None)
+            self._held_columns.pop(address, None)
         if ch is not None:
             ch.close()
 

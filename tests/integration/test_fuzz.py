@@ -59,7 +59,7 @@ from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import prepare_reads
 from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
-                                           program_digest, put_fields, sign)
+                                           program_digest, put_fields, sign, signed_reads)
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
@@ -537,16 +537,24 @@ TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShar
 
 
 def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
+    """The ticket of ``r`` as the agent checks it (`AgentServicer._prepare`): its reads as columns, named by their
+    SHA-256, or by reads_at."""
     program = program_digest(r.program_json) if r.program_json else r.program_sha256
+    by_digest = bool(r.read_columns_sha256) and not r.read_tensors
     try:
-        reads = prepare_reads(r)
+        reads = {} if by_digest else prepare_reads(r)
     except InvalidArgumentError:  # columns of different lengths: the agent refuses them before the ticket
         reads = {}
+    signed_by_digest = signed_reads(r.read_columns_sha256, r.read_versions) if by_digest else ""
+    reads_at = r.reads_at if r.HasField("reads_at") else None
+    if (reads or signed_by_digest) and reads_at is not None:
+        return  # reads named twice: the agent refuses it before the ticket
     r.ticket = sign(secret, "prepare", *prepare_fields(r.job, program, r.tensor, r.src_version, r.dst_version,
                                                        r.transport, r.generation, r.job_seq, r.peers,
                                                        reads,
                                                        None, {t: (b.src_version, b.dst_version)
-                                                              for t, b in r.delta_bases.items()}))
+                                                              for t, b in r.delta_bases.items()},
+                                                       signed_reads=signed_by_digest, reads_at=reads_at))
 
 
 def signed(secret: bytes, method: str, request):

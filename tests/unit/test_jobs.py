@@ -30,7 +30,7 @@ class RuntimeCalls:
     def __init__(self, hosts: Hosts):
         self.hosts = hosts
         self.calls: list[tuple[str, str]] = []
-        self.preparations: list[Preparation] = []
+        self.prepared: list[Preparation] = []  # every Preparation handed over, in order
         self._lock = threading.Lock()
 
     def _record(self, call: str, host: str):
@@ -40,7 +40,7 @@ class RuntimeCalls:
 
     def prepare(self, host, address, prep: Preparation, timeout):
         with self._lock:
-            self.preparations.append(prep)
+            self.prepared.append(prep)
         # as a Prepare carries its reads: one version for every tensor (`PrepareRequest.reads_at`), else columns
         reads = None if prep.reads_at is not None else prep.reads_for(host)
         self._record("prepare", host).prepare(prep.job, prep.text_for(host), prep.tensor, prep.src_version,
@@ -596,7 +596,7 @@ def test_a_state_dict_at_one_version_names_its_reads_by_that_version_and_one_at_
         for names, reads_at in ((["a", "b"], 1), (["a", "b", "c"], None)):
             job = planner.jobs.submit_many({n: DST for n in names}, "auto", 0, {})
             assert job.done_event.wait(30) and job.state == "succeeded", job.error
-            prep = calls.preparations[-1]
+            prep = calls.prepared[-1]
             assert prep.job == job.id and prep.reads_at == reads_at
             for name in names:
                 assert np.array_equal(hosts.get(name, DST, SHAPE, version=job.versions[name]), values[name])

@@ -11,7 +11,7 @@ import pytest
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError, PermissionDeniedError
 from reshard.server.common.contract import prepare_reads
-from reshard.server.common.tickets import prepare_fields, program_digest, sign
+from reshard.server.common.tickets import columns_digest, prepare_fields, program_digest, sign, signed_reads
 
 
 def test_reads_come_back_in_order_with_their_own_names_where_none_are_given():
@@ -31,12 +31,16 @@ def test_columns_of_different_lengths_are_refused_naming_them(names, versions):
 
 
 def _ticket_of(secret: bytes, r: pb.PrepareRequest, text: str) -> str:
-    """The ticket an agent expects for ``r`` (`Agent._prepare`'s check), its program being ``text``."""
+    """The ticket an agent expects for ``r`` (`Agent._prepare`'s check), its program being ``text``: its reads
+    carried as columns, named by the columns' SHA-256 (`signed_reads` of it and the versions), or by reads_at."""
+    by_digest = bool(r.read_columns_sha256) and not r.read_tensors
     return sign(secret, "prepare", *prepare_fields(r.job, program_digest(text), r.tensor, r.src_version,
                                                    r.dst_version, r.transport, r.generation, r.job_seq, r.peers,
-                                                   prepare_reads(r), dict(r.nixl_peers),
+                                                   {} if by_digest else prepare_reads(r), dict(r.nixl_peers),
                                                    {t: (b.src_version, b.dst_version)
                                                     for t, b in r.delta_bases.items()},
+                                                   signed_reads=signed_reads(r.read_columns_sha256,
+                                                                             r.read_versions) if by_digest else "",
                                                    reads_at=r.reads_at if r.HasField("reads_at") else None))
 
 
@@ -65,6 +69,11 @@ def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it(
     held = calls.prepare_request("c", cut, held=True)
     assert not held.program_json and held.program_sha256 == program_digest("C")
     assert held.ticket == _ticket_of(secrets["c"], held, "C")
+    # Columns the agent holds go by their SHA-256 and the versions alone, signed the same
+    named = calls.prepare_request("c", cut, held=True, columns_held=True)
+    assert not named.read_tensors and not named.read_names and list(named.read_versions) == [5]
+    assert named.read_columns_sha256 == held.read_columns_sha256 == columns_digest(["z@0"], ["z"])
+    assert named.ticket == held.ticket == _ticket_of(secrets["c"], named, "C")
     whole = Preparation("job2", "WHOLE", "t", 1, 2, {h: h for h in "abc"}, program_id="pid", reads=reads)
     for h in "abc":
         r = calls.prepare_request(h, whole)
