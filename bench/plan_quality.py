@@ -432,7 +432,7 @@ def _moe_row(m: dict) -> list[str]:
         f"{m['rss_gib']:.2f}" if "rss_gib" in m else None, f"{m['text_mib']:,.0f}" if "text_mib" in m else None,
         f"{m['slice_mib']:,.1f} ({m['slice_host']})" if "slice_mib" in m else None,
         f"{m['agent_read_s']:.1f} / {m['agent_layout_s']:.1f}" if "agent_layout_s" in m else None,
-        f"{m['prepares1_s']:.2f} / {m['prepares_s']:.2f} ({m['prepares_mib']:,.0f} MiB)" if "prepares_s" in m else None,
+        f"{m['prepares1_s']:.2f} / {m['prepares_s']:.3f} ({m['prepares_mib']:,.1f} MiB)" if "prepares_s" in m else None,
         f"{m['estimate']:.3f}" if "estimate" in m else None, f"{m['bound']:.3f}" if "bound" in m else None,
         f"{m['estimate'] / m['bound']:.3f}" if "bound" in m else None,
     ]
@@ -533,8 +533,10 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         "makes the runs of the steps it takes part in), timed in the same child. Every job of the program, a "
         "repeated sync's included, then costs the planner each host's Prepare (`GrpcAgentCalls.prepare_request`: "
         "by digest, the agents holding their slices; each with the reads of its own tensors, every program tensor "
-        "read at one version here), built and serialized for all hosts and timed: the first job's, which hashes "
-        "each slice once for its ticket, and the next job's. The lower bound is the cost "
+        "read at one version here: that version alone (`reads_at`) where nothing is quantized, else its columns "
+        "of names and versions), built and serialized for all hosts and timed: the first job's, which hashes each "
+        "slice and each host's read columns once for its ticket and carries the columns, and the next job's, "
+        "which names them by their SHA-256 beside the versions. The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         f"Must-show 1's goals, from the full {full['layers']} layers' figures, planned without dtypes and as the "

@@ -164,9 +164,12 @@ def main() -> int:
             + f"\n\nThe registered sync's planner part costs {1e6 * last:.1f} us per tensor at the largest count, "
             f"{last * KIMI_TENSORS * 1e3:.0f} ms at {KIMI_TENSORS:,} tensors; the goal allows "
             f"{1e6 * GOAL_MS / 1e3 / KIMI_TENSORS:.2f} us "
-            f"({'met' if last * KIMI_TENSORS <= GOAL_MS / 1e3 else '**not met**'}). What is left per tensor: the "
-            "catalog's claim and read of each version, the job's read columns, each host's Prepare carrying its "
-            "tensors' names and versions (and signing them), and the agents' reading of them."
+            f"({'met' if last * KIMI_TENSORS <= GOAL_MS / 1e3 else '**not met**'}). What is left per tensor, in the "
+            "planner (the waiting and planning columns): the tensors' locks, the catalog's claim and read of each "
+            "version, the check that the program kept still fits each tensor's sharding and dtype, and the job's "
+            "reads; a host's Prepare names a state dict at one version by that version alone (`reads_at`), so it "
+            "no longer grows with the tensors. The rest of the planner's part is its calls reaching agents that "
+            "share this machine's 2 cores with each other's prepare (8 agents, each staging every tile it receives)."
             + f"\n\nReproduce: `python bench/small_tensors.py --counts {args.counts}`.")
     print(body)
     if not args.no_write:

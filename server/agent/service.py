@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent import futures
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import grpc
 
@@ -41,9 +42,9 @@ from reshard.server.transport.grpc_link import GrpcTransport, LocalDevice, chann
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.contract import (READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, GroupView,
                                             columns_nbytes, prepare_reads)
-from reshard.server.common.tickets import (TicketCheck, abort_fields, columns_digest, commit_fields, execute_fields,
-                                           new_secret, prepare_fields, program_digest, put_fields, release_fields, sign,
-                                           signed_reads)
+from reshard.server.common.tickets import (TicketCheck, abort_fields, columns_digest, commit_fields, deltas_digest,
+                                           execute_fields, new_secret, prepare_fields, program_digest, put_fields,
+                                           release_fields, sign, signed_reads)
 from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
@@ -133,8 +134,8 @@ class HeldColumns:
                                            self._bytes > READ_COLUMNS_KEPT_BYTES):
                 self._bytes -= self._held.popitem(last=False)[1][2]
 
-    def reads(self, sha256: str, versions, job: str) -> dict[str, tuple[str, int]]:
-        """The reads of columns held under ``sha256`` at ``versions`` (one per tensor)."""
+    def get(self, sha256: str) -> tuple[list[str], list[str]]:
+        """The columns held under ``sha256`` (program tensors, stored names)."""
         with self._lock:
             held = self._held.get(sha256)
             if held is not None:
@@ -142,11 +143,69 @@ class HeldColumns:
         if held is None:
             raise NotFoundError(f"{READS_NOT_HELD}: agent {self.host} holds no read columns with SHA-256 "
                                 f"{sha256[:16]} (it keeps the last {READ_COLUMNS_KEPT}); the planner sends them again")
-        tensors, names, _ = held
-        if len(versions) != len(tensors):
-            raise InvalidArgumentError(f"Prepare of job {job[:12]!r} reads the {len(tensors)} tensors of columns "
-                                       f"{sha256[:16]} at {len(versions)} versions; give one for each")
-        return dict(zip(tensors, zip(names, versions)))
+        return held[0], held[1]
+
+
+@dataclass
+class _Reads:
+    """A Prepare's reads as it carries them (`AgentServicer._prepare`): columns (kept under their SHA-256 where it
+    names one, for the Prepares that name them by it alone), their SHA-256 alone (looked up once the ticket is
+    checked), or ``reads_at``; what the ticket signs of them; and the delta bases carried beside them as columns."""
+
+    job: str
+    sha: str
+    columns: tuple[list[str], list[str]] | None  # carried
+    at: int | None
+    signed: str
+    signed_deltas: str
+
+    @classmethod
+    def of(cls, r: pb.PrepareRequest) -> "_Reads":
+        """The reads ``r`` carries, checked for what can be checked before its ticket."""
+        what = f"Prepare of job {r.job[:12]!r}"
+        sha, columns, signed = r.read_columns_sha256, None, ""
+        if sha and not _SHA256_HEX.fullmatch(sha):
+            raise InvalidArgumentError(f"{what} names read columns by {sha[:80]!r}, which is not a SHA-256 in 64 "
+                                       f"hexadecimal digits")
+        if sha and not r.read_tensors:
+            signed = signed_reads(sha, r.read_versions)
+        elif prepare_reads(r):  # (which checks the columns' lengths)
+            columns = (list(r.read_tensors), list(r.read_names or r.read_tensors))
+            digest = columns_digest(*columns)
+            if sha and sha != digest:
+                raise InvalidArgumentError(f"{what} carries read columns whose SHA-256 is {digest[:16]}, not the "
+                                           f"{sha[:16]} it names them by")
+            signed = signed_reads(digest, r.read_versions)
+        at = r.reads_at if r.HasField("reads_at") else None
+        if signed and at is not None:
+            raise InvalidArgumentError(f"{what} names its reads twice: as columns and as reads_at {at}; give one")
+        src, dst = r.read_delta_src, r.read_delta_dst
+        if (src or dst) and (len(src) != len(dst) or not signed or r.delta_bases):
+            raise InvalidArgumentError(f"{what} gives delta bases as {len(src)} sources and {len(dst)} destinations "
+                                       f"beside {'columns of reads' if signed else 'no columns of reads'}"
+                                       f"{' and a map of them' if r.delta_bases else ''}: give one pair per read, "
+                                       f"beside columns, or the map alone")
+        return cls(r.job, sha, columns, at, signed, deltas_digest(src, dst) if src else "")
+
+    def resolve(self, held: HeldColumns, r: pb.PrepareRequest) -> tuple[dict[str, tuple[str, int]],
+                                                                         dict[str, tuple[int, int]]]:
+        """Once the ticket is checked: the reads (program tensor -> (stored name, version)) and the delta bases
+        given beside them (program tensor -> (src_version, dst_version))."""
+        if self.columns is None and not self.signed:
+            return {}, {}
+        if self.columns is None:
+            tensors, names = held.get(self.sha)
+        else:
+            tensors, names = self.columns
+            if self.sha:
+                held.keep(self.sha, tensors, names)
+        versions, src = r.read_versions, r.read_delta_src
+        if len(versions) != len(tensors) or (src and len(src) != len(tensors)):
+            raise InvalidArgumentError(f"Prepare of job {self.job[:12]!r} reads {len(tensors)} tensors at "
+                                       f"{len(versions)} versions" + (f" with {len(src)} delta bases" if src else "")
+                                       + "; give one of each per tensor")
+        deltas = {t: (a, b) for t, a, b in zip(tensors, src, r.read_delta_dst) if a >= 0} if src else {}
+        return dict(zip(tensors, zip(names, versions))), deltas
 
 
 class AgentServicer(pb_grpc.AgentServicer):
@@ -284,28 +343,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         return pb.Empty()
 
     def _prepare(self, r: pb.PrepareRequest) -> Run:
-        # The reads: columns carried (kept under their SHA-256 where the Prepare gives it, for the Prepares that
-        # name them by it), named by that SHA-256 alone (looked up once the ticket checked), or reads_at.
-        sha, by_digest = r.read_columns_sha256, bool(r.read_columns_sha256) and not r.read_tensors
-        if sha and not _SHA256_HEX.fullmatch(sha):
-            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names read columns by {sha[:80]!r}, which is "
-                                       f"not a SHA-256 in 64 hexadecimal digits")
-        reads, signed, columns = {}, "", None
-        if by_digest:
-            signed = signed_reads(sha, r.read_versions)
-        else:
-            reads = prepare_reads(r)
-            if reads:
-                columns = (list(r.read_tensors), list(r.read_names or r.read_tensors))
-                digest = columns_digest(*columns)
-                if sha and sha != digest:
-                    raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} carries read columns whose SHA-256 is "
-                                               f"{digest[:16]}, not the {sha[:16]} it names them by")
-                signed = signed_reads(digest, r.read_versions)
-        reads_at = r.reads_at if r.HasField("reads_at") else None
-        if (reads or by_digest) and reads_at is not None:
-            raise InvalidArgumentError(f"Prepare of job {r.job[:12]!r} names its reads twice: as columns "
-                                       f"and as reads_at {reads_at}; give one")
+        carried = _Reads.of(r)
         delta_bases = {t: (b.src_version, b.dst_version) for t, b in r.delta_bases.items()}
         # The program comes as its text, or by the SHA-256 of a text this agent read before (`Runtime._loaded`).
         sha256 = program_digest(r.program_json) if r.program_json else r.program_sha256
@@ -315,17 +353,16 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.tickets.check(r.ticket, "prepare", *prepare_fields(r.job, sha256, r.tensor, r.src_version,
                                                                 r.dst_version, r.transport, r.generation, r.job_seq,
                                                                 r.peers, None, dict(r.nixl_peers), delta_bases,
-                                                                signed_reads=signed, reads_at=reads_at),
+                                                                signed_reads=carried.signed, reads_at=carried.at,
+                                                                signed_deltas=carried.signed_deltas),
                           what=f"Prepare of job {r.job[:12]!r}")
-        if by_digest:
-            reads = self.read_columns.reads(sha, r.read_versions, r.job)
-        elif columns is not None and sha:
-            self.read_columns.keep(sha, *columns)
+        reads, deltas = carried.resolve(self.read_columns, r)
+        delta_bases.update(deltas)
         if r.transport == "nixl":
             self.nixl_peers.introduce(r.job, dict(r.nixl_peers))
         return self.runtime.prepare(r.job, r.program_json, r.tensor, r.src_version, r.dst_version, dict(r.peers),
                                     r.transport, r.generation, r.job_seq, dict(r.push_tickets), reads,
-                                    program_sha256=sha256, delta_bases=delta_bases, reads_at=reads_at)
+                                    program_sha256=sha256, delta_bases=delta_bases, reads_at=carried.at)
 
     def _traffic(self, job: str) -> pb.HostTraffic:
         t = self.runtime.traffic(job)

@@ -86,6 +86,14 @@ def signed_reads(columns_sha256: str, versions: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def deltas_digest(src: Sequence[int], dst: Sequence[int]) -> str:
+    """What a Prepare's ticket signs of delta bases given as columns beside its reads (`read_delta_src`,
+    ``read_delta_dst``): the SHA-256 (hex) of both, as little-endian int64."""
+    h = hashlib.sha256(np.asarray(src, dtype="<i8").tobytes())
+    h.update(b"\x1e" + np.asarray(dst, dtype="<i8").tobytes())
+    return h.hexdigest()
+
+
 def reads_digest(tensors: Sequence[str], names: Sequence[str], versions: Sequence[int]) -> str:
     """`signed_reads` of columns given whole, in the order carried: program tensor ``tensors[i]`` reads stored
     ``names[i]`` at ``versions[i]``."""
@@ -97,14 +105,15 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
                    reads: Mapping[str, tuple[str, int]] | None = None,
                    nixl_peers: Mapping[str, bytes] | None = None,
                    delta_bases: Mapping[str, tuple[int, int]] | None = None, signed_reads: str = "",
-                   reads_at: int | None = None) -> tuple:
+                   reads_at: int | None = None, signed_deltas: str = "") -> tuple:
     """``program_sha256`` is `program_digest` of the program's text. ``reads`` (program tensor -> (stored name,
     version), in the order the request carries them) is signed as its `reads_digest`, or ``signed_reads`` is that
     digest where the caller has it; ``reads_at`` (`PrepareRequest.reads_at`: every program tensor with a source
     reads its own name at that version) in their place. ``nixl_peers`` (host -> NIXL metadata) is signed too: an
     agent adds as NIXL peers only the agents the planner introduced, and UCX authenticates nobody.
     ``delta_bases`` (program tensor -> (src_version, dst_version), `PrepareRequest.delta_bases`) is signed: which
-    stored versions a delta move reads."""
+    stored versions a delta move reads; ``signed_deltas`` (`deltas_digest`) where they come as columns beside the
+    reads (`PrepareRequest.read_delta_src`)."""
     fields = (job, program_sha256, tensor, src_version, dst_version, transport or "grpc", generation, job_seq,
               ",".join(f"{h}={a}" for h, a in sorted(peers.items())))
     if reads:  # a compute program's tensors: which stored versions it reads, and the name it commits as
@@ -119,6 +128,8 @@ def prepare_fields(job: str, program_sha256: str, tensor: str, src_version: int,
         fields += ("nixl:" + ",".join(f"{h}={hashlib.sha256(m).hexdigest()}" for h, m in sorted(nixl_peers.items())),)
     if delta_bases:
         fields += ("delta:" + ",".join(f"{t}={s}>{d}" for t, (s, d) in sorted(delta_bases.items())),)
+    if signed_deltas:
+        fields += ("delta_columns:" + signed_deltas,)
     return fields
 
 

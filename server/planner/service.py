@@ -20,8 +20,8 @@ from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
-from reshard.server.common.tickets import (abort_fields, columns_digest, commit_fields, execute_fields, prepare_fields,
-                                           program_digest, release_fields, sign, signed_reads)
+from reshard.server.common.tickets import (abort_fields, columns_digest, commit_fields, deltas_digest, execute_fields,
+                                           prepare_fields, program_digest, release_fields, sign, signed_reads)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
@@ -56,25 +56,30 @@ _READ_ORDERS_KEPT = 8  # programs whose reads' order and columns' SHA-256 the pl
 _DIGESTS_KEPT_BYTES = 1 << 30
 
 
-def _request_of(p: Preparation, columns: tuple[list[str], list[str], np.ndarray, str] | None,
+def _request_of(p: Preparation, columns: tuple | None,
                 delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
     """Job ``p``'s Prepare without its program and tickets, naming its reads by ``columns`` (program tensors,
-    stored names, versions, the SHA-256 of the first two: `GrpcAgentCalls._columns`) by that SHA-256 and its
-    versions (`GrpcAgentCalls.prepare_request` adds the columns themselves for an agent that does not hold them),
-    or None for ``p.reads_at`` in their place, and carrying ``delta_bases``; and the fields its ticket signs but
-    the program's SHA-256."""
+    stored names, versions, the SHA-256 of the first two, and delta bases beside them or None:
+    `GrpcAgentCalls._columns`) by that SHA-256 and its versions (`GrpcAgentCalls.prepare_request` adds the columns
+    themselves for an agent that does not hold them), or None for ``p.reads_at`` in their place, and carrying
+    ``delta_bases`` where the columns do not; and the fields its ticket signs but the program's SHA-256."""
     versions, digest = (columns[2], columns[3]) if columns is not None else ((), "")
+    src, dst = columns[4] if columns is not None and columns[4] is not None else ((), ())
+    if len(src):
+        delta_bases = {}
     request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
         transport=p.transport, generation=p.generation, job_seq=p.job_seq,
         read_versions=versions.tolist() if columns is not None else (),
         read_columns_sha256=digest, nixl_peers=p.nixl_peers,
         delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()},
+        read_delta_src=src.tolist() if len(src) else (), read_delta_dst=dst.tolist() if len(src) else (),
         reads_at=p.reads_at if columns is None else None)
     fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation, p.job_seq,
                             p.peers, None, p.nixl_peers, delta_bases,
                             signed_reads=signed_reads(digest, versions) if digest else "",
-                            reads_at=p.reads_at if columns is None else None)
+                            reads_at=p.reads_at if columns is None else None,
+                            signed_deltas=deltas_digest(src, dst) if len(src) else "")
     return request, fields
 
 
@@ -136,7 +141,8 @@ class GrpcAgentCalls:
                 made = self._prepared.get(p.job)
             if made is not None and made[0] is p:
                 return made
-            order = self._read_order(p) if p.reads_at is None else None
+            # columns of reads where they are not one version, or where delta bases go beside them
+            order = self._read_order(p) if p.reads_at is None or p.delta_bases else None
             pushes = {peer: self._sign(peer, "push", p.job, p.program_id) for peer in p.peers}
             made = (p, None, pushes, {}, order)
             if not p.host_tensors or (p.reads_at is not None and not p.delta_bases):
@@ -163,16 +169,19 @@ class GrpcAgentCalls:
             part = parts.get(names)
         if part is None:
             columns = self._columns(made, names) if order is not None else None
-            part = (*_request_of(p, columns, p.delta_bases_for(host)), columns)
+            by_map = columns is None or columns[4] is None  # the delta bases as a map (none beside the columns)
+            part = (*_request_of(p, columns, p.delta_bases_for(host) if by_map else {}), columns)
             with self._lock:
                 part = parts.setdefault(names, part)
         return part
 
-    def _read_order(self, p: Preparation) -> tuple[tuple, np.ndarray]:
+    def _read_order(self, p: Preparation) -> tuple[tuple, np.ndarray, tuple[np.ndarray, np.ndarray] | None]:
         """``p``'s reads in the order it holds them: (program tensors, stored names, each tensor's place, and per
         slice `_columns`' columns), kept per program while its jobs read the same tensors under the same names (a
-        repeated sync's), and its versions as an int64 column. A job then costs a pass over its reads, not one per
-        host: the Kimi-K2-like sync quantized on the way reads 139,583 tensors, its 48 hosts' slices 395,638."""
+        repeated sync's); its versions as an int64 column; and its delta bases as two columns beside them (-1: none),
+        or None (no delta bases, or one of a tensor it does not read). A job then costs a pass over its reads, not
+        one per host: the Kimi-K2-like sync quantized on the way reads 139,583 tensors, its 48 hosts' slices
+        395,638."""
         keys, values = list(p.reads), list(p.reads.values())
         stored = list(map(_FIRST, values))
         versions = np.fromiter(map(_SECOND, values), dtype="<i8", count=len(values))
@@ -186,14 +195,21 @@ class GrpcAgentCalls:
                 self._read_orders[p.program_id] = kept
                 while len(self._read_orders) > _READ_ORDERS_KEPT:
                     self._read_orders.popitem(last=False)
-        return kept, versions
+        deltas = None
+        at = list(map(kept[2].get, p.delta_bases))
+        if at and None not in at:
+            pairs = np.array(list(p.delta_bases.values()), dtype="<i8").reshape(-1, 2)
+            src, dst = np.full(len(keys), -1, dtype="<i8"), np.full(len(keys), -1, dtype="<i8")
+            src[at], dst[at] = pairs[:, 0], pairs[:, 1]
+            deltas = (src, dst)
+        return kept, versions, deltas
 
-    def _columns(self, made: tuple, names: frozenset[str] | None) -> tuple[list[str], list[str], np.ndarray, str]:
+    def _columns(self, made: tuple, names: frozenset[str] | None) -> tuple:
         """Job ``made``'s reads of the tensors ``names`` (a host's slice's; None: all) as columns (program
-        tensors, stored names, versions as an int64 column: `read_columns`) and the SHA-256 of the first two
+        tensors, stored names, versions as an int64 column: `read_columns`), the SHA-256 of the first two
         (`tickets.columns_digest`, "" where there are none), the first two and their SHA-256 worked out once per
-        program and slice."""
-        (keys, stored, place, slices), versions = made[4]
+        program and slice, and the delta bases beside them (`_read_order`; None where they go as a map)."""
+        (keys, stored, place, slices), versions, deltas = made[4]
         with self._lock:
             kept = slices.get(names)
         if kept is None:
@@ -207,7 +223,8 @@ class GrpcAgentCalls:
             with self._lock:
                 kept = slices.setdefault(names, kept)
         tensors, names_read, index, digest = kept
-        return tensors, names_read, versions[index], digest
+        return (tensors, names_read, versions[index], digest,
+                (deltas[0][index], deltas[1][index]) if deltas is not None else None)
 
     def _digest(self, text: str) -> str:
         """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""

@@ -58,7 +58,7 @@ from reshard.proto.layout import Checksum
 from reshard.server.agent.service import Agent
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import prepare_reads
-from reshard.server.common.tickets import (abort_fields, commit_fields, execute_fields, prepare_fields,
+from reshard.server.common.tickets import (abort_fields, commit_fields, deltas_digest, execute_fields, prepare_fields,
                                            program_digest, put_fields, sign, signed_reads)
 from reshard.strategies import STRATEGIES
 
@@ -538,7 +538,7 @@ TICKETED = ("Prepare", "Execute", "Push", "Commit", "Abort", "Release", "PutShar
 
 def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
     """The ticket of ``r`` as the agent checks it (`AgentServicer._prepare`): its reads as columns, named by their
-    SHA-256, or by reads_at."""
+    SHA-256, or by reads_at, and delta bases beside them."""
     program = program_digest(r.program_json) if r.program_json else r.program_sha256
     by_digest = bool(r.read_columns_sha256) and not r.read_tensors
     try:
@@ -554,7 +554,9 @@ def _sign_prepare(secret: bytes, r: pb.PrepareRequest) -> None:
                                                        reads,
                                                        None, {t: (b.src_version, b.dst_version)
                                                               for t, b in r.delta_bases.items()},
-                                                       signed_reads=signed_by_digest, reads_at=reads_at))
+                                                       signed_reads=signed_by_digest, reads_at=reads_at,
+                                                       signed_deltas=deltas_digest(r.read_delta_src, r.read_delta_dst)
+                                                       if r.read_delta_src else ""))
 
 
 def signed(secret: bytes, method: str, request):

@@ -39,19 +39,19 @@ def agent(monkeypatch):
     secret = new_secret()
     seen: list[tuple[str, str]] = []
     holders: list[HeldColumns] = []
-    keep, reads = HeldColumns.keep, HeldColumns.reads
+    keep, get = HeldColumns.keep, HeldColumns.get
 
     def keeping(self, sha256, tensors, names):
         seen.append(("keep", sha256))
         holders.append(self)
         return keep(self, sha256, tensors, names)
 
-    def named(self, sha256, versions, job):
+    def named(self, sha256):
         seen.append(("named", sha256))
-        return reads(self, sha256, versions, job)
+        return get(self, sha256)
 
     monkeypatch.setattr(HeldColumns, "keep", keeping)
-    monkeypatch.setattr(HeldColumns, "reads", named)
+    monkeypatch.setattr(HeldColumns, "get", named)
     server, port, runtime = serve_agent(AgentConfig("b0", 1, "127.0.0.1:1", transport="grpc"), secret)
     calls = GrpcAgentCalls(lambda host: secret)
     try:
@@ -69,10 +69,14 @@ def _preparation(versions: tuple[int, int] = (3, 5), names: tuple[str, str] = ("
                        program_id=PROGRAM.id, reads=reads)
 
 
-def _prepare(calls: GrpcAgentCalls, address: str, runtime, prep: Preparation) -> dict[str, int]:
-    """Prepare ``prep`` on the agent; the versions its run reads, by program tensor; then abort it."""
+def _prepare(calls: GrpcAgentCalls, address: str, runtime, prep: Preparation, bases: dict | None = None):
+    """Prepare ``prep`` on the agent; the versions its run reads, by program tensor (and, given ``bases``, fill it
+    with the delta bases the run got); then abort it."""
     calls.prepare("b0", address, prep, TIMEOUT_S)
-    versions = dict(runtime._runs[prep.job].versions)
+    run = runtime._runs[prep.job]
+    versions = dict(run.versions)
+    if bases is not None:
+        bases.update(run.delta_bases)
     calls.abort("b0", address, Staging(job=prep.job), TIMEOUT_S)
     return versions
 
@@ -127,7 +131,7 @@ def test_an_agent_answers_columns_it_does_not_hold_with_not_found_and_refuses_a_
         with pytest.raises(grpc.RpcError) as short:
             stub.Prepare(_request(_preparation(), secret, [1], held), timeout=TIMEOUT_S)
         assert short.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "reads the 2 tensors of columns" in short.value.details()
+        assert "reads 2 tensors at 1 versions; give one of each per tensor" in short.value.details()
         # Columns carried under a SHA-256 that is not theirs: refused.
         wrong = _request(_preparation(), secret, [1, 1], unknown)
         wrong.read_tensors.extend(["v", "w"])
@@ -159,3 +163,34 @@ def test_the_planner_mirrors_which_columns_the_agent_keeps(agent, monkeypatch):
     calls.forget(address)  # an address forgotten holds nothing the planner would name
     _prepare(calls, address, runtime, _preparation(names=("e", "f")))
     assert seen[-1][0] == "keep"
+
+
+def test_delta_bases_go_as_columns_beside_the_reads_signed_and_checked(agent):
+    """A delta sync's bases go as two columns beside the reads (`read_delta_src`, ``read_delta_dst``; -1: the
+    tensor moves whole), not a map naming every tensor again, also where the reads themselves go by their SHA-256;
+    the agent's run gets the same bases either way, and the ticket signs them."""
+    calls, address, runtime, seen, _, secret = agent
+    for versions, deltas in (((3, 5), {"w": (4, 2)}), ((4, 6), {"v": (3, 1), "w": (5, 3)})):
+        prep = _preparation(versions)
+        prep = Preparation(prep.job, prep.program_json, "w", 1, 2, prep.peers, "grpc", program_id=prep.program_id,
+                           reads=prep.reads, delta_bases=deltas)
+        request = calls.prepare_request("b0", prep, held=True, columns_held=True)
+        assert not request.delta_bases and list(request.read_delta_src) == [deltas.get(t, (-1, -1))[0]
+                                                                            for t in ("v", "w")]
+        bases: dict = {}
+        assert _prepare(calls, address, runtime, prep, bases) == dict(zip(("v", "w"), versions))
+        assert bases == deltas
+    assert seen[-1][0] == "named"  # the second job's reads went by digest, its bases beside them
+    request = _request(_preparation(), secret, [1, 1], columns_digest(["v", "w"], ["v", "w"]))
+    request.read_delta_src.extend([0, -1])
+    request.read_delta_dst.extend([7, -1])  # bases the ticket does not sign
+    with grpc.insecure_channel(address) as ch:
+        stub = pb_grpc.AgentStub(ch)
+        with pytest.raises(grpc.RpcError) as unsigned:
+            stub.Prepare(request, timeout=TIMEOUT_S)
+        assert unsigned.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        del request.read_delta_dst[:]
+        with pytest.raises(grpc.RpcError) as uneven:
+            stub.Prepare(request, timeout=TIMEOUT_S)
+        assert uneven.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "give one pair per read" in uneven.value.details()

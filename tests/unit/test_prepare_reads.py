@@ -11,7 +11,8 @@ import pytest
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError, PermissionDeniedError
 from reshard.server.common.contract import prepare_reads
-from reshard.server.common.tickets import columns_digest, prepare_fields, program_digest, sign, signed_reads
+from reshard.server.common.tickets import (columns_digest, deltas_digest, prepare_fields, program_digest, sign,
+                                           signed_reads)
 
 
 def test_reads_come_back_in_order_with_their_own_names_where_none_are_given():
@@ -41,7 +42,9 @@ def _ticket_of(secret: bytes, r: pb.PrepareRequest, text: str) -> str:
                                                     for t, b in r.delta_bases.items()},
                                                    signed_reads=signed_reads(r.read_columns_sha256,
                                                                              r.read_versions) if by_digest else "",
-                                                   reads_at=r.reads_at if r.HasField("reads_at") else None))
+                                                   reads_at=r.reads_at if r.HasField("reads_at") else None,
+                                                   signed_deltas=deltas_digest(r.read_delta_src, r.read_delta_dst)
+                                                   if r.read_delta_src else ""))
 
 
 def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it():
@@ -62,7 +65,12 @@ def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it(
     assert {h: r.program_json for h, r in got.items()} == {"a": "A", "b": "B", "c": "C"}
     assert prepare_reads(got["a"]) == prepare_reads(got["b"]) == {"x": ("x", 3), "y": ("y", 4)}
     assert prepare_reads(got["c"]) == {"z@0": ("z", 5)}
-    assert dict(got["a"].delta_bases) == {"y": pb.DeltaBase(src_version=4, dst_version=2)}
+    # the delta bases go beside the reads, one pair per read (-1: none)
+    assert not got["a"].delta_bases
+    assert {t: (a, b) for t, a, b in zip(got["a"].read_tensors, got["a"].read_delta_src, got["a"].read_delta_dst)
+            if a >= 0} == {"y": (4, 2)}
+    assert {t: (a, b) for t, a, b in zip(got["c"].read_tensors, got["c"].read_delta_src, got["c"].read_delta_dst)
+            } == {"z@0": (5, 1)}
     for h, r in got.items():
         assert r.ticket == _ticket_of(secrets[h], r, cut.text_for(h))
         assert set(r.push_tickets) == set("abc") - {h}
@@ -84,7 +92,8 @@ def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it(
 def test_reads_at_one_version_go_as_that_version_alone_and_the_ticket_signs_it():
     """A state dict's sync at one version: every host's Prepare carries ``reads_at`` and no column, whatever its
     slice (so one request serves every host without deltas), and its ticket signs the version: a Prepare whose
-    version was changed on the way fails the agent's check. With delta bases, each host still gets its own."""
+    version was changed on the way fails the agent's check. With delta bases, each host gets its own beside
+    its reads as columns."""
     from reshard.server.common.tickets import TicketCheck
     from reshard.server.planner.jobs import Preparation
     from reshard.server.planner.service import GrpcAgentCalls
@@ -113,7 +122,10 @@ def test_reads_at_one_version_go_as_that_version_alone_and_the_ticket_signs_it()
                          delta_bases={"x": (6, 5), "z": (6, 5)}, host_texts={"a": "A", "b": "B"},
                          host_tensors=slices, reads_at=7)
     got = {h: calls.prepare_request(h, deltas) for h in "ab"}
-    assert {h: set(r.delta_bases) for h, r in got.items()} == {"a": {"x"}, "b": {"z"}}
-    assert all(r.reads_at == 7 and not r.read_tensors for r in got.values())
+    # a delta sync's bases go beside its reads as columns, so its reads go as columns too (each host's own)
+    assert {h: {t: (a, b) for t, a, b in zip(r.read_tensors, r.read_delta_src, r.read_delta_dst) if a >= 0}
+            for h, r in got.items()} == {"a": {"x": (6, 5)}, "b": {"z": (6, 5)}}
+    assert all(not r.HasField("reads_at") and not r.delta_bases and set(r.read_versions) == {7}
+               for r in got.values())
     for h, r in got.items():
         assert r.ticket == _ticket_of(secrets[h], r, deltas.text_for(h))
