@@ -299,7 +299,7 @@ class GrpcAgentCalls:
 
     def _columns_sent(self, address: str, columns: tuple | None, kept: bool) -> None:
         """The agent at ``address`` was sent ``columns`` (`_columns`) and keeps them (``kept``), or said it no
-        longer holds them: its own rule (`agent.service.HeldColumns`) mirrored."""
+        longer holds them: its own rule (`agent.reads.HeldColumns`) mirrored."""
         if columns is None or not columns[3]:
             return
         with self._lock:

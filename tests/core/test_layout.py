@@ -133,7 +133,8 @@ CONCRETE_TRANSPORTS = ("grpc_link", "collective", "memory", "faults", "nixl")
 INNER = {
     **{f"transport/{m}": {f"transport/{t}" for t in CONCRETE_TRANSPORTS}
        for m in ("base", "streams", "session", "moves", "reduce", "buffers")},
-    **{f"agent/{m}": {"agent/run", "agent/runtime"} for m in ("kernels", "task_graph", "programs", "staging")},
+    **{f"agent/{m}": {"agent/run", "agent/runtime"}
+       for m in ("kernels", "task_graph", "programs", "staging", "reads")},
     "agent/run": {"agent/runtime"},
 }
 

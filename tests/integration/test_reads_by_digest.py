@@ -17,7 +17,8 @@ from reshard import Mesh, Sharding, TensorDecl
 from reshard.many import plan_many
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
-from reshard.server.agent.service import HeldColumns, serve_agent
+from reshard.server.agent.reads import HeldColumns
+from reshard.server.agent.service import serve_agent
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import READS_NOT_HELD, Staging
 from reshard.server.common.tickets import (columns_digest, new_secret, prepare_fields, program_digest, sign,
@@ -148,12 +149,12 @@ def test_an_agent_answers_columns_it_does_not_hold_with_not_found_and_refuses_a_
 
 
 def test_the_planner_mirrors_which_columns_the_agent_keeps(agent, monkeypatch):
-    from reshard.server.agent import service as agent_service
+    from reshard.server.agent import reads as agent_reads
     from reshard.server.planner import service
 
     calls, address, runtime, seen, _, _ = agent
     monkeypatch.setattr(service, "READ_COLUMNS_KEPT", 2)
-    monkeypatch.setattr(agent_service, "READ_COLUMNS_KEPT", 2)
+    monkeypatch.setattr(agent_reads, "READ_COLUMNS_KEPT", 2)
     for names in (("a", "b"), ("c", "d"), ("e", "f")):
         _prepare(calls, address, runtime, _preparation(names=names))
     assert [kind for kind, _ in seen] == ["keep"] * 3
