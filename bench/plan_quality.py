@@ -283,18 +283,24 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
 
         calls = GrpcAgentCalls(lambda host: bytes(32))
         names = {h: cut.tensors(h) for h in slices}
-        for job in (1, 2):  # the first job hashes each slice once (the ticket signs it); the next find them kept
+        moved = [t.name for t in program.tensors if t.src is not None]
+        # the first job hashes each slice once (the ticket signs it); the next find them kept; the last two move
+        # every tensor read as a delta from the versions before (a delta sync's bases, beside its reads), the
+        # fourth timed: its columns' SHA-256 as kept by the third
+        for job in (1, 2, 3, 4):
             # as the planner reads them (`JobRunner._work`): each by its version alone where none is quantized
-            moved = [t.name for t in program.tensors if t.src is not None]
+            reads = {t.name: (t.name, job) for t in program.tensors}
             prep = Preparation(f"bench{job}", "", "", job, job + 1, {h: h for h in slices}, program_id=program.id,
-                               reads={t.name: (t.name, job) for t in program.tensors}, host_texts=slices,
-                               host_tensors=names, reads_at=reads_at_of(program, moved, [job] * len(moved), quantize))
+                               reads=reads, host_texts=slices, host_tensors=names,
+                               reads_at=reads_at_of(program, moved, [job] * len(moved), quantize),
+                               delta_bases={t: (job - 2, job - 1) for t in reads} if job >= 3 else {})
             t0 = time.perf_counter()
             # (the first job carries each host's read columns; a later one names them by their SHA-256)
             sent = sum(len(calls.prepare_request(h, prep, held=True, columns_held=job > 1).SerializeToString())
                        for h in slices)
-            out[f"prepares{job}_s"] = time.perf_counter() - t0
-        out.update(prepares_s=out.pop("prepares2_s"), prepares_mib=sent / 2**20)
+            out[f"prepares{job}_s"], out[f"prepares{job}_mib"] = time.perf_counter() - t0, sent / 2**20
+        out.update(prepares_s=out.pop("prepares2_s"), prepares_mib=out.pop("prepares2_mib"),
+                   delta_prepares_s=out.pop("prepares4_s"), delta_prepares_mib=out.pop("prepares4_mib"))
         del calls, prep, names
         # What a planner holds: the program planned, validated, written out and cut (the measures below are the
         # bench's).
@@ -363,7 +369,8 @@ def _ladder(ladder: list[int], quantize: bool, timeout: float, cap_gib: float) -
         print(f"MoE {layers} layers, {what}: " + (m["over"] if "over" in m else
               f"plan {m['plan']:.2f} s, validate {m['validate']:.2f} s, {m['steps']:,} steps, peak RSS "
               f"{m['rss_gib']:.2f} GiB, largest slice {m['slice_mib']:.1f} MiB, estimate {m['estimate']:.3f} s, "
-              f"bound {m['bound']:.3f} s, a job's Prepares {m['prepares_s']:.3f} s ({m['prepares_mib']:,.1f} MiB)"),
+              f"bound {m['bound']:.3f} s, a job's Prepares {m['prepares_s']:.3f} s ({m['prepares_mib']:,.1f} MiB), "
+              f"a delta sync's {m['delta_prepares_s']:.3f} s ({m['delta_prepares_mib']:,.1f} MiB)"),
               flush=True)
         if "over" not in m:
             break
@@ -432,7 +439,8 @@ def _moe_row(m: dict) -> list[str]:
         f"{m['rss_gib']:.2f}" if "rss_gib" in m else None, f"{m['text_mib']:,.0f}" if "text_mib" in m else None,
         f"{m['slice_mib']:,.1f} ({m['slice_host']})" if "slice_mib" in m else None,
         f"{m['agent_read_s']:.1f} / {m['agent_layout_s']:.1f}" if "agent_layout_s" in m else None,
-        f"{m['prepares1_s']:.2f} / {m['prepares_s']:.3f} ({m['prepares_mib']:,.1f} MiB)" if "prepares_s" in m else None,
+        f"{m['prepares1_s']:.2f} / {m['prepares_s']:.3f} ({m['prepares_mib']:,.1f} MiB) / {m['delta_prepares_s']:.3f} "
+        f"({m['delta_prepares_mib']:,.1f} MiB)" if "delta_prepares_s" in m else None,
         f"{m['estimate']:.3f}" if "estimate" in m else None, f"{m['bound']:.3f}" if "bound" in m else None,
         f"{m['estimate'] / m['bound']:.3f}" if "bound" in m else None,
     ]
@@ -451,7 +459,7 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
             "then id / estimate / text / the job's moves / the per-host cut s",
             "a planner's seconds before an agent gets it", "peak RSS GiB", "whole text MiB",
             "largest per-host slice MiB (what that host's agent gets)", "that host's agent: read / layout s",
-            "the hosts' Prepares, first job / every later one s (sent)",
+            "the hosts' Prepares, first job / every later one / a later delta sync's s (sent)",
             "estimate s", "lower bound s",
             "estimate / bound"]
     table = _table(head, [_moe_row(m) for m in runs + quantized])
@@ -536,7 +544,8 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         "read at one version here: that version alone (`reads_at`) where nothing is quantized, else its columns "
         "of names and versions), built and serialized for all hosts and timed: the first job's, which hashes each "
         "slice and each host's read columns once for its ticket and carries the columns, and the next job's, "
-        "which names them by their SHA-256 beside the versions. The lower bound is the cost "
+        "which names them by their SHA-256 beside the versions, and a later job that moves every tensor as a "
+        "delta (its base pairs beside its reads, one per read). The lower bound is the cost "
         "model's (`lower_bound_seconds`) over all tensors at once, each at the itemsize it travels in. "
         + _quantized_note(quantized) + "\n\n" + table + "\n\n"
         f"Must-show 1's goals, from the full {full['layers']} layers' figures, planned without dtypes and as the "
