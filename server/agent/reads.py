@@ -33,10 +33,10 @@ class HeldColumns:
         self._bytes = 0
 
     def keep(self, sha256: str, tensors: list[str], names: list[str]) -> None:
+        nbytes = columns_nbytes(tensors, names)
         with self._lock:
             old = self._held.pop(sha256, None)
             self._bytes -= old[2] if old is not None else 0
-            nbytes = columns_nbytes(tensors, names)
             self._held[sha256] = (tensors, names, nbytes)
             self._bytes += nbytes
             while len(self._held) > 1 and (len(self._held) > READ_COLUMNS_KEPT or
@@ -55,7 +55,7 @@ class HeldColumns:
         return held[0], held[1]
 
 
-@dataclass
+@dataclass(frozen=True)
 class CarriedReads:
     """A Prepare's reads as it carries them (`AgentServicer._prepare`): columns (kept under their SHA-256 where it
     names one, for the Prepares that name them by it alone), their SHA-256 alone (looked up once the ticket is
