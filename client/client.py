@@ -55,6 +55,7 @@ from reshard.proto.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    ResourceExhaustedError,
     UnavailableError,
 )
 from reshard.proto.layout import np_dtype, tile_shape
@@ -65,6 +66,7 @@ from reshard.sharding import Sharding
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin", "RegisteredSync"]
 
 MiB = 2**20
+PLANNER_MESSAGE_BYTES = 64 * MiB  # the largest request a planner takes by default (PlannerConfig.max_message_bytes)
 _GROUP_WAIT_S = 5.0  # how long one FinishUploads of a shared group waits for the other ranks before asking again
 # Tiles up to this size that go to one agent share a stream in put and put_many: a stream's set-up costs more
 # than such a tile's bytes (a few ms on a 1 Gbit/s link), and larger tiles go on streams of their own, in parallel.
@@ -393,7 +395,9 @@ class Client(FrameworkAdapters):
         self.chunk_bytes = chunk_bytes
         self._token = resolve_token(token)
         self._tls = tls
-        opts = message_size_options(chunk_bytes, 64 * MiB)  # agents send at most 64 MiB chunks
+        # agents send at most 64 MiB chunks; a state dict's requests to the planner name every tensor (up to the
+        # planner's PlannerConfig.max_message_bytes: a put_many of 32,000 small tensors is 4.6 MB)
+        opts = message_size_options(max(chunk_bytes, PLANNER_MESSAGE_BYTES), 64 * MiB)
         self._options = opts
         self._channel = channel(address, token=self._token, tls=tls, options=opts)
         self._planner = pb_grpc.PlannerStub(self._channel)
@@ -408,6 +412,11 @@ class Client(FrameworkAdapters):
     # -- plumbing ---------------------------------------------------------------------
 
     def _planner_call(self, method: str, request, timeout: Optional[float] = None):
+        size = request.ByteSize()
+        if size > PLANNER_MESSAGE_BYTES:
+            raise ResourceExhaustedError(
+                f"{method} request of {size:,} bytes is over the {PLANNER_MESSAGE_BYTES:,} bytes a planner takes in "
+                f"one message (PlannerConfig.max_message_bytes); split it into several calls of fewer tensors")
         try:
             return getattr(self._planner, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:

@@ -186,6 +186,9 @@ class PlannerConfig:
     # plan in about 1.5 s, which 250,000 refused.
     max_json_bytes: int = 4 * MiB
     max_json_depth: int = 32
+    # The largest request a client may send and reply the planner sends: a state dict's put_many and reshard_many
+    # name every tensor (a put_many of 32,000 small ones: 4.6 MB), past gRPC's default of 4 MiB
+    max_message_bytes: int = 64 * MiB
     max_plan_tasks: int = 1_000_000
     # The most steps one program may hold (reshard_many's, `reshard.plan_many`): about a kilobyte of planner memory
     # each. The 61-layer Kimi-K2-like state dict is 1.6 million, 3.4 million quantized on the way.

@@ -646,8 +646,11 @@ def serve_planner(config: PlannerConfig) -> tuple[grpc.Server, int, Planner]:
     if rendezvous is not None:
         planner.jobs.collective_cleanup = rendezvous.forget_job
     warn_if_open("the planner", config.listen, config.token)
+    sizes = [("grpc.max_receive_message_length", config.max_message_bytes),
+             ("grpc.max_send_message_length", config.max_message_bytes)]
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers, thread_name_prefix="planner"),
-                         options=SERVER_OPTIONS, interceptors=[Authenticator(config.token, "the planner"), RequestDecoding()])
+                         options=SERVER_OPTIONS + sizes,
+                         interceptors=[Authenticator(config.token, "the planner"), RequestDecoding()])
     pb_grpc.add_PlannerServicer_to_server(PlannerServicer(planner), server)
     port = start_server(server, config.listen, "reshard.v1.Planner",
                         config.tls.server_credentials() if config.tls else None)

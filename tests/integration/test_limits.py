@@ -350,3 +350,19 @@ def test_a_tensor_whose_only_copy_died_is_lost_everywhere(cluster, client):
     client.put("solo", solo, _on("host3", devices=2))  # the new agent holds data as any other
     assert np.array_equal(client.get("solo"), solo)
     client.delete("solo")
+
+
+def test_a_state_dicts_request_past_grpcs_default_4_mib_reaches_the_planner_and_one_past_its_limit_is_refused(
+        cluster, client):
+    """A state dict's requests name every tensor (a put_many of 32,000 small tensors: 4.6 MB): 17,000
+    names of 256 characters, 4.4 MB, reach the planner, which answers for them (NOT_FOUND, naming the first); a
+    request over the planner's 64 MiB is refused by the SDK before it is sent, naming both sizes, and the client and
+    planner go on working."""
+    names = [f"{i:08d}" + "n" * 248 for i in range(17_000)]
+    with pytest.raises(NotFoundError, match=r"no tensor named '00000000n+' to delete \(none of the 17000"):
+        client.delete_many(names)
+    too_many = [f"{i:08d}" + "n" * 248 for i in range(270_000)]
+    with pytest.raises(ResourceExhaustedError, match=r"DeleteTensors request of [0-9,]+ bytes is over the "
+                                                     r"67,108,864 bytes a planner takes in one message"):
+        client.delete_many(too_many)
+    assert sorted(a["host"] for a in client.agents()) == [f"host{i}" for i in range(4)]
