@@ -51,9 +51,9 @@ _PREPARED_KEPT = 64  # jobs whose prepare request the planner keeps built, newes
 # host is a text per host (48 for the Kimi-K2-like sync, 412 MiB), each hashed once, not at every job. The texts are
 # the planner's caches' own (`JobRunner._slices`): a key holds them a while longer at most.
 _DIGESTS_KEPT = 256
-_FIRST, _SECOND = itemgetter(0), itemgetter(1)
-_READ_ORDERS_KEPT = 8  # programs whose reads' order and columns' SHA-256 the planner keeps: `_read_order`
 _DIGESTS_KEPT_BYTES = 1 << 30
+_READ_ORDERS_KEPT = 8  # programs whose reads' order and columns' SHA-256 the planner keeps: `_read_order`
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
 def _request_of(p: Preparation, columns: tuple | None,
@@ -302,11 +302,12 @@ class GrpcAgentCalls:
         longer holds them: its own rule (`agent.reads.HeldColumns`) mirrored."""
         if columns is None or not columns[3]:
             return
+        nbytes = columns_nbytes(columns[0], columns[1]) if kept else 0
         with self._lock:
             held = self._held_columns.setdefault(address, OrderedDict())
             held.pop(columns[3], None)
             if kept:
-                held[columns[3]] = columns_nbytes(columns[0], columns[1])
+                held[columns[3]] = nbytes
             while len(held) > 1 and (len(held) > READ_COLUMNS_KEPT or sum(held.values()) > READ_COLUMNS_KEPT_BYTES):
                 held.popitem(last=False)
 
