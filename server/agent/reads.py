@@ -64,6 +64,7 @@ class CarriedReads:
     job: str
     sha: str
     columns: tuple[list[str], list[str]] | None  # carried
+    reads: dict[str, tuple[str, int]]  # of the columns carried
     at: int | None
     signed: str
     signed_deltas: str
@@ -72,13 +73,13 @@ class CarriedReads:
     def of(cls, r: pb.PrepareRequest) -> "CarriedReads":
         """The reads ``r`` carries, checked for what can be checked before its ticket."""
         what = f"Prepare of job {r.job[:12]!r}"
-        sha, columns, signed = r.read_columns_sha256, None, ""
+        sha, columns, signed, reads = r.read_columns_sha256, None, "", {}
         if sha and not _SHA256_HEX.fullmatch(sha):
             raise InvalidArgumentError(f"{what} names read columns by {sha[:80]!r}, which is not a SHA-256 in 64 "
                                        f"hexadecimal digits")
         if sha and not r.read_tensors:
             signed = signed_reads(sha, r.read_versions)
-        elif prepare_reads(r):  # (which checks the columns' lengths)
+        elif reads := prepare_reads(r):  # (which checks the columns' lengths)
             columns = (list(r.read_tensors), list(r.read_names or r.read_tensors))
             digest = columns_digest(*columns)
             if sha and sha != digest:
@@ -94,7 +95,7 @@ class CarriedReads:
                                        f"beside {'columns of reads' if signed else 'no columns of reads'}"
                                        f"{' and a map of them' if r.delta_bases else ''}: give one pair per read, "
                                        f"beside columns, or the map alone")
-        return cls(r.job, sha, columns, at, signed, deltas_digest(src, dst) if src else "")
+        return cls(r.job, sha, columns, reads, at, signed, deltas_digest(src, dst) if src else "")
 
     def resolve(self, held: HeldColumns, r: pb.PrepareRequest) -> tuple[dict[str, tuple[str, int]],
                                                                          dict[str, tuple[int, int]]]:
@@ -114,4 +115,4 @@ class CarriedReads:
                                        f"{len(versions)} versions" + (f" with {len(src)} delta bases" if src else "")
                                        + "; give one of each per tensor")
         deltas = {t: (a, b) for t, a, b in zip(tensors, src, r.read_delta_dst) if a >= 0} if src else {}
-        return dict(zip(tensors, zip(names, versions))), deltas
+        return self.reads or dict(zip(tensors, zip(names, versions))), deltas

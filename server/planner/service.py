@@ -284,31 +284,29 @@ class GrpcAgentCalls:
 
     def _sent(self, host: str, address: str, p: Preparation, kept: bool) -> None:
         """The agent of ``host`` at ``address`` read its text of ``p``'s program (``kept``), or said it no longer
-        holds it."""
+        holds it: the agent's own rule (`Runtime._loaded`) mirrored."""
         text = p.text_for(host)
-        digest = self._digest(text)
-        with self._lock:
-            held = self._held.setdefault(address, OrderedDict())
-            held.pop(digest, None)
-            if kept:
-                held[digest] = len(text)
-            # The agent's own rule (`Runtime._loaded`): past PROGRAMS_KEPT programs or PROGRAMS_KEPT_BYTES of text,
-            # it drops the least recently used, keeping the newest whatever its size.
-            while len(held) > 1 and (len(held) > PROGRAMS_KEPT or sum(held.values()) > PROGRAMS_KEPT_BYTES):
-                held.popitem(last=False)
+        self._mirror(self._held, address, self._digest(text), len(text), kept, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES)
 
     def _columns_sent(self, address: str, columns: tuple | None, kept: bool) -> None:
         """The agent at ``address`` was sent ``columns`` (`_columns`) and keeps them (``kept``), or said it no
         longer holds them: its own rule (`agent.reads.HeldColumns`) mirrored."""
         if columns is None or not columns[3]:
             return
-        nbytes = columns_nbytes(columns[0], columns[1]) if kept else 0
+        self._mirror(self._held_columns, address, columns[3], columns_nbytes(columns[0], columns[1]) if kept else 0,
+                     kept, READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES)
+
+    def _mirror(self, table: dict[str, OrderedDict[str, int]], address: str, digest: str, nbytes: int, kept: bool,
+                most: int, most_bytes: int) -> None:
+        """``table`` (`_held`, `_held_columns`) after the agent at ``address`` kept ``digest`` of ``nbytes``, or
+        dropped it: an agent keeps at most ``most`` and ``most_bytes`` of them, dropping the least recently used and
+        keeping the newest whatever its size."""
         with self._lock:
-            held = self._held_columns.setdefault(address, OrderedDict())
-            held.pop(columns[3], None)
+            held = table.setdefault(address, OrderedDict())
+            held.pop(digest, None)
             if kept:
-                held[columns[3]] = nbytes
-            while len(held) > 1 and (len(held) > READ_COLUMNS_KEPT or sum(held.values()) > READ_COLUMNS_KEPT_BYTES):
+                held[digest] = nbytes
+            while len(held) > 1 and (len(held) > most or sum(held.values()) > most_bytes):
                 held.popitem(last=False)
 
     def _by_digest_first(self, host: str, address: str, p: Preparation | None,
