@@ -19,7 +19,7 @@ from reshard.program import MOVE, Program, Step, no_cycle_collection
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
-from reshard.server.agent.task_graph import Task, depth_order, host_tasks
+from reshard.server.agent.task_graph import Task, depth_order, host_tasks, local_ranks
 from reshard.server.common.config import AgentConfig, PlannerConfig
 from reshard.server.transport.session import dtype_pairs_of
 
@@ -153,6 +153,7 @@ class HostLayout:
         # any calls a peer, then per depth the peers it calls first, the tasks that call none, and its lane units
         # (whether each runs on the lanes for small routes, and its tasks).
         self.calls_peers, self.depths = depth_order(self.tasks, host, self.step_bytes)
+        local_ranks(self.tasks, self.depths)
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
         # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
         # device of its own that receives it, until the last byte (`buckets.Bucket`); in all, and apart for the

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -92,6 +94,9 @@ class Run(Session):
         self.started = 0.0
         self.retired = False  # the job has ended on this host, and the runtime let the run go (`Runtime._retire`)
         self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)  # notified as tasks become ready (`wait_ready`)
+        self._local: list[tuple[int, int, Task]] = []  # ready local tasks of an active transport, least rank first
+        self._queued = itertools.count()  # ties of rank go in the order they became ready
         self._left: dict[int, int] = defaultdict(int)  # step -> its unfinished tasks here
         self._dependents: dict[int, list[Task]] = defaultdict(list)
         for t in self.tasks:
@@ -403,9 +408,29 @@ class Run(Session):
                     t.waiting -= 1
                     if not t.waiting and self.executing:
                         ready.append(t)
+            if ready:
+                self._ready.notify_all()
             if not self.num_left:
                 self.done.set()
         return ready
+
+    def queue_local(self, task: Task) -> None:
+        """Hold a ready local task for the next `next_local` (active transports, `Runtime._in_order`)."""
+        with self._lock:
+            heapq.heappush(self._local, (task.rank, next(self._queued), task))
+
+    def next_local(self) -> Task:
+        """The ready local task of least rank (`reshard.server.agent.task_graph.local_ranks`)."""
+        with self._lock:
+            return heapq.heappop(self._local)[2]
+
+    def wait_ready(self, task: Task) -> bool:
+        """Block until every step ``task`` waits for is done here (an active transport's lane holds its next task
+        until then, `Runtime._in_order`); False where the run failed first."""
+        with self._lock:
+            while task.waiting and self.failed is None:
+                self._ready.wait(0.1)  # a failure does not notify: it is seen within this
+        return self.failed is None
 
     def fail(self, error: BaseException) -> BaseException:
         first = super().fail(error)

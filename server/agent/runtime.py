@@ -14,9 +14,11 @@ program fails: queued tasks never start, running ones stop at their next piece, 
 nothing was written but the program's staged destination buffers, which only the
 planner's commit makes visible, so every source stays intact.
 
-On the collective transport a receive blocks a lane until its peer sends, so a host runs its tasks depth by
-depth in the order of their lane units (`_in_order`); ``reshard.server.agent.task_graph`` proves that order
-cannot deadlock.
+On the active transports (collective, nixl) a receive blocks a lane until its peer sends, so a host runs the
+tasks that call peers in the order of their lane units, depth after depth with no barrier between depths, each
+task once its dependencies are done, and the tasks that call none (computes, local copies) on a pool of their own,
+bounded at the kernels' threads, as soon as they are ready, those the first streams need first (`_in_order`);
+``reshard.server.agent.task_graph`` proves that order cannot deadlock.
 
 Shard buffers are read and written only through `reshard.server.transport.buffers`.
 """
@@ -24,6 +26,7 @@ Shard buffers are read and written only through `reshard.server.transport.buffer
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -75,7 +78,7 @@ class Runtime:
 
     def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
                  step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None,
-                 prepare_wait_s: float = AgentConfig.stall_timeout_s):
+                 prepare_wait_s: float = AgentConfig.stall_timeout_s, compute_threads: int = 0):
         self.host = host
         self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's speed
         self.store = store
@@ -85,6 +88,11 @@ class Runtime:
         self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}")
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
+        # Active transports' local tasks (computes, copies between this host's devices): they call no peer, so a
+        # pool of their own bounds them at the kernels' threads (``--compute-threads``; 0: every core) instead of
+        # the steps' workers, which on a shared CPU would run dozens at once, each slower for the others
+        self._local_pool = ThreadPoolExecutor(compute_threads or os.cpu_count() or 1,
+                                              thread_name_prefix=f"local-{host}")
         self._lock = threading.Lock()
         # A push may come before its job's prepare, which rides in the host's Execute (`accept`): it waits up to
         # ``prepare_wait_s`` for a prepare or an abort, which bump ``_arrivals`` and wake it.
@@ -265,7 +273,7 @@ class Runtime:
             for task in ready:
                 self._submit(run, task)
         elif run.tasks:
-            threading.Thread(target=self._in_order, args=(run,), daemon=True, name=f"run-{job[:8]}").start()
+            threading.Thread(target=self._in_order, args=(run, ready), daemon=True, name=f"run-{job[:8]}").start()
         self._end_if_over(run)  # a run with nothing to do here is over already
         return run
 
@@ -338,6 +346,7 @@ class Runtime:
         for t in self.transports.values():
             t.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._local_pool.shutdown(wait=False, cancel_futures=True)
         self._digest_pool.shutdown(wait=False, cancel_futures=True)
         with self._lock:  # a run that ends from now on shuts its lanes down (`_lanes_done`)
             idle, self._idle_lanes = self._idle_lanes or {}, None
@@ -350,6 +359,12 @@ class Runtime:
     def _submit(self, run: Run, task: Task) -> None:
         self._pool.submit(self._run_task, run, task)
 
+    def _submit_local(self, run: Run, task: Task) -> None:
+        """Active transports: a ready task that calls no peer, on the pool of local tasks, which takes a run's ready
+        ones least rank first (`Run.next_local`), not in the order they became ready."""
+        run.queue_local(task)
+        self._local_pool.submit(lambda: self._run_task(run, run.next_local()))
+
     def _run_task(self, run: Run, task: Task) -> None:
         if run.failed is not None:
             return
@@ -361,15 +376,20 @@ class Runtime:
             run.transport.mailbox.cancel(run.job, run.failed)
             return
         ready = run.finish(task)
-        if run.transport.passive:  # active transports run every task in order (`_in_order`)
-            for t in ready:
+        for t in ready:
+            # Active transports: a task that calls a peer is its lane's to start, in order (`_in_order`); one that
+            # calls none starts here, as on a passive transport.
+            if run.transport.passive:
                 self._submit(run, t)
+            elif t.local:
+                self._submit_local(run, t)
         self._end_if_over(run)
 
     def _run_unit(self, run: Run, unit: list[Task]) -> None:
-        """A lane's unit (`lane_units`): its tasks in order, until one fails."""
+        """A lane's unit (`lane_units`): its tasks in order, each once the steps it waits for are done here, until
+        one fails."""
         for task in unit:
-            if run.failed is not None:
+            if not run.wait_ready(task):
                 return
             self._run_task(run, task)
 
@@ -440,32 +460,40 @@ class Runtime:
         for pool in lanes:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _in_order(self, run: Run) -> None:
-        """Active transports: this host's tasks depth by depth, each depth FIFO on the transport's lanes."""
+    def _in_order(self, run: Run, ready: list[Task]) -> None:
+        """Active transports: this host's units on the transport's lanes, FIFO, in the order of their depths;
+        ``ready`` (the tasks ready as the run began) and every other task that calls no peer on the pool of local
+        tasks as soon as it is ready (`_submit_local`). A unit's task waits on its lane for the steps it depends
+        on (`Run.wait_ready`), and a depth's units are queued as soon as its new peers confirm, not once the depth
+        before is done: a move leaves as soon as its tile is made, while later tiles are still being made
+        (quantized on the way, say)."""
         link = run.transport
         n = max(1, link.lanes)
         lanes, small_lanes = both = self._lanes(n)
         tasks = run.tasks  # in the layout's order: its depths name them by index
         pending: set = set()
         try:
+            for task in ready:
+                if task.local:
+                    self._submit_local(run, task)
             if run.layout.calls_peers:
                 # Announce this host's program at once, so a peer waiting at a later depth does not wait for this
                 # host's earlier, local work. A host that calls no peer (a compute job's local steps) announces
                 # nothing: a peer waits only for the hosts it calls, and they call it back.
                 link.handshake(run, set())
-            for peers, local, units in run.layout.depths:
+            for peers, _, units in run.layout.depths:
+                if run.failed is not None:
+                    return
                 if peers:
                     link.handshake(run, set(peers))
-                # A task that calls no peer (a local copy, a compute) never waits on another host: it runs beside
-                # the lanes, so that a stream need not wait behind it for a lane while its peer's NIC idles.
-                pending = {self._pool.submit(self._run_task, run, tasks[i]) for i in local}
                 for small, unit in units:
                     lane = small_lanes if small else lanes
                     pending.add(lane.submit(self._run_unit, run, [tasks[i] for i in unit]))
-                while pending and run.failed is None:
-                    pending = wait(pending, timeout=0.1).not_done
-                if run.failed is not None:
-                    return
+            while not run.done.wait(0.1):
+                pass
+            # Every task is done or the run failed: a finished unit's lane returns at once; a failed run's queued
+            # units return at their first task (`Run.wait_ready`), and its lanes are not kept.
+            pending = wait(pending, timeout=1.0 if run.failed is None else 0).not_done
         except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
             run.fail(e)
         finally:

@@ -397,7 +397,7 @@ def _serve(config: AgentConfig, secret: bytes | None) -> tuple[grpc.Server, int,
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
                       workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device,
                       pace=DevicePace(config.emulate_gflops) if config.emulate_gflops else None,
-                      prepare_wait_s=config.stall_timeout_s)
+                      prepare_wait_s=config.stall_timeout_s, compute_threads=config.compute_threads)
     warn_if_open(f"the agent of host {config.host}", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS,

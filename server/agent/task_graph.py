@@ -24,22 +24,28 @@ lane until its peer sends, so tasks cannot simply start when ready. Every host o
 its tasks by (dependency depth, then `interleaved` order within a depth, computed from
 the program alone, so every host agrees) and groups a depth's tasks that call peers into
 *units* (`lane_units`: the moves along one route, in that order, or one other task),
-ordered largest first, again from the program alone. It runs a depth's units FIFO on
-``lanes`` threads, each unit's tasks one after another, move units under
-``SMALL_UNIT_BYTES`` FIFO on ``lanes`` threads of their own (tasks that call no peer,
-local copies and computes, run beside them on the shared pool: they cannot block a
-peer), and starts depth ``k + 1`` only after its own depth-``k`` tasks finished: a barrier
-per host, not a global one. The tasks beside the lanes finish by themselves. Which
-lanes a unit takes is again the program's to say, so each set of lanes runs one
-sub-order that every host agrees on. Take the least unfinished unit in one set's order:
-on each of its hosts every lower-depth task is finished (by induction on depth), so the
-host is at its depth, and every unit before it in that set is finished, so it holds a
-lane of the set or is next in its FIFO. Hence it runs on all its hosts at once, whatever
-the other set does; its tasks come in the same order on each, and each calls only that
-unit's hosts, so each completes; by induction on the order every unit of the depth does.
+ordered largest first, again from the program alone. The units of all depths, depth by
+depth, make one sequence, the *order*; every dependency points back in it (a step waits
+only for steps of lower depth). A host queues its units in that order, FIFO, on
+``lanes`` threads, move units under ``SMALL_UNIT_BYTES`` on ``lanes`` threads of their
+own, each unit's tasks one after another, a task waiting on its lane until the steps it
+depends on are done here. Tasks that call no peer (*local*: copies between the host's
+devices, computes) are in no unit: each starts on a pool of its own once it is ready
+(`local_ranks` says which first), and never waits for a peer. There is no barrier between
+depths: a depth's units are queued as soon as its new peers confirm (below), while the
+depth before still runs, so a stream leaves once its tile is made, not once all are.
+Take the least unfinished unit U in the order. Every unit before U is finished, on every
+host. Every local task that U waits for finishes: it waits only for earlier units
+(finished) and local tasks of lower depth (by induction on depth, they finish). On each
+of U's hosts every unit queued before U on U's set of lanes is before U in the order,
+so finished; lanes pop FIFO, so U holds a lane there or is next when one frees, and
+none is held by a unit after U. So U runs on all its hosts at once; its tasks' waits
+end; they come in the same order on each host and call only U's hosts, so each
+completes. By induction along the order every unit does.
 Before a depth's first call a host confirms, through the planner's store, that its new
 peers run the same program on the same group generation (`Transport.handshake`), so a
-mismatch raises instead of hanging a receive.
+mismatch raises instead of hanging a receive. Every host announces its program as it
+starts, so these confirmations wait for no peer's earlier work.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from reshard.program import MOVE, REDUCE, Program, Step
 from reshard.routes import hop_targets, receiving_hops, sending_peers
 from reshard.server.agent.buckets import Bucket, bucket_moves
 
-__all__ = ["Task", "host_tasks", "lane_units", "depth_order", "SMALL_UNIT_BYTES"]
+__all__ = ["Task", "host_tasks", "lane_units", "depth_order", "local_ranks", "SMALL_UNIT_BYTES"]
 
 
 @dataclass(eq=False)
@@ -69,6 +75,8 @@ class Task:
     peer: str = ""  # recv: the host the stream comes from
     deps: tuple[int, ...] = ()  # steps that must be done here first
     waiting: int = 0
+    local: bool = False  # calls no peer (a compute, a copy between this host's devices): see `depth_order`
+    rank: int = 0  # a local task: the place of the first lane unit that needs it (`local_ranks`), run least first
     deadline: float = 0.0  # monotonic; 0 while it has not started
     finished: bool = False
 
@@ -181,8 +189,10 @@ def depth_order(tasks: list[Task], host: str, nbytes: Callable[[Step], int]) -> 
     """Whether any of ``tasks`` (one host's, `host_tasks`) calls a peer, and per depth, in order: the peers first
     called at that depth (frozenset), the indexes of its tasks that call none, and its lane units (`lane_units`),
     each as (whether it runs on the lanes for small routes: moves of under `SMALL_UNIT_BYTES` in all, its tasks'
-    indexes)."""
+    indexes). Marks each task that calls no peer `Task.local`."""
     calls = [_task_peers(t, host) for t in tasks]
+    for t, peers in zip(tasks, calls):
+        t.local = not peers
     index = {id(t): i for i, t in enumerate(tasks)}
     by_depth: dict[int, list[int]] = defaultdict(list)
     for i, t in enumerate(tasks):
@@ -199,3 +209,29 @@ def depth_order(tasks: list[Task], host: str, nbytes: Callable[[Step], int]) -> 
             units.append((small, [index[id(t)] for t in unit]))
         depths.append((frozenset(peers), [i for i in at if not calls[i]], units))
     return any(calls), depths
+
+
+def local_ranks(tasks: list[Task], depths: list[tuple]) -> None:
+    """Rank each local task of ``tasks`` (`depth_order` marked them, ``depths`` is its answer) by the place, in the
+    order the lanes take them, of the first unit that waits for it, directly or through other local tasks; one that
+    no unit waits for ranks after every unit. An active transport runs the ready local tasks least rank first
+    (`Runtime._in_order`), so the tiles the first streams need are made first, and a stream leaves while later tiles
+    are still being made, instead of after all of them."""
+    by_step: dict[int, list[Task]] = defaultdict(list)
+    for t in tasks:
+        by_step[t.step.id].append(t)
+    ranked: set[int] = set()
+    place = 0
+    for _, _, units in depths:
+        for _, unit in units:
+            todo = [a for i in unit for a in tasks[i].deps]
+            while todo:
+                for t in by_step.get(todo.pop(), ()):
+                    if t.local and id(t) not in ranked:
+                        ranked.add(id(t))
+                        t.rank = place
+                        todo.extend(t.deps)
+            place += 1
+    for t in tasks:
+        if t.local and id(t) not in ranked:
+            t.rank = place

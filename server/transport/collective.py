@@ -27,7 +27,7 @@ chain           a route host receives piece k+1 while it forwards piece k to the
                 and writes it into its own receivers (the fan-out to local devices); a piece
                 is received straight into a receiver's buffer where it is contiguous there
 lanes           receives block, so the agent's runtime dispatches a job's tasks in one order
-                every host derives from the program, depth by depth, FIFO on ``lanes``
+                every host derives from the program, depth after depth, FIFO on ``lanes``
                 threads (`reshard.server.agent.task_graph` proves it cannot deadlock); memory at
                 most ``lanes * 2 * window * chunk_bytes``. NCCL ignores tags and orders calls
                 per communicator, so it gets one lane

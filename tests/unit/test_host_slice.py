@@ -35,7 +35,7 @@ def _programs():
 
 
 def _described(layout: HostLayout) -> list:
-    return [(t.step.id, t.role, t.depth, t.hop, t.peer, t.deps, t.step.kind,
+    return [(t.step.id, t.role, t.depth, t.hop, t.peer, t.deps, t.local, t.rank, t.step.kind,
              t.step.transfer if t.step.kind == "move" else None, layout.streams[t.step.id], layout.dtypes[t.step.id])
             for t in layout.tasks]
 
