@@ -14,8 +14,11 @@ The estimate is the cost model's for the program the job ran: the same ``plan_ma
 plans on (the agents' NIC rates, which the lab shapes its links to, and their measured copy rates, read back from
 a dry run), whose id must be the job's plan id. Goal on the emulated hosts: the median within 1.15x of it. Each
 transport of ``--transports`` gets a cluster of its own, on loopback and on the emulated hosts. Both collective
-and nixl post their receives, so an agent runs their tasks depth by depth (the deadlock-freedom argument of
-``server/agent/task_graph.py``): no fp8 move leaves a host before all its quantizing is done.
+and nixl post their receives, so an agent runs the tasks that call peers in one order every host derives (the
+deadlock-freedom argument of ``server/agent/task_graph.py``), and quantizes beside them, the tiles the first
+streams carry first: an fp8 move leaves as soon as its tile is quantized. The CPU seconds the service's processes
+(planner and agents) used in each sync are measured beside it: the estimate prices the links, not the CPU, and on
+this machine 8 agents share its cores.
 Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import time
@@ -39,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _checks import check_every_device, tile_digests  # noqa: E402
+from _meter import cpu_seconds  # noqa: E402
 from _program_parts import many_lower_bound  # noqa: E402
 from _report import write_section  # noqa: E402
 
@@ -58,6 +63,7 @@ SYNC_MOE = MoeConfig(num_layers=2, num_experts=16, hidden=512, intermediate=1024
                      vocab=2048, num_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
                      qk_rope_head_dim=64, v_head_dim=64)
 GOAL = 1.15  # measured over estimate, on the emulated hosts
+CORES = os.cpu_count() or 1
 TIMEOUT_S = 600
 
 
@@ -133,19 +139,22 @@ def _dtypes(case) -> dict[str, str]:
     return {k: v for k, v in case.serve_dtypes.items() if k in weights}
 
 
-def sync(c, case, runs: int, where: str) -> dict:
-    """One untimed and ``runs`` timed syncs, each after a put of the bf16 weights, each checked; the estimate of the
-    program they ran, planned here on the service's topology."""
+def sync(c, case, runs: int, where: str, pids: list[int]) -> dict:
+    """One untimed and ``runs`` timed syncs, each after a put of the bf16 weights, each checked, with the CPU
+    seconds the service's processes (``pids``: its planner and agents) used in each; the estimate of the program
+    they ran, planned here on the service's topology."""
     values, expected = weights_and_expected(case)
     dtypes, dst = _dtypes(case), {t.name: t.dst for t in case.weights}
     probe = next(t for t in case.weights if t.name in case.scales)
-    times, results = [], []
+    times, results, cpu = [], [], []
     for i in range(runs + 1):
         c.put_many({t.name: (values[t.name], t.src) for t in case.weights})
+        used = cpu_seconds(pids)
         t0 = time.monotonic()
         # Whole moves: every run puts the same weights, which a delta sync would skip (issue 40's rows time that).
         result = c.reshard_many(dst, scales=dict(case.scales), dtype=dtypes, delta=False).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
+        used = cpu_seconds(pids) - used
         if result.state != "succeeded":
             raise AssertionError(f"{where}: the sync failed: {result.error}")
         check_every_device(c, expected, f"{where}: the quantized sync")
@@ -154,13 +163,14 @@ def sync(c, case, runs: int, where: str) -> dict:
         if i:
             times.append(wall)
             results.append(result)
+            cpu.append(used)
     # The topology the planner planned on, as a dry run of one tensor reports it.
     topology = c.plan(probe.shape, probe.dst, dtype=probe.dtype, src=probe.src).topology
     program = plan_many(case.tensors, topology, scales=case.scales, dtypes=dtypes)
     wire = {t.name: itemsize(case.serve_dtypes[t.name]) for t in case.tensors}
     serve_host = case.serve.require_devices()[0].split("/")[0]
     bound = many_lower_bound(case.tensors, topology, wire)
-    return {"times": times, "estimate": program.estimate_seconds, "bound": bound,
+    return {"times": times, "cpu": cpu, "estimate": program.estimate_seconds, "bound": bound,
             "network_bytes": statistics.median(r.network_bytes for r in results),
             "plan_bytes": sum(h["bytes_in"] for h in program.host_bytes().values()),
             "transport": sorted({r.transport for r in results}), "phases": _phases(results),
@@ -177,7 +187,8 @@ def loopback(runs: int, transport: str) -> dict:
     hosts = [f"host{i}" for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
     case = case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:])
     with LocalCluster(len(hosts), DEVICES, host_names=hosts, transport=transport) as cluster, cluster.connect() as c:
-        return sync(c, case, runs, f"loopback, {transport}")
+        pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
+        return sync(c, case, runs, f"loopback, {transport}", pids)
 
 
 @contextlib.contextmanager
@@ -189,7 +200,7 @@ def _lab(gbps: float, transport: str) -> Iterator[tuple]:
         hosts = [emulated.host_name(i) for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
         with emulated.connect(address) as c:
             wait_for_group(c, hosts, group=transport == "collective")
-            yield c, hosts
+            yield c, hosts, [p.pid for p in emulated.processes]
 
 
 def lab(runs: int, gbps: float, transport: str) -> dict:
@@ -198,15 +209,17 @@ def lab(runs: int, gbps: float, transport: str) -> dict:
     ok, why = lab_available()
     if not ok:
         return {"skipped": why}
-    with _lab(gbps, transport) as (c, hosts):
-        return sync(c, case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), runs, f"emulated hosts, {transport}")
+    with _lab(gbps, transport) as (c, hosts, pids):
+        return sync(c, case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), runs, f"emulated hosts, {transport}",
+                    pids)
 
 
 def _row(where: str, r: dict) -> str:
     median = statistics.median(r["times"])
     return (f"| {where} | {', '.join(r['transport'])} | {r['nic_gbps']:g} | {median:.3f} "
             f"({', '.join(f'{t:.3f}' for t in r['times'])}) | {r['estimate']:.3f} | {median / r['estimate']:.2f}x | "
-            f"{r['bound']:.3f} | {r['network_bytes'] / 2**20:.1f} | {r['plan_bytes'] / 2**20:.1f} |")
+            f"{r['bound']:.3f} | {r['network_bytes'] / 2**20:.1f} | {r['plan_bytes'] / 2**20:.1f} | "
+            f"{statistics.median(r['cpu']):.2f} | {statistics.median(r['cpu']) / CORES:.3f} |")
 
 
 def main() -> int:
@@ -223,8 +236,9 @@ def main() -> int:
     print(case, flush=True)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     head = ("| where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | measured / estimate | "
-            "lower bound s | network MiB (job) | network MiB (estimated program) |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+            "lower bound s | network MiB (job) | network MiB (estimated program) | service CPU s (median) | "
+            "CPU s / cores |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|")
     emulated_rows, loop_rows, verdicts = [], [], []
     for transport in transports:
         loop_rows.append(_row("loopback (8 agents, one machine)", loopback(args.runs, transport)))
@@ -236,10 +250,14 @@ def main() -> int:
         emulated_rows.append(_row(f"emulated hosts ({args.gbps:g} Gbit/s links)", emulated))
         median = statistics.median(emulated["times"])
         ratio = median / emulated["estimate"]
+        floor = statistics.median(emulated["cpu"]) / CORES
         verdict = (f"On the emulated hosts on {transport} the median sync took {ratio:.2f}x its estimate (goal: "
                    f"within {GOAL:g}x: {'met' if ratio <= GOAL else '**not met**'}) and "
                    f"{median / emulated['bound']:.2f}x the lower bound. Where the time went (median seconds per "
-                   "phase): " + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ".")
+                   "phase): " + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ". "
+                   f"The service's processes used {statistics.median(emulated['cpu']):.2f} CPU seconds a sync: "
+                   f"on this machine's {CORES} cores that alone takes {floor:.3f} s, "
+                   f"{floor / emulated['estimate']:.2f}x the estimate, which prices the links and no CPU.")
         if emulated["estimate"] < emulated["bound"] * (1 - 1e-9):  # the two sum the same floats in other orders
             verdict += (" The estimate is below the bound, which no schedule can beat: a cost-model bug (the "
                         "program's moves priced as sharing no links where they do).")
@@ -259,7 +277,7 @@ def main() -> int:
         "call, made here on the topology the planner reports (the last two columns set the network bytes the job "
         "reported beside that program's). The bound is the "
         "cost model's lower bound over all tensors at the itemsize they travel in. "
-        "Loopback is for comparison: its agents share this machine's 2 cores, and its planner's NIC rate is the "
+        f"Loopback is for comparison: its agents share this machine's {CORES} cores, and its planner's NIC rate is the "
         "agents' default, not a link's.\n\n" + head + "\n" + "\n".join(rows) + "\n\n" + verdict + "\n\n"
         f"Run: `python bench/moe_sync.py --runs {args.runs} --gbps {args.gbps:g} --transports {args.transports}` "
         "(root for the emulated hosts)."

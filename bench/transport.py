@@ -47,6 +47,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _meter import cpu_seconds  # noqa: E402
+
 MiB = 2**20
 GiB = 2**30
 TIMEOUT_S = 600
@@ -197,14 +199,6 @@ class RawTurns:
 # -- (b) to (e) reshards through the agents --------------------------------------------------------------------
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user and system, every thread) the processes ``pids`` have used so far (Linux ``/proc``)."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def shared_segments(sender_pid: int, receiver_pid: int) -> int:
@@ -236,9 +230,9 @@ def reshard_turns(transport: str, world: int, nbytes: int, repeats: int, warmup:
         pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
         c.put("bench", a, src)
         for k in range(warmup + repeats):
-            cpu0 = _cpu_seconds(pids)
+            cpu0 = cpu_seconds(pids)
             result = c.reshard("bench", dst, "auto").result(timeout=TIMEOUT_S)
-            cpu = _cpu_seconds(pids) - cpu0
+            cpu = cpu_seconds(pids) - cpu0
             out["transports"] = result.transports
             wrong = differing(c.digests("bench"), want)  # computed on the agents: every receiver's copy, not one
             if wrong:

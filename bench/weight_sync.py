@@ -75,6 +75,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import turns as turn_spread, write_section  # noqa: E402
 from _checks import check_every_device, expected_digests  # noqa: E402
+from _meter import cpu_seconds  # noqa: E402
 import rl_steps  # noqa: E402
 from buckets import HOSTS, INFER, TRAIN, _settle, state_dict  # noqa: E402
 
@@ -110,14 +111,6 @@ def _same_mesh(infer: dict) -> dict:
 # -- 1 and 2: agents ---------------------------------------------------------------------------------------------
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    """CPU seconds (user and system, every thread) the processes ``pids`` have used so far (Linux ``/proc``)."""
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
@@ -184,7 +177,7 @@ def agents(layers: int, hidden: int, runs: int, between: Callable[[int], None] |
         pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
         out["many_cpu"] = []
         out["many"] = _timed(c, tensors, infer, train, runs, "reshard_many", results, between,
-                             (lambda: _cpu_seconds(pids), out["many_cpu"]))
+                             (lambda: cpu_seconds(pids), out["many_cpu"]))
         out["carried_by"] = sorted({t for r in results for t in r.transports})
         out["many_phases"] = _phases(results)
         t0 = time.monotonic()
@@ -611,7 +604,7 @@ def rl_steps_section(args) -> str:
     steps, train_s = rl_steps.train(args.rl_steps, args.delta_hidden, args.delta_layers, args.rl_vocab)
     print(f"{args.rl_steps} AdamW steps in {train_s:.1f}s; bf16 elements changed per step: "
           + ", ".join(f"{rl_steps.changed(a, b):.2%}" for a, b in zip(steps, steps[1:])), flush=True)
-    loop = rl_steps.loopback(steps, args.transport, _cpu_seconds)
+    loop = rl_steps.loopback(steps, args.transport, cpu_seconds)
     e = {"skipped": "--no-lab"} if args.no_lab else lab_rl_steps(steps, args.gbps, args.transport)
     return rl_steps.section(steps, train_s, args, loop, e)
 
