@@ -53,6 +53,7 @@ from reshard.server.agent.programs import HostLayout, load_program
 from reshard.server.agent.run import Run
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.task_graph import Task
+from reshard.server.agent.threads import limit_this_thread
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
 from reshard.server.common.tickets import program_digest
@@ -86,13 +87,13 @@ class Runtime:
         self.step_timeout_s = step_timeout_s
         self.device = device  # where staged destination buffers live
         self._workers = workers
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}", initializer=limit_this_thread)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
         # Active transports' local tasks (computes, copies between this host's devices): they call no peer, so a
         # pool of their own bounds them at the kernels' threads (``--compute-threads``; 0: every core) instead of
         # the steps' workers, which on a shared CPU would run dozens at once, each slower for the others
         self._local_pool = ThreadPoolExecutor(compute_threads or os.cpu_count() or 1,
-                                              thread_name_prefix=f"local-{host}")
+                                              thread_name_prefix=f"local-{host}", initializer=limit_this_thread)
         self._lock = threading.Lock()
         # A push may come before its job's prepare, which rides in the host's Execute (`accept`): it waits up to
         # ``prepare_wait_s`` for a prepare or an abort, which bump ``_arrivals`` and wake it.
@@ -444,8 +445,8 @@ class Runtime:
             idle = self._idle_lanes.get(n) if self._idle_lanes is not None else None
             if idle:
                 return idle.pop()
-        return (ThreadPoolExecutor(n, thread_name_prefix=f"lane-{self.host}"),
-                ThreadPoolExecutor(n, thread_name_prefix=f"small-{self.host}"))
+        return (ThreadPoolExecutor(n, thread_name_prefix=f"lane-{self.host}", initializer=limit_this_thread),
+                ThreadPoolExecutor(n, thread_name_prefix=f"small-{self.host}", initializer=limit_this_thread))
 
     def _lanes_done(self, n: int, lanes: tuple[ThreadPoolExecutor, ThreadPoolExecutor], idle: bool) -> None:
         """The run that had ``lanes`` is over: kept for the next run when ``idle`` (no unit of the run is still

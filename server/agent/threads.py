@@ -5,29 +5,52 @@ a machine (``reshard up``, ``local_cluster``, the lab's emulated hosts) each get
 (`reshard.client.cluster.share_of_cores`): OpenBLAS threads spin while they wait for work, so four agents of two
 threads each on two cores spend a 7 ms matmul's time several times over waiting for one another (a split
 matmul's job on four local agents: 71 ms, 38 ms with one thread each).
+
+OpenMP (torch's intra-op pool on CPU) keeps its thread count per thread: a thread takes the process's default,
+read from ``OMP_NUM_THREADS`` when libgomp loads, whatever another thread set. An agent imports torch after it
+applies its limit (with the collective or nixl transport), so the limit goes into the environment first, for
+every thread of the libraries loaded later; where torch is loaded already, each of the runtime's threads applies
+it as it starts (`limit_this_thread`). Without that, every kernel the runtime ran in a worker thread forked an
+OpenMP team of every core, whose idle members spin: on the lab's 8 agents on 2 cores a quantized MoE sync spent
+half its CPU in libgomp's wait loop (bench/moe_sync.py: 0.8 s a sync against 0.43 s with the limit).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
-__all__ = ["limit_compute_threads"]
+__all__ = ["limit_compute_threads", "limit_this_thread"]
+
+# The OpenMP and BLAS libraries read these as they load; OMP_NUM_THREADS is also each new thread's OpenMP default.
+_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+_limit = 0  # the process's limit, once `limit_compute_threads` set one
 
 log = logging.getLogger(__name__)
 
 
 def limit_compute_threads(threads: int) -> None:
-    """Cap the BLAS/OpenMP pools (threadpoolctl) and torch's intra-op pool at ``threads``; 0 leaves the
-    libraries' defaults."""
+    """Cap the BLAS/OpenMP pools (threadpoolctl) and torch's intra-op pool at ``threads``, in the libraries
+    loaded now and, through the environment, in those loaded later; 0 leaves the libraries' defaults."""
+    global _limit
     if threads <= 0:
         return
+    _limit = threads
+    for name in _ENV:
+        os.environ[name] = str(threads)
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # installed with reshard; an install without it keeps the defaults
         log.warning("threadpoolctl is not installed: --compute-threads %d is not applied to BLAS", threads)
     else:
         threadpool_limits(limits=threads)
+    limit_this_thread()
+
+
+def limit_this_thread() -> None:
+    """Apply the process's limit to the calling thread's OpenMP pool (torch's), where torch is loaded and a limit
+    was set: a thread pool's initializer, for threads that run kernels."""
     torch = sys.modules.get("torch")  # only where already loaded: a numpy agent need not import torch for this
-    if torch is not None:
-        torch.set_num_threads(threads)
+    if _limit and torch is not None and torch.get_num_threads() != _limit:
+        torch.set_num_threads(_limit)

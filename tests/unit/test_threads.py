@@ -32,6 +32,43 @@ def test_a_limit_caps_blas_and_torch_threads_in_the_process():
     assert got["torch"] == 1
 
 
+_LATER = """
+import json, sys, threading
+from concurrent.futures import ThreadPoolExecutor
+from reshard.server.agent.threads import limit_compute_threads, limit_this_thread
+if sys.argv[2] == "before":
+    import torch
+limit_compute_threads(int(sys.argv[1]))
+import torch  # an agent loads it after its limit (the collective and nixl transports)
+seen = {"main": torch.get_num_threads()}
+def look(name):
+    seen[name] = torch.get_num_threads()
+t = threading.Thread(target=look, args=("plain thread",))
+t.start(); t.join()
+with ThreadPoolExecutor(1, initializer=limit_this_thread) as pool:  # as the agent's runtime makes its pools
+    pool.submit(look, "runtime pool").result()
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("torch_loaded", ["after", "before"])
+def test_the_limit_holds_in_every_thread_that_runs_kernels_whenever_torch_loads(torch_loaded):
+    """OpenMP keeps its thread count per thread: a limit set before torch loads reaches every thread through the
+    environment, and one set after reaches the runtime's pools through their initializer."""
+    import os
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("a limit of 1 is every thread's default on a machine of 1 core: nothing to tell apart")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", _LATER, "1", torch_loaded], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    seen = json.loads(out.stdout)
+    assert seen["main"] == 1 and seen["runtime pool"] == 1, seen
+    if torch_loaded == "after":
+        assert seen["plain thread"] == 1, seen  # the environment reached a thread nobody told
+
+
 def test_no_limit_leaves_the_libraries_defaults():
     import os
 
