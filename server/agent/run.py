@@ -94,7 +94,7 @@ class Run(Session):
         self.started = 0.0
         self.retired = False  # the job has ended on this host, and the runtime let the run go (`Runtime._retire`)
         self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)  # notified as tasks become ready (`wait_ready`)
+        self._awaited: dict[int, threading.Event] = {}  # id of a task a lane waits for -> set once it is ready
         self._local: list[tuple[int, int, Task]] = []  # ready local tasks of an active transport, least rank first
         self._queued = itertools.count()  # ties of rank go in the order they became ready
         self._left: dict[int, int] = defaultdict(int)  # step -> its unfinished tasks here
@@ -408,8 +408,9 @@ class Run(Session):
                     t.waiting -= 1
                     if not t.waiting and self.executing:
                         ready.append(t)
-            if ready:
-                self._ready.notify_all()
+                        awaited = self._awaited.pop(id(t), None)
+                        if awaited is not None:
+                            awaited.set()
             if not self.num_left:
                 self.done.set()
         return ready
@@ -428,8 +429,12 @@ class Run(Session):
         """Block until every step ``task`` waits for is done here (an active transport's lane holds its next task
         until then, `Runtime._in_order`); False where the run failed first."""
         with self._lock:
-            while task.waiting and self.failed is None:
-                self._ready.wait(0.1)  # a failure does not notify: it is seen within this
+            if not task.waiting:
+                return self.failed is None
+            ready = self._awaited.setdefault(id(task), threading.Event())
+        while not ready.wait(0.1):  # a failure sets no event: it is seen within this
+            if self.failed is not None:
+                return False
         return self.failed is None
 
     def fail(self, error: BaseException) -> BaseException:
