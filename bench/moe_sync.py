@@ -17,8 +17,9 @@ transport of ``--transports`` gets a cluster of its own, on loopback and on the 
 and nixl post their receives, so an agent runs the tasks that call peers in one order every host derives (the
 deadlock-freedom argument of ``server/agent/task_graph.py``), and quantizes beside them, the tiles the first
 streams carry first: an fp8 move leaves as soon as its tile is quantized. The CPU seconds the service's processes
-(planner and agents) used in each sync are measured beside it: the estimate prices the links, not the CPU, and on
-this machine 8 agents share its cores.
+(planner and agents) used in each sync are measured beside it: the estimate prices the links, and each quantize
+step as a roofline on its own device at the agent's measured memory rate, not 8 agents sharing this machine's
+cores, nor the streams' own CPU.
 Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
@@ -257,7 +258,8 @@ def main() -> int:
                    "phase): " + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ". "
                    f"The service's processes used {statistics.median(emulated['cpu']):.2f} CPU seconds a sync: "
                    f"on this machine's {CORES} cores that alone takes {floor:.3f} s, "
-                   f"{floor / emulated['estimate']:.2f}x the estimate, which prices the links and no CPU.")
+                   f"{floor / emulated['estimate']:.2f}x the estimate, which prices the links and each quantize step "
+                   "on a device of its own, not agents sharing cores.")
         if emulated["estimate"] < emulated["bound"] * (1 - 1e-9):  # the two sum the same floats in other orders
             verdict += (" The estimate is below the bound, which no schedule can beat: a cost-model bug (the "
                         "program's moves priced as sharing no links where they do).")

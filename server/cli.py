@@ -112,8 +112,9 @@ def _add_agent_command(sub) -> None:
                         "at least its FLOPs at this rate, one at a time per device; reported to the planner "
                         "(0: off, kernels at this machine's speed)")
     p.add_argument("--compute-threads", type=_count, default=d.compute_threads, metavar="N",
-                   help="threads one kernel (BLAS, OpenMP, torch) may use; 0: every core. Agents that share a machine "
-                        "should split its cores (reshard up and local_cluster give each its share)")
+                   help="threads one kernel (BLAS, OpenMP, torch) may use, and the computes an active transport "
+                        "(collective, nixl) runs at once; 0: every core. Agents that share a machine should split "
+                        "its cores (reshard up and local_cluster give each its share)")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
     p.add_argument("--transport", choices=("grpc", "collective", "auto", "nixl"), default=d.transport,

@@ -34,8 +34,9 @@ class AgentConfig:
     # a NIC: every compute step lasts at least its FLOPs at this rate, one step at a time per device, and the rate
     # is what the agent reports. For emulated hosts sharing a machine; 0: kernels at this machine's speed.
     emulate_gflops: float = 0.0
-    # Threads a kernel's BLAS/OpenMP and torch pools may use (reshard.server.agent.threads); 0: the libraries'
-    # default, every core. Agents sharing a machine should split its cores: local clusters and the lab do.
+    # Threads a kernel's BLAS/OpenMP and torch pools may use (reshard.server.agent.threads), and the computes an
+    # active transport runs at once (`Runtime._submit_local`); 0: the libraries' default, every core. Agents
+    # sharing a machine should split its cores: local clusters and the lab do.
     compute_threads: int = 0
     heartbeat_interval_s: float = 1.0
     register_timeout_s: float = 30.0
