@@ -91,9 +91,12 @@ class Runtime:
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
         # Active transports' local tasks (computes, copies between this host's devices): they call no peer, so a
         # pool of their own bounds them at the kernels' threads (``--compute-threads``; 0: every core) instead of
-        # the steps' workers, which on a shared CPU would run dozens at once, each slower for the others
-        self._local_pool = ThreadPoolExecutor(compute_threads or os.cpu_count() or 1,
-                                              thread_name_prefix=f"local-{host}", initializer=limit_this_thread)
+        # the steps' workers, which on a shared CPU would run dozens at once, each slower for the others. An
+        # emulated device (``pace``) waits out its step's time after the kernel, holding no core: there each of the
+        # host's devices must be able to wait at once, so the pool has the steps' workers.
+        local_threads = workers if pace is not None else compute_threads or os.cpu_count() or 1
+        self._local_pool = ThreadPoolExecutor(local_threads, thread_name_prefix=f"local-{host}",
+                                              initializer=limit_this_thread)
         self._lock = threading.Lock()
         # A push may come before its job's prepare, which rides in the host's Execute (`accept`): it waits up to
         # ``prepare_wait_s`` for a prepare or an abort, which bump ``_arrivals`` and wake it.

@@ -36,12 +36,16 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
             assert program.estimate_seconds == pytest.approx(2 * 200 * 300 * 100 / 0.5e9)
 
 
-def test_an_emulated_device_computes_at_its_rate_and_reports_it():
+@pytest.mark.parametrize("transport", ["auto", "collective"])
+def test_an_emulated_device_computes_at_its_rate_and_reports_it(transport):
     # One 640^3 matmul: 524 MFLOP, 262 ms at 2 GFLOP/s (tens of ms at this machine's speed). Two devices at once
     # take half that: the 131 ms between the two bounds below is what a loaded 2-core machine's overhead may use.
+    # One kernel thread: on an active transport (collective) computes run on a pool of the kernels' threads, and an
+    # emulated device's wait must not hold one of them from the other device.
     rate, n = 2.0, 640
     flops = 2 * n ** 3
-    with LocalCluster(1, 2, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100"]) as cluster:
+    with LocalCluster(1, 2, transport=transport, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100",
+                                                             "--compute-threads", "1"]) as cluster:
         with cluster.connect() as c:
             (agent,) = c.agents()
             assert agent["device_gflops"] == rate
