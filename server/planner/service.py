@@ -7,6 +7,7 @@ from dataclasses import replace
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from typing import NamedTuple
 from operator import itemgetter
 from concurrent import futures
 
@@ -56,15 +57,24 @@ _READ_ORDERS_KEPT = 8  # programs whose reads' order and columns' SHA-256 the pl
 _FIRST, _SECOND = itemgetter(0), itemgetter(1)
 
 
-def _request_of(p: Preparation, columns: tuple | None,
+class _ReadColumns(NamedTuple):
+    """A job's reads of one host's slice (or of the whole program) as columns: `GrpcAgentCalls._columns`."""
+
+    tensors: list[str]  # program tensors
+    names: list[str]  # the stored names they read
+    versions: np.ndarray  # int64
+    sha256: str  # `tickets.columns_digest` of the first two; "" where there are none
+    deltas: tuple[np.ndarray, np.ndarray] | None  # delta bases beside them (-1: none), or None: they go as a map
+
+
+def _request_of(p: Preparation, columns: _ReadColumns | None,
                 delta_bases: Mapping[str, tuple[int, int]]) -> tuple[pb.PrepareRequest, tuple]:
-    """Job ``p``'s Prepare without its program and tickets, naming its reads by ``columns`` (program tensors,
-    stored names, versions, the SHA-256 of the first two, and delta bases beside them or None:
-    `GrpcAgentCalls._columns`) by that SHA-256 and its versions (`GrpcAgentCalls.prepare_request` adds the columns
-    themselves for an agent that does not hold them), or None for ``p.reads_at`` in their place, and carrying
+    """Job ``p``'s Prepare without its program and tickets, naming its reads by ``columns``' SHA-256 and versions
+    (`GrpcAgentCalls.prepare_request` adds the columns themselves for an agent that does not hold them), or None for
+    ``p.reads_at`` in their place, and carrying
     ``delta_bases`` where the columns do not; and the fields its ticket signs but the program's SHA-256."""
-    versions, digest = (columns[2], columns[3]) if columns is not None else ((), "")
-    src, dst = columns[4] if columns is not None and columns[4] is not None else ((), ())
+    versions, digest = (columns.versions, columns.sha256) if columns is not None else ((), "")
+    src, dst = columns.deltas if columns is not None and columns.deltas is not None else ((), ())
     if len(src):
         delta_bases = {}
     request = pb.PrepareRequest(
@@ -155,7 +165,7 @@ class GrpcAgentCalls:
                     self._prepared.popitem(last=False)
         return made
 
-    def _part(self, made: tuple, host: str) -> tuple[pb.PrepareRequest, tuple, tuple | None]:
+    def _part(self, made: tuple, host: str) -> tuple[pb.PrepareRequest, tuple, _ReadColumns | None]:
         """``host``'s Prepare of job ``made`` (`_made`) without its program and tickets, the fields its ticket
         signs but the program's SHA-256, and its read columns (`_columns`, None where it has none): with the reads
         and delta bases of its slice's tensors where the program is cut per host, built once for every host whose
@@ -169,7 +179,7 @@ class GrpcAgentCalls:
             part = parts.get(names)
         if part is None:
             columns = self._columns(made, names) if order is not None else None
-            by_map = columns is None or columns[4] is None  # the delta bases as a map (none beside the columns)
+            by_map = columns is None or columns.deltas is None  # the delta bases as a map (none beside the columns)
             part = (*_request_of(p, columns, p.delta_bases_for(host) if by_map else {}), columns)
             with self._lock:
                 part = parts.setdefault(names, part)
@@ -204,11 +214,9 @@ class GrpcAgentCalls:
             deltas = (src, dst)
         return kept, versions, deltas
 
-    def _columns(self, made: tuple, names: frozenset[str] | None) -> tuple:
-        """Job ``made``'s reads of the tensors ``names`` (a host's slice's; None: all) as columns (program
-        tensors, stored names, versions as an int64 column: `read_columns`), the SHA-256 of the first two
-        (`tickets.columns_digest`, "" where there are none), the first two and their SHA-256 worked out once per
-        program and slice, and the delta bases beside them (`_read_order`; None where they go as a map)."""
+    def _columns(self, made: tuple, names: frozenset[str] | None) -> _ReadColumns:
+        """Job ``made``'s reads of the tensors ``names`` (a host's slice's; None: all) as columns, the tensors,
+        their names and SHA-256 worked out once per program and slice, the delta bases from `_read_order`."""
         (keys, stored, place, slices), versions, deltas = made[4]
         with self._lock:
             kept = slices.get(names)
@@ -223,8 +231,8 @@ class GrpcAgentCalls:
             with self._lock:
                 kept = slices.setdefault(names, kept)
         tensors, names_read, index, digest = kept
-        return (tensors, names_read, versions[index], digest,
-                (deltas[0][index], deltas[1][index]) if deltas is not None else None)
+        return _ReadColumns(tensors, names_read, versions[index], digest,
+                            (deltas[0][index], deltas[1][index]) if deltas is not None else None)
 
     def _digest(self, text: str) -> str:
         """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""
@@ -258,10 +266,10 @@ class GrpcAgentCalls:
             request.program_sha256 = digest
         else:
             request.program_json = text
-        if columns is not None and columns[0] and not columns_held:
-            request.read_tensors.extend(columns[0])
-            if columns[1] != columns[0]:  # none where each tensor reads its own name, a state dict's case
-                request.read_names.extend(columns[1])
+        if columns is not None and columns.tensors and not columns_held:
+            request.read_tensors.extend(columns.tensors)
+            if columns.names != columns.tensors:  # none where each tensor reads its own name, a state dict's case
+                request.read_names.extend(columns.names)
         request.ticket = self._sign(host, "prepare", fields[0], digest, *fields[2:])
         pushes = made[2]
         request.push_tickets.update({peer: ticket for peer, ticket in pushes.items() if peer != host})
@@ -288,13 +296,14 @@ class GrpcAgentCalls:
         text = p.text_for(host)
         self._mirror(self._held, address, self._digest(text), len(text), kept, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES)
 
-    def _columns_sent(self, address: str, columns: tuple | None, kept: bool) -> None:
+    def _columns_sent(self, address: str, columns: _ReadColumns | None, kept: bool) -> None:
         """The agent at ``address`` was sent ``columns`` (`_columns`) and keeps them (``kept``), or said it no
         longer holds them: its own rule (`agent.reads.HeldColumns`) mirrored."""
-        if columns is None or not columns[3]:
+        if columns is None or not columns.sha256:
             return
-        self._mirror(self._held_columns, address, columns[3], columns_nbytes(columns[0], columns[1]) if kept else 0,
-                     kept, READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES)
+        self._mirror(self._held_columns, address, columns.sha256,
+                     columns_nbytes(columns.tensors, columns.names) if kept else 0, kept, READ_COLUMNS_KEPT,
+                     READ_COLUMNS_KEPT_BYTES)
 
     def _mirror(self, table: dict[str, OrderedDict[str, int]], address: str, digest: str, nbytes: int, kept: bool,
                 most: int, most_bytes: int) -> None:
@@ -318,8 +327,8 @@ class GrpcAgentCalls:
             return call(False, False)
         columns = self._part(self._made(p), host)[2]
         held = self._holds(host, address, p)
-        columns_held = columns is not None and bool(columns[3]) and self._still_held(self._held_columns, address,
-                                                                                     columns[3])
+        columns_held = columns is not None and bool(columns.sha256) and self._still_held(self._held_columns, address,
+                                                                                         columns.sha256)
         if held or columns_held:
             try:
                 result = call(held, columns_held)
