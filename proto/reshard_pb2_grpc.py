@@ -984,7 +984,8 @@ class PlannerServicer:
 
     def RegisterSync(self, request, context):
         """A weight sync: a reshard_many request checked once (RegisterSync; its step, pin and delta must be unset), then
-        run every step by its id (Sync), with no names or shardings sent again.
+        run every step by its id (Sync), with no names or shardings sent again. Sync answers with the job as queued
+        and brief (JobRequest.brief: no inputs, versions or deltas, which GetJob gives).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -47,12 +47,15 @@ from itertools import repeat
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from reshard.box import Box, volume
 from reshard.dtypes import dtype_name
 from reshard.jsonio import quoted
 from reshard.mesh import host_of
 from reshard.proto.errors import AlreadyExistsError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.sharding import Sharding, normalise_shape
+from reshard.server.planner.columns import Columns
 
 __all__ = ["TensorRecord", "PinRecord", "BasePair", "Catalog", "Upload", "Uploads", "repeated_names", "check_step",
            "new_content"]
@@ -230,8 +233,9 @@ class Catalog:
         self._pins: dict[str, PinRecord] = {}
         self._used: dict[str, float] = {}  # pin id -> when it was last used (clock)
         self._holds: Counter[tuple[str, int]] = Counter()  # (name, version) -> pins on it
-        self._claims: dict[str, int] = {}  # name -> the version a job in flight commits it as
-        self._publishing: Counter[str] = Counter()  # names an upload is committing now
+        # Beside the records, per name: the current version, sharding object, dtype and step label, the version a
+        # job in flight commits it as (its claim) and how many uploads are committing it now (`Columns`)
+        self._columns = Columns()
         self._bases: dict[str, BasePair] = {}  # name -> its delta base pair
         self._bases_used: dict[str, float] = {}  # name -> when a job last made or used its pair (clock)
         # Bumped by every change to which names exist or to a name's shape, dtype, kind or lost devices: what a
@@ -338,12 +342,18 @@ class Catalog:
                 if current is not None and current.version != new.version:
                     (kept if self._holds[current.name, current.version] else freed).append(current)
             self._redeclared_locked(changed, converted)
+            self._columns.set([new for _, new in changes])
             for rec in kept:
                 self._keep_locked(rec)
         self._save_old(kept)
         self._save_bases(bases, [])
         self._forget_held(unpaired)
         return freed
+
+    def current(self, names) -> list[TensorRecord | None]:
+        """The records of ``names`` as they are at one instant, None for a name without one."""
+        with self._lock:
+            return list(map(self._tensors.get, names))
 
     def snapshot(self, names) -> list[TensorRecord]:
         """The records of ``names`` as they are at one instant (no commit between two of them)."""
@@ -378,6 +388,7 @@ class Catalog:
         with self._lock:
             rec = self._tensors.pop(name, None)
             self._redeclared_locked(rec is not None)
+            self._columns.clear(name)
             pinned = rec is not None and bool(self._holds[rec.name, rec.version])
             if pinned:
                 self._keep_locked(rec)
@@ -405,23 +416,26 @@ class Catalog:
             for rec in out:
                 self._tensors[rec.name] = rec
             self._redeclared_locked(bool(out))
+            self._columns.set(out)
             for rec in old:
                 self._keep_locked(rec)
         self._save_old(old)
         return out
 
     def load(self, records) -> None:
+        records = list(records)
         with self._lock:
             for r in records:
                 self._tensors[r.name] = r
             self._redeclared_locked(True)
+            self._columns.set(records)
 
     # -- version numbers ------------------------------------------------------------------------------------------
 
     def _top_locked(self, name: str) -> int:
         """The highest version of ``name`` held, current or kept, or claimed by a job in flight (0: none)."""
         current = self._tensors.get(name)
-        return max(current.version if current is not None else 0, self._claims.get(name, 0),
+        return max(current.version if current is not None else 0, self._columns.claimed(name),
                    max(self._old.get(name, {0: None})))
 
     def next_version(self, name: str) -> int:
@@ -429,31 +443,62 @@ class Catalog:
         with self._lock:
             return self._top_locked(name) + 1
 
-    def claim(self, names) -> dict[str, int]:
-        """The version each of ``names`` commits as in a job starting now (one job per name at a time: the job
-        runner's locks); waits while an upload of one of them commits, so a job that reads a current version
-        commits the version after it (the agents' rule for a job that commits several tensors)."""
+    def slots(self, names: list[str]) -> np.ndarray:
+        """The slots of ``names`` in the catalog's columns (`Columns`): a name keeps its slot for the planner's
+        life, so a registered sync works its tensors' out once."""
+        with self._lock:
+            return self._columns.of(names)
+
+    def claim(self, names: list[str], slots: np.ndarray | None = None) -> dict[str, int]:
+        """The version each of ``names`` (at ``slots``: `slots`, or worked out here) commits as in a job starting
+        now (one job per name at a time: the job runner's locks); waits while an upload of one of them commits, so
+        a job that reads a current version commits the version after it (the agents' rule for a job that commits
+        several tensors)."""
         with self._changed:
-            # (`_publishing` holds the names at a count above zero only)
-            self._changed.wait_for(lambda: self._publishing.keys().isdisjoint(names))
+            if slots is None:
+                slots = self._columns.of(names)
+            self._changed.wait_for(lambda: not self._columns.publishing[slots].any())
             # `_top_locked` of each, a column at a time: a state dict's job claims 139,583. A current version is
             # above every kept one (each numbers on from the highest), so where each name has one and no job in
             # flight claimed any, it is the top.
             current = list(map(self._tensors.get, names))
-            if all(current) and self._claims.keys().isdisjoint(names):
-                claimed = dict(zip(names, [r.version + 1 for r in current]))
+            claims = self._columns.claim[slots]
+            if all(current) and not claims.any():
+                versions = [r.version + 1 for r in current]
             else:
                 kept = map(max, map(self._old.get, names, repeat(_NONE_KEPT)))
-                claimed = dict(zip(names, [max(r.version if r is not None else 0, c, k) + 1 for r, c, k in
-                                           zip(current, map(self._claims.get, names, repeat(0)), kept)]))
-            self._claims.update(claimed)
-        return claimed
+                versions = [max(r.version if r is not None else 0, c, k) + 1 for r, c, k in
+                            zip(current, claims.tolist(), kept)]
+            self._columns.claim[slots] = versions
+        return dict(zip(names, versions))
 
-    def unclaim(self, names) -> None:
-        """The job that claimed ``names`` ended (its versions committed, or released on failure)."""
+    def claim_current(self, slots: np.ndarray, step: int | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """`claim` of the names at ``slots`` (`slots`) where every one has a current version (labeled ``step``,
+        where given) and none is claimed: each commits as its current version's next. Returns their current
+        versions, sharding objects' ids and dtype ids as columns (`Columns`); else None, claiming nothing (the
+        caller takes `claim`'s way, whose checks name what differs). A registered sync's job at 139,583 tensors
+        claims them in a few array operations."""
+        with self._changed:
+            columns = self._columns
+            self._changed.wait_for(lambda: not self._columns.publishing[slots].any())
+            versions = columns.version[slots]
+            if not versions.all() or columns.claim[slots].any() or (
+                    step is not None and not (columns.step[slots] == step).all()):
+                return None
+            columns.claim[slots] = versions + 1
+            return versions, columns.layout[slots], columns.dtype[slots]
+
+    def dtype_ids(self, dtypes: list[str]) -> np.ndarray:
+        """``dtypes`` as `claim_current` returns them."""
         with self._lock:
-            for n in names:
-                self._claims.pop(n, None)
+            return self._columns.dtype_ids(dtypes)
+
+    def unclaim(self, names: list[str], slots: np.ndarray | None = None) -> None:
+        """The job that claimed ``names`` (at ``slots``, where given) ended (its versions committed, or released on
+        failure)."""
+        with self._lock:
+            self._columns.claim[self._columns.of(names) if slots is None else slots] = 0
 
     @contextmanager
     def publishing(self, names) -> Iterator[dict[str, int]]:
@@ -461,13 +506,13 @@ class Catalog:
         (whose commit then finds its source superseded, and fails); jobs starting meanwhile wait (`claim`)."""
         with self._lock:
             versions = {n: self._top_locked(n) + 1 for n in names}
-            self._publishing.update(names)
+            slots = self._columns.of(names)
+            np.add.at(self._columns.publishing, slots, 1)
         try:
             yield versions
         finally:
             with self._changed:
-                self._publishing.subtract(names)
-                self._publishing += Counter()  # drop the names at zero
+                np.subtract.at(self._columns.publishing, slots, 1)
                 self._changed.notify_all()
 
     # -- versions held and pins -----------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from operator import attrgetter
 from typing import NamedTuple
 
+import numpy as np
+
 from reshard.box import Box, box_str, volume
 from reshard.dtypes import dtype_name, itemsize
 from reshard.errors import InvalidMeshError, InvalidShardingError
@@ -75,6 +77,7 @@ class RegisteredSync:
     args: dict  # what `JobRunner.submit_many` takes for it but the pin, step and delta (`Planner._many_job`)
     checked: tuple[int, int]  # `Catalog.declared` (`shapes`, where it quantizes) and `Registry.generation`, checked
     names: list[str]  # every tensor the job commits, in order (the job's ``inputs``)
+    slots: np.ndarray  # their slots in the catalog's columns (`Catalog.slots`), worked out once
     # where it quantizes on the way: the tensors the catalog held as it was checked, and their dtypes then (its
     # weights change dtype twice a step, which `Catalog.shapes` leaves out: a run compares them instead)
     seen: tuple[list[str], list[str]] = ([], [])
@@ -782,7 +785,7 @@ class Planner:
         the way compares its tensors' dtypes, as its weights change dtype twice a step). The planner keeps the last
         `SYNCS_KEPT` registered, in memory only."""
         request = (list(targets), strategy, bucket_bytes, list(scales), manifest_json, dict(dtypes or {}))
-        sync = self._check_sync(RegisteredSync(uuid.uuid4().hex, request, {}, (-1, -1), []))
+        sync = self._check_sync(RegisteredSync(uuid.uuid4().hex, request, {}, (-1, -1), [], np.zeros(0, np.int64)))
         with self._syncs_lock:
             self._syncs[sync.id] = sync
             while len(self._syncs) > SYNCS_KEPT:
@@ -810,7 +813,7 @@ class Planner:
                 if sync_id in self._syncs:
                     self._syncs[sync_id] = sync
         return self.jobs.submit_many(**sync.args, pin=pin, step=check_step(step), delta=delta,
-                                     sync=(sync.id, sync.names), received=received)
+                                     sync=(sync.id, sync.names, sync.slots), received=received)
 
     def _check_sync(self, sync: RegisteredSync) -> RegisteredSync:
         """``sync`` checked now (`_many_job`), with what its checks read (`_checked_now`, and where it quantizes
@@ -823,7 +826,8 @@ class Planner:
                     if self.catalog.contains(n)]
             seen = (held, [r.dtype for r in self.catalog.snapshot(held)])
         args = self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, "", None, dtypes)
-        return replace(sync, args=args, checked=checked, names=sorted(args["dsts"]), seen=seen)
+        names = sorted(args["dsts"])
+        return replace(sync, args=args, checked=checked, names=names, slots=self.catalog.slots(names), seen=seen)
 
     def _same_dtypes(self, sync: RegisteredSync) -> bool:
         """Whether every tensor ``sync`` saw as it was checked is still in the catalog, in the dtype it had then."""

@@ -43,14 +43,14 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from collections import Counter, OrderedDict, defaultdict, deque
-from contextlib import ExitStack, contextmanager
+from collections import Counter, OrderedDict, defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from operator import attrgetter, itemgetter, methodcaller
-from typing import Protocol
+from operator import attrgetter, itemgetter
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -69,11 +69,12 @@ from reshard.routes import hops
 from reshard.sequence import aliased
 from reshard.strategies import plan as make_plan
 from reshard.topology import Topology
-from reshard.proto.errors import DeadlineExceededError, UnavailableError
+from reshard.proto.errors import DeadlineExceededError, NotFoundError, UnavailableError
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import DELTA_BASE_MISMATCH, Staging, read_columns
 from reshard.server.common.sizes import format_size
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped, new_content
+from reshard.server.planner.locks import TensorLocks
 from reshard.server.planner.membership import GroupCoordinator
 from reshard.server.planner.registry import Registry
 from reshard.server.planner.state import StateStore
@@ -97,17 +98,6 @@ DELTA_PROBE_EVERY = 16
 
 
 _SHARDING, _VERSION, _DTYPE = attrgetter("sharding"), attrgetter("version"), attrgetter("dtype")
-_ACQUIRE, _RELEASE = methodcaller("acquire"), methodcaller("release")
-
-
-@contextmanager
-def _holding(locks: list[threading.Lock]) -> Iterator[None]:
-    """Hold every lock of ``locks``, taken in order (a state dict's job takes 139,583, one per tensor)."""
-    deque(map(_ACQUIRE, locks), maxlen=0)
-    try:
-        yield
-    finally:
-        deque(map(_RELEASE, reversed(locks)), maxlen=0)
 
 
 class _NotAnswering(UnavailableError):
@@ -269,6 +259,8 @@ class Job:
     # reshard_many: weight -> the dtype it is quantized to on the way (`reshard.quantize`); its scale is made
     dtypes: dict[str, str] = field(default_factory=dict)
     sync: str = ""  # reshard_many: the registered sync it runs (`Planner.sync`), if any
+    # a registered sync's job: its tensors' slots in the catalog's columns (`Catalog.slots`), ``inputs``' order
+    slots: np.ndarray | None = field(default=None, repr=False)
     # Seconds from the request (``created``) to every host's part running (its agent's first report), and to the
     # planner's calls having reached every host (each report's time less the agent's own seconds before it: its
     # prepare): what starting the job cost the planner. 0 until then.
@@ -454,7 +446,7 @@ class JobRunner:
         self._program_moves: OrderedDict[str, _Moves] = OrderedDict()  # program id -> its moves, worked out
         # program id -> each host's slice of it (`_slices`), for the programs cut per host
         self._program_slices: OrderedDict[str, tuple[dict, dict]] = OrderedDict()
-        self._tensor_locks: dict[str, threading.Lock] = {}
+        self._held = TensorLocks()  # the tensors of every job running, one job at a time per tensor
         for doc in store.jobs():
             plan_doc = store.plan(doc["plan_id"]) if doc.get("plan_id") else None
             job = Job.from_json(doc, _ran_from_json(plan_doc) if plan_doc else None)
@@ -478,14 +470,14 @@ class JobRunner:
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
                     step: int | None = None, delta: bool | None = None, dtypes: dict[str, str] | None = None,
-                    sync: tuple[str, list[str]] | None = None, received: float | None = None) -> Job:
+                    sync: tuple[str, list[str], np.ndarray] | None = None, received: float | None = None) -> Job:
         """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
         ``pin`` or ``step``, of the versions they name (still current as the job starts). ``delta``: move tensors
         as deltas where it pays (None), never (False), or wherever a base pair is usable (True). ``dtypes``: the
         weights quantized on the way, each to its dtype; their scales (in ``scales``) are made by the job.
-        ``sync``: the registered sync the job runs (`Planner.sync`): its id and its tensors in order; the arguments
-        are the sync's own, not copied. ``received``: when its request arrived (`time.time`; default now), which the
-        job's waiting phase and ``started_s`` count from."""
+        ``sync``: the registered sync the job runs (`Planner.sync`): its id, its tensors in order and their slots
+        (`Catalog.slots`); the arguments are the sync's own, not copied. ``received``: when its request arrived
+        (`time.time`; default now), which the job's waiting phase and ``started_s`` count from."""
         if sync is None:
             names, dsts, scales, dtypes = sorted(dsts), dict(dsts), dict(scales), dict(dtypes or {})
         else:
@@ -494,19 +486,19 @@ class JobRunner:
                                 dsts=dsts, scales=scales, bucket_bytes=bucket_bytes,
                                 manifest_digest=manifest_digest, pin=pin, step=step, delta=delta,
                                 dtypes=dtypes or {}, sync=sync[0] if sync is not None else "",
+                                slots=sync[2] if sync is not None else None,
                                 created=time.time() if received is None else received))
 
     def _submit(self, job: Job) -> Job:
+        # A registered sync's job names its tensors' slots (one of them is its ``tensor``); any other job's are
+        # looked up (`TensorLocks`)
+        slots = job.slots if job.slots is not None else self.catalog.slots(
+            list(dict.fromkeys([job.tensor, *job.inputs, *job.outputs])))
         with self._lock:
             self._jobs[job.id] = job
-            # Taken in name order by every job, so two jobs that share tensors cannot wait for each other. A
-            # registered sync's tensors are in order already, and one of them is its ``tensor``.
-            names = job.inputs if job.sync else sorted({job.tensor, *job.inputs, *job.outputs})
-            have = self._tensor_locks.get
-            locks = [have(n) or self._tensor_locks.setdefault(n, threading.Lock()) for n in names]
         if self.store.durable:
             self.store.save_job(job.id, job.created, job.json_text(brief=True))
-        self._jobs_pool.submit(self._run, job, locks)
+        self._jobs_pool.submit(self._run, job, slots)
         return job
 
     def get(self, job_id: str) -> Job | None:
@@ -553,8 +545,8 @@ class JobRunner:
 
     # -- running ------------------------------------------------------------------------
 
-    def _run(self, job: Job, locks: list[threading.Lock]) -> None:
-        with _holding(locks):
+    def _run(self, job: Job, slots: np.ndarray) -> None:
+        with self._held.hold(slots):
             job.state, job.started = "running", time.time()
             job.phases["waiting"] = job.started - job.created
             # Not saved here: after a restart a queued job and a running one both read back as failed (`Job.from_json`),
@@ -568,7 +560,7 @@ class JobRunner:
             else:
                 self._finish(job)
             finally:
-                self.catalog.unclaim(_commits_of(job))
+                self.catalog.unclaim(_commits_of(job), job.slots)
             if superseded:
                 # The new versions are committed and the caller has them; freeing the old ones is housekeeping,
                 # still under the tensors' locks so the next job on them starts after it.
@@ -748,6 +740,7 @@ class JobRunner:
                 job.phases["running"] = job.phases.get("running", 0.0) + committed - ran
                 if at_once is None:
                     self._fan_out(commit, staging, deadline, self._watch(peers, {}))
+                work.commits.check()
                 freed = self.catalog.commit(work.commits.records, self._bases(job, work.commits.records))
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
@@ -783,7 +776,11 @@ class JobRunner:
         tensor's reshard: `reshard_program`; a compute job: its ``make_program``), the one its request was checked
         with (`Planned`) where it still fits the records and the topology, else planned now."""
         planned, job.planned = job.planned, None  # used once: the job then holds what ran (``plan``, ``program``)
-        claimed = self.catalog.claim(_commits_of(job))
+        if job.slots is not None and not job.dtypes and not job.pin and (job.delta is False or not self.catalog.delta):
+            work = self._sync_work(job)
+            if work is not None:
+                return work
+        claimed = self.catalog.claim(_commits_of(job), job.slots)
         if job.kind == "reshard":
             rec: TensorRecord = self.catalog.get(job.tensor)
             job.version = claimed[job.tensor]
@@ -814,15 +811,18 @@ class JobRunner:
             dtypes = list(map(_DTYPE, records.values())) if job.sync else []
             with self._lock:
                 kept = self._sync_programs.get(job.sync)
-            if (kept is not None and kept[0] == (shapes, topology) and kept[1] is job.dsts and kept[3] == dtypes
-                    and len(kept[2]) == len(sources) and all(map(operator.is_, sources, kept[2]))
-                    and self.catalog.shapes == shapes):
-                hit = kept[4]
+            if (kept is not None and kept.basis == (shapes, topology) and kept.dsts is job.dsts
+                    and kept.dtypes == dtypes and len(kept.sources) == len(sources)
+                    and all(map(operator.is_, sources, kept.sources)) and self.catalog.shapes == shapes):
+                hit = kept.hit
             else:
                 hit = self._many_program(job, records, topology, scales, blocks)
                 if job.sync:
+                    kept = _KeptSync((shapes, topology), job.dsts, sources, dtypes, hit,
+                                     np.fromiter(map(id, sources), np.int64, len(sources)),
+                                     self.catalog.dtype_ids(dtypes), frozenset(d.mesh for d in set(job.dsts.values())))
                     with self._lock:
-                        self._sync_programs[job.sync] = ((shapes, topology), job.dsts, sources, dtypes, hit)
+                        self._sync_programs[job.sync] = kept
                         while len(self._sync_programs) > MANY_PROGRAMS_KEPT:
                             self._sync_programs.popitem(last=False)
             program, text = hit
@@ -878,6 +878,54 @@ class JobRunner:
         reads[out.name] = (job.tensor, job.version)
         new = TensorRecord(job.tensor, out.shape, out.dtype, out.dst, job.version, inputs[job.inputs[0]].kind)
         return self._program_work(job, program, 0, reads, _Commits.of([(old, new)]))
+
+    def _sync_work(self, job: Job) -> "_Work | None":
+        """A registered sync's job where its last job's program still fits, worked out in array operations over
+        the catalog's columns: every tensor current (labeled ``job.step``, where given) and unclaimed, from the
+        very sharding object and in the dtype it had then, the catalog's shapes and the topology as they were
+        (`_KeptSync`). None where anything differs, claiming nothing: the job then takes `_work`'s way, which finds
+        what. The job's records are read as it commits, each checked to be the version it moved (`_Commits`).
+
+        Only for a job that moves every tensor whole, quantizes none and names no pin: a delta is chosen per
+        tensor (`_choose_deltas`), a quantized weight reads and commits versions of its own. Its Prepares then
+        name the reads by one version where every tensor is at one (`reads_at`), as a state dict published in one
+        step is; else by columns, made here."""
+        with self._lock:
+            kept = self._sync_programs.get(job.sync)
+        if (kept is None or kept.dsts is not job.dsts or len(kept.layouts) != len(job.slots)
+                or kept.basis != (self.catalog.shapes, self.registry.topology())):
+            return None
+        current = self.catalog.claim_current(job.slots, job.step)
+        if current is None:
+            return None
+        versions, layouts, dtypes = current
+        if (not np.array_equal(layouts, kept.layouts) or not np.array_equal(dtypes, kept.dtype_ids)
+                or self.catalog.shapes != kept.basis[0]):
+            self.catalog.unclaim(job.inputs, job.slots)
+            return None
+        program, text = kept.hit
+        names, claimed = job.inputs, versions + 1
+        job.version = int(claimed[0])  # the job's ``tensor`` is its first
+        one = int(versions[0]) if len(names) == program.num_sources and (versions == versions[0]).all() else None
+        reads = {} if one is not None else dict(zip(names, zip(names, versions.tolist())))
+        held: list[TensorRecord | None] = []
+
+        def commits() -> list[tuple[TensorRecord | None, TensorRecord]]:
+            held[:] = self.catalog.current(names)
+            news = claimed.tolist()
+            job.versions = dict(zip(names, news))
+            return [(r, bumped(r, job.dsts[n], v)) for n, r, v in zip(names, held, news) if r is not None]
+
+        def check() -> None:
+            moved = versions.tolist()
+            for n, r, v in zip(names, held, moved):
+                if r is None or r.version != v:
+                    raise NotFoundError(f"tensor {n!r} v{v} changed or was deleted during the reshard")
+
+        work = self._program_work(job, program, int(versions[0]), reads, _Commits(commits, kept.meshes, check),
+                                  text)
+        return replace(work, reads_at=one, report=lambda: self._delta_report(
+            job, dict.fromkeys(names), work.moves, {}, None, {}, {}))
 
     def _many_program(self, job: Job, records: dict[str, TensorRecord], topology: Topology,
                       scales: dict[str, str], blocks: dict[str, tuple]) -> tuple[Program, str]:
@@ -1247,9 +1295,18 @@ class _Commits:
     asked for: a state dict's job makes 139,583, which nothing needs before its agents start; and the hosts of the
     meshes they commit into (``hosts``), which the job needs at once."""
 
-    def __init__(self, make: Callable[[], list[tuple[TensorRecord | None, TensorRecord]]], meshes: Iterable[Mesh]):
+    def __init__(self, make: Callable[[], list[tuple[TensorRecord | None, TensorRecord]]], meshes: Iterable[Mesh],
+                 check: Callable[[], None] | None = None):
         self._make = make
         self.hosts = frozenset(h for mesh in set(meshes) for h in mesh.hosts)
+        self._check = check
+
+    def check(self) -> None:
+        """Raise where a record the job read as it started is no longer current (`JobRunner._sync_work` reads
+        them as it commits)."""
+        self.records  # noqa: B018 - made first: the check reads what they were made from
+        if self._check is not None:
+            self._check()
 
     @classmethod
     def of(cls, records: list[tuple[TensorRecord | None, TensorRecord]]) -> "_Commits":
@@ -1258,6 +1315,20 @@ class _Commits:
     @cached_property
     def records(self) -> list[tuple[TensorRecord | None, TensorRecord]]:
         return self._make()
+
+
+class _KeptSync(NamedTuple):
+    """What a registered sync's last planned job found (`JobRunner._work`), that its next compares to reuse the
+    program (`JobRunner._sync_work`)."""
+
+    basis: tuple  # (`Catalog.shapes`, topology)
+    dsts: dict  # the sync's arguments' destinations (the very object)
+    sources: list  # each tensor's source sharding object, kept alive: ``layouts`` holds their ids
+    dtypes: list[str]  # each tensor's dtype
+    hit: tuple  # (program, text)
+    layouts: np.ndarray  # ``id`` of each of ``sources``, as the catalog's columns hold them
+    dtype_ids: np.ndarray  # ``dtypes`` as the columns hold them
+    meshes: frozenset  # the destination meshes: where the job commits
 
 
 @dataclass(frozen=True)

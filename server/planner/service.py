@@ -581,8 +581,9 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def Sync(self, request, context):
+        # brief: the caller knows the sync's tensors, and a state dict's job names 139,583 (GetJob has them)
         return job_info(self.planner.sync(request.sync_id, pin=request.pin, step=_step(request),
-                                          delta=request.delta if request.HasField("delta") else None))
+                                          delta=request.delta if request.HasField("delta") else None), brief=True)
 
     @servicer_method
     def BeginUploads(self, request, context):

@@ -5,12 +5,14 @@ sharding, an older step asked for) is named, and nothing is lost."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
 from reshard.client import InvalidArgumentError, JobFailedError, NotFoundError, RegisteredSync
+from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 
 from .test_reshard_many import INFER, TRAIN, _same, _values, state_dict
@@ -122,3 +124,69 @@ def test_a_registered_sync_refuses_what_reshard_many_refuses(client, fresh_name)
         assert np.array_equal(c.get(name), np.zeros((8, 8), np.float32))
     finally:
         _delete(c, [name])
+
+
+def test_a_whole_sync_reads_each_tensor_at_its_own_version_and_plans_again_for_another_layout(client, fresh_name):
+    """The runs a weight sync makes every step moving whole (`JobRunner._sync_work`, the catalog's columns): at one
+    version, at several (one tensor published again alone), and after a source layout changed."""
+    c = client
+    rows, cols = Sharding(TRAIN, ("tp", None)), Sharding(TRAIN, (None, "tp"))
+    names = [f"{fresh_name}_{i}" for i in range(4)]
+    dst = {n: Sharding(INFER, (None, "tp")) for n in names}
+
+    def put(offset: float, sharding: Sharding, which=names) -> dict:
+        values = {n: np.arange(64, dtype=np.float32).reshape(8, 8) + offset + 100 * i for i, n in enumerate(which)}
+        c.put_many({n: (v, sharding) for n, v in values.items()})
+        return values
+
+    try:
+        held = put(0, rows)
+        sync = c.register_sync(dst)
+        plans = [sync.run(delta=False).result(timeout=TIMEOUT_S).plan_id]
+        for k, (sharding, alone) in enumerate([(rows, False), (rows, True), (cols, False), (cols, True)], 1):
+            held.update(put(10 * k, sharding))
+            if alone:  # one tensor a version ahead of the others
+                held.update(put(10 * k + 5, sharding, names[:1]))
+            before = {t.name: t.version for t in c.tensors() if t.name in dst}
+            result = sync.run(delta=False).result(timeout=TIMEOUT_S)
+            plans.append(result.plan_id)
+            assert result.versions == {n: v + 1 for n, v in before.items()}
+            got = c.get_many(names)
+            assert all(np.array_equal(got[n], held[n]) for n in names), k
+            assert all(t.sharding == dst[t.name] for t in c.tensors() if t.name in dst)
+        # one program per source layout
+        assert plans[0] == plans[1] == plans[2] != plans[3] == plans[4], plans
+    finally:
+        _delete(c, names)
+
+
+def test_a_tensor_published_while_a_whole_sync_runs_fails_the_sync_and_keeps_the_upload():
+    """A registered sync's job reads its records as it commits (`JobRunner._sync_work`): one published anew while
+    the job moved its older version fails the commit, naming it, and every tensor keeps what it held."""
+    src = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), ("x", None))
+    dst = Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None, "x"))
+    with LocalCluster(2, 1, transport="grpc",
+                      agent_args=["--rate-limit-mib-s", "2", "--chunk-mib", "0.25"]) as cluster, \
+            cluster.connect() as c:
+        a = {f"w{i}": np.full((512, 1024), i, np.float32) for i in range(2)}  # 2 MiB each: 2 s to move both
+        c.put_many({n: (v, src) for n, v in a.items()})
+        sync = c.register_sync(dict.fromkeys(a, dst))
+        sync.run(delta=False).result(timeout=TIMEOUT_S)
+        c.put_many({n: (v + 1, src) for n, v in a.items()})
+        job = sync.run(delta=False)
+        deadline = time.monotonic() + 30
+        while job.progress()[0] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        done, total = job.progress()
+        assert 0 < done < total, f"the upload must land mid-sync; {done} of {total} bytes were sent"
+        new = np.full((512, 1024), 7, np.float32)
+        c.put("w0", new, src)
+        with pytest.raises(JobFailedError, match=r"tensor 'w0' v3 changed or was deleted during the reshard"):
+            job.result(timeout=TIMEOUT_S)
+        assert np.array_equal(c.get("w0"), new) and c.info("w0").sharding == src
+        assert np.array_equal(c.get("w1"), a["w1"] + 1) and c.info("w1").version == 3
+        # and the sync runs again, from what is current now
+        sync.run(delta=False).result(timeout=TIMEOUT_S)
+        got = c.get_many(list(a))
+        assert np.array_equal(got["w0"], new) and np.array_equal(got["w1"], a["w1"] + 1)
+        assert all(c.info(n).sharding == dst for n in a)
