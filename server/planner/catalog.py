@@ -472,10 +472,11 @@ class Catalog:
             self._columns.claim[slots] = versions
         return dict(zip(names, versions))
 
-    def claim_current(self, slots: np.ndarray, step: int | None = None
+    def claim_current(self, slots: np.ndarray, step: int | None = None, labeled: np.ndarray | None = None
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         """`claim` of the names at ``slots`` (`slots`) where every one has a current version (labeled ``step``,
-        where given) and none is claimed: each commits as its current version's next. Returns their current
+        where given, those ``labeled`` marks, default all: a block scale a job makes carries no label of its own
+        publisher's) and none is claimed: each commits as its current version's next. Returns their current
         versions, sharding objects' ids and dtype ids as columns (`Columns`); else None, claiming nothing (the
         caller takes `claim`'s way, whose checks name what differs). A registered sync's job at 139,583 tensors
         claims them in a few array operations."""
@@ -483,8 +484,11 @@ class Catalog:
             columns = self._columns
             self._changed.wait_for(lambda: not self._columns.publishing[slots].any())
             versions = columns.version[slots]
-            if not versions.all() or columns.claim[slots].any() or (
-                    step is not None and not (columns.step[slots] == step).all()):
+            if step is not None:
+                steps = columns.step[slots] if labeled is None else columns.step[slots[labeled]]
+                if not (steps == step).all():
+                    return None
+            if not versions.all() or columns.claim[slots].any():
                 return None
             columns.claim[slots] = versions + 1
             return versions, columns.layout[slots], columns.dtype[slots]
@@ -493,6 +497,12 @@ class Catalog:
         """``dtypes`` as `claim_current` returns them."""
         with self._lock:
             return self._columns.dtype_ids(dtypes)
+
+    def same_dtypes(self, slots: np.ndarray, dtype_ids: np.ndarray) -> bool:
+        """Whether the names at ``slots`` each have a current version, in the dtype ``dtype_ids`` gives it
+        (`dtype_ids`)."""
+        with self._lock:
+            return bool(self._columns.version[slots].all() and (self._columns.dtype[slots] == dtype_ids).all())
 
     def unclaim(self, names: list[str], slots: np.ndarray | None = None) -> None:
         """The job that claimed ``names`` (at ``slots``, where given) ended (its versions committed, or released on

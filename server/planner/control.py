@@ -14,7 +14,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from operator import attrgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -64,7 +63,6 @@ GENERATION = "process group generation"  # the state's counter of `GroupCoordina
 _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent carries (a few hundred KB)
 
 
-_DTYPE = attrgetter("dtype")
 SYNCS_KEPT = 64  # registered syncs a planner keeps (`Planner.register_sync`), least recently used dropped first
 
 
@@ -78,9 +76,10 @@ class RegisteredSync:
     checked: tuple[int, int]  # `Catalog.declared` (`shapes`, where it quantizes) and `Registry.generation`, checked
     names: list[str]  # every tensor the job commits, in order (the job's ``inputs``)
     slots: np.ndarray  # their slots in the catalog's columns (`Catalog.slots`), worked out once
-    # where it quantizes on the way: the tensors the catalog held as it was checked, and their dtypes then (its
-    # weights change dtype twice a step, which `Catalog.shapes` leaves out: a run compares them instead)
-    seen: tuple[list[str], list[str]] = ([], [])
+    # where it quantizes on the way: the tensors the catalog held as it was checked, as their slots (`Catalog.slots`),
+    # and their dtypes then, as ids (`Catalog.dtype_ids`): its weights change dtype twice a step, which
+    # `Catalog.shapes` leaves out, so a run compares them instead (`Catalog.same_dtypes`)
+    seen: tuple[np.ndarray, np.ndarray] = (np.zeros(0, np.int64), np.zeros(0, np.int64))
 
     @property
     def quantizes(self) -> bool:
@@ -820,23 +819,18 @@ class Planner:
         the dtypes of the tensors it names), read before them: a change while they run is seen at its next run."""
         targets, strategy, bucket_bytes, scales, manifest_json, dtypes = sync.request
         checked = self._checked_now(sync.quantizes)
-        seen: tuple[list[str], list[str]] = ([], [])
+        seen = RegisteredSync.seen
         if sync.quantizes:
             held = [n for n in dict.fromkeys([n for n, _ in targets] + [s for _, s, _ in scales])
                     if self.catalog.contains(n)]
-            seen = (held, [r.dtype for r in self.catalog.snapshot(held)])
+            seen = (self.catalog.slots(held), self.catalog.dtype_ids([r.dtype for r in self.catalog.snapshot(held)]))
         args = self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, "", None, dtypes)
         names = sorted(args["dsts"])
         return replace(sync, args=args, checked=checked, names=names, slots=self.catalog.slots(names), seen=seen)
 
     def _same_dtypes(self, sync: RegisteredSync) -> bool:
         """Whether every tensor ``sync`` saw as it was checked is still in the catalog, in the dtype it had then."""
-        held, dtypes = sync.seen
-        try:
-            records = self.catalog.snapshot(held)
-        except NotFoundError:
-            return False
-        return list(map(_DTYPE, records)) == dtypes
+        return self.catalog.same_dtypes(*sync.seen)
 
     def _checked_now(self, quantizes: bool) -> tuple[int, int]:
         """What a reshard_many's checks read besides the request and the tensors' source shardings: the catalog's

@@ -156,6 +156,9 @@ class Preparation:
     # ``reads`` is every program tensor with a source reading its own stored name at this version (a state dict
     # published in one step): Prepares say so in one number (`PrepareRequest.reads_at`), not a column per tensor
     reads_at: int | None = None
+    # ``reads`` as columns, given in its place by a registered sync's job (`JobRunner._sync_work`): (program
+    # tensors, the stored names they read, their versions as int64), the lists the same objects every run
+    columns: tuple[list[str], list[str], np.ndarray] | None = None
 
     def text_for(self, host: str) -> str:
         """The program's text ``host`` is handed: its slice, or the whole program."""
@@ -164,10 +167,12 @@ class Preparation:
     def reads_for(self, host: str) -> dict[str, tuple[str, int]]:
         """The ``reads`` ``host`` is handed: those of its slice's tensors (a state dict's job reads 139,583 tensors,
         a serving host's slice half of them), or all."""
+        reads = self.reads if self.columns is None else dict(zip(self.columns[0], zip(
+            self.columns[1], self.columns[2].tolist())))
         names = self.host_tensors.get(host)
         if names is None:
-            return self.reads
-        tensors, stored, versions = read_columns(self.reads, names)  # what its Prepare carries (the service's)
+            return reads
+        tensors, stored, versions = read_columns(reads, names)  # what its Prepare carries (the service's)
         return dict(zip(tensors, zip(stored, versions)))
 
     def delta_bases_for(self, host: str) -> dict[str, tuple[int, int]]:
@@ -709,7 +714,7 @@ class JobRunner:
         prep = Preparation(run_id, work.program_json, job.tensor, work.src_version, job.version, peers, transport,
                            generation, seq, program_id=work.program_id, reads=work.reads, nixl_peers=nixl_peers,
                            delta_bases=work.delta_bases, host_texts=work.host_texts,
-                           host_tensors=work.host_tensors, reads_at=work.reads_at)
+                           host_tensors=work.host_tensors, reads_at=work.reads_at, columns=work.columns)
         with ExitStack() as turn:
             if transport == "collective" and self.group.view().backend == "nccl":
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
@@ -776,7 +781,7 @@ class JobRunner:
         tensor's reshard: `reshard_program`; a compute job: its ``make_program``), the one its request was checked
         with (`Planned`) where it still fits the records and the topology, else planned now."""
         planned, job.planned = job.planned, None  # used once: the job then holds what ran (``plan``, ``program``)
-        if job.slots is not None and not job.dtypes and not job.pin and (job.delta is False or not self.catalog.delta):
+        if job.slots is not None and not job.pin and (job.delta is False or not self.catalog.delta):
             work = self._sync_work(job)
             if work is not None:
                 return work
@@ -818,9 +823,14 @@ class JobRunner:
             else:
                 hit = self._many_program(job, records, topology, scales, blocks)
                 if job.sync:
+                    program = hit[0]
+                    meshes = {d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes}
+                    every = len(records) == len(job.inputs)  # else a scale the job makes is not there yet
                     kept = _KeptSync((shapes, topology), job.dsts, sources, dtypes, hit,
                                      np.fromiter(map(id, sources), np.int64, len(sources)),
-                                     self.catalog.dtype_ids(dtypes), frozenset(d.mesh for d in set(job.dsts.values())))
+                                     self.catalog.dtype_ids(dtypes), frozenset(meshes),
+                                     _sync_reads(job, dict(zip(records, dtypes))) if job.dtypes and every else None,
+                                     np.array([n not in scales for n in records], bool) if scales else None)
                     with self._lock:
                         self._sync_programs[job.sync] = kept
                         while len(self._sync_programs) > MANY_PROGRAMS_KEPT:
@@ -845,16 +855,7 @@ class JobRunner:
                 reads[source_name(w, records[w].dtype)] = (w, records[w].version)
 
             def commits() -> list[tuple[TensorRecord | None, TensorRecord]]:
-                out = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in zip(moved, map(records.__getitem__, moved))]
-                for w, dtype in job.dtypes.items():
-                    rec, d = records[w], program.tensor(w)
-                    s = job.scales[w][0]
-                    made = program.tensor(s)
-                    out.append((rec, TensorRecord(w, rec.shape, dtype, d.dst, claimed[w], rec.kind, step=rec.step,
-                                                  content=new_content(), converted_from=rec.dtype)))
-                    out.append((records.get(s), TensorRecord(s, made.shape, made.dtype, made.dst, claimed[s],
-                                                             rec.kind, step=rec.step, content=new_content())))
-                return out
+                return _many_commits(job, program, records, claimed, moved)
 
             src_version = records[job.tensor].version if job.tensor in records else 0
             meshes = {d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes}
@@ -886,16 +887,18 @@ class JobRunner:
         (`_KeptSync`). None where anything differs, claiming nothing: the job then takes `_work`'s way, which finds
         what. The job's records are read as it commits, each checked to be the version it moved (`_Commits`).
 
-        Only for a job that moves every tensor whole, quantizes none and names no pin: a delta is chosen per
-        tensor (`_choose_deltas`), a quantized weight reads and commits versions of its own. Its Prepares then
-        name the reads by one version where every tensor is at one (`reads_at`), as a state dict published in one
-        step is; else by columns, made here."""
+        Only for a job that moves every tensor whole and names no pin (a delta is chosen per tensor:
+        `_choose_deltas`). Its Prepares name the reads by one version where every tensor is at one (`reads_at`), as
+        a state dict published in one step is; else by columns (`Preparation.columns`), made here: where it
+        quantizes on the way, in the order its sync's reads were worked out once (`_sync_reads`), each quantized
+        weight and its scale at the version claimed and the weight as held at its current one."""
         with self._lock:
             kept = self._sync_programs.get(job.sync)
         if (kept is None or kept.dsts is not job.dsts or len(kept.layouts) != len(job.slots)
+                or (job.dtypes and kept.reads is None)
                 or kept.basis != (self.catalog.shapes, self.registry.topology())):
             return None
-        current = self.catalog.claim_current(job.slots, job.step)
+        current = self.catalog.claim_current(job.slots, job.step, kept.labeled)
         if current is None:
             return None
         versions, layouts, dtypes = current
@@ -906,15 +909,26 @@ class JobRunner:
         program, text = kept.hit
         names, claimed = job.inputs, versions + 1
         job.version = int(claimed[0])  # the job's ``tensor`` is its first
-        one = int(versions[0]) if len(names) == program.num_sources and (versions == versions[0]).all() else None
-        reads = {} if one is not None else dict(zip(names, zip(names, versions.tolist())))
+        one = None
+        if job.dtypes:
+            keys, stored, index, at_claimed = kept.reads
+            columns = (keys, stored, np.where(at_claimed, claimed[index], versions[index]))
+        elif len(names) == program.num_sources and (versions == versions[0]).all():
+            one, columns = int(versions[0]), None
+        else:
+            columns = (names, names, versions)
         held: list[TensorRecord | None] = []
 
         def commits() -> list[tuple[TensorRecord | None, TensorRecord]]:
             held[:] = self.catalog.current(names)
             news = claimed.tolist()
             job.versions = dict(zip(names, news))
-            return [(r, bumped(r, job.dsts[n], v)) for n, r, v in zip(names, held, news) if r is not None]
+            if not job.dtypes:
+                return [(r, bumped(r, job.dsts[n], v)) for n, r, v in zip(names, held, news) if r is not None]
+            records = {n: r for n, r in zip(names, held) if r is not None}
+            scales = _made_scales(job)
+            moved = [n for n in records if n not in job.dtypes and n not in scales]
+            return _many_commits(job, program, records, job.versions, moved)
 
         def check() -> None:
             moved = versions.tolist()
@@ -922,10 +936,12 @@ class JobRunner:
                 if r is None or r.version != v:
                     raise NotFoundError(f"tensor {n!r} v{v} changed or was deleted during the reshard")
 
-        work = self._program_work(job, program, int(versions[0]), reads, _Commits(commits, kept.meshes, check),
-                                  text)
-        return replace(work, reads_at=one, report=lambda: self._delta_report(
-            job, dict.fromkeys(names), work.moves, {}, None, {}, {}))
+        def report() -> None:
+            records = {n: r for n, r in zip(names, self.catalog.current(names)) if r is not None}
+            self._delta_report(job, records, work.moves, {}, None, _made_scales(job), {})
+
+        work = self._program_work(job, program, int(versions[0]), {}, _Commits(commits, kept.meshes, check), text)
+        return replace(work, reads_at=one, columns=columns, report=report)
 
     def _many_program(self, job: Job, records: dict[str, TensorRecord], topology: Topology,
                       scales: dict[str, str], blocks: dict[str, tuple]) -> tuple[Program, str]:
@@ -1329,6 +1345,8 @@ class _KeptSync(NamedTuple):
     layouts: np.ndarray  # ``id`` of each of ``sources``, as the catalog's columns hold them
     dtype_ids: np.ndarray  # ``dtypes`` as the columns hold them
     meshes: frozenset  # the destination meshes: where the job commits
+    reads: tuple | None  # where the sync quantizes on the way, its reads as `_sync_reads` works them out
+    labeled: np.ndarray | None  # where it does, which of its tensors a step names (not the scales it makes)
 
 
 @dataclass(frozen=True)
@@ -1348,6 +1366,7 @@ class _Work:
     host_tensors: dict[str, frozenset[str]] = field(default_factory=dict)  # host -> the tensors its slice declares
     report: Callable[[], None] | None = None  # what to record of the job once its agents run (`_choose_deltas`)
     reads_at: int | None = None  # every program tensor with a source reads its own name at it (`Preparation`)
+    columns: tuple | None = None  # ``reads`` as columns instead (`Preparation.columns`)
 
 
 @dataclass(frozen=True)
@@ -1462,6 +1481,41 @@ def program_moves(program: Program) -> _Moves:
     with no_cycle_collection():  # millions of moves' tuples, in no cycle (see no_cycle_collection)
         _, transfers, tensors, itemsizes = program.moves()
         return _Moves.of(list(zip(transfers, itemsizes)), program.hosts(), REDUCE in program.step_kinds(), tensors)
+
+
+def _many_commits(job: Job, program: Program, records: dict[str, TensorRecord], claimed: dict[str, int],
+                  moved: list[str]) -> list[tuple[TensorRecord | None, TensorRecord]]:
+    """What reshard_many ``job`` commits: each of ``moved`` bumped into its destination, each quantized weight in
+    its new dtype and its scale as the program made them, all at the versions ``claimed``, from ``records`` (the
+    versions the job read)."""
+    out = [(r, bumped(r, job.dsts[n], claimed[n])) for n, r in zip(moved, map(records.__getitem__, moved))]
+    for w, dtype in job.dtypes.items():
+        rec, d = records[w], program.tensor(w)
+        s = job.scales[w][0]
+        made = program.tensor(s)
+        out.append((rec, TensorRecord(w, rec.shape, dtype, d.dst, claimed[w], rec.kind, step=rec.step,
+                                      content=new_content(), converted_from=rec.dtype)))
+        out.append((records.get(s), TensorRecord(s, made.shape, made.dtype, made.dst, claimed[s], rec.kind,
+                                                 step=rec.step, content=new_content())))
+    return out
+
+
+def _sync_reads(job: Job, dtypes: dict[str, str]) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
+    """A quantizing registered sync's reads, in the order `JobRunner._work` makes them, worked out once: (program
+    tensors, the stored names they read, each name's place in the job's tensors, and whether it reads the version
+    the job claimed (a quantized weight and its scale, which the program makes) rather than the current one). Each
+    tensor moved reads its own name; each quantized weight of ``dtypes`` (name -> its dtype as held) is read as
+    held under its source name (`source_name`)."""
+    scales = _made_scales(job)
+    place = {n: i for i, n in enumerate(job.inputs)}
+    moved = [n for n in job.inputs if n not in job.dtypes and n not in scales]
+    keys, stored, claimed = list(moved), list(moved), [False] * len(moved)
+    for w in job.dtypes:
+        s = job.scales[w][0]
+        keys += [w, s, source_name(w, dtypes[w])]
+        stored += [w, s, w]
+        claimed += [True, True, False]
+    return keys, stored, np.fromiter(map(place.__getitem__, stored), np.int64, len(stored)), np.array(claimed, bool)
 
 
 def _made_scales(job: Job) -> dict[str, str]:

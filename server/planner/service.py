@@ -192,14 +192,17 @@ class GrpcAgentCalls:
         or None (no delta bases, or one of a tensor it does not read). A job then costs a pass over its reads, not
         one per host: the Kimi-K2-like sync quantized on the way reads 139,583 tensors, its 48 hosts' slices
         395,638."""
-        keys, values = list(p.reads), list(p.reads.values())
-        stored = list(map(_FIRST, values))
-        versions = np.fromiter(map(_SECOND, values), dtype="<i8", count=len(values))
+        if p.columns is not None:  # a registered sync's: the same lists every run
+            keys, stored, versions = p.columns
+        else:
+            keys, values = list(p.reads), list(p.reads.values())
+            stored = list(map(_FIRST, values))
+            versions = np.fromiter(map(_SECOND, values), dtype="<i8", count=len(values))
         with self._lock:
             kept = self._read_orders.get(p.program_id)
             if kept is not None:
                 self._read_orders.move_to_end(p.program_id)
-        if kept is None or kept[0] != keys or kept[1] != stored:
+        if kept is None or not (kept[0] is keys or kept[0] == keys) or not (kept[1] is stored or kept[1] == stored):
             kept = (keys, stored, {t: i for i, t in enumerate(keys)}, {})
             with self._lock:
                 self._read_orders[p.program_id] = kept

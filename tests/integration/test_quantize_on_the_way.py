@@ -121,6 +121,39 @@ def test_a_trainer_publishes_bf16_every_step_and_each_sync_serves_fp8(client, fr
 
 
 @pytest.mark.transports_in_turn
+def test_a_registered_sync_serves_fp8_every_step_on_its_one_program(client, fresh_name):
+    """A weight sync quantizing on the way, run every step moving whole: from the third run on its job works in
+    the catalog's columns (`JobRunner._sync_work`); each step's weights arrive bit for bit the reference
+    quantizer's, the unquantized norm as it was put, at the versions a step makes."""
+    n = fresh_name
+    src = Sharding(TRAIN_GRID, ("host", None))
+    dsts = {f"{n}.w": Sharding(SERVE, (None, "y")), f"{n}.v": Sharding(SERVE, ("y", None)),
+            f"{n}.norm": Sharding(SERVE, (None,))}
+    try:
+        sync, plans = None, set()
+        for step in range(4):
+            w, v, norm = _bf16((256, 512), 20 + step), _bf16((256, 256), 30 + step), _bf16((1, 512), 40 + step)[0]
+            client.put_many({f"{n}.w": (w, src), f"{n}.v": (v, src), f"{n}.norm": (norm, Sharding(TRAIN, (None,)))},
+                            step=step)
+            if sync is None:
+                sync = client.register_sync(dsts, scales={f"{n}.w": f"{n}.w_s", f"{n}.v": f"{n}.v_s"},
+                                            dtype={f"{n}.w": FP8, f"{n}.v": FP8})
+            result = sync.run(version=step, delta=False).result(timeout=120)
+            assert result.state == "succeeded", result.error
+            plans.add(result.plan_id)
+            _assert_quantized(client, f"{n}.w", f"{n}.w_s", w)
+            _assert_quantized(client, f"{n}.v", f"{n}.v_s", v)
+            np.testing.assert_array_equal(client.get(f"{n}.norm").view(np.uint16), norm.view(np.uint16))
+            made = 2 * step + 2  # the trainer's put and the sync's commit each step; a scale only the sync's
+            assert result.versions == {f"{n}.w": made, f"{n}.v": made, f"{n}.norm": made, f"{n}.w_s": step + 1,
+                                       f"{n}.v_s": step + 1}
+            assert "quantized on the way, bfloat16 -> float8_e4m3fn" in result.deltas[f"{n}.w"]["why"]
+        assert len(plans) == 1, plans
+    finally:
+        _cleanup(client, [*dsts, f"{n}.w_s", f"{n}.v_s"])
+
+
+@pytest.mark.transports_in_turn
 def test_a_serving_manifest_lists_what_the_job_commits_fp8_weights_and_float32_scales(client, fresh_name):
     """The consumer's manifest gate checks what the job will commit: the weight in fp8 and its scale (made by the
     job, not in the catalog yet) as float32, one entry per block; one that expects the weight in bf16 is refused

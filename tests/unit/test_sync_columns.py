@@ -1,9 +1,11 @@
 """What a registered sync's job reads in array operations: the catalog's columns agree with its records through
-every change, a column claim takes every tensor or none, and the job runner's hold on tensors is all or nothing
-and first come, first served, with real threads."""
+every change, a column claim takes every tensor or none, the job runner's hold on tensors is all or nothing and
+first come, first served (real threads), and a quantizing sync's job hands the agents the reads its general way
+does."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -11,7 +13,10 @@ from dataclasses import replace
 import numpy as np
 
 from reshard import Mesh, Sharding
+from reshard.server.common.config import PlannerConfig
 from reshard.server.planner.catalog import Catalog, TensorRecord, bumped
+from reshard.server.planner.control import Planner
+from reshard.server.planner.jobs import Preparation
 from reshard.server.planner.locks import TensorLocks
 
 MESH = Mesh.from_hosts({"x": 2}, ["a", "b"], 1)
@@ -137,3 +142,67 @@ def test_a_job_that_waits_is_not_passed_by_later_jobs_on_its_tensors():
     for t in threads:
         t.join(WAIT_S)
     assert order == ["first", "big", "small"]
+
+
+class _Capturing:
+    """`AgentCalls` that record each job's `Preparation` and do nothing else: what the planner hands the agents."""
+
+    def __init__(self):
+        self.preparations = {}
+
+    def __getattr__(self, name):
+        def call(host, *args, **kw):
+            for a in args:
+                if isinstance(a, Preparation):
+                    self.preparations[a.job] = a
+        return call
+
+
+def _reads(prep: Preparation) -> dict:
+    if prep.columns is None:
+        return dict(prep.reads)
+    tensors, names, versions = prep.columns
+    return dict(zip(tensors, zip(names, versions.tolist())))
+
+
+def test_a_quantizing_sync_moving_whole_hands_the_agents_the_reads_its_general_way_does():
+    """The columns' way (`JobRunner._sync_work`) against the general one, on the same sync a step apart: the same
+    reads (a quantized weight and its scale at the versions claimed, the weight as held under its source name,
+    the rest at their own), the same versions claimed and the same records committed."""
+    planner = Planner(PlannerConfig(heartbeat_timeout_s=600), _Capturing())
+    try:
+        for h in ("a", "b"):
+            planner.register(h, 1, f"{h}:1", 10.0, secret=f"{h}-secret-0123456789".encode())
+        steps = iter(range(10))
+
+        def publish() -> int:  # the trainer's next step, in its own dtypes and layout, labeled
+            step = next(steps)
+            planner.catalog.commit([(None, TensorRecord(n, (256, 256), d, ROWS, planner.catalog.next_version(n),
+                                                        step=step)) for n, d in (("w", "bfloat16"), ("n", "float32"))])
+            return step
+
+        def run(step: int):  # the step's sync, naming it (the scale the job made is labeled the step before)
+            job = planner.sync(sync.id, step=step, delta=False)
+            assert job.done_event.wait(30) and job.state == "succeeded", job.error
+            return job, planner.agents.preparations[job.id]
+
+        cols = json.dumps(COLS.to_json())
+        publish()
+        sync = planner.register_sync([("w", cols), ("n", cols)], "auto", None, [("w", "w_s", None)],
+                                     dtypes={"w": "float8_e4m3fn"})
+        run(publish())
+        general, prep = run(publish())  # the scale is in the catalog now: the general way keeps the sync's reads
+        assert prep.columns is None and set(prep.reads) == {"n", "w", "w_s", "w~bfloat16"}
+        reads = _reads(prep)
+        by_columns, prep = run(publish())
+        assert prep.columns is not None and prep.reads == {}
+        # a step on: the trainer's tensors two versions on (its put, the sync's commit), the scale one (the sync's)
+        on = {"w": 2, "n": 2, "w_s": 1}
+        assert _reads(prep) == {t: (n, v + on[n]) for t, (n, v) in reads.items()}
+        assert by_columns.versions == {n: v + on[n] for n, v in general.versions.items()}
+        assert by_columns.ran.id == general.ran.id
+        assert planner.catalog.get("w").dtype == "float8_e4m3fn" and planner.catalog.get("w").sharding == COLS
+        assert planner.catalog.get("w_s").version == by_columns.versions["w_s"]
+        assert "quantized on the way, bfloat16 -> float8_e4m3fn" in by_columns.deltas["w"]["why"]
+    finally:
+        planner.close()
