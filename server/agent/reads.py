@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.server.common.contract import (READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, columns_nbytes,
-                                            prepare_reads)
-from reshard.server.common.tickets import columns_digest, deltas_digest, signed_reads
+                                            prepare_reads, read_versions)
+from reshard.server.common.tickets import columns_digest, deltas_digest, signed_coded_reads, signed_reads
 
 __all__ = ["HeldColumns", "CarriedReads"]
 
@@ -78,14 +78,14 @@ class CarriedReads:
             raise InvalidArgumentError(f"{what} names read columns by {sha[:80]!r}, which is not a SHA-256 in 64 "
                                        f"hexadecimal digits")
         if sha and not r.read_tensors:
-            signed = signed_reads(sha, r.read_versions)
+            signed = _signed(sha, r)
         elif reads := prepare_reads(r):  # (which checks the columns' lengths)
             columns = (list(r.read_tensors), list(r.read_names or r.read_tensors))
             digest = columns_digest(*columns)
             if sha and sha != digest:
                 raise InvalidArgumentError(f"{what} carries read columns whose SHA-256 is {digest[:16]}, not the "
                                            f"{sha[:16]} it names them by")
-            signed = signed_reads(digest, r.read_versions)
+            signed = _signed(digest, r)
         at = r.reads_at if r.HasField("reads_at") else None
         if signed and at is not None:
             raise InvalidArgumentError(f"{what} names its reads twice: as columns and as reads_at {at}; give one")
@@ -109,10 +109,19 @@ class CarriedReads:
             tensors, names = self.columns
             if self.sha:
                 held.keep(self.sha, tensors, names)
-        versions, src = r.read_versions, r.read_delta_src
+        versions, src = read_versions(r), r.read_delta_src
         if len(versions) != len(tensors) or (src and len(src) != len(tensors)):
             raise InvalidArgumentError(f"Prepare of job {self.job[:12]!r} reads {len(tensors)} tensors at "
                                        f"{len(versions)} versions" + (f" with {len(src)} delta bases" if src else "")
                                        + "; give one of each per tensor")
         deltas = {t: (a, b) for t, a, b in zip(tensors, src, r.read_delta_dst) if a >= 0} if src else {}
         return self.reads or dict(zip(tensors, zip(names, versions))), deltas
+
+
+def _signed(columns_sha256: str, r: pb.PrepareRequest) -> str:
+    """What ``r``'s ticket signs of its reads' versions, as it carries them: plain, or coded (checked first:
+    `read_versions`)."""
+    if r.read_version_codes or r.read_version_values:
+        read_versions(r)
+        return signed_coded_reads(columns_sha256, r.read_version_values, r.read_version_codes)
+    return signed_reads(columns_sha256, r.read_versions)

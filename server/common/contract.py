@@ -36,9 +36,12 @@ from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
 from operator import itemgetter
 
+import numpy as np
+
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "prepare_reads", "read_columns", "columns_nbytes", "TRANSPORT_MODES", "BACKENDS",
+__all__ = ["GroupView", "Staging", "prepare_reads", "read_versions", "code_versions", "read_columns", "columns_nbytes",
+           "TRANSPORT_MODES", "BACKENDS", "MAX_VERSION_CODES",
            "PROGRAM_NOT_HELD", "PROGRAMS_KEPT", "PROGRAMS_KEPT_BYTES", "READS_NOT_HELD", "READ_COLUMNS_KEPT",
            "READ_COLUMNS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
@@ -100,10 +103,53 @@ def check_host_name(host: str) -> str:
     return host
 
 
+MAX_VERSION_CODES = 256  # distinct versions a Prepare's reads may name by a byte each (`code_versions`)
+_CODE_SPAN = 1 << 20  # the widest range of versions `code_versions` codes (it counts through the range once)
+
+
+def code_versions(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``versions`` (int64) as a dictionary, as a Prepare may carry them (``read_version_values``,
+    ``read_version_codes``): (the distinct versions ascending, and each one's index among them as a uint8), where
+    there are at most `MAX_VERSION_CODES` within a span of a million; else None. One pass and no sort: a quantizing
+    sync's job reads 139,583 tensors at a handful of versions."""
+    if not len(versions):
+        return None
+    lo, hi = int(versions.min()), int(versions.max())
+    if hi - lo >= _CODE_SPAN:
+        return None
+    offsets = versions - lo
+    present = np.zeros(hi - lo + 1, bool)
+    present[offsets] = True
+    values = np.flatnonzero(present)
+    if len(values) > MAX_VERSION_CODES:
+        return None
+    place = np.cumsum(present) - 1
+    return values + lo, place[offsets].astype(np.uint8)
+
+
+def read_versions(request) -> list[int]:
+    """A ``PrepareRequest``'s read versions: ``read_versions``, or those ``read_version_values`` and
+    ``read_version_codes`` code (`code_versions`), checked."""
+    coded = request.read_version_codes or request.read_version_values
+    if not coded:
+        return list(request.read_versions)
+    what = f"Prepare of job {request.job[:12]!r}"
+    if request.read_versions:
+        raise InvalidArgumentError(f"{what} gives its read versions twice, as {len(request.read_versions)} versions "
+                                   f"and as codes; give one")
+    values = np.asarray(request.read_version_values, np.int64)
+    codes = np.frombuffer(request.read_version_codes, np.uint8)
+    top = int(codes.max()) if len(codes) else -1
+    if len(values) > MAX_VERSION_CODES or top >= len(values):
+        raise InvalidArgumentError(f"{what} codes its read versions by {len(values)} values, and a code names value "
+                                   f"{top}: give at most {MAX_VERSION_CODES} values, and codes below their count")
+    return values[codes].tolist()
+
+
 def prepare_reads(request) -> dict[str, tuple[str, int]]:
     """The reads of a ``PrepareRequest``: program tensor ``read_tensors[i]`` -> (``read_names[i]``, or its own name
-    where the request names none, ``read_versions[i]``)."""
-    tensors, names, versions = request.read_tensors, request.read_names or request.read_tensors, request.read_versions
+    where the request names none, ``read_versions[i]``, or its version as coded: `read_versions`)."""
+    tensors, names, versions = request.read_tensors, request.read_names or request.read_tensors, read_versions(request)
     if not len(tensors) == len(names) == len(versions):
         raise InvalidArgumentError(f"Prepare of job {request.job[:12]!r} reads {len(tensors)} tensors with "
                                    f"{len(request.read_names)} stored names and {len(versions)} versions; give a "

@@ -86,6 +86,16 @@ def signed_reads(columns_sha256: str, versions: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def signed_coded_reads(columns_sha256: str, values: Sequence[int], codes: bytes) -> str:
+    """`signed_reads` of versions given as a dictionary (`contract.code_versions`: the distinct versions, and a byte
+    per read naming one): the SHA-256 of the columns' digest, the values as little-endian int64 and the codes,
+    marked ``coded:`` so that no versions given plain sign the same."""
+    h = hashlib.sha256(columns_sha256.encode("utf-8", "surrogatepass"))
+    h.update(np.asarray(values, dtype="<i8").tobytes())
+    h.update(b"\x1e" + bytes(codes))
+    return "coded:" + h.hexdigest()
+
+
 def deltas_digest(src: Sequence[int], dst: Sequence[int]) -> str:
     """What a Prepare's ticket signs of delta bases given as columns beside its reads (`read_delta_src`,
     ``read_delta_dst``): the SHA-256 (hex) of both, as little-endian int64."""

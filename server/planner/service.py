@@ -22,14 +22,15 @@ from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
 from reshard.server.common.auth import Authenticator, warn_if_open
 from reshard.server.common.tickets import (abort_fields, columns_digest, commit_fields, deltas_digest, execute_fields,
-                                           prepare_fields, program_digest, release_fields, sign, signed_reads)
+                                           prepare_fields, program_digest, release_fields, sign, signed_coded_reads,
+                                           signed_reads)
 from reshard.proto.wire import box_to_pb
 from reshard.server.common.torch_support import torch_installed
 from reshard.server.planner.rendezvous import Rendezvous
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.contract import (PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES, READ_COLUMNS_KEPT,
                                             READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, GroupView, Staging,
-                                            columns_nbytes)
+                                            code_versions, columns_nbytes)
 from reshard.server.planner.jobs import Job, Preparation
 from reshard.server.planner.control import Planner, TileLocation
 
@@ -62,9 +63,10 @@ class _ReadColumns(NamedTuple):
 
     tensors: list[str]  # program tensors
     names: list[str]  # the stored names they read
-    versions: np.ndarray  # int64
+    versions: np.ndarray | None  # int64; None where ``coded`` holds them
     sha256: str  # `tickets.columns_digest` of the first two; "" where there are none
     deltas: tuple[np.ndarray, np.ndarray] | None  # delta bases beside them (-1: none), or None: they go as a map
+    coded: tuple[np.ndarray, np.ndarray] | None = None  # the versions as `contract.code_versions` codes them
 
 
 def _request_of(p: Preparation, columns: _ReadColumns | None,
@@ -74,20 +76,28 @@ def _request_of(p: Preparation, columns: _ReadColumns | None,
     ``p.reads_at`` in their place, and carrying
     ``delta_bases`` where the columns do not; and the fields its ticket signs but the program's SHA-256."""
     versions, digest = (columns.versions, columns.sha256) if columns is not None else ((), "")
+    values, codes = columns.coded if columns is not None and columns.coded is not None else ((), b"")
+    if len(values):
+        codes = codes.tobytes()
+        signed = signed_coded_reads(digest, values, codes) if digest else ""
+        values = values.tolist()
+    else:
+        signed = signed_reads(digest, versions) if digest else ""
     src, dst = columns.deltas if columns is not None and columns.deltas is not None else ((), ())
     if len(src):
         delta_bases = {}
     request = pb.PrepareRequest(
         job=p.job, tensor=p.tensor, src_version=p.src_version, dst_version=p.dst_version, peers=p.peers,
         transport=p.transport, generation=p.generation, job_seq=p.job_seq,
-        read_versions=versions.tolist() if columns is not None else (),
+        read_versions=versions.tolist() if versions is not None and len(versions) else (),
+        read_version_values=values, read_version_codes=codes,
         read_columns_sha256=digest, nixl_peers=p.nixl_peers,
         delta_bases={t: pb.DeltaBase(src_version=a, dst_version=b) for t, (a, b) in delta_bases.items()},
         read_delta_src=src.tolist() if len(src) else (), read_delta_dst=dst.tolist() if len(src) else (),
         reads_at=p.reads_at if columns is None else None)
     fields = prepare_fields(p.job, "", p.tensor, p.src_version, p.dst_version, p.transport, p.generation, p.job_seq,
                             p.peers, None, p.nixl_peers, delta_bases,
-                            signed_reads=signed_reads(digest, versions) if digest else "",
+                            signed_reads=signed,
                             reads_at=p.reads_at if columns is None else None,
                             signed_deltas=deltas_digest(src, dst) if len(src) else "")
     return request, fields
@@ -215,12 +225,12 @@ class GrpcAgentCalls:
             src, dst = np.full(len(keys), -1, dtype="<i8"), np.full(len(keys), -1, dtype="<i8")
             src[at], dst[at] = pairs[:, 0], pairs[:, 1]
             deltas = (src, dst)
-        return kept, versions, deltas
+        return kept, versions, deltas, code_versions(versions)
 
     def _columns(self, made: tuple, names: frozenset[str] | None) -> _ReadColumns:
         """Job ``made``'s reads of the tensors ``names`` (a host's slice's; None: all) as columns, the tensors,
         their names and SHA-256 worked out once per program and slice, the delta bases from `_read_order`."""
-        (keys, stored, place, slices), versions, deltas = made[4]
+        (keys, stored, place, slices), versions, deltas, coded = made[4]
         with self._lock:
             kept = slices.get(names)
         if kept is None:
@@ -234,8 +244,10 @@ class GrpcAgentCalls:
             with self._lock:
                 kept = slices.setdefault(names, kept)
         tensors, names_read, index, digest = kept
-        return _ReadColumns(tensors, names_read, versions[index], digest,
-                            (deltas[0][index], deltas[1][index]) if deltas is not None else None)
+        by_codes = coded is not None and len(index) > 0
+        return _ReadColumns(tensors, names_read, None if by_codes else versions[index], digest,
+                            (deltas[0][index], deltas[1][index]) if deltas is not None else None,
+                            (coded[0], coded[1][index]) if by_codes else None)
 
     def _digest(self, text: str) -> str:
         """`program_digest` of ``text``, a program's text (or a host's slice of one) handed to agents."""

@@ -6,13 +6,14 @@ host its slice with the reads of its own tensors, each ticket signing exactly wh
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError, PermissionDeniedError
-from reshard.server.common.contract import prepare_reads
-from reshard.server.common.tickets import (columns_digest, deltas_digest, prepare_fields, program_digest, sign,
-                                           signed_reads)
+from reshard.server.common.contract import code_versions, prepare_reads, read_versions
+from reshard.server.common.tickets import (columns_digest, prepare_fields, program_digest, sign,
+                                           signed_coded_reads, signed_reads)
 
 
 def test_reads_come_back_in_order_with_their_own_names_where_none_are_given():
@@ -33,18 +34,18 @@ def test_columns_of_different_lengths_are_refused_naming_them(names, versions):
 
 def _ticket_of(secret: bytes, r: pb.PrepareRequest, text: str) -> str:
     """The ticket an agent expects for ``r`` (`Agent._prepare`'s check), its program being ``text``: its reads
-    carried as columns, named by the columns' SHA-256 (`signed_reads` of it and the versions), or by reads_at."""
-    by_digest = bool(r.read_columns_sha256) and not r.read_tensors
+    carried as columns, named by the columns' SHA-256 (`signed_reads` of it and the versions), or by reads_at, as
+    the agent reads them (`CarriedReads`: versions given plain or coded)."""
+    from reshard.server.agent.reads import CarriedReads
+
+    carried = CarriedReads.of(r)
     return sign(secret, "prepare", *prepare_fields(r.job, program_digest(text), r.tensor, r.src_version,
                                                    r.dst_version, r.transport, r.generation, r.job_seq, r.peers,
-                                                   {} if by_digest else prepare_reads(r), dict(r.nixl_peers),
+                                                   None, dict(r.nixl_peers),
                                                    {t: (b.src_version, b.dst_version)
                                                     for t, b in r.delta_bases.items()},
-                                                   signed_reads=signed_reads(r.read_columns_sha256,
-                                                                             r.read_versions) if by_digest else "",
-                                                   reads_at=r.reads_at if r.HasField("reads_at") else None,
-                                                   signed_deltas=deltas_digest(r.read_delta_src, r.read_delta_dst)
-                                                   if r.read_delta_src else ""))
+                                                   signed_reads=carried.signed, reads_at=carried.at,
+                                                   signed_deltas=carried.signed_deltas))
 
 
 def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it():
@@ -79,7 +80,7 @@ def test_a_cut_programs_prepares_carry_each_hosts_slice_and_reads_signed_for_it(
     assert held.ticket == _ticket_of(secrets["c"], held, "C")
     # Columns the agent holds go by their SHA-256 and the versions alone, signed the same
     named = calls.prepare_request("c", cut, held=True, columns_held=True)
-    assert not named.read_tensors and not named.read_names and list(named.read_versions) == [5]
+    assert not named.read_tensors and not named.read_names and read_versions(named) == [5]
     assert named.read_columns_sha256 == held.read_columns_sha256 == columns_digest(["z@0"], ["z"])
     assert named.ticket == held.ticket == _ticket_of(secrets["c"], named, "C")
     whole = Preparation("job2", "WHOLE", "t", 1, 2, {h: h for h in "abc"}, program_id="pid", reads=reads)
@@ -107,7 +108,7 @@ def test_reads_at_one_version_go_as_that_version_alone_and_the_ticket_signs_it()
     for h in "ab":
         r = calls.prepare_request(h, cut)
         assert r.HasField("reads_at") and r.reads_at == 7
-        assert not r.read_tensors and not r.read_names and not r.read_versions
+        assert not r.read_tensors and not r.read_names and not read_versions(r)
         assert r.ticket == _ticket_of(secrets[h], r, cut.text_for(h))
         check = TicketCheck(h, secrets[h])
         fields = prepare_fields(r.job, program_digest(cut.text_for(h)), r.tensor, r.src_version, r.dst_version,
@@ -125,7 +126,29 @@ def test_reads_at_one_version_go_as_that_version_alone_and_the_ticket_signs_it()
     # a delta sync's bases go beside its reads as columns, so its reads go as columns too (each host's own)
     assert {h: {t: (a, b) for t, a, b in zip(r.read_tensors, r.read_delta_src, r.read_delta_dst) if a >= 0}
             for h, r in got.items()} == {"a": {"x": (6, 5)}, "b": {"z": (6, 5)}}
-    assert all(not r.HasField("reads_at") and not r.delta_bases and set(r.read_versions) == {7}
+    assert all(not r.HasField("reads_at") and not r.delta_bases and set(read_versions(r)) == {7}
                for r in got.values())
     for h, r in got.items():
         assert r.ticket == _ticket_of(secrets[h], r, deltas.text_for(h))
+
+
+def test_versions_coded_as_a_dictionary_read_back_as_given_and_bad_codes_are_refused():
+    """A Prepare's read versions as a dictionary (`code_versions`: a byte a read), where few distinct versions are
+    read (a quantizing sync's); none where too many or too far apart; codes naming no value are refused."""
+    rng = np.random.default_rng(0)
+    versions = rng.choice([7, 8, 15, 1_000], size=50_000).astype(np.int64)
+    values, codes = code_versions(versions)
+    assert values.tolist() == [7, 8, 15, 1_000] and codes.dtype == np.uint8
+    r = pb.PrepareRequest(job="j", read_tensors=[f"t{i}" for i in range(len(versions))],
+                          read_version_values=values.tolist(), read_version_codes=codes.tobytes())
+    assert read_versions(r) == versions.tolist()
+    assert list(prepare_reads(r).values())[:3] == [(f"t{i}", v) for i, v in enumerate(versions[:3].tolist())]
+    assert code_versions(np.arange(300, dtype=np.int64)) is None  # more than 256 distinct
+    assert code_versions(np.array([1, 2 << 20], np.int64)) is None  # too far apart to count through
+    assert code_versions(np.zeros(0, np.int64)) is None
+    with pytest.raises(InvalidArgumentError, match="codes its read versions by 2 values, and a code names value 2"):
+        read_versions(pb.PrepareRequest(job="j", read_version_values=[1, 2], read_version_codes=bytes([0, 2])))
+    with pytest.raises(InvalidArgumentError, match="gives its read versions twice"):
+        read_versions(pb.PrepareRequest(job="j", read_versions=[1], read_version_values=[1], read_version_codes=b"\0"))
+    # signed as coded: not the same ticket field as the same versions given plain
+    assert signed_coded_reads("abc", [1], b"\0") != signed_reads("abc", [1])
