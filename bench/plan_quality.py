@@ -487,10 +487,10 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
         ("largest per-host slice < 64 MiB of program text", plain["slice_mib"], fp8["slice_mib"]),
         ("estimate <= 1.05x the lower bound", plain["ratio"], fp8["ratio"]),
         ("a repeated sync (cached program) < 50 ms from request to every agent started",
-         "not measured whole here (needs a planner and agents; see bench/small_tensors.py); "
+         "measured whole by bench/sync_start.py (a planner and its calls: its section); here "
          + _goal(full.get("prepares_s"), 0.05, over, " s") + " for the hosts' Prepares alone",
-         "not measured whole here; " + _goal(asked.get("prepares_s") if asked else None, 0.05,
-                                            asked.get("over", "") if asked else "", " s")
+         "measured whole by bench/sync_start.py; here " + _goal(asked.get("prepares_s") if asked else None, 0.05,
+                                                               asked.get("over", "") if asked else "", " s")
          + " for the hosts' Prepares alone"),
         ("one job, one atomic commit (both programs: see below)", one_job, one_job),
     ]

@@ -130,7 +130,10 @@ def _child(quantize: bool, runs: int) -> int:
             jobs.append({"handed_s": job.handed_s, "phases": dict(job.phases), "sent_mib": (_Wire.sent - sent) / 2**20,
                          "version": job.version})
         out["jobs"] = jobs
-        out["committed"] = sum(1 for t in trained if planner.catalog.get(t.name).sharding == t.dst)
+        wrong = [t.name for t in trained if planner.catalog.get(t.name).sharding != t.dst]
+        if wrong:
+            raise AssertionError(f"after the last run {len(wrong)} tensors are not in their serving layout, "
+                                 f"{wrong[:3]} first")
     finally:
         planner.close()
     print(json.dumps(out), flush=True)
@@ -176,7 +179,7 @@ def main() -> int:
                     f"< {GOAL_MS} ms: {'met' if met else '**not met**'} | "
                     f"{mid['phases'].get('waiting', 0) * 1e3:.1f} / {mid['phases'].get('planning', 0) * 1e3:.1f} | "
                     f"{mid['sent_mib']:.2f} |")
-    body = (__doc__.split("\n\n", 2)[2].split("\n\n    python")[0].replace("\n", " ")
+    body = (" ".join(__doc__.split("\n\n    python")[0].split("\n\n")[1:]).replace("\n", " ")
             + "\n\n" + "\n".join(rows)
             + "\n\nMedians of the timed runs: " + "; ".join(verdicts) + ". Each timed run ran the first run's program "
             "(its id checked), committed every tensor (every one the trainer published is in its serving layout "
