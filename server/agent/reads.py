@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError, NotFoundError
 from reshard.server.common.contract import (READ_COLUMNS_KEPT, READ_COLUMNS_KEPT_BYTES, READS_NOT_HELD, columns_nbytes,
-                                            prepare_reads, read_versions)
+                                            prepare_reads, read_versions, version_codes)
 from reshard.server.common.tickets import columns_digest, deltas_digest, signed_coded_reads, signed_reads
 
 __all__ = ["HeldColumns", "CarriedReads"]
@@ -120,8 +120,7 @@ class CarriedReads:
 
 def _signed(columns_sha256: str, r: pb.PrepareRequest) -> str:
     """What ``r``'s ticket signs of its reads' versions, as it carries them: plain, or coded (checked first:
-    `read_versions`)."""
-    if r.read_version_codes or r.read_version_values:
-        read_versions(r)
+    `version_codes`)."""
+    if version_codes(r) is not None:  # (checked, not decoded: `resolve` decodes them once)
         return signed_coded_reads(columns_sha256, r.read_version_values, r.read_version_codes)
     return signed_reads(columns_sha256, r.read_versions)

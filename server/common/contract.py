@@ -40,8 +40,8 @@ import numpy as np
 
 from reshard.proto.errors import InvalidArgumentError
 
-__all__ = ["GroupView", "Staging", "prepare_reads", "read_versions", "code_versions", "read_columns", "columns_nbytes",
-           "TRANSPORT_MODES", "BACKENDS", "MAX_VERSION_CODES",
+__all__ = ["GroupView", "Staging", "prepare_reads", "read_versions", "code_versions", "version_codes", "read_columns",
+           "columns_nbytes", "TRANSPORT_MODES", "BACKENDS", "MAX_VERSION_CODES",
            "PROGRAM_NOT_HELD", "PROGRAMS_KEPT", "PROGRAMS_KEPT_BYTES", "READS_NOT_HELD", "READ_COLUMNS_KEPT",
            "READ_COLUMNS_KEPT_BYTES", "DELTA_BASE_MISMATCH", "confirm_prefix", "check_host_name"]
 
@@ -129,10 +129,19 @@ def code_versions(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
 
 def read_versions(request) -> list[int]:
     """A ``PrepareRequest``'s read versions: ``read_versions``, or those ``read_version_values`` and
-    ``read_version_codes`` code (`code_versions`), checked."""
-    coded = request.read_version_codes or request.read_version_values
-    if not coded:
+    ``read_version_codes`` code (`code_versions`), checked (`version_codes`)."""
+    coded = version_codes(request)
+    if coded is None:
         return list(request.read_versions)
+    values, codes = coded
+    return values[codes].tolist()
+
+
+def version_codes(request) -> tuple[np.ndarray, np.ndarray] | None:
+    """A ``PrepareRequest``'s coded read versions (`code_versions`) as (values, codes), checked: given alone, and
+    every code naming a value; None where its versions are given plain."""
+    if not (request.read_version_codes or request.read_version_values):
+        return None
     what = f"Prepare of job {request.job[:12]!r}"
     if request.read_versions:
         raise InvalidArgumentError(f"{what} gives its read versions twice, as {len(request.read_versions)} versions "
@@ -143,7 +152,7 @@ def read_versions(request) -> list[int]:
     if len(values) > MAX_VERSION_CODES or top >= len(values):
         raise InvalidArgumentError(f"{what} codes its read versions by {len(values)} values, and a code names value "
                                    f"{top}: give at most {MAX_VERSION_CODES} values, and codes below their count")
-    return values[codes].tolist()
+    return values, codes
 
 
 def prepare_reads(request) -> dict[str, tuple[str, int]]:

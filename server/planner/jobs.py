@@ -823,12 +823,10 @@ class JobRunner:
             else:
                 hit = self._many_program(job, records, topology, scales, blocks)
                 if job.sync:
-                    program = hit[0]
-                    meshes = {d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes}
                     every = len(records) == len(job.inputs)  # else a scale the job makes is not there yet
                     kept = _KeptSync((shapes, topology), job.dsts, sources, dtypes, hit,
                                      np.fromiter(map(id, sources), np.int64, len(sources)),
-                                     self.catalog.dtype_ids(dtypes), frozenset(meshes),
+                                     self.catalog.dtype_ids(dtypes), _commit_meshes(job, hit[0]),
                                      _sync_reads(job, dict(zip(records, dtypes))) if job.dtypes and every else None,
                                      np.array([n not in scales for n in records], bool) if scales else None)
                     with self._lock:
@@ -858,8 +856,8 @@ class JobRunner:
                 return _many_commits(job, program, records, claimed, moved)
 
             src_version = records[job.tensor].version if job.tensor in records else 0
-            meshes = {d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes}
-            work = self._program_work(job, program, src_version, reads, _Commits(commits, meshes), text)
+            work = self._program_work(job, program, src_version, reads, _Commits(commits, _commit_meshes(job, program)),
+                                      text)
             # Program tensors are the stored names here (``reads``): delta_bases is keyed by them too.
             bases, report = self._choose_deltas(job, records, work.moves)
             return replace(work, delta_bases=bases, report=report, reads_at=reads_at)
@@ -1481,6 +1479,12 @@ def program_moves(program: Program) -> _Moves:
     with no_cycle_collection():  # millions of moves' tuples, in no cycle (see no_cycle_collection)
         _, transfers, tensors, itemsizes = program.moves()
         return _Moves.of(list(zip(transfers, itemsizes)), program.hosts(), REDUCE in program.step_kinds(), tensors)
+
+
+def _commit_meshes(job: Job, program: Program) -> frozenset[Mesh]:
+    """The meshes reshard_many ``job`` commits into: its destinations', and its quantized weights' as ``program``
+    makes them."""
+    return frozenset({d.mesh for d in set(job.dsts.values())} | {program.tensor(w).dst.mesh for w in job.dtypes})
 
 
 def _many_commits(job: Job, program: Program, records: dict[str, TensorRecord], claimed: dict[str, int],
