@@ -20,9 +20,12 @@ is read from them, and so are the cost model (``reshard.cost.transfer_flows``,
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
 
 from reshard.mesh import host_of
 
@@ -31,7 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HostCache", "Hop", "home_receivers", "hops", "find_hop", "first_peer", "receiving_hops", "hop_targets",
-    "sending_peers", "stream_count", "interleaved",
+    "sending_peers", "stream_count", "PairStreams", "interleaved",
 ]
 
 
@@ -145,6 +148,83 @@ def stream_count(kind: str, transfer: Transfer | None = None, group_size: int = 
     if kind == "reduce":
         return 2 * group_size * (group_size - 1)
     return 0
+
+
+class PairStreams:
+    """A job's streams numbered anew between each ordered pair of hosts, from the job-wide numbers (`stream_count`:
+    a step's first number plus its hop or ring message): the streams from host a to host b, in the order of their
+    job-wide numbers, are 0, 1, 2, ... A transport whose messages carry few bits for the stream (gloo's tags) needs
+    them unique only between the two hosts of a call, and a trillion-parameter state dict's program numbers
+    millions of streams in all but thousands between any two hosts.
+
+    ``steps`` are the steps ``host`` takes part in (each once or more: an agent's tasks; a bucket is its first
+    step, carrying the bucket's transfer), ``first(step id)`` their first job-wide numbers. Both hosts of a pair
+    take part in every step that streams between them, so each numbers the pair's streams alike from its own
+    steps. Worked out on first use (`number`, `widest`), once per program: an agent keeps it with the program.
+    """
+
+    _SHIFT = 40  # a key is pair index << _SHIFT | job-wide number
+
+    def __init__(self, host: str, steps: Iterable, first: Callable[[int], int]):
+        self.host = host
+        self._steps, self._first = steps, first
+        self._lock = threading.Lock()
+        self._pairs: dict[tuple[str, str], int] | None = None
+        self._keys = self._ordinals = np.empty(0, dtype=np.int64)
+        self._widest: tuple[int, tuple[str, str] | None] = (0, None)
+
+    def number(self, src: str, dst: str, stream: int) -> int:
+        """The number of job-wide stream ``stream`` among the streams from host ``src`` to host ``dst``."""
+        self._build()
+        k = self._pairs.get((src, dst))
+        key = -1 if k is None else (k << self._SHIFT) | stream
+        at = int(np.searchsorted(self._keys, key))
+        if k is None or at == len(self._keys) or int(self._keys[at]) != key:
+            raise KeyError(f"host {self.host} takes part in no stream {stream} from {src} to {dst} of this program")
+        return int(self._ordinals[at])
+
+    def widest(self) -> tuple[int, tuple[str, str] | None]:
+        """The most streams between one ordered pair of hosts, and that pair (None where there are none)."""
+        self._build()
+        return self._widest
+
+    def _build(self) -> None:
+        with self._lock:
+            if self._pairs is not None:
+                return
+            pairs: dict[tuple[str, str], int] = {}
+            keys: list[int] = []
+            host, shift, seen = self.host, self._SHIFT, set()
+            for step in self._steps:
+                if step.id in seen:
+                    continue
+                seen.add(step.id)
+                base = self._first(step.id)
+                if step.kind == "move":
+                    for h in hops(step.transfer):
+                        if h.src == host or h.dst == host:
+                            k = pairs.setdefault((h.src, h.dst), len(pairs))
+                            keys.append((k << shift) | (base + h.index))
+                elif step.kind == "reduce":  # ring message round * n + i goes from member i to member i + 1
+                    members = [host_of(d) for d in step.devices]
+                    n = len(members)
+                    for i, a in enumerate(members):
+                        b = members[(i + 1) % n]
+                        if a != b and host in (a, b):
+                            k = pairs.setdefault((a, b), len(pairs))
+                            keys += [(k << shift) | (base + rnd * n + i) for rnd in range(2 * (n - 1))]
+            sorted_keys = np.unique(np.array(keys, dtype=np.int64))
+            pair = sorted_keys >> shift
+            starts = np.flatnonzero(np.r_[True, pair[1:] != pair[:-1]]) if len(pair) else np.empty(0, np.int64)
+            sizes = np.diff(np.r_[starts, len(pair)])
+            self._keys = sorted_keys
+            self._ordinals = np.arange(len(pair), dtype=np.int64) - np.repeat(starts, sizes)
+            if len(sizes):
+                widest = int(np.argmax(sizes))
+                names = {k: p for p, k in pairs.items()}
+                self._widest = (int(sizes[widest]), names[int(pair[starts[widest]])])
+            self._steps = ()  # not kept: the numbering is all a job asks for
+            self._pairs = pairs
 
 
 def interleaved(transfers: list[tuple[int, Transfer]]) -> list[tuple[int, Transfer]]:

@@ -16,6 +16,7 @@ from reshard.jsonio import loads
 from reshard.many import program_from_json
 from reshard.mesh import host_of
 from reshard.program import MOVE, Program, Step, no_cycle_collection
+from reshard.routes import PairStreams
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
@@ -125,6 +126,9 @@ class HostLayout:
         dtypes = self.dtypes = _PerStep(lambda i: BYTES if i in leads else _dtype_of(program, program.steps[i]))
         self.dtype_pairs = _PerStep(lambda i: dtype_pairs_of({i: dtypes[i]})[i])  # (not self: no cycle through it)
         self.tasks = host_tasks(program, host, self.buckets)
+        # The streams numbered per pair of hosts, for the collective transport's tags (worked out as it asks)
+        streams = self.streams
+        self.pair_streams = PairStreams(host, [t.step for t in self.tasks], lambda i: streams.get(i, 0))
         self.bytes_total = _bytes_sent(program, host)
         self.committed = [t for t in program.tensors if t.dst is not None]
         # how many tensors the job commits, on every host: a slice holds those this host stages alone

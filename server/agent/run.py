@@ -74,7 +74,8 @@ class Run(Session):
         self.layout = layout
         self.buckets = layout.buckets  # first step id -> the bucket that travels as that step's stream
         super().__init__(job, ident, layout.dtypes, peers, generation=generation, seq=seq, streams=layout.streams,
-                         num_streams=layout.num_streams, push_tickets=push_tickets, dtype_pairs=layout.dtype_pairs)
+                         num_streams=layout.num_streams, push_tickets=push_tickets, dtype_pairs=layout.dtype_pairs,
+                         pair_streams=layout.pair_streams)
         self.program = program
         self.names = names  # program tensor -> the agent's store name
         self.src_version = src_version

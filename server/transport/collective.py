@@ -20,9 +20,12 @@ confirm         as it starts a job an agent writes ``reshard/g<gen>/confirm/<job
 stream          one box from one host to the next: pieces (``chunk_boxes``) as raw bytes,
                 then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window``
                 pieces in flight each way
-tag             ``(job_seq mod 2^11) << 20 | stream``, streams numbered over the program's
-                steps (a move's hops, a reduce's ring messages): concurrent jobs and streams
-                never share a tag
+tag             ``(job_seq mod 2^11) << 20 | stream``, streams numbered between each ordered
+                pair of hosts (`reshard.routes.PairStreams`, in the order of their numbers over
+                the program's steps: a move's hops, a reduce's ring messages): gloo matches a
+                message by its peer and tag, so concurrent jobs and the streams between two
+                hosts never share one, and a job may have 2^20 streams between two hosts,
+                millions in all
 chain           a route host receives piece k+1 while it forwards piece k to the next host
                 and writes it into its own receivers (the fan-out to local devices); a piece
                 is received straight into a receiver's buffer where it is contiguous there
@@ -301,11 +304,15 @@ class CollectiveTransport(Transport):
 
     def attach(self, s: Session) -> None:
         group = self.member.require(s.generation, s.job)
-        n = s.num_streams
-        if n >= 1 << _STREAM_BITS:
+        # A tag numbers the streams between the two hosts of a call (`Session.pair_stream`): the widest pair must
+        # fit its bits, not the job's streams in all (a Kimi-K2-sized state dict's program has 16.8 million)
+        n, pair = s.pair_streams.widest() if s.pair_streams is not None else (s.num_streams, None)
+        if n > 1 << _STREAM_BITS:
+            between = f" from host {pair[0]} to host {pair[1]}" if pair is not None else ""
             raise FailedPreconditionError(
-                f"program {s.program_id[:12]} has {n} streams; the collective transport numbers at most "
-                f"{1 << _STREAM_BITS} per job: run it with --transport grpc"
+                f"program {s.program_id[:12]} has {n} streams{between}; the collective transport numbers at most "
+                f"{1 << _STREAM_BITS} between two hosts in a job (in its message tags): run it with --transport grpc "
+                f"or nixl, or as several jobs"
             )
         with self._lock:
             self._groups[s.job] = group
@@ -391,8 +398,8 @@ class CollectiveTransport(Transport):
 
     # -- streams ----------------------------------------------------------------------------------------
 
-    def _tag(self, s: Session, key: StreamKey) -> int:
-        return ((s.seq & _SEQ_MASK) << _STREAM_BITS) | s.stream(key)
+    def _tag(self, s: Session, key: StreamKey, src: str, dst: str) -> int:
+        return ((s.seq & _SEQ_MASK) << _STREAM_BITS) | s.pair_stream(key, src, dst)
 
     def tensor(self, data, group: Group):
         """A piece's bytes as a tensor on the group's device (a view of host bytes on CPU)."""
@@ -426,7 +433,7 @@ class CollectiveTransport(Transport):
         return UnavailableError(f"{where} failed: {text}")
 
     def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
-        return _Outgoing(self, s, self._group(s), peer, self._tag(s, key))
+        return _Outgoing(self, s, self._group(s), peer, self._tag(s, key, self.host, peer))
 
     def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
         """Post up to ``window`` receives ahead; a piece lands in a receiver's buffer when ``place`` offers one
@@ -434,7 +441,7 @@ class CollectiveTransport(Transport):
         sender cuts it (`deltas.frame_ranges`): the head first, whose payload length gives the rest."""
         torch = self.torch
         group = self._group(s)
-        src, tag = group.rank_of(peer), self._tag(s, key)
+        src, tag = group.rank_of(peer), self._tag(s, key, peer, self.host)
         dtype, np_dtype = s.dtype(key.step)
         delta = s.delta(key.step)
         if delta is None:

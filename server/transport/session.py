@@ -13,6 +13,7 @@ import numpy as np
 from reshard.proto.layout import np_dtype
 
 if TYPE_CHECKING:
+    from reshard.routes import PairStreams
     from reshard.server.transport.deltas import DeltaStream
     from reshard.server.transport.streams import StreamKey
 
@@ -76,13 +77,15 @@ class Session:
     ``dtypes`` gives each step's dtype (the dtype of the tensor it moves or reduces). ``deltas`` (step ->
     `deltas.DeltaStream`, filled by the agent's run) names the move steps whose streams carry delta frames.
     ``streams`` numbers every stream of the job (step -> its first stream number, see
-    `reshard.routes.stream_count`; ``num_streams`` in all) for transports that tag messages. The agent's
-    runtime extends it.
+    `reshard.routes.stream_count`; ``num_streams`` in all) for transports that tag messages, and
+    ``pair_streams`` (`reshard.routes.PairStreams`) numbers them anew between each pair of hosts, for tags of few
+    bits. The agent's runtime extends it.
     """
 
     def __init__(self, job: str, program_id: str, dtypes: dict[int, str], peers: dict[str, str], *,
                  generation: int = 0, seq: int = 0, streams: dict[int, int] | None = None, num_streams: int = 0,
-                 push_tickets: dict[str, str] | None = None, dtype_pairs: dict | None = None):
+                 push_tickets: dict[str, str] | None = None, dtype_pairs: dict | None = None,
+                 pair_streams: PairStreams | None = None):
         self.job = job
         self.program_id = program_id  # the id of the plan or program the agent was handed
         # step -> (dtype name, numpy dtype); ``dtype_pairs`` gives them worked out already (`dtype_pairs`)
@@ -93,6 +96,7 @@ class Session:
         self.seq = seq
         self.streams = streams or {}
         self.num_streams = num_streams
+        self.pair_streams = pair_streams
         self.traffic = Traffic()
         self.deltas: dict[int, DeltaStream] = {}
         self.failed: BaseException | None = None
@@ -130,6 +134,13 @@ class Session:
 
     def stream(self, key: StreamKey) -> int:
         return self.streams.get(key.step, 0) + key.hop
+
+    def pair_stream(self, key: StreamKey, src: str, dst: str) -> int:
+        """The stream's number among those from host ``src`` to host ``dst`` (`pair_streams`), or its job-wide
+        number where the session has no such numbering."""
+        if self.pair_streams is None:
+            return self.stream(key)
+        return self.pair_streams.number(src, dst, self.stream(key))
 
     def delta(self, step: int) -> DeltaStream | None:
         """Move step ``step``'s delta stream, or None where it moves whole."""
