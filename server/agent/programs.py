@@ -16,8 +16,8 @@ from reshard.jsonio import loads
 from reshard.many import program_from_json
 from reshard.mesh import host_of
 from reshard.program import MOVE, Program, Step, no_cycle_collection
-from reshard.routes import PairStreams
 from reshard.proto.errors import InvalidArgumentError
+from reshard.routes import PairStreams
 from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
 from reshard.server.agent.task_graph import Task, depth_order, host_tasks, local_ranks
