@@ -272,6 +272,37 @@ class AgentServicer(pb_grpc.AgentServicer):
         sent, total, steps_done, steps = run.progress()
         return pb.Progress(bytes_done=sent, bytes_total=total, steps_done=steps_done, steps_total=steps, **fields)
 
+    def _loading(self, request, context):
+        """Prepare the job an Execute carries, reporting ``loading`` on the stream every progress interval until it
+        is done: the planner takes those reports as proof of life (`JobRunner._watch`). Loading a state dict's
+        program takes seconds of this host's cores, and on cores that 8 agents share its heartbeat calls missed
+        their 1 s deadline for 5 s at a time; a report is a message on a stream already open, written by the
+        handler's own thread, with no deadline."""
+        loaded = threading.Event()
+        failed: list[BaseException] = []
+
+        def load() -> None:
+            try:
+                self._prepare(request.prepare)
+            except BaseException as e:  # noqa: BLE001 - raised again in the handler, as its own
+                failed.append(e)
+            finally:
+                loaded.set()
+
+        threading.Thread(target=load, daemon=True, name=f"load-{request.job[:8]}").start()
+        try:
+            while not loaded.wait(_PROGRESS_INTERVAL_S):
+                if context.is_active():
+                    yield pb.Progress(loading=True)
+        except GeneratorExit:  # the call ended (the planner cancelled it): what the load stages is aborted after it
+            threading.Thread(target=lambda: loaded.wait() and self.runtime.abort(request.job), daemon=True,
+                             name=f"unload-{request.job[:8]}").start()
+            raise
+        if failed:
+            raise failed[0]
+        if not context.is_active():  # the planner gave up on the job meanwhile: nothing of it stays staged here
+            self.runtime.abort(request.job)
+
     @servicer_method
     def Execute(self, request, context):
         received = time.monotonic()
@@ -282,7 +313,7 @@ class AgentServicer(pb_grpc.AgentServicer):
             if request.prepare.job != request.job:
                 raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
                                            f"{request.prepare.job}")
-            self._prepare(request.prepare)
+            yield from self._loading(request, context)
         run = self.runtime.execute(request.job, request.program_id)
         # The run started: the planner counts a job's hosts started (`Job.started_s`, `Job.handed_s`)
         yield self._progress(run, started_after_s=time.monotonic() - received)

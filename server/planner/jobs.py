@@ -191,7 +191,9 @@ class AgentCalls(Protocol):
                 prepare: Preparation | None = None, commit: bool = False) -> dict | None:
         """Run the host's part of the whole program (preparing first when ``prepare`` is given), reporting
         ``on_progress(bytes done, bytes to send, steps done, steps, started after)`` (the last: on the first
-        report, the agent's seconds from the call to its run starting; may be left out), and commit what it staged
+        report, the agent's seconds from the call to its run starting; may be left out), or
+        ``on_progress(loading=True)`` while the host still loads and prepares the job (alive, not started), and
+        commit what it staged
         as the run ends when ``commit`` (the job's only staging host); returns the host's traffic for the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
@@ -1083,8 +1085,12 @@ class JobRunner:
         handed: dict[str, float] = {}  # host -> when the planner's call reached it (`time.time`)
 
         def run(h: str) -> None:
-            def on_progress(done: int, total: int, steps_done: int, steps: int, started_after: float = 0.0) -> None:
-                if h not in reported:  # its first report, as the run starts there
+            def on_progress(done: int = 0, total: int = 0, steps_done: int = 0, steps: int = 0,
+                            started_after: float = 0.0, loading: bool = False) -> None:
+                if loading:  # still loading the job: alive, not started
+                    reported[h] = time.monotonic()
+                    return
+                if h not in handed:  # its first report as its run starts there
                     now = time.time()
                     handed[h] = now - started_after
                     if len(handed) == len(hosts):

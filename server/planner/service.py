@@ -386,7 +386,10 @@ class GrpcAgentCalls:
         traffic = None
         try:
             for msg in self._stub(address).Execute(request, timeout=timeout):
-                on_progress(msg.bytes_done, msg.bytes_total, msg.steps_done, msg.steps_total, msg.started_after_s)
+                if msg.loading:
+                    on_progress(loading=True)
+                else:
+                    on_progress(msg.bytes_done, msg.bytes_total, msg.steps_done, msg.steps_total, msg.started_after_s)
                 if msg.HasField("traffic"):
                     traffic = _traffic(msg.traffic)
         except grpc.RpcError as e:

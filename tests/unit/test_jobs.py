@@ -317,25 +317,36 @@ def test_a_one_host_job_that_fails_leaves_the_old_version_and_releases_the_new_o
 
 
 class ReportingWithoutHeartbeats(RuntimeCalls):
-    """Stops every heartbeat once the job runs, while ``host``'s Execute keeps reporting progress for a while."""
+    """Stops every heartbeat once the job runs, while ``host``'s Execute keeps reporting for a while: ``report``
+    (on_progress) every 50 ms, by default its progress."""
 
-    def __init__(self, hosts: Hosts, host: str, stop_heartbeats, seconds: float):
+    def __init__(self, hosts: Hosts, host: str, stop_heartbeats, seconds: float,
+                 report=lambda on_progress: on_progress(0, 0, 0, 1)):
         super().__init__(hosts)
-        self.host, self.stop_heartbeats, self.seconds = host, stop_heartbeats, seconds
+        self.host, self.stop_heartbeats, self.seconds, self.report = host, stop_heartbeats, seconds, report
 
     def execute(self, host, address, job, program_id, on_progress, timeout, prepare=None, commit=False):
         if host == self.host:
             self.stop_heartbeats()
             end = time.monotonic() + self.seconds
             while time.monotonic() < end:
-                on_progress(0, 0, 0, 1)
+                self.report(on_progress)
                 time.sleep(0.05)
         return super().execute(host, address, job, program_id, on_progress, timeout, prepare, commit)
 
 
-def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_taken_for_dead():
+# What a host's Execute reports while its heartbeats miss: its run's progress, that it still loads the job (as an
+# agent does while it loads a large program, `AgentServicer._loading`), or nothing
+_REPORTS = {"progress": lambda on_progress: on_progress(0, 0, 0, 1),
+            "loading": lambda on_progress: on_progress(loading=True),
+            "nothing": lambda on_progress: None}
+
+
+@pytest.mark.parametrize("reports", list(_REPORTS))
+def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_taken_for_dead(reports):
     """On a machine the job keeps busy, an agent's heartbeat calls can miss their deadline at a slow planner while
-    its Execute stream goes on: the job goes on too."""
+    its Execute stream goes on: the job goes on too. So while it loads a state dict's program, seconds of cores that
+    8 agents share, and reports that it does. A host silent as long fails the job, named."""
     now = [0.0]
     registry = Registry(heartbeat_timeout_s=0.5, clock=lambda: now[0])
     for h in HOSTS:
@@ -345,13 +356,19 @@ def test_a_host_whose_heartbeats_miss_while_its_part_reports_progress_is_not_tak
         now[0] = 100.0  # every host's last heartbeat is now 100 s old
 
     hosts = Hosts()
-    calls = ReportingWithoutHeartbeats(hosts, "host3", stop_heartbeats, seconds=1.5)
+    calls = ReportingWithoutHeartbeats(hosts, "host3", stop_heartbeats, 1.5, _REPORTS[reports])
     try:
         runner, a = _watched_runner(hosts, registry, calls, stall_timeout_s=60.0)
         job = runner.submit("t", DST, "send_recv")
-        assert job.done_event.wait(20) and job.state == "succeeded", job.error
+        assert job.done_event.wait(20)
+        if reports == "nothing":
+            assert job.state == "failed" and "host host3 stopped answering: no heartbeat" in job.error, job.error
+            return
+        assert job.state == "succeeded", job.error
         assert job.host_seconds["host3"] >= 1.5  # it ran three heartbeat timeouts past its last heartbeat
         assert np.array_equal(hosts.get("t", DST, SHAPE, version=2), a)
+        if reports == "loading":
+            assert job.started_s >= 1.5  # the run started after it loaded: a loading report is not its start
     finally:
         hosts.close()
 
