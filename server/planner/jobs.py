@@ -1087,15 +1087,15 @@ class JobRunner:
         def run(h: str) -> None:
             def on_progress(done: int = 0, total: int = 0, steps_done: int = 0, steps: int = 0,
                             started_after: float = 0.0, loading: bool = False) -> None:
+                reported[h] = time.monotonic()
+                self.registry.alive(h, prep.peers[h])  # a report is proof of life (`Registry.alive`)
                 if loading:  # still loading the job: alive, not started
-                    reported[h] = time.monotonic()
                     return
                 if h not in handed:  # its first report as its run starts there
                     now = time.time()
                     handed[h] = now - started_after
                     if len(handed) == len(hosts):
                         job.started_s, job.handed_s = now - job.created, max(handed.values()) - job.created
-                reported[h] = time.monotonic()
                 if job.done_event.is_set():
                     return  # a host that answers again after the job failed
                 job.progress[h][0] = done

@@ -129,6 +129,16 @@ class Registry:
                                                      memory_used_bytes=max(0, memory_used_bytes))
             return True
 
+    def alive(self, host: str, address: str) -> None:
+        """Count a report on a call the planner made to ``host``'s agent at ``address`` (a job's Execute stream:
+        its progress, or that it still loads the job) as a heartbeat: an agent whose cores a job keeps busy may miss
+        its heartbeat calls' deadline while it answers the planner's own call, and its host must not leave the
+        process group meanwhile. Nothing where the host moved or is unknown."""
+        with self._lock:
+            rec = self._agents.get(host)
+            if rec is not None and rec.address == address:
+                self._agents[host] = dataclasses.replace(rec, last_seen=max(rec.last_seen, self._clock()))
+
     def age(self, rec: AgentRecord) -> float:
         return self._clock() - rec.last_seen
 

@@ -89,3 +89,20 @@ def test_without_a_store_auto_agents_run_grpc_and_collective_ones_are_refused_bo
                                                       r"run the agent with --transport grpc"):
         register("b", "collective")
     assert group.next_beat(INTERVAL_S) == INTERVAL_S
+
+
+def test_a_report_on_the_planners_own_call_keeps_a_host_up_as_a_heartbeat_does_but_not_from_another_address():
+    # An agent whose cores a job keeps busy misses its heartbeat calls' deadline while its Execute stream reports
+    # (progress, or that it still loads the job): the host stays up, so the process group is not re-formed under
+    # the job (`Registry.alive`)
+    clock = _Clock()
+    registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
+    registry.register("h0", 1, "h0:1", 10.0, secret=bytes(16))
+    clock.now = 4.0
+    registry.alive("h0", "h0:1")
+    clock.now = 8.0  # 8 s after its last heartbeat, 4 s after the report
+    assert registry.is_up(registry.get("h0"))
+    registry.alive("h0", "elsewhere:1")  # not the registered agent's address: nothing
+    registry.alive("nobody", "h0:1")
+    clock.now = 9.5
+    assert not registry.is_up(registry.get("h0")) and registry.get("nobody") is None
