@@ -300,8 +300,6 @@ class AgentServicer(pb_grpc.AgentServicer):
             raise
         if failed:
             raise failed[0]
-        if not context.is_active():  # the planner gave up on the job meanwhile: nothing of it stays staged here
-            self.runtime.abort(request.job)
 
     @servicer_method
     def Execute(self, request, context):
