@@ -109,6 +109,7 @@ def _move_state_dict(c, num_layers: int, hidden: int, bucket_mib=None) -> None:
                 pass
 
 
+@pytest.mark.transports_in_turn(first="nixl")  # issue 38: buckets on nixl
 def test_a_state_dict_moves_from_training_to_inference_layout_in_one_job(client):
     _move_state_dict(client, num_layers=4, hidden=256)
 
