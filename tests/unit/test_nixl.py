@@ -22,7 +22,7 @@ from reshard import Mesh, Sharding
 from reshard.many import plan_many
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
-from reshard.server.transport.nixl import NixlTransport, nixl_missing
+from reshard.server.transport.nixl import TCP_MIN_RUN_BYTES, NixlTransport, nixl_missing
 from reshard.server.transport.nixl_memory import pair_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
@@ -92,6 +92,35 @@ def test_a_strided_box_lands_run_by_run_in_the_middle_of_a_destination_tile(pair
     joined = b"".join(bytes(memoryview(p.data)) for p in pieces)  # pieces in C order of the box
     assert joined == np.ascontiguousarray(src[inside]).tobytes()
     assert trailer.digest == xxhash.xxh3_64_intdigest(joined)
+
+
+def test_over_tcp_alone_a_box_of_short_runs_lands_through_scratch_and_long_runs_in_place(monkeypatch):
+    """Over TCP every run of a WRITE is a message of its own: runs averaging under `TCP_MIN_RUN_BYTES` land in
+    scratch and are copied into place; longer ones still land in place."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    a, b = (NixlTransport(h, chunk_bytes=1 << 20, timeout_s=5, stall_timeout_s=5, shared_memory=False) for h in "ab")
+    try:
+        a.add_peer("b", b.metadata())
+        b.add_peer("a", a.metadata())
+        assert (a.min_run_bytes, b.min_run_bytes) == (TCP_MIN_RUN_BYTES, TCP_MIN_RUN_BYTES)
+        src = np.random.default_rng(2).standard_normal((64, 32768)).astype(np.float32)  # 128 KiB a row
+        for job, cols, in_place in (("short", (256, 768), False), ("long", (0, 32768), True)):
+            tile = np.full_like(src, -1.0)
+            box = ((16, 48), cols)  # 32 runs of 2 KiB, or 32 of 128 KiB (each row whole: one run)
+            pieces, trailer = _move(a, b, job, src, box, _placing("b/0", tile))
+            inside = tuple(slice(lo, hi) for lo, hi in box)
+            joined = b"".join(bytes(memoryview(p.data)) for p in pieces)  # what the sink writes where it landed not
+            assert joined == np.ascontiguousarray(src[inside]).tobytes() and trailer.nbytes == len(joined)
+            assert all((p.landed == "b/0") == in_place for p in pieces), job
+            if in_place:
+                assert np.array_equal(tile[inside], src[inside])
+                tile[inside] = -1.0
+            assert (tile == -1.0).all()  # through scratch, not a byte written into the tile
+        assert b.scratch_bytes > 0  # kept from the short runs' stream
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_strided_source_box_is_written_from_the_tile_itself_with_no_staging_copy(pair):
