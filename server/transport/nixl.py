@@ -1,9 +1,8 @@
 """The NIXL transport: a job's streams as one-sided WRITEs into the receiver's registered memory, one NIXL agent
 per reshard agent.
 
-The receiver offers the region a box lands in and the sender writes each chunk straight
-into it; what a move, a chain hop and a reduce mean stays the `Transport` base class's
-(`moves`, `reduce`: the ring runs over these streams).
+The receiver offers the region a box lands in and the sender writes each chunk straight into it; what a move, a
+chain hop and a reduce mean stays the `Transport` base class's (`moves`, `reduce`: the ring runs over these streams).
 
 =============== ==============================================================================
 agent           one ``nixl_agent`` per transport, named by the host, UCX by default, with no
@@ -51,11 +50,10 @@ one machine     where the box lands in shared segments (`shm`: host tiles are, w
                 kept off shared memory (``UCX_TLS``, which ``--nixl-tcp-only`` sets to tcp)
 =============== ==============================================================================
 
-A peer that never posts its receive, goes silent or whose WRITE fails fails the stream
-within ``stall_timeout_s`` (else ``timeout_s``) with `UnavailableError` naming the host,
-as does a post whose memory cannot be loaded (its agent died before the post was read):
-only that stream, whichever stream's poll met the error; a digest mismatch is the base
-class's DATA_LOSS.
+A peer that never posts its receive, goes silent or whose WRITE fails fails the stream within ``stall_timeout_s``
+(else ``timeout_s``) with `UnavailableError` naming the host, as does a post whose memory cannot be loaded (its agent
+died before the post was read): only that stream, whichever stream's poll met the error; a digest mismatch is the
+base class's DATA_LOSS.
 """
 
 from __future__ import annotations
@@ -77,7 +75,7 @@ from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.nixl_api import api as _api
-from reshard.server.transport.nixl_api import nixl_missing
+from reshard.server.transport.nixl_api import nixl_missing, ucx_tcp_only
 from reshard.server.transport.nixl_memory import (
     CHUNK,
     POST,
@@ -109,14 +107,10 @@ log = logging.getLogger(__name__)
 # learns of a chunk a window late, and a chain pays that per hop (bench/paper.py --transport nixl: a 4-host chain on
 # 1 Gbit/s links 1.25x its estimate with four 2 MiB WRITEs, 1.09x with two of 1 MiB, `AgentConfig.nixl_chunk`)
 WINDOW = 2
-# A box whose runs in the destination average fewer bytes lands in a scratch buffer and is copied into place:
-# below this a descriptor per run costs more than the copy
-MIN_RUN_BYTES = 1024
-# The same where UCX moves bytes over TCP only (UCX_TLS=tcp: --nixl-tcp-only, the lab's hosts), where every run of a
-# WRITE goes as a message of its own on the socket, with its own header: bench/paper.py --transport nixl on the
-# emulated hosts, case4's 16 KiB runs took 1.19-1.21x their estimate landing run by run, 1.11-1.13x through scratch
-# (turn by turn in one hour; case9's 32 KiB runs 1.15-1.16x against 1.12x)
-TCP_MIN_RUN_BYTES = 64 << 10
+# A box whose runs in the destination average fewer bytes lands in a scratch buffer, copied into place: below this a
+# descriptor per run costs more than the copy; over TCP alone (--nixl-tcp-only, the lab) a run is a message of its own
+# (bench/paper.py's case4, 16 KiB runs: 1.19-1.21x its estimate landing run by run, 1.11-1.13x through scratch)
+MIN_RUN_BYTES, TCP_MIN_RUN_BYTES = 1024, 64 << 10
 # A chunk of a source tile whose runs average fewer bytes is packed and staged rather than written run by run: below
 # this (measured on loopback, bench/nixl_path.py) UCX's cost per descriptor outweighs the copy it saves
 SOURCE_RUN_BYTES = 8192
@@ -125,11 +119,6 @@ STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered 
 _POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
 _LINGER_S = 0.02
 _ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
-
-
-def _tcp_only(environ) -> bool:
-    """Whether UCX may move bytes over TCP alone (``UCX_TLS`` names tcp and nothing else)."""
-    return {t.strip() for t in environ.get("UCX_TLS", "").split(",")} == {"tcp"}
 
 
 class _Backoff:
@@ -350,8 +339,7 @@ class NixlTransport(Transport):
         api = _api()
         self.lanes = lanes
         self.backend = backend
-        # what a destination run must average to be written in place (UCX reads its environment as the agent is made)
-        self.min_run_bytes = TCP_MIN_RUN_BYTES if _tcp_only(os.environ) else MIN_RUN_BYTES
+        self.min_run_bytes = TCP_MIN_RUN_BYTES if ucx_tcp_only(os.environ) else MIN_RUN_BYTES  # landing in place
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[backend],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         self._agent = api.nixl_agent(host, config)

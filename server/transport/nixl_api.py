@@ -1,9 +1,10 @@
 """Where NIXL's Python API comes from, and why it does not import: the one question a host without NIXL is asked
-(the agent's ``--transport nixl``, the tests' and benches' skips) before anything of the transport loads."""
+(the agent's ``--transport nixl``, the tests' and benches' skips) before anything of the transport loads; and what
+UCX, NIXL's backend, was told to use."""
 
 from __future__ import annotations
 
-__all__ = ["api", "nixl_missing", "INSTALL"]
+__all__ = ["api", "nixl_missing", "ucx_tcp_only", "INSTALL"]
 
 INSTALL = "pip install 'reshard[nixl]'"
 
@@ -28,3 +29,9 @@ def nixl_missing() -> str | None:
     except (ImportError, OSError) as e:  # OSError: the wheel is there but its shared libraries do not load
         return f"NIXL does not import in this Python ({type(e).__name__}: {e}); {INSTALL}"
     return None
+
+
+def ucx_tcp_only(environ) -> bool:
+    """Whether UCX may move bytes over TCP alone: ``UCX_TLS`` names tcp and nothing else (read as UCX reads it, when
+    a NIXL agent is made)."""
+    return {t.strip() for t in environ.get("UCX_TLS", "").split(",")} == {"tcp"}
