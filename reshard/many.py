@@ -93,6 +93,11 @@ MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; lar
 # and every agent's together, down 6% or more in each of 6 alternating runs. The order of a chain this small balances
 # nothing.
 SHARED_ROUTE_BYTES = 64 * 2**10
+# A bucket of quantized weights' moves waits on its sender for every member's quantize step (1-2 ms of an agent's
+# Python each for a tiny weight), while its receiver's posted receive counts down (`--collective-timeout`, 30 s): a
+# sync of 20,000 tiny weights packed them into one bucket, and its receive gave up. This many members, 0.3-0.5 s of
+# steps, bound a bucket's wait, and let the first buckets leave while the rest are quantized.
+WAITING_BUCKET_MOVES = 256
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
 _TRANSFER = attrgetter("transfer")
@@ -697,11 +702,12 @@ class _Buckets:
         self._pack(first, self._packable(transfers, steps, itemsize), transfers, steps)
 
     def _pack(self, first: int, packing: Sequence[tuple], transfers: Sequence[Transfer] = (),
-              steps: Optional[list[Step]] = None) -> None:
+              steps: Optional[list[Step]] = None, waiting: bool = False) -> None:
         """Pack the moves of ``packing`` ((position, path key's number, bytes, whether a small chain) each, ids
         from ``first`` on), a small chain along its shared route (of ``transfers``, replacing its step in
-        ``steps``)."""
+        ``steps``); moves that wait for steps, `WAITING_BUCKET_MOVES` at most a bucket."""
         open_, full, limit = self._open, self._full, self.bucket_bytes
+        members = WAITING_BUCKET_MOVES if waiting else None
         for k, key, nbytes, small_chain in packing:
             group = open_.get(key)
             if small_chain:  # a small chain's order was a choice
@@ -712,7 +718,7 @@ class _Buckets:
             else:
                 group[0].append(first + k)
                 group[1] += nbytes
-            if group[1] >= limit:
+            if group[1] >= limit or len(group[0]) == members:
                 full.append(group[0])
                 del open_[key]
 
@@ -757,7 +763,7 @@ class _Buckets:
 
     def pack_all(self, first: int, packing: Sequence[tuple]) -> None:
         """Pack the moves `waiting` found, ids from ``first`` on."""
-        self._pack(first, packing)
+        self._pack(first, packing, waiting=True)
 
     def _shared_route(self, t: Transfer, steps: list[Step], k: int, unopened: bool) -> int:
         """``t`` along the route of the first small chain from its sender to the same receivers where no bucket of

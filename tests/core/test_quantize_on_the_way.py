@@ -18,7 +18,7 @@ from reshard import Mesh, Sharding
 from reshard import box as boxes
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.errors import PlanValidationError
-from reshard.many import ManyProgram, plan_many
+from reshard.many import WAITING_BUCKET_MOVES, ManyProgram, plan_many
 from reshard.moe import SMALL_MOE, moe_state_dict
 from reshard.program import COMPUTE, MOVE, SRC, TensorDecl
 from reshard.mesh import host_of
@@ -207,6 +207,22 @@ def test_a_quantized_weights_small_moves_travel_in_buckets_that_wait_for_its_qua
     for k, bucket in enumerate(bucket_moves(small).values()):
         if k not in last.values():
             assert bucket.nbytes >= 2**17 > bucket.nbytes - (bucket.parts[-1][3] - bucket.parts[-1][2]), k
+
+
+def test_a_bucket_of_quantized_moves_waits_for_at_most_so_many_quantize_steps():
+    """Tiny weights quantized on the way: their moves would fill a bucket by bytes only after thousands, each
+    waiting for its quantize step on the sender while the receiver's posted receive counts down (a sync of 20,000
+    gave up after the collective transport's 30 s); a bucket of them takes `WAITING_BUCKET_MOVES` at most."""
+    src, dst = Sharding(Mesh.from_hosts({"x": 1}, ["h0"], 1), (None, None)), Sharding(SERVE, (None, None))
+    n = 2 * WAITING_BUCKET_MOVES + 10
+    decls = [d for i in range(n) for d in (TensorDecl(f"w{i}", (16, 16), "bfloat16", src, dst),
+                                            TensorDecl(f"w{i}_s", (1, 1), "float32", None))]
+    program = plan_many(decls, scales={f"w{i}": f"w{i}_s" for i in range(n)},
+                        dtypes={f"w{i}": FP8 for i in range(n)}).validate()
+    waits = {s.id for s in program.steps if s.kind == MOVE and s.after}
+    sizes = sorted((len(b) for b in program.buckets if waits.issuperset(b)), reverse=True)
+    # the weights' moves and the scales' moves, a chain to both serving hosts each: 2 full buckets of each, the rest
+    assert sizes == [WAITING_BUCKET_MOVES] * 4 + [10] * 2 and sum(sizes) == 2 * n, sizes
 
 
 def test_without_dtypes_the_program_is_unchanged():

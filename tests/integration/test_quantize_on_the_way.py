@@ -242,3 +242,26 @@ def test_conversions_it_cannot_make_are_refused_and_nothing_changes(client, fres
         assert f"{n}.w_s" not in {t.name for t in client.tensors()}
     finally:
         _cleanup(client, [f"{n}.w", f"{n}.norm"])
+
+
+@pytest.mark.slow  # a collective cluster of its own and 6,000 tensors: 12 s; the planner's rule is in tests/core
+def test_thousands_of_tiny_weights_quantized_on_the_way_outlast_no_receive():
+    """Each tiny weight's quantize step costs its sender 1-2 ms of Python: packed by bytes alone, 3,000 of them went
+    in one bucket, and the receiver's posted receive gave up after --collective-timeout (2 s here, 30 s by default:
+    a sync of 20,000 failed so) before the bucket left. Buckets of moves that wait for steps are cut by their count
+    (`reshard.many.WAITING_BUCKET_MOVES`), so each leaves as its members are quantized."""
+    pytest.importorskip("torch")
+    from reshard.client.cluster import LocalCluster
+
+    n = 3000
+    one, two = Mesh.from_hosts({"x": 1}, ["host0"], 1), Mesh.from_hosts({"y": 1}, ["host1"], 1)
+    weights = {f"w{i}": _bf16((16, 16), i) for i in range(n)}
+    with LocalCluster(2, 1, transport="collective", agent_args=["--collective-timeout", "2"]) as cluster, \
+            cluster.connect() as c:
+        c.put_many({name: (w, Sharding(one, (None, None))) for name, w in weights.items()})
+        result = c.reshard_many({name: Sharding(two, (None, None)) for name in weights},
+                                scales={name: f"{name}_s" for name in weights},
+                                dtype={name: FP8 for name in weights}).result(timeout=300)
+        assert result.state == "succeeded", result.error
+        for i in (0, n // 2, n - 1):
+            _assert_quantized(c, f"w{i}", f"w{i}_s", weights[f"w{i}"])
