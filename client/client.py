@@ -60,7 +60,7 @@ from reshard.proto.errors import (
 )
 from reshard.proto.layout import np_dtype, tile_shape
 from reshard.proto.status import domain_error
-from reshard.proto.wire import box_from_pb, message_size_options, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, message_size_options, read_shard_stream, shard_streams, unbatched
 from reshard.sharding import Sharding
 
 __all__ = ["Client", "connect", "Job", "JobResult", "JobFailedError", "TensorInfo", "Pin", "RegisteredSync"]
@@ -514,12 +514,10 @@ class Client(FrameworkAdapters):
 
     def _upload_batch(self, address: str, batch: list[tuple[str, str, pb.TileLocation, str, Any]]) -> None:
         """Host-memory tiles to the agent at ``address`` in one PutShard stream."""
-        def chunks():
-            for upload_id, name, loc, dtype, arr in batch:
-                yield from shard_stream(arr, _shard_header(upload_id, name, loc, dtype), self.chunk_bytes)
-
+        chunks = shard_streams(((_shard_header(upload_id, name, loc, dtype), arr)
+                                for upload_id, name, loc, dtype, arr in batch), self.chunk_bytes)
         try:
-            self._agent(address).PutShard(chunks(), timeout=None)
+            self._agent(address).PutShard(chunks, timeout=None)
         except grpc.RpcError as e:
             what = (f"device {batch[0][2].device}" if len(batch) == 1
                     else f"{len(batch)} shards, devices {sorted({loc.device for _, _, loc, _, _ in batch})}")
@@ -596,7 +594,7 @@ class Client(FrameworkAdapters):
     def _download(self, name: str, version: int, device: str, address: str) -> np.ndarray:
         try:
             stream = self._agent(address).GetShard(pb.GetShardRequest(tensor=name, version=version, device=device))
-            return read_shard_stream(stream)[1]
+            return read_shard_stream(unbatched(stream))[1]
         except grpc.RpcError as e:
             raise domain_error(e, f"agent at {address} (device {device})") from None
 
@@ -796,7 +794,7 @@ class Client(FrameworkAdapters):
         first, *more = [pb.GetShardRequest(tensor=r.tensor, version=r.version, device=r.loc.device) for r in batch]
         first.more.extend(more)
         try:
-            stream = iter(self._agent(address).GetShard(first))
+            stream = unbatched(self._agent(address).GetShard(first))
             for r in batch:
                 header, values = read_shard_stream(stream)
                 if (header.tensor, header.version, header.device) != (r.tensor, r.version, r.loc.device):

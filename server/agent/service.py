@@ -28,7 +28,7 @@ from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError
 from reshard.proto.frames import RawPiece, decode_push_chunk
 from reshard.proto.status import SERVER_OPTIONS, RequestDecoding, domain_error, servicer_method, start_server
-from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_stream
+from reshard.proto.wire import box_from_pb, box_to_pb, read_shard_stream, shard_streams, unbatched
 from reshard.server.common.config import AgentConfig
 from reshard.server.agent.run import Run
 from reshard.server.agent.runtime import Runtime
@@ -138,7 +138,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         """One shard, or several in a row (put_many sends an agent its small shards in one stream): each is checked
         and staged as it completes, so a failure leaves the shards before it staged and their uploads to the
         planner, which drops them with the transaction."""
-        chunks, nbytes, shards = iter(request_iterator), 0, 0
+        chunks, nbytes, shards = unbatched(request_iterator), 0, 0
         while True:
             with ExitStack() as receiving:
                 def check(h: pb.ShardHeader) -> None:
@@ -161,10 +161,10 @@ class AgentServicer(pb_grpc.AgentServicer):
         missing shard fails the call at once, naming it."""
         asked = [request, *request.more]
         shards = [self.store.get(r.tensor, r.version, r.device) for r in asked]
-        for r, shard in zip(asked, shards):
-            header = pb.ShardHeader(tensor=r.tensor, version=r.version, device=r.device, dtype=shard.dtype,
-                                    box=box_to_pb(shard.tile))
-            yield from shard_stream(buffers.host_array(shard.array), header, self.config.chunk_bytes)  # pinned for CUDA
+        headers = (pb.ShardHeader(tensor=r.tensor, version=r.version, device=r.device, dtype=shard.dtype,
+                                  box=box_to_pb(shard.tile)) for r, shard in zip(asked, shards))
+        tiles = (buffers.host_array(shard.array) for shard in shards)  # pinned for CUDA
+        yield from shard_streams(zip(headers, tiles), self.config.chunk_bytes)
 
     @servicer_method
     def Digest(self, request, context):

@@ -70,13 +70,13 @@ _DYING_CLIENT = textwrap.dedent("""
     import os, sys, numpy as np, reshard
     import reshard.client.client as sdk
     from reshard import Mesh, Sharding
-    real = sdk.shard_stream
-    def dying(array, header, chunk_bytes):
-        for i, msg in enumerate(real(array, header, chunk_bytes)):
+    real = sdk.shard_streams
+    def dying(shards, chunk_bytes):
+        for i, msg in enumerate(real(shards, chunk_bytes)):
             if i == 3:
                 os._exit(17)  # the client dies with the upload half sent
             yield msg
-    sdk.shard_stream = dying
+    sdk.shard_streams = dying
     c = reshard.connect(sys.argv[1], chunk_bytes=65536)
     mesh = Mesh.from_hosts({"x": 2, "y": 2}, ["host0", "host1"], 2)
     c.put("halfway", np.ones((1024, 256), np.float32), Sharding(mesh, ("x", None)))
@@ -144,14 +144,14 @@ def test_an_upload_slower_than_the_idle_timeout_is_kept_alive_while_bytes_flow(s
     with every heartbeat, so one long shard does not expire mid-stream."""
     import reshard.client.client as sdk
 
-    real = sdk.shard_stream
+    real = sdk.shard_streams
 
-    def slow(array, header, chunk_bytes):
-        for msg in real(array, header, chunk_bytes):
+    def slow(shards, chunk_bytes):
+        for msg in real(shards, chunk_bytes):
             time.sleep(0.25)  # 12 chunks: 3 s of streaming against a 2 s idle timeout
             yield msg
 
-    monkeypatch.setattr(sdk, "shard_stream", slow)
+    monkeypatch.setattr(sdk, "shard_streams", slow)
     c = slow_cluster
     one = Sharding(Mesh.from_hosts({"x": 1}, ["host1"], 1), (None,))
     b = np.arange(10 * 1024, dtype=np.float32).reshape(10, 1024)  # 10 chunks of 4 KiB, header and trailer

@@ -21,7 +21,7 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import channel
 from reshard.proto.layout import Checksum, digest
-from reshard.proto.wire import read_shard_stream, run_start, shard_stream
+from reshard.proto.wire import read_shard_stream, run_start, shard_stream, unbatched
 from reshard.server.common.tickets import commit_fields
 
 TWO = Sharding(Mesh.from_hosts({"x": 2}, ["host0"], 2), ("x",))  # both tiles on host0
@@ -129,7 +129,9 @@ def test_one_get_shard_call_streams_several_shards_in_order_or_fails_before_any(
         v = client.info("grid").version
         asked = [pb.GetShardRequest(tensor="grid", version=v, device=d) for d in ("host0/1", "host0/0")]
         first = pb.GetShardRequest(tensor="grid", version=v, device="host0/1", more=asked[1:])
-        stream = iter(agent.GetShard(first, timeout=10))
+        messages = list(agent.GetShard(first, timeout=10))
+        assert [m.WhichOneof("kind") for m in messages] == ["batch"]  # small tiles whole, in one message
+        stream = unbatched(messages)
         for r in asked:
             header, values = read_shard_stream(stream)
             assert header.device == r.device
