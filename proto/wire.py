@@ -79,7 +79,8 @@ def unbatched(chunks: Iterable[pb.ShardChunk]) -> Iterator[pb.ShardChunk]:
             continue
         for whole in msg.batch.shards:
             yield pb.ShardChunk(header=whole.header)
-            yield pb.ShardChunk(piece=pb.Piece(box=whole.header.box, data=whole.data))
+            if whole.data:  # an empty tile goes as `shard_stream` sends it: no piece (a piece's box holds elements)
+                yield pb.ShardChunk(piece=pb.Piece(box=whole.header.box, data=whole.data))
             yield pb.ShardChunk(trailer=pb.Trailer(nbytes=len(whole.data), xxh3_64=whole.xxh3_64))
 
 

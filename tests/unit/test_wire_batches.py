@@ -22,7 +22,7 @@ def _shards(sizes: list[int]) -> list[tuple[pb.ShardHeader, np.ndarray]]:
 
 def test_small_shards_go_whole_many_to_a_message_and_a_large_one_in_chunks_and_all_read_back_in_order():
     chunk = 64 << 10
-    shards = _shards([4, 300, 1, 9000, 17, 40000, 2])  # 9000 and 40000 floats: 36 KiB and 160 KiB
+    shards = _shards([4, 300, 0, 9000, 17, 40000, 2])  # an empty tile; 9000 and 40000 floats: 36 and 160 KiB
     messages = list(shard_streams(shards, chunk))
     kinds = [m.WhichOneof("kind") for m in messages]
     # the first five fit one message; 40000 (over the chunk) goes as header, 3 pieces and trailer; 2 after it
@@ -40,6 +40,15 @@ def test_small_shards_go_whole_many_to_a_message_and_a_large_one_in_chunks_and_a
 
 def test_a_batched_shard_whose_bytes_do_not_match_its_digest_or_box_is_refused_naming_it():
     (message,) = shard_streams(_shards([8, 8]), 1 << 20)
+    # an empty tile's data may not be replaced by bytes, nor a tile's by none
+    (empty,) = shard_streams(_shards([0]), 1 << 20)
+    empty.batch.shards[0].data = b"\0" * 4
+    with pytest.raises(InvalidArgumentError, match=r"piece \[\(0, 0\), \(0, 1\)\] lies outside the tile"):
+        read_shard_stream(unbatched([empty]))
+    (eight,) = shard_streams(_shards([8]), 1 << 20)
+    eight.batch.shards[0].data = b""
+    with pytest.raises(InvalidArgumentError, match=r"received 0 bytes, sender sent 0, the box holds 32"):
+        read_shard_stream(unbatched([eight]))
     flipped = pb.ShardChunk()
     flipped.CopyFrom(message)
     flipped.batch.shards[1].data = b"\x01" + flipped.batch.shards[1].data[1:]
