@@ -6,12 +6,11 @@ from collections.abc import Iterable, Iterator
 from typing import Optional
 
 import numpy as np
-import xxhash
 
 from reshard.box import Box, to_slices
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
-from reshard.proto.layout import Checksum, chunk_boxes, np_dtype, tile_shape
+from reshard.proto.layout import Checksum, chunk_boxes, digest, np_dtype, tile_shape
 
 __all__ = ["box_to_pb", "box_from_pb", "shard_stream", "shard_streams", "read_shard_stream", "unbatched", "run_start",
            "message_size_options"]
@@ -64,7 +63,7 @@ def shard_streams(shards: Iterable[tuple[pb.ShardHeader, np.ndarray]], chunk_byt
             yield from shard_stream(array, header, chunk_bytes)
             continue
         data = np.ascontiguousarray(array).tobytes()
-        batch.append(pb.WholeShard(header=header, data=data, xxh3_64=xxhash.xxh3_64_intdigest(data)))
+        batch.append(pb.WholeShard(header=header, data=data, xxh3_64=digest(data)))
         size += nbytes
     if batch:
         yield pb.ShardChunk(batch=pb.ShardBatch(shards=batch))
