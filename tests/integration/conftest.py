@@ -78,13 +78,11 @@ def _transports_in_turn(params) -> None:
 
     A test marked ``transports_in_turn(first=...)`` takes its turns from ``first``, its own cases only, so a test of
     one case runs on ``first`` (issue 38 keeps one case of each kind on nixl); the others take turns through their
-    module, so a module's single-case tests spread over the transports. ``every_transport`` keeps every case of a
-    test on every transport."""
+    module, so a module's single-case tests spread over the transports."""
     cases: dict[tuple, list] = {}  # (scope, test, its other parameters) -> its (transport, item) in make test
     for item, values in params:
         transport = next(iter(values & set(TRANSPORTS)), None)
-        if (transport is None or _HERE not in item.path.parents or item.get_closest_marker("slow")
-                or item.get_closest_marker("every_transport")):
+        if transport is None or _HERE not in item.path.parents or item.get_closest_marker("slow"):
             continue
         marker = item.get_closest_marker("transports_in_turn")
         others = tuple((k, repr(v)) for k, v in sorted(item.callspec.params.items()) if v != transport)
