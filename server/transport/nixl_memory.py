@@ -100,11 +100,12 @@ def box_of(data, ndim: int) -> Box:
 class Registration:
     """One registered host buffer: its NIXL descriptors, and the peers that loaded its partial metadata."""
 
-    def __init__(self, ident: int, descs, metadata: bytes):
+    def __init__(self, ident: int, descs, metadata: bytes, offerable: bool):
         self.ident = ident
         self.descs = descs
         self.metadata = metadata
         self.peers: set[str] = set()
+        self.offerable = offerable  # clear of every buried range when made, so never shadowed at a peer
 
 
 class Registry:
@@ -138,20 +139,27 @@ class Registry:
             if reg is None:
                 descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
                 metadata = self._agent.get_partial_agent_metadata(descs, False)
-                reg = self._regs[key] = Registration(next(self._ids), descs, metadata)
+                reg = self._regs[key] = Registration(next(self._ids), descs, metadata, self._clear(*key))
                 self.registered += 1
                 weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
     def usable(self, owner: np.ndarray) -> bool:
-        """Whether ``owner`` may be offered to peers: registered already, or clear of every buffer a peer knew
-        that is gone (see ``_dead``)."""
+        """Whether ``owner`` may be offered to peers: clear of every buffer a peer knew that is gone (see
+        ``_dead``), as it was when registered where it is. A buffer registered to send from was never checked
+        (no peer learns of it), and one that overlaps a buried range must not be offered later either: a peer
+        looks a WRITE's target up in its sorted list of the regions it loaded, and a stale region that starts
+        inside this one hides it from the WRITEs past that start (NIXL's createXferReq: "no specified or potential
+        backend had the required registrations")."""
         lo, n = owner.ctypes.data, owner.nbytes
         with self._lock:
-            if (lo, n) in self._regs:
-                return True
-            i = bisect.bisect_right(self._dead, (lo, lo + n))
-            return not any(a < lo + n and lo < b for a, b in self._dead[max(0, i - 1):i + 1])
+            reg = self._regs.get((lo, n))
+            return reg.offerable if reg is not None else self._clear(lo, n)
+
+    def _clear(self, lo: int, n: int) -> bool:
+        """Whether [lo, lo + n) is clear of ``_dead`` (under the lock)."""
+        i = bisect.bisect_right(self._dead, (lo, lo + n))
+        return not any(a < lo + n and lo < b for a, b in self._dead[max(0, i - 1):i + 1])
 
     def _bury(self, lo: int, hi: int) -> None:
         """Add [lo, hi) to ``_dead``, merged with what it touches."""

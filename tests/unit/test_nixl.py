@@ -232,6 +232,36 @@ def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
     landing.release()
 
 
+def test_a_buffer_registered_to_send_from_over_memory_a_peer_knew_is_not_offered_to_it_either(pair):
+    """A tile registered to be sent from (no peer learns of it, so it was never checked against freed memory)
+    and then received into must not be offered where it overlaps memory the sender knew: the sender's NIXL looks
+    a WRITE's target up among the regions it loaded, sorted, and the stale one starting inside the tile hides
+    the tile from every WRITE past that start ("could not start": the ring of tests/unit/test_ring.py failed so,
+    one run in eight, where a ring member sends from its accumulator and receives into it)."""
+    import gc
+    import mmap
+
+    a, b = pair
+    heap = mmap.mmap(-1, 1 << 20)  # buffers of their own at chosen addresses, as malloc would hand them out
+
+    def buffer(offset_kib: int, kib: int) -> np.ndarray:
+        return np.frombuffer(heap, dtype=np.uint8, count=kib << 10, offset=offset_kib << 10)
+
+    old = buffer(256, 64)
+    src = np.random.default_rng(5).integers(0, 255, 256 << 10, dtype=np.uint8)
+    _move(a, b, "first", src[:64 << 10], ((0, 64 << 10),), _placing("b/0", old))  # a loads old's metadata
+    assert np.array_equal(old, src[:64 << 10])
+    del old
+    gc.collect()  # freed: a still knows it
+    tile = buffer(128, 256)  # over the freed one, starting below it
+    b._memory.register(tile)  # as sending from it does
+    assert not b._memory.usable(tile)
+    pieces, trailer = _move(a, b, "second", src, ((0, 256 << 10),), _placing("b/0", tile))
+    assert all(p.landed is None for p in pieces)  # through scratch: the tile was not offered
+    assert trailer.digest == xxhash.xxh3_64_intdigest(src.tobytes())
+    assert b"".join(bytes(memoryview(p.data)) for p in pieces) == src.tobytes()
+
+
 @pytest.mark.parametrize("kind", ["nixl", "memory"])
 def test_a_bucket_goes_from_its_members_source_tiles_into_their_destination_tiles(kind):
     """A weight sync's buckets on nixl: every member contiguous at both ends and its tiles large enough to be
