@@ -6,9 +6,10 @@ chain hop and a reduce mean stays the `Transport` base class's (`moves`, `reduce
 
 =============== ==============================================================================
 agent           one ``nixl_agent`` per transport, named by the host, UCX by default, with no
-                progress thread and no listen thread: an idle agent burns no CPU, and progress
-                is made only by the calls that poll while a transfer is in flight (`_Backoff`:
-                20 us, doubling to 1 ms, so a wait does not burn a core either)
+                progress thread and no listen thread of NIXL's: progress is made by one thread
+                of ours that polls while anything waits or a WRITE is under way (20 us, doubling
+                to 1 ms) and wakes the waiter each notification or WRITE is for, and blocks
+                otherwise: an idle agent burns no CPU (`nixl_progress`)
 peers           whole metadata travels through the planner (`metadata`, `add_peer`,
                 `drop_peer`); memory registered later travels to a peer as NIXL partial
                 metadata inside the first post that names it, loaded as the post arrives
@@ -62,7 +63,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -86,15 +87,14 @@ from reshard.server.transport.nixl_memory import (
     blobs,
     box_bytes,
     box_of,
-    decode,
     encode,
     owner_of,
     pair_runs,
     parts_runs,
     place_runs,
     source_runs,
-    unblob,
 )
+from reshard.server.transport.nixl_progress import Progress
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, Segments, StreamKey, Throttle, Trailer
 
@@ -116,23 +116,6 @@ MIN_RUN_BYTES, TCP_MIN_RUN_BYTES = 1024, 64 << 10
 SOURCE_RUN_BYTES = 8192
 SHARED_CHUNK_BYTES = 16 << 20  # a stream's chunks into a mapped shared segment (the module table: one machine)
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
-_POLL_MIN_S, _POLL_MAX_S = 20e-6, 1e-3
-_LINGER_S = 0.02
-_ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
-
-
-class _Backoff:
-    """A poll's pause: short while things happen, doubling to `_POLL_MAX_S` while nothing does."""
-
-    def __init__(self):
-        self.pause = _POLL_MIN_S
-
-    def idle(self) -> None:
-        time.sleep(self.pause)
-        self.pause = min(self.pause * 2, _POLL_MAX_S)
-
-    def busy(self) -> None:
-        self.pause = _POLL_MIN_S
 
 
 # -- the sending end --------------------------------------------------------------------------------------
@@ -273,7 +256,7 @@ class _Out(Outgoing):
             if staged is not None:
                 self.t._unscratch(staged)
             self.t._notify(self.peer, encode(b"S", self.key, note))
-            self.t._pump()  # a notification leaves only while its agent makes progress: on its way now
+            self.t._progress.pump()  # a notification leaves only while its agent makes progress: on its way now
             self.t.shared.copied_out(n)
             self.offset += n
             self.chunks += 1
@@ -315,7 +298,7 @@ class _Out(Outgoing):
         while self.pending:
             handle, _, _ = self.pending.popleft()
             self.t._abandon(handle)
-        self.t._linger()
+        self.t._progress.linger()
 
 
 # -- the transport --------------------------------------------------------------------------------------
@@ -347,17 +330,10 @@ class NixlTransport(Transport):
             raise FailedPreconditionError(
                 f"agent {host} asks for NIXL backend {backend!r}, which this NIXL does not have; its plugins are "
                 f"{sorted(self._agent.plugin_list)}")
-        self._lock = threading.Lock()  # peers, inbox, ended jobs
+        self._lock = threading.Lock()  # peers
         self._post_lock = threading.Lock()  # a post's metadata and its sending, one post at a time (`arrivals`)
-        self._pump_lock = threading.Lock()  # one thread takes and routes the agent's notifications at a time
-        # WRITEs under way: NIXL sends a WRITE's notification only when a poll of its state finds it done, so
-        # every poll for notifications polls them all (a ring's sender waits for the next round's post while
-        # its last round's WRITEs still need polls); a handle leaves the set, under the lock, before its release
-        self._xfer_lock = threading.Lock()
-        self._inflight: set = set()
+        self._progress = Progress(self._agent, host)
         self._peers: dict[str, bytes] = {}
-        self._inbox: dict[tuple, deque] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
         # One copy into the receiver's shared segments between agents of one machine (`shm`); ``None``: where UCX
@@ -427,18 +403,14 @@ class NixlTransport(Transport):
 
     def detach(self, s: Session) -> None:
         """Drop what is left of the job's notifications, and those that come late."""
-        with self._lock:
-            self._ended[s.job] = None
-            while len(self._ended) > _ENDED_KEPT:
-                self._ended.popitem(last=False)
-            for k in [k for k in self._inbox if k[2].job == s.job]:
-                del self._inbox[k]
+        self._progress.detach(s.job)
 
     def close(self) -> None:
         """Deregister every buffer and let the agent go; a buffer freed later has nothing to deregister."""
         agent, self._agent = self._agent, None
         if agent is None:
             return
+        self._progress.close()
         self._memory.close()
         self._pool.close()
         self.shared.close()
@@ -448,95 +420,29 @@ class NixlTransport(Transport):
     # -- notifications ---------------------------------------------------------------------------------------
 
     def _notify(self, peer: str, msg: bytes) -> None:
-        try:
-            self._agent.send_notif(peer, msg)
-        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
-            raise UnavailableError(f"agent {self.host} could not notify host {peer} over NIXL: {e}") from None
-
-    def _pump(self) -> bool:
-        """Poll the WRITEs under way, take the agent's new notifications (both make progress) and file each under
-        its stream; whether any came. Routing happens under the pump's lock, so a post's metadata is loaded
-        before a later post that relies on it is filed."""
-        if not self._pump_lock.acquire(blocking=False):
-            return False
-        try:
-            with self._xfer_lock:
-                for handle in self._inflight:
-                    try:
-                        self._agent.check_xfer_state(handle)
-                    except Exception:  # noqa: BLE001 - its own stream's `_complete` meets the error and names it
-                        pass  # (another job's WRITE to an agent that went away must not fail this one)
-            notifs = self._agent.get_new_notifs()
-            for peer, msgs in notifs.items():
-                peer = peer.decode() if isinstance(peer, bytes) else peer
-                for msg in msgs:
-                    self._route(peer, msg)
-            return bool(notifs)
-        finally:
-            self._pump_lock.release()
-
-    def _route(self, peer: str, msg: bytes) -> None:
-        kind, key, payload = decode(msg)
-        if kind == b"D":
-            _, mdlen, _ = POST.unpack_from(payload)
-            try:
-                for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
-                    self._agent.add_remote_agent(blob)  # here before any WRITE into it
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the peer went away meanwhile)
-                # the stream that waits for this post fails naming the host, not whichever stream was polling
-                kind, payload = b"E", f"{type(e).__name__}: {e}".encode()
-        role = "out" if kind in (b"D", b"K", b"E") else "in"
-        with self._lock:
-            if key.job in self._ended:
-                return
-            self._inbox.setdefault((peer, role, key), deque()).append((kind, payload))
-
-    def _take(self, peer: str, role: str, key: StreamKey):
-        with self._lock:
-            q = self._inbox.get((peer, role, key))
-            if not q:
-                return None
-            item = q.popleft()
-            if not q:
-                del self._inbox[peer, role, key]
-            return item
-
-    def _linger(self) -> None:
-        """Make progress a moment longer, so the last message this agent sent (a cancel) leaves it."""
-        backoff, end = _Backoff(), time.monotonic() + _LINGER_S
-        while time.monotonic() < end:
-            self._pump()
-            backoff.idle()
+        self._progress.notify(peer, msg)
 
     def _limit(self) -> float:
         return self.stall_timeout_s if self.stall_timeout_s is not None else self.timeout_s
 
     def _await(self, s: Session, peer: str, role: str, key: StreamKey, what: str, limit: float):
-        """The next notification (kind, payload) of stream ``key`` from ``peer``, polling with backoff;
-        `UnavailableError` naming the host when none comes within ``limit`` seconds."""
-        backoff = _Backoff()
-        deadline = time.monotonic() + limit
-        while True:
-            item = self._take(peer, role, key)
-            if item is not None:
-                kind, payload = item
-                if kind == b"X":
-                    raise UnavailableError(f"job {key.job}: host {peer} gave up stream {key.hop} of step "
-                                           f"{key.step} (its job failed there)")
-                if kind == b"E":
-                    raise UnavailableError(f"job {key.job}: host {peer} posted stream {key.hop} of step {key.step}, "
-                                           f"but the memory it named could not be loaded here "
-                                           f"({payload.decode(errors='replace')}): its agent went away")
-                return item
-            s.check()  # a job that failed elsewhere stops waiting at once
-            if self._pump():
-                backoff.busy()
-                continue
-            if time.monotonic() > deadline:
-                raise UnavailableError(
-                    f"job {key.job}: host {peer} {what} stream {key.hop} of step {key.step} within {limit:g}s: its "
-                    f"agent is down, paused, cut off or behind, so the stream gives up (agent --stall-timeout)")
-            backoff.idle()
+        """The next notification (kind, payload) of stream ``key`` from ``peer`` (`Progress.wait`); `UnavailableError`
+        naming the host when none comes within ``limit`` seconds."""
+        item = self._progress.wait((peer, role, key), lambda: self._progress.take(peer, role, key), s.check,
+                                   time.monotonic() + limit)  # s.check: a job that failed elsewhere stops waiting
+        if item is None:
+            raise UnavailableError(
+                f"job {key.job}: host {peer} {what} stream {key.hop} of step {key.step} within {limit:g}s: its "
+                f"agent is down, paused, cut off or behind, so the stream gives up (agent --stall-timeout)")
+        kind, payload = item
+        if kind == b"X":
+            raise UnavailableError(f"job {key.job}: host {peer} gave up stream {key.hop} of step "
+                                   f"{key.step} (its job failed there)")
+        if kind == b"E":
+            raise UnavailableError(f"job {key.job}: host {peer} posted stream {key.hop} of step {key.step}, "
+                                   f"but the memory it named could not be loaded here "
+                                   f"({payload.decode(errors='replace')}): its agent went away")
+        return item
 
     # -- memory ------------------------------------------------------------------------------------------------
 
@@ -574,43 +480,35 @@ class NixlTransport(Transport):
             self._abandon(handle)
             raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host {peer} "
                                    f"failed as it was posted (NIXL state ERR)")
-        with self._xfer_lock:
-            self._inflight.add(handle)
+        self._progress.track(handle)
         return handle
 
     def _complete(self, s: Session, peer: str, key: StreamKey, handle, timeout: float) -> None:
-        """Poll ``handle`` until its WRITE is done; `UnavailableError` naming the host when it fails or hangs."""
-        backoff = _Backoff()
-        deadline = time.monotonic() + min(timeout, self._limit())
-        while True:
-            try:
-                state = self._agent.check_xfer_state(handle)
-            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (NIXL_ERR_REMOTE_DISCONNECT)
-                log.debug("host %s: a WRITE to host %s failed: %s", self.host, peer, e)
-                state = "ERR"
-            if state == "DONE":
-                self._release(handle)
-                return
-            if state == "ERR":
-                self._abandon(handle)
-                raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
-                                       f"{peer} failed (NIXL state ERR): the peer's agent went away or its "
-                                       f"memory is no longer registered")
+        """Wait until ``handle``'s WRITE is done (`Progress.wait`); `UnavailableError` naming the host when it fails
+        or hangs."""
+        def check() -> None:
             try:
                 s.check()
             except BaseException:
                 self._abandon(handle)
                 raise
-            if time.monotonic() > deadline:
-                self._abandon(handle)
-                raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
-                                       f"{peer} did not finish within {min(timeout, self._limit()):g}s")
-            backoff.idle()
+
+        limit = min(timeout, self._limit())
+        state = self._progress.wait(("xfer", handle), lambda: self._progress.state(handle), check,
+                                    time.monotonic() + limit)
+        if state == "DONE":
+            self._release(handle)
+            return
+        self._abandon(handle)
+        if state == "ERR":
+            raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
+                                   f"{peer} failed (NIXL state ERR): the peer's agent went away or its "
+                                   f"memory is no longer registered")
+        raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host "
+                               f"{peer} did not finish within {limit:g}s")
 
     def _release(self, handle) -> None:
-        with self._xfer_lock:
-            self._inflight.discard(handle)
-        self._agent.release_xfer_handle(handle)
+        self._progress.release(handle)
 
     def _abandon(self, handle) -> None:
         """Release ``handle``, which NIXL cancels where the WRITE is still under way."""

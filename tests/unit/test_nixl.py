@@ -391,7 +391,7 @@ def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_ho
         dying = Session("dies", "p", {0: "uint8"}, {})
         out = a.open(dying, StreamKey("dies", 0, 0), "c")
         out.put(((0, n),), np.ones(n, np.uint8))
-        assert a._agent.check_xfer_state(next(iter(a._inflight))) == "PROC"  # the WRITE is under way
+        assert a._agent.check_xfer_state(next(iter(a._progress.inflight))) == "PROC"  # the WRITE is under way
         child.send_signal(signal.SIGKILL)
         child.wait(10)
         # another job's stream, while the dead WRITE is still polled with every notification

@@ -1,0 +1,271 @@
+"""The progress of one NIXL agent: a single thread that polls it while anything waits on it or a WRITE is under way,
+files each notification under its stream and wakes the one thread waiting for that stream or that WRITE.
+
+NIXL runs here with no progress thread of its own (an idle agent would burn a core) and offers no descriptor to
+block on: its notifications arrive, and a WRITE's own notification leaves, only while something polls the agent.
+Each waiting thread used to poll for itself, backing off from 20 us to 1 ms; with a move's streams waiting at once
+on 2 cores shared by 8 agents that was about 5,000 wake-ups per agent and sync (bench/moe_sync.py on loopback,
+five times the collective transport's), each one a pass through the interpreter for the GIL. Now one thread polls
+with that backoff (`Backoff`), and a waiter sleeps on its own event until its notification or its WRITE's end is
+found, or for at most `CHECK_S` between looks at its job (failed elsewhere?) and its deadline. With nothing waiting
+and no WRITE under way the thread blocks: an idle agent still burns nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
+
+from reshard.proto.errors import UnavailableError
+from reshard.server.transport.nixl_memory import POST, decode, unblob
+
+__all__ = ["Backoff", "Progress", "CHECK_S"]
+
+log = logging.getLogger(__name__)
+
+POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3
+CHECK_S = 0.02  # a waiter looks at its job and deadline at least this often, woken or not
+LINGER_S = 0.02
+ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
+FINISHED = ("DONE", "ERR")
+
+T = TypeVar("T")
+
+
+class Backoff:
+    """A poll's pause: short while things happen, doubling to `POLL_MAX_S` while nothing does."""
+
+    def __init__(self):
+        self.pause = POLL_MIN_S
+
+    def idle(self) -> None:
+        time.sleep(self.pause)
+        self.pause = min(self.pause * 2, POLL_MAX_S)
+
+    def busy(self) -> None:
+        self.pause = POLL_MIN_S
+
+
+class Progress:
+    """The notifications and WRITEs of one NIXL ``agent`` (the transport's, named ``host``): its inbox by
+    (peer, role, stream key), its WRITEs under way, and the thread that polls them (see the module docstring)."""
+
+    def __init__(self, agent, host: str):
+        self.agent = agent
+        self.host = host
+        self._lock = threading.Lock()  # inbox, ended jobs, waiters' events
+        self._pump_lock = threading.Lock()  # one thread takes and routes the agent's notifications at a time
+        # WRITEs under way: NIXL sends a WRITE's notification only when a poll of its state finds it done, so every
+        # poll polls them all (a ring's sender waits for the next round's post while its last round's WRITEs still
+        # need polls); a handle leaves the set, under the lock, before its release
+        self._xfer_lock = threading.Lock()
+        self.inflight: set = set()
+        self._finished: dict[Any, str] = {}  # handle -> DONE or ERR, as a poll found it, until its release
+        self._inbox: dict[tuple, deque] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()
+        self._events: dict[Hashable, threading.Event] = {}
+        self._idle = threading.Condition()  # the thread sleeps on it while nothing waits and nothing is under way
+        self._waiting = 0
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    # -- notifications ---------------------------------------------------------------------------------------
+
+    def notify(self, peer: str, msg: bytes) -> None:
+        try:
+            self.agent.send_notif(peer, msg)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
+            raise UnavailableError(f"agent {self.host} could not notify host {peer} over NIXL: {e}") from None
+
+    def pump(self) -> bool:
+        """Poll the WRITEs under way, take the agent's new notifications (both make progress), file each under its
+        stream and wake whoever waits for it; whether anything came. Routing happens under the pump's lock, so a
+        post's metadata is loaded before a later post that relies on it is filed."""
+        if not self._pump_lock.acquire(blocking=False):
+            return False
+        try:
+            agent = self.agent
+            if agent is None:
+                return False
+            ended = []
+            with self._xfer_lock:
+                for handle in self.inflight:
+                    if handle not in self._finished:
+                        state = self._poll(handle)
+                        if state in FINISHED:
+                            self._finished[handle] = state
+                            ended.append(handle)
+            notifs = agent.get_new_notifs()
+            for peer, msgs in notifs.items():
+                peer = peer.decode() if isinstance(peer, bytes) else peer
+                for msg in msgs:
+                    self._route(peer, msg)
+            for handle in ended:
+                self._wake(("xfer", handle))
+            return bool(notifs) or bool(ended)
+        finally:
+            self._pump_lock.release()
+
+    def _route(self, peer: str, msg: bytes) -> None:
+        kind, key, payload = decode(msg)
+        if kind == b"D":
+            _, mdlen, _ = POST.unpack_from(payload)
+            try:
+                for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
+                    self.agent.add_remote_agent(blob)  # here before any WRITE into it
+            except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (the peer went away meanwhile)
+                # the stream that waits for this post fails naming the host, not whichever stream was polling
+                kind, payload = b"E", f"{type(e).__name__}: {e}".encode()
+        role = "out" if kind in (b"D", b"K", b"E") else "in"
+        waiter = (peer, role, key)
+        with self._lock:
+            if key.job in self._ended:
+                return
+            self._inbox.setdefault(waiter, deque()).append((kind, payload))
+            event = self._events.get(waiter)
+        if event is not None:
+            event.set()
+
+    def take(self, peer: str, role: str, key) -> tuple[bytes, bytes] | None:
+        """The oldest notification filed under (peer, role, key), or None."""
+        with self._lock:
+            q = self._inbox.get((peer, role, key))
+            if not q:
+                return None
+            item = q.popleft()
+            if not q:
+                del self._inbox[peer, role, key]
+            return item
+
+    def linger(self) -> None:
+        """Make progress a moment longer, so the last message this agent sent (a cancel) leaves it."""
+        backoff, end = Backoff(), time.monotonic() + LINGER_S
+        while time.monotonic() < end:
+            self.pump()
+            backoff.idle()
+
+    def detach(self, job: str) -> None:
+        """Drop what is left of the job's notifications, and those that come late."""
+        with self._lock:
+            self._ended[job] = None
+            while len(self._ended) > ENDED_KEPT:
+                self._ended.popitem(last=False)
+            for k in [k for k in self._inbox if k[2].job == job]:
+                del self._inbox[k]
+
+    # -- waiting -----------------------------------------------------------------------------------------------
+
+    def wait(self, waiter: Hashable, ready: Callable[[], T | None], check: Callable[[], None],
+             deadline: float) -> T | None:
+        """``ready()``'s first result that is not None, or None once ``deadline`` (monotonic) passed; ``ready`` runs
+        whenever the poll finds something for ``waiter`` (a (peer, role, stream key) or ("xfer", handle)), and with
+        ``check`` (which raises to stop waiting) at least every `CHECK_S`."""
+        event = threading.Event()
+        with self._lock:
+            self._events[waiter] = event
+        self._enter()
+        try:
+            while True:
+                got = ready()
+                if got is not None:
+                    return got
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                event.wait(min(CHECK_S, left))
+                event.clear()  # what set it is found by the next ready()
+        finally:
+            with self._lock:
+                if self._events.get(waiter) is event:
+                    del self._events[waiter]
+            self._leave()
+
+    def _wake(self, waiter: Hashable) -> None:
+        with self._lock:
+            event = self._events.get(waiter)
+        if event is not None:
+            event.set()
+
+    def _enter(self) -> None:
+        with self._idle:
+            self._waiting += 1
+            self._start()
+
+    def _leave(self) -> None:
+        with self._idle:
+            self._waiting -= 1
+
+    def _start(self) -> None:
+        """Start the thread (under ``_idle``) or wake it."""
+        if self._closed:
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"nixl-progress-{self.host}", daemon=True)
+            self._thread.start()
+        self._idle.notify()
+
+    def _busy(self) -> bool:
+        return bool(self._waiting) or len(self.inflight) > len(self._finished)
+
+    def _run(self) -> None:
+        backoff = Backoff()
+        while True:
+            with self._idle:
+                while not self._closed and not self._busy():
+                    self._idle.wait()
+                if self._closed:
+                    return
+            try:
+                progressed = self.pump()
+            except Exception:  # noqa: BLE001 - a poll that fails is a stream's error, met where it waits
+                log.exception("host %s: polling NIXL failed", self.host)
+                progressed = False
+            if progressed:
+                backoff.busy()
+            else:
+                backoff.idle()
+
+    # -- WRITEs ------------------------------------------------------------------------------------------------
+
+    def track(self, handle) -> None:
+        """A WRITE was posted: polled from now on, until its `release`."""
+        with self._xfer_lock:
+            self.inflight.add(handle)
+        with self._idle:
+            self._start()
+
+    def state(self, handle) -> str | None:
+        """DONE or ERR once the WRITE ended (a poll here if none found it yet), else None."""
+        with self._xfer_lock:
+            state = self._finished.get(handle)
+        if state is None:
+            state = self._poll(handle)
+        return state if state in FINISHED else None
+
+    def _poll(self, handle) -> str:
+        try:
+            return self.agent.check_xfer_state(handle)
+        except Exception as e:  # noqa: BLE001 - NIXL raises its own error types (NIXL_ERR_REMOTE_DISCONNECT)
+            log.debug("host %s: a WRITE failed: %s", self.host, e)  # its own stream meets it and names the host
+            return "ERR"
+
+    def release(self, handle) -> None:
+        with self._xfer_lock:
+            self.inflight.discard(handle)
+            self._finished.pop(handle, None)
+        self.agent.release_xfer_handle(handle)
+
+    def close(self) -> None:
+        """Stop the thread; the agent goes with the transport."""
+        with self._idle:
+            self._closed = True
+            self._idle.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(5)
+        self.agent = None
