@@ -400,7 +400,43 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
     if d is None:
         return False
     lo, hi = b[d]
+    if hi - lo > 2:  # rows of one tile, each contiguous (a column split's box): placed by their stride
+        spaced = _spaced(b, d, place)
+        if spaced is not None:
+            device, owner, first, nbytes, stride = spaced
+            if hi - lo > most or (where and where[0] != device):
+                return False
+            if not where:
+                where.extend((device, [], False))
+            if not any(o is owner for o in where[1]):
+                where[1].append(owner)
+            for k in range(hi - lo):
+                addr = first + k * stride
+                if runs and runs[-1][0] + runs[-1][1] == addr:
+                    runs[-1] = (runs[-1][0], runs[-1][1] + nbytes)
+                else:
+                    runs.append((addr, nbytes))
+            return len(runs) <= most
     return all(_visit(b[:d] + ((i, i + 1),) + b[d + 1:], place, most, runs, where) for i in range(lo, hi))
+
+
+def _spaced(b: Box, d: int, place) -> tuple[str, np.ndarray, int, int, int] | None:
+    """Where the first and the last slice of ``b`` along dim ``d`` are each one contiguous region of one buffer on
+    one device, ``stride`` bytes a slice apart as that buffer's dim ``d`` is: (device, owner, the first slice's
+    address, a slice's bytes, stride). A tile is a box, so every slice between them lies in it too, at its place in
+    that stride: `_visit` need not ask ``place`` for each (a call of Python per row of a column split)."""
+    lo, hi = b[d]
+    ends = [place(b[:d] + ((i, i + 1),) + b[d + 1:]) for i in (lo, hi - 1)]
+    if any(got is None or type(got[1]) is not np.ndarray or not got[1].flags.c_contiguous for got in ends):
+        return None
+    (device, first), (other, last) = ends
+    owner, head = owner_of(first)
+    if owner is None or other != device or owner_of(last)[0] is not owner or head.nbytes != last.nbytes:
+        return None
+    stride = first.strides[d] if first.ndim == len(b) else 0
+    if not stride or last.ctypes.data - head.ctypes.data != (hi - 1 - lo) * stride:
+        return None
+    return device, owner, head.ctypes.data, head.nbytes, stride
 
 
 class Landing:

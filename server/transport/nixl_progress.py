@@ -70,6 +70,7 @@ class Progress:
         self._events: dict[Hashable, threading.Event] = {}
         self._idle = threading.Condition()  # the thread sleeps on it while nothing waits and nothing is under way
         self._waiting = 0
+        self._asleep = False  # the thread waits on ``_idle``: only then does a new waiter or WRITE notify it
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -207,7 +208,8 @@ class Progress:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name=f"nixl-progress-{self.host}", daemon=True)
             self._thread.start()
-        self._idle.notify()
+        elif self._asleep:
+            self._idle.notify()
 
     def _busy(self) -> bool:
         return bool(self._waiting) or len(self.inflight) > len(self._finished)
@@ -217,7 +219,9 @@ class Progress:
         while True:
             with self._idle:
                 while not self._closed and not self._busy():
+                    self._asleep = True
                     self._idle.wait()
+                    self._asleep = False
                 if self._closed:
                     return
             try:
@@ -236,7 +240,7 @@ class Progress:
         """A WRITE was posted: polled from now on, until its `release`."""
         with self._xfer_lock:
             self.inflight.add(handle)
-        with self._idle:
+        with self._idle:  # notifies the thread only where it sleeps: else it is polling, and finds it
             self._start()
 
     def state(self, handle) -> str | None:

@@ -23,7 +23,7 @@ from reshard.many import plan_many
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import TCP_MIN_RUN_BYTES, NixlTransport, nixl_missing
-from reshard.server.transport.nixl_memory import pair_runs
+from reshard.server.transport.nixl_memory import pair_runs, place_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
@@ -151,6 +151,33 @@ def test_one_write_pairs_local_and_remote_runs_cut_wherever_either_ends():
     mine, theirs = pair_runs(local, remote, 2, 10)  # the chunk is bytes 2..12 of the remote runs
     assert mine.tolist() == [[1000, 1], [1001, 5], [2000, 4]]
     assert theirs.tolist() == [[52, 1], [80, 5], [90, 4]]
+
+
+def test_a_column_split_box_lands_at_its_rows_stride_asking_the_sink_for_two_rows_not_each():
+    tile = np.zeros((64, 256), np.float32)
+    calls = []
+
+    def place(sub):
+        calls.append(sub)
+        return _placing("b/0", tile)(sub)
+
+    box = ((0, 64), (64, 128))  # 64 rows of 256 bytes, 1 KiB apart
+    device, owners, runs, segments = place_runs(box, place, 1000)
+    assert device == "b/0" and len(owners) == 1 and owners[0] is tile and not segments
+    assert runs == [(tile[i, 64:].ctypes.data, 256) for i in range(64)]
+    assert len(calls) == 3  # the whole box, then its first and last row
+    calls.clear()
+    assert place_runs(box, place, 63) is None and len(calls) == 3  # more runs than allowed: no call per row either
+    assert place_runs(((0, 64), (0, 256)), place, 1) == ("b/0", [tile], [(tile.ctypes.data, tile.nbytes)], False)
+    top, bottom = tile[:32], np.zeros((32, 256), np.float32)  # rows in two tiles on two devices: found row by row
+
+    def two(sub):
+        (r0, r1), cols = sub
+        return (_placing("b/0", top)(sub) if r1 <= 32 else
+                _placing("b/1", bottom)(((r0 - 32, r1 - 32), cols)) if r0 >= 32 else None)
+
+    assert place_runs(box, two, 1000) is None
+    assert place_runs(((0, 32), (64, 128)), two, 1000)[2] == [(top[i, 64:].ctypes.data, 256) for i in range(32)]
 
 
 def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
