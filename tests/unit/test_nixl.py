@@ -468,6 +468,31 @@ def test_idle_agents_burn_no_cpu(pair):
     assert time.process_time() - t0 < 0.1  # no progress thread: nothing runs between transfers
 
 
+def test_streams_waiting_on_a_silent_peer_leave_the_polling_to_one_thread(pair, monkeypatch):
+    """Eight receives posted to a peer that sends nothing: only the agent's progress thread polls NIXL (each
+    waiting thread polled for itself before, thousands of wake-ups a sync on 2 shared cores), and every wait still
+    gives up on time, naming the host."""
+    import threading
+
+    a, b = pair
+    callers = set()
+    pump = b._progress.pump
+
+    def counted() -> bool:
+        callers.add(threading.current_thread().name)
+        return pump()
+
+    monkeypatch.setattr(b._progress, "pump", counted)
+    s = Session("quiet", "p", {0: "float32"}, {})
+    waits = [in_thread(f"recv-{i}", lambda i=i: list(b.arrivals(s, StreamKey("quiet", 0, i), "a", ((0, 64),),
+                                                                      lambda sub: None))) for i in range(8)]
+    for i, wait in enumerate(waits):
+        with pytest.raises(UnavailableError, match=f"job quiet: host a sent nothing of stream {i} of step 0 within "
+                                                   f"0.5s"):
+            wait.result(10)
+    assert callers == {"nixl-progress-b"}
+
+
 def test_metadata_nixl_cannot_load_is_refused_naming_the_host(pair):
     """The planner hands out what agents registered; bytes that are no NIXL agent's are a caller's mistake, named
     as such, and the peers already known stay usable."""
