@@ -22,7 +22,10 @@ chunk ``C``     the sender WRITEs each chunk into the part of the runs its bytes
                 chunk's byte range and sub-box, and arrives after its bytes, so the receiver
                 yields the chunk as a `Piece` of the landed bytes, in stream order: a chain
                 hop forwards chunk k (WRITE from its own region) while k + 1 arrives
-trailer ``T``   bytes, XXH3-64 and chunk count, a notification of its own after the last
+trailer ``T``   bytes, XXH3-64 and chunk count; it rides on the notification of the chunk that
+                fills the posted runs (``c``, ``s``: trailer, then the chunk's fields), whose
+                WRITE waits for it (a box in one chunk, most of a bucketed sync's streams,
+                costs one message, not two), else a notification of its own after the last
                 chunk; the receiver yields the `Trailer` once every chunk landed
 confirm ``K``   the receiver has every chunk and the trailer; the sender's ``wait`` waits for
                 it: a message leaves an agent only while the agent makes progress, so the
@@ -144,6 +147,7 @@ class _Out(Outgoing):
         self.offset = 0
         self.chunks = 0
         self.pending: deque = deque()  # (handle, what keeps its source alive, staging buffer or None)
+        self.held: tuple | None = None  # the chunk that fills the posted runs, posted with the trailer (`end`)
 
     def _posted(self) -> _Remote:
         if self.remote is None:
@@ -248,32 +252,51 @@ class _Out(Outgoing):
     def _write(self, box: Box, local: tuple[np.ndarray, np.ndarray], n: int, keep, staged) -> None:
         """One WRITE of chunk ``box``, ``n`` bytes in the ``local`` runs (addresses, offsets), into the next bytes
         of the receiver's runs; ``keep`` stays referenced until it ends, ``staged`` goes back to scratch then.
-        Into a mapped shared segment, a copy here, then the chunk's notification."""
+        Into a mapped shared segment, a copy here, then the chunk's notification. The chunk that fills the
+        posted runs is held for the trailer to ride on (`_post`, from `end`)."""
         note = CHUNK.pack(self.offset, n, len(box)) + box_bytes(box)
         if self.remote.local is not None:
             mine, theirs = pair_runs(local, (self.remote.local, self.remote.cum), self.offset, n)
             shm.copy(theirs[:, 0], mine[:, 0], mine[:, 1])
             if staged is not None:
                 self.t._unscratch(staged)
-            self.t._notify(self.peer, encode(b"S", self.key, note))
-            self.t._progress.pump()  # a notification leaves only while its agent makes progress: on its way now
             self.t.shared.copied_out(n)
-            self.offset += n
-            self.chunks += 1
-            return
-        mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
-        local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
-        local_descs[:, :2] = mine
-        remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
-        remote_descs[:, :2] = theirs
-        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, encode(b"C", self.key, note))
-        self.pending.append((handle, keep, staged))
+            chunk = (b"S", note, None, None, None, None)
+        else:
+            mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
+            local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
+            local_descs[:, :2] = mine
+            remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
+            remote_descs[:, :2] = theirs
+            chunk = (b"C", note, local_descs, remote_descs, keep, staged)
         self.offset += n
         self.chunks += 1
+        if self.offset == self.remote.nbytes:
+            self.held = chunk
+        else:
+            self._post(chunk)
+
+    def _post(self, chunk: tuple, trailer: bytes = b"") -> None:
+        """Post a chunk `_write` made: its WRITE (notification ``C``), or, copied into a mapped segment already,
+        its notification ``S``; with ``trailer`` riding on it (``c``, ``s``)."""
+        kind, note, local_descs, remote_descs, keep, staged = chunk
+        if trailer:
+            kind, note = kind.lower(), trailer + note
+        if local_descs is None:
+            self.t._notify(self.peer, encode(kind, self.key, note))
+            self.t._progress.pump()  # a notification leaves only while its agent makes progress: on its way now
+            return
+        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, encode(kind, self.key, note))
+        self.pending.append((handle, keep, staged))
 
     def end(self, nbytes: int, digest: int) -> None:
         self._posted()  # an empty stream too: the trailer then goes down a connection the post proved
-        self.t._notify(self.peer, encode(b"T", self.key, TRAILER.pack(nbytes, digest, self.chunks)))
+        trailer = TRAILER.pack(nbytes, digest, self.chunks)
+        if self.held is not None:
+            chunk, self.held = self.held, None
+            self._post(chunk, trailer)
+        else:
+            self.t._notify(self.peer, encode(b"T", self.key, trailer))
 
     def _finish(self, entry, timeout: float) -> None:
         handle, _, staged = entry
@@ -291,6 +314,10 @@ class _Out(Outgoing):
         return None  # every receiving host reports to the planner itself
 
     def cancel(self) -> None:
+        if self.held is not None:
+            staged, self.held = self.held[5], None
+            if staged is not None:
+                self.t._unscratch(staged)
         try:
             self.t._notify(self.peer, encode(b"X", self.key))
         except Exception as e:  # noqa: BLE001 - the receiver then fails on its own deadline
@@ -576,6 +603,9 @@ class NixlTransport(Transport):
                 if kind == b"T":
                     trailer = TRAILER.unpack_from(payload)
                     continue
+                if kind in (b"c", b"s"):  # the last chunk, the trailer riding on it
+                    trailer = TRAILER.unpack_from(payload)
+                    kind, payload = kind.upper(), payload[TRAILER.size:]
                 off, n, ndim = CHUNK.unpack_from(payload)
                 if landing is None or off + n > nbytes:
                     raise InvalidArgumentError(f"job {key.job}: host {peer} wrote bytes {off}..{off + n} of stream "

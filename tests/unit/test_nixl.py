@@ -78,6 +78,36 @@ def test_each_buffer_is_registered_once_and_reused_by_the_next_job(pair):
     assert b.registrations == 0  # a buffer that is freed is deregistered first
 
 
+def test_the_trailer_rides_on_the_chunk_that_fills_the_box_and_goes_alone_after_a_frame_shorter_than_its_post(pair,
+                                                                                                            monkeypatch):
+    """A box in one chunk (most streams of a bucketed sync) costs one notification, not two: its trailer goes with
+    the chunk that fills the posted runs. Where the stream ends short of its post (a delta frame, posted at the most
+    it may take), the trailer goes alone."""
+    from reshard.server.transport.nixl_memory import decode
+
+    a, b = pair
+    kinds = []
+    notify = a._notify
+
+    def counted(peer: str, msg: bytes) -> None:
+        kinds.append(decode(msg)[0])
+        notify(peer, msg)
+
+    monkeypatch.setattr(a, "_notify", counted)
+    src = np.random.default_rng(2).standard_normal((64, 64)).astype(np.float32)  # 16 KiB: one chunk
+    pieces, trailer = _move(a, b, "one-chunk", src, ((0, 64), (0, 64)), lambda sub: None)
+    assert len(pieces) == 1 and bytes(memoryview(pieces[0].data)) == src.tobytes()
+    assert trailer == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()), False)
+    assert b"T" not in kinds  # a WRITE's own notification, or an "s" for a copy into a shared tile
+    s = Session("short", "p", {0: "uint8"}, {})
+    key = StreamKey("short", 0, 0)
+    out = in_thread("send", lambda: (o := a.open(s, key, "b"), o.put(((0, 100),), np.ones(100, np.uint8)),
+                                     o.end(100, xxhash.xxh3_64_intdigest(b"\x01" * 100)), o.wait(5)))
+    items = list(b.arrivals(s, key, "a", ((0, 256),), lambda sub: None))  # posted for 256 bytes, sent 100
+    out.result(5)
+    assert kinds[-1] == b"T" and items[-1].nbytes == 100 and bytes(items[0].data) == b"\x01" * 100
+
+
 def test_a_strided_box_lands_run_by_run_in_the_middle_of_a_destination_tile(pair):
     a, b = pair
     src = np.random.default_rng(1).standard_normal((64, 1024)).astype(np.float32)
@@ -418,6 +448,7 @@ def test_a_write_into_an_agent_that_died_fails_only_its_own_stream_naming_the_ho
         dying = Session("dies", "p", {0: "uint8"}, {})
         out = a.open(dying, StreamKey("dies", 0, 0), "c")
         out.put(((0, n),), np.ones(n, np.uint8))
+        out.end(n, 0)  # the chunk that fills the box goes with its trailer
         assert a._agent.check_xfer_state(next(iter(a._progress.inflight))) == "PROC"  # the WRITE is under way
         child.send_signal(signal.SIGKILL)
         child.wait(10)
