@@ -68,7 +68,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -138,6 +138,18 @@ class _Remote:
         self.mapped: list[np.ndarray] = []  # the mappings ``local`` lies in, held while the stream copies
 
 
+class _Chunk(NamedTuple):
+    """A chunk `_Out._write` made, to post: its notification's kind and fields, and for a WRITE its descriptors,
+    what keeps its source alive and its staging buffer (None where it was copied into a mapped segment)."""
+
+    kind: bytes
+    note: bytes
+    local_descs: np.ndarray | None = None
+    remote_descs: np.ndarray | None = None
+    keep: Any = None
+    staged: np.ndarray | None = None
+
+
 class _Out(Outgoing):
     """One stream to a peer: each chunk a WRITE into the runs the peer posted, then the trailer."""
 
@@ -147,7 +159,7 @@ class _Out(Outgoing):
         self.offset = 0
         self.chunks = 0
         self.pending: deque = deque()  # (handle, what keeps its source alive, staging buffer or None)
-        self.held: tuple | None = None  # the chunk that fills the posted runs, posted with the trailer (`end`)
+        self.held: _Chunk | None = None  # the chunk that fills the posted runs, posted with the trailer (`end`)
 
     def _posted(self) -> _Remote:
         if self.remote is None:
@@ -261,14 +273,14 @@ class _Out(Outgoing):
             if staged is not None:
                 self.t._unscratch(staged)
             self.t.shared.copied_out(n)
-            chunk = (b"S", note, None, None, None, None)
+            chunk = _Chunk(b"S", note)
         else:
             mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
             local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
             local_descs[:, :2] = mine
             remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
             remote_descs[:, :2] = theirs
-            chunk = (b"C", note, local_descs, remote_descs, keep, staged)
+            chunk = _Chunk(b"C", note, local_descs, remote_descs, keep, staged)
         self.offset += n
         self.chunks += 1
         if self.offset == self.remote.nbytes:
@@ -276,7 +288,7 @@ class _Out(Outgoing):
         else:
             self._post(chunk)
 
-    def _post(self, chunk: tuple, trailer: bytes = b"") -> None:
+    def _post(self, chunk: _Chunk, trailer: bytes = b"") -> None:
         """Post a chunk `_write` made: its WRITE (notification ``C``), or, copied into a mapped segment already,
         its notification ``S``; with ``trailer`` riding on it (``c``, ``s``)."""
         kind, note, local_descs, remote_descs, keep, staged = chunk
@@ -315,7 +327,7 @@ class _Out(Outgoing):
 
     def cancel(self) -> None:
         if self.held is not None:
-            staged, self.held = self.held[5], None
+            staged, self.held = self.held.staged, None
             if staged is not None:
                 self.t._unscratch(staged)
         try:

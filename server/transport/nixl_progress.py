@@ -68,6 +68,9 @@ class Progress:
         self._inbox: dict[tuple, deque] = {}
         self._ended: OrderedDict[str, None] = OrderedDict()
         self._events: dict[Hashable, threading.Event] = {}
+        # A thread waits for one thing at a time: its event is made once and reused (a wait is per chunk). A waker
+        # that looked it up as the last wait ended may still set it; the next wait then looks once more, no harm.
+        self._own = threading.local()
         self._idle = threading.Condition()  # the thread sleeps on it while nothing waits and nothing is under way
         self._waiting = 0
         self._asleep = False  # the thread waits on ``_idle``: only then does a new waiter or WRITE notify it
@@ -165,7 +168,10 @@ class Progress:
         """``ready()``'s first result that is not None, or None once ``deadline`` (monotonic) passed; ``ready`` runs
         whenever the poll finds something for ``waiter`` (a (peer, role, stream key) or ("xfer", handle)), and with
         ``check`` (which raises to stop waiting) at least every `CHECK_S`."""
-        event = threading.Event()
+        event = getattr(self._own, "event", None)
+        if event is None:
+            event = self._own.event = threading.Event()
+        event.clear()
         with self._lock:
             self._events[waiter] = event
         self._enter()
