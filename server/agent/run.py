@@ -345,7 +345,9 @@ class Run(Session):
             def read(device: str, tensor: str, box: Box):
                 return self.read(device, tensor, box)
 
-            if self.transport.scatters and not home_receivers(bucket.step.transfer):
+            # A delta stream diffs member by member (`deltas.encode_frame` reads `Segments`): packing the new
+            # bytes into one buffer first would copy every member for nothing.
+            if (self.transport.scatters or step.id in self.deltas) and not home_receivers(bucket.step.transfer):
                 gathered = bucket.gather(read, self.source_shards)
                 if gathered is not None:
                     return gathered, bucket.step.transfer.box

@@ -312,7 +312,10 @@ def test_a_bucket_of_mixed_dtypes_moves_as_one_frame(transport, request):
         program = plan_many(list(decls.values()), bucket_bytes=16384).validate()
         assert len(bucket_moves(program)) >= 4
         bases = {n: (SRC_BASE, DST_BASE) for n in tensors if n != "m3"}
+        packed = {h: hosts.stores[h].host_bytes for h in HOSTS[:2]}
         _, runs = _run(hosts, program, "", bases, reads={n: (n, NEW) for n in tensors}, src_version=0)
+        # the senders diff each bucket member where it lies: no bucket is packed into a buffer first
+        assert {h: hosts.stores[h].host_bytes for h in HOSTS[:2]} == packed
         for n, (_, b) in tensors.items():
             assert hosts.get(n, decls[n].dst, b.shape, NEW + 1).tobytes() == b.tobytes(), n
         on_wire, wire, full = _traffic(runs)
