@@ -67,11 +67,12 @@ _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _MAX_VARINT_NBYTES = 9  # 63 bits: a gap is below the element count, which indexes memory
 # What a delta costs its hosts beyond the wire, as passes over a box's bytes at the host's memory rate (the
 # agents' probe: a copy's bytes read plus written per second): a sender's diff of the box against its base
-# (both digests, the comparison, the indices, the values, the frame) and a receiver's apply (the base's digest,
-# its copy into the new tile, the values scattered, the result's digest). `bench/delta_codec.py` measures both
-# against the probe in one process: at RL change rates (1-4%), 9-28 and 6-16 passes on this project's shared
-# 2-core machine, the higher figures when it was busiest; these are near the top, so a delta is chosen where it
-# pays even then. The planner prices a delta with them (`delta=None`: a delta where it pays).
+# (both digests, the comparison, the indices, the values, the frame) and a receiver's apply (its base's copy into
+# the new tile, the values scattered, the result's digest; its base's digest only where that does not match).
+# `bench/delta_codec.py` measures both against the probe in one process: at RL change rates (1-4%), 9-28 and 6-16
+# passes on this project's shared 2-core machine, the higher figures when it was busiest, the receiver's while it
+# still hashed its base too (a pass more); these are near the top, so a delta is chosen where it pays even then.
+# The planner prices a delta with them (`delta=None`: a delta where it pays).
 SENDER_PASSES = 20.0
 RECEIVER_PASSES = 12.0
 

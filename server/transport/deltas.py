@@ -30,12 +30,16 @@ receives (collective, nixl) reads the head's payload length, or posts a landing 
 most a frame of the box can take: each segment falls back to ``full`` where a delta would be larger, so a frame is at
 most the box's bytes plus ``44 + 40 m``.
 
-Checks at the receiver, before anything is written into a destination: the trailer (DATA_LOSS); each segment's base
-on each receiving device, held and of the sender's base digest (else FAILED_PRECONDITION beginning
-`DELTA_BASE_MISMATCH`, naming the tensor: the planner then moves it whole); the applied box against the new digest
-(DATA_LOSS). The result is applied straight into the destination where the sink offers its region (a staged tile's,
-or a bucket's members'), else into a buffer written into the sink whole; either way only staged buffers, which a
-failed job never commits.
+Checks at the receiver: the trailer (DATA_LOSS), before anything is written into a destination; each segment's base
+held on each receiving device (else FAILED_PRECONDITION beginning `DELTA_BASE_MISMATCH`, naming the tensor: the
+planner then moves it whole); the applied box against the new digest. That last check is what proves the new
+version, so a receiver hashes its bases only where it fails: a base whose digest differs from the sender's is then
+`DELTA_BASE_MISMATCH`, naming each such tensor, and a box rebuilt from bases that all match is DATA_LOSS. (A base
+that differs only where the delta overwrites it rebuilds the new box exactly, and passes.) Hashing every base
+first cost a receiver a pass over every box it holds, a third of a delta's hashing, to learn nothing the result's
+digest does not. The result is applied straight into the destination where the sink offers its region (a staged
+tile's, or a bucket's members'), else into a buffer written into the sink whole; either way only staged buffers,
+which a failed job never commits.
 
 Memory, per delta stream in flight: the sender holds the frame (at most the box plus the headers above), the new box
 packed where its region is strided (a bucket: packed as for a full move), and one segment's base and encode
@@ -307,9 +311,10 @@ def _lengths(frame: np.ndarray) -> list[int]:
 
 
 def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=None):
-    """The new box on ``device``: each segment's encoding applied to ``device``'s base, every base checked first
-    against the sender's digest (`DELTA_BASE_MISMATCH` naming each tensor that differs), and the result against the
-    new box's digest (DATA_LOSS). Written into ``out`` where given (a C-contiguous array of the box's bytes, such as
+    """The new box on ``device``: each segment's encoding applied to ``device``'s base, and the result checked
+    against the new box's digest; where it differs, or a base is not held, `DELTA_BASE_MISMATCH` names each tensor
+    whose base is missing or differs from the sender's digest, and a result rebuilt from matching bases is DATA_LOSS
+    (the module's checks). Written into ``out`` where given (a C-contiguous array of the box's bytes, such as
     the destination tile's region, or `Segments`, one per segment: a bucket's members in their tiles), which is
     returned; else into new packed bytes (uint8)."""
     _, _, m, _, _, base_sent, new_sent = HEAD.unpack_from(frame)
@@ -327,9 +332,9 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
         if flat.nbytes != d.nbytes or not out.flags.c_contiguous:
             raise AssertionError(f"step {d.step}: a delta lands in {d.nbytes} C-contiguous bytes")
         targets = [flat[seg.lo:seg.hi] for seg in d.segments]
-    differ = []
+    missing = []  # segments whose base this device does not hold
     for k, seg in enumerate(d.segments):
-        length, base_digest = int(table[k, 0]), int(table[k, 1])
+        length = int(table[k, 0])
         if at + length > len(frame):
             raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step} runs past the "
                                        f"frame's {len(frame)} bytes")
@@ -352,26 +357,16 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
                 into[...] = np.frombuffer(delta.payload, dtype=np.uint8)
                 continue
         old = d.receiver_base(device, k)
-        src_v, dst_v = seg.versions
         if old is None:
-            differ.append(f"tensor '{seg.name}': device {device} holds no version {dst_v} with "
-                          f"{_where(job, d, seg)} (the sender diffed against version {src_v})")
-            continue
-        held = digest(old)
-        if held != base_digest:
-            differ.append(f"tensor '{seg.name}': version {dst_v} on device {device} has XXH3-64 {held:016x} in "
-                          f"{_where(job, d, seg)}, the sender's base (version {src_v} on {d.sender}) "
-                          f"{base_digest:016x}")
-            continue
-        if differ:
+            missing.append(k)
+        if missing:
             continue  # the job fails anyway: find every tensor that differs, apply nothing more
         try:
             apply(_items(old, seg.itemsize), delta, out=_items(into, seg.itemsize))
         except DeltaError as e:
             raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
-    if differ:
-        raise FailedPreconditionError(f"{DELTA_BASE_MISMATCH}: " + "; ".join(differ)
-                                      + ": the planner moves these tensors whole")
+    if missing:
+        _bases_differ(job, d, table, device, missing)
     if at != len(frame) or _table_digest(table) != base_sent:
         raise DataLossError(f"job {job}: the delta frame of step {d.step} is inconsistent: its segments take "
                             f"{at} of its {len(frame)} bytes, their base digests XXH3-64 {_table_digest(table):016x} "
@@ -381,10 +376,34 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
     else:
         got = digest(flat)
     if got != new_sent:
+        _bases_differ(job, d, table, device, [])  # the bases are hashed only now, to name the cause
         raise DataLossError(f"job {job}: step {d.step} applied on device {device} gives XXH3-64 {got:016x}, but the "
                             f"sender's box has {new_sent:016x}: the delta does not rebuild it, so the job fails and no "
                             f"host commits it")
     return out
+
+
+def _bases_differ(job: str, d: DeltaStream, table: np.ndarray, device: str, missing: list[int]) -> None:
+    """Raise `DELTA_BASE_MISMATCH` naming every segment of ``d`` whose base ``device`` does not hold (``missing``)
+    or holds with a digest other than the sender's (the table's second column); return where there is none."""
+    differ = []
+    for k, seg in enumerate(d.segments):
+        if seg.versions is None:
+            continue
+        src_v, dst_v = seg.versions
+        old = None if k in missing else d.receiver_base(device, k)
+        if old is None:
+            differ.append(f"tensor '{seg.name}': device {device} holds no version {dst_v} with "
+                          f"{_where(job, d, seg)} (the sender diffed against version {src_v})")
+            continue
+        held, base_digest = digest(old), int(table[k, 1])
+        if held != base_digest:
+            differ.append(f"tensor '{seg.name}': version {dst_v} on device {device} has XXH3-64 {held:016x} in "
+                          f"{_where(job, d, seg)}, the sender's base (version {src_v} on {d.sender}) "
+                          f"{base_digest:016x}")
+    if differ:
+        raise FailedPreconditionError(f"{DELTA_BASE_MISMATCH}: " + "; ".join(differ)
+                                      + ": the planner moves these tensors whole")
 
 
 def take_first(items: Iterable) -> tuple[Piece | Trailer | None, Iterator]:

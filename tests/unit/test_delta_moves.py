@@ -20,6 +20,7 @@ from reshard.proto.layout import digest, np_dtype
 from reshard.routes import hops
 from reshard.server.agent.buckets import bucket_moves
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
+from reshard.server.transport import deltas
 from reshard.server.transport.deltas import (HEAD, DeltaStream, Segment, apply_frame, encode_frame, frame_ranges,
                                              read_head)
 from reshard.server.transport.faults import CorruptFrame, DeltaBaseDiffers
@@ -143,6 +144,30 @@ def test_a_base_that_differs_or_is_not_held_names_each_tensor():
     assert text.startswith(f"{DELTA_BASE_MISMATCH}: tensor 'store0': version {DST_BASE} on device host3/0 has "
                            f"XXH3-64 {digest(stale):016x}"), text
     assert f"tensor 'store1': device host3/0 holds no version {DST_BASE}" in text and "step 3 of job job9" in text
+
+
+def test_a_receiver_hashes_its_bases_only_where_the_result_does_not_match(monkeypatch):
+    """The result's digest proves the new box; the bases are hashed only to name a mismatch. A base that differs
+    only where the delta overwrites it rebuilds the box exactly, so it passes."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal(4000).astype(np.float32)
+    new = _changed(a, rng, 0.02)
+    moved = np.flatnonzero(new.view(np.uint32) != a.view(np.uint32))
+    overwritten = a.copy()
+    overwritten[moved[:5]] = 7.0  # differs from the sender's base only at elements the delta writes
+    d, packed = _stream([(a, new)], held=[overwritten])
+    frame = encode_frame("j", d, packed)
+    hashed = []
+    real = deltas.digest
+    monkeypatch.setattr(deltas, "digest", lambda data: hashed.append(len(data)) or real(data))
+    assert apply_frame("j", d, frame.data, "host1/0").tobytes() == packed.tobytes()
+    assert sorted(hashed) == [8, packed.nbytes]  # the table's base digests (8 bytes) and the result, not the base
+    stale = a.copy()
+    stale[np.setdiff1d(np.arange(a.size), moved)[0]] += 1  # a difference the delta leaves in place
+    d, packed = _stream([(a, new)], held=[stale])
+    with pytest.raises(FailedPreconditionError, match=rf"^{DELTA_BASE_MISMATCH}: tensor 'store0': version "
+                                                      rf"{DST_BASE} on device host1/0 has XXH3-64"):
+        apply_frame("j", d, encode_frame("j", d, packed).data, "host1/0")
 
 
 def test_a_sender_without_its_base_refuses_to_encode():
