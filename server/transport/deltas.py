@@ -42,9 +42,11 @@ tile's, or a bucket's members'), else into a buffer written into the sink whole;
 which a failed job never commits.
 
 Memory, per delta stream in flight: the sender holds the frame (at most the box plus the headers above), the new box
-packed where its region is strided (a bucket: packed as for a full move), and one segment's base and encode
-temporaries at a time (about twice the segment); a receiver holds the frame, the applied box, and one segment's base
-copy and decoded encoding at a time. Both are bounded by about twice the box (a bucket: ``bucket_mib``) per stream.
+packed where its region is strided (a bucket: each member where it lies, copied only where its region is strided;
+packed whole, as for a full move, where the bucket also has receivers on the sender's host), and one segment's base
+and encode temporaries at a time (about twice the segment); a receiver holds the frame, the applied box, and one
+segment's base copy and decoded encoding at a time. Both are bounded by about twice the box (a bucket:
+``bucket_mib``) per stream.
 """
 
 from __future__ import annotations
