@@ -365,10 +365,42 @@ def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any,
         else:
             x32 = _float32(inputs[0])
             scales = _float32(inputs[1]) if scaled else fp8_block_scales(x32, block)
+            # the float32 matrix is the kernel's own where it widened bfloat16 bits: it may be divided in place
+            widened = _host_dtype(inputs[0]) == np.uint16
+            if not want_scales and widened and _quantized_in_place(x32, scales, block, output):
+                return
             values = scales if want_scales else float32_to_float8_e4m3fn(_over_blocks(x32, scales, block), x32)
         buffers.write(output, whole, whole, values)
 
     return run
+
+
+def _host_dtype(x) -> np.dtype:
+    return buffers.host_array(x).dtype if buffers.is_torch(x) else np.asarray(x).dtype
+
+
+def _quantized_in_place(x32: np.ndarray, scales: np.ndarray, block: int, output) -> bool:
+    """Quantize by torch's ops in place, where this process has torch loaded: ``x32`` (a float32 matrix the kernel
+    made, so it may be written) divided by its blocks' scales, saturated, and cast into ``output`` (a host tile of
+    fp8 codes, C-contiguous) as it is copied there. The numpy path's operations in its order, so the same bits
+    (tests/core/test_fp8_kernels.py runs both against the reference), with no temporary of the tile's size (the
+    general path makes three: the quotients, their saturation and the codes, then copies the codes in). False, and
+    nothing done, where it does not apply: no torch, another output, a matrix of short blocks, or a NaN (whose sign
+    the general path takes from the input)."""
+    torch = _loaded_torch()
+    m, n = x32.shape
+    if (torch is None or not x32.size or m % block or n % block or not isinstance(output, np.ndarray)
+            or output.dtype != np.uint8 or output.shape != x32.shape or not output.flags.c_contiguous
+            or not output.flags.writeable or not x32.flags.c_contiguous or not x32.flags.writeable):
+        return False
+    if np.isnan(x32.max()):  # NaN where any element is, in one pass with no mask
+        return False
+    t = torch.from_numpy(x32)
+    per_block = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))[:, None, :, None]
+    t.view(m // block, block, n // block, block).div_(per_block)
+    t.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # torch makes NaN of what is past e4m3fn's range
+    torch.from_numpy(output).view(torch.float8_e4m3fn).copy_(t)
+    return True
 
 
 # name -> fn(input regions, output region, params): the compute steps' implementations on this agent; the
