@@ -28,7 +28,7 @@ __all__ = ["KERNELS"]
 class _Numpy:
     @staticmethod
     def operand(x):
-        x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+        x = _host(x)
         if x.dtype == np.uint16:  # bfloat16 bits: the high half of a float32
             return bfloat16_to_float32(x)
         return x
@@ -224,9 +224,14 @@ def _copy(inputs: list, output, params: dict) -> None:
 # -- the fp8 cast of the serving format (the rules, zeros and non-finite values: `reshard.kernels`) ----------------
 
 
+def _host(x) -> np.ndarray:
+    """A tile as a numpy array on the host: a CPU torch tensor's memory, or the array itself."""
+    return buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+
+
 def _float32(x) -> np.ndarray:
     """A host tile's values as float32: bfloat16 bits widened exactly, any other dtype converted."""
-    x = buffers.host_array(x) if buffers.is_torch(x) else np.asarray(x)
+    x = _host(x)
     return bfloat16_to_float32(x) if x.dtype == np.uint16 else x.astype(np.float32, copy=False)
 
 
@@ -363,20 +368,16 @@ def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any,
             given = _Torch.operand(inputs[1], output.device) if scaled else None
             values = _torch_fp8(_Torch.operand(inputs[0], output.device), block, want_scales, given)
         else:
-            x32 = _float32(inputs[0])
+            x = _host(inputs[0])
+            x32 = _float32(x)
             scales = _float32(inputs[1]) if scaled else fp8_block_scales(x32, block)
             # the float32 matrix is the kernel's own where it widened bfloat16 bits: it may be divided in place
-            widened = _host_dtype(inputs[0]) == np.uint16
-            if not want_scales and widened and _quantized_in_place(x32, scales, block, output):
+            if not want_scales and x.dtype == np.uint16 and _quantized_in_place(x32, scales, block, output):
                 return
             values = scales if want_scales else float32_to_float8_e4m3fn(_over_blocks(x32, scales, block), x32)
         buffers.write(output, whole, whole, values)
 
     return run
-
-
-def _host_dtype(x) -> np.dtype:
-    return buffers.host_array(x).dtype if buffers.is_torch(x) else np.asarray(x).dtype
 
 
 def _quantized_in_place(x32: np.ndarray, scales: np.ndarray, block: int, output) -> bool:
