@@ -1,7 +1,7 @@
 """GPU bench: CUDA shards handed over and moved by CUDA IPC and by gRPC, each against the plain copy it should approach.
 
 Two agents (``host0``, ``host1``) on one GPU (``--device``, ``cuda:0``) and a planner run as local
-processes, transport ``grpc``; this process plays the training rank. For an int32 tensor of
+processes, transport ``grpc`` (then ``nixl``, for its row); this process plays the training rank. For an int32 tensor of
 ``--mib`` MiB (4096), then of ``--small-mib`` MiB (256), on that GPU it measures, best of
 ``--repeats`` (5) each:
 
@@ -25,6 +25,11 @@ put_shard no-ipc     d2h pageable, >= 0.5x    ``put_shard(..., ipc=False)``, as 
 put_shard stream     d2h pageable             ``put_shard(..., ipc=False)`` from a client with
                                               ``shared_memory=False``: a gRPC byte stream through
                                               pinned host buffers (what another machine gets)
+agent-to-agent nixl  device copy              ``agent-to-agent ipc`` on a second cluster whose agents
+                                              run ``--transport nixl``: one-sided WRITEs from GPU
+                                              memory into GPU memory (VRAM: UCX's CUDA IPC on one
+                                              machine, GPU-direct RDMA across machines), checked by
+                                              the GPU digest; where NIXL is missing its note says so
 ==================== ======================== ========================================================
 
 GB/s is the tensor's bytes over the seconds. Goals are judged at ``--mib`` only: there a call's
@@ -65,6 +70,7 @@ AGAINST = {
     "agent-to-agent ipc": ("device copy", 0.5),
     "put_shard no-ipc": ("d2h pageable", 0.5),
     "put_shard stream": ("d2h pageable", None),
+    "agent-to-agent nixl": ("device copy", None),
 }
 ROWS = (*FLOORS, *AGAINST)
 GOAL_ROWS = tuple(name for name, (_, goal) in AGAINST.items() if goal is not None)
@@ -387,6 +393,7 @@ def sizes_mib(args: argparse.Namespace) -> list[int]:
 
 def run(args: argparse.Namespace, report: Report) -> None:
     import reshard
+    from reshard.server.transport.nixl_api import nixl_missing
 
     with reshard.local_cluster(hosts=2, devices_per_host=1, device=args.device, transport="grpc") as c:
         for mib in sizes_mib(args):
@@ -394,6 +401,19 @@ def run(args: argparse.Namespace, report: Report) -> None:
             bench = Bench(c, args.device, mib, args, report)
             try:
                 bench.rows()
+            finally:
+                bench.close()
+    missing = nixl_missing()
+    if missing:
+        for mib in sizes_mib(args):
+            report.add({"name": "agent-to-agent nixl", "mib": mib, "note": f"not run: {missing}"})
+        return
+    with reshard.local_cluster(hosts=2, devices_per_host=1, device=args.device, transport="nixl") as c:
+        for mib in sizes_mib(args):
+            print(f"{mib} MiB over nixl, best of {args.repeats}:", flush=True)
+            bench = Bench(c, args.device, mib, args, report)
+            try:
+                bench.row("agent-to-agent nixl", bench.agent_to_agent)
             finally:
                 bench.close()
 

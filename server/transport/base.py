@@ -70,6 +70,9 @@ class Transport(ABC):
     # lands in their destination tiles (`streams.Segments`), with no packed copy at either end; False: packed
     scatters = False
     lanes = 0  # active transports: how many of a job's tasks may run at once
+    # A box bound for a region of a GPU tile is received into GPU memory (`Sink.place_device` offers it to
+    # ``arrivals``' ``place``); False: such a box lands in host memory and is copied to the GPU
+    lands_on_gpu = False
 
     def __init__(self, host: str, *, chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None,
                  stall_timeout_s: float | None = None):

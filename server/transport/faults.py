@@ -47,6 +47,7 @@ class Wrapped(Transport):
     def __init__(self, inner: Transport):
         self.inner = inner
         self.name, self.passive, self.lanes, self.scatters = inner.name, inner.passive, inner.lanes, inner.scatters
+        self.lands_on_gpu = inner.lands_on_gpu
         self.host, self.chunk_bytes, self.timeout_s = inner.host, inner.chunk_bytes, inner.timeout_s
         self.throttle, self.mailbox, self.scratch = inner.throttle, inner.mailbox, inner.scratch
 

@@ -11,8 +11,12 @@
                   chunk as its region of the source tile where the agent digested the box
                   early (``Outgoing.put_region``), else packed and digested as it goes (a
                   gathered bucket: whole members per chunk, ``Outgoing.put_parts``), the
-                  trailer ``(nbytes, xxh3_64)``, byte accounting
-``relay``         the receiving loop of one stream: forward, write, count, check the trailer
+                  trailer ``(nbytes, xxh3_64)``, byte accounting; to a receiver that lands
+                  it in GPU memory (``Outgoing.device_digest``: nixl into VRAM) each chunk
+                  as its region, the trailer holding the GPU digest
+``relay``         the receiving loop of one stream: forward, write, count, check the trailer; a
+                  piece landed in GPU memory is copied into the tile on the GPU, digested in
+                  the same pass
 ``send_ipc``      a stream that carries no bytes: the box as one CUDA IPC handle of its region
                   (`Transport.ipc_to`: agents on one machine's GPUs), then the trailer with the
                   GPU digest (`reshard.proto.devices`); the receiver maps the region, copies it
@@ -43,7 +47,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.mesh import host_of
 from reshard.plans import Transfer
-from reshard.proto.devices import DeviceChecksum, share_cuda, torch_dtype
+from reshard.proto.devices import DeviceChecksum, is_cuda, share_cuda, torch_dtype
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops
@@ -65,10 +69,11 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
     then goes as its region of ``array`` (`Outgoing.put_region`: a one-sided transport writes it from the tile, with
     no packed copy); without it the running digest reads each chunk's bytes, which then go packed (`Outgoing.put`)."""
     out = transport.open(s, key, peer)
-    check = Checksum(digest=digest is None)
     dtype, np_type = s.dtype(key.step)
     sent = 0
     try:
+        device = out.device_digest()  # the receiver lands the box in GPU memory: the GPU digest, each chunk in place
+        check = DeviceChecksum() if device else Checksum(digest=digest is None)
         if isinstance(array, Gather):  # a bucket from its members' regions: whole members per chunk
             for sub, parts in array.chunks(transport.chunk_bytes):
                 s.check()
@@ -79,7 +84,7 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 out.put_parts(sub, parts)
                 sent += hi - lo
                 s.traffic.add_out(peer, hi - lo, origin_bytes)
-            return out.finish(sent, check.xxh3_64, transport.timeout_s)
+            return out.finish(sent, _digest(check), transport.timeout_s)
         for sub in chunk_boxes(box, dtype, out.chunk_bytes(transport.chunk_bytes)):
             s.check()
             n = boxes.volume(sub) * np_type.itemsize
@@ -87,7 +92,12 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 continue
             transport.throttle.wait(n)
             view = region(array, sub, origin)
-            if digest is None:
+            if device:
+                if is_cuda(view) and not view.is_contiguous():
+                    view = view.contiguous()  # packed once on the GPU, for the digest and the WRITE alike
+                check.update(view)
+                out.put_region(sub, view)
+            elif digest is None:
                 data = host_bytes(view)
                 check.update(data)
                 out.put(sub, data)
@@ -95,10 +105,17 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 out.put_region(sub, view)
             sent += n
             s.traffic.add_out(peer, n, origin_bytes)
+        if device:
+            return out.finish(sent, _digest(check), transport.timeout_s)
         return out.finish(sent, digest.result() if digest is not None else check.xxh3_64, transport.timeout_s)
     except BaseException:
         out.cancel()
         raise
+
+
+def _digest(check: Checksum | DeviceChecksum) -> int:
+    """What a trailer holds of ``check``: the GPU digest, or the XXH3-64."""
+    return check.value if isinstance(check, DeviceChecksum) else check.xxh3_64
 
 
 def send_ipc(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box,
@@ -140,6 +157,12 @@ def _take_ipc(transport: Transport, s: Session, key: StreamKey, peer: str, item:
             f"namespace) move bytes instead when started with reshard agent --no-cuda-ipc") from None
     if src.dtype != torch_dtype(dtype):
         raise InvalidArgumentError(f"job {key.job}: the CUDA IPC piece maps as {src.dtype}, not {dtype}")
+    _land_device(sub, src, sink, local, check)
+
+
+def _land_device(sub: Box, src, sink: Sink, local: list[str], check: DeviceChecksum) -> None:
+    """Write CUDA tensor ``src`` (box ``sub``) into ``local``'s tiles on the GPU, adding it to ``check``: copied and
+    digested in one pass where a tile's region is contiguous, else digested, then written."""
     place = getattr(sink, "place_device", None)
     spot = place(local, sub) if place is not None else None
     landed = None
@@ -161,18 +184,21 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
     writing it into ``local``'s buffers, then check the trailer; returns who verified the box."""
     forward = transport.open(s, StreamKey(key.job, key.step, key.hop + 1), forward_to) if forward_to else None
     check = Checksum(digest=forward is None)  # a forwarding hop leaves the digest to the chain's last hop
-    on_gpu: DeviceChecksum | None = None  # a CUDA IPC stream's digest, summed where its pieces lie
+    on_gpu: DeviceChecksum | None = None  # the digest of a stream of GPU pieces, summed where they lie
+    # Where the next hop lands the box in the other kind of memory than this one (nixl: GPU memory against host
+    # memory), it checks the other digest: this hop digests what it forwards in that kind for its trailer
+    onward: Checksum | DeviceChecksum | None = None
     dtype = s.dtype(key.step)[1]
     try:
         for item in items:
             if isinstance(item, Trailer):
                 if forward is not None:
-                    forward.end(item.nbytes, item.digest)
+                    forward.end(item.nbytes, item.digest if onward is None else _digest(onward))
                 if item.device != (on_gpu is not None) and (on_gpu is not None or check.nbytes):
                     kinds = ("XXH3-64", "GPU digest")
                     raise DataLossError(
                         f"job {key.job}: stream {key.hop} of step {key.step} from {peer} carried "
-                        f"{'CUDA IPC' if on_gpu is not None else 'byte'} pieces but its trailer holds the "
+                        f"{'GPU' if on_gpu is not None else 'host'} pieces but its trailer holds the "
                         f"{kinds[item.device]}, not the {kinds[on_gpu is not None]}")
                 verify(on_gpu if on_gpu is not None else check, item.nbytes, item.digest)
                 if forward is None:
@@ -193,13 +219,28 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
                 raise InvalidArgumentError(
                     f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
                 )
-            n = data.nbytes if isinstance(data, Segments) else memoryview(data).nbytes
+            gpu = is_cuda(data)  # landed in GPU memory (`Transport.lands_on_gpu`): kept there, digested there
+            if forward is not None and not (check.nbytes or on_gpu is not None) and \
+                    forward.device_digest() != gpu:  # the first piece: which digest the next hop checks
+                onward = DeviceChecksum() if forward.device_digest() else Checksum()
+            if onward is not None:
+                feed(onward, host_bytes(data) if gpu and isinstance(onward, Checksum) else data)
+            if gpu and check.nbytes or not gpu and on_gpu is not None:
+                raise InvalidArgumentError(f"job {key.job}: a piece in {'GPU' if gpu else 'host'} memory from {peer} "
+                                           f"in a stream of {'host' if gpu else 'GPU'} pieces")
+            n = data.numel() if gpu else data.nbytes if isinstance(data, Segments) else memoryview(data).nbytes
             if n != boxes.volume(sub) * dtype.itemsize:
                 raise InvalidArgumentError(f"job {key.job}: piece {boxes.box_str(sub)} carries {n} bytes, not "
                                            f"{boxes.volume(sub) * dtype.itemsize}")
             if forward is not None:
                 forward.put(sub, data, item.wire)
                 s.traffic.add_out(forward_to, n, origin=False)
+            if gpu:
+                on_gpu = on_gpu if on_gpu is not None else DeviceChecksum()
+                src = data.view(torch_dtype(s.dtype(key.step)[0])).reshape(tile_shape(sub))
+                _land_device(sub, src, sink, local, on_gpu)
+                s.traffic.add_in(peer, n)
+                continue
             arr = None
             for r in local:
                 if r == item.landed:
@@ -271,7 +312,7 @@ def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sin
         if not (isinstance(first, Piece) and isinstance(first.data, IpcRegion)):  # CUDA IPC hops go whole
             return _take_frame(transport, s, key, t, delta, items, sink, local, nxt, peer)
     if items is None:
-        items = transport.arrivals(s, key, peer, t.box, lambda sub: sink.place(local, sub))
+        items = transport.arrivals(s, key, peer, t.box, _placer(transport, sink, local))
 
     def verify(check: Checksum, nbytes: int, digest: int) -> None:
         verify_arrival(s.job, step, t, hop, check, nbytes, digest, s.dtype(step)[1].itemsize)
@@ -280,6 +321,15 @@ def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sin
                 sink.digested(r, t.box, digest)
 
     return transport.relay(s, key, peer, t.box, items, sink, local, nxt, verify)
+
+
+def _placer(transport: Transport, sink: Sink, local: list[str]) -> Callable[[Box], tuple[str, object] | None]:
+    """Where a box may land in ``local``'s tiles (`Sink.place`): host regions, and for a transport that lands on GPUs
+    the contiguous regions of GPU tiles too (`Sink.place_device`)."""
+    on_gpu = getattr(sink, "place_device", None) if transport.lands_on_gpu else None
+    if on_gpu is None:
+        return lambda sub: sink.place(local, sub)
+    return lambda sub: sink.place(local, sub) or on_gpu(local, sub)
 
 
 def _take_frame(transport: Transport, s: Session, key: StreamKey, t: Transfer, delta: deltas.DeltaStream,

@@ -74,16 +74,19 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
+from reshard.proto.devices import is_cuda
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
-from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+from reshard.server.transport.buffers import RECYCLE_MIN_BYTES, host_bytes, synchronize
 from reshard.server.transport.nixl_api import api as _api
 from reshard.server.transport.nixl_api import nixl_missing, ucx_tcp_only
 from reshard.server.transport.nixl_memory import (
     CHUNK,
     POST,
     TRAILER,
+    DeviceLanding,
+    DevicePool,
     Landing,
     Pool,
     Registry,
@@ -118,6 +121,10 @@ MIN_RUN_BYTES, TCP_MIN_RUN_BYTES = 1024, 64 << 10
 # this (measured on loopback, bench/nixl_path.py) UCX's cost per descriptor outweighs the copy it saves
 SOURCE_RUN_BYTES = 8192
 SHARED_CHUNK_BYTES = 16 << 20  # a stream's chunks into a mapped shared segment (the module table: one machine)
+# A stream's chunks into GPU memory (VRAM): a GPU moves 4 GiB in about 2 ms (an H200, bench/gpu.py), so a chunk
+# costs its WRITE's set-up and notification far more than its bytes; a chain across GPU hosts still forwards chunk
+# by chunk (256 MiB: about 5 ms on one 400 Gbit/s NIC)
+DEVICE_CHUNK_BYTES = 256 << 20
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 
 
@@ -128,8 +135,9 @@ class _Remote:
     """A receiver's post: the runs its box lands in, and where they are mapped here when they lie in shared
     segments this agent could map (``local``; None: WRITEs)."""
 
-    def __init__(self, device: int, runs: np.ndarray):
+    def __init__(self, device: int, runs: np.ndarray, vram: bool = False):
         self.device = device
+        self.vram = vram  # GPU memory of that device: WRITEs go to VRAM, and the trailer holds the GPU digest
         self.addrs = runs[:, 0].astype(np.int64)
         self.lens = runs[:, 1].astype(np.int64)
         self.cum = np.concatenate(([0], np.cumsum(self.lens)))  # where each run starts, and the end
@@ -148,6 +156,7 @@ class _Chunk(NamedTuple):
     remote_descs: np.ndarray | None = None
     keep: Any = None
     staged: np.ndarray | None = None
+    local_kind: str = "DRAM"  # where the local runs lie: VRAM for a GPU source (the descriptors name its device)
 
 
 class _Out(Outgoing):
@@ -167,9 +176,9 @@ class _Out(Outgoing):
             kind, msg = self.t._await(self.s, self.peer, "out", self.key, "did not post its receive of",
                                       self.t.timeout_s)
             assert kind == b"D", kind
-            device, mdlen, offered = POST.unpack_from(msg)
+            device, mdlen, offered, vram = POST.unpack_from(msg)
             at = POST.size + mdlen
-            remote = _Remote(device, np.frombuffer(msg[at + offered:], dtype=np.uint64).reshape(-1, 2))
+            remote = _Remote(device, np.frombuffer(msg[at + offered:], dtype=np.uint64).reshape(-1, 2), bool(vram))
             try:
                 mapped = self.t.shared.map(self.peer, msg[at:at + offered], remote.addrs, remote.lens)
             except shm.NotShared as e:
@@ -182,12 +191,22 @@ class _Out(Outgoing):
             self.remote = remote
         return self.remote
 
-    def chunk_bytes(self, default: int) -> int:  # into a mapped shared segment (known once the receiver posted)
-        return max(default, SHARED_CHUNK_BYTES) if self._posted().local is not None else default
+    def chunk_bytes(self, default: int) -> int:  # into a mapped shared segment or GPU memory (known once posted)
+        remote = self._posted()
+        if remote.vram:
+            return max(default, DEVICE_CHUNK_BYTES)
+        return max(default, SHARED_CHUNK_BYTES) if remote.local is not None else default
+
+    def device_digest(self) -> bool:
+        """The receiver lands the box in GPU memory (its post said VRAM): the trailer holds the GPU digest."""
+        return self._posted().vram
 
     def put(self, box: Box, data, wire=None) -> None:
         if isinstance(data, Segments):  # a chain hop forwards a bucket from where it landed
             self.put_parts(box, list(data))
+            return
+        if is_cuda(data):  # a chain hop forwards what landed in its GPU memory
+            self._put_device(box, data)
             return
         n = memoryview(data).nbytes
         if not n:
@@ -203,6 +222,9 @@ class _Out(Outgoing):
     def put_region(self, box: Box, view) -> None:
         """WRITE ``box`` from the source tile's own runs, registered through the cache, where ``view`` is a numpy
         view of a host buffer whose runs average `SOURCE_RUN_BYTES` or more: no staging copy; else packed."""
+        if is_cuda(view):
+            self._put_device(box, view)
+            return
         found = source_runs(view, max(1, view.nbytes // SOURCE_RUN_BYTES)) if isinstance(view, np.ndarray) else None
         if found is None:
             super().put_region(box, view)
@@ -251,6 +273,23 @@ class _Out(Outgoing):
         cum = np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64))))
         self._write(box, (np.asarray(addrs, dtype=np.int64), cum), n, parts, staged)
 
+    def _put_device(self, box: Box, t) -> None:
+        """WRITE ``box`` from GPU tensor ``t`` where it lies (VRAM, its tensor registered through the cache; a
+        strided one packed on its GPU first) into the receiver's GPU memory; to a receiver that posted host memory,
+        through host bytes."""
+        if not self._posted().vram:
+            self.put(box, host_bytes(t))
+            return
+        n = t.numel() * t.element_size()
+        if not n:
+            return
+        self._ready(n)
+        t = t.contiguous()
+        self.t._memory.register_device(t)
+        synchronize(t)  # its bytes as queued on this agent's stream: NIXL's copy runs on a stream of its own
+        self._write(box, (np.array([t.data_ptr()], np.int64), np.array([0, n], np.int64)), n, t, None,
+                    ("VRAM", t.device.index or 0))
+
     def _ready(self, n: int) -> None:
         """Wait for the receiver's post and for room in the window for ``n`` more bytes."""
         remote = self._posted()
@@ -261,11 +300,13 @@ class _Out(Outgoing):
         while len(self.pending) >= WINDOW:
             self._finish(self.pending.popleft(), self.t.timeout_s)
 
-    def _write(self, box: Box, local: tuple[np.ndarray, np.ndarray], n: int, keep, staged) -> None:
+    def _write(self, box: Box, local: tuple[np.ndarray, np.ndarray], n: int, keep, staged,
+               kind: tuple[str, int] = ("DRAM", 0)) -> None:
         """One WRITE of chunk ``box``, ``n`` bytes in the ``local`` runs (addresses, offsets), into the next bytes
         of the receiver's runs; ``keep`` stays referenced until it ends, ``staged`` goes back to scratch then.
         Into a mapped shared segment, a copy here, then the chunk's notification. The chunk that fills the
-        posted runs is held for the trailer to ride on (`_post`, from `end`)."""
+        posted runs is held for the trailer to ride on (`_post`, from `end`). ``kind``: the memory the local runs
+        lie in (DRAM, VRAM), and its device."""
         note = CHUNK.pack(self.offset, n, len(box)) + box_bytes(box)
         if self.remote.local is not None:
             mine, theirs = pair_runs(local, (self.remote.local, self.remote.cum), self.offset, n)
@@ -276,11 +317,11 @@ class _Out(Outgoing):
             chunk = _Chunk(b"S", note)
         else:
             mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
-            local_descs = np.zeros((len(mine), 3), dtype=np.uint64)
+            local_descs = np.full((len(mine), 3), kind[1], dtype=np.uint64)
             local_descs[:, :2] = mine
             remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
             remote_descs[:, :2] = theirs
-            chunk = _Chunk(b"C", note, local_descs, remote_descs, keep, staged)
+            chunk = _Chunk(b"C", note, local_descs, remote_descs, keep, staged, kind[0])
         self.offset += n
         self.chunks += 1
         if self.offset == self.remote.nbytes:
@@ -291,14 +332,15 @@ class _Out(Outgoing):
     def _post(self, chunk: _Chunk, trailer: bytes = b"") -> None:
         """Post a chunk `_write` made: its WRITE (notification ``C``), or, copied into a mapped segment already,
         its notification ``S``; with ``trailer`` riding on it (``c``, ``s``)."""
-        kind, note, local_descs, remote_descs, keep, staged = chunk
+        kind, note, local_descs, remote_descs, keep, staged, local_kind = chunk
         if trailer:
             kind, note = kind.lower(), trailer + note
         if local_descs is None:
             self.t._notify(self.peer, encode(kind, self.key, note))
             self.t._progress.pump()  # a notification leaves only while its agent makes progress: on its way now
             return
-        handle = self.t._write(self.s, self.peer, self.key, local_descs, remote_descs, encode(kind, self.key, note))
+        handle = self.t._write(self.s, self.peer, self.key, (local_kind, local_descs),
+                               ("VRAM" if self.remote.vram else "DRAM", remote_descs), encode(kind, self.key, note))
         self.pending.append((handle, keep, staged))
 
     def end(self, nbytes: int, digest: int) -> None:
@@ -349,6 +391,7 @@ class NixlTransport(Transport):
     name = "nixl"
     passive = False  # receivers post their receives (`arrivals`), as the collective transport's do
     scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
+    lands_on_gpu = True  # a box bound for a GPU tile lands in GPU memory (VRAM), not host scratch
 
     def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 4, chunk_bytes: int, timeout_s: float,
                  throttle: Throttle | None = None, stall_timeout_s: float | None = None,
@@ -375,6 +418,7 @@ class NixlTransport(Transport):
         self._peers: dict[str, bytes] = {}
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
+        self._device_pool = DevicePool(self._memory)  # GPU memory a box bound for a GPU tile lands in
         # One copy into the receiver's shared segments between agents of one machine (`shm`); ``None``: where UCX
         # may use shared memory too (its environment is set before this agent is made: `server/agent/ucx.py`)
         self.shared = shm.Sharing(host, shm.allowed(os.environ) if shared_memory is None else shared_memory)
@@ -386,8 +430,13 @@ class NixlTransport(Transport):
 
     @property
     def scratch_bytes(self) -> int:
-        """Bytes of the transport's own buffers (`Pool`: scratch and staging), kept for reuse until it closes."""
+        """Bytes of the transport's own host buffers (`Pool`: scratch and staging), kept for reuse until it closes."""
         return self._pool.nbytes
+
+    @property
+    def device_scratch_bytes(self) -> int:
+        """Bytes of GPU memory the transport keeps for boxes bound for GPU tiles to land in (`DevicePool`)."""
+        return self._device_pool.nbytes
 
     @property
     def registered(self) -> int:
@@ -452,6 +501,7 @@ class NixlTransport(Transport):
         self._progress.close()
         self._memory.close()
         self._pool.close()
+        self._device_pool.close()
         self.shared.close()
         with self._lock:
             self._peers.clear()  # the agent's connections go with it
@@ -506,11 +556,13 @@ class NixlTransport(Transport):
 
     # -- transfers ---------------------------------------------------------------------------------------------
 
-    def _write(self, s: Session, peer: str, key: StreamKey, local: np.ndarray, remote: np.ndarray, note: bytes):
+    def _write(self, s: Session, peer: str, key: StreamKey, local: tuple[str, np.ndarray],
+               remote: tuple[str, np.ndarray], note: bytes):
+        """Post one WRITE of the ``local`` descriptors into the ``remote`` ones, each (memory kind, descriptors)."""
         agent = self._agent
         try:
-            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, "DRAM"),
-                                           agent.get_xfer_descs(remote, "DRAM"), peer, note)
+            handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local[1], local[0]),
+                                           agent.get_xfer_descs(remote[1], remote[0]), peer, note)
             state = agent.transfer(handle)
         except Exception as e:  # noqa: BLE001 - NIXL raises its own error types
             raise UnavailableError(f"job {key.job}: a WRITE of stream {key.hop} of step {key.step} to host {peer} "
@@ -565,7 +617,12 @@ class NixlTransport(Transport):
     def _landing(self, box: Box, nbytes: int, place: Callable[[Box], tuple[str, Any] | None], peer: str) -> Landing:
         """The region ``box`` lands in: its runs in the buffers ``place`` offers (a tile, or a bucket's members'
         tiles) where they hold it all (unregistered where they are shared segments ``peer`` copies into), else a
-        registered scratch buffer."""
+        registered scratch buffer; a box bound for a region of a GPU tile, a registered GPU buffer (`DeviceLanding`):
+        the receiver copies it into the tile on the GPU, digesting it in the same pass."""
+        got = place(box)
+        if got is not None and is_cuda(got[1]):
+            buf = self._device_pool.take(nbytes, got[1].device)
+            return DeviceLanding(buf, nbytes, self._memory.register_device(buf), self._device_pool)
         found = place_runs(box, place, max(1, nbytes // self.min_run_bytes))
         # only into buffers the store's recycler keeps (`RECYCLE_MIN_BYTES`): a smaller tile is fresh memory every
         # run, to register and announce each time, and freed after, which leaves peers knowing memory that
@@ -602,8 +659,10 @@ class NixlTransport(Transport):
                 in_place = landing is not None and landing.device is not None  # not scratch: its tiles may be shared
                 offer = self.shared.offer(peer, landing.owners if in_place else None, offered,
                                           only=in_place and not landing.registrations)
-                self._notify(peer, encode(b"D", key, POST.pack(0, len(metadata), len(offer)) + metadata + offer
-                                          + runs.tobytes()))
+                vram = landing is not None and landing.vram
+                device = (landing.buf.device.index or 0) if vram else 0
+                self._notify(peer, encode(b"D", key, POST.pack(device, len(metadata), len(offer), vram) + metadata
+                                          + offer + runs.tobytes()))
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0
             trailer = None
@@ -633,7 +692,7 @@ class NixlTransport(Transport):
                     got += n
                     chunks += 1
             self._notify(peer, encode(b"K", key))  # on the connection the post went down (`_Out.wait`)
-            yield Trailer(trailer[0], trailer[1])
+            yield Trailer(trailer[0], trailer[1], landing is not None and landing.vram)
         finally:
             self.shared.withdraw(offered)
             if landing is not None:

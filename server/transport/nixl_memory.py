@@ -16,6 +16,10 @@ them, and the byte layout of the notifications that name those runs.
                  two descriptor lists of one WRITE
 ``Landing``      where one incoming box lands (its runs, and the buffers that hold them), and its
                  bytes as landed
+``DevicePool``   GPU buffers (VRAM) registered once and kept: where a box bound for a GPU tile
+                 lands (`DeviceLanding`); a tile's own GPU memory is never offered to a peer
+                 (torch's allocator hands it out again, which `Registry.usable` would bury
+                 for good)
 ``encode``       a notification: kind byte, step, hop, job, payload in our own layout (NIXL's
                  own descriptor serialisation pickles, and no pickle goes on a wire); the
                  payloads' layouts are ``CHUNK``, ``TRAILER`` and ``POST`` (with its shared-
@@ -43,16 +47,17 @@ from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.streams import Segments, StreamKey
 
 __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "blobs", "unblob", "encode", "decode", "box_bytes", "box_of",
-           "Registration", "Registry", "Pool", "owner_of", "source_runs", "parts_runs", "place_runs", "pair_runs",
-           "Landing"]
+           "Registration", "Registry", "Pool", "DevicePool", "owner_of", "source_runs", "parts_runs", "place_runs",
+           "pair_runs", "Landing", "DeviceLanding", "device_root"]
 
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
 CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
 TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
-POST = struct.Struct("<III")  # device id, len(metadata blobs), len(shared-memory offer: `shm.encode_offer`); then
-# the blobs, the offer, and uint64 (address, length) per run
+POST = struct.Struct("<IIIB")  # device id, len(metadata blobs), len(shared-memory offer: `shm.encode_offer`), and
+# whether the runs are GPU memory (VRAM: the stream's trailer then holds the GPU digest); then the blobs, the offer,
+# and uint64 (address, length) per run
 BLOB = struct.Struct("<I")  # the length of one partial metadata blob, before its bytes
 
 
@@ -142,6 +147,21 @@ class Registry:
                 reg = self._regs[key] = Registration(next(self._ids), descs, metadata, self._clear(*key))
                 self.registered += 1
                 weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
+            return reg
+
+    def register_device(self, t) -> Registration:
+        """The registration (VRAM) of the GPU tensor that owns ``t``'s memory (``t``'s base where it is a view),
+        made at its first use and dropped as that tensor is freed, like a host buffer's (`register`)."""
+        root = device_root(t)
+        key = (root.data_ptr(), root.numel() * root.element_size())
+        with self._lock:
+            reg = self._regs.get(key)
+            if reg is None:
+                descs = self._agent.register_memory([(key[0], key[1], root.device.index or 0, "")], "VRAM")
+                metadata = self._agent.get_partial_agent_metadata(descs, False)
+                reg = self._regs[key] = Registration(next(self._ids), descs, metadata, self._clear(*key))
+                self.registered += 1
+                weakref.finalize(root, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
     def usable(self, owner: np.ndarray) -> bool:
@@ -258,6 +278,58 @@ class Pool:
         with self._lock:
             self._free.clear()
             self._maps.clear()
+
+
+class DevicePool:
+    """The transport's own GPU buffers (uint8 torch tensors, VRAM) by device and power-of-two size from
+    `RECYCLE_MIN_BYTES`, each registered once and kept until the transport closes: a box bound for a GPU tile lands
+    in one (`DeviceLanding`). Kept, not freed: torch's allocator would hand a freed buffer's memory to a tile, where
+    a peer that knew it must never write again (`Registry.usable`). What it holds is `nbytes`: a buffer of the
+    largest box per stream that was in flight at once (4 GiB boxes: 4 GiB each)."""
+
+    def __init__(self, registry: Registry):
+        self._registry = registry
+        self._free: dict[tuple[Any, int], list] = {}
+        self._all: list = []
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for b in self._all)
+
+    def take(self, nbytes: int, device) -> Any:
+        """A registered buffer (uint8, on ``device``) of at least ``nbytes``; give it back with `put`."""
+        import torch
+
+        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        with self._lock:
+            free = self._free.get((device, size))
+            if free:
+                return free.pop()
+        buf = torch.empty(size, dtype=torch.uint8, device=device)
+        self._registry.register_device(buf)
+        with self._lock:
+            self._all.append(buf)
+        return buf
+
+    def put(self, buf) -> None:
+        """Take ``buf`` back once the work queued on its GPU is done (a copy out of it may still be queued)."""
+        import torch
+
+        torch.cuda.current_stream(buf.device).synchronize()
+        with self._lock:
+            self._free.setdefault((buf.device, buf.numel()), []).append(buf)
+
+    def close(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._all.clear()
+
+
+def device_root(t):
+    """The torch tensor whose memory ``t`` views (``t`` itself where it is no view)."""
+    return t if t._base is None else t._base
 
 
 # -- runs -------------------------------------------------------------------------------------------------
@@ -444,6 +516,8 @@ class Landing:
     a scratch buffer, handed back by ``release``). ``segments``: a piece over several runs is handed on as
     `Segments` of them (a bucket's sink takes those) rather than copied into one buffer."""
 
+    vram = False  # host memory (`DeviceLanding`: GPU memory)
+
     def __init__(self, owners: list[np.ndarray], runs: list[tuple[int, int]], device: str | None,
                  registrations: list[Registration], release: Callable[[], None] = lambda: None,
                  segments: bool = False):
@@ -479,3 +553,26 @@ class Landing:
         out = np.concatenate(parts)
         out.flags.writeable = False
         return out
+
+
+class DeviceLanding:
+    """Where one incoming box bound for a GPU tile lands: one run at the start of a `DevicePool` buffer (VRAM);
+    its pieces are uint8 views of the GPU bytes as landed, which the receiver copies into the tile while
+    digesting them (`moves.relay`)."""
+
+    device = None  # not in a tile: every local receiver writes it (`Piece.landed`)
+    segments = False
+    vram = True
+
+    def __init__(self, buf, nbytes: int, registration: Registration, pool: DevicePool):
+        self.buf, self.pool = buf, pool
+        self.owners = [buf]
+        self.addrs = [buf.data_ptr()]
+        self.cum = [0, nbytes]
+        self.registrations = [registration]
+
+    def piece(self, off: int, n: int):
+        return self.buf[off:off + n]
+
+    def release(self) -> None:
+        self.pool.put(self.buf)

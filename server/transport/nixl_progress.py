@@ -117,7 +117,7 @@ class Progress:
     def _route(self, peer: str, msg: bytes) -> None:
         kind, key, payload = decode(msg)
         if kind == b"D":
-            _, mdlen, _ = POST.unpack_from(payload)
+            _, mdlen, _, _ = POST.unpack_from(payload)
             try:
                 for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
                     self.agent.add_remote_agent(blob)  # here before any WRITE into it

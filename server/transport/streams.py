@@ -69,7 +69,8 @@ class Piece(NamedTuple):
     arrived (a chain hop hands it on unchanged); ``landed`` the receiver whose buffer it was received into."""
 
     box: Box
-    data: Any  # a C-contiguous bytes-like object, or `Segments` (a bucket landed in its members' tiles)
+    data: Any  # a C-contiguous bytes-like object, `Segments` (a bucket landed in its members' tiles), or a uint8
+    # CUDA tensor (landed in GPU memory: `Transport.lands_on_gpu`)
     wire: Any = None
     landed: str | None = None
 
@@ -119,7 +120,8 @@ def feed(check, data) -> None:
 class Trailer(NamedTuple):
     nbytes: int
     digest: int  # XXH3-64 of all the stream's bytes in order
-    device: bool = False  # ``digest`` is the GPU digest (`reshard.proto.devices.DeviceChecksum`): a CUDA IPC stream
+    device: bool = False  # ``digest`` is the GPU digest (`reshard.proto.devices.DeviceChecksum`): a CUDA IPC stream,
+    # or one that landed in GPU memory (`Outgoing.device_digest`)
 
 
 class IpcRegion(NamedTuple):
@@ -200,6 +202,11 @@ class Outgoing(ABC):
         """The size of the pieces this stream's box goes in: ``default`` (the transport's), unless its far end
         takes larger ones at no cost (nixl into a mapped shared segment)."""
         return default
+
+    def device_digest(self) -> bool:
+        """Whether the far end lands the box in GPU memory and checks it by the GPU digest
+        (`reshard.proto.devices.DeviceChecksum`), which the trailer then holds instead of the XXH3-64."""
+        return False
 
     @abstractmethod
     def end(self, nbytes: int, digest: int) -> None:

@@ -41,7 +41,7 @@ def test_a_byte_stream_checks_its_xxh3_trailer():
 
 
 def test_a_byte_stream_whose_trailer_holds_the_gpu_digest_is_data_loss():
-    with pytest.raises(DataLossError, match=r"carried byte pieces but its trailer holds the GPU digest, not the "
+    with pytest.raises(DataLossError, match=r"carried host pieces but its trailer holds the GPU digest, not the "
                                             r"XXH3-64"):
         _relay(Trailer(DATA.nbytes, device_digest(DATA), device=True))
 
