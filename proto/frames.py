@@ -6,7 +6,8 @@ times on the way in (gRPC buffer to ``bytes``, into the parser, out to a new
 ``bytes`` on access) and three on the way out. Here a received piece's data is a
 ``memoryview`` into the one ``bytes`` gRPC hands over, the same ``bytes`` is
 what a chain hop sends on unchanged, and a sender builds each message with one
-copy of the tensor's bytes. Headers and trailers go through the generated code.
+copy of the tensor's bytes. Headers and trailers go through the generated code. A small push goes whole, as one
+``PushChunk.whole`` (`encode_whole`), whose body is the stream's own messages one after the other.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
 from reshard.proto.wire import box_from_pb, box_to_pb
 
-__all__ = ["RawPiece", "encode_piece", "decode_push_chunk"]
+__all__ = ["RawPiece", "encode_piece", "encode_whole", "decode_push_chunk"]
 
-# Field numbers of reshard.proto: PushChunk.piece = 2, Piece.box = 1, Piece.data = 2.
+# Field numbers of reshard.proto: PushChunk.piece = 2, PushChunk.whole = 5, Piece.box = 1, Piece.data = 2.
 _LEN = 2  # wire type of length-delimited fields
 _PUSH_PIECE = 2 << 3 | _LEN
+_PUSH_WHOLE = 5 << 3 | _LEN
 _PIECE_BOX = 1 << 3 | _LEN
 _PIECE_DATA = 2 << 3 | _LEN
 
@@ -71,6 +73,14 @@ def encode_piece(box: Box, data) -> bytes:
     if len(view):  # proto3 leaves an empty bytes field out
         head += bytes([_PIECE_DATA]) + _varint(len(view))
     return b"".join((bytes([_PUSH_PIECE]), _varint(len(head) + len(view)), head, view))
+
+
+def encode_whole(messages: list[bytes]) -> bytes:
+    """``PushChunk(whole=PushWhole(...))`` serialised from a push's ``messages`` as they would stream (its header, its
+    pieces as `encode_piece` writes them, its trailer, each a ``PushChunk``): `PushWhole` numbers its fields as
+    ``PushChunk`` does, so its body is those messages one after the other."""
+    size = sum(map(len, messages))
+    return b"".join((bytes([_PUSH_WHOLE]), _varint(size), *messages))
 
 
 def _skip(buf: bytes, i: int, wire: int) -> int:

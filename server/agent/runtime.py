@@ -166,6 +166,12 @@ class Runtime:
         self._digest_sources(run)
         return run
 
+    def program_bytes(self, sha256: str) -> int | None:
+        """The length of the program text held under ``sha256`` (`_loaded`); None where none is."""
+        with self._lock:
+            hit = self._programs.get(sha256)
+        return None if hit is None else hit[3]
+
     def _load(self, text: str) -> tuple[Program, str]:
         """The program in ``text`` and its id (`_loaded`)."""
         return self._loaded(text)[:2]

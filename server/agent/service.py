@@ -57,14 +57,31 @@ __all__ = ["Agent", "NixlPeers", "serve_agent"]
 log = logging.getLogger(__name__)
 
 _PROGRESS_INTERVAL_S = 0.2
+# An Execute's Prepare whose program text (carried, or held under its SHA-256) is no longer than this, and that carries
+# no read columns, runs on the handler's own thread: it takes a small share of a progress interval, where a thread to
+# load it and the hand-offs to and from that thread cost each host of a small job a few tenths of a millisecond.
+QUICK_PREPARE_BYTES = 64 << 10
 
 
-def _pieces(request_iterator, first_kind: str) -> tuple[object, Iterator]:
+def _push_stream(request_iterator) -> tuple[pb.PushHeader, Iterator]:
+    """A Push's header and the messages after it; a whole push (``PushChunk.whole``, the stream's only message)
+    reads as the header, `Piece` items and `Trailer` it holds."""
     it = iter(request_iterator)
     first = next(it, None)
-    if first is None or isinstance(first, RawPiece) or first.WhichOneof("kind") != "header":
-        raise InvalidArgumentError(f"a {first_kind} stream must open with a header")
+    kind = None if first is None or isinstance(first, RawPiece) else first.WhichOneof("kind")
+    if kind == "whole":
+        return first.whole.header, _whole_items(first.whole)
+    if kind != "header":
+        raise InvalidArgumentError("a Push stream must open with a header")
     return first.header, it
+
+
+def _whole_items(whole: pb.PushWhole) -> Iterator:
+    for p in whole.pieces:
+        yield Piece(box_from_pb(p.box), p.data)
+    if whole.HasField("trailer"):  # else the stream ends without one, which the receiving hop refuses
+        t = whole.trailer
+        yield Trailer(t.nbytes, t.xxh3_64, t.device_digest)
 
 
 class NixlPeers:
@@ -214,12 +231,15 @@ class AgentServicer(pb_grpc.AgentServicer):
 
     @servicer_method
     def Push(self, request_iterator, context):
-        h, it = _pieces(request_iterator, "Push")
+        h, it = _push_stream(request_iterator)
         self.tickets.check(h.ticket, "push", h.job, h.plan_id, what=f"Push of job {h.job[:12]!r} from {h.from_host!r}")
         header = PushHeader(h.job, h.plan_id, h.transfer, h.hop, h.from_host)
 
         def items() -> Iterator:
             for msg in it:
+                if isinstance(msg, (Piece, Trailer)):  # of a whole push
+                    yield msg
+                    continue
                 if isinstance(msg, RawPiece):
                     yield Piece(msg.box, msg.data, msg.frame)
                     continue
@@ -272,6 +292,13 @@ class AgentServicer(pb_grpc.AgentServicer):
         sent, total, steps_done, steps = run.progress()
         return pb.Progress(bytes_done=sent, bytes_total=total, steps_done=steps_done, steps_total=steps, **fields)
 
+    def _quick(self, r: pb.PrepareRequest) -> bool:
+        """Whether Prepare ``r`` is small enough to run without reporting ``loading`` (`QUICK_PREPARE_BYTES`)."""
+        if r.read_tensors or r.read_columns_sha256:
+            return False
+        size = len(r.program_json) if r.program_json else self.runtime.program_bytes(r.program_sha256)
+        return size is not None and size <= QUICK_PREPARE_BYTES
+
     def _loading(self, request, context):
         """Prepare the job an Execute carries, reporting ``loading`` on the stream every progress interval until it
         is done: the planner takes those reports as proof of life (`JobRunner._watch`). Loading a state dict's
@@ -311,7 +338,10 @@ class AgentServicer(pb_grpc.AgentServicer):
             if request.prepare.job != request.job:
                 raise InvalidArgumentError(f"execute of job {request.job} carries the prepare of job "
                                            f"{request.prepare.job}")
-            yield from self._loading(request, context)
+            if self._quick(request.prepare):
+                self._prepare(request.prepare)
+            else:
+                yield from self._loading(request, context)
         run = self.runtime.execute(request.job, request.program_id)
         # The run started: the planner counts a job's hosts started (`Job.started_s`, `Job.handed_s`)
         yield self._progress(run, started_after_s=time.monotonic() - received)

@@ -24,7 +24,7 @@ from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import TlsFiles, channel
 from reshard.proto.errors import FailedPreconditionError
-from reshard.proto.frames import encode_piece
+from reshard.proto.frames import encode_piece, encode_whole
 from reshard.proto.status import domain_error
 from reshard.proto.wire import box_to_pb, message_size_options
 from reshard.server.transport.base import Transport
@@ -169,7 +169,8 @@ SMALL_STREAM_BYTES = 32 << 10
 
 class _SmallWhole(Outgoing):
     """A push held while it stays small (`SMALL_STREAM_BYTES`, ``depth`` pieces) and, where its sender `finish`es
-    it, sent whole in one blocking call on the sender's own thread. Otherwise it becomes the `QueuedOutgoing` that
+    it, sent whole in one blocking call on the sender's own thread, as one message (``PushChunk.whole``: a stream
+    pays a hand-off between threads for each message at both ends). Otherwise it becomes the `QueuedOutgoing` that
     ``streaming`` makes, fed with what was held: as soon as it outgrows that (a CUDA IPC piece at once: the peer
     maps it while the sender digests the region), or at `end`, whose sender goes on meanwhile (a ring's member
     sends its rounds' messages, then receives, and only then waits for its sends).
@@ -220,7 +221,7 @@ class _SmallWhole(Outgoing):
         held, self._held = [*self._held, Trailer(nbytes, digest, False)], []
 
         def messages() -> Iterator[bytes]:
-            yield from _messages(self._header, held)
+            yield encode_whole(list(_messages(self._header, held)))
             self._over.wait()  # open until answered: the only way to cancel a blocking call is from in here
             if self._cancelled:
                 raise _Cancelled("the job failed while its push waited for the peer's answer")

@@ -125,6 +125,26 @@ def fresh_name(request):
 
 
 @contextlib.contextmanager
+def agents_in_process(hosts, devices_per_host: int):
+    """(the cluster, {host: Agent}): agents ``hosts`` running gRPC in this process, registered with the planner of a
+    `LocalCluster` (one spare agent of its own), so that a test can reach into their stores and drive them with
+    signed calls of its own."""
+    from reshard.server.agent.service import Agent
+    from reshard.server.common.config import AgentConfig
+
+    with LocalCluster(1, 1, host_names=["spare"], transport="grpc") as cluster:
+        started = {h: Agent(AgentConfig(h, devices_per_host, cluster.address, transport="grpc", token=cluster.token))
+                   for h in hosts}
+        for a in started.values():
+            a.start()
+        try:
+            yield cluster, started
+        finally:
+            for a in started.values():
+                a.stop()
+
+
+@contextlib.contextmanager
 def reshard_up(*args: str):
     """``reshard up ARGS`` as a user runs it; yields the process and its output up to the "Ctrl-C" line."""
     proc = subprocess.Popen([sys.executable, "-m", "reshard.server.cli", "up", *args], stdout=subprocess.PIPE,

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
-from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto import reshard_pb2_grpc as pb_grpc
 from reshard.proto.auth import METADATA_KEY
 from reshard.server.agent.service import Agent
 from reshard.server.agent.store import TileBuffer
-from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
 from reshard.server.common.tickets import execute_fields, prepare_fields, program_digest, sign
 from reshard.strategies import plan as make_plan
+
+from .conftest import agents_in_process
 
 HOSTS = ("d0", "d1")
 SRC_BASE, DST_BASE, NEW = 1, 7, 2
@@ -34,16 +34,8 @@ SRC_BASE, DST_BASE, NEW = 1, 7, 2
 
 @pytest.fixture(scope="module")
 def agents():
-    with LocalCluster(1, 1, host_names=["spare"], transport="grpc") as cluster:
-        started = {h: Agent(AgentConfig(h, 2, cluster.address, transport="grpc", token=cluster.token))
-                   for h in HOSTS}
-        for a in started.values():
-            a.start()
-        try:
-            yield cluster, started
-        finally:
-            for a in started.values():
-                a.stop()
+    with agents_in_process(HOSTS, 2) as got:
+        yield got
 
 
 def _put(agent: Agent, name: str, a: np.ndarray, sharding: Sharding, version: int) -> None:

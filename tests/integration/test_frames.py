@@ -8,7 +8,7 @@ import xxhash
 
 from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import InvalidArgumentError
-from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece
+from reshard.proto.frames import RawPiece, decode_push_chunk, encode_piece, encode_whole
 from reshard.proto.layout import Checksum
 from reshard.proto.wire import verify_trailer
 
@@ -30,6 +30,18 @@ def test_headers_and_trailers_decode_through_the_generated_classes():
     assert decode_push_chunk(msg.SerializeToString()) == msg
     msg = pb.PushChunk(header=pb.PushHeader(job="j", plan_id="p", transfer=1, hop=2, from_host="h"))
     assert decode_push_chunk(msg.SerializeToString()) == msg
+
+
+def test_a_whole_push_is_the_generated_message_of_its_streams_messages():
+    header = pb.PushChunk(header=pb.PushHeader(job="j", plan_id="p", transfer=1, hop=2, from_host="h"))
+    trailer = pb.PushChunk(trailer=pb.Trailer(nbytes=20, xxh3_64=2**64 - 9))
+    pieces = [(((0, 3),), np.arange(3, dtype=np.int32)), (((3, 5),), np.arange(2, dtype=np.int32))]
+    frame = encode_whole([header.SerializeToString(), *(encode_piece(b, d) for b, d in pieces),
+                          trailer.SerializeToString()])
+    generated = pb.PushChunk(whole=pb.PushWhole(header=header.header, trailer=trailer.trailer, pieces=[
+        pb.Piece(box=pb.Box(lo=[lo for lo, _ in b], hi=[hi for _, hi in b]), data=d.tobytes()) for b, d in pieces]))
+    assert frame == generated.SerializeToString()
+    assert decode_push_chunk(frame) == generated
 
 
 def test_a_piece_with_fields_in_another_order_or_unknown_fields_still_decodes():

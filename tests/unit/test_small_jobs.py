@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
+from reshard.proto import reshard_pb2 as pb
 from reshard.proto.errors import FailedPreconditionError, NotFoundError
 from reshard.routes import hops
 from reshard.server.planner.catalog import Catalog, TensorRecord
@@ -116,19 +117,18 @@ def test_a_push_that_comes_before_its_jobs_prepare_waits_for_it_and_an_abort_end
 
 
 class _Held:
-    """A Push servicer that reads a stream's header, one piece and its trailer, as an agent does, and then answers
-    only once ``answer`` is set."""
+    """A Push servicer that reads a stream's first message, which holds a small push whole, and then answers only
+    once ``answer`` is set."""
 
     def __init__(self):
         self.called = threading.Event()
         self.read = threading.Event()
         self.answer = threading.Event()
+        self.first: pb.PushChunk | None = None
 
     def push(self, request_iterator, context):
         self.called.set()
-        messages = iter(request_iterator)
-        for _ in range(3):
-            next(messages)
+        self.first = pb.PushChunk.FromString(next(iter(request_iterator)))
         self.read.set()
         self.answer.wait(30)
         return b""
@@ -164,6 +164,11 @@ def test_a_small_push_is_one_call_once_whole_and_the_jobs_failure_cancels_it():
         waiting = threading.Thread(target=wait)
         waiting.start()
         assert held.read.wait(10)  # the whole stream is at the peer, which does not answer
+        # in one message: a stream's every message costs a hand-off between threads at both ends
+        whole = held.first.whole
+        assert held.first.WhichOneof("kind") == "whole" and whole.header.job == "job"
+        assert [bytes(p.data) for p in whole.pieces] == [np.arange(16, dtype=np.int32).tobytes()]
+        assert whole.trailer.nbytes == 64
         began = time.monotonic()
         s.fail(FailedPreconditionError("job job was aborted"))
         waiting.join(10)
