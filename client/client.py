@@ -406,6 +406,7 @@ class Client(FrameworkAdapters):
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="reshard-sdk")
         self._agent_devices: dict[str, Optional[pb.AgentDevice]] = {}  # address -> what DescribeDevice said
         self._no_ipc: dict[str, str] = {}  # address -> why CUDA IPC with that agent failed
+        self._addresses: dict[str, str] = {}  # host -> its agent's address, as ListAgents last said (`_require_ipc`)
         self._host_path = HostPath(shared_memory)
         self.cluster = None  # set by local_cluster
 
@@ -475,10 +476,28 @@ class Client(FrameworkAdapters):
 
     def _require_ipc(self, hosts) -> None:
         """Under ``ipc=True``, fail before an upload opens (and holds the name) when an agent of ``hosts`` cannot
-        take a CUDA IPC hand-over."""
-        addresses = {a["host"]: a["address"] for a in self.agents()}
-        for h in sorted(set(hosts) & set(addresses)):
-            self._ipc_with(addresses[h], True)
+        take a CUDA IPC hand-over. The agents' addresses are those the planner last listed (a ListAgents call costs
+        a rank's every put_shard a round trip, and they rarely change); it is asked again where that list lacks one
+        of ``hosts`` or an agent refuses, so an agent that came, or moved to another address, is found then."""
+        hosts = set(hosts)
+        with self._lock:
+            addresses = dict(self._addresses)
+        fresh = not hosts <= addresses.keys()
+        if fresh:
+            addresses = self._list_addresses()
+        while True:
+            try:
+                for h in sorted(hosts & addresses.keys()):
+                    self._ipc_with(addresses[h], True)
+                return
+            except FailedPreconditionError:
+                if fresh:
+                    raise
+            addresses, fresh = self._list_addresses(), True
+
+    def _list_addresses(self) -> dict[str, str]:
+        """Every agent's address by host, asked of the planner now (`agents` keeps them for `_require_ipc`)."""
+        return {a["host"]: a["address"] for a in self.agents()}
 
     def _ipc_failed(self, address: str, ipc: Ipc, error: FailedPreconditionError) -> None:
         """Under ``ipc="auto"``, remember that CUDA IPC with ``address`` does not work and stream from now on."""
@@ -602,6 +621,8 @@ class Client(FrameworkAdapters):
 
     def agents(self) -> list[dict[str, Any]]:
         reply = self._planner_call("ListAgents", pb.Empty())
+        with self._lock:
+            self._addresses = {a.host: a.address for a in reply.agents}
         return [{"host": a.host, "address": a.address, "num_devices": a.num_devices, "up": a.up,
                  "heartbeat_age_s": a.heartbeat_age_s, "transport": a.transport or "grpc", "in_group": a.in_group,
                  "device": a.device or "cpu", "gpu_uuid": a.gpu_uuid, "transport_reason": a.transport_reason,
