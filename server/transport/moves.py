@@ -52,7 +52,7 @@ from reshard.proto.errors import DataLossError, FailedPreconditionError, Invalid
 from reshard.proto.layout import Checksum, chunk_boxes, tile_shape
 from reshard.routes import home_receivers, hop_targets, hops
 from reshard.server.transport import deltas
-from reshard.server.transport.buffers import host_bytes, region
+from reshard.server.transport.buffers import host_bytes, region, synchronize
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Gather, IpcRegion, Piece, Segments, Sink, StreamKey, Trailer, feed
 
@@ -94,9 +94,10 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
             view = region(array, sub, origin)
             if device:
                 if is_cuda(view) and not view.is_contiguous():
-                    view = view.contiguous()  # packed once on the GPU, for the digest and the WRITE alike
-                check.update(view)
+                    view = view.contiguous()  # packed once on the GPU, for the WRITE and the digest alike
+                    synchronize(view)  # packed before the transport's copy, on a stream of its own, reads it
                 out.put_region(sub, view)
+                check.update(view)  # on this GPU while the transport's copy reads the same bytes
             elif digest is None:
                 data = host_bytes(view)
                 check.update(data)
