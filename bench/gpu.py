@@ -27,9 +27,9 @@ put_shard stream     d2h pageable             ``put_shard(..., ipc=False)`` from
                                               pinned host buffers (what another machine gets)
 agent-to-agent nixl  device copy              ``agent-to-agent ipc`` on a second cluster whose agents
                                               run ``--transport nixl``: one-sided WRITEs from GPU
-                                              memory into GPU memory (VRAM: UCX's CUDA IPC on one
-                                              machine, GPU-direct RDMA across machines), checked by
-                                              the GPU digest; where NIXL is missing its note says so
+                                              memory into GPU memory (VRAM: UCX's CUDA IPC between
+                                              agents of one machine), checked by the GPU digest;
+                                              where NIXL is missing its note says so
 ==================== ======================== ========================================================
 
 GB/s is the tensor's bytes over the seconds. Goals are judged at ``--mib`` only: there a call's

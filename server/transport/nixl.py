@@ -52,6 +52,16 @@ one machine     where the box lands in shared segments (`shm`: host tiles are, w
                 memcpy 25 ms). A sender that cannot map them (another
                 kernel, container or user) WRITEs as above. Off, on both ends, where UCX is
                 kept off shared memory (``UCX_TLS``, which ``--nixl-tcp-only`` sets to tcp)
+GPU memory      a box bound for a contiguous region of a GPU tile lands in a GPU buffer of the
+                transport's `DevicePool` (VRAM, registered once, kept), and the post says so;
+                the sender then WRITEs each chunk (`DEVICE_CHUNK_BYTES`) from its GPU tensor
+                where it lies (VRAM, registered through the cache; a strided box packed on
+                the GPU), or from host memory, and the trailer holds the GPU digest
+                (`reshard.proto.devices.DeviceChecksum`), which the receiver computes as it
+                copies each piece into the tile (`moves.relay`). UCX moves it by CUDA IPC on
+                one machine (tested on an H200), by GPU-direct RDMA across machines where the
+                NIC and UCX have it (not tried here). A post of host memory gets host bytes
+                and the XXH3-64, from a GPU source too
 =============== ==============================================================================
 
 A peer that never posts its receive, goes silent or whose WRITE fails fails the stream within ``stall_timeout_s``
