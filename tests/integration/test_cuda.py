@@ -256,6 +256,27 @@ def test_ipc_true_refuses_an_agent_on_the_cpu_and_auto_streams():
         assert torch.equal(c.get("cpu_side", device="cuda:0"), t)
 
 
+def test_puts_by_cuda_ipc_ask_the_planner_for_the_agents_at_most_once(gpu_cluster):
+    """Each put_shard(ipc=True) checks that its agent can map the rank's memory, at the address the planner last
+    listed: one ListAgents for many puts, not one a put (a round trip of every put on a GPU host)."""
+    asked = []
+    one = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None,))
+    t = _tensor((64,), torch.float32)
+    with gpu_cluster.cluster.connect() as c:
+        planner_call = c._planner_call
+
+        def counted(method, *args, **kwargs):
+            asked.append(method)
+            return planner_call(method, *args, **kwargs)
+
+        c._planner_call = counted
+        for _ in range(5):
+            assert c.put_shard("listed_once", "host0/0", t, one, ipc=True)
+            assert torch.equal(c.get_shard("listed_once", "host0/0", to="cuda:0"), t)
+            c.delete("listed_once")
+    assert asked.count("ListAgents") <= 1, asked
+
+
 # -- the GPU digest and CUDA IPC between agents (issue 43) --------------------------------------------------------
 
 @pytest.mark.parametrize("nbytes", [1, 2047, 2048, 2049, 5 * 2**20, 5 * 2**20 + 3])
