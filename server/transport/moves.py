@@ -106,9 +106,8 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 out.put_region(sub, view)
             sent += n
             s.traffic.add_out(peer, n, origin_bytes)
-        if device:
-            return out.finish(sent, _digest(check), transport.timeout_s)
-        return out.finish(sent, digest.result() if digest is not None else check.xxh3_64, transport.timeout_s)
+        return out.finish(sent, digest.result() if digest is not None and not device else _digest(check),
+                          transport.timeout_s)
     except BaseException:
         out.cancel()
         raise
@@ -221,9 +220,10 @@ def relay(transport: Transport, s: Session, key: StreamKey, peer: str, box: Box,
                     f"job {key.job}: piece {boxes.box_str(sub)} lies outside transfer box {boxes.box_str(box)}"
                 )
             gpu = is_cuda(data)  # landed in GPU memory (`Transport.lands_on_gpu`): kept there, digested there
-            if forward is not None and not (check.nbytes or on_gpu is not None) and \
-                    forward.device_digest() != gpu:  # the first piece: which digest the next hop checks
-                onward = DeviceChecksum() if forward.device_digest() else Checksum()
+            if forward is not None and not (check.nbytes or on_gpu is not None):  # the first piece
+                onward_gpu = forward.device_digest()  # which digest the next hop checks
+                if onward_gpu != gpu:
+                    onward = DeviceChecksum() if onward_gpu else Checksum()
             if onward is not None:
                 feed(onward, host_bytes(data) if gpu and isinstance(onward, Checksum) else data)
             if gpu and check.nbytes or not gpu and on_gpu is not None:

@@ -364,7 +364,8 @@ class NixlTransport(Transport):
         if got is not None and is_cuda(got[1]):
             buf = self._device_pool.take(nbytes, got[1].device)
             return DeviceLanding(buf, nbytes, self._memory.register_device(buf), self._device_pool)
-        found = place_runs(box, place, max(1, nbytes // self.min_run_bytes))
+        # `place_runs` asks for the whole box first: its answer is ``got``, not asked for again
+        found = place_runs(box, lambda b: got if b == box else place(b), max(1, nbytes // self.min_run_bytes))
         # only into buffers the store's recycler keeps (`RECYCLE_MIN_BYTES`): a smaller tile is fresh memory every
         # run, to register and announce each time, and freed after, which leaves peers knowing memory that
         # malloc hands out again (`Registry.usable`)

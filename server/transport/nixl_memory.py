@@ -138,30 +138,26 @@ class Registry:
         a recycler hands out views of the buffers it keeps, and the registration must live as long as the buffer,
         not the view), made at its first use."""
         owner = _root(owner)
-        key = (owner.ctypes.data, owner.nbytes)
-        with self._lock:
-            reg = self._regs.get(key)
-            if reg is None:
-                descs = self._agent.register_memory([(key[0], key[1], 0, "")], "DRAM")
-                metadata = self._agent.get_partial_agent_metadata(descs, False)
-                reg = self._regs[key] = Registration(next(self._ids), descs, metadata, self._clear(*key))
-                self.registered += 1
-                weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
-            return reg
+        return self._register(owner, owner.ctypes.data, owner.nbytes, "DRAM", 0)
 
     def register_device(self, t) -> Registration:
         """The registration (VRAM) of the GPU tensor that owns ``t``'s memory (``t``'s base where it is a view),
         made at its first use and dropped as that tensor is freed, like a host buffer's (`register`)."""
         root = device_root(t)
-        key = (root.data_ptr(), root.numel() * root.element_size())
+        return self._register(root, root.data_ptr(), root.numel() * root.element_size(), "VRAM", root.device.index or 0)
+
+    def _register(self, owner, addr: int, nbytes: int, kind: str, device: int) -> Registration:
+        """The registration of ``owner``'s memory, [addr, addr + nbytes) of ``kind`` on ``device``: made once, and
+        deregistered as ``owner`` is freed (`_forget`)."""
+        key = (addr, nbytes)
         with self._lock:
             reg = self._regs.get(key)
             if reg is None:
-                descs = self._agent.register_memory([(key[0], key[1], root.device.index or 0, "")], "VRAM")
+                descs = self._agent.register_memory([(addr, nbytes, device, "")], kind)
                 metadata = self._agent.get_partial_agent_metadata(descs, False)
                 reg = self._regs[key] = Registration(next(self._ids), descs, metadata, self._clear(*key))
                 self.registered += 1
-                weakref.finalize(root, _forget, weakref.ref(self), key, reg.ident)
+                weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
     def usable(self, owner: np.ndarray) -> bool:
@@ -254,7 +250,7 @@ class Pool:
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer (uint8) of at least ``nbytes``; give it back with `put`."""
-        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        size = _pool_size(nbytes)
         with self._lock:
             free = self._free.get(size)
             if free:
@@ -302,7 +298,7 @@ class DevicePool:
         """A registered buffer (uint8, on ``device``) of at least ``nbytes``; give it back with `put`."""
         import torch
 
-        size = max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
+        size = _pool_size(nbytes)
         with self._lock:
             free = self._free.get((device, size))
             if free:
@@ -325,6 +321,12 @@ class DevicePool:
         with self._lock:
             self._free.clear()
             self._all.clear()
+
+
+def _pool_size(nbytes: int) -> int:
+    """The size of the pool buffer that holds ``nbytes``: the power of two at or above it, at least
+    `RECYCLE_MIN_BYTES` (`Pool`, `DevicePool`)."""
+    return max(RECYCLE_MIN_BYTES, 1 << max(0, nbytes - 1).bit_length())
 
 
 def device_root(t):
