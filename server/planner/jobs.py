@@ -1062,12 +1062,14 @@ class JobRunner:
         """Whether the job's hosts prepare inside their Execute, saving the Prepare round.
 
         On the collective transport always: the plan-id confirmation before any call waits for every peer anyway.
-        On gRPC when no host has more than `EARLY_PUSHES_MAX` streams pushed into it: a push that reaches a host
-        before its Execute does waits in one of the host's server threads for the prepare
-        (``Runtime.accept``), and a handful per job, times the planner's concurrent jobs, cannot take every thread
-        the Execute itself needs. A larger job, or one with a reduce ring over hosts, is prepared everywhere
-        first (one more round, which its transfer time dwarfs)."""
-        if transport == "collective":
+        On nixl always: a receiver posts where a box lands as a notification, which waits in the sender's NIXL agent
+        (no thread of it) until the sender's run asks for it, and a post that comes before the sender's own Prepare
+        introduced the poster is held until it does (`nixl_progress`). On gRPC when no host has more than
+        `EARLY_PUSHES_MAX` streams pushed into it: a push that reaches a host before its Execute does waits in one
+        of the host's server threads for the prepare (``Runtime.accept``), and a handful per job, times the
+        planner's concurrent jobs, cannot take every thread the Execute itself needs. A larger job, or one with a
+        reduce ring over hosts, is prepared everywhere first (one more round, which its transfer time dwarfs)."""
+        if transport in ("collective", "nixl"):
             return True
         return transport == "grpc" and moves.pushes_in is not None and moves.pushes_in <= EARLY_PUSHES_MAX
 

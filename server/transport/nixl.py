@@ -12,8 +12,12 @@ agent           one ``nixl_agent`` per transport, named by the host, UCX by defa
                 to 1 ms) and wakes the waiter each notification or WRITE is for, and blocks
                 otherwise: an idle agent burns no CPU (`nixl_progress`)
 peers           whole metadata travels through the planner (`metadata`, `add_peer`,
-                `drop_peer`); memory registered later travels to a peer as NIXL partial
-                metadata inside the first post that names it, loaded as the post arrives
+                `drop_peer`), marked with the agent's incarnation (random, new each time its
+                NIXL agent is made); memory registered later travels to a peer as NIXL
+                partial metadata inside the first post that names it, loaded as the post
+                arrives; a post from an incarnation not yet introduced here (a job's hosts
+                prepare inside their Execute, in any order) waits for its introduction
+                (`nixl_progress`)
 post ``D``      the receiver registers the buffer the box lands in (the destination tile that
                 ``place`` offers, else a scratch buffer of the transport's `Pool`) and notifies the sender
                 of the box's contiguous runs in that buffer, in C order (a strided box is a
@@ -93,6 +97,7 @@ from reshard.server.transport.nixl_api import api as _api
 from reshard.server.transport.nixl_api import nixl_missing, ucx_tcp_only
 from reshard.server.transport.nixl_memory import (
     CHUNK,
+    INCARNATION,
     POST,
     TRAILER,
     DeviceLanding,
@@ -120,6 +125,7 @@ log = logging.getLogger(__name__)
 # descriptor per run costs more than the copy; over TCP alone (--nixl-tcp-only, the lab) a run is a message of its own
 # (bench/paper.py's case4, 16 KiB runs: 1.19-1.21x its estimate landing run by run, 1.11-1.13x through scratch)
 MIN_RUN_BYTES, TCP_MIN_RUN_BYTES = 1024, 64 << 10
+METADATA_MARK = b"reshard-nixl-1:"  # the start of an agent's metadata (`NixlTransport.metadata`), then its incarnation
 STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered rather than copied to staging
 
 
@@ -157,6 +163,8 @@ class NixlTransport(Transport):
         self._post_lock = threading.Lock()  # a post's metadata and its sending, one post at a time (`arrivals`)
         self._progress = Progress(self._agent, host)
         self._peers: dict[str, bytes] = {}
+        self.incarnation = os.urandom(INCARNATION)  # this NIXL agent's, in its metadata and every post it makes
+        self._incarnations: dict[str, bytes] = {}  # peer -> the incarnation introduced
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
         self._device_pool = DevicePool(self._memory)  # GPU memory a box bound for a GPU tile lands in
@@ -187,37 +195,57 @@ class NixlTransport(Transport):
     # -- peers ---------------------------------------------------------------------------------------------
 
     def metadata(self) -> bytes:
-        """This agent's NIXL metadata, which the planner hands to its peers."""
-        return self._agent.get_agent_metadata()
+        """This agent's metadata, which the planner hands to its peers: `METADATA_MARK`, the incarnation, then
+        NIXL's own."""
+        return METADATA_MARK + self.incarnation + self._agent.get_agent_metadata()
 
     def add_peer(self, host: str, metadata: bytes) -> None:
-        """Let ``host`` be written to and notified (idempotent; new metadata for a host replaces the old)."""
+        """Let ``host`` be written to and notified, and route the posts it made before (`Progress.admit`).
+        Idempotent for one incarnation of the host's agent (the same agent, whatever memory it registered since);
+        a new incarnation (its agent restarted) replaces the old."""
+        incarnation, md = self._split(host, metadata)
         with self._lock:
-            if self._peers.get(host) == metadata:
+            if self._incarnations.get(host) == incarnation:
                 return
             if host in self._peers:
                 self._agent.remove_remote_agent(host)
                 del self._peers[host]
+                del self._incarnations[host]
             try:
-                name = self._agent.add_remote_agent(metadata)
+                name = self._agent.add_remote_agent(md)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own nixlMismatchError, nixlInvalidParamError
-                raise InvalidArgumentError(f"the NIXL metadata given for host {host} ({len(metadata)} bytes) is not "
-                                           f"an agent's that NIXL can load here ({type(e).__name__}: {e}); the host's "
-                                           f"agent registers it from its own NIXL agent") from None
+                raise self._unloadable(host, metadata, f"{type(e).__name__}: {e}") from None
             name = name.decode() if isinstance(name, bytes) else name
             if name != host:
                 self._agent.remove_remote_agent(name)
                 raise InvalidArgumentError(f"the NIXL metadata given for host {host} is agent {name!r}'s; each "
                                            f"agent's NIXL agent is named by its host")
-            self._peers[host] = metadata
+            self._peers[host], self._incarnations[host] = metadata, incarnation
             self._agent.make_connection(host)  # starts connecting now; it completes as both sides poll
+            self._progress.admit(host, incarnation)
         self._memory.forget_peer(host)  # a new agent there knows none of this agent's memory
         self.shared.forget(host)
+
+    def _split(self, host: str, metadata: bytes) -> tuple[bytes, bytes]:
+        """A peer's metadata (`metadata`) as its incarnation and NIXL's own."""
+        if not metadata.startswith(METADATA_MARK) or len(metadata) <= len(METADATA_MARK) + INCARNATION:
+            raise self._unloadable(host, metadata, f"it does not start with {METADATA_MARK!r} and an incarnation, as "
+                                                   f"this reshard release's agents' does")
+        at = len(METADATA_MARK)
+        return bytes(metadata[at:at + INCARNATION]), bytes(metadata[at + INCARNATION:])
+
+    @staticmethod
+    def _unloadable(host: str, metadata: bytes, why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"the NIXL metadata given for host {host} ({len(metadata)} bytes) is not an "
+                                    f"agent's that NIXL can load here ({why}); the host's agent registers it from its "
+                                    f"own NIXL agent, and every agent of a cluster runs one reshard release")
 
     def drop_peer(self, host: str) -> None:
         with self._lock:
             if self._peers.pop(host, None) is None:
                 return
+            del self._incarnations[host]
+            self._progress.forget(host)
             self._agent.remove_remote_agent(host)
         self._memory.forget_peer(host)
         self.shared.forget(host)
@@ -403,7 +431,8 @@ class NixlTransport(Transport):
                                           only=in_place and not landing.registrations)
                 vram = landing is not None and landing.vram
                 device = (landing.buf.device.index or 0) if vram else 0
-                self._notify(peer, encode(b"D", key, POST.pack(device, len(metadata), len(offer), vram) + metadata
+                self._notify(peer, encode(b"D", key, POST.pack(device, len(metadata), len(offer), vram,
+                                                               self.incarnation) + metadata
                                           + offer + runs.tobytes()))
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0

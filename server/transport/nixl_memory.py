@@ -46,18 +46,19 @@ from reshard.proto.errors import UnavailableError
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.streams import Segments, StreamKey
 
-__all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "blobs", "unblob", "encode", "decode", "box_bytes", "box_of",
-           "Registration", "Registry", "Pool", "DevicePool", "owner_of", "source_runs", "parts_runs", "place_runs",
-           "pair_runs", "Landing", "DeviceLanding", "device_root"]
+__all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "INCARNATION", "blobs", "unblob", "encode", "decode", "box_bytes",
+           "box_of", "Registration", "Registry", "Pool", "DevicePool", "owner_of", "source_runs", "parts_runs",
+           "place_runs", "pair_runs", "Landing", "DeviceLanding", "device_root"]
 
 log = logging.getLogger(__name__)
 
 HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
 CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
 TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
-POST = struct.Struct("<IIIB")  # device id, len(metadata blobs), len(shared-memory offer: `shm.encode_offer`), and
-# whether the runs are GPU memory (VRAM: the stream's trailer then holds the GPU digest); then the blobs, the offer,
-# and uint64 (address, length) per run
+POST = struct.Struct("<IIIB8s")  # device id, len(metadata blobs), len(shared-memory offer: `shm.encode_offer`),
+# whether the runs are GPU memory (VRAM: the stream's trailer then holds the GPU digest), and the poster's incarnation
+# (`INCARNATION`); then the blobs, the offer, and uint64 (address, length) per run
+INCARNATION = 8  # bytes of an agent's incarnation: random, new each time its NIXL agent is made (`NixlTransport`)
 BLOB = struct.Struct("<I")  # the length of one partial metadata blob, before its bytes
 
 

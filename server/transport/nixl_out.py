@@ -107,7 +107,7 @@ class NixlOut(Outgoing):
             kind, msg = self.t._await(self.s, self.peer, "out", self.key, "did not post its receive of",
                                       self.t.timeout_s)
             assert kind == b"D", kind
-            device, mdlen, offered, vram = POST.unpack_from(msg)
+            device, mdlen, offered, vram, _ = POST.unpack_from(msg)
             at = POST.size + mdlen
             remote = Remote(device, np.frombuffer(msg[at + offered:], dtype=np.uint64).reshape(-1, 2), bool(vram))
             try:

@@ -9,6 +9,14 @@ five times the collective transport's), each one a pass through the interpreter 
 with that backoff (`Backoff`), and a waiter sleeps on its own event until its notification or its WRITE's end is
 found, or for at most `CHECK_S` between looks at its job (failed elsewhere?) and its deadline. With nothing waiting
 and no WRITE under way the thread blocks: an idle agent still burns nothing.
+
+A post (``D``) names the poster's incarnation and carries the memory it registered since as NIXL partial metadata,
+which loads only into that incarnation's whole metadata. A job's hosts prepare inside their Execute, so a post may
+come before this agent's own Prepare introduced the poster (`NixlTransport.add_peer`), or, where the poster's agent
+restarted, while this agent still knows the one before it: such a post is held, unread, until its incarnation is
+introduced (`admit`), then routed in the order it came; one for an incarnation introduced since is dropped (its
+agent is gone). Loaded into nothing or into the old agent's entry, its memory would be lost while the poster, which
+tracks what each peer was told, never sends it again.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ CHECK_S = 0.02  # a waiter looks at its job and deadline at least this often, wo
 LINGER_S = 0.02
 ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
 FINISHED = ("DONE", "ERR")
+HELD_MAX = 4096  # posts held for a peer not yet introduced (`Progress.admit`), beyond which the oldest are dropped
 
 T = TypeVar("T")
 
@@ -76,6 +85,11 @@ class Progress:
         self._asleep = False  # the thread waits on ``_idle``: only then does a new waiter or WRITE notify it
         self._thread: threading.Thread | None = None
         self._closed = False
+        # peer -> the incarnation introduced (`admit`), and the posts held until theirs is: (incarnation, job, msg)
+        # in the order they came; both change under the pump's lock, so a held post is routed before any later one
+        self._incarnations: dict[str, bytes] = {}
+        self._held: dict[str, deque] = {}
+        self.held_dropped = 0  # held posts dropped: of an incarnation gone, or beyond `HELD_MAX`
 
     # -- notifications ---------------------------------------------------------------------------------------
 
@@ -117,7 +131,10 @@ class Progress:
     def _route(self, peer: str, msg: bytes) -> None:
         kind, key, payload = decode(msg)
         if kind == b"D":
-            _, mdlen, _, _ = POST.unpack_from(payload)
+            _, mdlen, _, _, incarnation = POST.unpack_from(payload)
+            if self._incarnations.get(peer) != incarnation:
+                self._hold(peer, incarnation, key.job, msg)
+                return
             try:
                 for blob in unblob(payload[POST.size:POST.size + mdlen]):  # memory the peer registered since: known
                     self.agent.add_remote_agent(blob)  # here before any WRITE into it
@@ -133,6 +150,45 @@ class Progress:
             event = self._events.get(waiter)
         if event is not None:
             event.set()
+
+    def _hold(self, peer: str, incarnation: bytes, job: str, msg: bytes) -> None:
+        """Keep a post until ``peer``'s ``incarnation`` is introduced (see the module docstring); under the pump's
+        lock."""
+        with self._lock:
+            if job in self._ended:
+                return
+        held = self._held.setdefault(peer, deque())
+        held.append((incarnation, job, msg))
+        if sum(map(len, self._held.values())) > HELD_MAX:
+            oldest = max(self._held.values(), key=len)
+            _, job, _ = oldest.popleft()
+            self.held_dropped += 1
+            log.warning("agent %s dropped a post of job %s held for a peer not yet introduced: more than %d held",
+                        self.host, job, HELD_MAX)
+
+    def admit(self, peer: str, incarnation: bytes) -> None:
+        """``peer``'s ``incarnation`` is introduced (its whole metadata loaded): route the posts held for it, in the
+        order they came, and drop those of any other incarnation."""
+        with self._pump_lock:
+            self._incarnations[peer] = incarnation
+            held = self._held.pop(peer, ())
+            for theirs, job, msg in held:
+                if theirs == incarnation:
+                    self._route(peer, msg)
+                else:
+                    self.held_dropped += 1
+                    log.info("agent %s dropped a post of job %s from an agent of host %s that is gone", self.host,
+                             job, peer)
+
+    def forget(self, peer: str) -> None:
+        """``peer`` is no longer introduced: its posts are held from now on, until it is again."""
+        with self._pump_lock:
+            self._incarnations.pop(peer, None)
+
+    def held(self) -> int:
+        """Posts held now for peers not yet introduced."""
+        with self._pump_lock:
+            return sum(map(len, self._held.values()))
 
     def take(self, peer: str, role: str, key) -> tuple[bytes, bytes] | None:
         """The oldest notification filed under (peer, role, key), or None."""
@@ -160,6 +216,13 @@ class Progress:
                 self._ended.popitem(last=False)
             for k in [k for k in self._inbox if k[2].job == job]:
                 del self._inbox[k]
+        with self._pump_lock:
+            for peer, held in list(self._held.items()):
+                kept = deque(h for h in held if h[1] != job)
+                if kept:
+                    self._held[peer] = kept
+                else:
+                    del self._held[peer]
 
     # -- waiting -----------------------------------------------------------------------------------------------
 
