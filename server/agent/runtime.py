@@ -59,7 +59,7 @@ from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROG
 from reshard.server.common.tickets import program_digest
 from reshard.server.transport import buffers
 from reshard.server.transport.base import Transport
-from reshard.server.transport.session import Traffic
+from reshard.server.transport.session import Session, Traffic
 from reshard.server.transport.streams import PushHeader
 
 __all__ = ["Runtime"]
@@ -309,6 +309,9 @@ class Runtime:
             self._retire(run)
             for staged in run.staging.values():
                 self.store.abort(staged.owner)
+        else:  # never prepared here (nor will be: `prepare` refuses an ended job): what its peers sent meanwhile, a
+            for t in self.transports.values():  # nixl post held for its introduction, goes, and what comes late
+                t.detach(Session(job, "", {}, {}))
         self.store.abort(job)
         with self._lock:  # a push waiting for this job's prepare gives up now
             self._arrivals += 1

@@ -129,3 +129,31 @@ def test_metadata_without_the_mark_and_incarnation_is_refused_naming_the_host():
     finally:
         a.close()
         b.close()
+
+
+def test_an_abort_of_a_job_never_prepared_here_drops_its_held_posts():
+    """The planner aborts a failed job on every host, also one whose Execute never came: a post its peer made
+    for it meanwhile goes, and one that comes later is dropped as it arrives (the job cannot be prepared here any
+    more: `Runtime.prepare` refuses an ended job)."""
+    from reshard.server.agent.runtime import Runtime
+    from reshard.server.agent.store import ShardStore
+
+    a, b = _agent("a", timeout_s=0.3), _agent("b")
+    runtime = Runtime("b", ShardStore(), {"nixl": b}, workers=2, step_timeout_s=5.0)
+    try:
+        a.add_peer("b", b.metadata())
+        s, receiving = _post(a, "failed-elsewhere")
+        _held(b, 1)
+        runtime.abort("failed-elsewhere")
+        assert b._progress.held() == 0
+        with pytest.raises(UnavailableError):
+            receiving.result(5)
+        _, late = _post(a, "failed-elsewhere")  # another post of the same job, after the abort
+        with pytest.raises(UnavailableError):
+            late.result(5)
+        b.add_peer("a", a.metadata())
+        assert b._progress.held() == 0 and not b._progress._inbox  # dropped, not held nor filed
+    finally:
+        runtime.close()
+        a.close()
+        b.close()
