@@ -207,7 +207,8 @@ class NixlTransport(Transport):
         with self._lock:
             if self._incarnations.get(host) == incarnation:
                 return
-            if host in self._peers:
+            if host in self._peers:  # the agent there restarted: the one before it is gone
+                self._progress.forget(host)
                 self._agent.remove_remote_agent(host)
                 del self._peers[host]
                 del self._incarnations[host]

@@ -40,7 +40,9 @@ CHECK_S = 0.02  # a waiter looks at its job and deadline at least this often, wo
 LINGER_S = 0.02
 ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
 FINISHED = ("DONE", "ERR")
-HELD_MAX = 4096  # posts held for a peer not yet introduced (`Progress.admit`), beyond which the oldest are dropped
+# Posts held for peers not yet introduced (`Progress.admit`); beyond this many, the oldest of the peer holding the
+# most is dropped (its stream then fails naming the host, as for a post that never came)
+HELD_MAX = 4096
 
 T = TypeVar("T")
 

@@ -157,3 +157,35 @@ def test_an_abort_of_a_job_never_prepared_here_drops_its_held_posts():
         runtime.close()
         a.close()
         b.close()
+
+
+def test_beyond_the_most_posts_held_the_oldest_goes_and_its_stream_fails_naming_the_host(monkeypatch):
+    from reshard.server.transport import nixl_progress
+
+    monkeypatch.setattr(nixl_progress, "HELD_MAX", 2)
+    a, b = _agent("a", timeout_s=1.0), _agent("b")
+    try:
+        a.add_peer("b", b.metadata())
+        s = Session("flood", "p", {0: "float32"}, {})
+        posts = []
+        for hop in range(3):  # one at a time, so the first is the oldest
+            posts.append(in_thread(f"recv-{hop}", lambda hop=hop: list(
+                a.arrivals(s, StreamKey("flood", 0, hop), "b", BOX, lambda sub: None))))
+            if hop < 2:
+                _held(b, hop + 1)
+        deadline = time.monotonic() + 5
+        while b._progress.held_dropped != 1:  # the third post came: the first goes
+            assert time.monotonic() < deadline
+            b._progress.pump()
+            time.sleep(0.005)
+        assert b._progress.held() == 2
+        b.add_peer("a", a.metadata())
+        src = np.arange(N, dtype=np.float32)
+        for hop in (1, 2):
+            b.send(s, StreamKey("flood", 0, hop), "a", src, BOX, BOX)
+            assert b"".join(bytes(p.data) for p in posts[hop].result(5)[:-1]) == src.tobytes()
+        with pytest.raises(UnavailableError, match="host b sent nothing of stream 0 of step 0 within 1s"):
+            posts[0].result(5)
+    finally:
+        a.close()
+        b.close()
