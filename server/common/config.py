@@ -11,6 +11,7 @@ from reshard.server.common.contract import check_host_name
 __all__ = ["AgentConfig", "PlannerConfig", "MiB"]
 
 MiB = 2**20
+NIXL_LEAST_CHUNK = 256 << 10  # the smallest nixl chunk the NIC rule picks (`AgentConfig.nixl_chunk`)
 
 
 @dataclass(frozen=True)
@@ -104,11 +105,14 @@ class AgentConfig:
 
     @property
     def nixl_chunk(self) -> int:
-        """The nixl transport's chunk size: as set (--collective-chunk-mib), else the collective rule down to 1 MiB
-        (1 MiB at 1 Gbit/s). A chain hop learns that a chunk landed only once the WRITEs after it in the window
-        are on their way too (a WRITE's notification leaves as it completes), so each hop of a chain adds about
-        a window of chunks to the job: a gloo message's cost per chunk does not apply here."""
-        return self.collective_chunk_bytes or self._chunk_on_the_nic(MiB)
+        """The nixl transport's chunk size: as set (--collective-chunk-mib), else about 3 ms on the NIC in powers
+        of two from 256 KiB (256 KiB at 1 Gbit/s, 512 KiB at 2, 4 MiB at 10, as collective from there). A chain hop
+        learns that a chunk landed only once the WRITEs after it in the window are on their way too (a WRITE's
+        notification leaves as it completes), so each hop of a chain adds about a window of chunks to the job: a
+        gloo message's cost per chunk does not apply here. On the emulated hosts' 1 Gbit/s links (bench/paper.py's
+        cases, medians of 5) 1 MiB, 512 KiB and 256 KiB chunks took the 4-hop chain of 1to4x2 1.15, 1.13 and 1.12 s
+        and case7 1.17, 1.13 and 1.11 s (estimate 1.07 s), and the weight sync's bucketed streams no longer."""
+        return self.collective_chunk_bytes or self._chunk_on_the_nic(NIXL_LEAST_CHUNK)
 
     def _chunk_on_the_nic(self, least: int) -> int:
         """About 3 ms on the NIC, in powers of two from ``least`` to 16 MiB."""
