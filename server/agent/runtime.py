@@ -309,8 +309,10 @@ class Runtime:
             self._retire(run)
             for staged in run.staging.values():
                 self.store.abort(staged.owner)
-        else:  # never prepared here (nor will be: `prepare` refuses an ended job): what its peers sent meanwhile, a
-            for t in self.transports.values():  # nixl post held for its introduction, goes, and what comes late
+        else:
+            # Never prepared here, nor will it be (`prepare` refuses an ended job): what its peers sent for it
+            # meanwhile (a nixl post held for its introduction) goes, and what comes later is dropped
+            for t in self.transports.values():
                 t.detach(Session(job, "", {}, {}))
         self.store.abort(job)
         with self._lock:  # a push waiting for this job's prepare gives up now

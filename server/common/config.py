@@ -111,7 +111,7 @@ class AgentConfig:
         notification leaves as it completes), so each hop of a chain adds about a window of chunks to the job: a
         gloo message's cost per chunk does not apply here. On the emulated hosts' 1 Gbit/s links (bench/paper.py's
         cases, medians of 5) 1 MiB, 512 KiB and 256 KiB chunks took the 4-hop chain of 1to4x2 1.15, 1.13 and 1.12 s
-        and case7 1.17, 1.13 and 1.11 s (estimate 1.07 s), and the weight sync's bucketed streams no longer."""
+        and case7 1.17, 1.13 and 1.11 s (estimate 1.07 s); the weight sync's bucketed streams took no longer."""
         return self.collective_chunk_bytes or self._chunk_on_the_nic(NIXL_LEAST_CHUNK)
 
     def _chunk_on_the_nic(self, least: int) -> int:
