@@ -80,8 +80,11 @@ def _whole_items(whole: pb.PushWhole) -> Iterator:
     for p in whole.pieces:
         yield Piece(box_from_pb(p.box), p.data)
     if whole.HasField("trailer"):  # else the stream ends without one, which the receiving hop refuses
-        t = whole.trailer
-        yield Trailer(t.nbytes, t.xxh3_64, t.device_digest)
+        yield _trailer(whole.trailer)
+
+
+def _trailer(t: pb.Trailer) -> Trailer:
+    return Trailer(t.nbytes, t.xxh3_64, t.device_digest)
 
 
 class NixlPeers:
@@ -250,7 +253,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                     continue
                 if kind != "trailer":
                     raise InvalidArgumentError("a Push stream carries one header, then pieces, then one trailer")
-                yield Trailer(msg.trailer.nbytes, msg.trailer.xxh3_64, msg.trailer.device_digest)
+                yield _trailer(msg.trailer)
 
         return pb.PushReply(confirmed=self.runtime.accept(header, items()) or ())
 

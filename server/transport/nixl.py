@@ -164,7 +164,6 @@ class NixlTransport(Transport):
         self._progress = Progress(self._agent, host)
         self._peers: dict[str, bytes] = {}
         self.incarnation = os.urandom(INCARNATION)  # this NIXL agent's, in its metadata and every post it makes
-        self._incarnations: dict[str, bytes] = {}  # peer -> the incarnation introduced
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
         self._device_pool = DevicePool(self._memory)  # GPU memory a box bound for a GPU tile lands in
@@ -205,13 +204,12 @@ class NixlTransport(Transport):
         a new incarnation (its agent restarted) replaces the old."""
         incarnation, md = self._split(host, metadata)
         with self._lock:
-            if self._incarnations.get(host) == incarnation:
+            if self._progress.introduced(host) == incarnation:
                 return
             if host in self._peers:  # the agent there restarted: the one before it is gone
                 self._progress.forget(host)
                 self._agent.remove_remote_agent(host)
                 del self._peers[host]
-                del self._incarnations[host]
             try:
                 name = self._agent.add_remote_agent(md)
             except Exception as e:  # noqa: BLE001 - NIXL raises its own nixlMismatchError, nixlInvalidParamError
@@ -221,7 +219,7 @@ class NixlTransport(Transport):
                 self._agent.remove_remote_agent(name)
                 raise InvalidArgumentError(f"the NIXL metadata given for host {host} is agent {name!r}'s; each "
                                            f"agent's NIXL agent is named by its host")
-            self._peers[host], self._incarnations[host] = metadata, incarnation
+            self._peers[host] = metadata
             self._agent.make_connection(host)  # starts connecting now; it completes as both sides poll
             self._progress.admit(host, incarnation)
         self._memory.forget_peer(host)  # a new agent there knows none of this agent's memory
@@ -245,7 +243,6 @@ class NixlTransport(Transport):
         with self._lock:
             if self._peers.pop(host, None) is None:
                 return
-            del self._incarnations[host]
             self._progress.forget(host)
             self._agent.remove_remote_agent(host)
         self._memory.forget_peer(host)

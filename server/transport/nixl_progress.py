@@ -187,6 +187,10 @@ class Progress:
         with self._pump_lock:
             self._incarnations.pop(peer, None)
 
+    def introduced(self, peer: str) -> bytes | None:
+        """The incarnation of ``peer`` introduced here (`admit`), or None."""
+        return self._incarnations.get(peer)
+
     def held(self) -> int:
         """Posts held now for peers not yet introduced."""
         with self._pump_lock:
