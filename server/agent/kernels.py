@@ -20,6 +20,7 @@ import numpy as np
 from reshard.dtypes import bfloat16_to_float32, float32_to_bfloat16
 from reshard.kernels import FP8_E4M3_MAX, axis_param, block_param, dims_param, float_param
 from reshard.server.agent.matmul import einsum2
+from reshard.server.common.torch_support import torch_installed
 from reshard.server.transport import buffers
 
 __all__ = ["KERNELS"]
@@ -260,18 +261,28 @@ def float32_to_float8_e4m3fn(values: np.ndarray, signs: np.ndarray) -> np.ndarra
     """``values`` rounded to the nearest float8_e4m3fn, ties to even, saturating at +-448, as ``uint8`` bits; a
     NaN is 0x7F with the sign bit of ``signs`` (the input it came from: a division's NaN keeps no sign on GPUs).
 
-    Where this process has torch loaded already (an agent with the collective transport or CUDA tiles), torch's
-    own cast does it, 3-4x faster than the numpy passes below on a CPU tile; a numpy agent does not import torch for
-    it. Both give the same bits (tested against each other and against the tests' reference quantizer)."""
-    torch = _loaded_torch()
+    Where torch is installed (`_cast_torch`), torch's own cast does it, 3-4x faster than the numpy passes below on
+    a CPU tile; an install without torch takes the numpy passes. Both give the same bits (tested against each other
+    and against the tests' reference quantizer)."""
+    torch = _cast_torch()
     if torch is not None and values.size:
         return _e4m3_torch(values, signs, torch)
     return _e4m3_numpy(values, signs)
 
 
-def _loaded_torch():
-    """torch where this process has imported it, else None."""
-    return sys.modules.get("torch")
+def _cast_torch():
+    """torch for a host tile's quantize: the module where this process has loaded it, else imported now where it is
+    installed, else None. An agent on gRPC or nixl has not loaded torch, and used to quantize with numpy's passes
+    for that alone: bench/moe_sync.py's sync on loopback spent 1.05 CPU s on nixl against 0.65 on collective,
+    the difference in its senders' fp8 casts. The import happens once, in the first quantize's thread (about 1.3 s
+    and 200 MiB here; the thread limit is in the environment by then, `threads`); a light install never pays it.
+    An import statement, never ``sys.modules`` alone: while one thread imports torch, another finds it there only
+    partly made, and the statement waits for it to be whole."""
+    if "torch" not in sys.modules and not torch_installed():
+        return None
+    import torch
+
+    return torch
 
 
 def _e4m3_torch(values: np.ndarray, signs: np.ndarray, torch) -> np.ndarray:
@@ -381,14 +392,14 @@ def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any,
 
 
 def _quantized_in_place(x32: np.ndarray, scales: np.ndarray, block: int, output) -> bool:
-    """Quantize by torch's ops in place, where this process has torch loaded: ``x32`` (a float32 matrix the kernel
+    """Quantize by torch's ops in place, where torch is installed (`_cast_torch`): ``x32`` (a float32 matrix the kernel
     made, so it may be written) divided by its blocks' scales, saturated, and cast into ``output`` (a host tile of
     fp8 codes, C-contiguous) as it is copied there. The numpy path's operations in its order, so the same bits
     (tests/core/test_fp8_kernels.py runs both against the reference), with no temporary of the tile's size (the
     general path makes three: the quotients, their saturation and the codes, then copies the codes in). False, and
     nothing done, where it does not apply: no torch, another output, a matrix of short blocks, or a NaN (whose sign
     the general path takes from the input)."""
-    torch = _loaded_torch()
+    torch = _cast_torch()
     m, n = x32.shape
     if (torch is None or not x32.size or m % block or n % block or not isinstance(output, np.ndarray)
             or output.dtype != np.uint8 or output.shape != x32.shape or not output.flags.c_contiguous

@@ -8,11 +8,12 @@ matmul's job on four local agents: 71 ms, 38 ms with one thread each).
 
 OpenMP (torch's intra-op pool on CPU) keeps its thread count per thread: a thread takes the process's default,
 read from ``OMP_NUM_THREADS`` when libgomp loads, whatever another thread set. An agent imports torch after it
-applies its limit (with the collective or nixl transport), so the limit goes into the environment first, for
-every thread of the libraries loaded later; where torch is loaded already, each of the runtime's threads applies
-it as it starts (`limit_this_thread`). Without that, every kernel the runtime ran in a worker thread forked an
-OpenMP team of every core, whose idle members spin: on the lab's 8 agents on 2 cores a quantized MoE sync spent
-half its CPU in libgomp's wait loop (bench/moe_sync.py: 0.8 s a sync against 0.43 s with the limit).
+applies its limit (with the collective transport, or at its first quantize of a host tile), so the limit goes into
+the environment first, for every thread of the libraries loaded later; where torch is loaded already, each of the
+runtime's threads applies it as it starts (`limit_this_thread`). Without that, every kernel the runtime ran in a
+worker thread forked an OpenMP team of every core, whose idle members spin: on the lab's 8 agents on 2 cores a
+quantized MoE sync spent half its CPU in libgomp's wait loop (bench/moe_sync.py: 0.8 s a sync against 0.43 s with
+the limit).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def limit_compute_threads(threads: int) -> None:
 def limit_this_thread() -> None:
     """Apply the process's limit to the calling thread's OpenMP pool (torch's), where torch is loaded and a limit
     was set: a thread pool's initializer, for threads that run kernels."""
-    torch = sys.modules.get("torch")  # only where already loaded: a numpy agent need not import torch for this
-    if _limit and torch is not None and torch.get_num_threads() != _limit:
+    if not _limit or "torch" not in sys.modules:  # only where loaded: a numpy agent need not import torch for this
+        return
+    import torch  # not the module as sys.modules holds it: another thread may be making it (the fp8 kernels)
+
+    if torch.get_num_threads() != _limit:
         torch.set_num_threads(_limit)

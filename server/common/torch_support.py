@@ -7,6 +7,7 @@ The planner (its rendezvous store) and the collective transport both need
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 
 from reshard.proto.errors import FailedPreconditionError
@@ -16,8 +17,10 @@ __all__ = ["torch_available", "torch_installed", "require_torch", "seconds_delta
 _TORCH_HINT = "the collective transport needs torch: pip install 'reshard[torch]'"
 
 
+@functools.cache
 def torch_installed() -> bool:
-    """Whether torch is installed, without importing it (which takes a second or more): see `torch_available`."""
+    """Whether torch is installed, without importing it (which takes a second or more): see `torch_available`.
+    Looked up once: an install does not change under a running process."""
     return importlib.util.find_spec("torch") is not None
 
 

@@ -9,6 +9,8 @@ core's.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -93,12 +95,12 @@ def matrices(draw):
 
 @pytest.fixture(params=["numpy", "torch"])
 def cast(request, monkeypatch):
-    """The CPU cast a host tile's quantize takes: numpy's passes, or torch's cast where torch is loaded."""
+    """The CPU cast a host tile's quantize takes: numpy's passes, or torch's cast where torch is installed."""
     if request.param == "torch":
         torch = pytest.importorskip("torch")
-        monkeypatch.setattr(agent_kernels, "_loaded_torch", lambda: torch)
+        monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: torch)
     else:
-        monkeypatch.setattr(agent_kernels, "_loaded_torch", lambda: None)
+        monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: None)
     return request.param
 
 
@@ -213,3 +215,19 @@ def test_torchs_cpu_cast_gives_the_numpy_passes_bits(seed, n, special):
     signs = np.where(np.isnan(values) & (rng.random(n) < 0.5), -values, values)
     want = agent_kernels._e4m3_numpy(values.copy(), signs)
     np.testing.assert_array_equal(agent_kernels._e4m3_torch(values.copy(), signs, torch), want)
+
+
+def test_a_host_tiles_quantize_takes_torchs_cast_where_torch_is_installed():
+    # An agent on gRPC or nixl has not loaded torch; its first quantize loads it (where installed), so its casts run
+    # at torch's speed, and the kernels' module alone does not load it (a light install's agent, or one never asked
+    # to quantize, never pays the import). In a fresh process: this one has torch loaded by other tests.
+    pytest.importorskip("torch")
+    script = ("import sys, numpy as np\n"
+              "from reshard.server.agent.kernels import KERNELS\n"
+              "assert 'torch' not in sys.modules, 'the kernels module loaded torch'\n"
+              "out = np.zeros((128, 128), dtype=np.uint8)\n"
+              "KERNELS['fp8_quantize']([np.ones((128, 128), dtype=np.uint16)], out, {'block': '128'})\n"
+              "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
