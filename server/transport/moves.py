@@ -85,7 +85,10 @@ def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, ori
                 sent += hi - lo
                 s.traffic.add_out(peer, hi - lo, origin_bytes)
             return out.finish(sent, _digest(check), transport.timeout_s)
-        for sub in chunk_boxes(box, dtype, out.chunk_bytes(transport.chunk_bytes)):
+        # A far end that takes larger pieces at no cost (nixl into shared memory) still gets the transport's own
+        # under a send-rate cap: one 16 MiB piece is a burst the cap cannot space
+        size = transport.chunk_bytes if transport.throttle.rate > 0 else out.chunk_bytes(transport.chunk_bytes)
+        for sub in chunk_boxes(box, dtype, size):
             s.check()
             n = boxes.volume(sub) * np_type.itemsize
             if not n:
