@@ -297,7 +297,7 @@ class Runtime:
         run.check_complete()
         # only tensors with destination tiles here stage any
         self.store.commit_many([(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
-                                for name, staged in run.staging.items()])
+                                for name, staged in run.staging.items()], by=job)
         self.store.end(job)
         self._retire(run)
 
@@ -315,6 +315,9 @@ class Runtime:
             for t in self.transports.values():
                 t.detach(Session(job, "", {}, {}))
         self.store.abort(job)
+        # A host commits as its run ends (`commit`), before the job's other hosts end theirs: a job aborted after
+        # that committed here, and what it committed goes
+        self.store.uncommit(job)
         with self._lock:  # a push waiting for this job's prepare gives up now
             self._arrivals += 1
             self._arrived.notify_all()

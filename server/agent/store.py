@@ -2,7 +2,9 @@
 
 Staged shards (an upload in progress, or a reshard's destination buffers) are
 invisible to readers until their transaction commits; an aborted transaction
-leaves nothing behind. Uploads whose bytes are streaming in right now are
+leaves nothing behind. A job's host commits as its run ends, before the planner's
+catalog makes the new versions visible; where the job fails on another host, its
+abort undoes that (`uncommit`). Uploads whose bytes are streaming in right now are
 listed too (`receiving`), so heartbeats can keep them from expiring.
 
 The store holds at most ``limit_bytes`` (``--memory-limit``): committed, staged
@@ -87,6 +89,9 @@ class ShardStore:
         # or a reservation costs the same however many tensors the agent holds (a state dict is hundreds)
         self._devices: dict[tuple[str, int], set[str]] = {}
         self._committed_bytes = 0
+        # (tensor, version) -> the job that committed it here, and back (`uncommit`), while it is held
+        self._committer: dict[tuple[str, int], str] = {}
+        self._commits_of: dict[str, set[tuple[str, int]]] = {}
         self._staged: dict[str, dict[str, TileBuffer]] = {}
         self._staged_bytes = 0  # kept as shards are staged and leave: a put_many stages thousands per agent
         self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
@@ -243,9 +248,9 @@ class ShardStore:
         """Make the staged shards of ``devices`` visible as ``tensor`` at ``version``, all or none."""
         self.commit_many([(owner, tensor, version, devices)])
 
-    def commit_many(self, commits: list[tuple[str, str, int, Any]]) -> None:
+    def commit_many(self, commits: list[tuple[str, str, int, Any]], by: str = "") -> None:
         """`commit` of each (owner, tensor, version, devices) of ``commits``, all or none: a job that commits a
-        state dict, under one hold of the lock.
+        state dict, under one hold of the lock. ``by``: the job committing them, which `uncommit` names.
 
         A version committed here is never written over, whatever this store remembers of ended transactions: a
         replayed upload, whose ticket outlived the record of its end (`_ENDED_KEPT`), would otherwise replace the
@@ -279,6 +284,9 @@ class ShardStore:
                         self._committed_bytes += shard.nbytes
                         self._committed[(tensor, version, d)] = shard
                         self._devices.setdefault((tensor, version), set()).add(d)
+                    if by:
+                        self._committer[(tensor, version)] = by
+                        self._commits_of.setdefault(by, set()).add((tensor, version))
                     self._drop_reserved(owner)
                     self._end_locked(owner)
         finally:
@@ -335,12 +343,36 @@ class ShardStore:
         """`release` of each (tensor, version) of ``versions`` (a state dict's old versions), under one hold of
         the lock; returns how many shards it dropped."""
         with self._lock:
-            dropped = [self._committed.pop((tensor, version, d)) for tensor, version in versions
-                       for d in self._devices.pop((tensor, version), ())]
-            self._committed_bytes -= sum(shard.nbytes for shard in dropped)
+            dropped = self._release_locked(versions)
         for shard in dropped:
             self.recycler.put(shard.array)
         return len(dropped)
+
+    def uncommit(self, job: str) -> int:
+        """Drop what ``job`` committed here and this store still holds; returns how many shards. A job's hosts
+        commit as their runs end, and the planner aborts a job that failed on any host: the abort undoes the
+        commit. Keyed by the job, not by tensor and version: an abort that reaches a paused host late never frees
+        the same version a retry committed there since."""
+        with self._lock:
+            dropped = self._release_locked(sorted(self._commits_of.pop(job, ())))
+        for shard in dropped:
+            self.recycler.put(shard.array)
+        return len(dropped)
+
+    def _release_locked(self, versions: list[tuple[str, int]]) -> list[TileBuffer]:
+        dropped = [self._committed.pop((tensor, version, d)) for tensor, version in versions
+                   for d in self._devices.pop((tensor, version), ())]
+        self._committed_bytes -= sum(shard.nbytes for shard in dropped)
+        if self._committer:
+            for key in versions:
+                job = self._committer.pop(key, None)
+                if job is not None:
+                    left = self._commits_of.get(job)
+                    if left is not None:
+                        left.discard(key)
+                        if not left:
+                            del self._commits_of[job]
+        return dropped
 
     def held(self) -> list[tuple[str, int]]:
         """Every (tensor, version) this store holds committed shards of."""

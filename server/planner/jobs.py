@@ -722,38 +722,26 @@ class JobRunner:
                 # NCCL has no message tags and orders the calls on a communicator: two jobs interleaving their
                 # sends and recvs in different orders on different agents would deadlock, so NCCL jobs take turns.
                 turn.enter_context(self._nccl_turn)
-            committing: set[str] = set()  # hosts asked to commit: only they may hold the new version
-
-            def commit(h: str) -> None:
-                committing.add(h)
-                self.agents.commit(h, peers[h], Staging(job=run_id), job.tensor, job.version, [], self.rpc_timeout_s)
-
-            staging = sorted(work.commits.hosts)
-            # A job whose new versions are staged on one host (a move into a one-host mesh, a compute job on one)
-            # has nothing to make atomic across hosts: that host commits as its run ends, and the Commit call's
-            # round trip is saved. Nothing is visible before the catalog swap below, which still waits for every
-            # host's Execute; the host counts as asked to commit from the start, so a failure anywhere releases
-            # whatever it may have committed.
-            at_once = staging[0] if len(staging) == 1 else None
+            # Every host that stages new versions commits them as its run ends: no Commit round after the runs (3-15
+            # ms of a job here). Nothing is visible before the catalog swap below, which waits for every host's
+            # Execute; where the job fails anywhere, its abort undoes what a host committed (`ShardStore.uncommit`,
+            # keyed by the job, so an abort that reaches a paused host late never frees a retry's same version).
+            staging = frozenset(work.commits.hosts)
             try:
-                if at_once is not None:
-                    committing.add(at_once)
                 ran = time.monotonic()
                 job.phases["planning"] = job.phases.get("planning", 0.0) + ran - began
-                self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), at_once)
+                self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), staging)
                 if work.report is not None:
                     work.report()
                 committed = time.monotonic()
                 job.phases["running"] = job.phases.get("running", 0.0) + committed - ran
-                if at_once is None:
-                    self._fan_out(commit, staging, deadline, self._watch(peers, {}))
                 work.commits.check()
                 freed = self.catalog.commit(work.commits.records, self._bases(job, work.commits.records))
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
                 if work.report is not None and not job.deltas:
                     work.report()
-                self._undo(job, prep, hosts, e, [new for _, new in work.commits.records], committing)
+                self._undo(job, prep, hosts, e)
                 raise
             finally:
                 # A host writes its plan-id key only to call a peer: a job on one host wrote none to drop.
@@ -1074,11 +1062,11 @@ class JobRunner:
         return transport == "grpc" and moves.pushes_in is not None and moves.pushes_in <= EARLY_PUSHES_MAX
 
     def _run_program(self, job: Job, prep: Preparation, hosts: list[str], deadline: float, early: bool,
-                     commit: str | None = None) -> None:
+                     commit: frozenset[str] = frozenset()) -> None:
         """Hand every host the program once, then run it with one Execute per host; collects progress and
         each host's traffic. Unless ``early`` (`_prepares_early`: each host prepares inside its Execute), every
         host is prepared before any runs, since pushes may reach a host as soon as its peers start. ``commit``:
-        the host that commits as its run ends (the job's only staging host)."""
+        the hosts that commit as their runs end (those that stage new versions)."""
         if not early:
             self._fan_out(lambda h: self.agents.prepare(h, prep.peers[h], prep, self.rpc_timeout_s), hosts,
                           deadline, self._watch(prep.peers, {}))
@@ -1105,16 +1093,16 @@ class JobRunner:
 
             called = time.monotonic()
             traffic = self.agents.execute(h, prep.peers[h], prep.job, prep.program_id, on_progress,
-                                          max(0.1, deadline - called), prep if early else None, h == commit)
+                                          max(0.1, deadline - called), prep if early else None, h in commit)
             job.host_seconds[h] = time.monotonic() - called
             if traffic is not None:
                 job.traffic[h] = traffic
 
         self._fan_out(run, hosts, deadline, self._watch(prep.peers, reported))
 
-    def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException,
-              news: list[TensorRecord], committing: set[str] = frozenset()) -> None:
-        """After a failure: a fresh group for the next collective job, and nothing staged left anywhere.
+    def _undo(self, job: Job, prep: Preparation, hosts: list[str], error: BaseException) -> None:
+        """After a failure: a fresh group for the next collective job, and nothing staged or committed by the job
+        left anywhere.
 
         A host that stopped answering is cleaned up last: its calls may wait out ``rpc_timeout_s`` (they
         finish as soon as it answers again), so the job's failure is published before them.
@@ -1123,24 +1111,16 @@ class JobRunner:
             # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
             self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
         gone = [error.host] if isinstance(error, _NotAnswering) else []
-        self._drop_staged(job, prep, [h for h in hosts if h not in gone], news, committing)
+        self._drop_staged(prep, [h for h in hosts if h not in gone])
         if gone:
             self._finish(job, error)
-            self._drop_staged(job, prep, gone, news, committing)
+            self._drop_staged(prep, gone)
 
-    def _drop_staged(self, job: Job, prep: Preparation, hosts: list[str], news: list[TensorRecord],
-                     committing: set[str]) -> None:
-        """Abort the job on ``hosts``, then release its new versions (``news``) on those that were asked to commit.
-
-        Only those: a release is keyed by tensor and version, so one that reached a paused host late would
-        free the same version committed there by a retry. A host never asked to commit holds nothing to free.
-        """
+    def _drop_staged(self, prep: Preparation, hosts: list[str]) -> None:
+        """Abort the job on ``hosts``: what it staged there goes, and what a host committed as its run ended
+        (`ShardStore.uncommit`: by the job, never a retry's same version)."""
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=prep.job), self.rpc_timeout_s),
                           hosts)
-        def release(h: str) -> None:
-            self.agents.release(h, prep.peers[h], [(new.name, new.version) for new in news], self.rpc_timeout_s)
-
-        self._best_effort(release, sorted(set(hosts) & committing))
 
     def _count_moved(self, job: Job, work: "_Work") -> None:
         """Count a succeeded job's bytes, and report its deltas (`_report_deltas`)."""

@@ -39,7 +39,7 @@ PUSH_STALL_S = 1.0
 
 SRC = Sharding(Mesh.from_hosts({"x": 2}, ["host0", "host1"], 1), ("x", None))
 DST = Sharding(Mesh.from_hosts({"x": 2}, ["host1", "host2"], 1), (None, "x"))
-NETWORK_BYTES = 3 * 2**20  # host0 sends a quarter of the tensor to host1 and one to host2, host1 one to host2
+NETWORK_BYTES = 6 * 2**20  # host0 sends a quarter of the tensor to host1 and one to host2, host1 one to host2
 
 
 # The collective cluster runs in the slow suite (make bench): make test keeps gRPC and nixl, well under 10 minutes.
@@ -57,7 +57,10 @@ def stall_cluster(request):
 @pytest.mark.transports_in_turn(first="nixl")  # issue 38: a killed and a paused receiver on nixl
 def test_a_paused_receiver_fails_the_job_within_the_bound_and_a_retry_succeeds_once_it_resumes(stall_cluster):
     cluster = stall_cluster
-    a = np.arange(1024 * 1024, dtype=np.int32).reshape(1024, 1024)  # 4 MiB: each quarter takes 0.5 s to send
+    # 8 MiB: each quarter takes a second to send, so host2 is still receiving when the client sees the first bytes
+    # move, even on a loaded machine (a destination host that finished its run before the pause committed as it
+    # ended, is no longer needed, and the job would succeed)
+    a = np.arange(2048 * 1024, dtype=np.int32).reshape(2048, 1024)
     with cluster.connect() as c:
         job = reshard_in_flight(c, "paused", a, SRC, DST, "send_recv")
         receiver = cluster.agents["host2"]
