@@ -355,7 +355,8 @@ class Job:
 
 # A job's phases (`Job.phases`): waiting for the jobs before it on its tensors (or for a free runner); planning
 # (its plan or program, and the transport, a collective job waiting for the process group); running (every host's
-# Execute, from the first call to the last host's end); committing (every host's commit and the catalog's).
+# Execute, from the first call to the last host's end, a destination host's commit at its end); committing (the
+# catalog's swap).
 PHASES = ("waiting", "planning", "running", "committing")
 MANY_PROGRAMS_KEPT = 8  # reshard_many programs a planner keeps, most recently used
 SLICED_PROGRAMS_KEPT = 4  # programs whose per-host slices a planner keeps (each about as large as its text)
