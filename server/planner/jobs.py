@@ -1112,12 +1112,12 @@ class JobRunner:
             # A failed call may leave recvs posted and gloo pairs closed: the next job gets a fresh group.
             self.group.reform(f"job {job.id[:8]} failed on generation {prep.generation}: {str(error)[:120]}")
         gone = [error.host] if isinstance(error, _NotAnswering) else []
-        self._drop_staged(prep, [h for h in hosts if h not in gone])
+        self._abort_on(prep, [h for h in hosts if h not in gone])
         if gone:
             self._finish(job, error)
-            self._drop_staged(prep, gone)
+            self._abort_on(prep, gone)
 
-    def _drop_staged(self, prep: Preparation, hosts: list[str]) -> None:
+    def _abort_on(self, prep: Preparation, hosts: list[str]) -> None:
         """Abort the job on ``hosts``: what it staged there goes, and what a host committed as its run ended
         (`ShardStore.uncommit`: by the job, never a retry's same version)."""
         self._best_effort(lambda h: self.agents.abort(h, prep.peers[h], Staging(job=prep.job), self.rpc_timeout_s),
