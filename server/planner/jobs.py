@@ -194,7 +194,8 @@ class AgentCalls(Protocol):
         report, the agent's seconds from the call to its run starting; may be left out), or
         ``on_progress(loading=True)`` while the host still loads and prepares the job (alive, not started), and
         commit what it staged
-        as the run ends when ``commit`` (the job's only staging host); returns the host's traffic for the job."""
+        as the run ends when ``commit`` (a host that stages the job's new versions); returns the host's traffic for
+        the job."""
 
     def commit(self, host: str, address: str, staging: Staging, tensor: str, version: int, devices: list[str],
                timeout: float, more: list[tuple[str, str, int, list[str]]] = ()) -> None:
