@@ -89,9 +89,8 @@ class ShardStore:
         # or a reservation costs the same however many tensors the agent holds (a state dict is hundreds)
         self._devices: dict[tuple[str, int], set[str]] = {}
         self._committed_bytes = 0
-        # (tensor, version) -> the job that committed it here, and back (`uncommit`), while it is held
+        # (tensor, version) -> the job that committed it here (`uncommit`), while it is held
         self._committer: dict[tuple[str, int], str] = {}
-        self._commits_of: dict[str, set[tuple[str, int]]] = {}
         self._staged: dict[str, dict[str, TileBuffer]] = {}
         self._staged_bytes = 0  # kept as shards are staged and leave: a put_many stages thousands per agent
         self._reserved: dict[tuple[str, str], int] = {}  # (owner, device) -> bytes about to be staged there
@@ -286,7 +285,6 @@ class ShardStore:
                         self._devices.setdefault((tensor, version), set()).add(d)
                     if by:
                         self._committer[(tensor, version)] = by
-                        self._commits_of.setdefault(by, set()).add((tensor, version))
                     self._drop_reserved(owner)
                     self._end_locked(owner)
         finally:
@@ -352,9 +350,10 @@ class ShardStore:
         """Drop what ``job`` committed here and this store still holds; returns how many shards. A job's hosts
         commit as their runs end, and the planner aborts a job that failed on any host: the abort undoes the
         commit. Keyed by the job, not by tensor and version: an abort that reaches a paused host late never frees
-        the same version a retry committed there since."""
+        the same version a retry committed there since. Looks through every version held, which only a failed
+        job's cleanup pays."""
         with self._lock:
-            dropped = self._release_locked(sorted(self._commits_of.pop(job, ())))
+            dropped = self._release_locked([key for key, by in self._committer.items() if by == job])
         for shard in dropped:
             self.recycler.put(shard.array)
         return len(dropped)
@@ -363,15 +362,8 @@ class ShardStore:
         dropped = [self._committed.pop((tensor, version, d)) for tensor, version in versions
                    for d in self._devices.pop((tensor, version), ())]
         self._committed_bytes -= sum(shard.nbytes for shard in dropped)
-        if self._committer:
-            for key in versions:
-                job = self._committer.pop(key, None)
-                if job is not None:
-                    left = self._commits_of.get(job)
-                    if left is not None:
-                        left.discard(key)
-                        if not left:
-                            del self._commits_of[job]
+        for key in versions:
+            self._committer.pop(key, None)
         return dropped
 
     def held(self) -> list[tuple[str, int]]:
