@@ -95,7 +95,7 @@ def _add_agent_command(sub) -> None:
     p.add_argument("--chunk-mib", type=positive_float, default=d.chunk_bytes / 2**20, help="gRPC stream chunk size")
     p.add_argument("--collective-chunk-mib", type=float, default=0.0,
                    help="collective and nixl transports' chunk size (0: about 3 ms at --nic-gbps, 2 to 16 MiB on "
-                        "collective, 256 KiB to 16 MiB on nixl)")
+                        "collective, 1 to 16 MiB on nixl)")
     p.add_argument("--collective-lanes", type=positive_int, default=d.collective_lanes,
                    help="collective transport: routes a host streams at once, and as many again for routes under "
                         "1 MiB (more keep fast links busier, fewer spare a loaded CPU)")

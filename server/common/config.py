@@ -11,7 +11,7 @@ from reshard.server.common.contract import check_host_name
 __all__ = ["AgentConfig", "PlannerConfig", "MiB"]
 
 MiB = 2**20
-NIXL_LEAST_CHUNK = 256 << 10  # the smallest nixl chunk the NIC rule picks (`AgentConfig.nixl_chunk`)
+NIXL_LEAST_CHUNK = 1 << 20  # the smallest nixl chunk the NIC rule picks (`AgentConfig.nixl_chunk`)
 
 
 @dataclass(frozen=True)
@@ -106,12 +106,18 @@ class AgentConfig:
     @property
     def nixl_chunk(self) -> int:
         """The nixl transport's chunk size: as set (--collective-chunk-mib), else about 3 ms on the NIC in powers
-        of two from 256 KiB (256 KiB at 1 Gbit/s, 512 KiB at 2, 4 MiB at 10, as collective from there). A chain hop
-        learns that a chunk landed only once the WRITEs after it in the window are on their way too (a WRITE's
-        notification leaves as it completes), so each hop of a chain adds about a window of chunks to the job: a
-        gloo message's cost per chunk does not apply here. On the emulated hosts' 1 Gbit/s links (bench/paper.py's
-        cases, medians of 5) 1 MiB, 512 KiB and 256 KiB chunks took the 4-hop chain of 1to4x2 1.15, 1.13 and 1.12 s
-        and case7 1.17, 1.13 and 1.11 s (estimate 1.07 s); the weight sync's bucketed streams took no longer."""
+        of two from 1 MiB (1 MiB at 1 and 2 Gbit/s, 4 MiB at 10, as collective from there). A chain hop learns that
+        a chunk landed only once the WRITEs after it in the window are on their way too (a WRITE's notification
+        leaves as it completes), so each hop of a chain adds about a window of chunks to the job, and smaller chunks
+        fill a chain sooner; but every chunk costs both ends a pass through the interpreter and a wake-up or two
+        (about 1 ms of CPU for a 256 KiB chunk between two agents of one process, bench/nixl_path.py, where
+        NIXL alone takes a quarter of that), and where agents share cores that cost is the job's. On the emulated
+        hosts' 1 Gbit/s links (bench/paper.py's cases, `auto`, medians of 5), with the machine's 2 cores to spare,
+        1 MiB, 512 KiB and 256 KiB chunks took the 4-hop chain of 1to4x2 1.15, 1.13 and 1.12 s and case7 1.17, 1.13
+        and 1.11 s (estimate 1.07 s); with the same cores busier, in one run of each size (256 KiB, 512 KiB, 1 MiB,
+        2 MiB): 1to4x2 1.38x, 1.20x, 1.10x, 1.16x its estimate, allgather4 1.49x, 1.26x, 1.14x, 1.19x, shift1 1.71x,
+        1.31x, 1.12x, 1.14x, case7 1.09x, 1.07x, 1.10x, 1.16x. A little of a chain's fill traded for not losing a
+        third of the links' time where cores are short: 1 MiB."""
         return self.collective_chunk_bytes or self._chunk_on_the_nic(NIXL_LEAST_CHUNK)
 
     def _chunk_on_the_nic(self, least: int) -> int:
