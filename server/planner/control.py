@@ -6,6 +6,8 @@ The servicer turns messages into calls on `Planner`; agent calls go through the
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -64,6 +66,9 @@ _COMMITS_PER_CALL = 1000  # uploads of a put_many one Commit call to an agent ca
 
 
 SYNCS_KEPT = 64  # registered syncs a planner keeps (`Planner.register_sync`), least recently used dropped first
+# reshard_many requests a planner remembers as checked (`Planner.reshard_many`), least recently used dropped first: a
+# state dict's is its destinations by name (tens of MB at 139,583 tensors), so few
+REPEATS_KEPT = 4
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,16 @@ class RegisteredSync:
     @property
     def quantizes(self) -> bool:
         return bool(self.request[5])
+
+
+def _request_digest(request: tuple) -> str:
+    """A digest of reshard_many ``request`` (as `RegisteredSync.request`): equal for requests made alike, its
+    targets in their order."""
+    targets, strategy, bucket_bytes, scales, manifest_json, dtypes = request
+    h = hashlib.blake2b(digest_size=20)
+    h.update(json.dumps([strategy, bucket_bytes, scales, manifest_json, sorted(dtypes.items())]).encode())
+    h.update("".join(f"{len(n)}:{n}{len(t)}:{t}" for n, t in targets).encode())
+    return h.hexdigest()
 
 
 class TileLocation(NamedTuple):
@@ -164,6 +179,8 @@ class Planner:
         self._by_layout: dict[Sharding, Sharding] = {}  # each layout read, as the one object that stands for it
         self._syncs_lock = threading.Lock()
         self._syncs: OrderedDict[str, RegisteredSync] = OrderedDict()  # registered syncs, most recently used last
+        # reshard_many requests checked, by their digest (`_repeated`), most recently used last
+        self._repeats: OrderedDict[str, RegisteredSync] = OrderedDict()
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
         self._stop = threading.Event()
@@ -769,11 +786,40 @@ class Planner:
                      pin: str = "", step: int | None = None, delta: bool | None = None,
                      dtypes: dict[str, str] | None = None) -> Job:
         """Queue one job that reshards every (name, destination sharding JSON) of ``targets`` in one program and
-        commits them together: `_many_job` checks the request, `JobRunner.submit_many` queues it."""
+        commits them together: `_many_job` checks the request, `JobRunner.submit_many` queues it.
+
+        A request made again as it was, with no pin or step (a weight sync that calls reshard_many every step), is
+        not checked again while nothing its checks read has changed, as a registered sync's run is not
+        (`_repeated`): checking a 501-tensor state dict's request was a third of the planner's CPU for its job, and
+        the job waited for it. A pin or a step is checked where it is given, every time."""
         received = time.time()
-        return self.jobs.submit_many(**self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, pin,
-                                                      step, dtypes), pin=pin, step=step, delta=delta,
-                                     received=received)
+        if pin or step is not None:
+            args = self._many_job(targets, strategy, bucket_bytes, scales, manifest_json, pin, step, dtypes)
+        else:
+            args = self._repeated((list(targets), strategy, bucket_bytes, list(scales), manifest_json,
+                                   dict(dtypes or {}))).args
+        return self.jobs.submit_many(**args, pin=pin, step=step, delta=delta, received=received)
+
+    def _repeated(self, request: tuple) -> RegisteredSync:
+        """Reshard_many ``request`` (as `RegisteredSync.request`) checked (`_check_sync`): as remembered from the
+        last time it was made, where what its checks read is as it was then (`_checked_now`, and for a request
+        that quantizes, its tensors' dtypes), else checked now and remembered by its digest (the last
+        `REPEATS_KEPT`; without its targets, which the digest stands for)."""
+        key = _request_digest(request)
+        with self._syncs_lock:
+            known = self._repeats.get(key)
+            if known is not None:
+                self._repeats.move_to_end(key)
+        if known is not None and known.checked == self._checked_now(known.quantizes) and (
+                not known.quantizes or self._same_dtypes(known)):
+            return known
+        checked = self._check_sync(RegisteredSync(key, request, {}, (-1, -1), [], np.zeros(0, np.int64)))
+        checked = replace(checked, request=((), *request[1:]))
+        with self._syncs_lock:
+            self._repeats[key] = checked
+            while len(self._repeats) > REPEATS_KEPT:
+                self._repeats.popitem(last=False)
+        return checked
 
     def register_sync(self, targets: list[tuple[str, str]], strategy: str, bucket_bytes: int | None,
                       scales: list[tuple[str, str, tuple[int, ...] | None]], *, manifest_json: str = "",
