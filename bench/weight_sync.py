@@ -23,7 +23,7 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
 
 Every result is checked bit-exact (agents: every device's tile, replicas included, by digest against the arrays;
 gloo and DTensor: each rank's received buffers, or local shard, against the arrays). Seconds are from the request (or a
-barrier) to the last byte in place (or a barrier), median of ``--runs`` after one untimed; GB/s counts the bytes
+barrier) to the last byte in place (or a barrier), median of ``--runs`` after two untimed (`WARMUP`); GB/s counts the bytes
 the inference devices end up holding. For (1) and (3) on loopback the section also gives the CPU seconds every
 process of each side used in a timed run (the service's planner and agents from ``/proc``, each gloo rank its own
 ``time.process_time``), summed: on this machine the cores, not the loopback, are what both sides share.
@@ -89,6 +89,11 @@ GOAL_GLOO = {"collective": 0.8, "nixl": 1.0}  # reshard_many's speed against raw
 GOAL_BOUND = {"nixl": 1.10}  # the emulated hosts' reshard_many against its lower bound, at most (issue 38)
 VERSUS = ("`reshard_many`", "raw gloo")  # how the turns' spread names the two sides (`_report.turns`)
 TIMEOUT_S = 900
+# Untimed moves there and back before the timed ones: the first two of a cluster both stage into fresh memory (the
+# second too, as the delta base pair the first left holds the version before: `Catalog` keeps it for delta sync), a
+# page fault per 4 KiB and a NIXL registration per buffer, which a sync repeated every step pays once; raw gloo's
+# buffers are allocated before its timing
+WARMUP = 2
 STORE_HOST_ENV = "WEIGHT_SYNC_STORE_HOST"  # where a gloo rank finds the driver's store (the lab's root address)
 # The same-mesh part: host0..host3 as 2 x 2, the inference layout's axes (DTensor: mesh dims "dp", "tp").
 SAME = Mesh.from_hosts({"dp": 2, "tp": 2}, HOSTS[:4], 1)
@@ -116,31 +121,31 @@ def _same_mesh(infer: dict) -> dict:
 def _timed(c, tensors: dict, there: dict, back: dict, runs: int, what: str,
            results: list | None = None, between: Callable[[int], None] | None = None,
            meter: tuple[Callable[[], float], list] | None = None) -> list[float]:
-    """Seconds of each timed reshard_many to ``there``, after one untimed; each checked, and moved ``back``
+    """Seconds of each timed reshard_many to ``there``, after `WARMUP` untimed; each checked, and moved ``back``
     untimed (after the old versions' release, which follows a job, is over: `_settle`). The timed jobs' results go
-    to ``results``; ``between(i)`` runs after run ``i`` (0 the untimed one) and its move back. With ``meter``
+    to ``results``; ``between(i)`` runs after run ``i`` (0 the last untimed one) and its move back. With ``meter``
     (a reading, such as the service's CPU seconds or the links' byte counters, and a list), what each timed run
     added to the reading goes to the list."""
     names, times = list(tensors), []
     expected = expected_digests(tensors, there)
-    for i in range(runs + 1):
+    for k in range(1 - WARMUP, runs + 1):  # k <= 0: untimed
         used = meter[0]() if meter is not None else 0.0
         t0 = time.monotonic()
         result = c.reshard_many(there).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
-        if meter is not None and i:
+        if meter is not None and k > 0:
             meter[1].append(meter[0]() - used)
         _settle(c, names)
         check_every_device(c, expected, what)
-        if i:
+        if k > 0:
             times.append(wall)
             if results is not None:
                 results.append(result)
-        print(f"{what} {'(untimed) ' if not i else ''}{wall:.3f}s", flush=True)
+        print(f"{what} {'(untimed) ' if k <= 0 else ''}{wall:.3f}s", flush=True)
         c.reshard_many(back).result(timeout=TIMEOUT_S)
         _settle(c, names)
-        if between is not None:
-            between(i)  # the baseline's run i, while these agents sit idle: the two take turns
+        if between is not None and k >= 0:
+            between(k)  # the baseline's run k, while these agents sit idle: the two take turns
     return times
 
 
@@ -633,7 +638,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=50, help="transformer layers (10 tensors each; default 50)")
     ap.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
-    ap.add_argument("--runs", type=int, default=3, help="timed runs of each, after one untimed (default 3)")
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of each, after two untimed (default 3)")
     ap.add_argument("--gbps", type=float, default=1.0, help="the lab's link rate, Gbit/s each way (default 1)")
     ap.add_argument("--transport", default="collective", choices=tuple(GOAL_GLOO),
                     help="the agents' transport for the reshards (default collective)")
@@ -764,7 +769,9 @@ def main(argv=None) -> int:
             f"4 on host0..host3 to tensor-parallel 2 times two replicas on host4..host7 of this machine, one process "
             f"per host; the inference devices end up with {received / MiB:.0f} MiB, which the GB/s counts. Seconds "
             f"from the request (or a barrier) until every byte is in place (or a barrier), median of {args.runs} "
-            f"after one untimed (one job per tensor: one run); every result checked bit-exact. Raw gloo sends each "
+            f"after two untimed (the first two moves of a cluster both stage into fresh memory, the second as the "
+            f"delta base pair the first left holds the version before; one job per tensor: one run); every result "
+            f"checked bit-exact. Raw gloo sends each "
             f"distinct source tile once, by `broadcast` to the ranks that need it, all issued asynchronously, into "
             f"buffers allocated beforehand; its runs and the cross-mesh `reshard_many`'s take turns (each while the "
             f"other's processes sit idle), so the machine's drifting load reaches both alike. The same-mesh rows move "
