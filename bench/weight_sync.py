@@ -23,8 +23,8 @@ tensor-parallel 4 on host0..host3 to tensor-parallel 2 times two replicas on hos
 
 Every result is checked bit-exact (agents: every device's tile, replicas included, by digest against the arrays;
 gloo and DTensor: each rank's received buffers, or local shard, against the arrays). Seconds are from the request (or a
-barrier) to the last byte in place (or a barrier), median of ``--runs`` after two untimed (`WARMUP`); GB/s counts the bytes
-the inference devices end up holding. For (1) and (3) on loopback the section also gives the CPU seconds every
+barrier) to the last byte in place (or a barrier), median of ``--runs`` after two untimed (`WARMUP`); GB/s counts the
+bytes the inference devices end up holding. For (1) and (3) on loopback the section also gives the CPU seconds every
 process of each side used in a timed run (the service's planner and agents from ``/proc``, each gloo rank its own
 ``time.process_time``), summed: on this machine the cores, not the loopback, are what both sides share.
 
