@@ -29,7 +29,11 @@ from reshard.server.transport.base import Transport
 from reshard.server.transport.deltas import DeltaStream, Segment
 from reshard.server.transport.session import Session
 
-__all__ = ["Run"]
+__all__ = ["Run", "WORKING_KEY"]
+
+# The store key a job's working buffers (`Run.produce`: a step's output that is not a destination tile) are reserved
+# under, all of them together, until the job ends
+WORKING_KEY = "working buffers"
 
 
 class _Scratch:
@@ -108,6 +112,7 @@ class Run(Session):
         self.steps_done = 0
         self.bytes_total = layout.bytes_total
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
+        self._roles: set[str] = set()  # the roles of the buffers in ``_made``: what a read without a role looks in
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
         self._stage(tasks_at_once)
         self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
@@ -255,7 +260,7 @@ class Run(Session):
         if held is not None:
             return held
         with self._lock:
-            held = [(b, a) for r in ((role,) if role else (DST, *sorted({k[2] for k in self._made} - {DST})))
+            held = [(b, a) for r in ((role,) if role else (DST, *sorted(self._roles - {DST})))
                     for b, a in self._made.get((device, tensor, r), ())]
         made = [(b, a) for b, a in held if boxes.contains(b, box)]
         if made:
@@ -299,6 +304,7 @@ class Run(Session):
         with self._lock:
             made = [a for arrays in self._made.values() for _, a in arrays]
             self._made.clear()
+            self._roles.clear()
         for array in made:
             self.store.recycle(array)
 
@@ -317,11 +323,12 @@ class Run(Session):
                     return a, b
             decl = self.program.tensor(tensor)
             if self.device == self.store.device:  # counted against the limit until the job ends, as it is held
-                self.store.reserve(self.job, {f"{device} {tensor} {role} {box}": boxes.volume(box) * decl.itemsize},
-                                   f"job {self.job[:8]}'s working buffer of {tensor!r} in role {role!r} "
-                                   f"{boxes.box_str(box)} on device {device}")
+                self.store.reserve_more(self.job, WORKING_KEY, boxes.volume(box) * decl.itemsize,
+                                        f"job {self.job[:8]}'s working buffer of {tensor!r} in role {role!r} "
+                                        f"{boxes.box_str(box)} on device {device}")
             array = self.empty(tile_shape(box), decl.dtype)
             made.append((box, array))
+            self._roles.add(role)
             return array, box
 
     def sink(self, tensor: str, box: Box):

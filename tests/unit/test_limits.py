@@ -300,3 +300,23 @@ def test_a_host_registering_at_a_new_address_has_the_planner_forget_the_old_one(
     time.sleep(0.1)
     planner.register("h0", 2, "h0:2", 10.0, secret=b"h0-third-secret-0123")
     assert ("forget", "h0:1") in planner.agents.calls
+
+
+def test_a_job_s_working_buffers_count_together_against_the_limit_until_the_job_ends():
+    """A job's steps make working buffers one at a time (a quantize step's codes, a partial sum): each adds to one
+    reservation of the job's, which the limit is checked against, and which ends with the job."""
+    store = ShardStore(limit_bytes=3000 * 100 + MiB, host="h0")
+    store.stage("up", "h0/0", _tile(store, MiB))
+    store.commit("up", "a", 1, ["h0/0"])
+    for i in range(3000):
+        store.reserve_more("job", "working buffers", 100, f"job's working buffer {i}")
+    assert store.used_bytes() == MiB + 3000 * 100
+    with pytest.raises(ResourceExhaustedError) as refused:
+        store.reserve_more("job", "working buffers", 1, "job's working buffer of 'w' in role 'fp8'")
+    assert str(refused.value).startswith("job's working buffer of 'w' in role 'fp8' needs 1 B (1 bytes), but the "
+                                         "agent of host h0 holds 1.3 MiB (1,348,576 bytes) of its memory limit")
+    assert store.used_bytes() == MiB + 3000 * 100  # the refused one added nothing
+    store.abort("job")
+    assert store.used_bytes() == MiB
+    with pytest.raises(FailedPreconditionError, match=r"transaction job has already ended"):
+        store.reserve_more("job", "working buffers", 100, "a late step")
