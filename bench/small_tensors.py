@@ -10,7 +10,9 @@ same request and by a registered sync's run side by side, timed against issue 41
 139,583-tensor Kimi-K2-like state dict. Each tensor holds its
 own run of integers, so a tile put in the wrong place, or another tensor's tile, reads back different: every
 device's tile is checked bit for bit after each move out, and every tensor as `get_many` returns it after the move
-back (all outside the timed calls).
+back (all outside the timed calls). Then, on a cluster of their own, as many 16 x 16 bfloat16 weights quantized on
+the way (each whole on host0, served on host4 as fp8 with its block scale, which host0's agent makes), planned fresh
+and requested again, a sample checked against the tests' reference quantizer.
 One run per size: the point is how the cost grows with N, which a single run shows. Writes its section of
 BENCHMARKS.md.
 
