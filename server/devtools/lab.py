@@ -19,6 +19,7 @@ starts, and ``reshard lab --cleanup`` removes every lab.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -38,10 +39,12 @@ from reshard.plan_command import HelpFormatter
 from reshard.proto.auth import TOKEN_ENV
 from reshard.client.cluster import agent_environment, sharing_cores
 from reshard.server.common.lifecycle import wait_for_signal
+from reshard.server.devtools import links
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LabConfig", "Lab", "LabError", "cleanup_labs", "lab_available", "start_cluster", "add_lab_command"]
+__all__ = ["LabConfig", "Lab", "LabError", "LinkSampler", "cleanup_labs", "lab_available", "start_cluster",
+           "add_lab_command"]
 
 PREFIX = "rsl-"
 STATE_DIR = Path("/run/reshard-lab")
@@ -267,6 +270,16 @@ class Lab:
         return {self.host_name(i): (ports[f"vh{i}"]["rx"]["bytes"], ports[f"vh{i}"]["tx"]["bytes"])
                 for i in range(self.config.num_hosts)}
 
+    @contextlib.contextmanager
+    def sample_links(self, interval_s: float = 0.005) -> Iterator["LinkSampler"]:
+        """Sample every host link's counters every ``interval_s`` while the block runs (`links`); the sampler's
+        ``timeline`` is there once it ends."""
+        sampler = LinkSampler(self, interval_s)
+        try:
+            yield sampler
+        finally:
+            sampler.stop()
+
     def connect(self, address: str, **kwargs):
         """A client of the lab's planner at ``address``, holding the lab's token."""
         import reshard
@@ -287,6 +300,36 @@ class Lab:
             _kill_namespace(ns)
         self._built.clear()
         (STATE_DIR / f"{self.lab_id}.json").unlink(missing_ok=True)
+
+
+class LinkSampler:
+    """A process in the lab's bridge namespace that samples each host link's counters (`links.main`) from its start
+    until `stop`, which reads them into ``timeline`` (`links.LinkTimeline`)."""
+
+    def __init__(self, lab: Lab, interval_s: float):
+        if not interval_s > 0:
+            raise ValueError(f"links are sampled every positive number of seconds; got {interval_s!r}")
+        self.hosts = tuple(lab.host_name(i) for i in range(lab.config.num_hosts))
+        self.rate = lab.config.gbps * 1e9 / 8
+        self.timeline: Optional[links.LinkTimeline] = None
+        ports = ",".join(f"vh{i}" for i in range(lab.config.num_hosts))
+        self._proc = lab.spawn(lab.bridge_ns, [sys.executable, "-m", "reshard.server.devtools.links", ports,
+                                               str(interval_s)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        first = self._proc.stdout.readline()
+        if first.strip() != links.READY:
+            self._proc.kill()
+            self._proc.wait()
+            raise LabError(f"the link sampler in {lab.bridge_ns} did not start: {first.strip() or 'it exited'}")
+
+    def stop(self) -> links.LinkTimeline:
+        """End the sampling (a last sample is taken now) and read the timeline."""
+        if self.timeline is None:
+            out, _ = self._proc.communicate(timeout=60)
+            if self._proc.returncode:
+                raise LabError(f"the link sampler exited with code {self._proc.returncode}")
+            self.timeline = links.parse(out, self.hosts, self.rate)
+        return self.timeline
 
 
 PLANNER_PORT = 7070

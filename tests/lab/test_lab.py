@@ -53,7 +53,12 @@ def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_crosses_each_lin
             # The planner's topology is the shaping: one box through each NIC at the link rate.
             assert plan.estimate_seconds == pytest.approx(NBYTES * 8 / (GBPS * 1e9), rel=1e-6)
             assert [t.method for t in plan.transfers] == ["broadcast"]
-            result = c.reshard("t", dst, "broadcast").result(timeout=60)
+            before = lab.link_bytes()
+            with lab.sample_links() as sampler:
+                t0 = time.monotonic()
+                result = c.reshard("t", dst, "broadcast").result(timeout=60)
+                t1 = time.monotonic()
+            after = lab.link_bytes()
             for dev in dst.mesh.devices:
                 assert np.array_equal(c.get_shard("t", dev), data)
         assert lab_namespaces(lab.lab_id)
@@ -64,6 +69,27 @@ def test_chain_broadcast_on_three_shaped_hosts_is_bit_exact_and_crosses_each_lin
         hosts[0]: 0, hosts[1]: NBYTES, hosts[2]: NBYTES}
     assert sum(result.traffic[hosts[0]]["bytes_out"].values()) == NBYTES
     assert lab_namespaces(lab.lab_id) == []
+    # The links' timeline saw the same: the box left host0 once, crossed into host1, left it once more (the chain's
+    # forward) and crossed into host2, with a few headers (9000-byte frames) and the job's control messages
+    timeline = sampler.timeline
+    crossed = timeline.totals(t0, t1)
+    for host, (sent, received) in zip(hosts, [(1, 0), (1, 1), (0, 1)]):
+        assert crossed[host][0] == pytest.approx(sent * NBYTES, abs=0.03 * NBYTES)
+        assert crossed[host][1] == pytest.approx(received * NBYTES, abs=0.03 * NBYTES)
+    # over the whole sampling, the timeline's bytes are the counters' that `Lab.link_bytes` reads around it
+    whole = timeline.totals(timeline.times[0], timeline.times[-1])
+    for host in hosts:
+        for i in (0, 1):
+            assert 0 <= after[host][i] - before[host][i] - whole[host][i] < 256 << 10  # heartbeats outside it
+    first, last = timeline.first_byte(t0, 1 << 20), timeline.last_byte(t0, t1)
+    assert first is not None and 0 < first < last <= t1 - t0
+    starts, sent_bins, received_bins = timeline.bins(t0, t1, 0.05)
+    assert starts[-1] < t1 - t0 <= starts[-1] + 0.05
+    binned = timeline.totals(t0, t0 + len(starts) * 0.05)  # the last bin ends past t1
+    assert received_bins.sum(axis=0) == pytest.approx([binned[h][1] for h in hosts], abs=1)
+    assert sent_bins.sum(axis=0) == pytest.approx([binned[h][0] for h in hosts], abs=1)
+    # and no link ever ran faster than its shaping lets it
+    assert timeline.busiest_rate(t0, t1, 0.1) <= 1.15 * GBPS * 1e9 / 8
 
 
 OWNER = """
