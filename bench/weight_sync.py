@@ -416,6 +416,24 @@ def _lab_cluster(gbps: float, transport: str) -> Iterator[tuple]:
             yield emulated, c, train_mesh, infer_mesh
 
 
+def lab_layouts(tensors: dict, infer: dict, train_mesh: Mesh, infer_mesh: Mesh) -> tuple[dict, dict, dict]:
+    """The state dict on the lab's hosts: what to put (arrays in the training layout), the inference layout to
+    sync to, and the training layout to move back to."""
+    put = {n: (a, Sharding(train_mesh, s.spec)) for n, (a, s) in tensors.items()}
+    return put, {n: Sharding(infer_mesh, s.spec) for n, s in infer.items()}, {n: s for n, (_, s) in put.items()}
+
+
+def lab_bound(tensors: dict, infer: dict, gbps: float) -> float:
+    """The emulated hosts' lower bound on the sync (see the module docstring, 5): the busiest inference host's tile
+    bytes, or a quarter of the state dict (every byte leaves the 4 training hosts once), at the link rate."""
+    per_host = {h: 0 for h in HOSTS[4:]}
+    for name, (a, _) in tensors.items():
+        for dev, box in infer[name].tiles(a.shape).items():
+            per_host[dev.split("/")[0]] += boxes.volume(box) * a.itemsize
+    total = sum(a.nbytes for a, _ in tensors.values())
+    return max(max(per_host.values()), total / 4) / (gbps * GB / 8)
+
+
 def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "collective") -> dict:
     from reshard.server.devtools.lab import lab_available
 
@@ -424,9 +442,8 @@ def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "coll
         return {"skipped": why}
     tensors, infer = state_dict(layers, hidden)
     with _lab_cluster(gbps, transport) as (emulated, c, train_mesh, infer_mesh):
-        put = {n: (a, Sharding(train_mesh, s.spec)) for n, (a, s) in tensors.items()}
-        there = {n: Sharding(infer_mesh, s.spec) for n, s in infer.items()}
-        back = {n: s for n, (_, s) in put.items()}
+        put, there, back = lab_layouts(tensors, infer, train_mesh, infer_mesh)
+
         def spawn(rank: int, argv: list[str]) -> subprocess.Popen:  # rank r is HOSTS[r], on lab host r
             env = {**os.environ, STORE_HOST_ENV: emulated.root_ip, "GLOO_SOCKET_IFNAME": "eth0"}
             return emulated.spawn(emulated.host_ns(rank), argv, env=env, stdout=subprocess.PIPE, text=True)
@@ -442,16 +459,9 @@ def lab(layers: int, hidden: int, runs: int, gbps: float, transport: str = "coll
         except BaseException:
             turns.kill()
             raise
-    rate = gbps * GB / 8
-    per_host = {h: 0 for h in HOSTS[4:]}
-    for name, (a, _) in tensors.items():
-        for dev, box in infer[name].tiles(a.shape).items():
-            per_host[dev.split("/")[0]] += boxes.volume(box) * a.itemsize
-    total = sum(a.nbytes for a, _ in tensors.values())
-    bound = max(max(per_host.values()), total / 4) / rate
-    return {"times": times, "gloo_times": gloo_times, "bound_s": bound, "link_bytes": link_bytes,
-            "plan_bytes": [r.network_bytes for r in results], "carried_by": sorted({t for r in results
-                                                                                   for t in r.transports})}
+    return {"times": times, "gloo_times": gloo_times, "bound_s": lab_bound(tensors, infer, gbps),
+            "link_bytes": link_bytes, "plan_bytes": [r.network_bytes for r in results],
+            "carried_by": sorted({t for r in results for t in r.transports})}
 
 
 # -- the report ------------------------------------------------------------------------------------------------
