@@ -77,10 +77,10 @@ def measure(transport: str, layers: int, hidden: int, runs: int, gbps: float) ->
     return {"runs": runs_out, "bound": weight_sync.lab_bound(tensors, infer, gbps)}
 
 
-def analyse(run: dict, gbps: float) -> dict:
+def analyse(run: dict) -> dict:
     """What a run's timeline says (see the module docstring)."""
     timeline, t0, t1 = run["timeline"], run["t0"], run["t1"]
-    rate = gbps * 1e9 / 8
+    rate = timeline.rate
     receivers = [timeline.hosts.index(h) for h in HOSTS[4:]]
     first = timeline.first_byte(t0, FIRST_BYTES)
     last = timeline.last_byte(t0, t1, LAST_BYTES)
@@ -94,7 +94,7 @@ def analyse(run: dict, gbps: float) -> dict:
             "full": float(full.mean()) if full.size else 0.0, "cores": run["cpu"] / run["seconds"]}
 
 
-def timeline_table(run: dict, gbps: float) -> str:
+def timeline_table(run: dict) -> str:
     """The run's timeline in `BIN_S` bins: MB each host sent (an inference host forwards down its chains) and each
     inference host received."""
     timeline, t0, t1 = run["timeline"], run["t0"], run["t1"]
@@ -107,7 +107,7 @@ def timeline_table(run: dict, gbps: float) -> str:
     for b, start in enumerate(starts):
         cells = [f"{sent[b, h] / MB:.1f}" for h in every] + [f"{received[b, h] / MB:.1f}" for h in receivers]
         rows.append(f"| {start * 1e3:.0f} | " + " | ".join(cells) + " |")
-    line = gbps * 1e9 / 8 * BIN_S / MB
+    line = timeline.rate * BIN_S / MB
     return (f"The median run's timeline, MB per {BIN_S * 1e3:.0f} ms bin (a link at line rate moves {line:.2f} MB "
             f"a bin, headers included):\n\n" + "\n".join(rows))
 
@@ -121,7 +121,7 @@ def section(measured: dict, gbps: float, layers: int, hidden: int) -> str:
         bound = m["bound"]
         rows = ["| run | seconds | / bound | first MiB after ms | last byte after ms | after it ms | inference links' "
                 f"use | bins at {FULL:.0%}+ of line rate | service CPU s | cores busy |", "|" + "---:|" * 10]
-        found = [analyse(r, gbps) for r in m["runs"]]
+        found = [analyse(r) for r in m["runs"]]
         for i, (r, a) in enumerate(zip(m["runs"], found), 1):
             first = "-" if a["first_ms"] is None else f"{a['first_ms']:.0f}"
             rows.append(f"| {i} | {r['seconds']:.3f} | {r['seconds'] / bound:.2f}x | {first} | {a['last_ms']:.0f} | "
@@ -139,7 +139,7 @@ def section(measured: dict, gbps: float, layers: int, hidden: int) -> str:
             f"{min(f['full'] for f in found):.0%}-{max(f['full'] for f in found):.0%} of the bins between the first "
             f"byte and the last; the service kept {min(f['cores'] for f in found):.2f}-"
             f"{max(f['cores'] for f in found):.2f} of this machine's cores busy.\n\n" + "\n".join(rows)
-            + "\n\n" + timeline_table(r, gbps))
+            + "\n\n" + timeline_table(r))
     return (f"`bench/weight_sync.py`'s emulated-hosts sync ({layers} layers, hidden {hidden}: tensor-parallel 4 on "
             f"host0..host3 to two replicas of tensor-parallel 2 on host4..host7, links shaped to {gbps:g} Gbit/s each "
             f"way), each timed run with the lab sampling every host link's byte counters every "

@@ -25,7 +25,7 @@ __all__ = ["LinkTimeline", "READY", "main", "parse"]
 READY = "ready"  # the sampler's first line: its first sample is taken
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays: compared as values they would be ambiguous
 class LinkTimeline:
     """Each host's link counters at each sample: ``times`` (n,) monotonic seconds, ``sent`` and ``received`` (n,
     hosts) cumulative bytes each host sent and received over its link; ``rate`` the links' shaped bytes a second."""
