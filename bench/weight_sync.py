@@ -755,7 +755,9 @@ def main(argv=None) -> int:
                     f"({lab_gloo / e['bound_s']:.2f}x the bound), so `reshard_many` "
                     f"runs at {lab_gloo / measured:.2f}x gloo's speed there (goal >= {goal:g}x: "
                     f"{verdict(lab_gloo >= goal * measured)}). "
-                    f"{turn_spread(e['times'], e['gloo_times'], *VERSUS)}")
+                    f"{turn_spread(e['times'], e['gloo_times'], *VERSUS)} Where the sync's time goes on the links "
+                    f"(when its first bytes cross, how busy each link runs, the cores it keeps busy): "
+                    f"`bench/link_timeline.py`.")
     ph = a["many_phases"]
     rest = many - sum(ph[p] for p in ("waiting", "planning", "running", "committing"))
     phases_text = (f"The agents ran on the {args.transport} transport (transfers carried by {a['carried_by']}). "
