@@ -183,6 +183,11 @@ class Lab:
     def host_ip(self, i: int) -> str:
         return self._addr(10 + i)
 
+    @staticmethod
+    def host_port(i: int) -> str:
+        """Host ``i``'s link's end on the bridge: its counters are the host's traffic, the other way round."""
+        return f"vh{i}"
+
     # -- building ---------------------------------------------------------------------
 
     def __enter__(self) -> "Lab":
@@ -244,7 +249,7 @@ class Lab:
         self._link(self.planner_ns, self.planner_ip, "vp", shaped=False)
         for i in range(self.config.num_hosts):
             self._add_ns(self.host_ns(i))
-            self._link(self.host_ns(i), self.host_ip(i), f"vh{i}", shaped=True)
+            self._link(self.host_ns(i), self.host_ip(i), self.host_port(i), shaped=True)
         # The root namespace joins the bridge so the SDK can reach the planner and agents.
         root_dev = f"rs{self.lab_id}r"
         _run("ip", "link", "add", root_dev, "type", "veth", "peer", "name", "vr", "netns", self.bridge_ns)
@@ -267,7 +272,7 @@ class Lab:
         bytes to show that the bytes crossed the links, not shared memory around them."""
         ports = {link["ifname"]: link["stats64"]
                  for link in json.loads(_run("ip", "-j", "-s", "link", "show", ns=self.bridge_ns).stdout)}
-        return {self.host_name(i): (ports[f"vh{i}"]["rx"]["bytes"], ports[f"vh{i}"]["tx"]["bytes"])
+        return {self.host_name(i): (ports[self.host_port(i)]["rx"]["bytes"], ports[self.host_port(i)]["tx"]["bytes"])
                 for i in range(self.config.num_hosts)}
 
     @contextlib.contextmanager
@@ -312,7 +317,7 @@ class LinkSampler:
         self.hosts = tuple(lab.host_name(i) for i in range(lab.config.num_hosts))
         self.rate = lab.config.gbps * 1e9 / 8
         self.timeline: Optional[links.LinkTimeline] = None
-        ports = ",".join(f"vh{i}" for i in range(lab.config.num_hosts))
+        ports = ",".join(lab.host_port(i) for i in range(lab.config.num_hosts))
         self._proc = lab.spawn(lab.bridge_ns, [sys.executable, "-m", "reshard.server.devtools.links", ports,
                                                str(interval_s)],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

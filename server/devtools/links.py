@@ -62,7 +62,8 @@ class LinkTimeline:
     def first_byte(self, t0: float, least: int) -> float | None:
         """Seconds after ``t0`` until the hosts together had received ``least`` bytes since; None if they never
         did while sampled."""
-        got = self.received.sum(axis=1) - np.interp(t0, self.times, self.received.sum(axis=1))
+        total = self.received.sum(axis=1)
+        got = total - np.interp(t0, self.times, total)
         after = np.nonzero((self.times >= t0) & (got >= least))[0]
         return float(self.times[after[0]] - t0) if len(after) else None
 
