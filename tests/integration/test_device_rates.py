@@ -38,11 +38,12 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
 
 @pytest.mark.parametrize("transport", ["auto", "collective"])
 def test_an_emulated_device_computes_at_its_rate_and_reports_it(transport):
-    # One 640^3 matmul: 524 MFLOP, 262 ms at 2 GFLOP/s (tens of ms at this machine's speed). Two devices at once
-    # take half that: the 131 ms between the two bounds below is what a loaded 2-core machine's overhead may use.
+    # One 512^3 matmul: 268 MFLOP, 268 ms at 1 GFLOP/s (tens of ms at this machine's speed). Two devices at once
+    # take half that: the 134 ms between the two bounds below is what a loaded 2-core machine's overhead may use,
+    # the devices' real matmuls included (at 2 GFLOP/s and 640^3 they used it all beside another test's load).
     # One kernel thread: on an active transport (collective) computes run on a pool of the kernels' threads, and an
     # emulated device's wait must not hold one of them from the other device.
-    rate, n = 2.0, 640
+    rate, n = 1.0, 512
     flops = 2 * n ** 3
     with LocalCluster(1, 2, transport=transport, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100",
                                                              "--compute-threads", "1"]) as cluster:

@@ -15,19 +15,15 @@ from reshard.server.common.config import AgentConfig
 RATE = 1.0  # GFLOP/s: 1e8 flops take 0.1 s
 
 
-def _timed(run) -> float:
-    t0 = time.monotonic()
-    run()
-    return time.monotonic() - t0
-
-
 def test_a_step_lasts_its_flops_at_the_rate_counted_from_its_kernels_start():
     pace = DevicePace(RATE)
     assert pace.seconds(1e8) == pytest.approx(0.1)
     started = time.monotonic()
-    time.sleep(0.04)  # the kernel's own time counts toward the step's
-    took = _timed(lambda: pace.finish("h/0", 1e8, started))
-    assert 0.05 <= took < 0.1
+    time.sleep(0.08)  # the kernel's own time counts toward the step's
+    pace.finish("h/0", 1e8, started)
+    took = time.monotonic() - started
+    # 0.1 s from the kernel's start, not from the wait's (0.18 s or more); the slack is a loaded machine's wake-up
+    assert 0.1 - 1e-3 <= took < 0.16
 
 
 def test_steps_on_one_device_take_turns_and_other_devices_run_beside_them():
