@@ -41,7 +41,7 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/reshard demo
 
 # Two pytest workers (pytest-xdist): the suite's processes mostly wait on one another (starts, heartbeats, timeouts),
-# so two fit on 2 cores: 569 s one at a time, 400-431 s with two here (fresh clones: 427-459 s, 478-505 with the
+# so two fit on 2 cores: 569 s one at a time, 400-431 s with two here (fresh clones: 427-465 s, 478-527 with the
 # install). worksteal hands each worker half of the suite in its order (a module's cluster starts once where its
 # tests stay together) and moves queued tests to the one that runs dry. TEST_WORKERS=1 runs them one at a time.
 TEST_WORKERS ?= 2
