@@ -167,6 +167,25 @@ def test_a_256_by_300_bfloat16_weight_in_blocks_of_128():
     assert np.all(np.abs(back - x) <= np.abs(x) / 16 + scales.max() * 2.0**-9)
 
 
+@pytest.mark.parametrize("block", [1, 16, 100, 128])
+def test_block_scales_from_bfloat16_bits_equal_those_of_the_widened_values(block):
+    # every one of the 65,536 bfloat16 bit patterns (zeros, subnormals, infinities, NaNs of both signs), in order and
+    # shuffled, so blocks mix them; 100 leaves short blocks at the edges
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).reshape(256, 256)
+    shuffled = np.random.default_rng(5).permutation(every.reshape(-1)).reshape(256, 256)
+    for bits in (every, shuffled, shuffled[:130, :201]):
+        want = agent_kernels.fp8_block_scales(bfloat16_to_float32(bits), block)
+        np.testing.assert_array_equal(agent_kernels.bf16_block_scales(bits, block).view(np.uint32),
+                                      want.view(np.uint32))
+
+
+def test_a_float32_tile_takes_the_float32_route_to_the_same_scales():
+    bits = float32_to_bfloat16((np.random.default_rng(8).standard_normal((200, 260)) * 0.02).astype(np.float32))
+    x32 = bfloat16_to_float32(bits)  # values a bfloat16 holds, as a float32 tile
+    for name in ("fp8_scales", "fp8_quantize"):
+        np.testing.assert_array_equal(_run(name, x32, 128), _run(name, bits, 128))
+
+
 def test_zeros_nans_and_infinities_as_documented():
     x = np.array([[0.0, -0.0, np.nan, -np.nan], [np.inf, -np.inf, 2.0, -1.0]], dtype=np.float32)
     bits = float32_to_bfloat16(x)
