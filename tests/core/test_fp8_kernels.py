@@ -179,6 +179,22 @@ def test_block_scales_from_bfloat16_bits_equal_those_of_the_widened_values(block
                                       want.view(np.uint32))
 
 
+@pytest.mark.parametrize("nan_in_band", [None, 0, 3])
+def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, nan_in_band):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: torch)
+    monkeypatch.setattr(agent_kernels, "_BAND_BYTES", 1)  # a band of one block's rows: 4 bands here
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal((4 * 16, 48)) * 0.02).astype(np.float32)
+    x[5, 7] = 1e6  # saturates
+    if nan_in_band is not None:  # a NaN in a later band: the bands written already are overwritten
+        x[nan_in_band * 16 + 3, 9] = -np.nan
+    bits = float32_to_bfloat16(x)
+    codes, scales = reference(bfloat16_to_float32(bits), 16)
+    np.testing.assert_array_equal(_run("fp8_quantize", bits, 16), codes)
+    np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=scales), codes)
+
+
 def test_a_float32_tile_takes_the_float32_route_to_the_same_scales():
     bits = float32_to_bfloat16((np.random.default_rng(8).standard_normal((200, 260)) * 0.02).astype(np.float32))
     x32 = bfloat16_to_float32(bits)  # values a bfloat16 holds, as a float32 tile
