@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from reshard.dtypes import float32_to_bfloat16
+from reshard.kernels import FP8_E4M3_MAX
 from reshard.server.agent.kernels import KERNELS, _float32, bf16_block_scales, fp8_block_scales
 from reshard.server.common.torch_support import torch_installed
 
@@ -36,7 +37,7 @@ def quantize_whole(bits: np.ndarray, scales: np.ndarray, block: int, output: np.
     m, n = bits.shape
     t = torch.from_numpy(_float32(bits))
     t.view(m // block, block, n // block, block).div_(torch.from_numpy(scales)[:, None, :, None])
-    t.clamp_(-448.0, 448.0)
+    t.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     torch.from_numpy(output).view(torch.float8_e4m3fn).copy_(t)
 
 
@@ -59,10 +60,11 @@ def main() -> None:
                         help="torch's threads (default 1: an agent's share where 8 agents share this machine's "
                              "cores, `reshard.client.cluster.share_of_cores`; 0 leaves torch's default)")
     args = parser.parse_args()
-    if args.threads > 0 and torch_installed():
+    if torch_installed():  # the kernels' cast, loaded before the timing (an agent loads it at its first quantize)
         import torch
 
-        torch.set_num_threads(args.threads)
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
 
     rng = np.random.default_rng(41)
     bits = float32_to_bfloat16((rng.standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32))

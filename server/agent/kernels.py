@@ -436,7 +436,7 @@ def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output
     operations in its order, so the same bits (tests/core/test_fp8_kernels.py runs both against the reference).
     Why bands: widening the whole tile made a float32 temporary of four times its elements, fresh memory (a page
     fault per 4 KiB) that every later pass read back from DRAM; a band's buffer is made once and stays in cache,
-    which takes a third or more off the kernel's time (``bench/fp8_kernels.py``). False where it does not apply:
+    which takes about a third off the kernel's time (``bench/fp8_kernels.py``). False where it does not apply:
     no torch, another output, a matrix of short blocks, or a NaN (whose sign the general path takes from the input;
     ``output`` may then hold some bands, which the general path overwrites)."""
     torch = _cast_torch()
