@@ -187,7 +187,7 @@ def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, na
     rng = np.random.default_rng(11)
     x = (rng.standard_normal((4 * 16, 48)) * 0.02).astype(np.float32)
     x[5, 7] = 1e6  # saturates
-    if nan_in_band is not None:  # a NaN in a later band: the bands written already are overwritten
+    if nan_in_band is not None:  # a NaN in the first or the last band: the general path redoes the whole tile
         x[nan_in_band * 16 + 3, 9] = -np.nan
     bits = float32_to_bfloat16(x)
     codes, scales = reference(bfloat16_to_float32(bits), 16)
@@ -195,9 +195,9 @@ def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, na
     np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=scales), codes)
 
 
-def test_a_float32_tile_takes_the_float32_route_to_the_same_scales():
+def test_a_float32_tile_of_bfloat16_values_gets_its_bits_scales_and_codes():
     bits = float32_to_bfloat16((np.random.default_rng(8).standard_normal((200, 260)) * 0.02).astype(np.float32))
-    x32 = bfloat16_to_float32(bits)  # values a bfloat16 holds, as a float32 tile
+    x32 = bfloat16_to_float32(bits)  # the same values as a float32 tile: the float32 route and the general path
     for name in ("fp8_scales", "fp8_quantize"):
         np.testing.assert_array_equal(_run(name, x32, 128), _run(name, bits, 128))
 
