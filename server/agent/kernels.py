@@ -241,20 +241,32 @@ def _blocks_of(scales: np.ndarray, block: int, shape: tuple[int, int]) -> np.nda
     return np.repeat(np.repeat(scales, block, axis=0)[:shape[0]], block, axis=1)[:, :shape[1]]
 
 
+def _block_max(mag: np.ndarray, block: int) -> np.ndarray:
+    """Per ``block`` x ``block`` block of a matrix of non-negative values (magnitudes, or their bits), the largest;
+    the last blocks along a dim may be short (counted as padded with zeros)."""
+    m, n = mag.shape
+    bm, bn = -(-m // block), -(-n // block)
+    if (m, n) != (bm * block, bn * block):
+        padded = np.zeros((bm * block, bn * block), dtype=mag.dtype)
+        padded[:m, :n] = mag
+        mag = padded
+    return mag.reshape(bm, block, bn, block).max(axis=(1, 3), initial=mag.dtype.type(0))
+
+
+def _scales_of(amax: np.ndarray) -> np.ndarray:
+    """Block scales from each block's largest finite magnitude (float32): it / 448, or 1 where that is 0 (a block of
+    zeros, or one whose scale underflows, divides by 1)."""
+    scales = amax / np.float32(FP8_E4M3_MAX)
+    scales[scales == 0] = 1
+    return scales
+
+
 def fp8_block_scales(x32: np.ndarray, block: int) -> np.ndarray:
     """Per ``block`` x ``block`` block of a float32 matrix, the largest finite magnitude / 448, or 1 where that
     is 0, as float32."""
-    m, n = x32.shape
-    bm, bn = -(-m // block), -(-n // block)
     mag = np.abs(x32)
     mag[~np.isfinite(mag)] = 0  # a NaN or an infinity does not set its block's scale
-    if (m, n) != (bm * block, bn * block):  # the last blocks along a dim are short: pad them with zeros
-        padded = np.zeros((bm * block, bn * block), dtype=np.float32)
-        padded[:m, :n] = mag
-        mag = padded
-    scales = mag.reshape(bm, block, bn, block).max(axis=(1, 3), initial=np.float32(0)) / np.float32(FP8_E4M3_MAX)
-    scales[scales == 0] = 1  # a block of zeros (or one whose scale underflows) divides by 1
-    return scales
+    return _scales_of(_block_max(mag, block))
 
 
 def bf16_block_scales(bits: np.ndarray, block: int) -> np.ndarray:
@@ -266,18 +278,9 @@ def bf16_block_scales(bits: np.ndarray, block: int) -> np.ndarray:
     their finiteness in two more passes, over twice the bytes; this reads the tile once, in about a third of the
     time (``bench/fp8_kernels.py`` prints both), and a sender that quantizes on the way runs it on every weight it
     serves as fp8."""
-    m, n = bits.shape
-    bm, bn = -(-m // block), -(-n // block)
     mag = bits & np.uint16(0x7FFF)
     mag[mag >= np.uint16(0x7F80)] = 0  # a NaN or an infinity does not set its block's scale
-    if (m, n) != (bm * block, bn * block):  # the last blocks along a dim are short: pad them with zeros
-        padded = np.zeros((bm * block, bn * block), dtype=np.uint16)
-        padded[:m, :n] = mag
-        mag = padded
-    top = mag.reshape(bm, block, bn, block).max(axis=(1, 3), initial=np.uint16(0))
-    scales = (top.astype(np.uint32) << np.uint32(16)).view(np.float32) / np.float32(FP8_E4M3_MAX)
-    scales[scales == 0] = 1
-    return scales
+    return _scales_of(bfloat16_to_float32(_block_max(mag, block)))
 
 
 def _block_scales(x: np.ndarray, block: int, x32: np.ndarray | None = None) -> np.ndarray:
