@@ -1,8 +1,10 @@
 """Issue 41's must-show 3: a scaled-down Kimi-K2-like state dict quantized on the way through real agents, on the
 emulated hosts and on loopback, timed against the job's estimate and checked bit for bit.
 
-The case is `reshard.moe`'s (2 layers: one dense, one of 16 routed experts and a shared one; `SYNC_MOE`'s shapes,
-about 29 M parameters) from training on 4 hosts x 2 devices (bf16) to serving on 4 other hosts x 2 devices, 2
+The case is `reshard.moe`'s, cut to 2 layers (one dense, one of 16 routed experts and a shared one) two ways
+(`SHAPES`): "kimi-k2" keeps Kimi K2's own tensor shapes (1.38 G parameters, the tiles the trillion-parameter sync
+moves), "hidden-512" cuts every dimension as well (37 M parameters, where a tile's fixed costs weigh most). Each goes
+from training on 4 hosts x 2 devices (bf16) to serving on 4 other hosts x 2 devices, 2
 replicas of an expert-parallel group of 4, in fp8 with 128 x 128 block scales. Each run puts the bf16 weights in
 the training layout (untimed, as a trainer publishes them), then times one ``reshard_many(..., dtype=the serving
 dtypes, scales=...)`` from the request to its commit, and checks every device's tile of every tensor, replicas
@@ -23,7 +25,8 @@ cores, nor the streams' own CPU.
 Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`` each way) need root, else that
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
-    python bench/moe_sync.py [--runs 3] [--gbps 1] [--transports collective,nixl] [--no-lab] [--no-write]
+    python bench/moe_sync.py [--runs 3] [--gbps 1] [--transports collective,nixl] [--shapes kimi-k2,hidden-512]
+                             [--no-lab] [--no-write]
 """
 
 from __future__ import annotations
@@ -58,31 +61,26 @@ FP8 = "float8_e4m3fn"
 BLOCK = 128
 TRAIN_HOSTS, SERVE_HOSTS, DEVICES = 4, 4, 2
 EP_DEVICES = 4  # the serving mesh's 8 devices: 2 replicas of an expert-parallel group of 4
-# 2 layers (one dense, one of 16 experts): every serving cut over 2 devices a host on a block boundary, and big
-# enough (50 MiB of bf16 experts) that a run over 1 Gbit/s links takes tenths of a second, not milliseconds
-SYNC_MOE = MoeConfig(num_layers=2, num_experts=16, hidden=512, intermediate=1024, dense_intermediate=2048,
-                     vocab=2048, num_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
-                     qk_rope_head_dim=64, v_head_dim=64)
+# 2 layers (one dense, one of 16 experts), scaled down two ways. "kimi-k2": Kimi K2's own tensors (hidden 7168, an
+# expert 2048 x 7168, the dense MLP 18432 x 7168, its attention), only fewer of them and a vocabulary of 2048 (its
+# 163,840 would be 4.4 GiB of embeddings alone): 1.38 G parameters, 2.6 GiB of bf16, tiles of the size the
+# trillion-parameter sync moves, so a run over 1 Gbit/s links takes seconds. "hidden-512": every dimension cut as
+# well (37 M parameters, tiles of 1 MiB or less), where a tile's fixed costs, which the cost model does not price,
+# are most of a run. Every serving cut over 2 devices a host falls on a block boundary in both.
+SHAPES = {
+    "kimi-k2": MoeConfig(num_layers=2, num_experts=16, vocab=2048),
+    "hidden-512": MoeConfig(num_layers=2, num_experts=16, hidden=512, intermediate=1024, dense_intermediate=2048,
+                            vocab=2048, num_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
+                            qk_rope_head_dim=64, v_head_dim=64),
+}
 GOAL = 1.15  # measured over estimate, on the emulated hosts
 CORES = os.cpu_count() or 1
 TIMEOUT_S = 600
 
 
-def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """(fp8 codes as uint8, float32 scales) of a float32 matrix by the rule of the tests' ``reference``: a block's
-    scale is its largest finite magnitude / 448 (1 where that is 0); each value divided by its block's scale goes
-    to the nearest finite e4m3fn value, ties to the even code, saturating at 448; NaN keeps its sign."""
-    m, n = x32.shape
-    bm, bn = -(-m // block), -(-n // block)
-    finite = np.where(np.isfinite(x32), np.abs(x32), np.float32(0))
-    padded = np.zeros((bm * block, bn * block), np.float32)
-    padded[:m, :n] = finite
-    amax = padded.reshape(bm, block, bn, block).max(axis=(1, 3))
-    scales = (amax / np.float32(448)).astype(np.float32)
-    scales[scales == 0] = np.float32(1)
-    full = np.repeat(np.repeat(scales, block, axis=0), block, axis=1)[:m, :n]
-    with np.errstate(invalid="ignore"):
-        q = x32 / full
+def _nearest_codes(q: np.ndarray) -> np.ndarray:
+    """The e4m3fn codes of float32 values (a NaN's code is left to the caller): the nearest finite e4m3fn value,
+    ties to the even code, saturating at 448, the sign from the value's sign bit."""
     a = np.minimum(np.abs(q).astype(np.float64), 448.0)
     hi = np.minimum(np.searchsorted(E4M3, a), len(E4M3) - 1)
     lo = np.maximum(hi - 1, 0)
@@ -90,7 +88,40 @@ def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray,
     exact = (hi == 0) | (E4M3[hi] == a)
     pick_lo = (below < above) | ((below == above) & (lo % 2 == 0))
     code = np.where(exact, hi, np.where(pick_lo, lo, hi)).astype(np.uint8)
-    code |= np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))
+    return code | np.where(np.signbit(q), np.uint8(0x80), np.uint8(0))
+
+
+# A float32 value's code depends only on its top 16 bits and on whether any of its low 16 bits is set: every e4m3fn
+# value, every midpoint between two of them, and 448 has at most 5 significant bits (its low 16 bits are 0), so none
+# lies strictly between two float32 values that share their top 16 bits. `_nearest_codes` of one value of each kind
+# (low bits 0, low bits 1) is every value's code: a table of 131,072 looked up once an element, where
+# `_nearest_codes` itself takes minutes on a billion elements.
+_TOP_BITS = np.arange(1 << 16, dtype=np.uint32) << 16
+with np.errstate(invalid="ignore"):
+    _CODES = _nearest_codes(np.concatenate([_TOP_BITS, _TOP_BITS | 1]).view(np.float32))
+
+
+def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """(fp8 codes as uint8, float32 scales) of a float32 matrix by the rule of the tests' ``reference``: a block's
+    scale is its largest finite magnitude / 448 (1 where that is 0); each value divided by its block's scale goes
+    to the nearest finite e4m3fn value, ties to the even code, saturating at 448; NaN keeps its sign. One band of
+    block rows at a time, so the temporaries are a few MiB that stay in cache, not the matrix's size in fresh
+    memory."""
+    m, n = x32.shape
+    bn = -(-n // block)
+    scales = np.empty((-(-m // block), bn), np.float32)
+    code = np.empty((m, n), np.uint8)
+    padded = np.zeros((block, bn * block), np.float32)
+    for i, r in enumerate(range(0, m, block)):
+        x = x32[r:r + block]
+        padded[:len(x), :n] = np.where(np.isfinite(x), np.abs(x), np.float32(0))
+        padded[len(x):] = 0
+        band = (padded.reshape(block, bn, block).max(axis=(0, 2)) / np.float32(448)).astype(np.float32)
+        band[band == 0] = np.float32(1)
+        scales[i] = band
+        with np.errstate(invalid="ignore"):
+            bits = (x / np.repeat(band, block)[:n]).view(np.uint32)
+        code[r:r + block] = _CODES[(bits >> 16) | ((bits & 0xFFFF) != 0).astype(np.uint32) << 16]
     nan = np.isnan(x32)
     code[nan] = np.uint8(0x7F) | np.where(np.signbit(x32[nan]), np.uint8(0x80), np.uint8(0))
     return code, scales
@@ -109,30 +140,39 @@ def check_reference() -> None:
     if not (np.array_equal(got[0], want[0]) and np.array_equal(got[1].view(np.uint32), want[1].view(np.uint32))):
         raise AssertionError("the bench's quantize_reference differs from tests/core/test_fp8_kernels.py's reference "
                              "on the sample; fix it before trusting any bit-exact check below")
+    # Its table against `_nearest_codes` itself: random bit patterns, and every e4m3fn value and midpoint (the ties)
+    # with the float32 values either side of it, both signs.
+    grid = np.concatenate([E4M3, (E4M3[1:] + E4M3[:-1]) / 2, [448.0, 464.0, 2.0**-10]]).astype(np.float32)
+    grid = np.concatenate([grid, np.nextafter(grid, np.float32(0)), np.nextafter(grid, np.float32(np.inf))])
+    q = np.concatenate([rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32).view(np.float32), grid, -grid])
+    q = q[~np.isnan(q)]
+    bits = q.view(np.uint32)
+    if not np.array_equal(_CODES[(bits >> 16) | ((bits & 0xFFFF) != 0).astype(np.uint32) << 16], _nearest_codes(q)):
+        raise AssertionError("the bench's table of e4m3fn codes differs from the nearest-value rule it was built by")
 
 
-def case_for(train_hosts: list[str], serve_hosts: list[str]):
+def case_for(config: MoeConfig, train_hosts: list[str], serve_hosts: list[str]):
     train = Mesh.from_hosts({"host": TRAIN_HOSTS, "gpu": DEVICES}, train_hosts, DEVICES)
     serve = Mesh.from_hosts({"host": SERVE_HOSTS, "gpu": DEVICES}, serve_hosts, DEVICES)
-    return moe_state_dict(SYNC_MOE, train, serve, ep_devices=EP_DEVICES)
+    return moe_state_dict(config, train, serve, ep_devices=EP_DEVICES)
 
 
-def weights_and_expected(case) -> tuple[dict, dict[str, dict[str, str]]]:
-    """The bf16 (and float32) weights, seeded, and every tensor's tile digests in its serving layout and dtype: the
-    quantized weights' fp8 codes and their scales by `quantize_reference`, the rest as they are."""
+def weights(case) -> tuple[dict, dict]:
+    """The bf16 (and float32) weights, seeded, and what each tensor of the serving state dict holds: the quantized
+    weights' fp8 codes and their scales by `quantize_reference`, the rest as they are. The same for every case of
+    one `MoeConfig` (names and shapes do not depend on the hosts), so computed once for all clusters."""
     rng = np.random.default_rng(41)
-    values, expected = {}, {}
+    values, served = {}, {}
     for t in case.weights:
-        x = (rng.standard_normal(t.shape) * 0.02).astype(np.float32)
+        x = rng.standard_normal(t.shape, dtype=np.float32)
+        x *= np.float32(0.02)
         values[t.name] = x if t.dtype == "float32" else float32_to_bfloat16(x).view(ml_dtypes.bfloat16)
         if t.name in case.scales:
-            codes, scales = quantize_reference(bfloat16_to_float32(values[t.name].view(np.uint16)))
-            expected[t.name] = tile_digests(codes, t.dst)
-            scale = case.scales[t.name]
-            expected[scale] = tile_digests(scales, next(s for s in case.tensors if s.name == scale).dst)
+            served[t.name], served[case.scales[t.name]] = quantize_reference(
+                bfloat16_to_float32(values[t.name].view(np.uint16)))
         else:
-            expected[t.name] = tile_digests(values[t.name], t.dst)
-    return values, expected
+            served[t.name] = values[t.name]
+    return values, served
 
 
 def _dtypes(case) -> dict[str, str]:
@@ -140,11 +180,13 @@ def _dtypes(case) -> dict[str, str]:
     return {k: v for k, v in case.serve_dtypes.items() if k in weights}
 
 
-def sync(c, case, runs: int, where: str, pids: list[int]) -> dict:
+def sync(c, case, weighed: tuple[dict, dict], runs: int, where: str, pids: list[int]) -> dict:
     """One untimed and ``runs`` timed syncs, each after a put of the bf16 weights, each checked, with the CPU
     seconds the service's processes (``pids``: its planner and agents) used in each; the estimate of the program
-    they ran, planned here on the service's topology."""
-    values, expected = weights_and_expected(case)
+    they ran, planned here on the service's topology. ``weighed``: `weights` of the case's config."""
+    values, served = weighed
+    layouts = {t.name: t.dst for t in case.tensors}
+    expected = {name: tile_digests(a, layouts[name]) for name, a in served.items()}
     dtypes, dst = _dtypes(case), {t.name: t.dst for t in case.weights}
     probe = next(t for t in case.weights if t.name in case.scales)
     times, results, cpu = [], [], []
@@ -182,14 +224,14 @@ def _phases(results) -> dict[str, float]:
     return {name: statistics.median(r.phases.get(name, 0.0) for r in results) for name in results[0].phases}
 
 
-def loopback(runs: int, transport: str) -> dict:
+def loopback(config: MoeConfig, weighed: tuple[dict, dict], runs: int, transport: str) -> dict:
     from reshard.client.cluster import LocalCluster
 
     hosts = [f"host{i}" for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
-    case = case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:])
+    case = case_for(config, hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:])
     with LocalCluster(len(hosts), DEVICES, host_names=hosts, transport=transport) as cluster, cluster.connect() as c:
         pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
-        return sync(c, case, runs, f"loopback, {transport}", pids)
+        return sync(c, case, weighed, runs, f"loopback, {transport}", pids)
 
 
 @contextlib.contextmanager
@@ -204,23 +246,41 @@ def _lab(gbps: float, transport: str) -> Iterator[tuple]:
             yield c, hosts, [p.pid for p in emulated.processes]
 
 
-def lab(runs: int, gbps: float, transport: str) -> dict:
+def lab(config: MoeConfig, weighed: tuple[dict, dict], runs: int, gbps: float, transport: str) -> dict:
     from reshard.server.devtools.lab import lab_available
 
     ok, why = lab_available()
     if not ok:
         return {"skipped": why}
     with _lab(gbps, transport) as (c, hosts, pids):
-        return sync(c, case_for(hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), runs, f"emulated hosts, {transport}",
-                    pids)
+        return sync(c, case_for(config, hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), weighed, runs,
+                    f"emulated hosts, {transport}", pids)
 
 
-def _row(where: str, r: dict) -> str:
+def _row(shapes: str, where: str, r: dict) -> str:
     median = statistics.median(r["times"])
-    return (f"| {where} | {', '.join(r['transport'])} | {r['nic_gbps']:g} | {median:.3f} "
+    return (f"| {shapes} | {where} | {', '.join(r['transport'])} | {r['nic_gbps']:g} | {median:.3f} "
             f"({', '.join(f'{t:.3f}' for t in r['times'])}) | {r['estimate']:.3f} | {median / r['estimate']:.2f}x | "
             f"{r['bound']:.3f} | {r['network_bytes'] / 2**20:.1f} | {r['plan_bytes'] / 2**20:.1f} | "
             f"{statistics.median(r['cpu']):.2f} | {statistics.median(r['cpu']) / CORES:.3f} |")
+
+
+def _verdict(shapes: str, transport: str, emulated: dict) -> str:
+    median = statistics.median(emulated["times"])
+    ratio = median / emulated["estimate"]
+    floor = statistics.median(emulated["cpu"]) / CORES
+    verdict = (f"{shapes} on the emulated hosts on {transport}: the median sync took {ratio:.2f}x its estimate "
+               f"(goal: within {GOAL:g}x: {'met' if ratio <= GOAL else '**not met**'}) and "
+               f"{median / emulated['bound']:.2f}x the lower bound. Where the time went (median seconds per phase): "
+               + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ". "
+               f"The service's processes used {statistics.median(emulated['cpu']):.2f} CPU seconds a sync: on this "
+               f"machine's {CORES} cores that alone takes {floor:.3f} s, {floor / emulated['estimate']:.2f}x the "
+               "estimate, which prices the links and each quantize step on a device of its own, not agents sharing "
+               "cores.")
+    if emulated["estimate"] < emulated["bound"] * (1 - 1e-9):  # the two sum the same floats in other orders
+        verdict += (" The estimate is below the bound, which no schedule can beat: a cost-model bug (the program's "
+                    "moves priced as sharing no links where they do).")
+    return verdict
 
 
 def main() -> int:
@@ -230,59 +290,60 @@ def main() -> int:
     ap.add_argument("--no-lab", action="store_true", help="skip the emulated hosts")
     ap.add_argument("--transports", default="collective,nixl",
                     help="the agents' transports, one run each, comma separated (default collective,nixl)")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"the state dicts, comma separated, of {', '.join(SHAPES)} (default all)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     args = ap.parse_args()
-    check_reference()
-    case = case_for([f"t{i}" for i in range(TRAIN_HOSTS)], [f"s{i}" for i in range(SERVE_HOSTS)])
-    print(case, flush=True)
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
-    head = ("| where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | measured / estimate | "
-            "lower bound s | network MiB (job) | network MiB (estimated program) | service CPU s (median) | "
-            "CPU s / cores |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|")
-    emulated_rows, loop_rows, verdicts = [], [], []
-    for transport in transports:
-        loop_rows.append(_row("loopback (8 agents, one machine)", loopback(args.runs, transport)))
-        emulated = {"skipped": "--no-lab"} if args.no_lab else lab(args.runs, args.gbps, transport)
-        if "skipped" in emulated:
-            verdicts.append(f"Emulated hosts on {transport}: skipped ({emulated['skipped']}); the goal is not "
-                            "measured.")
-            continue
-        emulated_rows.append(_row(f"emulated hosts ({args.gbps:g} Gbit/s links)", emulated))
-        median = statistics.median(emulated["times"])
-        ratio = median / emulated["estimate"]
-        floor = statistics.median(emulated["cpu"]) / CORES
-        verdict = (f"On the emulated hosts on {transport} the median sync took {ratio:.2f}x its estimate (goal: "
-                   f"within {GOAL:g}x: {'met' if ratio <= GOAL else '**not met**'}) and "
-                   f"{median / emulated['bound']:.2f}x the lower bound. Where the time went (median seconds per "
-                   "phase): " + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ". "
-                   f"The service's processes used {statistics.median(emulated['cpu']):.2f} CPU seconds a sync: "
-                   f"on this machine's {CORES} cores that alone takes {floor:.3f} s, "
-                   f"{floor / emulated['estimate']:.2f}x the estimate, which prices the links and each quantize step "
-                   "on a device of its own, not agents sharing cores.")
-        if emulated["estimate"] < emulated["bound"] * (1 - 1e-9):  # the two sum the same floats in other orders
-            verdict += (" The estimate is below the bound, which no schedule can beat: a cost-model bug (the "
-                        "program's moves priced as sharing no links where they do).")
-        verdicts.append(verdict)
+    shapes = [k.strip() for k in args.shapes.split(",") if k.strip()]
+    if unknown := sorted(set(shapes) - set(SHAPES)):
+        ap.error(f"--shapes {', '.join(unknown)}: the state dicts are {', '.join(SHAPES)}")
+    check_reference()
+    head = ("| shapes | where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | "
+            "measured / estimate | lower bound s | network MiB (job) | network MiB (estimated program) | "
+            "service CPU s (median) | CPU s / cores |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    cases, emulated_rows, loop_rows, verdicts = [], [], [], []
+    for name in shapes:
+        config = SHAPES[name]
+        case = case_for(config, [f"t{i}" for i in range(TRAIN_HOSTS)], [f"s{i}" for i in range(SERVE_HOSTS)])
+        print(f"{name}: {case}; weighing it and quantizing it by the reference", flush=True)
+        cases.append(f"**{name}**: {case}, hidden {config.hidden}, expert intermediate {config.intermediate}: "
+                     f"{case.train_bytes / 2**20:,.1f} MiB of bf16 weights, {case.serve_bytes / 2**20:,.1f} MiB a "
+                     "serving replica")
+        weighed = weights(case)
+        for transport in transports:
+            loop_rows.append(_row(name, "loopback (8 agents, one machine)",
+                                  loopback(config, weighed, args.runs, transport)))
+            emulated = {"skipped": "--no-lab"} if args.no_lab else lab(config, weighed, args.runs, args.gbps,
+                                                                       transport)
+            if "skipped" in emulated:
+                verdicts.append(f"{name} on the emulated hosts on {transport}: skipped ({emulated['skipped']}); "
+                                "the goal is not measured.")
+                continue
+            emulated_rows.append(_row(name, f"emulated hosts ({args.gbps:g} Gbit/s links)", emulated))
+            verdicts.append(_verdict(name, transport, emulated))
+        del weighed
     rows = emulated_rows + loop_rows
-    verdict = " ".join(verdicts)
     body = (
-        f"{case} with `{SYNC_MOE.hidden}` hidden, `{SYNC_MOE.intermediate}` expert intermediate: "
-        f"{case.train_bytes / 2**20:.1f} MiB of bf16 weights on {TRAIN_HOSTS} training hosts x {DEVICES} devices, "
-        f"served on {SERVE_HOSTS} other hosts x {DEVICES} as fp8 with 128 x 128 block scales "
-        f"({case.serve_bytes / 2**20:.1f} MiB a replica). Each run puts the bf16 weights (untimed), then times one "
-        "`reshard_many(..., dtype=, scales=)` from request to commit; every device's tile of every tensor, replicas "
-        "included, is checked against a numpy reference quantizer's bits (the rule of "
-        "tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a sample first): "
-        f"all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of {args.runs} "
-        "after one untimed. The estimate is the cost model's for the program the job runs: the same `plan_many` "
-        "call, made here on the topology the planner reports (the last two columns set the network bytes the job "
-        "reported beside that program's). The bound is the "
-        "cost model's lower bound over all tensors at the itemsize they travel in. "
-        f"Loopback is for comparison: its agents share this machine's {CORES} cores, and its planner's NIC rate is the "
-        "agents' default, not a link's.\n\n" + head + "\n" + "\n".join(rows) + "\n\n" + verdict + "\n\n"
-        f"Run: `python bench/moe_sync.py --runs {args.runs} --gbps {args.gbps:g} --transports {args.transports}` "
-        "(root for the emulated hosts)."
+        "Two scaled-down cuts of the trillion-parameter case (2 layers, 16 experts, a vocabulary of 2048), on "
+        f"{TRAIN_HOSTS} training hosts x {DEVICES} devices in bf16, served on {SERVE_HOSTS} other hosts x {DEVICES} "
+        f"in fp8 with 128 x 128 block scales (2 replicas of an expert-parallel group of {EP_DEVICES}): "
+        + "; ".join(cases) + ". kimi-k2 keeps Kimi K2's own tensor shapes, so its tiles are the size the "
+        "trillion-parameter sync moves; hidden-512 cuts every dimension too, so a tile's fixed costs (a task, a "
+        "stream, a commit entry), which the cost model does not price, weigh most there. Each run puts the bf16 "
+        "weights (untimed), then times one `reshard_many(..., dtype=, scales=)` from request to commit; every "
+        "device's tile of every tensor, replicas included, is checked against a numpy reference quantizer's bits "
+        "(the rule of tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a "
+        f"sample first): all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of "
+        f"{args.runs} after one untimed. The estimate is the cost model's for the program the job runs: the same "
+        "`plan_many` call, made here on the topology the planner reports (the last two columns set the network bytes "
+        "the job reported beside that program's). The bound is the cost model's lower bound over all tensors at the "
+        f"itemsize they travel in. Loopback is for comparison: its agents share this machine's {CORES} cores, and "
+        "its planner's NIC rate is the agents' default, not a link's.\n\n" + head + "\n" + "\n".join(rows) + "\n\n"
+        + "\n\n".join(verdicts) + "\n\n"
+        f"Run: `python bench/moe_sync.py --runs {args.runs} --gbps {args.gbps:g} --transports {args.transports} "
+        f"--shapes {','.join(shapes)}` (root for the emulated hosts)."
     )
     print(body)
     if not args.no_write:
