@@ -97,8 +97,9 @@ def _add_agent_command(sub) -> None:
                    help="collective and nixl transports' chunk size (0: about 3 ms at --nic-gbps, 2 to 16 MiB on "
                         "collective, 1 to 16 MiB on nixl)")
     p.add_argument("--collective-lanes", type=positive_int, default=d.collective_lanes,
-                   help="collective transport: routes a host streams at once, and as many again for routes under "
-                        "1 MiB (more keep fast links busier, fewer spare a loaded CPU)")
+                   help="collective and nixl transports: routes a host streams at once, and as many again for routes "
+                        "under 1 MiB (default %(default)s; more let a host start a route while another waits for a "
+                        "busy peer, each costs a thread and the bucket it may hold)")
     p.add_argument("--no-native-reduce", dest="native_reduce", action="store_false",
                    help="collective transport: run every reduce as the ring of XXH3-checked streams, never as "
                         "gloo's own all-reduce (which TCP's checksum alone covers)")
