@@ -414,28 +414,31 @@ class Mappings:
 
 def fetch(address: bytes, entries: list[Entry]) -> dict[int, np.ndarray]:
     """The segments ``entries`` of the process at ``address``, each mapped here (uint8 arrays); `OSError` where the
-    socket cannot be reached, belongs to another user, or refuses a secret (withdrawn, or never offered)."""
-    out: dict[int, np.ndarray] = {}
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(_CONNECT_S)
-        conn.connect(address)
-        if _peer_uid(conn) != os.getuid():
-            raise PermissionError("the socket belongs to another user")
-        for e in entries:
-            conn.sendall(e.secret)
-            msg, fds, _, _ = socket.recv_fds(conn, _REPLY.size, 1)
-            ident, nbytes = _REPLY.unpack(msg) if len(msg) == _REPLY.size else (0, 0)
-            if not fds:
-                raise PermissionError(f"segment {e.id} was not handed over (its offer was withdrawn)")
-            try:
-                if ident != e.id or nbytes != e.nbytes or os.fstat(fds[0]).st_size < e.nbytes:
+    socket cannot be reached, belongs to another user, or refuses a secret (withdrawn, or never offered). The
+    descriptors are all taken before any is mapped: the exporter answers one process at a time, and mapping a
+    segment populates its pages (a second or more for a large one on a loaded machine), which every other peer
+    asking this exporter would wait out, up to its `_CONNECT_S`."""
+    fds: dict[int, int] = {}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.settimeout(_CONNECT_S)
+            conn.connect(address)
+            if _peer_uid(conn) != os.getuid():
+                raise PermissionError("the socket belongs to another user")
+            for e in entries:
+                conn.sendall(e.secret)
+                msg, got, _, _ = socket.recv_fds(conn, _REPLY.size, 1)
+                if not got:
+                    raise PermissionError(f"segment {e.id} was not handed over (its offer was withdrawn)")
+                fds[e.id] = got[0]
+                ident, nbytes = _REPLY.unpack(msg) if len(msg) == _REPLY.size else (0, 0)
+                if ident != e.id or nbytes != e.nbytes or os.fstat(got[0]).st_size < e.nbytes:
                     raise PermissionError(f"segment {e.id} came back as segment {ident} of {nbytes} bytes")
-                out[e.id] = np.frombuffer(mmap.mmap(fds[0], e.nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE),
-                                          dtype=np.uint8)
-            finally:
-                for fd in fds:
-                    os.close(fd)
-    return out
+        return {e.id: np.frombuffer(mmap.mmap(fds[e.id], e.nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE),
+                                    dtype=np.uint8) for e in entries}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
 
 
 # -- copying ---------------------------------------------------------------------------------------------------------

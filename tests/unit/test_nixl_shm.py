@@ -153,3 +153,45 @@ def test_a_segment_goes_only_to_who_names_a_secret_offered_for_a_stream_still_op
     b.shared.withdraw(offered)  # the stream ended (or its first chunk came)
     with pytest.raises(PermissionError, match="was not handed over"):
         shm.fetch(exporter.address, [entry])
+
+
+def test_a_peer_mapping_large_segments_does_not_hold_the_exporter_from_the_next(pair, monkeypatch):
+    """Mapping a segment populates its pages, which takes a second or more for a large one on a loaded machine: a
+    fetch takes every descriptor first and maps after hanging up, so a second peer asking the same exporter meanwhile
+    is answered at once. (Mapping inside the conversation held the exporter for every segment of the first fetch,
+    and peers behind it timed out and failed their streams: 8 nixl agents of one machine, 16 lanes each.)"""
+    import mmap
+    import threading
+    import time
+    import types
+
+    a, b = pair
+    tiles = [buffers.empty((2 * MiB,), "uint8") for _ in range(4)]
+    offered: list[bytes] = []
+    first = shm.decode_offer(b.shared.offer("a", [t.base for t in tiles[:3]], offered)).entries
+    (second,) = shm.decode_offer(b.shared.offer("a", [tiles[3].base], offered)).entries
+    assert len(first) == 3
+    slow = threading.Event()
+
+    def mapping(fd, nbytes, flags):  # the first fetch's maps take 0.8 s each; the second's are instant
+        if threading.current_thread().name == "slow-fetch":
+            slow.set()
+            time.sleep(0.8)
+        return mmap.mmap(fd, nbytes, flags)
+
+    monkeypatch.setattr(shm, "mmap", types.SimpleNamespace(mmap=mapping, MAP_SHARED=mmap.MAP_SHARED,
+                                                            MAP_POPULATE=mmap.MAP_POPULATE))
+    monkeypatch.setattr(shm, "_CONNECT_S", 1.0)
+    got: dict = {}
+    fetching = threading.Thread(target=lambda: got.update(shm.fetch(shm.exporter().address, list(first))),
+                                name="slow-fetch")
+    fetching.start()
+    assert slow.wait(5)
+    t0 = time.monotonic()
+    mapped = shm.fetch(shm.exporter().address, [second])[second.id]  # within 1 s, or socket.timeout
+    assert time.monotonic() - t0 < 0.5
+    fetching.join(10)
+    mapped[:2] = (5, 6)
+    assert tiles[3][:2].tolist() == [5, 6]
+    assert sorted(got) == sorted(e.id for e in first)
+    b.shared.withdraw(offered)
