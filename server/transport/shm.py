@@ -16,7 +16,7 @@ offer            a receiver offers a peer the segments a box lands in for one st
 serving          the socket's thread hands a segment's descriptor (SCM_RIGHTS) to a process of
                  this user (SO_PEERCRED) that names a live secret, and nothing else
 ``Mappings``     a sender's mappings of its peers' segments: fetched once (`fetch`), mapped
-                 with MAP_POPULATE, reused across jobs like NIXL registrations; unmapped when
+                 and populated (`_populated`), reused across jobs like NIXL registrations; unmapped when
                  the owner's post names them gone, when the peer is dropped or the transport
                  closes (a mapping keeps the segment's memory alive after its owner freed it)
 ``copy``         runs copied into a mapped segment (``ctypes.memmove``, which releases the
@@ -416,8 +416,8 @@ def fetch(address: bytes, entries: list[Entry]) -> dict[int, np.ndarray]:
     """The segments ``entries`` of the process at ``address``, each mapped here (uint8 arrays); `OSError` where the
     socket cannot be reached, belongs to another user, or refuses a secret (withdrawn, or never offered). The
     descriptors are all taken before any is mapped: the exporter answers one process at a time, and mapping a
-    segment populates its pages (a second or more for a large one on a loaded machine), which every other peer
-    asking this exporter would wait out, up to its `_CONNECT_S`."""
+    segment populates its pages (`_populated`: a second or more for a large one on a loaded machine), which every
+    other peer asking this exporter would wait out, up to its `_CONNECT_S`."""
     fds: dict[int, int] = {}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
@@ -434,11 +434,25 @@ def fetch(address: bytes, entries: list[Entry]) -> dict[int, np.ndarray]:
                 ident, nbytes = _REPLY.unpack(msg) if len(msg) == _REPLY.size else (0, 0)
                 if ident != e.id or nbytes != e.nbytes or os.fstat(got[0]).st_size < e.nbytes:
                     raise PermissionError(f"segment {e.id} came back as segment {ident} of {nbytes} bytes")
-        return {e.id: np.frombuffer(mmap.mmap(fds[e.id], e.nbytes, mmap.MAP_SHARED | mmap.MAP_POPULATE),
-                                    dtype=np.uint8) for e in entries}
+        return {e.id: _populated(fds[e.id], e.nbytes) for e in entries}
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 and later
+_libc = ctypes.CDLL(None, use_errno=True)  # its calls release the GIL, as ctypes' foreign calls do
+
+
+def _populated(fd: int, nbytes: int) -> np.ndarray:
+    """A shared mapping of ``nbytes`` of ``fd``, its pages faulted in up front (the mapping is kept across jobs)
+    with the GIL released: ``mmap``'s MAP_POPULATE holds it (2 GiB took 1.9 s here, and every thread of the agent
+    stood still that long, its heartbeat too: the planner took it for dead). Where the kernel has no
+    MADV_POPULATE_WRITE the pages fault in as the first copies touch them."""
+    mapped = np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED), dtype=np.uint8)
+    if nbytes:
+        _libc.madvise(ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
+    return mapped
 
 
 # -- copying ---------------------------------------------------------------------------------------------------------

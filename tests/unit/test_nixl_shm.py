@@ -195,3 +195,41 @@ def test_a_peer_mapping_large_segments_does_not_hold_the_exporter_from_the_next(
     assert tiles[3][:2].tolist() == [5, 6]
     assert sorted(got) == sorted(e.id for e in first)
     b.shared.withdraw(offered)
+
+
+def test_a_mapping_is_populated_while_the_agents_other_threads_run():
+    """A peer's segment is mapped with its pages faulted in (the mapping is reused across jobs), without the GIL:
+    Python's MAP_POPULATE holds it for the whole populate (2 GiB: 1.9 s here, the agent's heartbeat stopped with the
+    rest), so a thread that ticks beside it must tick on, and the pages must be there afterwards (RssShmem)."""
+    import threading
+
+    def shared_kib() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssShmem:"))
+
+    nbytes = 256 * MiB
+    fd = os.memfd_create("reshard-test")
+    try:
+        os.ftruncate(fd, nbytes)
+        ticks, populating, done = [], threading.Event(), threading.Event()
+
+        def tick():
+            populating.wait()
+            while not done.is_set():
+                ticks.append(1)
+                threading.Event().wait(0.001)
+
+        ticker = threading.Thread(target=tick)
+        ticker.start()
+        before = shared_kib()
+        populating.set()
+        mapped = shm._populated(fd, nbytes)
+        done.set()
+        ticker.join()
+        assert shared_kib() - before >= 0.9 * nbytes / 1024  # faulted in up front
+        assert len(ticks) >= 5, f"the ticking thread ran {len(ticks)} times while {nbytes >> 20} MiB populated"
+        mapped[-1] = 3
+        assert os.pread(fd, 1, nbytes - 1) == b"\x03"
+        del mapped
+    finally:
+        os.close(fd)
