@@ -73,6 +73,9 @@ SHAPES = {
                             vocab=2048, num_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64,
                             qk_rope_head_dim=64, v_head_dim=64),
 }
+WHY = {"kimi-k2": "keeps Kimi K2's own tensor shapes, so its tiles are the size the trillion-parameter sync moves",
+       "hidden-512": "cuts every dimension too, so a tile's fixed costs (a task, a stream, a commit entry), which the "
+                     "cost model does not price, weigh most there"}
 GOAL = 1.15  # measured over estimate, on the emulated hosts
 CORES = os.cpu_count() or 1
 TIMEOUT_S = 600
@@ -329,9 +332,7 @@ def main() -> int:
         "Two scaled-down cuts of the trillion-parameter case (2 layers, 16 experts, a vocabulary of 2048), on "
         f"{TRAIN_HOSTS} training hosts x {DEVICES} devices in bf16, served on {SERVE_HOSTS} other hosts x {DEVICES} "
         f"in fp8 with 128 x 128 block scales (2 replicas of an expert-parallel group of {EP_DEVICES}): "
-        + "; ".join(cases) + ". kimi-k2 keeps Kimi K2's own tensor shapes, so its tiles are the size the "
-        "trillion-parameter sync moves; hidden-512 cuts every dimension too, so a tile's fixed costs (a task, a "
-        "stream, a commit entry), which the cost model does not price, weigh most there. Each run puts the bf16 "
+        + "; ".join(cases) + ". " + "; ".join(f"{k} {WHY[k]}" for k in shapes) + ". Each run puts the bf16 "
         "weights (untimed), then times one `reshard_many(..., dtype=, scales=)` from request to commit; every "
         "device's tile of every tensor, replicas included, is checked against a numpy reference quantizer's bits "
         "(the rule of tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a "

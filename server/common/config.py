@@ -63,8 +63,9 @@ class AgentConfig:
     # routes under 1 MiB. A lane holds its unit until every host of the route reaches it, so with few lanes a host
     # whose next unit waits for a busy peer leaves its links idle: bench/moe_sync.py's kimi-k2 sync (routes through
     # 4 serving hosts in many orders) took 11.6 s on emulated 1 Gbit/s links with 4, 11.2 with 8, 10.3-10.8 with
-    # 16 and 32 (nixl: 15.7 with 4, 14.7 with 16), while bench/weight_sync.py's, on those links and on loopback,
-    # moved within noise of itself from 4 to 16. A lane costs a thread, and a bucket it may hold (counted up front).
+    # 16, 10.1-10.4 with 32 (nixl: 15.7 with 4, 14.7 with 16), while bench/weight_sync.py's, on those links and on
+    # loopback, and the hidden-512 MoE sync on loopback moved within noise of themselves from 4 to 16. A lane costs
+    # a thread, and a bucket it may hold (counted up front).
     collective_lanes: int = 16
     # Chunk size of the collective transport; 0: from the link rate (`collective_chunk`). A gloo or
     # NCCL message costs far less per byte than a gRPC one, so fewer, larger chunks save CPU, while a
