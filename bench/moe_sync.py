@@ -104,6 +104,11 @@ with np.errstate(invalid="ignore"):
     _CODES = _nearest_codes(np.concatenate([_TOP_BITS, _TOP_BITS | 1]).view(np.float32))
 
 
+def _table_codes(bits: np.ndarray) -> np.ndarray:
+    """`_CODES` of float32 values given as their bits (uint32)."""
+    return _CODES[(bits >> 16) | ((bits & 0xFFFF) != 0).astype(np.uint32) << 16]
+
+
 def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray, np.ndarray]:
     """(fp8 codes as uint8, float32 scales) of a float32 matrix by the rule of the tests' ``reference``: a block's
     scale is its largest finite magnitude / 448 (1 where that is 0); each value divided by its block's scale goes
@@ -124,7 +129,7 @@ def quantize_reference(x32: np.ndarray, block: int = BLOCK) -> tuple[np.ndarray,
         scales[i] = band
         with np.errstate(invalid="ignore"):
             bits = (x / np.repeat(band, block)[:n]).view(np.uint32)
-        code[r:r + block] = _CODES[(bits >> 16) | ((bits & 0xFFFF) != 0).astype(np.uint32) << 16]
+        code[r:r + block] = _table_codes(bits)
     nan = np.isnan(x32)
     code[nan] = np.uint8(0x7F) | np.where(np.signbit(x32[nan]), np.uint8(0x80), np.uint8(0))
     return code, scales
@@ -149,8 +154,7 @@ def check_reference() -> None:
     grid = np.concatenate([grid, np.nextafter(grid, np.float32(0)), np.nextafter(grid, np.float32(np.inf))])
     q = np.concatenate([rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint32).view(np.float32), grid, -grid])
     q = q[~np.isnan(q)]
-    bits = q.view(np.uint32)
-    if not np.array_equal(_CODES[(bits >> 16) | ((bits & 0xFFFF) != 0).astype(np.uint32) << 16], _nearest_codes(q)):
+    if not np.array_equal(_table_codes(q.view(np.uint32)), _nearest_codes(q)):
         raise AssertionError("the bench's table of e4m3fn codes differs from the nearest-value rule it was built by")
 
 
@@ -160,10 +164,11 @@ def case_for(config: MoeConfig, train_hosts: list[str], serve_hosts: list[str]):
     return moe_state_dict(config, train, serve, ep_devices=EP_DEVICES)
 
 
-def weights(case) -> tuple[dict, dict]:
+def weights(case) -> tuple[dict, dict, dict]:
     """The bf16 (and float32) weights, seeded, and what each tensor of the serving state dict holds: the quantized
     weights' fp8 codes and their scales by `quantize_reference`, the rest as they are. The same for every case of
-    one `MoeConfig` (names and shapes do not depend on the hosts), so computed once for all clusters."""
+    one `MoeConfig` (names and shapes do not depend on the hosts), so computed once for all clusters; the third
+    element holds their tile digests by serving devices (`sync`), which clusters with the same host names share."""
     rng = np.random.default_rng(41)
     values, served = {}, {}
     for t in case.weights:
@@ -175,7 +180,7 @@ def weights(case) -> tuple[dict, dict]:
                 bfloat16_to_float32(values[t.name].view(np.uint16)))
         else:
             served[t.name] = values[t.name]
-    return values, served
+    return values, served, {}
 
 
 def _dtypes(case) -> dict[str, str]:
@@ -183,13 +188,16 @@ def _dtypes(case) -> dict[str, str]:
     return {k: v for k, v in case.serve_dtypes.items() if k in weights}
 
 
-def sync(c, case, weighed: tuple[dict, dict], runs: int, where: str, pids: list[int]) -> dict:
+def sync(c, case, weighed: tuple[dict, dict, dict], runs: int, where: str, pids: list[int]) -> dict:
     """One untimed and ``runs`` timed syncs, each after a put of the bf16 weights, each checked, with the CPU
     seconds the service's processes (``pids``: its planner and agents) used in each; the estimate of the program
     they ran, planned here on the service's topology. ``weighed``: `weights` of the case's config."""
-    values, served = weighed
-    layouts = {t.name: t.dst for t in case.tensors}
-    expected = {name: tile_digests(a, layouts[name]) for name, a in served.items()}
+    values, served, digests = weighed
+    devices = tuple(case.serve.require_devices())
+    if devices not in digests:
+        layouts = {t.name: t.dst for t in case.tensors}
+        digests[devices] = {name: tile_digests(a, layouts[name]) for name, a in served.items()}
+    expected = digests[devices]
     dtypes, dst = _dtypes(case), {t.name: t.dst for t in case.weights}
     probe = next(t for t in case.weights if t.name in case.scales)
     times, results, cpu = [], [], []
@@ -227,7 +235,7 @@ def _phases(results) -> dict[str, float]:
     return {name: statistics.median(r.phases.get(name, 0.0) for r in results) for name in results[0].phases}
 
 
-def loopback(config: MoeConfig, weighed: tuple[dict, dict], runs: int, transport: str) -> dict:
+def loopback(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, transport: str) -> dict:
     from reshard.client.cluster import LocalCluster
 
     hosts = [f"host{i}" for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
@@ -249,7 +257,7 @@ def _lab(gbps: float, transport: str) -> Iterator[tuple]:
             yield c, hosts, [p.pid for p in emulated.processes]
 
 
-def lab(config: MoeConfig, weighed: tuple[dict, dict], runs: int, gbps: float, transport: str) -> dict:
+def lab(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, gbps: float, transport: str) -> dict:
     from reshard.server.devtools.lab import lab_available
 
     ok, why = lab_available()

@@ -450,8 +450,7 @@ def _populated(fd: int, nbytes: int) -> np.ndarray:
     stood still that long, its heartbeat too: the planner took it for dead). Where the kernel has no
     MADV_POPULATE_WRITE the pages fault in as the first copies touch them."""
     mapped = np.frombuffer(mmap.mmap(fd, nbytes, mmap.MAP_SHARED), dtype=np.uint8)
-    if nbytes:
-        _libc.madvise(ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
+    _libc.madvise(ctypes.c_void_p(mapped.ctypes.data), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE)
     return mapped
 
 
