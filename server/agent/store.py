@@ -20,11 +20,21 @@ buffer's bytes goes through `reshard.server.transport.buffers`.
 
 Host buffers a released version, an aborted transaction or a finished program leaves, and
 the buckets a job packs and unpacks (`reshard.server.agent.buckets`), are kept for reuse
-(`buffers.Recycler`, at most ``recycle_bytes``): the first write to fresh memory pays a page
-fault per 4 KiB, which costs several times the write itself (on the machine this was measured
-on, 60 ms against 8 ms for 64 MiB), and the jobs that repeat (weight sync, training steps) ask
-for the same sizes every time. A buffer is handed out again only when nothing else holds it (a
-reader streaming an old version keeps it).
+(`buffers.Recycler`): the first write to fresh memory pays a page fault per 4 KiB, which costs
+several times the write itself (on the machine this was measured on, 60 ms against 8 ms for
+64 MiB), and the jobs that repeat (weight sync, training steps) ask for the same sizes every
+time. A buffer is handed out again only when nothing else holds it (a reader streaming an old
+version keeps it). The recycler keeps at most ``recycle_bytes`` more than the most bytes the store
+has held committed (`ShardStore._fit_recycler`): a sync that repeats stages as many bytes as its
+last version holds, so one version's buffers and a job's scratch beside them are what it asks for
+again, and a sync held the old and the new version at once anyway. The memory stays the agent's
+until a job takes it again or the agent exits (deleting tensors does not give it back). Capped at
+``recycle_bytes`` alone (1 GiB), a serving host of the kimi-k2 MoE sync (bench/moe_sync.py: 1.07
+GiB of tiles a version, and its buckets) freed part of every released version; on nixl each freed
+buffer a peer had written into is never offered to a peer again (`nixl_memory.Registry.usable`),
+so the tiles later made where it was landed in the transport's scratch, copied once more, and
+that scratch grew with every sync (27, 77, 302, 430 MiB over four syncs on each serving host;
+a sync on nixl 14.9 s, median of six, against 13.7 with a recycler of 4 GiB).
 """
 
 from __future__ import annotations
@@ -81,7 +91,9 @@ class ShardStore:
         self.limit_bytes = limit_bytes  # 0: no limit
         self.host = host  # named in refusals
         # a GPU's caching allocator reuses memory by itself
-        self.recycler = Recycler(recycle_bytes if device == "cpu" else 0)
+        self.recycle_bytes = recycle_bytes if device == "cpu" else 0  # the recycler's cap beyond `committed_peak`
+        self.recycler = Recycler(self.recycle_bytes)
+        self.committed_peak = 0  # the most bytes this store has held committed (`_fit_recycler`)
         self.host_bytes = 0  # bytes of host buffers handed out (`host_buffer`), for tests and stats
         self._lock = threading.Lock()
         self._committed: dict[tuple[str, int, str], TileBuffer] = {}
@@ -301,6 +313,7 @@ class ShardStore:
                         self._committer[(tensor, version)] = by
                     self._drop_reserved(owner)
                     self._end_locked(owner)
+                self._fit_recycler()
         finally:
             self._recycle(dropped)
 
@@ -379,6 +392,13 @@ class ShardStore:
         for key in versions:
             self._committer.pop(key, None)
         return dropped
+
+    def _fit_recycler(self) -> None:
+        """After a commit (the store's lock held): the recycler keeps ``recycle_bytes`` more than the most this
+        store has held committed (see the module docstring)."""
+        if self.recycle_bytes and self._committed_bytes > self.committed_peak:
+            self.committed_peak = self._committed_bytes
+            self.recycler.resize(self.recycle_bytes + self.committed_peak)
 
     def held(self) -> list[tuple[str, int]]:
         """Every (tensor, version) this store holds committed shards of."""

@@ -190,12 +190,21 @@ class Recycler:
             self._free.setdefault(base.nbytes, []).append(base)
             self._free.move_to_end(base.nbytes)
             self._bytes += base.nbytes
-            while self._bytes > self.cap_bytes:
-                size, arrays = next(iter(self._free.items()))
-                arrays.pop(0)
-                self._bytes -= size
-                if not arrays:
-                    del self._free[size]
+            self._trim_locked()
+
+    def resize(self, cap_bytes: int) -> None:
+        """Keep at most ``cap_bytes`` from now on, dropping the oldest buffers beyond it at once."""
+        with self._lock:
+            self.cap_bytes = cap_bytes
+            self._trim_locked()
+
+    def _trim_locked(self) -> None:
+        while self._bytes > self.cap_bytes:
+            size, arrays = next(iter(self._free.items()))
+            arrays.pop(0)
+            self._bytes -= size
+            if not arrays:
+                del self._free[size]
 
     def take(self, nbytes: int) -> np.ndarray | None:
         """A free buffer of exactly ``nbytes`` (uint8, 1-D), or None."""

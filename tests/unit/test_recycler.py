@@ -30,6 +30,34 @@ def test_a_released_version_s_buffer_makes_the_next_tile_of_its_size():
     assert store.recycler.reused == 1
 
 
+def test_a_version_larger_than_the_cap_comes_back_whole_for_the_next():
+    """The weight-sync pattern on a serving host, with tiles of more bytes than the recycler's cap: the released
+    version is kept whole (the cap grows to the most the store held committed), so every tile of the next version
+    is made in its memory, and none of its buffers is freed (on nixl a freed buffer a peer knew is never offered
+    again). Beyond that, the cap holds: a buffer past it is dropped, oldest first."""
+    store = ShardStore(host="h0", recycle_bytes=2 * MiB)
+    tiles = [store.empty((MiB // 4,), "float32") for _ in range(6)]  # 6 MiB of tiles, a cap of 2 MiB
+    for i, tile in enumerate(tiles):
+        _commit(store, f"w{i}", 1, tile)
+    addresses = {_address(t) for t in tiles}
+    assert store.committed_peak == 6 * MiB and store.recycler.cap_bytes == 8 * MiB
+    del tiles, tile
+    for i in range(6):  # the trainer publishes version 2 on other hosts: this host's version 1 goes first
+        store.release(f"w{i}", 1)
+    assert store.recycler.nbytes == 6 * MiB
+    again = [store.empty((MiB // 4,), "float32") for _ in range(6)]
+    assert {_address(t) for t in again} == addresses and store.recycler.reused == 6
+    for _ in range(3):  # 3 MiB of the job's scratch beside them: 9 MiB in all, one past the cap
+        store.recycle(np.empty(MiB, np.uint8))
+    assert store.recycler.nbytes == 3 * MiB
+    for i, tile in enumerate(again):
+        _commit(store, f"w{i}", 2, tile)
+    del again, tile
+    for i in range(6):
+        store.release(f"w{i}", 2)
+    assert store.recycler.nbytes == 8 * MiB  # the oldest scratch buffer went
+
+
 def test_a_buffer_someone_still_reads_is_never_handed_out():
     store = ShardStore(host="h0")
     _commit(store, "w", 1, store.empty((256, 1024), "float32"))
