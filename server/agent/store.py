@@ -28,7 +28,9 @@ version keeps it). The recycler keeps at most ``recycle_bytes`` more than the mo
 has held committed (`ShardStore._fit_recycler`): a sync that repeats stages as many bytes as its
 last version holds, so one version's buffers and a job's scratch beside them are what it asks for
 again, and a sync held the old and the new version at once anyway. The memory stays the agent's
-until a job takes it again or the agent exits (deleting tensors does not give it back). Capped at
+until a job takes it again or the agent exits (deleting tensors does not give it back). An agent
+with a memory limit (``--memory-limit``) keeps ``recycle_bytes`` at most, as its container is sized
+for: the limit plus that (deploy/k8s's cpu overlay: 6 GiB and 1 GiB in an 8 GiB container). Capped at
 ``recycle_bytes`` alone (1 GiB), a serving host of the kimi-k2 MoE sync (bench/moe_sync.py: 1.07
 GiB of tiles a version, and its buckets) freed part of every released version; on nixl each freed
 buffer a peer had written into is never offered to a peer again (`nixl_memory.Registry.usable`),
@@ -395,8 +397,8 @@ class ShardStore:
 
     def _fit_recycler(self) -> None:
         """After a commit (the store's lock held): the recycler keeps ``recycle_bytes`` more than the most this
-        store has held committed (see the module docstring)."""
-        if self.recycle_bytes and self._committed_bytes > self.committed_peak:
+        store has held committed, where the agent has no memory limit (see the module docstring)."""
+        if self.recycle_bytes and not self.limit_bytes and self._committed_bytes > self.committed_peak:
             self.committed_peak = self._committed_bytes
             self.recycler.resize(self.recycle_bytes + self.committed_peak)
 

@@ -58,6 +58,18 @@ def test_a_version_larger_than_the_cap_comes_back_whole_for_the_next():
     assert store.recycler.nbytes == 8 * MiB  # the oldest scratch buffer went
 
 
+def test_an_agent_with_a_memory_limit_keeps_its_recycler_s_cap():
+    """Its container is sized for the limit plus the cap: a released version beyond the cap is not kept."""
+    store = ShardStore(host="h0", limit_bytes=64 * MiB, recycle_bytes=2 * MiB)
+    tiles = [store.empty((MiB // 4,), "float32") for _ in range(6)]
+    for i, tile in enumerate(tiles):
+        _commit(store, f"w{i}", 1, tile)
+    del tiles, tile
+    for i in range(6):
+        store.release(f"w{i}", 1)
+    assert store.recycler.cap_bytes == 2 * MiB and store.recycler.nbytes == 2 * MiB
+
+
 def test_a_buffer_someone_still_reads_is_never_handed_out():
     store = ShardStore(host="h0")
     _commit(store, "w", 1, store.empty((256, 1024), "float32"))
