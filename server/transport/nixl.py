@@ -32,10 +32,12 @@ trailer ``T``   bytes, XXH3-64 and chunk count; it rides on the notification of 
                 WRITE waits for it (a box in one chunk, most of a bucketed sync's streams,
                 costs one message, not two), else a notification of its own after the last
                 chunk; the receiver yields the `Trailer` once every chunk landed
-confirm ``K``   the receiver has every chunk and the trailer; the sender's ``wait`` waits for
-                it: a message leaves an agent only while the agent makes progress, so the
-                sender polls until its trailer is known to be out (``K`` itself goes down the
-                connection the post already went down)
+confirm ``K``   every chunk and the trailer landed at the receiver: its progress thread sends
+                it as the last of them arrives, not once the stream's reader took them in
+                (`nixl_progress`); the sender's ``wait`` waits for it: a message leaves an
+                agent only while the agent makes progress, so the sender polls until its
+                trailer is known to be out (``K`` itself goes down the connection the post
+                already went down)
 cancel ``X``    the sender gave up: the receiver fails the stream at once
 registration    a buffer is registered once, cached by (address, size) and reused across
                 jobs, deregistered as it is freed or the transport closes
@@ -429,6 +431,7 @@ class NixlTransport(Transport):
                                           only=in_place and not landing.registrations)
                 vram = landing is not None and landing.vram
                 device = (landing.buf.device.index or 0) if vram else 0
+                self._progress.expect(peer, key)
                 self._notify(peer, encode(b"D", key, POST.pack(device, len(metadata), len(offer), vram,
                                                                self.incarnation) + metadata
                                           + offer + runs.tobytes()))
@@ -460,9 +463,9 @@ class NixlTransport(Transport):
                     yield Piece(sub, landing.piece(got, n), None, landing.device)
                     got += n
                     chunks += 1
-            self._notify(peer, encode(b"K", key))  # on the connection the post went down (`nixl_out.NixlOut.wait`)
             yield Trailer(trailer[0], trailer[1], landing is not None and landing.vram)
         finally:
+            self._progress.ended(peer, key)
             self.shared.withdraw(offered)
             if landing is not None:
                 landing.release()

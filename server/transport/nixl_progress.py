@@ -10,6 +10,10 @@ with that backoff (`Backoff`), and a waiter sleeps on its own event until its no
 found, or for at most `CHECK_S` between looks at its job (failed elsewhere?) and its deadline. With nothing waiting
 and no WRITE under way the thread blocks: an idle agent still burns nothing.
 
+The thread also polls while an incoming stream this agent posted has not all landed, and confirms it (``K``) as its
+last chunk and trailer land, counting them as it files them: the sender waits for that word, and the stream's reader
+may be busy for seconds yet with what already landed (forwarding it down a chain, or copying it into its tile).
+
 A post (``D``) names the poster's incarnation and carries the memory it registered since as NIXL partial metadata,
 which loads only into that incarnation's whole metadata. A job's hosts prepare inside their Execute, so a post may
 come before this agent's own Prepare introduced the poster (`NixlTransport.add_peer`), or, where the poster's agent
@@ -29,7 +33,7 @@ from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 from reshard.proto.errors import UnavailableError
-from reshard.server.transport.nixl_memory import POST, decode, unblob
+from reshard.server.transport.nixl_memory import POST, TRAILER, decode, encode, unblob
 
 __all__ = ["Backoff", "Progress", "CHECK_S"]
 
@@ -43,6 +47,8 @@ FINISHED = ("DONE", "ERR")
 # Posts held for peers not yet introduced (`Progress.admit`); beyond this many, the oldest of the peer holding the
 # most is dropped (its stream then fails naming the host, as for a post that never came)
 HELD_MAX = 4096
+CHUNKS = (b"C", b"S", b"c", b"s")  # the notifications of an incoming stream that say a chunk landed
+TRAILERS = (b"T", b"c", b"s")  # those that carry its trailer (``c``, ``s``: riding on the last chunk)
 
 T = TypeVar("T")
 
@@ -92,6 +98,8 @@ class Progress:
         self._incarnations: dict[str, bytes] = {}
         self._held: dict[str, deque] = {}
         self.held_dropped = 0  # held posts dropped: of an incarnation gone, or beyond `HELD_MAX`
+        # incoming streams not yet confirmed: (peer, "in", key) -> [chunks landed, chunks the trailer names or None]
+        self._landed: dict[tuple, list] = {}
 
     # -- notifications ---------------------------------------------------------------------------------------
 
@@ -150,8 +158,52 @@ class Progress:
                 return
             self._inbox.setdefault(waiter, deque()).append((kind, payload))
             event = self._events.get(waiter)
+            confirm = role == "in" and self._landing(waiter, kind, payload)
         if event is not None:
             event.set()
+        if confirm:
+            self._confirm(peer, key)
+
+    def _landing(self, waiter: tuple, kind: bytes, payload) -> bool:
+        """Count a notification of an incoming stream; whether every chunk it will have and its trailer are here now
+        (under the lock)."""
+        if kind == b"X":
+            self._landed.pop(waiter, None)
+            return False
+        landed = self._landed.get(waiter)
+        if landed is None:  # not posted here, or given up
+            return False
+        if kind in CHUNKS:
+            landed[0] += 1
+        if kind in TRAILERS:
+            landed[1] = TRAILER.unpack_from(payload)[2]
+        if landed[0] != landed[1]:
+            return False
+        del self._landed[waiter]
+        return True
+
+    def expect(self, peer: str, key) -> None:
+        """This agent posted incoming stream ``key`` from ``peer``: count what lands of it, and poll until it all
+        did, whether or not its reader waits (`ended` stops that)."""
+        with self._lock:
+            self._landed[peer, "in", key] = [0, None]
+        with self._idle:
+            self._start()
+
+    def ended(self, peer: str, key) -> None:
+        """Incoming stream ``key`` from ``peer`` ended here, whether all of it landed or not."""
+        with self._lock:
+            self._landed.pop((peer, "in", key), None)
+
+    def _confirm(self, peer: str, key) -> None:
+        """Tell the sender that every chunk of its stream and the trailer landed (``K``, `nixl_out.NixlOut.wait`):
+        as they land, not once the receiver took them in, so a sender never waits on a receiver that is busy
+        forwarding or copying what already arrived (a cold kimi-k2 sync on the emulated hosts failed about one
+        time in three so: a sender waited over the stall limit for a serving host whose lanes were full)."""
+        try:
+            self.notify(peer, encode(b"K", key))
+        except UnavailableError as e:  # the sender's own wait then fails naming this host
+            log.debug("%s", e)
 
     def _hold(self, peer: str, incarnation: bytes, job: str, msg: bytes) -> None:
         """Keep a post until ``peer``'s ``incarnation`` is introduced (see the module docstring); under the pump's
@@ -222,6 +274,8 @@ class Progress:
                 self._ended.popitem(last=False)
             for k in [k for k in self._inbox if k[2].job == job]:
                 del self._inbox[k]
+            for k in [k for k in self._landed if k[2].job == job]:
+                del self._landed[k]
         with self._pump_lock:
             for peer, held in list(self._held.items()):
                 kept = deque(h for h in held if h[1] != job)
@@ -287,7 +341,7 @@ class Progress:
             self._idle.notify()
 
     def _busy(self) -> bool:
-        return bool(self._waiting) or len(self.inflight) > len(self._finished)
+        return bool(self._waiting) or bool(self._landed) or len(self.inflight) > len(self._finished)
 
     def _run(self) -> None:
         backoff = Backoff()

@@ -398,6 +398,31 @@ def test_a_sender_that_gives_up_midway_fails_its_receiver_at_once(pair):
     assert not any(isinstance(item, Trailer) for item in got)
 
 
+def test_a_sender_is_confirmed_as_its_chunks_land_while_the_receiver_is_still_busy_with_them(pair):
+    """The sender's wait ends once every chunk and the trailer landed, not once the receiver took them in: a reader
+    busy with the first piece for three times the stall limit (a chain hop forwarding it, a serving host whose lanes
+    are full) fails no sender, and still gets every byte."""
+    a, b = pair
+    s = Session("busy", "p", {0: "float32"}, {})
+    key = StreamKey("busy", 0, 0)
+    src = np.random.default_rng(3).standard_normal(4 * (64 << 10) // 4).astype(np.float32)  # four chunks
+    got: list = []
+
+    def receive():
+        for item in b.arrivals(s, key, "a", ((0, src.size),), lambda sub: None):
+            if not got:
+                time.sleep(1.5)
+            got.append(bytes(memoryview(item.data)) if isinstance(item, Piece) else item)
+
+    receiving = in_thread("receive", receive)
+    t0 = time.monotonic()
+    a.send(s, key, "b", src, ((0, src.size),), ((0, src.size),))
+    assert time.monotonic() - t0 < 1.0  # confirmed before the reader came back
+    receiving.result(5)
+    assert b"".join(got[:-1]) == src.tobytes() and got[-1].nbytes == src.nbytes
+    assert not b._progress._landed and not b._progress._busy()  # nothing left to poll for: the agent idles
+
+
 # A receiving agent in a process of its own, so that it can die with a WRITE into it under way
 _RECEIVER = """
 import sys
