@@ -429,19 +429,25 @@ def _fp8_kernel(want_scales: bool, scaled: bool = False) -> Callable[[list, Any,
     return run
 
 
+# Past e4m3fn's 448 the next step would be 480: to nearest, what lies below their midpoint, 464, casts to 448 as its
+# clamp would (the largest element of a block, divided by its scale, is 448 give or take a rounding, so bands need no
+# clamp at all); a band reaching past this is clamped first
+_ROUNDS_TO_MAX = 456.0
 _BAND_BYTES = 2 << 20  # about this many bytes of float32 a band of `_quantized_in_bands` (at least a block's rows)
 
 
 def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output) -> bool:
     """Quantize a bfloat16 tile (its uint16 ``bits``) by torch's ops, where torch is installed (`_cast_torch`), a band
     of blocks' rows at a time: each band widened into one float32 buffer of about `_BAND_BYTES`, divided by its
-    blocks' scales, saturated, and cast into ``output`` (a host tile of fp8 codes, C-contiguous). The numpy path's
-    operations in its order, so the same bits (tests/core/test_fp8_kernels.py runs both against the reference).
-    Why bands: widening the whole tile made a float32 temporary of four times its elements, fresh memory (a page
-    fault per 4 KiB) that every later pass read back from DRAM; a band's buffer is made once and stays in cache,
-    which takes about a third off the kernel's time (``bench/fp8_kernels.py``). False where it does not apply:
-    no torch, another output, a matrix of short blocks, or a NaN (whose sign the general path takes from the input;
-    ``output`` may then hold some bands, which the general path overwrites)."""
+    blocks' scales, saturated where any of it lies past what rounds to e4m3fn's largest value (one pass finds that
+    and any NaN: no clamp of every band, no separate pass for the NaN), and cast into ``output``
+    (a host tile of fp8 codes, C-contiguous). The numpy path's operations in its order, so the same bits
+    (tests/core/test_fp8_kernels.py runs both against the reference). Why bands: widening the whole tile made a
+    float32 temporary of four times its elements, fresh memory (a page fault per 4 KiB) that every later pass read
+    back from DRAM; a band's buffer is made once and stays in cache, which takes about a third off the kernel's time
+    (``bench/fp8_kernels.py``). False where it does not apply: no torch, another output, a matrix of short blocks, or
+    a NaN (whose sign the general path takes from the input; a block scale is never 0 or infinite, so a NaN after the
+    division was one in the input; ``output`` may then hold some bands, which the general path overwrites)."""
     torch = _cast_torch()
     m, n = bits.shape
     if (torch is None or not bits.size or m % block or n % block or not isinstance(output, np.ndarray)
@@ -449,20 +455,21 @@ def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output
             or not output.flags.writeable):
         return False
     rows = block * max(1, _BAND_BYTES // (4 * n * block))
-    wide = np.empty((min(rows, m), n), dtype=np.uint32)
-    band = torch.from_numpy(wide.view(np.float32))
+    band = torch.empty((min(rows, m), n), dtype=torch.float32)
+    src = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
     codes = torch.from_numpy(output).view(torch.float8_e4m3fn)
     per_block = torch.from_numpy(np.ascontiguousarray(scales, dtype=np.float32))
     for top in range(0, m, rows):
         k = min(rows, m - top)
-        np.copyto(wide[:k], bits[top:top + k])
-        wide[:k] <<= np.uint32(16)  # bfloat16 bits widened: the float32 of the same value
         values = band[:k]
-        if torch.isnan(values.max()):  # NaN where any element is, in one pass with no mask
-            return False
         blocks = per_block[top // block:(top + k) // block, None, :, None]
+        values.copy_(src[top:top + k])  # bfloat16 widened: the float32 of the same value
         values.view(k // block, block, n // block, block).div_(blocks)
-        values.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # torch makes NaN of what is past e4m3fn's range
+        lo, hi = (v.item() for v in torch.aminmax(values))  # one pass for the NaN test and the saturation's
+        if lo != lo or hi != hi:  # a NaN
+            return False
+        if lo < -_ROUNDS_TO_MAX or hi > _ROUNDS_TO_MAX:  # torch's cast saturates on the CPU but need not elsewhere
+            values.clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX)
         codes[top:top + k].copy_(values)
     return True
 

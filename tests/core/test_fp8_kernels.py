@@ -195,6 +195,26 @@ def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, na
     np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=scales), codes)
 
 
+def test_bands_scaled_past_448_saturate_whether_or_not_they_are_clamped(monkeypatch):
+    """Scales a sender did not make from this tile put its values past 448: a band that reaches no further than
+    rounds to 448 skips the clamp, a band beyond it is clamped, and both give the reference's saturated codes."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: torch)
+    monkeypatch.setattr(agent_kernels, "_BAND_BYTES", 1)  # a band of one block's rows: 4 bands here
+    rng = np.random.default_rng(12)
+    bits = float32_to_bfloat16((rng.standard_normal((4 * 16, 48)) * 0.02).astype(np.float32))
+    x32 = bfloat16_to_float32(bits)
+    _, scales = reference(x32, 16)
+    scales[0] *= np.float32(448 / 455)  # band 0 reaches about 455: under 464, so it casts to 448 unclamped
+    scales[1] /= np.float32(3)  # band 1 reaches about 1344: clamped
+    scales[2] *= np.float32(448 / 463.5)  # band 2 reaches just under the midpoint: clamped all the same
+    full = np.repeat(np.repeat(scales, 16, axis=0), 16, axis=1)
+    want = np.array([_encode(float(q), float(v)) for q, v in zip((x32 / full).reshape(-1), x32.reshape(-1))],
+                    dtype=np.uint8).reshape(x32.shape)
+    assert (want & 0x7F == 0x7E).sum() > 16  # saturated codes in bands 0, 1 and 2
+    np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=scales), want)
+
+
 def test_a_float32_tile_of_bfloat16_values_gets_its_bits_scales_and_codes():
     bits = float32_to_bfloat16((np.random.default_rng(8).standard_normal((200, 260)) * 0.02).astype(np.float32))
     x32 = bfloat16_to_float32(bits)  # the same values as a float32 tile: the float32 route and the general path
