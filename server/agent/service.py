@@ -503,7 +503,7 @@ def nixl_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
     if config.transport != "nixl":
         return None
     try:
-        from reshard.server.transport import nixl
+        from reshard.server.transport import nixl, nixl_progress
     except ImportError as e:
         missing = f"NIXL's transport does not import here ({e}): pip install 'reshard[nixl]'"
     else:
@@ -520,7 +520,8 @@ def nixl_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
     log.info("agent %s: nixl transport on backend %s; %s", config.host, config.nixl_backend, said)
     return nixl.NixlTransport(config.host, backend=config.nixl_backend, lanes=config.collective_lanes,
                               chunk_bytes=config.nixl_chunk, timeout_s=config.transfer_timeout_s,
-                              throttle=throttle, stall_timeout_s=config.stall_timeout_s)
+                              throttle=throttle, stall_timeout_s=config.stall_timeout_s,
+                              poll_pause_s=nixl_progress.shortest_pause(config.nixl_chunk, config.nic_gbps))
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:

@@ -8,8 +8,9 @@ streams).
 =============== ==============================================================================
 agent           one ``nixl_agent`` per transport, named by the host, UCX by default, with no
                 progress thread and no listen thread of NIXL's: progress is made by one thread
-                of ours that polls while anything waits or a WRITE is under way (20 us, doubling
-                to 1 ms) and wakes the waiter each notification or WRITE is for, and blocks
+                of ours that polls while anything waits or a WRITE is under way (from a 40th
+                of a chunk's time on the NIC, at least 20 us, doubling to 1 ms) and wakes the
+                waiter each notification or WRITE is for, and blocks
                 otherwise: an idle agent burns no CPU (`nixl_progress`)
 peers           whole metadata travels through the planner (`metadata`, `add_peer`,
                 `drop_peer`), marked with the agent's incarnation (random, new each time its
@@ -114,7 +115,7 @@ from reshard.server.transport.nixl_memory import (
     place_runs,
 )
 from reshard.server.transport.nixl_out import DEVICE_CHUNK_BYTES, SHARED_CHUNK_BYTES, WINDOW, NixlOut
-from reshard.server.transport.nixl_progress import Progress
+from reshard.server.transport.nixl_progress import POLL_MIN_S, Progress
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
 
@@ -146,7 +147,7 @@ class NixlTransport(Transport):
     # alone, as the tests make them, runs as many as an agent would
     def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 16, chunk_bytes: int, timeout_s: float,
                  throttle: Throttle | None = None, stall_timeout_s: float | None = None,
-                 shared_memory: bool | None = None):
+                 shared_memory: bool | None = None, poll_pause_s: float = POLL_MIN_S):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
                          stall_timeout_s=stall_timeout_s)
         missing = nixl_missing()
@@ -165,7 +166,7 @@ class NixlTransport(Transport):
                 f"{sorted(self._agent.plugin_list)}")
         self._lock = threading.Lock()  # peers
         self._post_lock = threading.Lock()  # a post's metadata and its sending, one post at a time (`arrivals`)
-        self._progress = Progress(self._agent, host)
+        self._progress = Progress(self._agent, host, poll_pause_s)  # `nixl_progress.shortest_pause`
         self._peers: dict[str, bytes] = {}
         self.incarnation = os.urandom(INCARNATION)  # this NIXL agent's, in its metadata and every post it makes
         self._memory = Registry(self._agent, host)

@@ -6,9 +6,10 @@ block on: its notifications arrive, and a WRITE's own notification leaves, only 
 Each waiting thread used to poll for itself, backing off from 20 us to 1 ms; with a move's streams waiting at once
 on 2 cores shared by 8 agents that was about 5,000 wake-ups per agent and sync (bench/moe_sync.py on loopback,
 five times the collective transport's), each one a pass through the interpreter for the GIL. Now one thread polls
-with that backoff (`Backoff`), and a waiter sleeps on its own event until its notification or its WRITE's end is
-found, or for at most `CHECK_S` between looks at its job (failed elsewhere?) and its deadline. With nothing waiting
-and no WRITE under way the thread blocks: an idle agent still burns nothing.
+with such a backoff (`Backoff`, from `shortest_pause`: a 40th of a chunk's time on the NIC), and a waiter sleeps on
+its own event until its notification or its WRITE's end is found, or for at most `CHECK_S` between looks at its job
+(failed elsewhere?) and its deadline. With nothing waiting and no WRITE under way the thread blocks: an idle agent
+still burns nothing.
 
 The thread also polls while an incoming stream this agent posted has not all landed, and confirms it (``K``) as its
 last chunk and trailer land, counting them as it files them: the sender waits for that word, and the stream's reader
@@ -35,11 +36,13 @@ from typing import Any, TypeVar
 from reshard.proto.errors import UnavailableError
 from reshard.server.transport.nixl_memory import POST, TRAILER, decode, encode, unblob
 
-__all__ = ["Backoff", "Progress", "CHECK_S"]
+__all__ = ["Backoff", "Progress", "CHECK_S", "shortest_pause"]
 
 log = logging.getLogger(__name__)
 
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3
+# The poll's shortest pause, as a share of a chunk's time on the NIC (`shortest_pause`)
+PAUSE_OF_CHUNK = 1 / 40
 CHECK_S = 0.02  # a waiter looks at its job and deadline at least this often, woken or not
 LINGER_S = 0.02
 ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
@@ -53,27 +56,46 @@ TRAILERS = (b"T", b"c", b"s")  # those that carry its trailer (``c``, ``s``: rid
 T = TypeVar("T")
 
 
-class Backoff:
-    """A poll's pause: short while things happen, doubling to `POLL_MAX_S` while nothing does."""
+def shortest_pause(chunk_bytes: int, nic_gbps: float) -> float:
+    """The poll's pause after a poll that found something: `PAUSE_OF_CHUNK` of a chunk's time at the NIC's rate,
+    from `POLL_MIN_S` to `POLL_MAX_S`. Each poll is a pass through the interpreter and two calls into NIXL, and
+    after each find the pause doubles back up to `POLL_MAX_S`, so a 20 us start costs about seven polls per
+    notification; where a chunk takes milliseconds on the link (1 MiB on 1 Gbit/s: 8 ms), a notification found
+    200 us late costs the link nothing (a stream keeps a second WRITE in flight, `nixl_out.WINDOW`), and the polls
+    it saves are CPU that agents sharing cores spend on moving bytes. bench/link_timeline.py's nixl sync on the
+    emulated 1 Gbit/s hosts (medians of three runs, rounds alternating): with 200 us for every agent the service's
+    CPU took 1.66 s against 1.93 at 20 us and 1.44 against 1.57, the sync 1.059 s against 1.121 and 1.005 against
+    1.008; with this rule against 20 us, three rounds, 1.350, 1.108 and 1.190 s against 1.194, 1.208 and 1.237, CPU
+    2.18, 1.89 and 2.02 s against 2.05, 1.98 and 2.16: no loss, a gain within this machine's noise.
+    bench/transport.py on loopback with 200 us: unchanged (loopback agents' 10 Gbit/s and 4 MiB chunks give 84 us).
+    A 400 Gbit/s NIC's 16 MiB chunk takes 0.34 ms: 20 us there, as before."""
+    chunk_s = chunk_bytes * 8 / (nic_gbps * 1e9) if nic_gbps > 0 else 0.0
+    return min(POLL_MAX_S, max(POLL_MIN_S, chunk_s * PAUSE_OF_CHUNK))
 
-    def __init__(self):
-        self.pause = POLL_MIN_S
+
+class Backoff:
+    """A poll's pause: ``least`` while things happen, doubling to `POLL_MAX_S` while nothing does."""
+
+    def __init__(self, least: float = POLL_MIN_S):
+        self.least = least
+        self.pause = least
 
     def idle(self) -> None:
         time.sleep(self.pause)
         self.pause = min(self.pause * 2, POLL_MAX_S)
 
     def busy(self) -> None:
-        self.pause = POLL_MIN_S
+        self.pause = self.least
 
 
 class Progress:
     """The notifications and WRITEs of one NIXL ``agent`` (the transport's, named ``host``): its inbox by
     (peer, role, stream key), its WRITEs under way, and the thread that polls them (see the module docstring)."""
 
-    def __init__(self, agent, host: str):
+    def __init__(self, agent, host: str, least_pause_s: float = POLL_MIN_S):
         self.agent = agent
         self.host = host
+        self.least_pause_s = least_pause_s  # the thread's pause after a poll that found something (`Backoff`)
         self._lock = threading.Lock()  # inbox, ended jobs, waiters' events
         self._pump_lock = threading.Lock()  # one thread takes and routes the agent's notifications at a time
         # WRITEs under way: NIXL sends a WRITE's notification only when a poll of its state finds it done, so every
@@ -344,7 +366,7 @@ class Progress:
         return bool(self._waiting) or bool(self._landed) or len(self.inflight) > len(self._finished)
 
     def _run(self) -> None:
-        backoff = Backoff()
+        backoff = Backoff(self.least_pause_s)
         while True:
             with self._idle:
                 while not self._closed and not self._busy():

@@ -549,6 +549,31 @@ def test_streams_waiting_on_a_silent_peer_leave_the_polling_to_one_thread(pair, 
     assert callers == {"nixl-progress-b"}
 
 
+def test_the_polls_shortest_pause_is_a_fortieth_of_a_chunks_time_on_the_nic():
+    """1 MiB chunks on the emulated hosts' 1 Gbit/s links take 8.4 ms: polls 210 us apart while notifications
+    come, not 20 us (CPU the agents sharing cores spend on bytes); a 400 Gbit/s NIC's 16 MiB chunk keeps 20 us."""
+    from reshard.server.common.config import AgentConfig
+    from reshard.server.transport.nixl_progress import POLL_MAX_S, POLL_MIN_S, Backoff, shortest_pause
+
+    def agent(gbps: float) -> AgentConfig:
+        return AgentConfig(host="h", num_devices=1, planner="p:1", nic_gbps=gbps)
+
+    assert shortest_pause(agent(1).nixl_chunk, 1) == pytest.approx((1 << 20) * 8 / 1e9 / 40)
+    assert shortest_pause(agent(10).nixl_chunk, 10) == pytest.approx((4 << 20) * 8 / 10e9 / 40)
+    assert shortest_pause(agent(400).nixl_chunk, 400) == POLL_MIN_S
+    assert shortest_pause(64 << 20, 0.1) == POLL_MAX_S and shortest_pause(1 << 20, 0) == POLL_MIN_S
+    backoff = Backoff(200e-6)
+    backoff.idle()
+    assert backoff.pause == 400e-6
+    backoff.busy()
+    assert backoff.pause == 200e-6
+    t = NixlTransport("p", chunk_bytes=1 << 20, timeout_s=1, poll_pause_s=200e-6)
+    try:
+        assert t._progress.least_pause_s == 200e-6
+    finally:
+        t.close()
+
+
 def test_metadata_nixl_cannot_load_is_refused_naming_the_host(pair):
     """The planner hands out what agents registered; bytes that are no NIXL agent's are a caller's mistake, named
     as such, and the peers already known stay usable."""
