@@ -23,7 +23,8 @@ in the order below.
 lane until its peer sends, so tasks cannot simply start when ready. Every host orders
 its tasks by (dependency depth, then `interleaved` order within a depth, computed from
 the program alone, so every host agrees) and groups a depth's tasks that call peers into
-*units* (`lane_units`: the moves along one route, in that order, or one other task),
+*units* (`lane_units`: the moves along one route, in that order, dealt in turn into
+`ROUTE_UNITS` units where they are large, or one other task),
 ordered largest first, again from the program alone. The units of all depths, depth by
 depth, make one sequence, the *order*; every dependency points back in it (a step waits
 only for steps of lower depth). A host queues its units in that order, FIFO, on
@@ -61,7 +62,8 @@ from reshard.program import MOVE, REDUCE, Program, Step
 from reshard.routes import hop_targets, receiving_hops, sending_peers
 from reshard.server.agent.buckets import Bucket, bucket_moves
 
-__all__ = ["Task", "host_tasks", "lane_units", "depth_order", "local_ranks", "rank_order", "SMALL_UNIT_BYTES"]
+__all__ = ["Task", "host_tasks", "lane_units", "depth_order", "local_ranks", "rank_order", "SMALL_UNIT_BYTES",
+           "ROUTE_UNITS"]
 
 
 @dataclass(eq=False)
@@ -156,6 +158,10 @@ def _task_peers(task: Task, host: str) -> set[str]:
 # Move units smaller than this run on lanes of their own beside the others (`Runtime._in_order`): a chain of a few
 # KiB is latency, not bandwidth, and need not wait until the large routes have drained.
 SMALL_UNIT_BYTES = 1 << 20
+# A route's moves are dealt into this many units, in turn (`lane_units`), where they hold that many small units'
+# bytes: a unit's next move starts once its last has left every hop of the route, and over a chain that is once
+# the last hop's link, shared with other routes, has taken it, while the first hop's link idles
+ROUTE_UNITS = 2
 
 
 def _route(t) -> tuple:
@@ -168,21 +174,35 @@ def _route(t) -> tuple:
 def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Task]]:
     """One depth's tasks that call peers (in the order every host derives alike, `host_tasks`), as the units the
     collective transport's lanes run: the moves along one route (`_route`: the same hosts in the same order) are
-    one unit, run one after another in that order; any other task is a unit of its own. Units go largest first
-    (``nbytes`` of a move step, summed), ties by their first task's place.
+    one unit, run one after another in that order, or where they carry `ROUTE_UNITS` small units' bytes or more,
+    dealt in turn into `ROUTE_UNITS` units; any other task is a unit of its own. Units go largest first (``nbytes``
+    of a move step, summed), ties by their first task's place.
 
     Every host derives the same units and order from the program alone, so the module docstring's argument holds
     with units for tasks. Why: a lane held by a small move waits until every host of its route reaches it, and
     with one lane per move a few hundred small moves queue behind one another on every host while the links
     idle (a 500-tensor weight sync on 1 Gbit/s links took 1.5x its bound). A route's moves share its links
-    anyway, so they lose nothing by running in turn, and the large routes, started first, keep every link busy."""
-    units: dict[tuple, list[Task]] = {}
+    anyway, and the large routes, started first, keep every link busy. But a move holds its unit until it has left
+    every hop: on a chain (training host, serving host, its replica) the next move's first hop waited while the
+    last one's relay drained into the replica's link, which other routes share. bench/weight_sync.py's emulated
+    sync traced per task: each training host sent its two buckets of a route one after the other, the second
+    leaving 530 ms in, after 250 ms of an idle link; dealt into two units, every move of the sync ran from the
+    first 140 ms to its end, and bench/link_timeline.py's serving links ran at 90% of their rate or more in
+    76-86% of the bins (58-72% before; the sync's seconds within this machine's noise)."""
+    routes: dict[tuple, list[Task]] = {}
     for i, t in enumerate(tasks):
         key = _route(t.step.transfer) if t.step.kind == MOVE else ("", i)
-        units.setdefault(key, []).append(t)
-    place = {id(unit): n for n, unit in enumerate(units.values())}
-    return sorted(units.values(), key=lambda unit: (-sum(nbytes(t.step) for t in unit if t.step.kind == MOVE),
-                                                    place[id(unit)]))
+        routes.setdefault(key, []).append(t)
+    units = []
+    for unit in routes.values():
+        moved = sum(nbytes(t.step) for t in unit if t.step.kind == MOVE)
+        if len(unit) > 1 and moved >= ROUTE_UNITS * SMALL_UNIT_BYTES:
+            units += [unit[k::ROUTE_UNITS] for k in range(ROUTE_UNITS)]
+        else:
+            units.append(unit)
+    place = {id(t): n for n, t in enumerate(tasks)}
+    return sorted(units, key=lambda unit: (-sum(nbytes(t.step) for t in unit if t.step.kind == MOVE),
+                                           place[id(unit[0])]))
 
 
 def depth_order(tasks: list[Task], host: str, nbytes: Callable[[Step], int]) -> tuple[bool, list[tuple]]:
