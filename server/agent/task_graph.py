@@ -187,8 +187,10 @@ def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Ta
     last one's relay drained into the replica's link, which other routes share. bench/weight_sync.py's emulated
     sync traced per task: each training host sent its two buckets of a route one after the other, the second
     leaving 530 ms in, after 250 ms of an idle link; dealt into two units, every move of the sync ran from the
-    first 140 ms to its end, and bench/link_timeline.py's serving links ran at 90% of their rate or more in
-    76-86% of the bins (58-72% before; the sync's seconds within this machine's noise)."""
+    first 140 ms to its end. bench/link_timeline.py's serving links ran at 90% of their rate or more in 76-86% of
+    the bins (58-72% before) in the run just after, but in 38-62% in one an hour busier (BENCHMARKS.md's), where
+    the relays still lagged the direct streams into each serving host; the sync's seconds stayed within this
+    machine's noise either way, so the gain is the idle first hop, not yet a faster sync."""
     routes: dict[tuple, list[Task]] = {}
     for i, t in enumerate(tasks):
         key = _route(t.step.transfer) if t.step.kind == MOVE else ("", i)
