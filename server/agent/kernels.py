@@ -298,7 +298,7 @@ def bf16_block_scales(bits: np.ndarray, block: int) -> np.ndarray:
     m, n = bits.shape
     amax = np.zeros((-(-m // block), -(-n // block)), dtype=np.uint16)
     if bits.size:
-        rows = block * max(1, _BAND_BYTES // (4 * n * block))
+        rows = _band_rows(n, block)
         buf = np.empty((min(rows, m), n), dtype=np.uint16)
         for top in range(0, m, rows):
             mag = buf[:min(rows, m - top)]
@@ -464,6 +464,11 @@ _ROUNDS_TO_MAX = 456.0
 _BAND_BYTES = 2 << 20  # about this many bytes of float32 in a band of `_quantized_in_bands` (at least a block's rows)
 
 
+def _band_rows(n: int, block: int) -> int:
+    """The rows of a band of an ``n``-column matrix: whole blocks' rows, about `_BAND_BYTES` of float32."""
+    return block * max(1, _BAND_BYTES // (4 * n * block))
+
+
 def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output) -> bool:
     """Quantize a bfloat16 tile (its uint16 ``bits``) by torch's ops, where torch is installed (`_cast_torch`), a band
     of blocks' rows at a time: each band widened into one float32 buffer of about `_BAND_BYTES`, divided by its
@@ -482,7 +487,7 @@ def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output
             or output.dtype != np.uint8 or output.shape != bits.shape or not output.flags.c_contiguous
             or not output.flags.writeable):
         return False
-    rows = block * max(1, _BAND_BYTES // (4 * n * block))
+    rows = _band_rows(n, block)
     band = torch.empty((min(rows, m), n), dtype=torch.float32)
     src = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
     codes = torch.from_numpy(output).view(torch.float8_e4m3fn)

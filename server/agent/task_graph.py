@@ -195,16 +195,16 @@ def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Ta
     for i, t in enumerate(tasks):
         key = _route(t.step.transfer) if t.step.kind == MOVE else ("", i)
         routes.setdefault(key, []).append(t)
-    units = []
-    for unit in routes.values():
-        moved = sum(nbytes(t.step) for t in unit if t.step.kind == MOVE)
-        if len(unit) > 1 and moved >= ROUTE_UNITS * SMALL_UNIT_BYTES:
-            units += [unit[k::ROUTE_UNITS] for k in range(ROUTE_UNITS)]
-        else:
-            units.append(unit)
+    def moved(unit: list[Task]) -> int:
+        return sum(nbytes(t.step) for t in unit if t.step.kind == MOVE)
+
+    units = []  # (bytes moved, its first task's place, the unit)
     place = {id(t): n for n, t in enumerate(tasks)}
-    return sorted(units, key=lambda unit: (-sum(nbytes(t.step) for t in unit if t.step.kind == MOVE),
-                                           place[id(unit[0])]))
+    for unit in routes.values():
+        parts = [unit[k::ROUTE_UNITS] for k in range(ROUTE_UNITS)] \
+            if len(unit) > 1 and moved(unit) >= ROUTE_UNITS * SMALL_UNIT_BYTES else [unit]
+        units += [(moved(part), place[id(part[0])], part) for part in parts]
+    return [unit for _, _, unit in sorted(units, key=lambda u: (-u[0], u[1]))]
 
 
 def depth_order(tasks: list[Task], host: str, nbytes: Callable[[Step], int]) -> tuple[bool, list[tuple]]:
