@@ -229,7 +229,9 @@ def _moe_child(layers: int, quantize: bool, cap_gib: float) -> int:
 
     stage = "build"
     try:
+        t0 = time.perf_counter()
         case = build(layers, KIMI_EXPERTS)
+        out["build_s"] = time.perf_counter() - t0
         topo = Topology.gpu_hosts()
         weights = {t.name for t in case.weights}
         dtypes = {k: v for k, v in case.serve_dtypes.items() if k in weights} if quantize else None
@@ -432,7 +434,8 @@ def _moe_row(m: dict) -> list[str]:
                                        ", planned without dtypes (bf16 weights and scales on the wire)")
     after = [m.get(k) for k in ("id_s", "estimate_s", "dumps", "moves_s", "cut_s")]
     cells = [
-        f"{m['tensors']:,}" if "tensors" in m else None, f"{m['steps']:,}" if "steps" in m else None,
+        f"{m['tensors']:,} ({m['build_s']:.1f})" if "tensors" in m else None,
+        f"{m['steps']:,}" if "steps" in m else None,
         f"{m['plan']:.2f}" if "plan" in m else None, f"{m['validate']:.2f}" if "validate" in m else None,
         " / ".join(f"{v:.2f}" for v in after) if None not in after else None,
         f"{m['plan'] + m['validate'] + sum(after):.1f}" if None not in after else None,
@@ -455,7 +458,7 @@ def moe_markdown(moe: dict, timeout: float, cap_gib: float) -> str:
     runs, quantized, b = moe["runs"], moe["quantized"], moe["bounds"]
     full = runs[0]
     done = next((m for m in runs if "over" not in m), None)
-    head = ["case", "tensors", "steps", "plan s", "validate s",
+    head = ["case", "tensors (declared in s)", "steps", "plan s", "validate s",
             "then id / estimate / text / the job's moves / the per-host cut s",
             "a planner's seconds before an agent gets it", "peak RSS GiB", "whole text MiB",
             "largest per-host slice MiB (what that host's agent gets)", "that host's agent: read / layout s",

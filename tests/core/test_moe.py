@@ -1,14 +1,14 @@
-"""MoE state dicts (`reshard.moe`): a Kimi-K2-like model's names, shapes, dtypes and layouts, built fast.
+"""MoE state dicts (`reshard.moe`): a Kimi-K2-like model's names, shapes, dtypes and layouts.
 
 The full model (61 layers, 384 experts) on the records' meshes (256 training GPUs as 32 x 8 in bfloat16, 128
 serving GPUs as 16 x 8 in fp8, 8 replicas of an expert-parallel group of 16) is counted and its layouts read back
-tensor by tensor; the small version (2 layers, 16 experts) is planned whole with `plan_many` and its scales.
+tensor by tensor; the small version (2 layers, 16 experts) is planned whole with `plan_many` and its scales. How
+fast the full one is declared is `bench/plan_quality.py`'s to measure (its MoE rows), not a test's.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -23,13 +23,11 @@ SERVE = Mesh.grid({"host": 16, "gpu": 8}, 8, "serve")
 
 @pytest.fixture(scope="module")
 def kimi():
-    started = time.perf_counter()
-    case = moe_state_dict(KIMI_K2, TRAIN, SERVE, ep_devices=16)
-    return case, time.perf_counter() - started
+    return moe_state_dict(KIMI_K2, TRAIN, SERVE, ep_devices=16)
 
 
-def test_kimi_k2_has_its_tensors_and_parameters_and_builds_in_well_under_seconds(kimi):
-    case, seconds = kimi
+def test_kimi_k2_has_its_tensors_and_parameters(kimi):
+    case = kimi
     # Per MoE layer: 384 x 3 expert weights, 3 shared-expert, 5 attention projections, 2 attention norms, 2 layer
     # norms and the router's weight and bias (1,166), and a scale for each of its 1,160 linear weights; the dense
     # layer has 12 tensors and 8 scales; the embeddings, the final norm and the head 3 more.
@@ -40,11 +38,10 @@ def test_kimi_k2_has_its_tensors_and_parameters_and_builds_in_well_under_seconds
     assert 1.02e12 < case.serve_bytes < 1.04e12  # fp8 experts and attention, bfloat16 embeddings, float32 scales
     assert str(case) == ("MoeCase(61 layers, 384 experts, hidden 7168: 139,583 tensors, 1.03 T parameters; training "
                          "32 x 8 bfloat16 -> serving 16 x 8 float8_e4m3fn, 8 replicas of 16 devices)")
-    assert seconds < 5.0, f"building the declarations took {seconds:.2f} s"
 
 
 def test_kimi_k2s_layouts_tensor_by_tensor(kimi):
-    case, _ = kimi
+    case = kimi
     by_name = {t.name: t for t in case.tensors}
     down = by_name["model.layers.7.mlp.experts.383.down_proj.weight"]
     assert down.shape == (7168, 2048) and down.dtype == "bfloat16"
