@@ -20,6 +20,13 @@ confirm         as it starts a job an agent writes ``reshard/g<gen>/confirm/<job
 stream          one box from one host to the next: pieces (``chunk_boxes``) as raw bytes,
                 then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window``
                 pieces in flight each way
+first piece     a stream's first send or recv waits for the peer's lane to reach the stream,
+                which on a loaded host (a cold sync) may take longer than one call's timeout;
+                gloo closes every pair of a group whose wait times out, so that wait runs on a
+                waiter thread with the stream's own timeout while the lane checks the job
+                each quarter second: a job that fails elsewhere frees the lane at once (the
+                group, which still holds the posted call, is reported broken and re-formed).
+                The stream's later calls wait ``--collective-timeout`` each
 tag             ``(job_seq mod 2^11) << 20 | stream``, streams numbered between each ordered
                 pair of hosts (`reshard.routes.PairStreams`, in the order of their numbers over
                 the program's steps: a move's hops, a reduce's ring messages): gloo matches a
@@ -55,6 +62,8 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as WaitTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -93,6 +102,10 @@ _FLOATS = frozenset({"float16", "float32", "float64"})
 # all-reduce of the one before, where one whole piece would keep the copy in front of the all-reduce
 NATIVE_PIECE_CHUNKS = 4
 _SEQ_MASK = (1 << 11) - 1
+# How often a lane waiting for a stream's first piece checks its job; and how much longer than the stream's timeout
+# the waiter thread's own call waits, so the lane's deadline (with its message) always comes first
+FIRST_CHECK_S = 0.25
+_WAITER_SLACK_S = 5.0
 
 
 # -- the group ----------------------------------------------------------------------------------
@@ -251,6 +264,12 @@ class _Outgoing(Outgoing):
         self._transport, self._session, self._group = transport, s, group
         self.peer, self._rank, self._tag = peer, group.rank_of(peer), tag
         self._pending: deque = deque()
+        self._started = False  # whether a send of this stream finished: the first waits for the peer's lane
+
+    def _finish_oldest(self) -> None:
+        self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer,
+                               first=not self._started)
+        self._started = True
 
     def _send(self, tensor) -> None:
         # Counted by the caller when handed over (gloo's send work reports completion only on wait):
@@ -258,7 +277,7 @@ class _Outgoing(Outgoing):
         self._pending.append(self._transport.post(self._session, self._group, "send", self.peer,
                                                   lambda: self._group.pg.send([tensor], self._rank, self._tag)))
         if len(self._pending) >= self._transport.window:
-            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
+            self._finish_oldest()
 
     def put(self, box, data, wire=None) -> None:
         self._send(wire if wire is not None else self._transport.tensor(data, self._group))
@@ -268,7 +287,7 @@ class _Outgoing(Outgoing):
 
     def wait(self, timeout: float) -> None:
         while self._pending:
-            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
+            self._finish_oldest()
         return None  # every receiving host reports to the planner itself
 
     def cancel(self) -> None:
@@ -297,6 +316,9 @@ class CollectiveTransport(Transport):
         self._lock = threading.Lock()
         self._groups: dict[str, Group] = {}  # job -> the group it runs on
         self._announced: set[str] = set()  # jobs whose plan-id key this host wrote
+        # Threads that wait for streams' first pieces (`_first`), made as lanes need them: a lane's and its
+        # relays' streams, and abandoned waits until their group's pairs close
+        self._waiters = ThreadPoolExecutor(max_workers=4 * self.lanes + 8, thread_name_prefix=f"first-{host}")
         # Pieces are read-only views of shards that arrived as bytes; torch only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
@@ -408,12 +430,41 @@ class CollectiveTransport(Transport):
         tensor = self.torch.from_numpy(flat)
         return tensor if group.device.type == "cpu" else tensor.to(group.device, non_blocking=False)
 
-    def finish(self, s: Session, group: Group, work, what: str, peer: str) -> None:
-        """Wait for one send or recv; a failure marks the group broken (the planner re-forms it)."""
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    def finish(self, s: Session, group: Group, work, what: str, peer: str, first: bool = False) -> None:
+        """Wait for one send or recv (``first``: a stream's first, see the module table); a failure marks the group
+        broken (the planner re-forms it)."""
+        if first:
+            return self._first(s, group, work, what, peer)
         try:
             work.wait(self.op_timeout)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
             raise self._failed(s, group, e, what, peer) from None
+
+    def _first(self, s: Session, group: Group, work, what: str, peer: str) -> None:
+        """A stream's first call: waited for on a waiter thread for up to the stream's timeout, while this lane
+        checks the job. Given up (the job failed, or the deadline passed), the call stays posted and its waiter
+        holds it and its buffer until it ends; the group is reported broken, since that wait's own timeout would
+        close every pair under whatever job then runs on it."""
+        waited = self._waiters.submit(_wait, work, seconds_delta(self.timeout_s + _WAITER_SLACK_S))
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                error = waited.result(timeout=FIRST_CHECK_S)
+                break
+            except WaitTimeout:
+                pass
+            if s.failed is not None or time.monotonic() > deadline:
+                self.member.mark_broken(group, f"job {s.job} gave up a {what} with host {peer}")
+                s.check()
+                raise DeadlineExceededError(
+                    f"job {s.job}: the first {what} of a stream with host {peer} (rank {group.rank_of(peer)} of "
+                    f"process group generation {group.generation}) did not finish in {self.timeout_s:g}s: that "
+                    f"host's agent never reached the stream")
+        if error is not None:
+            raise self._failed(s, group, error, what, peer, self.timeout_s)
 
     def post(self, s: Session, group: Group, what: str, peer: str, call: Callable[[], object]):
         """Post one send or recv (``call``): gloo raises at once where the peer's connection is already closed, which
@@ -423,13 +474,15 @@ class CollectiveTransport(Transport):
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
             raise self._failed(s, group, e, what, peer) from None
 
-    def _failed(self, s: Session, group: Group, e: Exception, what: str, peer: str) -> Exception:
+    def _failed(self, s: Session, group: Group, e: Exception, what: str, peer: str,
+                seconds: float | None = None) -> Exception:
         self.member.mark_broken(group, f"{what} failed")
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         where = (f"job {s.job}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
                  f"generation {group.generation})")
         if "Timed out" in text or "timeout" in text.lower():
-            return DeadlineExceededError(f"{where} did not finish in {self.op_timeout.total_seconds():g}s: {text}")
+            seconds = self.op_timeout.total_seconds() if seconds is None else seconds
+            return DeadlineExceededError(f"{where} did not finish in {seconds:g}s: {text}")
         return UnavailableError(f"{where} failed: {text}")
 
     def open(self, s: Session, key: StreamKey, peer: str) -> Outgoing:
@@ -452,7 +505,7 @@ class CollectiveTransport(Transport):
         else:
             head = torch.empty(deltas.HEAD.size, dtype=torch.uint8, device=group.device)
             work = self.post(s, group, "recv", peer, lambda: group.pg.recv([head], src, tag))
-            self.finish(s, group, work, "recv", peer)
+            self.finish(s, group, work, "recv", peer, first=True)
             raw = head.cpu().numpy()
             total = deltas.read_head(s.job, delta, raw)[0]
             yield Piece(((0, deltas.HEAD.size),), raw, head, None)
@@ -476,15 +529,17 @@ class CollectiveTransport(Transport):
 
         for _ in range(self.window):
             post()
+        started = delta is not None  # a delta stream's head was its first piece
         while posted:
             sub, buf, into, work = posted.popleft()
-            self.finish(s, group, work, "recv", peer)
+            self.finish(s, group, work, "recv", peer, first=not started)
+            started = True
             post()
             raw = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
             yield Piece(sub, raw, buf, into)
         trailer = torch.empty(16, dtype=torch.uint8, device=group.device)
         work = self.post(s, group, "recv", peer, lambda: group.pg.recv([trailer], src, tag))
-        self.finish(s, group, work, "recv", peer)
+        self.finish(s, group, work, "recv", peer, first=not started)
         nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
         yield Trailer(nbytes, digest)
 
@@ -589,3 +644,12 @@ class CollectiveTransport(Transport):
         s.traffic.add_out(to, sent * itemsize, origin=False)
         s.traffic.add_in(frm, got * itemsize)
         s.traffic.add_native_reduce()
+
+
+def _wait(work, timeout) -> Exception | None:
+    """A waiter thread's call: ``work``'s wait, its failure returned rather than raised."""
+    try:
+        work.wait(timeout)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
+        return e
+    return None

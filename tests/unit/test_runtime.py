@@ -123,13 +123,13 @@ class Gloo:
     generation = 1
     kind = "collective"
 
-    def __init__(self):
+    def __init__(self, op_timeout_s: float = STEP_TIMEOUT_S):
         import torch.distributed as dist
 
         from reshard.server.transport.collective import GroupMember
 
         self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self.members = {h: GroupMember(h, "127.0.0.1", "127.0.0.1", "gloo", "cpu", 30.0, STEP_TIMEOUT_S)
+        self.members = {h: GroupMember(h, "127.0.0.1", "127.0.0.1", "gloo", "cpu", 30.0, op_timeout_s)
                         for h in HOSTS}
         for m in self.members.values():
             m.update(GroupView(self.store.port, self.generation, HOSTS, "gloo"))
