@@ -20,13 +20,14 @@ confirm         as it starts a job an agent writes ``reshard/g<gen>/confirm/<job
 stream          one box from one host to the next: pieces (``chunk_boxes``) as raw bytes,
                 then a trailer ``uint64[nbytes, xxh3_64]`` (16 bytes); at most ``window``
                 pieces in flight each way
-first piece     a stream's first send or recv waits for the peer's lane to reach the stream,
-                which on a loaded host (a cold sync) may take longer than one call's timeout;
-                gloo closes every pair of a group whose wait times out, so that wait runs on a
-                waiter thread with the stream's own timeout while the lane checks the job
-                each quarter second: a job that fails elsewhere frees the lane at once (the
-                group, which still holds the posted call, is reported broken and re-formed).
-                The stream's later calls wait ``--collective-timeout`` each
+waits           a stream's send or recv waits for the peer's lane to reach the stream (and,
+                down a chain, for the next hop's), which on a loaded host (a cold sync) takes
+                longer than any one call should; gloo closes every pair of a group whose wait
+                times out, so stream calls wait up to the stream's timeout (the agent's
+                transfer timeout), not ``--collective-timeout``. A job that ends on a host
+                with calls of its still posted (it failed or was aborted elsewhere) reports
+                the group broken there: the planner re-forms it, each member drops the old
+                one, its connections close, and every call still waiting on it fails at once
 tag             ``(job_seq mod 2^11) << 20 | stream``, streams numbered between each ordered
                 pair of hosts (`reshard.routes.PairStreams`, in the order of their numbers over
                 the program's steps: a move's hops, a reduce's ring messages): gloo matches a
@@ -62,8 +63,6 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as WaitTimeout
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -102,10 +101,6 @@ _FLOATS = frozenset({"float16", "float32", "float64"})
 # all-reduce of the one before, where one whole piece would keep the copy in front of the all-reduce
 NATIVE_PIECE_CHUNKS = 4
 _SEQ_MASK = (1 << 11) - 1
-# How often a lane waiting for a stream's first piece checks its job; and how much longer than the stream's timeout
-# the waiter thread's own call waits, so the lane's deadline (with its message) always comes first
-FIRST_CHECK_S = 0.25
-_WAITER_SLACK_S = 5.0
 
 
 # -- the group ----------------------------------------------------------------------------------
@@ -264,12 +259,9 @@ class _Outgoing(Outgoing):
         self._transport, self._session, self._group = transport, s, group
         self.peer, self._rank, self._tag = peer, group.rank_of(peer), tag
         self._pending: deque = deque()
-        self._started = False  # whether a send of this stream finished: the first waits for the peer's lane
 
     def _finish_oldest(self) -> None:
-        self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer,
-                               first=not self._started)
-        self._started = True
+        self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
 
     def _send(self, tensor) -> None:
         # Counted by the caller when handed over (gloo's send work reports completion only on wait):
@@ -316,9 +308,8 @@ class CollectiveTransport(Transport):
         self._lock = threading.Lock()
         self._groups: dict[str, Group] = {}  # job -> the group it runs on
         self._announced: set[str] = set()  # jobs whose plan-id key this host wrote
-        # Threads that wait for streams' first pieces (`_first`), made as lanes need them: a lane's and its
-        # relays' streams, and abandoned waits until their group's pairs close
-        self._waiters = ThreadPoolExecutor(max_workers=4 * self.lanes + 8, thread_name_prefix=f"first-{host}")
+        self.stream_timeout = seconds_delta(timeout_s)  # one stream call's (see the module table's waits)
+        self._posted: dict[str, int] = {}  # job -> its calls posted and not yet finished
         # Pieces are read-only views of shards that arrived as bytes; torch only reads them.
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
@@ -340,9 +331,15 @@ class CollectiveTransport(Transport):
             self._groups[s.job] = group
 
     def detach(self, s: Session) -> None:
+        """The job ended here. With calls of it still posted (it failed or was aborted elsewhere), the group is
+        reported broken: a call left waiting would otherwise hold its lane until its peer's connection closes or the
+        stream's timeout passes, and that timeout would close every pair of the group under a later job."""
         with self._lock:
-            self._groups.pop(s.job, None)
+            group = self._groups.pop(s.job, None)
             self._announced.discard(s.job)
+            posted = self._posted.pop(s.job, 0)
+        if group is not None and posted > 0:
+            self.member.mark_broken(group, f"job {s.job} ended with {posted} of its calls still posted")
 
     def _group(self, s: Session) -> Group:
         with self._lock:
@@ -430,49 +427,29 @@ class CollectiveTransport(Transport):
         tensor = self.torch.from_numpy(flat)
         return tensor if group.device.type == "cpu" else tensor.to(group.device, non_blocking=False)
 
-    def close(self) -> None:
-        self._waiters.shutdown(wait=False, cancel_futures=True)
-
-    def finish(self, s: Session, group: Group, work, what: str, peer: str, first: bool = False) -> None:
-        """Wait for one send or recv (``first``: a stream's first, see the module table); a failure marks the group
-        broken (the planner re-forms it)."""
-        if first:
-            return self._first(s, group, work, what, peer)
+    def finish(self, s: Session, group: Group, work, what: str, peer: str) -> None:
+        """Wait for one send or recv, up to the stream's timeout (the module table's waits); a failure marks the
+        group broken (the planner re-forms it)."""
         try:
-            work.wait(self.op_timeout)
+            work.wait(self.stream_timeout)
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
-            raise self._failed(s, group, e, what, peer) from None
-
-    def _first(self, s: Session, group: Group, work, what: str, peer: str) -> None:
-        """A stream's first call: waited for on a waiter thread for up to the stream's timeout, while this lane
-        checks the job. Given up (the job failed, or the deadline passed), the call stays posted and its waiter
-        holds it and its buffer until it ends; the group is reported broken, since that wait's own timeout would
-        close every pair under whatever job then runs on it."""
-        waited = self._waiters.submit(_wait, work, seconds_delta(self.timeout_s + _WAITER_SLACK_S))
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            try:
-                error = waited.result(timeout=FIRST_CHECK_S)
-                break
-            except WaitTimeout:
-                pass
-            if s.failed is not None or time.monotonic() > deadline:
-                self.member.mark_broken(group, f"job {s.job} gave up a {what} with host {peer}")
-                s.check()
-                raise DeadlineExceededError(
-                    f"job {s.job}: the first {what} of a stream with host {peer} (rank {group.rank_of(peer)} of "
-                    f"process group generation {group.generation}) did not finish in {self.timeout_s:g}s: that "
-                    f"host's agent never reached the stream")
-        if error is not None:
-            raise self._failed(s, group, error, what, peer, self.timeout_s)
+            raise self._failed(s, group, e, what, peer, self.stream_timeout.total_seconds()) from None
+        finally:
+            with self._lock:
+                if s.job in self._posted:  # else the job ended here already (`detach`)
+                    self._posted[s.job] -= 1
 
     def post(self, s: Session, group: Group, what: str, peer: str, call: Callable[[], object]):
         """Post one send or recv (``call``): gloo raises at once where the peer's connection is already closed, which
         fails the job naming the peer, as a failed wait does."""
         try:
-            return call()
+            work = call()
         except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
             raise self._failed(s, group, e, what, peer) from None
+        with self._lock:
+            if s.job in self._groups:  # else the job ended here already (`detach`)
+                self._posted[s.job] = self._posted.get(s.job, 0) + 1
+        return work
 
     def _failed(self, s: Session, group: Group, e: Exception, what: str, peer: str,
                 seconds: float | None = None) -> Exception:
@@ -480,6 +457,9 @@ class CollectiveTransport(Transport):
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         where = (f"job {s.job}: {what} with host {peer} (rank {group.rank_of(peer)} of process group "
                  f"generation {group.generation})")
+        if "pair closure" in text:  # gloo's words for a group closed by another call's timeout
+            return UnavailableError(f"{where} failed: another call on the group timed out, which closed its "
+                                    f"connections ({text})")
         if "Timed out" in text or "timeout" in text.lower():
             seconds = self.op_timeout.total_seconds() if seconds is None else seconds
             return DeadlineExceededError(f"{where} did not finish in {seconds:g}s: {text}")
@@ -505,7 +485,7 @@ class CollectiveTransport(Transport):
         else:
             head = torch.empty(deltas.HEAD.size, dtype=torch.uint8, device=group.device)
             work = self.post(s, group, "recv", peer, lambda: group.pg.recv([head], src, tag))
-            self.finish(s, group, work, "recv", peer, first=True)
+            self.finish(s, group, work, "recv", peer)
             raw = head.cpu().numpy()
             total = deltas.read_head(s.job, delta, raw)[0]
             yield Piece(((0, deltas.HEAD.size),), raw, head, None)
@@ -529,17 +509,15 @@ class CollectiveTransport(Transport):
 
         for _ in range(self.window):
             post()
-        started = delta is not None  # a delta stream's head was its first piece
         while posted:
             sub, buf, into, work = posted.popleft()
-            self.finish(s, group, work, "recv", peer, first=not started)
-            started = True
+            self.finish(s, group, work, "recv", peer)
             post()
             raw = (buf if buf.device.type == "cpu" else buf.cpu()).numpy()
             yield Piece(sub, raw, buf, into)
         trailer = torch.empty(16, dtype=torch.uint8, device=group.device)
         work = self.post(s, group, "recv", peer, lambda: group.pg.recv([trailer], src, tag))
-        self.finish(s, group, work, "recv", peer, first=not started)
+        self.finish(s, group, work, "recv", peer)
         nbytes, digest = (int(v) for v in trailer.cpu().numpy().view(np.uint64))
         yield Trailer(nbytes, digest)
 
@@ -644,12 +622,3 @@ class CollectiveTransport(Transport):
         s.traffic.add_out(to, sent * itemsize, origin=False)
         s.traffic.add_in(frm, got * itemsize)
         s.traffic.add_native_reduce()
-
-
-def _wait(work, timeout) -> Exception | None:
-    """A waiter thread's call: ``work``'s wait, its failure returned rather than raised."""
-    try:
-        work.wait(timeout)
-    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError for every failure
-        return e
-    return None

@@ -1,15 +1,18 @@
-"""A stream's first send or recv on the collective transport waits for the peer's lane to reach the stream, however
-long past one call's timeout (``--collective-timeout``) that is, and gives way at once when the job fails elsewhere.
+"""A stream's sends and receives on the collective transport wait for the peer's lane to reach the stream, however
+long past one call's timeout (``--collective-timeout``) that is, up to the stream's own; a wait left behind by a
+job that ended is freed as the group is re-formed.
 
 On a real gloo group formed in this process (`tests.unit.test_runtime.Gloo`), with a call timeout of one second:
 a sender that reaches its stream 2.5 s after the receiver posted, and a receiver that reaches it 2.5 s after the
 sender, both deliver bit-exact (gloo itself closed every pair of the group after one second of such a wait, and
-the cold Kimi-K2 sync failed so at 30 s). With the default 30 s, a receiver waiting for a sender held a minute is
-freed within a second or two of the job's abort, and reports the group broken (the posted receive is still in it).
+the cold Kimi-K2 sync failed so at 30 s), and leave the group whole. A receiver left waiting by an aborted job (its
+sender held a minute) reports the group broken as the job ends there, and its wait ends as soon as the members
+leave the old group (as they do when the planner re-forms it).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -24,6 +27,20 @@ from tests.unit.test_runtime import Gloo, Hosts
 CALL_TIMEOUT_S = 1.0
 LATE_S = 2.5
 SHAPE = (64, 256)  # 64 KiB of float32: 16 pieces of 4 KiB, four windows
+
+
+class Watched(Wrapped):
+    """Sets ``ended`` once a stream this host receives stops, delivered or not."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.ended = threading.Event()
+
+    def arrivals(self, s, key, peer, box, place):
+        try:
+            yield from self.inner.arrivals(s, key, peer, box, place)
+        finally:
+            self.ended.set()
 
 
 class LateReceiver(Wrapped):
@@ -74,11 +91,13 @@ def test_a_stream_whose_peer_comes_later_than_a_calls_timeout_still_arrives(grou
         h.close()
 
 
-def test_a_receiver_waiting_for_its_first_piece_gives_way_when_the_job_is_aborted():
-    # a call timeout of 30 s, as agents run by default: a lane blocked in its call would hold on that long
+def test_a_receiver_left_waiting_by_an_aborted_job_reports_the_group_and_is_freed_as_its_peers_leave_it():
+    # a call timeout of 30 s, as agents run by default, and a sender held a minute
     pytest.importorskip("torch", reason="the collective transport needs torch")
     group = Gloo(op_timeout_s=30.0)
-    h = Hosts(group=group, wrap=lambda host, t: Stall(t, 60.0) if host == "host0" else t)
+    watched = {}
+    h = Hosts(group=group, wrap=lambda host, t: Stall(t, 60.0) if host == "host0" else
+              watched.setdefault(host, Watched(t)))
     try:
         program, src = _one_move()
         h.put_tensor("tensor", np.ones(SHAPE, np.float32), src)
@@ -89,11 +108,14 @@ def test_a_receiver_waiting_for_its_first_piece_gives_way_when_the_job_is_aborte
             r.abort(job)
         with pytest.raises(FailedPreconditionError, match="was aborted"):
             runs["host1"].result(10)
-        # The lane gives up within a check's time and, its receive still posted in the group, reports the group
-        # broken for the planner to re-form (status() hands a broken generation over once)
-        while group.members["host1"].status() != (0, group.generation):
-            assert time.monotonic() - t0 < 2.0, "host1's lane still waits for its first piece"
-            time.sleep(0.02)
+        # host1 ended the job with its receive still posted: it reports the group broken at once
+        assert group.members["host1"].status() == (0, group.generation)
+        assert not watched["host1"].ended.is_set()
+        # the planner re-forms the group; each member leaves the old one, whose connections close
+        for m in group.members.values():
+            m.leave("the planner re-forms the group (the test)")
+        assert watched["host1"].ended.wait(2.0), "host1's receive still waits on the old group"
+        assert time.monotonic() - t0 < 4.0
         assert h.stores["host0"].get("tensor", 1, "host0/0").array.sum() == SHAPE[0] * SHAPE[1]
     finally:
         h.close()
