@@ -133,7 +133,8 @@ def _add_agent_command(sub) -> None:
                    help="where this host's shards live: cpu (numpy arrays; gloo) or cuda[:N] (torch tensors on that "
                         "GPU; NCCL, one agent per GPU); checked at start")
     p.add_argument("--collective-timeout", type=float, default=d.collective_timeout_s,
-                   help="seconds one collective send or recv, or the plan-id confirmation, may take")
+                   help="seconds the plan-id confirmation before a collective phase, or a native all-reduce, may "
+                        "take (a stream's sends and receives wait for their peer up to the transfer timeout, 300 s)")
     p.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s,
                    help="seconds a gRPC push waits for a peer that takes none of its bytes (a paused or hung agent) "
                         "before it fails its job, naming the peer")

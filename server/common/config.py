@@ -58,7 +58,10 @@ class AgentConfig:
     # (torch tensors on that GPU, NCCL; one agent per GPU). Checked at start-up.
     device: str = "cpu"
     group_join_timeout_s: float = 10.0  # forming one generation of the process group
-    collective_timeout_s: float = 30.0  # one send or recv, and the plan-id confirmation before a phase
+    # The plan-id confirmation before a phase, and a native all-reduce's calls. A stream's sends and receives wait
+    # up to transfer_timeout_s: one may wait that long for its peer's lane to reach the stream (see
+    # reshard.server.transport.collective's waits)
+    collective_timeout_s: float = 30.0
     # Routes of one depth a host streams at once over the group (`Runtime._in_order`), and as many again for
     # routes under 1 MiB. A lane holds its unit until every host of the route reaches it, so with few lanes a host
     # whose next unit waits for a busy peer leaves its links idle: bench/moe_sync.py's kimi-k2 sync (routes through
@@ -92,11 +95,12 @@ class AgentConfig:
     # it is allocated (see reshard.server.agent.memory).
     memory_limit_bytes: int = 0
     # A gRPC push whose peer takes none of its pieces this long (a paused, hung or cut-off agent) is cancelled
-    # and fails its job, naming the peer; collective sends and receives give up after collective_timeout_s
-    # (a receive may wait that long for its sender to reach it). Either way the agent is free again, and
-    # the planner has usually failed the job sooner (PlannerConfig.stall_timeout_s). Keep it well above one
-    # chunk's time on the link (chunk_bytes / rate_limit_bytes_per_s included). A push that comes before its
-    # job's prepare (a small job's hosts prepare inside their Execute) waits this long for it, too.
+    # and fails its job, naming the peer; a collective stream's calls give up after transfer_timeout_s (a receive
+    # may wait that long for its sender to reach it), or once their job ended on their host and the group was
+    # re-formed. Either way the agent is free again, and the planner has usually failed the job sooner
+    # (PlannerConfig.stall_timeout_s). Keep it well above one chunk's time on the link (chunk_bytes /
+    # rate_limit_bytes_per_s included). A push that comes before its job's prepare (a small job's hosts prepare
+    # inside their Execute) waits this long for it, too.
     stall_timeout_s: float = 10.0
     # On a GPU agent, a move over gRPC to a peer agent on the same machine that can map this agent's GPU goes as a
     # CUDA IPC handle of the box's region, copied device to device by the peer (reshard.server.transport.grpc_link).

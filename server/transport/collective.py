@@ -260,16 +260,13 @@ class _Outgoing(Outgoing):
         self.peer, self._rank, self._tag = peer, group.rank_of(peer), tag
         self._pending: deque = deque()
 
-    def _finish_oldest(self) -> None:
-        self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
-
     def _send(self, tensor) -> None:
         # Counted by the caller when handed over (gloo's send work reports completion only on wait):
         # at most ``window`` pieces ahead of the wire, and progress moves piece by piece.
         self._pending.append(self._transport.post(self._session, self._group, "send", self.peer,
                                                   lambda: self._group.pg.send([tensor], self._rank, self._tag)))
         if len(self._pending) >= self._transport.window:
-            self._finish_oldest()
+            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
 
     def put(self, box, data, wire=None) -> None:
         self._send(wire if wire is not None else self._transport.tensor(data, self._group))
@@ -279,7 +276,7 @@ class _Outgoing(Outgoing):
 
     def wait(self, timeout: float) -> None:
         while self._pending:
-            self._finish_oldest()
+            self._transport.finish(self._session, self._group, self._pending.popleft(), "send", self.peer)
         return None  # every receiving host reports to the planner itself
 
     def cancel(self) -> None:
