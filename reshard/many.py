@@ -94,9 +94,10 @@ MAX_BUCKET_BYTES = 1024 * MiB  # a bucket is packed in memory on its sender; lar
 # nothing.
 SHARED_ROUTE_BYTES = 64 * 2**10
 # A bucket of quantized weights' moves waits on its sender for every member's quantize step (1-2 ms of an agent's
-# Python each for a tiny weight), while its receiver's posted receive counts down (it then had `--collective-timeout`, 30 s): a
-# sync of 20,000 tiny weights packed them into one bucket, and its receive gave up. This many members, 0.3-0.5 s of
-# steps, bound a bucket's wait, and let the first buckets leave while the rest are quantized.
+# Python each for a tiny weight), while its receiver's posted receive counts down (then `--collective-timeout`,
+# 30 s; now the transfer timeout): a sync of 20,000 tiny weights packed them into one bucket, and its receive gave
+# up. This many members, 0.3-0.5 s of steps, bound a bucket's wait, and let the first buckets leave while the rest
+# are quantized.
 WAITING_BUCKET_MOVES = 256
 # Strategies whose senders the joint pass may move: the baselines send_recv and local_allgather stay as
 # measured, the way Alpa runs them.
