@@ -289,6 +289,7 @@ def test_cpu_overlay_runs_a_reshard(rendered, tmp_path):
     _run_overlay(rendered["cpu"], tmp_path, ["node-a", "node-b"])
 
 
+@pytest.mark.slow  # 19 s of make test: its manifests are checked above, and the CPU overlay's run is the same path
 def test_gpu_overlay_runs_a_reshard_on_cpu(rendered, tmp_path):
     """Two of a GPU node's agent containers (they differ in N alone), with --device cpu."""
     _run_overlay(rendered["gpu"], tmp_path, ["gpu-node"], device="cpu", containers=2)

@@ -213,6 +213,8 @@ def test_agent_refused_at_registration_never_shows_as_up():
         assert [(a["host"], a["up"], a["gpu_uuid"], a["device"]) for a in c.agents()] == [("g0", True, GPU, "cpu")]
 
 
+# 15 s of make test (a collective cluster of its own): the slow pass; the rule is tested above on a real registry
+@pytest.mark.slow
 def test_auto_agent_on_a_taken_gpu_moves_jobs_over_grpc_and_the_planner_says_why():
     with LocalCluster(host_names=["g0", "g1"], devices_per_host=2, transport="auto",
                       agent_args=["--report-gpu-uuid", GPU]) as cluster, cluster.connect() as c:
