@@ -92,9 +92,14 @@ class Hosts:
         try:
             for run in runs.values():
                 run.result(timeout)
-        except BaseException:
+        except BaseException as e:
+            # the first host waited on often reports only that a peer gave up: name every host's own failure (taken
+            # before the abort, which fails the rest as aborted)
+            others = [f"{h}: {run.failed}" for h, run in runs.items() if run.failed not in (None, e)]
             for r in self.runtimes.values():
                 r.abort(job)
+            if others:
+                e.add_note("every host's failure: " + "; ".join(others))
             raise
         for r in self.runtimes.values():
             r.commit(job)
