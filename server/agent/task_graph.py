@@ -195,6 +195,7 @@ def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Ta
     for i, t in enumerate(tasks):
         key = _route(t.step.transfer) if t.step.kind == MOVE else ("", i)
         routes.setdefault(key, []).append(t)
+
     def moved(unit: list[Task]) -> int:
         return sum(nbytes(t.step) for t in unit if t.step.kind == MOVE)
 
@@ -202,7 +203,7 @@ def lane_units(tasks: list[Task], nbytes: Callable[[Step], int]) -> list[list[Ta
     place = {id(t): n for n, t in enumerate(tasks)}
     for unit in routes.values():
         parts = [unit[k::ROUTE_UNITS] for k in range(ROUTE_UNITS)] \
-            if len(unit) > 1 and moved(unit) >= ROUTE_UNITS * SMALL_UNIT_BYTES else [unit]
+            if len(unit) >= ROUTE_UNITS and moved(unit) >= ROUTE_UNITS * SMALL_UNIT_BYTES else [unit]
         units += [(moved(part), place[id(part[0])], part) for part in parts]
     return [unit for _, _, unit in sorted(units, key=lambda u: (-u[0], u[1]))]
 
