@@ -37,7 +37,8 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
 
 
 # gRPC (a passive transport) runs a host's computes on its pool of step workers, an active one (collective) on its
-# pool of local tasks: both. (auto was the other case once; where torch is installed it is collective, the same path again.)
+# pool of local tasks; make test runs one of the two in turn (conftest's `_transports_in_turn`), the slow suite both.
+# (auto was the other case once: where torch is installed it is collective, the same path again.)
 @pytest.mark.parametrize("transport", ["grpc", "collective"])
 def test_an_emulated_device_computes_at_its_rate_and_reports_it(transport):
     # One 512^3 matmul: 268 MFLOP, 1.07 s at 0.25 GFLOP/s (tens of ms at this machine's speed). Two devices at once
