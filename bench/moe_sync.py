@@ -280,9 +280,9 @@ def _verdict(shapes: str, transport: str, emulated: dict) -> str:
     median = statistics.median(emulated["times"])
     ratio = median / emulated["estimate"]
     floor = statistics.median(emulated["cpu"]) / CORES
-    verdict = (f"{shapes} on the emulated hosts on {transport}: the median sync took {ratio:.2f}x its estimate "
+    verdict = (f"{shapes} on the emulated hosts on {transport}: the median sync took {ratio:.3f}x its estimate "
                f"(goal: within {GOAL:g}x: {'met' if ratio <= GOAL else '**not met**'}) and "
-               f"{median / emulated['bound']:.2f}x the lower bound. Where the time went (median seconds per phase): "
+               f"{median / emulated['bound']:.3f}x the lower bound. Where the time went (median seconds per phase): "
                + ", ".join(f"{k} {v:.3f}" for k, v in emulated["phases"].items()) + ". "
                f"The service's processes used {statistics.median(emulated['cpu']):.2f} CPU seconds a sync: on this "
                f"machine's {CORES} cores that alone takes {floor:.3f} s, {floor / emulated['estimate']:.2f}x the "
