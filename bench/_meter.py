@@ -8,9 +8,16 @@ import os
 
 def cpu_seconds(pids: list[int]) -> float:
     """CPU seconds (user and system, every thread) the processes ``pids`` have used so far (Linux ``/proc``)."""
-    total = 0
+    return sum(user_system_seconds(pids))
+
+
+def user_system_seconds(pids: list[int]) -> tuple[float, float]:
+    """`cpu_seconds` as its two parts: in user mode, and in the kernel (system calls, page faults)."""
+    user = system = 0
     for pid in pids:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
-    return total / os.sysconf("SC_CLK_TCK")
+        user += int(fields[11])  # utime, stime (fields 14 and 15 of proc(5))
+        system += int(fields[12])
+    tick = os.sysconf("SC_CLK_TCK")
+    return user / tick, system / tick

@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _checks import check_every_device, tile_digests  # noqa: E402
-from _meter import cpu_seconds  # noqa: E402
+from _meter import cpu_seconds, user_system_seconds  # noqa: E402
 from _program_parts import many_lower_bound  # noqa: E402
 from _report import write_section  # noqa: E402
 
@@ -200,15 +200,15 @@ def sync(c, case, weighed: tuple[dict, dict, dict], runs: int, where: str, pids:
     expected = digests[devices]
     dtypes, dst = _dtypes(case), {t.name: t.dst for t in case.weights}
     probe = next(t for t in case.weights if t.name in case.scales)
-    times, results, cpu = [], [], []
+    times, results, cpu, system = [], [], [], []
     for i in range(runs + 1):
         c.put_many({t.name: (values[t.name], t.src) for t in case.weights})
-        used = cpu_seconds(pids)
+        used, kernel = cpu_seconds(pids), user_system_seconds(pids)[1]
         t0 = time.monotonic()
         # Whole moves: every run puts the same weights, which a delta sync would skip (issue 40's rows time that).
         result = c.reshard_many(dst, scales=dict(case.scales), dtype=dtypes, delta=False).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
-        used = cpu_seconds(pids) - used
+        used, kernel = cpu_seconds(pids) - used, user_system_seconds(pids)[1] - kernel
         if result.state != "succeeded":
             raise AssertionError(f"{where}: the sync failed: {result.error}")
         check_every_device(c, expected, f"{where}: the quantized sync")
@@ -218,13 +218,16 @@ def sync(c, case, weighed: tuple[dict, dict, dict], runs: int, where: str, pids:
             times.append(wall)
             results.append(result)
             cpu.append(used)
+            system.append(kernel)
+        else:
+            first = (wall, used, kernel)
     # The topology the planner planned on, as a dry run of one tensor reports it.
     topology = c.plan(probe.shape, probe.dst, dtype=probe.dtype, src=probe.src).topology
     program = plan_many(case.tensors, topology, scales=case.scales, dtypes=dtypes)
     wire = {t.name: itemsize(case.serve_dtypes[t.name]) for t in case.tensors}
     serve_host = case.serve.require_devices()[0].split("/")[0]
     bound = many_lower_bound(case.tensors, topology, wire)
-    return {"times": times, "cpu": cpu, "estimate": program.estimate_seconds, "bound": bound,
+    return {"times": times, "cpu": cpu, "system": system, "first": first, "estimate": program.estimate_seconds, "bound": bound,
             "network_bytes": statistics.median(r.network_bytes for r in results),
             "plan_bytes": sum(h["bytes_in"] for h in program.host_bytes().values()),
             "transport": sorted({r.transport for r in results}), "phases": _phases(results),
@@ -273,7 +276,9 @@ def _row(shapes: str, where: str, r: dict) -> str:
     return (f"| {shapes} | {where} | {', '.join(r['transport'])} | {r['nic_gbps']:g} | {median:.3f} "
             f"({', '.join(f'{t:.3f}' for t in r['times'])}) | {r['estimate']:.3f} | {median / r['estimate']:.2f}x | "
             f"{r['bound']:.3f} | {r['network_bytes'] / 2**20:.1f} | {r['plan_bytes'] / 2**20:.1f} | "
-            f"{statistics.median(r['cpu']):.2f} | {statistics.median(r['cpu']) / CORES:.3f} |")
+            f"{statistics.median(r['cpu']):.2f} ({statistics.median(r['system']):.2f}) | "
+            f"{statistics.median(r['cpu']) / CORES:.3f} | {r['first'][0]:.3f} | "
+            f"{r['first'][1]:.2f} ({r['first'][2]:.2f}) |")
 
 
 def _verdict(shapes: str, transport: str, emulated: dict) -> str:
@@ -312,8 +317,8 @@ def main() -> int:
     check_reference()
     head = ("| shapes | where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | "
             "measured / estimate | lower bound s | network MiB (job) | network MiB (estimated program) | "
-            "service CPU s (median) | CPU s / cores |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "service CPU s, median (of it system) | CPU s / cores | first sync s (untimed) | its service CPU s (of it system) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     cases, emulated_rows, loop_rows, verdicts = [], [], [], []
     for name in shapes:
         config = SHAPES[name]
@@ -345,7 +350,10 @@ def main() -> int:
         "device's tile of every tensor, replicas included, is checked against a numpy reference quantizer's bits "
         "(the rule of tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a "
         f"sample first): all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of "
-        f"{args.runs} after one untimed. The estimate is the cost model's for the program the job runs: the same "
+        f"{args.runs} after one untimed; the untimed first sync's seconds and CPU, and the kernel's part of that CPU, are the last two columns: its "
+        "agents stage every tile into memory they have not touched before, where the later syncs reuse the buffers "
+        "the earlier ones released, and the kernel faults fresh memory in page by page (on this machine, a VM that "
+        "hands the memory its processes free back to its host, from the host). The estimate is the cost model's for the program the job runs: the same "
         "`plan_many` call, made here on the topology the planner reports (the last two columns set the network bytes "
         "the job reported beside that program's). The bound is the cost model's lower bound over all tensors at the "
         f"itemsize they travel in. Loopback is for comparison: its agents share this machine's {CORES} cores, and "
