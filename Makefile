@@ -48,7 +48,7 @@ demo: $(DEMO_STAMP)
 # TEST_WORKERS=1 runs them one at a time.
 TEST_WORKERS ?= 2
 # numpy asks the kernel for huge pages for its arrays of 4 MiB and more. On a VM that hands free memory back to its
-# host (virtio-balloon free page reporting: this development machine, and CI's like it), a huge page a process
+# host (virtio-balloon free page reporting: this development machine; CI's may be alike), a huge page a process
 # touches first is faulted in from the host again, about 8 ms per 2 MiB (0.08 GiB/s, against 1-1.4 GiB/s in 4 KiB
 # pages; measured with numpy alone). The suite's processes are short-lived and touch fresh memory all the time: the
 # whole of make test used 110 s of system time with huge pages and 68 s without, 285 s of wall time against 263 s

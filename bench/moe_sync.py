@@ -227,7 +227,8 @@ def sync(c, case, weighed: tuple[dict, dict, dict], runs: int, where: str, pids:
     wire = {t.name: itemsize(case.serve_dtypes[t.name]) for t in case.tensors}
     serve_host = case.serve.require_devices()[0].split("/")[0]
     bound = many_lower_bound(case.tensors, topology, wire)
-    return {"times": times, "cpu": cpu, "system": system, "first": first, "estimate": program.estimate_seconds, "bound": bound,
+    return {"times": times, "cpu": cpu, "system": system, "first": first, "estimate": program.estimate_seconds,
+            "bound": bound,
             "network_bytes": statistics.median(r.network_bytes for r in results),
             "plan_bytes": sum(h["bytes_in"] for h in program.host_bytes().values()),
             "transport": sorted({r.transport for r in results}), "phases": _phases(results),
@@ -317,7 +318,8 @@ def main() -> int:
     check_reference()
     head = ("| shapes | where | transport | NIC Gbit/s (planner's) | median s (runs) | estimate s | "
             "measured / estimate | lower bound s | network MiB (job) | network MiB (estimated program) | "
-            "service CPU s, median (of it system) | CPU s / cores | first sync s (untimed) | its service CPU s (of it system) |\n"
+            "service CPU s, median (of it system) | CPU s / cores | first sync s (untimed) | "
+            "its service CPU s (of it system) |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     cases, emulated_rows, loop_rows, verdicts = [], [], [], []
     for name in shapes:
@@ -350,10 +352,11 @@ def main() -> int:
         "device's tile of every tensor, replicas included, is checked against a numpy reference quantizer's bits "
         "(the rule of tests/core/test_fp8_kernels.py's `reference`, vectorised here and proved equal to it on a "
         f"sample first): all runs bit-exact. Whole moves (`delta=False`): every run puts the same weights. Median of "
-        f"{args.runs} after one untimed; the untimed first sync's seconds and CPU, and the kernel's part of that CPU, are the last two columns: its "
-        "agents stage every tile into memory they have not touched before, where the later syncs reuse the buffers "
-        "the earlier ones released, and the kernel faults fresh memory in page by page (on this machine, a VM that "
-        "hands the memory its processes free back to its host, from the host). The estimate is the cost model's for the program the job runs: the same "
+        f"{args.runs} after one untimed; the untimed first sync's seconds and CPU, and the kernel's part of that "
+        "CPU, are the last two columns: its agents stage every tile into memory they have not touched before, where "
+        "the later syncs reuse the buffers the earlier ones released, and the kernel faults fresh memory in page by "
+        "page (on this machine, a VM that hands the memory its processes free back to its host, from the host). The "
+        "estimate is the cost model's for the program the job runs: the same "
         "`plan_many` call, made here on the topology the planner reports (the last two columns set the network bytes "
         "the job reported beside that program's). The bound is the cost model's lower bound over all tensors at the "
         f"itemsize they travel in. Loopback is for comparison: its agents share this machine's {CORES} cores, and "

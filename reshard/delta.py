@@ -368,7 +368,7 @@ def _sparse_index(stream: np.ndarray, k: int, num_elements: int) -> np.ndarray:
                              f"its gaps reach past the end: the message is corrupted")
         return index
     # In place where a temporary can be spared: each fresh array of k elements is memory the kernel faults in (about
-    # a third of this function's time at RL change rates, bench/delta_codec.py's apply)
+    # 40% of this function's time at RL change rates, in bench/delta_codec.py's apply)
     starts = np.empty_like(ends)
     starts[0] = 0
     np.add(ends[:-1], 1, out=starts[1:])
