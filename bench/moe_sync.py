@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _checks import check_every_device, tile_digests  # noqa: E402
-from _meter import cpu_seconds, user_system_seconds  # noqa: E402
+from _meter import user_system_seconds  # noqa: E402
 from _program_parts import many_lower_bound  # noqa: E402
 from _report import write_section  # noqa: E402
 
@@ -203,12 +203,13 @@ def sync(c, case, weighed: tuple[dict, dict, dict], runs: int, where: str, pids:
     times, results, cpu, system = [], [], [], []
     for i in range(runs + 1):
         c.put_many({t.name: (values[t.name], t.src) for t in case.weights})
-        used, kernel = cpu_seconds(pids), user_system_seconds(pids)[1]
+        before = user_system_seconds(pids)
         t0 = time.monotonic()
         # Whole moves: every run puts the same weights, which a delta sync would skip (issue 40's rows time that).
         result = c.reshard_many(dst, scales=dict(case.scales), dtype=dtypes, delta=False).result(timeout=TIMEOUT_S)
         wall = time.monotonic() - t0
-        used, kernel = cpu_seconds(pids) - used, user_system_seconds(pids)[1] - kernel
+        after = user_system_seconds(pids)
+        used, kernel = sum(after) - sum(before), after[1] - before[1]
         if result.state != "succeeded":
             raise AssertionError(f"{where}: the sync failed: {result.error}")
         check_every_device(c, expected, f"{where}: the quantized sync")
