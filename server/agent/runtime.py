@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -70,7 +69,6 @@ log = logging.getLogger(__name__)
 _ENDED_KEPT = 256  # jobs that ended here whose traffic (and whether they ended with their run) a runtime keeps
 _DIGEST_HERE_BYTES = 64 << 10  # a held box up to this size is digested as the job is prepared, not on the pool
 _IDLE_LANES_KEPT = 4  # a runtime's idle lane pools of each lane count (`Runtime._lanes`), for jobs that overlap
-_IDLE_DISPATCHERS_KEPT = 8  # a runtime's idle threads for runs' in-order dispatch (`_Dispatchers`)
 
 # Parsed programs an agent keeps (`Runtime._loaded`): at most PROGRAMS_KEPT, and no more than PROGRAMS_KEPT_BYTES of
 # program text in all, the newest kept whatever its size (`server.common.contract`; the planner follows the same rule).
@@ -114,7 +112,6 @@ class Runtime:
         # Lane pools of finished runs (`_in_order`), by lane count, for the next runs: a pool's threads would
         # otherwise be started for every job, about 0.15 ms of CPU each, eight or nine of them a job.
         self._idle_lanes: dict[int, list[tuple[ThreadPoolExecutor, ThreadPoolExecutor]]] | None = {}  # None: closed
-        self._dispatchers = _Dispatchers(host)
         for t in self.transports.values():
             t.serve(self.accept)
 
@@ -286,7 +283,7 @@ class Runtime:
             for task in ready:
                 self._submit(run, task)
         elif run.tasks:
-            self._dispatchers.run(f"run-{job[:8]}", lambda: self._in_order(run, ready))
+            threading.Thread(target=self._in_order, args=(run, ready), daemon=True, name=f"run-{job[:8]}").start()
         self._end_if_over(run)  # a run with nothing to do here is over already
         return run
 
@@ -369,7 +366,6 @@ class Runtime:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._local_pool.shutdown(wait=False, cancel_futures=True)
         self._digest_pool.shutdown(wait=False, cancel_futures=True)
-        self._dispatchers.close()
         with self._lock:  # a run that ends from now on shuts its lanes down (`_lanes_done`)
             idle, self._idle_lanes = self._idle_lanes or {}, None
         for pools in idle.values():
@@ -556,46 +552,6 @@ class Runtime:
                 self._submit(run, ready)
             self._end_if_over(run)
         return confirmed
-
-
-class _Dispatchers:
-    """The threads that dispatch active transports' runs in order (`Runtime._in_order`), one per run, kept idle
-    between runs (at most `_IDLE_DISPATCHERS_KEPT`) and handed the next. `threading.Thread.start` waits until the new
-    thread runs, which on cores that agents share took 1.5-2.5 ms of every Execute, most of an agent's time from a
-    job's Execute to its run starting: a 64 KiB shift between 5 local agents on nixl had every host running 14.1-14.3
-    ms after the request with a thread started per run, 10.4-12.4 ms with these (medians of 80 jobs, two runs each).
-    A thread is started only when none is idle, so a run never waits behind another."""
-
-    def __init__(self, host: str):
-        self._host = host
-        self._lock = threading.Lock()
-        self._idle: list[queue.SimpleQueue] | None = []  # each idle thread's inbox; None: closed
-
-    def run(self, name: str, fn: Callable[[], None]) -> None:
-        """``fn()`` on an idle thread, else a new one, named ``name`` while it runs."""
-        with self._lock:
-            inbox = self._idle.pop() if self._idle else None
-        if inbox is None:
-            inbox = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(inbox,), daemon=True, name=name).start()
-        inbox.put((name, fn))
-
-    def _serve(self, inbox: queue.SimpleQueue) -> None:
-        while (work := inbox.get()) is not None:
-            threading.current_thread().name, fn = work
-            fn()
-            with self._lock:
-                if self._idle is None or len(self._idle) >= _IDLE_DISPATCHERS_KEPT:
-                    return
-                threading.current_thread().name = f"run-{self._host}-idle"
-                self._idle.append(inbox)
-
-    def close(self) -> None:
-        """Idle threads end; busy ones end with their runs."""
-        with self._lock:
-            idle, self._idle = self._idle or [], None
-        for inbox in idle:
-            inbox.put(None)
 
 
 def _digest(run: Run, dtype: str, box: Box, array, origin: Box, chunk_bytes: int) -> int:

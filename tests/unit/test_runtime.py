@@ -13,7 +13,6 @@ receivers post their receives as the collective transport's do.
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 import uuid
 from dataclasses import replace
@@ -26,7 +25,7 @@ from reshard.plans import Transfer
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.proto.errors import DataLossError, DeadlineExceededError, UnavailableError
 from reshard.proto.layout import digest
-from reshard.server.agent.runtime import Runtime, _Dispatchers
+from reshard.server.agent.runtime import Runtime
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.common.contract import GroupView
 from reshard.server.transport.faults import Fail, Stall, Wrapped
@@ -540,36 +539,3 @@ def test_a_host_that_calls_no_peer_announces_nothing_on_the_collective_transport
         assert gloo.store.check([prefix + "host0", prefix + "host3"])  # the two that call each other
     finally:
         hosts.close()
-
-
-def test_dispatchers_run_at_once_and_reuse_idle_threads():
-    """Runs' dispatch threads: two runs that wait for each other both run (a run never waits behind another), a
-    later run takes a thread the earlier ones left idle, named for it while it runs, and closing ends idle ones."""
-    d = _Dispatchers("h0")
-    meet = threading.Barrier(2, timeout=10)
-    seen: list[tuple[int, str]] = []
-    finished = threading.Semaphore(0)
-
-    def run() -> None:
-        meet.wait()  # raises BrokenBarrierError after 10 s where the other run never started
-        seen.append((threading.get_ident(), threading.current_thread().name))
-        finished.release()
-
-    d.run("run-a", run)
-    d.run("run-b", run)
-    assert finished.acquire(timeout=10) and finished.acquire(timeout=10)
-    assert sorted(name for _, name in seen) == ["run-a", "run-b"]
-    deadline = time.monotonic() + 10
-    while len(d._idle) < 2 and time.monotonic() < deadline:  # each goes idle just after its run
-        time.sleep(0.01)
-    idle = {ident for ident, _ in seen}
-    later: list[tuple[int, str]] = []
-    d.run("run-c", lambda: (later.append((threading.get_ident(), threading.current_thread().name)),
-                            finished.release()))
-    assert finished.acquire(timeout=10)
-    assert later[0][0] in idle and later[0][1] == "run-c"
-    threads = [t for t in threading.enumerate() if t.ident in idle]
-    d.close()
-    for t in threads:
-        t.join(timeout=10)
-        assert not t.is_alive()
