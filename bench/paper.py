@@ -251,7 +251,7 @@ def _goal_text(results: list["Result"], transport: str) -> str:
     starts = (f" Of the {excess * 1e3:,.0f} ms those cases took beyond their estimates in all, {start * 1e3:,.0f} ms "
               f"({start / excess:.0%}) passed before every host's part of the job was running (the start column: "
               "the planner's calls reaching the agents and each agent's run starting, on cores the planner and the "
-              "agents share)." if late and excess > 0 else "")
+              "agents share)." if late else "")
     crossed = ("the bytes crossed the shaped links" if links >= 0.99 * network else
                "fewer bytes crossed the shaped links than the plans move between hosts: some went around them")
     return (f"\nGoal (issue 38): every case's `auto` within 1.10x of its estimate on the {transport} transport: "
