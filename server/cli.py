@@ -116,6 +116,10 @@ def _add_agent_command(sub) -> None:
                    help="threads one kernel (BLAS, OpenMP, torch) may use, and the computes an active transport "
                         "(collective, nixl) runs at once; 0: every core. Agents that share a machine should split "
                         "its cores (reshard up and local_cluster give each its share)")
+    p.add_argument("--trace-dir", default=d.trace_dir, metavar="DIR",
+                   help="append a line of JSON per task each job runs here (when each send, receive and kernel began "
+                        "and ended) to DIR/<host>.jsonl, to see where a job's time went on each host: python -m "
+                        "reshard.server.devtools.task_trace DIR (default: off)")
     p.add_argument("--rate-limit-mib-s", type=float, default=0.0,
                    help="cap this agent's send rate (0: none); for tests and demos")
     p.add_argument("--transport", choices=("grpc", "collective", "auto", "nixl"), default=d.transport,
@@ -169,6 +173,7 @@ def _run_agent(args) -> int:
                          stall_timeout_s=args.stall_timeout, cuda_ipc=args.cuda_ipc,
                          collective_chunk_bytes=int(args.collective_chunk_mib * 2**20),
                          collective_lanes=args.collective_lanes, native_reduce=args.native_reduce, fault=args.fault,
+                         trace_dir=args.trace_dir,
                          report_gpu_uuid=args.report_gpu_uuid, memory_limit_bytes=args.memory_limit, **_security(args))
     agent = Agent(config).start()
     health = _health_server(args, "reshard.v1.Agent")

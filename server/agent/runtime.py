@@ -54,6 +54,7 @@ from reshard.server.agent.run import Run
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.task_graph import Task
 from reshard.server.agent.threads import limit_this_thread
+from reshard.server.agent.trace import TaskTrace
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
 from reshard.server.common.tickets import program_digest
@@ -79,8 +80,10 @@ class Runtime:
 
     def __init__(self, host: str, store: ShardStore, transports: dict[str, Transport], *, workers: int,
                  step_timeout_s: float, device: str = "cpu", pace: DevicePace | None = None,
-                 prepare_wait_s: float = AgentConfig.stall_timeout_s, compute_threads: int = 0):
+                 prepare_wait_s: float = AgentConfig.stall_timeout_s, compute_threads: int = 0,
+                 trace: TaskTrace | None = None):
         self.host = host
+        self.trace = trace  # a line per finished task (``--trace-dir``, `reshard.server.agent.trace`); None: off
         self.pace = pace  # an emulated device speed (the lab's hosts); None: kernels at this machine's speed
         self.store = store
         self.transports = dict(transports)
@@ -363,6 +366,8 @@ class Runtime:
     def close(self) -> None:
         for t in self.transports.values():
             t.close()
+        if self.trace is not None:
+            self.trace.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._local_pool.shutdown(wait=False, cancel_futures=True)
         self._digest_pool.shutdown(wait=False, cancel_futures=True)
@@ -387,12 +392,15 @@ class Runtime:
         if run.failed is not None:
             return
         task.deadline = time.monotonic() + self.step_timeout_s
+        start = time.time() if self.trace is not None else 0.0
         try:
             self._perform(run, task)
         except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
+            self._traced(run, task, start, False)
             run.fail(e)
             run.transport.mailbox.cancel(run.job, run.failed)
             return
+        self._traced(run, task, start, True)
         ready = run.finish(task)
         for t in ready:
             # Active transports: a task that calls a peer is its lane's to start, in order (`_in_order`); one that
@@ -402,6 +410,12 @@ class Runtime:
             elif t.local:
                 self._submit_local(run, t)
         self._end_if_over(run)
+
+    def _traced(self, run: Run, task: Task, start: float, ok: bool) -> None:
+        if self.trace is not None:
+            step = task.step
+            nbytes = run.layout.step_bytes(step) if step.kind == MOVE else 0
+            self.trace.record(run.job, task, run.names, nbytes, start, time.time(), ok)
 
     def _run_unit(self, run: Run, unit: list[Task]) -> None:
         """A lane's unit (`lane_units`): its tasks in order, each once the steps it waits for are done here, until

@@ -46,6 +46,7 @@ from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
 from reshard.server.agent.pace import DevicePace
 from reshard.server.agent.threads import limit_compute_threads
+from reshard.server.agent.trace import TaskTrace
 from reshard.server.agent.ucx import ucx_environment
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.ipc import CudaHandover, ShmHandover
@@ -459,7 +460,8 @@ def _serve(config: AgentConfig, secret: bytes | None) -> tuple[grpc.Server, int,
     runtime = Runtime(config.host, store, {k: wrap(t, config.fault) for k, t in transports.items()},
                       workers=config.max_workers, step_timeout_s=config.transfer_timeout_s, device=store.device,
                       pace=DevicePace(config.emulate_gflops) if config.emulate_gflops else None,
-                      prepare_wait_s=config.stall_timeout_s, compute_threads=config.compute_threads)
+                      prepare_wait_s=config.stall_timeout_s, compute_threads=config.compute_threads,
+                      trace=TaskTrace(config.trace_dir, config.host) if config.trace_dir else None)
     warn_if_open(f"the agent of host {config.host}", config.listen, config.token)
     server = grpc.server(futures.ThreadPoolExecutor(config.max_workers * 4, thread_name_prefix=f"agent-{config.host}"),
                          options=channel_options(config.chunk_bytes, config.max_message_bytes) + SERVER_OPTIONS,

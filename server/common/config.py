@@ -70,6 +70,10 @@ class AgentConfig:
     # loopback, and the hidden-512 MoE sync on loopback moved within noise of themselves from 4 to 16. A lane costs
     # a thread, and a bucket it may hold (counted up front).
     collective_lanes: int = 16
+    # A directory where the agent appends a line of JSON per task it runs (reshard.server.agent.trace: when each
+    # send, receive and kernel began and ended), to see where a job's time went on each host
+    # (reshard.server.devtools.task_trace); "": off
+    trace_dir: str = ""
     # Chunk size of the collective transport; 0: from the link rate (`collective_chunk`). A gloo or
     # NCCL message costs far less per byte than a gRPC one, so fewer, larger chunks save CPU, while a
     # chunk's time on the link is what a chain's pipeline takes to fill per hop.

@@ -427,6 +427,9 @@ def add_lab_command(sub) -> None:
                    help="emulate every device at this float32 rate: a compute step lasts at least its FLOPs at it, "
                         "so the hosts' compute overlaps as on separate machines (0: this machine's speed)")
     p.add_argument("--log-dir", default=None, help="keep the planner's and agents' logs here")
+    p.add_argument("--trace-dir", default=None,
+                   help="every agent appends a line per task it runs to DIR/<host>.jsonl (reshard agent --trace-dir; "
+                        "python -m reshard.server.devtools.task_trace DIR reads them)")
     p.add_argument("--cleanup", action="store_true",
                    help="remove the labs left behind (their owner process is gone), then exit")
     p.add_argument("--all", action="store_true", help="with --cleanup: also remove labs whose owner still runs")
@@ -455,7 +458,8 @@ def run_lab_command(args) -> int:
         signal.signal(sig, signal.default_int_handler)
     try:
         with Lab(config) as lab:
-            address = start_cluster(lab, log_dir=Path(args.log_dir) if args.log_dir else None)
+            address = start_cluster(lab, ["--trace-dir", args.trace_dir] if args.trace_dir else [],
+                                    log_dir=Path(args.log_dir) if args.log_dir else None)
             link = f"{config.gbps:g} Gbit/s each way" + (f", {config.delay_ms:g} ms delay" if config.delay_ms else "")
             devices = f", devices emulated at {config.device_gflops:g} GFLOP/s" if config.device_gflops else ""
             print(f"lab {lab.lab_id}: {config.num_hosts} hosts, links {link}{devices}")
