@@ -5,10 +5,12 @@
 
 For one job (by default the one that ended last in the files), per host: its tasks, when its first task began and
 its last ended, when it first sent a move and how many bytes it sent, the seconds its kernels ran (compute tasks
-run on a pool of their own, so this is their own time) and the seconds its moves held a lane (a send or receive waits
+run on a pool of their own, so this is their own time, waits for a core included) and when the last one ended, and
+the seconds its moves held a lane (a send or receive waits
 for its peer inside, so this is not CPU time), all in seconds after the job's first task on any host; then the job's
 longest tasks. A host whose first send comes late while its kernels ran (a sender quantizing before its first stream
-could leave, say) shows here, where the job's total cannot tell it.
+could leave, say), or whose kernels ran nearly the whole job and ended long before it (the streams they fed
+finishing after them), shows here, where the job's total cannot tell it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class HostPart:
     first_start: float = float("inf")
     last_end: float = 0.0
     first_send: float | None = None
+    last_kernel: float | None = None  # when its last compute task ended
     sent_bytes: int = 0
     compute_s: float = 0.0
     move_s: float = 0.0
@@ -96,6 +99,7 @@ def job_trace(records: list[dict], job: str | None = None, top: int = 10) -> Job
         p.failed += not r.get("ok", True)
         if r["role"] == "compute":
             p.compute_s += end - start
+            p.last_kernel = end if p.last_kernel is None else max(p.last_kernel, end)
         elif r["role"] in ("send", "recv"):
             p.move_s += end - start
         if r["role"] == "send":
@@ -109,12 +113,13 @@ def format_trace(t: JobTrace) -> str:
     """A table of ``t``'s hosts, then its longest tasks."""
     head = f"job {t.job}: {sum(p.tasks for p in t.hosts)} tasks on {len(t.hosts)} hosts, seconds after its first task"
     columns = (f"{'host':<16} {'tasks':>6} {'first':>8} {'last':>8} {'1st send':>9} {'MiB sent':>9} {'kernels s':>10} "
-               f"{'moves s':>8} {'failed':>6}")
+               f"{'last kernel':>12} {'moves s':>8} {'failed':>6}")
     lines = [head, columns]
     for p in t.hosts:
         send = f"{p.first_send:9.3f}" if p.first_send is not None else f"{'-':>9}"
+        kernel = f"{p.last_kernel:12.3f}" if p.last_kernel is not None else f"{'-':>12}"
         lines.append(f"{p.host:<16} {p.tasks:>6} {p.first_start:8.3f} {p.last_end:8.3f} {send} "
-                     f"{p.sent_bytes / 2**20:9.1f} {p.compute_s:10.3f} {p.move_s:8.3f} {p.failed:>6}")
+                     f"{p.sent_bytes / 2**20:9.1f} {p.compute_s:10.3f} {kernel} {p.move_s:8.3f} {p.failed:>6}")
     if t.longest:
         lines += ["", "longest tasks:", f"{'host':<16} {'role':<8} {'step':>7} {'start':>8} {'seconds':>8}  what"]
         for r in t.longest:

@@ -36,8 +36,8 @@ def test_each_hosts_part_of_a_job_in_seconds_after_its_first_task(tmp_path, caps
     assert [p.host for p in one.hosts] == ["a", "b"]
     ha, hb = one.hosts
     assert (ha.tasks, ha.first_start, ha.last_end, ha.first_send, ha.sent_bytes) == (2, 0.0, 1.0, 0.5, 4096)
-    assert ha.compute_s == pytest.approx(0.5) and ha.move_s == pytest.approx(0.5)
-    assert (hb.first_send, hb.move_s, hb.failed) == (None, pytest.approx(0.9), 0)
+    assert ha.compute_s == pytest.approx(0.5) and ha.move_s == pytest.approx(0.5) and ha.last_kernel == 0.5
+    assert (hb.first_send, hb.move_s, hb.failed, hb.last_kernel) == (None, pytest.approx(0.9), 0, None)
     assert one.longest[0]["role"] == "recv"  # 0.9 s, the longest
     last = job_trace(records)  # the job that ended last
     assert last.job == "job-2" and last.hosts[0].failed == 1
