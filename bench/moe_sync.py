@@ -26,7 +26,11 @@ Emulated hosts (``reshard lab``: 8 network namespaces, links shaped to ``--gbps`
 part says why it skipped. Writes its section of BENCHMARKS.md.
 
     python bench/moe_sync.py [--runs 3] [--gbps 1] [--transports collective,nixl] [--shapes kimi-k2,hidden-512]
-                             [--no-lab] [--no-write]
+                             [--no-lab] [--no-write] [--trace-dir DIR]
+
+``--trace-dir DIR`` starts every agent with it (``reshard agent --trace-dir``): a line per task in
+DIR/<where>-<transport>/<host>.jsonl, for ``python -m reshard.server.devtools.task_trace`` (the last job there is
+the last timed sync).
 """
 
 from __future__ import annotations
@@ -240,35 +244,44 @@ def _phases(results) -> dict[str, float]:
     return {name: statistics.median(r.phases.get(name, 0.0) for r in results) for name in results[0].phases}
 
 
-def loopback(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, transport: str) -> dict:
+def _traced(trace_dir: str | None, where: str, transport: str) -> list[str]:
+    """The agents' ``--trace-dir`` for one cluster of the bench (none without ``--trace-dir``)."""
+    return ["--trace-dir", str(Path(trace_dir) / f"{where}-{transport}")] if trace_dir else []
+
+
+def loopback(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, transport: str,
+             trace_dir: str | None = None) -> dict:
     from reshard.client.cluster import LocalCluster
 
     hosts = [f"host{i}" for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
     case = case_for(config, hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:])
-    with LocalCluster(len(hosts), DEVICES, host_names=hosts, transport=transport) as cluster, cluster.connect() as c:
+    with LocalCluster(len(hosts), DEVICES, host_names=hosts, transport=transport,
+                      agent_args=_traced(trace_dir, "loopback", transport)) as cluster, cluster.connect() as c:
         pids = [cluster.planner.pid, *(p.pid for p in cluster.agents.values())]
         return sync(c, case, weighed, runs, f"loopback, {transport}", pids)
 
 
 @contextlib.contextmanager
-def _lab(gbps: float, transport: str) -> Iterator[tuple]:
+def _lab(gbps: float, transport: str, trace_dir: str | None = None) -> Iterator[tuple]:
     from reshard.server.devtools.lab import Lab, LabConfig, start_cluster, wait_for_group
 
     with Lab(LabConfig(num_hosts=TRAIN_HOSTS + SERVE_HOSTS, devices_per_host=DEVICES, gbps=gbps)) as emulated:
-        address = start_cluster(emulated, extra_agent_args=["--transport", transport])
+        address = start_cluster(emulated, extra_agent_args=["--transport", transport,
+                                                            *_traced(trace_dir, "lab", transport)])
         hosts = [emulated.host_name(i) for i in range(TRAIN_HOSTS + SERVE_HOSTS)]
         with emulated.connect(address) as c:
             wait_for_group(c, hosts, group=transport == "collective")
             yield c, hosts, [p.pid for p in emulated.processes]
 
 
-def lab(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, gbps: float, transport: str) -> dict:
+def lab(config: MoeConfig, weighed: tuple[dict, dict, dict], runs: int, gbps: float, transport: str,
+        trace_dir: str | None = None) -> dict:
     from reshard.server.devtools.lab import lab_available
 
     ok, why = lab_available()
     if not ok:
         return {"skipped": why}
-    with _lab(gbps, transport) as (c, hosts, pids):
+    with _lab(gbps, transport, trace_dir) as (c, hosts, pids):
         return sync(c, case_for(config, hosts[:TRAIN_HOSTS], hosts[TRAIN_HOSTS:]), weighed, runs,
                     f"emulated hosts, {transport}", pids)
 
@@ -311,6 +324,8 @@ def main() -> int:
     ap.add_argument("--shapes", default=",".join(SHAPES),
                     help=f"the state dicts, comma separated, of {', '.join(SHAPES)} (default all)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--trace-dir", help="the agents' task traces go here, a directory per cluster (reshard agent "
+                                        "--trace-dir; read them with python -m reshard.server.devtools.task_trace)")
     args = ap.parse_args()
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     shapes = [k.strip() for k in args.shapes.split(",") if k.strip()]
@@ -333,9 +348,9 @@ def main() -> int:
         weighed = weights(case)
         for transport in transports:
             loop_rows.append(_row(name, "loopback (8 agents, one machine)",
-                                  loopback(config, weighed, args.runs, transport)))
+                                  loopback(config, weighed, args.runs, transport, args.trace_dir)))
             emulated = {"skipped": "--no-lab"} if args.no_lab else lab(config, weighed, args.runs, args.gbps,
-                                                                       transport)
+                                                                       transport, args.trace_dir)
             if "skipped" in emulated:
                 verdicts.append(f"{name} on the emulated hosts on {transport}: skipped ({emulated['skipped']}); "
                                 "the goal is not measured.")
