@@ -412,10 +412,16 @@ class Runtime:
         self._end_if_over(run)
 
     def _traced(self, run: Run, task: Task, start: float, ok: bool) -> None:
-        if self.trace is not None:
+        """The task's line in the trace (``--trace-dir``), if any; a diagnostic, so it never fails the task (or,
+        on the failure path, keeps the run from failing as it should)."""
+        if self.trace is None:
+            return
+        try:
             step = task.step
             nbytes = run.layout.step_bytes(step) if step.kind == MOVE else 0
             self.trace.record(run.job, task, run.names, nbytes, start, time.time(), ok)
+        except Exception:  # see the docstring
+            log.exception("job %s: could not trace %s", run.job, task)
 
     def _run_unit(self, run: Run, unit: list[Task]) -> None:
         """A lane's unit (`lane_units`): its tasks in order, each once the steps it waits for are done here, until

@@ -6,9 +6,9 @@
 For one job (by default the one that ended last in the files), per host: its tasks, when its first task began and
 its last ended, when it first sent a move and how many bytes it sent, the seconds its kernels ran (compute tasks
 run on a pool of their own, so this is their own time, waits for a core included) and when the last one ended, and
-the seconds its moves held a lane (a send or receive waits
-for its peer inside, so this is not CPU time), all in seconds after the job's first task on any host; then the job's
-longest tasks. A host whose first send comes late while its kernels ran (a sender quantizing before its first stream
+the seconds its moves held a lane (a send or receive waits for its peer inside, so this is not CPU time: a host's
+lanes wait at once, and their sum can be many times the job's), all in seconds after the job's first task on any
+host; then the job's longest tasks. A host whose first send comes late while its kernels ran (a sender quantizing before its first stream
 could leave, say), or whose kernels ran nearly the whole job and ended long before it (the streams they fed
 finishing after them), shows here, where the job's total cannot tell it.
 """
@@ -66,7 +66,9 @@ def read(directory: str | Path) -> tuple[list[dict], int]:
                 except ValueError:
                     bad += 1
                     continue
-                if not isinstance(r, dict) or any(k not in r for k in want):
+                if (not isinstance(r, dict) or any(k not in r for k in want)
+                        or not all(isinstance(r[k], str) for k in ("job", "host", "role"))
+                        or not all(isinstance(r[k], (int, float)) for k in ("start", "end"))):
                     bad += 1
                     continue
                 records.append(r)
@@ -130,11 +132,20 @@ def format_trace(t: JobTrace) -> str:
     return "\n".join(lines)
 
 
+def _count(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more; got {n}")
+    return n
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m reshard.server.devtools.task_trace", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m reshard.server.devtools.task_trace",
+                                 description="Where a job's time went, host by host, from the agents' task traces "
+                                             "(reshard agent --trace-dir DIR).")
     ap.add_argument("directory", help="the agents' --trace-dir")
     ap.add_argument("--job", help="a job id, or a prefix of one (default: the job that ended last)")
-    ap.add_argument("--top", type=int, default=10, help="longest tasks to list (default 10)")
+    ap.add_argument("--top", type=_count, default=10, help="longest tasks to list (default 10)")
     args = ap.parse_args(argv)
     try:
         records, bad = read(args.directory)

@@ -28,9 +28,11 @@ def test_each_hosts_part_of_a_job_in_seconds_after_its_first_task(tmp_path, caps
     b.record("job-2", _task(0, "send"), names, 10, 200.0, 200.1, False)
     for t in (a, b):
         t.close()
-    (tmp_path / "b.jsonl").open("a").write('{"cut short\n')
+    with (tmp_path / "b.jsonl").open("a") as f:
+        f.write('{"cut short\n')
+        f.write('{"job": "job-1", "host": "b", "role": "send", "start": "soon", "end": 1}\n')
     records, bad = read(tmp_path)
-    assert (len(records), bad) == (4, 1)
+    assert (len(records), bad) == (4, 2)
     assert {r["tensor"] for r in records} == {"model.w"}  # the stored name, not the program's
     one = job_trace(records, "job-1")
     assert [p.host for p in one.hosts] == ["a", "b"]
@@ -46,7 +48,7 @@ def test_each_hosts_part_of_a_job_in_seconds_after_its_first_task(tmp_path, caps
     assert "fp8_quantize model.w" in format_trace(one)
     assert main([str(tmp_path), "--job", "job-1"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("job job-1: 3 tasks on 2 hosts") and "1 lines could not be read" in out
+    assert out.startswith("job job-1: 3 tasks on 2 hosts") and "2 lines could not be read" in out
     assert main([str(tmp_path / "none")]) == 2
     assert "no *.jsonl task traces here" in capsys.readouterr().err
 
@@ -62,7 +64,7 @@ def test_a_directory_that_cannot_be_written_is_refused_naming_it(tmp_path):
 def test_a_trace_that_cannot_be_written_any_more_stops_without_failing_the_task(tmp_path, caplog):
     trace = TaskTrace(tmp_path, "h0")
     trace._file.close()  # as if the disk were gone: the next line has nowhere to go
-    trace._file = open("/dev/full", "w", buffering=1)  # every write fails with ENOSPC
+    trace._file = open("/dev/full", "w", buffering=1)  # noqa: SIM115 - every write fails with ENOSPC
     trace.record("job-1", _task(0, "send"), {}, 1, 1.0, 2.0, True)  # no exception
     assert "tracing stops here, jobs go on" in caplog.text
     trace.record("job-1", _task(1, "send"), {}, 1, 2.0, 3.0, True)  # and none after
