@@ -28,7 +28,8 @@ answering), DATA_LOSS (stored bytes damaged), or DEADLINE_EXCEEDED elsewhere (a 
 OUT_OF_RANGE, ABORTED and CANCELLED are answers no servicer gives.
 
 The default run makes `EXAMPLES` generated calls per method and `RAW_EXAMPLES` of random bytes
-(derandomized: the same calls every run); ``-m slow`` runs `SLOW_EXAMPLES` of each. The agent calls that
+(derandomized: the same calls every run), against a cluster of gRPC agents; ``-m slow`` runs `SLOW_EXAMPLES` of
+each, and every test against clusters of collective and nixl agents too. The agent calls that
 need the planner's ticket are fuzzed twice: refused without it, and, against an agent in this process whose
 secret the test knows, with valid tickets signed over the generated fields, so the code behind the check is
 reached too.
@@ -63,6 +64,11 @@ from reshard.server.common.tickets import (abort_fields, commit_fields, deltas_d
 from reshard.strategies import STRATEGIES
 
 from .conftest import TRANSPORTS
+
+# make test fuzzes on the gRPC cluster only, the slow suite on every transport's: the servicers behind a method are
+# the same whichever transport the agents run, and each other transport's cluster cost make test a start of its own
+# (10 s for collective's on the CI-sized machine) to call the same handlers
+pytestmark = pytest.mark.grpc_in_make_test
 
 EXAMPLES = 30
 RAW_EXAMPLES = 10
@@ -426,15 +432,12 @@ def _fuzz(fuzzed, service: str, method: str, strategy, examples: int) -> None:
 # -- the tests ----------------------------------------------------------------------------------------------------
 
 
-# make test fuzzes each method on one transport, in turn (the slow suite on every one, and `_long` at length): the
-# servicers behind a method are the same whichever transport the agents run
-@pytest.mark.transports_in_turn
+# make test fuzzes each method on gRPC (`pytestmark`; the slow suite on every transport, and `_long` at length)
 @pytest.mark.parametrize("service,method", METHODS, ids=[m for _, m in METHODS])
 def test_generated_messages(fuzzed, service, method):
     _fuzz(fuzzed, service, method, requests(service, method), EXAMPLES)
 
 
-@pytest.mark.transports_in_turn
 @pytest.mark.parametrize("service,method", METHODS, ids=[m for _, m in METHODS])
 def test_random_bytes(fuzzed, service, method):
     _fuzz(fuzzed, service, method, raw_requests(service, method), RAW_EXAMPLES)

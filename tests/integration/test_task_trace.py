@@ -1,30 +1,36 @@
 """Agents started with ``--trace-dir`` write a line per task they run (``reshard.server.agent.trace``), and
 ``python -m reshard.server.devtools.task_trace`` reads them back per host: real planner and agent processes.
 
-A tensor on one host broadcast to two others (a chain on the collective transport) shows up as its sender's
-sends and each receiver's receives, with the job's id, its bytes and times in order; a quantize on the way, in the
-same cluster, as its kernels on the host that runs them; an agent without the flag writes nothing
-(tests/unit/test_task_trace.py reads made-up lines, and a directory an agent cannot write).
+A tensor on one host broadcast to two others (a chain on the nixl transport, whose lanes run receives as tasks)
+shows up as its sender's sends and each receiver's receives, with the job's id, its bytes and times in order; a
+quantize on the way, in the same cluster, as its kernels on the host that runs them; an agent without the flag
+writes nothing (tests/unit/test_task_trace.py reads made-up lines, and a directory an agent cannot write).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from reshard import Mesh, Sharding
 from reshard.client.cluster import LocalCluster
 from reshard.server.devtools.task_trace import format_trace, job_trace, read
 
+from .conftest import _nixl_missing
+
+NIXL_MISSING = _nixl_missing()
+
 HOSTS = ["host0", "host1", "host2"]
 
 
+@pytest.mark.skipif(NIXL_MISSING is not None, reason=str(NIXL_MISSING))
 def test_a_traced_broadcast_and_quantize_show_each_hosts_sends_receives_kernels_and_times(tmp_path):
     trace = tmp_path / "trace"
     a = np.arange(256 * 1024, dtype=np.float32).reshape(512, 512)
     x = (np.random.default_rng(0).standard_normal((256, 256)) * 0.02).astype(np.float32)
     src = Sharding(Mesh.from_hosts({"x": 1}, ["host0"], 1), (None, None))
     dst = Sharding(Mesh.from_hosts({"x": 2}, HOSTS[1:], 1), (None, None))
-    with LocalCluster(host_names=HOSTS, devices_per_host=1, transport="collective",
+    with LocalCluster(host_names=HOSTS, devices_per_host=1, transport="nixl",
                       agent_args=["--trace-dir", str(trace)]) as cluster, cluster.connect() as c:
         c.put("w", a, src)
         result = c.reshard("w", dst).result(timeout=60)
