@@ -117,6 +117,17 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return normalise_shape(sizes)
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: a count of 0 or more (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
 def positive_int(text: str) -> int:
     """An argparse type: a count of at least 1 (argparse names the flag in its error)."""
     try:

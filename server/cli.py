@@ -8,7 +8,7 @@ import os
 import signal
 import sys
 
-from reshard.plan_command import HelpFormatter, add_plan_command, positive_float, positive_int
+from reshard.plan_command import HelpFormatter, add_plan_command, non_negative_int, positive_float, positive_int
 from reshard.client.cluster import describe_copies, die_with_parent
 from reshard.errors import ReshardError
 from reshard.proto.errors import InvalidArgumentError
@@ -49,16 +49,6 @@ def _health_server(args, service: str):
     from reshard.proto.status import serve_health
 
     return serve_health(args.health_listen, service)[0] if args.health_listen else None
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
-    return value
 
 
 def _rate(text: str) -> float:
@@ -112,7 +102,7 @@ def _add_agent_command(sub) -> None:
                    help="emulate devices of this float32 rate, as the lab does for its hosts: each compute step lasts "
                         "at least its FLOPs at this rate, one at a time per device; reported to the planner "
                         "(0: off, kernels at this machine's speed)")
-    p.add_argument("--compute-threads", type=_count, default=d.compute_threads, metavar="N",
+    p.add_argument("--compute-threads", type=non_negative_int, default=d.compute_threads, metavar="N",
                    help="threads one kernel (BLAS, OpenMP, torch) may use, and the computes an active transport "
                         "(collective, nixl) runs at once; 0: every core. Agents that share a machine should split "
                         "its cores (reshard up and local_cluster give each its share)")

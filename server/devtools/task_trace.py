@@ -18,9 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from reshard.plan_command import non_negative_int
 
 __all__ = ["HostPart", "JobTrace", "read", "job_trace", "format_trace", "main"]
 
@@ -90,10 +91,11 @@ def job_trace(records: list[dict], job: str | None = None, top: int = 10) -> Job
         job = matching[0]
     mine = [r for r in records if r["job"] == job]
     t0 = min(r["start"] for r in mine)
-    parts: dict[str, HostPart] = defaultdict(lambda: HostPart(""))
+    parts: dict[str, HostPart] = {}
     for r in mine:
-        p = parts[r["host"]]
-        p.host = r["host"]
+        p = parts.get(r["host"])
+        if p is None:
+            p = parts[r["host"]] = HostPart(r["host"])
         start, end = r["start"] - t0, r["end"] - t0
         p.tasks += 1
         p.first_start = min(p.first_start, start)
@@ -132,20 +134,13 @@ def format_trace(t: JobTrace) -> str:
     return "\n".join(lines)
 
 
-def _count(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more; got {n}")
-    return n
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m reshard.server.devtools.task_trace",
                                  description="Where a job's time went, host by host, from the agents' task traces "
                                              "(reshard agent --trace-dir DIR).")
     ap.add_argument("directory", help="the agents' --trace-dir")
     ap.add_argument("--job", help="a job id, or a prefix of one (default: the job that ended last)")
-    ap.add_argument("--top", type=_count, default=10, help="longest tasks to list (default 10)")
+    ap.add_argument("--top", type=non_negative_int, default=10, help="longest tasks to list (default 10)")
     args = ap.parse_args(argv)
     try:
         records, bad = read(args.directory)
