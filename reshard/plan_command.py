@@ -26,7 +26,7 @@ from reshard.sharding import Sharding, normalise_shape
 from reshard.topology import Topology
 
 __all__ = ["parse_mesh", "parse_spec", "parse_shape", "parse_hosts", "add_plan_command", "run_plan", "positive_int",
-           "positive_float"]
+           "non_negative_int", "positive_float"]
 
 _RANGE = re.compile(r"^(?P<prefix>[^\[\]]*)\[(?P<lo>\d+)-(?P<hi>\d+)\](?P<suffix>[^\[\]]*)$")
 
