@@ -7,7 +7,7 @@ resharded in place: the first rank of the mesh (the process holding the mesh's f
 the others wait, under a deadline, for the catalog to show the new layout.
 
 Layouts are reshard's tiles: DTensor's local shards (``torch.chunk`` cuts, uneven included; the rule is checked
-against ``distribute_tensor`` in tests/core/test_dtensor_tiles.py) and JAX's shards (JAX splits evenly only). A
+against ``distribute_tensor`` in tests/integration/test_dtensor.py) and JAX's shards (JAX splits evenly only). A
 shard that is not the tile the rule gives its device is refused, never stored. torch and JAX are imported inside
 the methods only.
 """

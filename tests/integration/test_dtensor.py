@@ -8,6 +8,11 @@ Partial in and out included; each local shard must equal, bit for bit, what
 ``distribute_tensor`` of the full tensor gives that rank on the destination. The test
 then checks the catalog: one reshard per layout change, though every rank asked.
 
+The same ranks first distribute arange tensors on the meshes of `TILE_CASES` and report their local shards: our tiles
+(`Sharding.from_placements(...).tile`) must be exactly those, uneven shapes, empty trailing shards and two mesh axes on
+one tensor dim included. (The comparison had ranks of its own once, in tests/core: 20 s of make test for four more
+torch start-ups.)
+
 This file is also the rank's program: ``python test_dtensor.py RANK STORE PREFIX OUT``.
 """
 
@@ -15,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +30,7 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding
+from reshard.box import to_slices
 from reshard.client import InvalidArgumentError
 
 WORLD_SIZE = 4
@@ -43,6 +50,28 @@ CASES = {
     "partial_out": ((7, 3), "int64", (LINE, "S0"), [(GRID, "P S1", SERVE)]),
 }
 SUMMED_PARTIAL_READS = {"partial_out/0": "R S1"}
+# Our tiles against DTensor's local shards: (mesh shape, tensor shape, placements per mesh axis: "S<d>" or "R")
+TILE_CASES = [
+    ((4,), (5,), ("S0",)),
+    ((4,), (3,), ("S0",)),
+    ((4,), (13,), ("S0",)),
+    ((4,), (3, 5), ("S0",)),
+    ((4,), (6, 7), ("S1",)),
+    ((4,), (2, 3), ("R",)),
+    ((2, 2), (7, 5), ("S0", "S1")),
+    ((2, 2), (9, 3), ("S0", "S1")),
+    ((2, 2), (7, 5), ("S1", "S0")),
+    ((2, 2), (7, 5), ("S0", "S0")),
+    ((2, 2), (5,), ("S0", "S0")),
+    ((2, 2), (3,), ("S0", "S0")),
+    ((2, 2), (9, 3), ("S1", "S1")),
+    ((2, 2), (5, 3), ("R", "S0")),
+    ((2, 2), (5, 3), ("S1", "R")),
+    ((2, 1, 2), (7, 5), ("S0", "R", "S1")),
+    ((2, 1, 2), (9, 4), ("S1", "S0", "S0")),
+    ((2, 1, 2), (3, 2, 5), ("S2", "S1", "S2")),
+]
+TILE_AXES = ("a", "b", "c")
 # After the reads: (version, the last read's layout is what the catalog holds)
 VERSIONS = {"uneven": 2, "bf16": 2, "partial_in": 2, "partial_out": 2}
 
@@ -83,7 +112,14 @@ def _rank_main(rank: int, store_path: str, prefix: str, out_path: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, WORLD_SIZE), rank=rank, world_size=WORLD_SIZE,
                             timeout=datetime.timedelta(seconds=60))
     meshes = {m: init_device_mesh("cpu", m[0], mesh_dim_names=m[1]) for m in (GRID, LINE)}
-    report: dict = {"reads": {}, "errors": {}}
+    report: dict = {"reads": {}, "errors": {}, "tiles": []}
+    tile_meshes: dict = {}
+    for mesh_shape, shape, placements in TILE_CASES:
+        if mesh_shape not in tile_meshes:
+            tile_meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape)
+        full = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+        local = distribute_tensor(full, tile_meshes[mesh_shape], _placements(" ".join(placements))).to_local()
+        report["tiles"].append({"shape": list(local.shape), "values": local.reshape(-1).tolist()})
     with reshard.connect(os.environ["RESHARD_PLANNER"]) as c:
         for name, (shape, _, (mesh, placements), reads) in CASES.items():
             full = _full(name)
@@ -196,6 +232,33 @@ def test_the_catalog_holds_one_new_version_per_layout_change(ranks, client):
         assert (info.shape, info.dtype) == (shape, dtype)
         got = client.get(prefix + name)
         assert _bits(got).tolist() == _bits(_full(name)).tolist(), name
+
+
+def _tile_case_id(case) -> str:
+    mesh, shape, placements = case
+    return f"mesh{'x'.join(map(str, mesh))}-shape{'x'.join(map(str, shape))}-{''.join(placements)}"
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=_tile_case_id)
+def test_our_tile_is_the_dtensor_local_shard(case, ranks):
+    _, reports = ranks
+    mesh_shape, shape, placements = case
+    mesh = Mesh(list(zip(TILE_AXES, mesh_shape)), [f"rank{r}/0" for r in range(WORLD_SIZE)])
+    sharding = Sharding.from_placements(mesh, [_own(p) for p in placements], ndim=len(shape))
+    full = np.arange(math.prod(shape)).reshape(shape)
+    for rank, report in enumerate(reports):
+        shard = report["tiles"][TILE_CASES.index(case)]
+        ours = full[to_slices(sharding.tile(shape, f"rank{rank}/0"))]
+        assert list(ours.shape) == shard["shape"], f"rank {rank}: tile {sharding.tile(shape, f'rank{rank}/0')}"
+        assert ours.reshape(-1).tolist() == shard["values"], f"rank {rank}"
+
+
+def test_the_tile_table_has_uneven_and_empty_shards(ranks):
+    """Guards the table itself: it must keep exercising the hard cases."""
+    _, reports = ranks
+    per_case = [[report["tiles"][i] for report in reports] for i in range(len(TILE_CASES))]
+    assert any(0 in s["shape"] for shards in per_case for s in shards), "no case gives a rank an empty shard"
+    assert any(len({tuple(s["shape"]) for s in shards}) > 2 for shards in per_case)
 
 
 def test_bad_input_is_refused_and_stores_nothing(ranks, client):
