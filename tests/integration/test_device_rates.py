@@ -24,7 +24,9 @@ def test_every_agent_reports_measured_rates_and_plans_use_them(client, fresh_nam
 
 
 def test_configured_rates_replace_the_measurement_and_price_the_kernel():
-    with LocalCluster(1, 1, agent_args=["--device-gflops", "0.5", "--memory-gbps", "100"]) as cluster:
+    # the rates are the agent's whatever its transport: gRPC's starts without torch
+    with LocalCluster(1, 1, transport="grpc", agent_args=["--device-gflops", "0.5", "--memory-gbps", "100"]) \
+            as cluster:
         with cluster.connect() as c:
             (agent,) = c.agents()
             assert (agent["device_gflops"], agent["memory_gb_per_s"]) == (0.5, 100.0)
@@ -36,16 +38,18 @@ def test_configured_rates_replace_the_measurement_and_price_the_kernel():
             assert program.estimate_seconds == pytest.approx(2 * 200 * 300 * 100 / 0.5e9)
 
 
-# gRPC (a passive transport) runs a host's computes on its pool of step workers, an active one (collective) on its
-# pool of local tasks; make test runs one of the two in turn (conftest's `_transports_in_turn`), the slow suite both.
+# gRPC (a passive transport) runs a host's computes on its pool of step workers, an active one (nixl, collective) on
+# its pool of local tasks. make test runs the nixl case, an active transport whose cluster starts without torch (a
+# collective one took 18 s of make test under its load); the slow suite runs all three.
 # (auto was the other case once: where torch is installed it is collective, the same path again.)
-@pytest.mark.parametrize("transport", ["grpc", "collective"])
+@pytest.mark.parametrize("transport", ["grpc", "collective", "nixl"])
+@pytest.mark.transports_in_turn(first="nixl")
 def test_an_emulated_device_computes_at_its_rate_and_reports_it(transport):
     # One 512^3 matmul: 268 MFLOP, 1.07 s at 0.25 GFLOP/s (tens of ms at this machine's speed). Two devices at once
     # take half that: the 537 ms between the two bounds below is what a loaded 2-core machine's overhead may use
     # (the host's part of the job, the real matmuls included). Beside another test's load under make test's two
     # workers it used 137 ms and 177 ms, past the 131 ms and 134 ms that 2 and 1 GFLOP/s left.
-    # One kernel thread: on an active transport (collective) computes run on a pool of the kernels' threads, and an
+    # One kernel thread: on an active transport (nixl, collective) computes run on a pool of the kernels' threads, and an
     # emulated device's wait must not hold one of them from the other device.
     rate, n = 0.25, 512
     flops = 2 * n ** 3

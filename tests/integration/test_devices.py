@@ -203,6 +203,10 @@ def test_member_that_lost_its_gpu_while_down_stays_out():
 
 # -- real processes ----------------------------------------------------------------------------------
 
+# 10-14 s of make test (a collective cluster and a second collective agent, each importing torch): the slow pass.
+# make test has the rule in tests/unit/test_membership.py and an agent refused at registration end to end in
+# test_no_rendezvous.py.
+@pytest.mark.slow
 def test_agent_refused_at_registration_never_shows_as_up():
     with LocalCluster(host_names=["g0"], devices_per_host=2, transport="collective",
                       agent_args=["--report-gpu-uuid", GPU]) as cluster, cluster.connect() as c:
@@ -213,7 +217,7 @@ def test_agent_refused_at_registration_never_shows_as_up():
         assert [(a["host"], a["up"], a["gpu_uuid"], a["device"]) for a in c.agents()] == [("g0", True, GPU, "cpu")]
 
 
-# 15 s of make test (a collective cluster of its own): the slow pass; the rule is tested above on a real registry
+# 15 s of make test (a collective cluster of its own): the slow pass; the rule is tested above on real agents
 @pytest.mark.slow
 def test_auto_agent_on_a_taken_gpu_moves_jobs_over_grpc_and_the_planner_says_why():
     with LocalCluster(host_names=["g0", "g1"], devices_per_host=2, transport="auto",

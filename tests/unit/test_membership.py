@@ -106,3 +106,34 @@ def test_a_report_on_the_planners_own_call_keeps_a_host_up_as_a_heartbeat_does_b
     registry.alive("nobody", "h0:1")
     clock.now = 9.5
     assert not registry.is_up(registry.get("h0")) and registry.get("nobody") is None
+
+
+def test_a_second_agent_on_a_members_gpu_is_refused_or_runs_grpc_and_a_host_that_registers_again_keeps_its_gpu():
+    """NCCL takes one rank per GPU: a collective agent on a GPU a member holds is refused before the registry admits
+    it, naming both hosts and the way out; an auto one runs gRPC, told why. (End to end, an agent refused at
+    registration exits 2: tests/integration/test_no_rendezvous.py; this rule on real agents: test_devices.py's slow
+    pass.)"""
+    clock = _Clock()
+    registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
+    group = GroupCoordinator(registry, store_port=1234, clock=clock)
+    admitted = []
+
+    def register(host, transport, gpu):
+        def admit():
+            admitted.append(host)
+            registry.register(host, 1, f"{host}:1", 10.0, secret=bytes(16))
+
+        return group.register(host, transport, "nccl", gpu, admit=admit)
+
+    register("g0", "collective", "GPU-1")
+    with pytest.raises(FailedPreconditionError, match=r"hosts g0 and g1 are both on GPU GPU-1, but a process group "
+                                                      r"takes one member per GPU \(NCCL\) and host g0 is a member: "
+                                                      r"give each agent its own GPU \(--device cuda:N\); or start "
+                                                      r"host g1 with --transport auto \(it then runs gRPC\) or grpc"):
+        register("g1", "collective", "GPU-1")
+    assert admitted == ["g0"] and group.mode("g0") == "collective"
+    register("g2", "auto", "GPU-1")
+    assert group.mode("g2") == "grpc" and "hosts g0 and g2 are both on GPU GPU-1" in group.reason("g2")
+    register("g3", "collective", "GPU-2")  # a GPU of its own
+    register("g0", "collective", "GPU-1")  # its own GPU again: no conflict with itself
+    assert admitted == ["g0", "g2", "g3", "g0"] and group.mode("g3") == group.mode("g0") == "collective"
