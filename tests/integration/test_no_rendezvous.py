@@ -40,4 +40,5 @@ def test_a_grpc_cluster_s_planner_imports_no_torch_and_refuses_an_agent_that_wan
         with pytest.raises(UnavailableError, match=r"asks for the collective transport, but this planner hosts no "
                                                    r"rendezvous store \(it runs with --no-rendezvous\)"):
             cluster.start_agent("host3", extra_args=["--transport", "collective"])
+        assert [(x["host"], x["up"]) for x in c.agents()] == [("host0", True), ("host1", True)]  # never shown as up
         assert np.array_equal(c.get("t"), a) and not _maps_torch(cluster.planner.pid)
