@@ -49,8 +49,8 @@ def test_an_emulated_device_computes_at_its_rate_and_reports_it(transport):
     # take half that: the 537 ms between the two bounds below is what a loaded 2-core machine's overhead may use
     # (the host's part of the job, the real matmuls included). Beside another test's load under make test's two
     # workers it used 137 ms and 177 ms, past the 131 ms and 134 ms that 2 and 1 GFLOP/s left.
-    # One kernel thread: on an active transport (nixl, collective) computes run on a pool of the kernels' threads, and an
-    # emulated device's wait must not hold one of them from the other device.
+    # One kernel thread: on an active transport (nixl, collective) computes run on a pool of the kernels' threads,
+    # and an emulated device's wait must not hold one of them from the other device.
     rate, n = 0.25, 512
     flops = 2 * n ** 3
     with LocalCluster(1, 2, transport=transport, agent_args=["--emulate-gflops", str(rate), "--memory-gbps", "100",
