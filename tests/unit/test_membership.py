@@ -25,10 +25,14 @@ def _coordinator(store_port: int = 1234, **kw):
     registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
     group = GroupCoordinator(registry, store_port=store_port, clock=clock, **kw)
 
-    def register(host: str, transport: str = "collective"):
-        return group.register(host, transport, "gloo",
-                              admit=lambda: registry.register(host, 1, f"{host}:1", 10.0, secret=bytes(16)))
+    def register(host: str, transport: str = "collective", backend: str = "gloo", gpu_uuid: str = ""):
+        def admit():
+            register.admitted.append(host)
+            registry.register(host, 1, f"{host}:1", 10.0, secret=bytes(16))
 
+        return group.register(host, transport, backend, gpu_uuid, admit=admit)
+
+    register.admitted = []  # the hosts the registry admitted, in order
     return group, register, clock
 
 
@@ -113,17 +117,11 @@ def test_a_second_agent_on_a_members_gpu_is_refused_or_runs_grpc_and_a_host_that
     it, naming both hosts and the way out; an auto one runs gRPC, told why. (End to end, an agent refused at
     registration exits 2: tests/integration/test_no_rendezvous.py; this rule on real agents: test_devices.py's slow
     pass.)"""
-    clock = _Clock()
-    registry = Registry(heartbeat_timeout_s=5.0, clock=clock)
-    group = GroupCoordinator(registry, store_port=1234, clock=clock)
-    admitted = []
+    group, nccl_register, _ = _coordinator()
+    admitted = nccl_register.admitted
 
     def register(host, transport, gpu):
-        def admit():
-            admitted.append(host)
-            registry.register(host, 1, f"{host}:1", 10.0, secret=bytes(16))
-
-        return group.register(host, transport, "nccl", gpu, admit=admit)
+        return nccl_register(host, transport, "nccl", gpu)
 
     register("g0", "collective", "GPU-1")
     with pytest.raises(FailedPreconditionError, match=r"hosts g0 and g1 are both on GPU GPU-1, but a process group "
