@@ -6,11 +6,13 @@ then ``fp8_quantize_scaled`` with those scales; and ``fp8_quantize``, which make
 replaced: the float32 route to the block scales (`fp8_block_scales` of the widened tile, which every tile that is
 not bfloat16 takes and which bfloat16 tiles took before `bf16_block_scales`), and the quantize of the whole tile
 widened at once (`quantize_whole`, before the kernel's bands, `_quantized_in_bands`; it must give the kernel's
-codes). Both routes' scales are compared bit for bit outside the timing, on the matrix and on a copy with a NaN,
-an infinity and a subnormal in it (a tile with a NaN quantizes on numpy's slower passes, which keep the NaN's
-sign; weights hold none, so the timed matrix holds none). torch runs on ``--threads`` (an agent's share of this
-machine's cores by default). Prints the best of ``--runs`` for each, in ns per element, and the new routes' speed
-against the old; it writes no BENCHMARKS.md section.
+codes), and the kernel's bands each first checked for NaNs and values past 448 (`band_checked`: what a torch whose
+cast does not saturate and keep a NaN's sign as the reference does would run; the pinned torch's does, so its bands
+skip that pass; same codes). Both routes' scales are compared bit for bit outside the timing, on the matrix and on
+a copy with a NaN, an infinity and a subnormal in it (weights hold none, so the timed matrix holds none). torch runs
+on ``--threads`` (an agent's share of this machine's cores by default). Prints the best of ``--runs`` for each,
+timed a round of every row at a time, in ns per element, and the new routes' speed against the old; it writes no
+BENCHMARKS.md section.
 
     python bench/fp8_kernels.py [--rows 2048] [--cols 7168] [--block 128] [--runs 7] [--threads 1]
 """
@@ -25,6 +27,7 @@ import numpy as np
 
 from reshard.dtypes import float32_to_bfloat16
 from reshard.kernels import FP8_E4M3_MAX
+from reshard.server.agent import kernels as agent_kernels
 from reshard.server.agent.kernels import KERNELS, _float32, bf16_block_scales, fp8_block_scales
 from reshard.server.common.torch_support import torch_installed
 
@@ -41,13 +44,30 @@ def quantize_whole(bits: np.ndarray, scales: np.ndarray, block: int, output: np.
     torch.from_numpy(output).view(torch.float8_e4m3fn).copy_(t)
 
 
-def best_seconds(fn, runs: int) -> float:
-    best = float("inf")
+def best_seconds(rows: list, runs: int) -> dict[str, float]:
+    """Each row's best of ``runs``, timed a round of every row at a time, so a drift of this machine's speed reaches
+    every row alike."""
+    best = {what: float("inf") for what, _ in rows}
     for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
+        for what, fn in rows:
+            t0 = time.perf_counter()
+            fn()
+            best[what] = min(best[what], time.perf_counter() - t0)
     return best
+
+
+def band_checked(fn):
+    """``fn`` with every band's NaN and saturation pass, which a torch whose cast differs from the reference's
+    takes (`kernels._band_cast_saturates` says no); the kernel's route otherwise."""
+    def run():
+        saturates = agent_kernels._band_cast_saturates
+        agent_kernels._band_cast_saturates = lambda torch: False
+        try:
+            fn()
+        finally:
+            agent_kernels._band_cast_saturates = saturates
+
+    return run
 
 
 def main() -> None:
@@ -98,20 +118,26 @@ def main() -> None:
             raise AssertionError("the whole-tile quantize's codes differ from the kernel's")
         rows.insert(3, ("quantize with those scales, the whole tile widened at once (before bands)",
                         lambda: quantize_whole(bits, scales, args.block, whole)))
+        checked = np.empty_like(codes)
+        band_checked(lambda: KERNELS["fp8_quantize_scaled"]([bits, scales], checked, params))()
+        if not np.array_equal(checked, codes):
+            raise AssertionError("the bands' codes with their NaN and saturation pass differ from the kernel's")
+        rows.append(("kernel fp8_quantize_scaled, each band first checked for NaNs and values past 448",
+                     band_checked(lambda: KERNELS["fp8_quantize_scaled"]([bits, scales], checked, params))))
     n = bits.size
     threads = sys.modules["torch"].get_num_threads() if "torch" in sys.modules else None
     print(f"a {args.rows} x {args.cols} bfloat16 tile ({bits.nbytes / 2**20:.1f} MiB), blocks of {args.block}; "
           f"best of {args.runs}; torch's threads: {threads if threads is not None else 'no torch (numpy passes)'}")
     print("| what | ms | ns per element |\n|---|---:|---:|")
-    seconds = {}
-    for what, fn in rows:
-        seconds[what] = best_seconds(fn, args.runs)
+    seconds = best_seconds(rows, args.runs)
+    for what, _ in rows:
         print(f"| {what} | {seconds[what] * 1e3:.2f} | {seconds[what] / n * 1e9:.2f} |")
     print(f"the bits route takes the block scales {seconds[rows[0][0]] / seconds[rows[1][0]]:.2f}x faster than the "
           f"float32 route", end="")
     if len(rows) > 5:
         print(f"; the kernel quantizes in bands {seconds[rows[3][0]] / seconds[rows[4][0]]:.2f}x faster than the whole "
-              f"tile at once", end="")
+              f"tile at once, and {seconds[rows[6][0]] / seconds[rows[4][0]]:.2f}x faster than with each band checked "
+              f"(torch's cast saturates as the reference does: {agent_kernels._band_cast_saturates(torch)})", end="")
     print()
 
 

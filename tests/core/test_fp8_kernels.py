@@ -183,8 +183,49 @@ def test_block_scales_from_bfloat16_bits_equal_those_of_the_widened_values(block
                                       want.view(np.uint32))
 
 
+@pytest.fixture(params=["cast", "checked"])
+def band_check(request, monkeypatch):
+    """How a band reaches its cast: straight, where torch's cast saturates and keeps a NaN's sign as the reference
+    does (`_band_cast_saturates`: the pinned torch's), or through the pass that finds NaNs and clamps, which a cast
+    unlike the reference's takes."""
+    if request.param == "checked":
+        monkeypatch.setattr(agent_kernels, "_band_cast_saturates", lambda torch: False)
+    return request.param
+
+
+def test_the_pinned_torchs_cast_skips_the_bands_check_and_a_cast_unlike_the_references_is_caught(monkeypatch):
+    torch = pytest.importorskip("torch")
+    assert agent_kernels._band_cast_saturates(torch)
+    # a cast that made NaN of what is past 448, as some builds do: its code for 464 is 0x7F, not the reference's
+    cases = list(agent_kernels._CAST_CASES)
+    cases[0] = (cases[0][0], cases[0][1], 0x7F)
+    monkeypatch.setattr(agent_kernels, "_CAST_CASES", tuple(cases))
+    monkeypatch.setattr(agent_kernels, "_saturating", {})
+    assert not agent_kernels._band_cast_saturates(torch)
+
+
+def test_every_bfloat16_value_quantized_in_bands_gives_the_references_bits(monkeypatch, band_check):
+    # the 65,536 bfloat16 bit patterns (zeros, subnormals, infinities and NaNs of both signs), shuffled so every block
+    # mixes them, quantized by their own scales, then by scales a third of those (each block's largest past 448)
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: torch)
+    monkeypatch.setattr(agent_kernels, "_BAND_BYTES", 1)  # a band of one block's rows: 16 bands here
+    bits = np.random.default_rng(6).permutation(np.arange(2**16, dtype=np.uint32).astype(np.uint16)).reshape(256, 256)
+    x32 = bfloat16_to_float32(bits)
+    codes, scales = reference(x32, 16)
+    np.testing.assert_array_equal(_run("fp8_quantize", bits, 16), codes)
+    smaller = scales / np.float32(3)
+    full = np.repeat(np.repeat(smaller, 16, axis=0), 16, axis=1)
+    with np.errstate(invalid="ignore"):
+        quotients = (x32 / full).reshape(-1)
+    want = np.array([_encode(float(q), float(v)) for q, v in zip(quotients, x32.reshape(-1))],
+                    dtype=np.uint8).reshape(x32.shape)
+    assert (want & 0x7F == 0x7E).sum() > 100 and (want & 0x7F == 0x7F).sum() > 100  # saturated codes and NaNs
+    np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=smaller), want)
+
+
 @pytest.mark.parametrize("nan_in_band", [None, 0, 3])
-def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, nan_in_band):
+def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, nan_in_band, band_check):
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(agent_kernels, "_cast_torch", lambda: torch)
     monkeypatch.setattr(agent_kernels, "_BAND_BYTES", 1)  # a band of one block's rows: 4 bands here
@@ -199,7 +240,7 @@ def test_a_tile_quantized_band_by_band_gives_the_references_bits(monkeypatch, na
     np.testing.assert_array_equal(_run("fp8_quantize_scaled", bits, 16, scales=scales), codes)
 
 
-def test_bands_scaled_past_448_saturate_whether_or_not_they_are_clamped(monkeypatch):
+def test_bands_scaled_past_448_saturate_whether_or_not_they_are_clamped(monkeypatch, band_check):
     """Scales a sender did not make from this tile put its values past 448: a band that reaches no further than
     rounds to 448 skips the clamp, a band beyond it is clamped, and both give the reference's saturated codes."""
     torch = pytest.importorskip("torch")
