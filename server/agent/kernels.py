@@ -11,6 +11,7 @@ integer matmul.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -474,26 +475,23 @@ def _band_rows(n: int, block: int) -> int:
 _CAST_CASES = ((0x43E8, 1.0, 0x7E), (0xC3E8, 1.0, 0xFE), (0x7149, 1.0, 0x7E), (0x7F80, 1.0, 0x7E),
                (0xFF80, 1.0, 0xFE), (0x4000, 2.0**-10, 0x7E), (0x7FC0, 1.0, 0x7F), (0xFFC0, 1.0, 0xFF),
                (0xFFC0, 3.0, 0xFF), (0x43E3, 1.0, 0x7E), (0x0000, 1.0, 0x00))
-_saturating: dict[int, bool] = {}  # id(torch) -> `_band_cast_saturates`
 
 
+@functools.cache
 def _band_cast_saturates(torch) -> bool:
     """Whether this torch's CPU cast, after `_quantized_in_bands`' division, gives the reference's codes where casts
     differ (`_CAST_CASES`): saturated at +-448 past it, and a NaN as 0x7F with its input's sign bit. Where it does,
     the bands skip their pass that finds NaNs and values to clamp (about a tenth of the kernel's time): torch 2.x's
     CPU cast saturates, but a build that makes NaN of what is past 448, or a division that drops a NaN's sign,
     takes that pass as before. Checked once a process, through the same operations as a band."""
-    known = _saturating.get(id(torch))
-    if known is None:
-        bits = torch.tensor([[b for b, _, _ in _CAST_CASES]], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-        scales = torch.tensor([[s for _, s, _ in _CAST_CASES]], dtype=torch.float32)
-        values = torch.empty(bits.shape, dtype=torch.float32)
-        values.copy_(bits)
-        values.div_(scales)
-        codes = torch.empty(bits.shape, dtype=torch.uint8)
-        codes.view(torch.float8_e4m3fn).copy_(values)
-        known = _saturating[id(torch)] = codes[0].tolist() == [c for _, _, c in _CAST_CASES]
-    return known
+    bits = torch.tensor([[b for b, _, _ in _CAST_CASES]], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    scales = torch.tensor([[s for _, s, _ in _CAST_CASES]], dtype=torch.float32)
+    values = torch.empty(bits.shape, dtype=torch.float32)
+    values.copy_(bits)
+    values.div_(scales)
+    codes = torch.empty(bits.shape, dtype=torch.uint8)
+    codes.view(torch.float8_e4m3fn).copy_(values)
+    return codes[0].tolist() == [c for _, _, c in _CAST_CASES]
 
 
 def _quantized_in_bands(bits: np.ndarray, scales: np.ndarray, block: int, output) -> bool:

@@ -200,8 +200,11 @@ def test_the_pinned_torchs_cast_skips_the_bands_check_and_a_cast_unlike_the_refe
     cases = list(agent_kernels._CAST_CASES)
     cases[0] = (cases[0][0], cases[0][1], 0x7F)
     monkeypatch.setattr(agent_kernels, "_CAST_CASES", tuple(cases))
-    monkeypatch.setattr(agent_kernels, "_saturating", {})
-    assert not agent_kernels._band_cast_saturates(torch)
+    agent_kernels._band_cast_saturates.cache_clear()
+    try:
+        assert not agent_kernels._band_cast_saturates(torch)
+    finally:
+        agent_kernels._band_cast_saturates.cache_clear()  # the next caller checks the real cases again
 
 
 def test_every_bfloat16_value_quantized_in_bands_gives_the_references_bits(monkeypatch, band_check):
