@@ -210,7 +210,7 @@ def programs(draw):
     return Program(tensors, tuple(steps), "custom", draw(st.sampled_from([SLOW_HOST, Topology.gpu_hosts()])))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(programs())
 def test_random_programs(program):
     _assert_estimates_as_before(program, Topology(nic_gbps=1.0, intra_host_gbps=1.0))

@@ -117,9 +117,25 @@ def simulate(p: Plan) -> None:
         assert np.array_equal(held[dev][to_slices(tile)], full[to_slices(tile)]), f"{dev} does not get its tile {tile}"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems(), st.sampled_from(["float32", "int8", "float64"]))
+# make test draws fewer problems than the slow suite (make bench): these run on CI's 2 cores, and every run draws
+# new ones (not derandomized), so CI's runs add up.
+DTYPES = st.sampled_from(["float32", "int8", "float64"])
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), DTYPES)
 def test_every_strategy_delivers_exactly_and_auto_is_never_worse(problem, dtype):
+    _every_strategy_delivers_exactly_and_auto_is_never_worse(problem, dtype)
+
+
+@pytest.mark.slow
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), DTYPES)
+def test_every_strategy_delivers_exactly_and_auto_is_never_worse_long(problem, dtype):
+    _every_strategy_delivers_exactly_and_auto_is_never_worse(problem, dtype)
+
+
+def _every_strategy_delivers_exactly_and_auto_is_never_worse(problem, dtype):
     shape, src, dst, topology = problem
     plans = {s: plan(shape, dtype, src, dst, topology, strategy=s) for s in STRATEGIES}
     lower = plans["auto"].lower_bound()
@@ -159,9 +175,23 @@ def problems_with_empty_tiles(draw):
     return shape, src, dst, topology
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+EMPTY_TILES_HEALTH = [HealthCheck.too_slow, HealthCheck.filter_too_much]
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=EMPTY_TILES_HEALTH)
 @given(problems_with_empty_tiles(), st.sampled_from(STRATEGIES))
 def test_empty_destination_tiles_get_no_transfers_and_the_rest_arrive(problem, strategy):
+    _empty_destination_tiles_get_no_transfers_and_the_rest_arrive(problem, strategy)
+
+
+@pytest.mark.slow
+@settings(max_examples=500, deadline=None, suppress_health_check=EMPTY_TILES_HEALTH)
+@given(problems_with_empty_tiles(), st.sampled_from(STRATEGIES))
+def test_empty_destination_tiles_get_no_transfers_and_the_rest_arrive_long(problem, strategy):
+    _empty_destination_tiles_get_no_transfers_and_the_rest_arrive(problem, strategy)
+
+
+def _empty_destination_tiles_get_no_transfers_and_the_rest_arrive(problem, strategy):
     shape, src, dst, topology = problem
     p = plan(shape, "float32", src, dst, topology, strategy=strategy).validate()
     simulate(p)

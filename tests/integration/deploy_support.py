@@ -7,6 +7,7 @@ client runs through the result.
 
 from __future__ import annotations
 
+import os
 import re
 import select
 import socket
@@ -54,12 +55,24 @@ def local(command: list[str]) -> list[str]:
     return [sys.executable, "-m", "reshard.server.cli", *command[1:]]
 
 
+def light_image_environment(folder: Path) -> dict[str, str]:
+    """This environment as the light image's (``pip install reshard``, no torch: the Dockerfile's default) is for
+    a process of this interpreter: a ``sitecustomize`` in ``folder`` marks torch as absent before anything runs,
+    so ``import torch`` fails and `importlib.util.find_spec` says it is not installed, as in that image."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text('import sys\n\nsys.modules["torch"] = None  # the light image\n')
+    path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
+
+
 class Processes:
     """Processes started for one test, stopped (SIGTERM, as an orchestrator does) when it ends."""
 
-    def __init__(self, log_dir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S):
+    def __init__(self, log_dir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S,
+                 env: dict[str, str] | None = None):
         self.log_dir = log_dir
         self.startup_timeout_s = startup_timeout_s
+        self.env = env  # None: this process's
         self._procs: list[subprocess.Popen] = []
 
     def start(self, commands: dict[str, list[str]]) -> dict[str, str]:
@@ -70,7 +83,7 @@ class Processes:
         for name, command in commands.items():
             with open(self.log_dir / f"{name.replace('/', '-')}.log", "ab") as log:
                 started[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log,
-                                                 stdin=subprocess.DEVNULL)
+                                                 stdin=subprocess.DEVNULL, env=self.env)
             self._procs.append(started[name])
         addresses: dict[str, str] = {}
         deadline = time.monotonic() + self.startup_timeout_s

@@ -25,7 +25,8 @@ import yaml
 from reshard.client import Client, UnauthenticatedError
 from reshard.proto.auth import read_token_file
 
-from .deploy_support import FreePorts, Processes, local, reshard_through, run_checks, wait_devices, wait_serving
+from .deploy_support import (FreePorts, Processes, light_image_environment, local, reshard_through, run_checks,
+                             wait_devices, wait_serving)
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = [f"agent{i}" for i in range(4)]
@@ -191,7 +192,8 @@ def test_compose_services_serve_a_client_on_the_host(tmp_path):
     (tmp_path / "cluster_token").write_text(cluster_token + "\n")  # as `openssl rand -hex 24 >` writes it
     commands, checks = translate(services, tmp_path)
     planner_address = _arg(checks["planner"], "health")
-    with Processes(tmp_path) as procs:
+    # The services run as compose's image has them: the light install, no torch (the Dockerfile's default EXTRAS)
+    with Processes(tmp_path, env=light_image_environment(tmp_path / "light-image")) as procs:
         # Compose starts a service once what it depends on is healthy: the planner, then the agents.
         procs.start({"planner": commands["planner"]})
         wait_serving(planner_address, "reshard.v1.Planner")
@@ -203,6 +205,7 @@ def test_compose_services_serve_a_client_on_the_host(tmp_path):
             wait_devices(c, [f"{a}/{d}" for a in AGENTS for d in range(4)])
             assert {a["host"]: a["address"] for a in c.agents()} == {a: _arg(commands[a], "--advertise")
                                                                       for a in AGENTS}
+            assert {a["transport"] for a in c.agents()} == {"grpc"}  # the default, auto, without torch
             reshard_through(c, "compose", AGENTS[:2], AGENTS[2:], 4)
         with Client(planner_address, token=None) as stranger:
             with pytest.raises(UnauthenticatedError, match="needs the cluster token"):
