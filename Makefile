@@ -41,7 +41,7 @@ demo: $(DEMO_STAMP)
 	$(VENV)/bin/reshard demo
 
 # Two pytest workers (pytest-xdist) on CI's 2 cores: the suite's processes often wait on one another (starts,
-# heartbeats, timeouts), so two fit: 520-537 s here (fresh clones, 2026-12-01; the install adds about a minute).
+# heartbeats, timeouts), so two fit: 486 s here (a fresh clone, 2026-12-02; the install adds about a minute).
 # Three filled the cores' idle seventh (485-551 s), but under that load a NIXL ring test's host gave up its stream
 # once in three runs: not worth a flaky CI. worksteal hands each worker its share of the suite in order (a module's
 # cluster starts once where its tests stay together) and moves queued tests to the one that runs dry.
