@@ -32,7 +32,8 @@ from reshard.proto.auth import TlsFiles
 from reshard.server.common.sizes import parse_size
 from reshard.server.devtools.certs import make_certs
 
-from .deploy_support import STARTUP_TIMEOUT_S, Processes, local, reshard_through, wait_devices, wait_serving
+from .deploy_support import (STARTUP_TIMEOUT_S, Processes, light_image_environment, local, reshard_through, wait_devices,
+                             wait_serving)
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -246,8 +247,9 @@ def _probe(ip: str, c: dict) -> None:
 
 
 def _run_overlay(rendered_docs: list[dict], tmp: Path, nodes: list[str], device: str = "",
-                 containers: int = 0, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Run the overlay's planner and its agents' pod on ``nodes``, then a reshard from a client pod."""
+                 containers: int = 0, startup_timeout_s: float = STARTUP_TIMEOUT_S, light: bool = False) -> None:
+    """Run the overlay's planner and its agents' pod on ``nodes``, then a reshard from a client pod; ``light``: as
+    the light image (no torch) runs them, the image the README builds for CPU nodes."""
     subnet = f"127.{random.randrange(1, 255)}.{random.randrange(1, 255)}"
     planner_ip = f"{subnet}.1"
     kubelet = Kubelet(rendered_docs, tmp / "pods", {"reshard-planner": planner_ip})
@@ -263,7 +265,8 @@ def _run_overlay(rendered_docs: list[dict], tmp: Path, nodes: list[str], device:
     tls_folder = tmp / "pods" / "planner" / "tls"
     tls = TlsFiles(str(tls_folder / "tls.crt"), str(tls_folder / "tls.key"), str(tls_folder / "ca.crt"),
                    server_name="reshard")
-    with Processes(tmp, startup_timeout_s) as procs:
+    env = light_image_environment(tmp / "light-image") if light else None
+    with Processes(tmp, startup_timeout_s, env) as procs:
         procs.start(commands)  # as the cluster does: no order; agents retry until the planner answers
         _probe(planner_ip, planner_spec["containers"][0])
         for ip, spec in pods.values():
@@ -281,12 +284,14 @@ def _run_overlay(rendered_docs: list[dict], tmp: Path, nodes: list[str], device:
                           for name, cmd in commands.items() if not name.startswith("planner/")}
             assert {a["host"]: a["address"] for a in c.agents()} == advertised
             assert all(a.rsplit(":", 1)[0] in {ip for ip, _ in pods.values()} for a in advertised.values())
+            if light:
+                assert {a["transport"] for a in c.agents()} == {"grpc"}  # the default, auto, without torch
             half = len(hosts) // 2
             reshard_through(c, "k8s", hosts[:half], hosts[half:], per_host)
 
 
 def test_cpu_overlay_runs_a_reshard(rendered, tmp_path):
-    _run_overlay(rendered["cpu"], tmp_path, ["node-a", "node-b"])
+    _run_overlay(rendered["cpu"], tmp_path, ["node-a", "node-b"], light=True)
 
 
 @pytest.mark.slow  # 19 s of make test: its manifests are checked above, and the CPU overlay's run is the same path
