@@ -68,11 +68,11 @@ def light_image_environment(folder: Path) -> dict[str, str]:
 class Processes:
     """Processes started for one test, stopped (SIGTERM, as an orchestrator does) when it ends."""
 
-    def __init__(self, log_dir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S,
-                 env: dict[str, str] | None = None):
+    def __init__(self, log_dir: Path, startup_timeout_s: float = STARTUP_TIMEOUT_S, light_image: bool = False):
         self.log_dir = log_dir
         self.startup_timeout_s = startup_timeout_s
-        self.env = env  # None: this process's
+        # light_image: the processes run without torch, as in the image the Dockerfile builds by default
+        self.env = light_image_environment(log_dir / "light-image") if light_image else None
         self._procs: list[subprocess.Popen] = []
 
     def start(self, commands: dict[str, list[str]]) -> dict[str, str]:

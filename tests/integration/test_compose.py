@@ -25,8 +25,7 @@ import yaml
 from reshard.client import Client, UnauthenticatedError
 from reshard.proto.auth import read_token_file
 
-from .deploy_support import (FreePorts, Processes, light_image_environment, local, reshard_through, run_checks,
-                             wait_devices, wait_serving)
+from .deploy_support import FreePorts, Processes, local, reshard_through, run_checks, wait_devices, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = [f"agent{i}" for i in range(4)]
@@ -193,7 +192,7 @@ def test_compose_services_serve_a_client_on_the_host(tmp_path):
     commands, checks = translate(services, tmp_path)
     planner_address = _arg(checks["planner"], "health")
     # The services run as compose's image has them: the light install, no torch (the Dockerfile's default EXTRAS)
-    with Processes(tmp_path, env=light_image_environment(tmp_path / "light-image")) as procs:
+    with Processes(tmp_path, light_image=True) as procs:
         # Compose starts a service once what it depends on is healthy: the planner, then the agents.
         procs.start({"planner": commands["planner"]})
         wait_serving(planner_address, "reshard.v1.Planner")

@@ -32,8 +32,7 @@ from reshard.proto.auth import TlsFiles
 from reshard.server.common.sizes import parse_size
 from reshard.server.devtools.certs import make_certs
 
-from .deploy_support import (STARTUP_TIMEOUT_S, Processes, light_image_environment, local, reshard_through, wait_devices,
-                             wait_serving)
+from .deploy_support import STARTUP_TIMEOUT_S, Processes, local, reshard_through, wait_devices, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -265,8 +264,7 @@ def _run_overlay(rendered_docs: list[dict], tmp: Path, nodes: list[str], device:
     tls_folder = tmp / "pods" / "planner" / "tls"
     tls = TlsFiles(str(tls_folder / "tls.crt"), str(tls_folder / "tls.key"), str(tls_folder / "ca.crt"),
                    server_name="reshard")
-    env = light_image_environment(tmp / "light-image") if light else None
-    with Processes(tmp, startup_timeout_s, env) as procs:
+    with Processes(tmp, startup_timeout_s, light_image=light) as procs:
         procs.start(commands)  # as the cluster does: no order; agents retry until the planner answers
         _probe(planner_ip, planner_spec["containers"][0])
         for ip, spec in pods.values():
