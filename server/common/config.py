@@ -67,9 +67,13 @@ class AgentConfig:
     # whose next unit waits for a busy peer leaves its links idle: bench/moe_sync.py's kimi-k2 sync (routes through
     # 4 serving hosts in many orders) took 11.6 s on emulated 1 Gbit/s links with 4, 11.2 with 8, 10.3-10.8 with
     # 16, 10.1-10.4 with 32 (nixl: 15.7 with 4, 14.7 with 16), while bench/weight_sync.py's, on those links and on
-    # loopback, and the hidden-512 MoE sync on loopback moved within noise of themselves from 4 to 16. A lane costs
-    # a thread, and a bucket it may hold (counted up front).
-    collective_lanes: int = 16
+    # loopback, and the hidden-512 MoE sync on loopback moved within noise of themselves from 4 to 16. On a quieter
+    # machine, one cluster per setting taking turns (2026-12-02 and -03): kimi-k2 medians of 3 with 16 lanes 9.76,
+    # 9.74, 9.64, 9.71 s, with 32 9.62, 9.48, 9.31, 9.46 s (every pair faster with 32); bench/weight_sync.py with
+    # 16, then 32, twice: reshard_many at 1.04x, 0.88x raw gloo's speed with 16 and 1.00x, 1.08x with 32, the
+    # emulated sync 1.18x, 1.17x its bound against 1.21x, 1.14x, its RL delta steps 1.76x, 2.25x faster than whole
+    # against 1.94x, 1.94x: no loss. A lane costs a thread, and a bucket it may hold (counted up front).
+    collective_lanes: int = 32
     # A directory where the agent appends a line of JSON per task it runs (reshard.server.agent.trace: when each
     # send, receive and kernel began and ended), to see where a job's time went on each host
     # (reshard.server.devtools.task_trace); "": off

@@ -143,9 +143,9 @@ class NixlTransport(Transport):
     scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
     lands_on_gpu = True  # a box bound for a GPU tile lands in GPU memory (VRAM), not host scratch
 
-    # ``lanes``: 16, `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here
+    # ``lanes``: 32, `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here
     # alone, as the tests make them, runs as many as an agent would
-    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 16, chunk_bytes: int, timeout_s: float,
+    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 32, chunk_bytes: int, timeout_s: float,
                  throttle: Throttle | None = None, stall_timeout_s: float | None = None,
                  shared_memory: bool | None = None, poll_pause_s: float = POLL_MIN_S):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
