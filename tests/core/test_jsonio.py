@@ -221,8 +221,10 @@ def held_up(piece_chars):
 
 
 # The best of three in pieces: a thread also waits while this process is not scheduled at all, which on a loaded
-# host (every suite at once) is a spike in one reading, not a hold of the GIL in each
-pieces, whole = min(held_up(jsonio.PIECE_CHARS) for _ in range(3)), held_up(10**12)
+# host (every suite at once) is a spike in one reading, not a hold of the GIL in each; the median of three whole,
+# which such a spike only lengthens
+pieces = min(held_up(jsonio.PIECE_CHARS) for _ in range(3))
+whole = sorted(held_up(10**12) for _ in range(3))[1]
 print(json.dumps({"pieces": pieces, "whole": whole}))
 """
 
@@ -232,11 +234,13 @@ def test_a_program_sized_document_reads_in_pieces_and_lets_other_threads_run():
     GIL for 0.6 s here, its own decoding and the collector's passes it set off, and an agent's heartbeat thread,
     which cannot run meanwhile, then missed the planner's 5 s on a loaded host and the agent was marked down in the
     middle of its job. Read in pieces, a thread that sleeps 5 ms at a time waits at most for one piece or one
-    collector pass. The test reads half of that document (7.5 MiB, still 30 pieces), four times: the whole of it
-    took 13 s of make test."""
+    collector pass. The test reads half of that document (7.5 MiB, still 30 pieces), six times: the whole of it
+    took 13 s of make test. A collector pass over the half document's heap takes about 0.1 s here, so read in pieces
+    a thread waits up to 0.08-0.12 s against 0.15-0.29 s whole (idle machine, three runs of three): the bound is
+    two thirds of the whole's hold, which reading it whole in pieces' place (about the whole's hold) still fails."""
     run = subprocess.run([sys.executable, "-c", _HELD_UP], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     held = json.loads(run.stdout.splitlines()[-1])
-    assert held["pieces"] < held["whole"] / 2, (
+    assert held["pieces"] < held["whole"] / 1.5, (
         f"a sleeping thread was held up {held['pieces']:.3f} s while the document was read in pieces, "
         f"{held['whole']:.3f} s while it was read whole")
