@@ -93,6 +93,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.proto.devices import is_cuda
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from reshard.server.common.config import AgentConfig
 from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
@@ -143,9 +144,9 @@ class NixlTransport(Transport):
     scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
     lands_on_gpu = True  # a box bound for a GPU tile lands in GPU memory (VRAM), not host scratch
 
-    # ``lanes``: 32, `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here
-    # alone, as the tests make them, runs as many as an agent would
-    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = 32, chunk_bytes: int, timeout_s: float,
+    # ``lanes``: `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here alone, as
+    # the tests make them, runs as many as an agent would
+    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = AgentConfig.collective_lanes, chunk_bytes: int, timeout_s: float,
                  throttle: Throttle | None = None, stall_timeout_s: float | None = None,
                  shared_memory: bool | None = None, poll_pause_s: float = POLL_MIN_S):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
