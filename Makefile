@@ -23,7 +23,8 @@ $(PY):
 	@$(PYTHON) -m venv $(VENV)
 	@$(call INSTALL,--upgrade pip)
 
-$(DEMO_STAMP): pyproject.toml | $(PY)
+# reshard/_delta_kernel.c: pip compiles it into the install (an edit needs the install again)
+$(DEMO_STAMP): pyproject.toml reshard/_delta_kernel.c | $(PY)
 	@echo "make: installing reshard and what the demo needs (numpy, gRPC, FastAPI, rich; no torch) into $(VENV)"
 	@$(call INSTALL,-e .)
 	@touch $(DEMO_STAMP)
@@ -31,7 +32,7 @@ $(DEMO_STAMP): pyproject.toml | $(PY)
 # --no-compile: pip would byte-compile every module of torch, JAX and transformers (27 of the install's 57 s here);
 # the tests import a fraction of them, compiled as they first load (about 5 s, once: make unexports
 # PYTHONDONTWRITEBYTECODE above, so the bytecode is kept).
-$(STAMP): pyproject.toml | $(PY)
+$(STAMP): pyproject.toml reshard/_delta_kernel.c | $(PY)
 	@echo "make: installing reshard and its dev extra (torch, JAX, pytest, ...) into $(VENV): minutes the first time"
 	@$(call INSTALL,--no-compile -e '.[dev]')
 	@touch $(STAMP) $(DEMO_STAMP)

@@ -47,6 +47,11 @@ import numpy as np
 
 from reshard.errors import ReshardError
 
+try:  # the sparse passes in C, built by pip where a C compiler is present; numpy does the same work everywhere else
+    from reshard import _delta_kernel as _kernel
+except ImportError:
+    _kernel = None
+
 __all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "SENDER_PASSES", "RECEIVER_PASSES", "DeltaError",
            "Delta", "DeltaEstimate", "encode", "apply", "estimate", "unit_dtype"]
 
@@ -182,6 +187,10 @@ def encode(old: np.ndarray, new: np.ndarray, kind: str | None = None) -> Delta:
         raise DeltaError(f"a delta's kind must be one of {list(KINDS)}, or None for the smallest; got {kind!r}")
     n, size = new_units.size, new.dtype.itemsize
     changed = _changed(old_units, new_units, size)
+    if kind is None and _kernel is not None and size in _UNSIGNED:
+        sparse = _kernel_sparse(changed, new_units, n, size)
+        if sparse is not None:
+            return sparse
     # The indices at once where a sparse delta may be asked for (their count is k: one pass over `changed`, not two)
     index = np.flatnonzero(changed) if kind in (None, SPARSE) else None
     k = index.size if index is not None else int(np.count_nonzero(changed))
@@ -237,6 +246,9 @@ def apply(old: np.ndarray, delta: Delta, out: np.ndarray | None = None) -> np.nd
     if delta.kind == FULL:
         out_units[...] = payload.view(out_units.dtype)
         return out
+    if delta.kind == SPARSE and _kernel is not None and size in _UNSIGNED and _kernel.apply_sparse(
+            old_units, out_units, payload[:len(payload) - k * size], values, k, size):
+        return out  # else the stream is malformed: the numpy path below finds how, and says so
     out_units[...] = old_units
     if delta.kind == BITMAP:
         changed = np.unpackbits(payload[:_bitmap_nbytes(delta.num_elements)], count=delta.num_elements,
@@ -282,6 +294,20 @@ def estimate(num_elements: int, itemsize: int, num_changed: int) -> DeltaEstimat
 
 def _bitmap_nbytes(num_elements: int) -> int:
     return (num_elements + 7) // 8
+
+
+def _kernel_sparse(changed: np.ndarray, new_units: np.ndarray, n: int, size: int) -> Delta | None:
+    """The sparse delta `encode` would pick, by the compiled pass (`_kernel`), where sparse is the smallest: its
+    gaps must take fewer bytes than a bitmap (one bit an element), which also bounds the values, one a gap."""
+    vcap = _bitmap_nbytes(n)
+    out = np.empty(vcap * (1 + size), dtype=np.uint8)
+    got = _kernel.encode_sparse(changed, new_units, size, out)
+    if got is None:
+        return None
+    k, nvarint = got
+    if nvarint + k * size >= n * size:  # a box of a few elements: full is no larger
+        return None
+    return Delta(SPARSE, n, size, k, out[:nvarint + k * size].tobytes())
 
 
 def _units(a, name: str) -> np.ndarray:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import reshard.delta
 from reshard.delta import (
     BITMAP,
     FULL,
@@ -25,6 +26,19 @@ from reshard.dtypes import holder_name
 # How numpy holds each dtype the tests draw: bfloat16 and float8 as their bits (`reshard.dtypes.BITS_DTYPES`).
 DTYPES = [np.dtype(holder_name(name)) for name in ("bfloat16", "float8_e4m3fn", "float32", "int64")]
 PATTERNS = ("none", "one", "random 1%", "a row", "everything", "first and last", "random")
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def codec(request, monkeypatch):
+    """Every test on both paths: the compiled sparse passes (`reshard._delta_kernel`, which pip builds where a C
+    compiler is present, as on every machine `make test` runs on) and numpy's, which serves everywhere else. A delta
+    `encode` is told the kind of is numpy's either way, so the round trip below compares the two byte for byte."""
+    if request.param == "numpy":
+        monkeypatch.setattr(reshard.delta, "_kernel", None)
+    elif reshard.delta._kernel is None:
+        pytest.fail("reshard._delta_kernel is not built: pip compiles it at install time where gcc or cc is on the "
+                    "PATH (pip install -e . again, and see the build log for the compiler's error)")
+    return request.param
 
 
 def _flip(units: np.ndarray, mask: np.ndarray, rng: np.random.Generator) -> None:
@@ -84,7 +98,7 @@ def _sizes_by_hand(old: np.ndarray, new: np.ndarray) -> dict:
             SPARSE: sum(_varint_nbytes(g) for g in gaps) + len(changed) * size}
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(versions())
 def test_apply_rebuilds_new_byte_for_byte_with_the_smallest_kind(case):
     old, new, pattern = case
