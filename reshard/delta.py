@@ -186,11 +186,11 @@ def encode(old: np.ndarray, new: np.ndarray, kind: str | None = None) -> Delta:
     if kind is not None and kind not in _KIND_CODES:
         raise DeltaError(f"a delta's kind must be one of {list(KINDS)}, or None for the smallest; got {kind!r}")
     n, size = new_units.size, new.dtype.itemsize
-    changed = _changed(old_units, new_units, size)
     if kind is None and _kernel is not None and size in _UNSIGNED:
-        sparse = _kernel_sparse(changed, new_units, n, size)
+        sparse = _kernel_sparse(old_units, new_units, n, size)
         if sparse is not None:
             return sparse
+    changed = _changed(old_units, new_units, size)
     # The indices at once where a sparse delta may be asked for (their count is k: one pass over `changed`, not two)
     index = np.flatnonzero(changed) if kind in (None, SPARSE) else None
     k = index.size if index is not None else int(np.count_nonzero(changed))
@@ -296,12 +296,12 @@ def _bitmap_nbytes(num_elements: int) -> int:
     return (num_elements + 7) // 8
 
 
-def _kernel_sparse(changed: np.ndarray, new_units: np.ndarray, n: int, size: int) -> Delta | None:
+def _kernel_sparse(old_units: np.ndarray, new_units: np.ndarray, n: int, size: int) -> Delta | None:
     """The sparse delta `encode` would pick, by the compiled pass (`_kernel`), where sparse is the smallest: its
     gaps must take fewer bytes than a bitmap (one bit an element), which also bounds the values, one a gap."""
     vcap = _bitmap_nbytes(n)
     out = np.empty(vcap * (1 + size), dtype=np.uint8)
-    got = _kernel.encode_sparse(changed, new_units, size, out)
+    got = _kernel.encode_sparse(old_units, new_units, size, out)
     if got is None:
         return None
     k, nvarint = got
