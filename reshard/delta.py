@@ -53,7 +53,8 @@ except ImportError:
     _kernel = None
 
 __all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "SENDER_PASSES", "RECEIVER_PASSES", "DeltaError",
-           "Delta", "DeltaEstimate", "encode", "apply", "estimate", "unit_dtype"]
+           "Delta", "DeltaEstimate", "encode", "encode_into", "apply", "apply_into", "sparse_header", "estimate",
+           "unit_dtype"]
 
 SPARSE = "sparse"
 BITMAP = "bitmap"
@@ -261,6 +262,51 @@ def apply(old: np.ndarray, delta: Delta, out: np.ndarray | None = None) -> np.nd
     else:
         out_units[_sparse_index(payload[:len(payload) - k * size], k, delta.num_elements)] = values
     return out
+
+
+def encode_into(old: np.ndarray, new: np.ndarray, itemsize: int, out: np.ndarray) -> int:
+    """`encode` of two boxes given as their packed bytes (C-contiguous uint8 of elements of ``itemsize``), written
+    as `Delta.to_bytes` would into ``out`` (uint8, room for a full delta: `HEADER_NBYTES` and the box); returns its
+    bytes. A frame's sender calls it per segment: the compiled pass writes straight into the frame, with no
+    `Delta` and none of its copies."""
+    n = old.nbytes // itemsize
+    room = _bitmap_nbytes(n) * (1 + itemsize)
+    if _kernel is not None and itemsize in _UNSIGNED and old.nbytes == new.nbytes and out.nbytes >= HEADER_NBYTES + room:
+        got = _kernel.encode_sparse(old, new, itemsize, out[HEADER_NBYTES:HEADER_NBYTES + room])
+        if got is not None and got[1] + got[0] * itemsize < n * itemsize:
+            k, nvarint = got
+            _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _KIND_CODES[SPARSE], itemsize, n, k)
+            return HEADER_NBYTES + nvarint + k * itemsize
+    wire = encode(old.view(unit_dtype(itemsize)), new.view(unit_dtype(itemsize))).to_bytes()
+    out[:len(wire)] = np.frombuffer(wire, dtype=np.uint8)
+    return len(wire)
+
+
+def sparse_header(encoded: np.ndarray) -> tuple[int, int] | None:
+    """(elements, itemsize) of a well-headed sparse delta's bytes (uint8); None for any other bytes (a delta of
+    another kind, or no delta: `Delta.from_bytes` says which)."""
+    if len(encoded) < HEADER_NBYTES:
+        return None
+    magic, version, code, size, n, _ = _HEADER.unpack_from(encoded)
+    return (n, size) if magic == _MAGIC and version == _VERSION and code == _KIND_CODES[SPARSE] else None
+
+
+def apply_into(old: np.ndarray, encoded: np.ndarray, out: np.ndarray, itemsize: int) -> None:
+    """`apply` of an encoded delta (``encoded``: `Delta.to_bytes`'s bytes, uint8) to a box given as its packed
+    bytes (``old``, C-contiguous uint8 of elements of ``itemsize``) into ``out`` (the same, not overlapping ``old``).
+    A sparse delta that fits goes straight to the compiled pass; anything else, a malformed one included, through
+    `Delta.from_bytes` and `apply`, which name what is wrong (`DeltaError`)."""
+    if _kernel is not None and itemsize in _UNSIGNED and len(encoded) >= HEADER_NBYTES:
+        magic, version, code, size, n, k = _HEADER.unpack_from(encoded)
+        values = k * size
+        if (magic == _MAGIC and version == _VERSION and code == _KIND_CODES[SPARSE] and size == itemsize
+                and n * size == old.nbytes == out.nbytes and values <= len(encoded) - HEADER_NBYTES
+                and out.flags.writeable and not np.may_share_memory(out, old)
+                and _kernel.apply_sparse(old, out, encoded[HEADER_NBYTES:len(encoded) - values],
+                                         encoded[len(encoded) - values:], k, size)):
+            return
+    unit = unit_dtype(itemsize)
+    apply(old.view(unit), Delta.from_bytes(encoded), out=out.view(unit))
 
 
 def estimate(num_elements: int, itemsize: int, num_changed: int) -> DeltaEstimate:

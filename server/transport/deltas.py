@@ -60,7 +60,8 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.delta import FULL, HEADER_NBYTES, Delta, DeltaError, apply, encode, unit_dtype
+from reshard.delta import (FULL, HEADER_NBYTES, Delta, DeltaError, apply, apply_into, encode_into, sparse_header,
+                           unit_dtype)
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, digest
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
@@ -167,6 +168,8 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_diges
         if seg.versions is None:
             n = (seg.hi - seg.lo) // seg.itemsize
             enc = Delta(FULL, n, seg.itemsize, n, cur.tobytes()).to_bytes()
+            out[at:at + len(enc)] = np.frombuffer(enc, dtype=np.uint8)
+            length = len(enc)
         else:
             old = d.sender_base(k)
             if old is None:
@@ -174,11 +177,10 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_diges
                     f"{DELTA_BASE_MISMATCH}: tensor '{seg.name}': the sending device {d.sender} holds no version "
                     f"{seg.versions[0]} with {_where(job, d, seg)} to diff against; the planner moves it whole")
             base_digest = digest(old)
-            enc = encode(_items(old, seg.itemsize), _items(cur, seg.itemsize)).to_bytes()
-        out[at:at + len(enc)] = np.frombuffer(enc, dtype=np.uint8)
-        table[k] = (len(enc), base_digest)
-        lengths.append(len(enc))
-        at += len(enc)
+            length = encode_into(old, cur, seg.itemsize, out[at:])
+        table[k] = (length, base_digest)
+        lengths.append(length)
+        at += length
     if new_digest is None:
         new_digest = _parts_digest(new) if isinstance(new, Segments) else digest(new)
     HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, _table_digest(table), new_digest)
@@ -340,12 +342,24 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
         if at + length > len(frame):
             raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step} runs past the "
                                        f"frame's {len(frame)} bytes")
-        try:
-            delta = Delta.from_bytes(frame[at:at + length])
-        except DeltaError as e:
-            raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
+        encoded = frame[at:at + length]
         at += length
         n = (seg.hi - seg.lo) // seg.itemsize
+        if seg.versions is not None and not missing and sparse_header(encoded) == (n, seg.itemsize):
+            # The common case, kept short: a sparse delta of this segment's box, applied by `apply_into`
+            old = d.receiver_base(device, k)
+            if old is None:
+                missing.append(k)
+                continue
+            try:
+                apply_into(old, encoded, targets[k], seg.itemsize)
+            except DeltaError as e:
+                raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
+            continue
+        try:
+            delta = Delta.from_bytes(encoded)
+        except DeltaError as e:
+            raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
         if delta.num_elements != n or delta.itemsize != seg.itemsize:
             raise InvalidArgumentError(
                 f"job {job}: segment {k} of the delta frame of step {d.step} encodes {delta.num_elements} elements of "

@@ -18,8 +18,11 @@ from reshard.delta import (
     Delta,
     DeltaError,
     apply,
+    apply_into,
     encode,
+    encode_into,
     estimate,
+    sparse_header,
 )
 from reshard.dtypes import holder_name
 
@@ -324,3 +327,35 @@ def test_estimate_refuses_counts_that_cannot_be():
         estimate(10, 2, 11)
     with pytest.raises(DeltaError, match=r"itemsize must be a non-negative integer; got 2.0"):
         estimate(10, 2.0, 1)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(versions())
+def test_the_byte_level_calls_write_what_to_bytes_writes_and_rebuild_new(case):
+    """`encode_into` and `apply_into`, a frame's per-segment calls: the same bytes as `encode(...).to_bytes()`, into
+    the frame's room, and the same rebuilt box, on packed bytes."""
+    old, new, _ = case
+    size = old.dtype.itemsize
+    old_b, new_b = old.reshape(-1).view(np.uint8), new.reshape(-1).view(np.uint8)
+    room = np.full(HEADER_NBYTES + old.nbytes + 64, 0xEE, dtype=np.uint8)
+    length = encode_into(old_b, new_b, size, room)
+    assert room[:length].tobytes() == encode(old, new).to_bytes()
+    out = np.empty_like(old_b)
+    apply_into(old_b, room[:length], out, size)
+    assert out.tobytes() == new.tobytes()
+
+
+def test_apply_into_refuses_a_malformed_sparse_delta_saying_why():
+    old = np.zeros(300, dtype=np.uint16).view(np.uint8)
+    good = _delta_bytes()  # gaps 0 and 298, then two values
+    bad = bytearray(good)
+    bad[HEADER_NBYTES + 1] = 0xAB  # the second gap runs past the box
+    with pytest.raises(DeltaError, match=r"its gaps reach past the end: the message is corrupted"):
+        apply_into(old, np.frombuffer(bytes(bad), dtype=np.uint8), np.empty_like(old), 2)
+    with pytest.raises(DeltaError, match=r"a delta applies to the box it was taken from"):
+        apply_into(old[:500], np.frombuffer(good, dtype=np.uint8), np.empty(500, dtype=np.uint8), 2)
+    out = np.empty_like(old)
+    apply_into(old, np.frombuffer(good, dtype=np.uint8), out, 2)
+    assert np.count_nonzero(out.view(np.uint16)) == 2
+    assert sparse_header(np.frombuffer(good, dtype=np.uint8)) == (300, 2)
+    assert sparse_header(np.frombuffer(b"RSDL", dtype=np.uint8)) is None
