@@ -62,7 +62,8 @@ static inline uint64_t differ64(const uint8_t *a, const uint8_t *b) {
 /* Returns 0 with *k and *nv set, or -1 where the varints reach vcap (a bitmap is then at least as small).
  * Old and new are compared 64 bytes at a time; in a block where any byte differs, each changed element is found
  * by the trailing zeros of the block's mask, and its bits cleared, so a block without a change costs a compare. */
-static int encode_core(const uint8_t *restrict a, const uint8_t *restrict b, Py_ssize_t n, int s,
+static inline __attribute__((always_inline)) int encode_core(const uint8_t *restrict a, const uint8_t *restrict b,
+                                                             Py_ssize_t n, int s,
                        uint8_t *restrict varints, Py_ssize_t vcap, uint8_t *restrict values, Py_ssize_t *k,
                        Py_ssize_t *nv) {
     Py_ssize_t prev = -1;
@@ -83,6 +84,18 @@ static int encode_core(const uint8_t *restrict a, const uint8_t *restrict b, Py_
         if (memcmp(a + i * s, b + i * s, (size_t)s) && emit(i, &prev, b, s, varints, vcap, nv, values, k)) return -1;
     }
     return 0;
+}
+
+/* Each pass once per itemsize, the size a constant there: a value's copy is then one load and one store, not a call
+ * into the C library's memcpy per changed element. */
+static int encode_sized(const uint8_t *a, const uint8_t *b, Py_ssize_t n, int s, uint8_t *varints, Py_ssize_t vcap,
+                        uint8_t *values, Py_ssize_t *k, Py_ssize_t *nv) {
+    switch (s) {
+    case 1: return encode_core(a, b, n, 1, varints, vcap, values, k, nv);
+    case 2: return encode_core(a, b, n, 2, varints, vcap, values, k, nv);
+    case 4: return encode_core(a, b, n, 4, varints, vcap, values, k, nv);
+    default: return encode_core(a, b, n, 8, varints, vcap, values, k, nv);
+    }
 }
 
 static int unit_size(int s) { return s == 1 || s == 2 || s == 4 || s == 8; }
@@ -115,7 +128,7 @@ static PyObject *encode_sparse(PyObject *self, PyObject *args) {
     uint8_t *o = (uint8_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
     /* fewer gap bytes than vcap, for sparse to be smaller than the bitmap: none at all for an empty box */
-    rc = n ? encode_core((const uint8_t *)old.buf, (const uint8_t *)new_.buf, n, s, o, vcap - 1, o + vcap, &k, &nv)
+    rc = n ? encode_sized((const uint8_t *)old.buf, (const uint8_t *)new_.buf, n, s, o, vcap - 1, o + vcap, &k, &nv)
            : -1;
     if (!rc) memmove(o + nv, o + vcap, (size_t)(k * s));
     Py_END_ALLOW_THREADS
@@ -133,7 +146,8 @@ done:
 }
 
 /* Returns 0, or -1 where the stream is not k well-formed gaps inside n elements (the caller's numpy path names why). */
-static int apply_core(const uint8_t *stream, Py_ssize_t len, const uint8_t *values, Py_ssize_t k, Py_ssize_t n,
+static inline __attribute__((always_inline)) int apply_core(const uint8_t *stream, Py_ssize_t len,
+                                                            const uint8_t *values, Py_ssize_t k, Py_ssize_t n,
                       int s, uint8_t *out) {
     Py_ssize_t pos = 0;
     uint64_t next = 0; /* the first index the next gap may name */
@@ -156,6 +170,16 @@ static int apply_core(const uint8_t *stream, Py_ssize_t len, const uint8_t *valu
     return pos == len ? 0 : -1;
 }
 
+static int apply_sized(const uint8_t *stream, Py_ssize_t len, const uint8_t *values, Py_ssize_t k, Py_ssize_t n,
+                       int s, uint8_t *out) {
+    switch (s) {
+    case 1: return apply_core(stream, len, values, k, n, 1, out);
+    case 2: return apply_core(stream, len, values, k, n, 2, out);
+    case 4: return apply_core(stream, len, values, k, n, 4, out);
+    default: return apply_core(stream, len, values, k, n, 8, out);
+    }
+}
+
 PyDoc_STRVAR(apply_sparse_doc,
 "apply_sparse(old, out, stream, values, k, itemsize) -> bool\n\n"
 "old copied into out (one length, not overlapping), then the k values written where the varint gaps of stream\n"
@@ -176,7 +200,7 @@ static PyObject *apply_sparse(PyObject *self, PyObject *args) {
     int rc;
     Py_BEGIN_ALLOW_THREADS
     memcpy(out.buf, old.buf, (size_t)old.len);
-    rc = apply_core((const uint8_t *)stream.buf, stream.len, (const uint8_t *)values.buf, k, old.len / s, s,
+    rc = apply_sized((const uint8_t *)stream.buf, stream.len, (const uint8_t *)values.buf, k, old.len / s, s,
                     (uint8_t *)out.buf);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(rc == 0);
