@@ -20,6 +20,11 @@ import xxhash
 from reshard.box import Box, volume
 from reshard.dtypes import holder_name, itemsize
 
+try:  # built by pip where a C compiler is present (reshard.delta's sparse passes, and a digest of strided bytes)
+    from reshard import _delta_kernel as _kernel
+except ImportError:
+    _kernel = None
+
 __all__ = ["np_dtype", "chunk_boxes", "Checksum", "digest", "tile_shape"]
 
 
@@ -67,6 +72,17 @@ def chunk_boxes(box: Box, dtype, chunk_bytes: int) -> Iterator[Box]:
 def digest(data) -> int:
     """XXH3-64 of one C-contiguous buffer: what a `Checksum` fed the same bytes in pieces reports."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def digest_views(*views: np.ndarray) -> int:
+    """`digest` of numpy arrays' bytes in C order, one after another, each of any strides: read where they lie by
+    the compiled delta kernel where it is built (`reshard._delta_kernel.digest`), else each packed first."""
+    if _kernel is not None:
+        return _kernel.digest(*views)
+    check = xxhash.xxh3_64()
+    for v in views:
+        check.update(np.ascontiguousarray(v))
+    return check.intdigest()
 
 
 class Checksum:

@@ -6,6 +6,11 @@
  * is one pass: encode compares 64 bytes at a time and, where they differ, writes each changed element's gap and
  * value; apply copies the base, then reads each gap and writes its value. Both release the GIL.
  *
+ * A sender's boxes are often strided regions of its tiles (a row-parallel weight's columns): encode and `digest`
+ * read any strided buffer (the buffer protocol's shape and strides) run by run, so neither end packs a box first.
+ * `digest` is XXH3-64 (seed 0) over a buffer's bytes in C order, the same number `xxhash.xxh3_64_intdigest` gives
+ * the packed bytes (xxHash's own header, vendored in _vendor/ under its BSD-2-Clause license).
+ *
  * Only plain C and the buffer protocol: no numpy headers, so it builds wherever pip finds a C compiler.
  */
 #define PY_SSIZE_T_CLEAN
@@ -17,10 +22,74 @@
 #error "reshard._delta_kernel reads elements as little-endian words; reshard.delta's numpy path serves other hosts"
 #endif
 
+#define XXH_INLINE_ALL
+#include "_vendor/xxhash.h"
+
 #define MAX_VARINT_NBYTES 9 /* as reshard.delta._MAX_VARINT_NBYTES: 63 bits */
 
-/* Emit element i: its gap as LEB128 into varints (capacity vcap; -1 when it runs out) and its value. */
-static inline int emit(Py_ssize_t i, Py_ssize_t *prev, const uint8_t *new_bytes, int s, uint8_t *varints,
+/* A buffer as runs of contiguous bytes in C order: `run` bytes at `base`, then at each step of the `nouter` outer
+ * dimensions (their `shape` and `strides`). A C-contiguous buffer is one run. */
+typedef struct {
+    const uint8_t *base;
+    Py_ssize_t run, nruns;
+    int nouter;
+    Py_ssize_t shape[64], strides[64];
+} Runs;
+
+/* How many trailing dimensions of a strided buffer lie contiguous: each dimension's stride is the bytes of all
+ * those inside it. */
+static int contiguous_tail(const Py_buffer *v) {
+    Py_ssize_t run = v->itemsize;
+    int t = 0;
+    for (int d = v->ndim - 1; d >= 0 && (v->shape[d] == 1 || v->strides[d] == run); d--, t++) run *= v->shape[d];
+    return t;
+}
+
+/* `v` as runs of its last `tail` dimensions (all of them contiguous). */
+static void runs_of(const Py_buffer *v, int tail, Runs *r) {
+    r->base = (const uint8_t *)v->buf;
+    if (v->ndim == 0 || v->strides == NULL) { /* a C-contiguous buffer the exporter gave no strides for */
+        r->run = v->len;
+        r->nruns = v->len ? 1 : 0;
+        r->nouter = 0;
+        return;
+    }
+    r->nouter = v->ndim - tail;
+    r->run = v->itemsize;
+    for (int d = r->nouter; d < v->ndim; d++) r->run *= v->shape[d];
+    r->nruns = 1;
+    for (int d = 0; d < r->nouter; d++) {
+        r->shape[d] = v->shape[d];
+        r->strides[d] = v->strides[d];
+        r->nruns *= v->shape[d];
+    }
+    if (!r->run) r->nruns = 0;
+}
+
+/* Step `at` (run r's address, with its outer index `idx`) to the next run. */
+static inline const uint8_t *next_run(const Runs *r, Py_ssize_t *idx, const uint8_t *at) {
+    for (int d = r->nouter - 1; d >= 0; d--) {
+        at += r->strides[d];
+        if (++idx[d] < r->shape[d]) return at;
+        at -= r->strides[d] * r->shape[d];
+        idx[d] = 0;
+    }
+    return at;
+}
+
+/* A strided buffer (any layout numpy makes) with its shape and strides, or a NULL-strides contiguous one. */
+static int get_strided(PyObject *obj, Py_buffer *v, int writable) {
+    if (PyObject_GetBuffer(obj, v, (writable ? PyBUF_WRITABLE : 0) | PyBUF_STRIDES) < 0) return -1;
+    if (v->ndim > 64) {
+        PyBuffer_Release(v);
+        PyErr_SetString(PyExc_ValueError, "a buffer of more than 64 dimensions");
+        return -1;
+    }
+    return 0;
+}
+
+/* Emit element i: its gap as LEB128 into varints (capacity vcap; -1 when it runs out) and its value, at value. */
+static inline int emit(Py_ssize_t i, Py_ssize_t *prev, const uint8_t *value, int s, uint8_t *varints,
                        Py_ssize_t vcap, Py_ssize_t *nv, uint8_t *values, Py_ssize_t *k) {
     uint64_t gap = (uint64_t)(i - *prev - 1);
     *prev = i;
@@ -33,7 +102,7 @@ static inline int emit(Py_ssize_t i, Py_ssize_t *prev, const uint8_t *new_bytes,
     if (at >= vcap) return -1;
     varints[at++] = (uint8_t)gap;
     *nv = at;
-    memcpy(values + (*k) * s, new_bytes + i * s, (size_t)s);
+    memcpy(values + (*k) * s, value, (size_t)s);
     (*k)++;
     return 0;
 }
@@ -60,41 +129,50 @@ static inline uint64_t differ64(const uint8_t *a, const uint8_t *b) {
 #endif
 
 /* Returns 0 with *k and *nv set, or -1 where the varints reach vcap (a bitmap is then at least as small).
- * Old and new are compared 64 bytes at a time; in a block where any byte differs, each changed element is found
- * by the trailing zeros of the block's mask, and its bits cleared, so a block without a change costs a compare. */
-static inline __attribute__((always_inline)) int encode_core(const uint8_t *restrict a, const uint8_t *restrict b,
-                                                             Py_ssize_t n, int s,
-                       uint8_t *restrict varints, Py_ssize_t vcap, uint8_t *restrict values, Py_ssize_t *k,
-                       Py_ssize_t *nv) {
-    Py_ssize_t prev = -1;
+ * Old and new are compared 64 bytes at a time, run by run (runs of one length, in step); in a block where any byte
+ * differs, each changed element is found by the trailing zeros of the block's mask, and its bits cleared, so a
+ * block without a change costs a compare. */
+static inline __attribute__((always_inline)) int encode_core(const Runs *ra, const Runs *rb, int s,
+                                                             uint8_t *restrict varints, Py_ssize_t vcap,
+                                                             uint8_t *restrict values, Py_ssize_t *k,
+                                                             Py_ssize_t *nv) {
+    Py_ssize_t prev = -1, ia[64] = {0}, ib[64] = {0};
     *k = 0;
     *nv = 0;
     const int shift = s == 1 ? 0 : s == 2 ? 1 : s == 4 ? 2 : 3; /* log2 of the itemsize */
     const uint64_t element = s == 8 ? 0xFF : (((uint64_t)1 << s) - 1); /* one element's bits in a mask */
-    const Py_ssize_t blocks = n * s / 64, per = 64 / s;
-    for (Py_ssize_t blk = 0; blk < blocks; blk++) {
-        uint64_t d = differ64(a + blk * 64, b + blk * 64);
-        while (d) {
-            int j = __builtin_ctzll(d) >> shift;
-            d &= ~(element << (j << shift));
-            if (emit(blk * per + j, &prev, b, s, varints, vcap, nv, values, k)) return -1;
+    const Py_ssize_t per = 64 / s, blocks = ra->run / 64, n = ra->run / s;
+    const uint8_t *a = ra->base, *b = rb->base;
+    for (Py_ssize_t r = 0; r < ra->nruns; r++) {
+        const Py_ssize_t first = r * n;
+        for (Py_ssize_t blk = 0; blk < blocks; blk++) {
+            uint64_t d = differ64(a + blk * 64, b + blk * 64);
+            while (d) {
+                int j = __builtin_ctzll(d) >> shift;
+                d &= ~(element << (j << shift));
+                Py_ssize_t i = blk * per + j;
+                if (emit(first + i, &prev, b + i * s, s, varints, vcap, nv, values, k)) return -1;
+            }
         }
-    }
-    for (Py_ssize_t i = blocks * per; i < n; i++) {
-        if (memcmp(a + i * s, b + i * s, (size_t)s) && emit(i, &prev, b, s, varints, vcap, nv, values, k)) return -1;
+        for (Py_ssize_t i = blocks * per; i < n; i++) {
+            if (memcmp(a + i * s, b + i * s, (size_t)s) &&
+                emit(first + i, &prev, b + i * s, s, varints, vcap, nv, values, k)) return -1;
+        }
+        a = next_run(ra, ia, a);
+        b = next_run(rb, ib, b);
     }
     return 0;
 }
 
 /* Each pass once per itemsize, the size a constant there: a value's copy is then one load and one store, not a call
  * into the C library's memcpy per changed element. */
-static int encode_sized(const uint8_t *a, const uint8_t *b, Py_ssize_t n, int s, uint8_t *varints, Py_ssize_t vcap,
-                        uint8_t *values, Py_ssize_t *k, Py_ssize_t *nv) {
+static int encode_sized(const Runs *a, const Runs *b, int s, uint8_t *varints, Py_ssize_t vcap, uint8_t *values,
+                        Py_ssize_t *k, Py_ssize_t *nv) {
     switch (s) {
-    case 1: return encode_core(a, b, n, 1, varints, vcap, values, k, nv);
-    case 2: return encode_core(a, b, n, 2, varints, vcap, values, k, nv);
-    case 4: return encode_core(a, b, n, 4, varints, vcap, values, k, nv);
-    default: return encode_core(a, b, n, 8, varints, vcap, values, k, nv);
+    case 1: return encode_core(a, b, 1, varints, vcap, values, k, nv);
+    case 2: return encode_core(a, b, 2, varints, vcap, values, k, nv);
+    case 4: return encode_core(a, b, 4, varints, vcap, values, k, nv);
+    default: return encode_core(a, b, 8, varints, vcap, values, k, nv);
     }
 }
 
@@ -102,20 +180,48 @@ static int unit_size(int s) { return s == 1 || s == 2 || s == 4 || s == 8; }
 
 PyDoc_STRVAR(encode_sparse_doc,
 "encode_sparse(old, new, itemsize, out) -> (k, nvarint) or None\n\n"
-"The sparse delta of two C-contiguous buffers of one length, elements of itemsize (1, 2, 4 or 8) bytes, written\n"
-"into out (writable, at least vcap * (1 + itemsize) bytes, vcap = ceil(n / 8)): the varint gaps at out[:nvarint],\n"
-"the k changed values right after them. None where the gaps would take vcap bytes or more: a bitmap is then as\n"
-"small.");
+"The sparse delta of two buffers of one shape (any strides; or both C-contiguous, of one length), elements of\n"
+"itemsize (1, 2, 4 or 8) bytes in C order, written into out (writable, at least vcap * (1 + itemsize) bytes,\n"
+"vcap = ceil(n / 8)): the varint gaps at out[:nvarint], the k changed values right after them. None where the\n"
+"gaps would take vcap bytes or more: a bitmap is then as small.");
 
 static PyObject *encode_sparse(PyObject *self, PyObject *args) {
+    PyObject *old_obj, *new_obj;
     Py_buffer old, new_, out;
     int s;
-    if (!PyArg_ParseTuple(args, "y*y*iw*", &old, &new_, &s, &out)) return NULL;
+    if (!PyArg_ParseTuple(args, "OOiw*", &old_obj, &new_obj, &s, &out)) return NULL;
+    if (get_strided(old_obj, &old, 0) < 0) {
+        PyBuffer_Release(&out);
+        return NULL;
+    }
+    if (get_strided(new_obj, &new_, 0) < 0) {
+        PyBuffer_Release(&old);
+        PyBuffer_Release(&out);
+        return NULL;
+    }
     PyObject *result = NULL;
-    if (!unit_size(s) || old.len != new_.len || old.len % s) {
+    Runs ra, rb;
+    int both_packed = PyBuffer_IsContiguous(&old, 'C') && PyBuffer_IsContiguous(&new_, 'C');
+    int same_shape = old.ndim == new_.ndim && old.itemsize == new_.itemsize;
+    for (int d = 0; same_shape && d < old.ndim; d++) same_shape = old.shape[d] == new_.shape[d];
+    if (!unit_size(s) || old.len != new_.len || old.len % s || !(both_packed || same_shape)) {
         PyErr_Format(PyExc_ValueError, "encode_sparse takes two buffers of one length in elements of 1, 2, 4 or 8 "
-                     "bytes; got %zd and %zd bytes of itemsize %d", old.len, new_.len, s);
+                     "bytes, of one shape unless both are C-contiguous; got %zd and %zd bytes of itemsize %d",
+                     old.len, new_.len, s);
         goto done;
+    }
+    if (both_packed) {
+        ra.base = (const uint8_t *)old.buf, rb.base = (const uint8_t *)new_.buf;
+        ra.run = rb.run = old.len, ra.nruns = rb.nruns = old.len ? 1 : 0, ra.nouter = rb.nouter = 0;
+    } else {
+        int ta = contiguous_tail(&old), tb = contiguous_tail(&new_), t = ta < tb ? ta : tb;
+        runs_of(&old, t, &ra);
+        runs_of(&new_, t, &rb);
+        if (ra.run % s) {
+            PyErr_Format(PyExc_ValueError, "encode_sparse reads whole elements of %d bytes; the buffers' contiguous "
+                         "runs are %zd bytes", s, ra.run);
+            goto done;
+        }
     }
     Py_ssize_t n = old.len / s, vcap = (n + 7) / 8;
     if (out.len < vcap * (1 + s)) {
@@ -128,8 +234,7 @@ static PyObject *encode_sparse(PyObject *self, PyObject *args) {
     uint8_t *o = (uint8_t *)out.buf;
     Py_BEGIN_ALLOW_THREADS
     /* fewer gap bytes than vcap, for sparse to be smaller than the bitmap: none at all for an empty box */
-    rc = n ? encode_sized((const uint8_t *)old.buf, (const uint8_t *)new_.buf, n, s, o, vcap - 1, o + vcap, &k, &nv)
-           : -1;
+    rc = n ? encode_sized(&ra, &rb, s, o, vcap - 1, o + vcap, &k, &nv) : -1;
     if (!rc) memmove(o + nv, o + vcap, (size_t)(k * s));
     Py_END_ALLOW_THREADS
     if (rc) {
@@ -212,7 +317,39 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(digest_doc,
+"digest(*buffers) -> int\n\n"
+"XXH3-64 (seed 0) of the buffers' bytes in C order, one after another: what xxhash.xxh3_64_intdigest gives their\n"
+"bytes packed and joined. Each buffer any strides.");
+
+static PyObject *digest(PyObject *self, PyObject *args) {
+    Py_ssize_t m = PyTuple_GET_SIZE(args);
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_buffer v;
+        if (get_strided(PyTuple_GET_ITEM(args, j), &v, 0) < 0) return NULL;
+        Runs r;
+        if (PyBuffer_IsContiguous(&v, 'C')) {
+            r.base = (const uint8_t *)v.buf, r.run = v.len, r.nruns = v.len ? 1 : 0, r.nouter = 0;
+        } else {
+            runs_of(&v, contiguous_tail(&v), &r);
+        }
+        Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t idx[64] = {0};
+        const uint8_t *at = r.base;
+        for (Py_ssize_t i = 0; i < r.nruns; i++) {
+            XXH3_64bits_update(&state, at, (size_t)r.run);
+            at = next_run(&r, idx, at);
+        }
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&v);
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)XXH3_64bits_digest(&state));
+}
+
 static PyMethodDef methods[] = {
+    {"digest", digest, METH_VARARGS, digest_doc},
     {"encode_sparse", encode_sparse, METH_VARARGS, encode_sparse_doc},
     {"apply_sparse", apply_sparse, METH_VARARGS, apply_sparse_doc},
     {NULL, NULL, 0, NULL},

@@ -265,21 +265,41 @@ def apply(old: np.ndarray, delta: Delta, out: np.ndarray | None = None) -> np.nd
 
 
 def encode_into(old: np.ndarray, new: np.ndarray, itemsize: int, out: np.ndarray) -> int:
-    """`encode` of two boxes given as their packed bytes (C-contiguous uint8 of elements of ``itemsize``), written
-    as `Delta.to_bytes` would into ``out`` (uint8, room for a full delta: `HEADER_NBYTES` and the box); returns its
-    bytes. A frame's sender calls it per segment: the compiled pass writes straight into the frame, with no
-    `Delta` and none of its copies."""
+    """`encode` of one box's two versions, each an array of the box's elements of ``itemsize`` bytes (any strides:
+    a region of a tile, read where it lies) or its packed bytes (C-contiguous uint8), written as `Delta.to_bytes`
+    would into ``out`` (uint8, room for a full delta: `HEADER_NBYTES` and the box); returns its bytes. A frame's
+    sender calls it per segment: the compiled pass reads the regions and writes straight into the frame, with no
+    packed copy, no `Delta` and none of its copies."""
     n = old.nbytes // itemsize
     room = _bitmap_nbytes(n) * (1 + itemsize)
-    if _kernel is not None and itemsize in _UNSIGNED and old.nbytes == new.nbytes and out.nbytes >= HEADER_NBYTES + room:
-        got = _kernel.encode_sparse(old, new, itemsize, out[HEADER_NBYTES:HEADER_NBYTES + room])
+    pair = _aligned(old, new)
+    if (_kernel is not None and itemsize in _UNSIGNED and pair is not None and old.nbytes == new.nbytes
+            and out.nbytes >= HEADER_NBYTES + room):
+        got = _kernel.encode_sparse(*pair, itemsize, out[HEADER_NBYTES:HEADER_NBYTES + room])
         if got is not None and got[1] + got[0] * itemsize < n * itemsize:
             k, nvarint = got
             _HEADER.pack_into(out, 0, _MAGIC, _VERSION, _KIND_CODES[SPARSE], itemsize, n, k)
             return HEADER_NBYTES + nvarint + k * itemsize
-    wire = encode(old.view(unit_dtype(itemsize)), new.view(unit_dtype(itemsize))).to_bytes()
+    unit = unit_dtype(itemsize)
+    packed = [np.ascontiguousarray(a).reshape(-1).view(np.uint8).view(unit) for a in (old, new)]
+    wire = encode(*packed).to_bytes()
     out[:len(wire)] = np.frombuffer(wire, dtype=np.uint8)
     return len(wire)
+
+
+def _aligned(old: np.ndarray, new: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """``old`` and ``new`` as the compiled encode reads them: both C-contiguous, or of one shape and itemsize (a
+    packed one given the other's shape); None where neither fits (numpy packs them)."""
+    if not (isinstance(old, np.ndarray) and isinstance(new, np.ndarray)):
+        return None
+    if (old.flags.c_contiguous and new.flags.c_contiguous) or (
+            old.shape == new.shape and old.dtype.itemsize == new.dtype.itemsize):
+        return old, new
+    for packed, other in ((old, new), (new, old)):
+        if packed.flags.c_contiguous and packed.nbytes == other.nbytes and other.dtype.itemsize:
+            shaped = packed.reshape(-1).view(np.uint8).view(other.dtype).reshape(other.shape)
+            return (shaped, other) if packed is old else (other, shaped)
+    return None
 
 
 def sparse_header(encoded: np.ndarray) -> tuple[int, int] | None:

@@ -224,12 +224,17 @@ class Run(Session):
         return out
 
     def _delta_base(self, device: str, seg: Segment, side: int) -> np.ndarray | None:
-        """``seg``'s box of its base version on ``device`` as packed bytes: ``src_version`` (side 0, the sender) or
-        ``dst_version`` (side 1, a receiver); None where ``device`` holds no tile of it with the box."""
+        """``seg``'s box of its base version on ``device``: ``src_version`` (side 0, the sender), as the region of
+        its tile where that is host numpy (strided or not: the sender's encode reads it in place), or
+        ``dst_version`` (side 1, a receiver), as packed bytes; None where ``device`` holds no tile of it with the
+        box."""
         shard = self.store.find(seg.name, seg.versions[side], device)
         if shard is None or not boxes.contains(shard.tile, seg.box):
             return None
-        return np.frombuffer(buffers.host_bytes(buffers.region(shard.array, seg.box, shard.tile)), dtype=np.uint8)
+        view = buffers.region(shard.array, seg.box, shard.tile)
+        if side == 0 and type(view) is np.ndarray:
+            return view
+        return np.frombuffer(buffers.host_bytes(view), dtype=np.uint8)
 
     def commit_version(self, tensor: str) -> int:
         """The version program tensor ``tensor`` commits as: ``dst_version``, except in a job that commits several

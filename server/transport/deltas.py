@@ -63,7 +63,7 @@ from reshard.box import Box
 from reshard.delta import (FULL, HEADER_NBYTES, Delta, DeltaError, apply, apply_into, encode_into, sparse_header,
                            unit_dtype)
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
-from reshard.proto.layout import Checksum, digest
+from reshard.proto.layout import Checksum, digest, digest_views
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import IpcRegion, Piece, Segments, StreamKey, Trailer
@@ -95,9 +95,10 @@ class Segment:
 @dataclass(frozen=True)
 class DeltaStream:
     """What both ends of a move step that travels as deltas know of it: its segments, its box's bytes, the sender
-    device, and where the bases are read: ``sender_base(k)`` is segment k's base box on the sender's device,
-    ``receiver_base(device, k)`` on a receiving device, each as its packed bytes (uint8, C order), or None where
-    that version is not held there (the agent's `Run` reads them from its store)."""
+    device, and where the bases are read: ``sender_base(k)`` is segment k's base box on the sender's device, as its
+    elements where they lie (a region of the base's tile, any strides: `encode_frame` reads it in place) or packed
+    bytes, and ``receiver_base(device, k)`` on a receiving device as its packed bytes (uint8, C order); either None
+    where that version is not held there (the agent's `Run` reads them from its store)."""
 
     step: int
     sender: str
@@ -148,14 +149,17 @@ def _where(job: str, d: DeltaStream, seg: Segment) -> str:
     return f"box {boxes.box_str(seg.box)} (step {d.step} of job {job})"
 
 
-def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_digest: int | None = None) -> Frame:
-    """The frame of ``new``, the box's packed bytes (uint8), or `Segments` of uint8, one per segment (a bucket's
-    members where they lie: no copy of the bucket into one buffer), against the sender's bases; ``new_digest`` is
-    its XXH3-64 where the agent digested the box already. A base the sender does not hold is a
-    `DELTA_BASE_MISMATCH` (the planner then moves the tensor whole)."""
-    if new.nbytes != d.nbytes:
-        raise AssertionError(f"step {d.step}: the new box has {new.nbytes} bytes, its segments {d.nbytes}")
-    if isinstance(new, Segments) and [p.nbytes for p in new] != [seg.hi - seg.lo for seg in d.segments]:
+def encode_frame(job: str, d: DeltaStream, new: np.ndarray | tuple, new_digest: int | None = None) -> Frame:
+    """The frame of ``new``: the box's packed bytes (uint8), or a tuple of one array per segment, each that
+    segment's elements where they lie (a box's region of its tile, or a bucket's members': any strides, read in
+    place, so nothing packs them), against the sender's bases; ``new_digest`` is its XXH3-64 where the agent
+    digested the box already. A base the sender does not hold is a `DELTA_BASE_MISMATCH` (the planner then moves
+    the tensor whole)."""
+    parts = new if isinstance(new, tuple) else tuple(new[seg.lo:seg.hi] for seg in d.segments)
+    if sum(p.nbytes for p in parts) != d.nbytes:
+        raise AssertionError(f"step {d.step}: the new box has {sum(p.nbytes for p in parts)} bytes, its segments "
+                             f"{d.nbytes}")
+    if [p.nbytes for p in parts] != [seg.hi - seg.lo for seg in d.segments]:
         raise AssertionError(f"step {d.step}: a box in parts has one part per segment")
     m = len(d.segments)
     out = np.empty(d.limit, dtype=np.uint8)  # trimmed to what the encodings take
@@ -163,7 +167,7 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_diges
     table = out[HEAD.size:at].view(np.uint64).reshape(m, 2) if m else np.empty((0, 2), np.uint64)
     lengths = []
     for k, seg in enumerate(d.segments):
-        cur = new[k] if isinstance(new, Segments) else new[seg.lo:seg.hi]
+        cur = parts[k]
         base_digest = 0
         if seg.versions is None:
             n = (seg.hi - seg.lo) // seg.itemsize
@@ -176,13 +180,13 @@ def encode_frame(job: str, d: DeltaStream, new: np.ndarray | Segments, new_diges
                 raise FailedPreconditionError(
                     f"{DELTA_BASE_MISMATCH}: tensor '{seg.name}': the sending device {d.sender} holds no version "
                     f"{seg.versions[0]} with {_where(job, d, seg)} to diff against; the planner moves it whole")
-            base_digest = digest(old)
+            base_digest = digest_views(old)
             length = encode_into(old, cur, seg.itemsize, out[at:])
         table[k] = (length, base_digest)
         lengths.append(length)
         at += length
     if new_digest is None:
-        new_digest = _parts_digest(new) if isinstance(new, Segments) else digest(new)
+        new_digest = digest_views(*parts)
     HEAD.pack_into(out, 0, _MAGIC, _VERSION, m, d.nbytes, at - HEAD.size, _table_digest(table), new_digest)
     wire, full = d.tensors(lengths)
     return Frame(out[:at], wire, full)

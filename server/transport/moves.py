@@ -373,13 +373,17 @@ def _lands_whole(spot, nbytes: int) -> bool:
         sum(p.nbytes for p in parts) == nbytes
 
 
-def _packed(array, box: Box, origin: Box) -> np.ndarray | Segments:
-    """``box`` of ``array`` (a tile holding ``origin``) as packed host bytes; a bucket's `Gather` as its members'
-    bytes where they lie (`Segments`, each member C-contiguous: copied only where its region is strided), one per
-    segment of the delta stream, which `deltas.encode_frame` reads member by member."""
+def _packed(array, box: Box, origin: Box) -> np.ndarray | tuple:
+    """``box`` of ``array`` (a tile holding ``origin``) as `deltas.encode_frame` reads it: host numpy views, one per
+    segment of the delta stream, where they lie (the box's region, or a bucket's `Gather` members: strided ones too,
+    which the compiled encode reads in place); packed host bytes where the tile is not numpy (torch, a GPU)."""
     if isinstance(array, Gather):
-        return Segments(np.ascontiguousarray(p).reshape(-1).view(np.uint8) for p in array.parts)
-    return np.frombuffer(host_bytes(region(array, box, origin)), dtype=np.uint8)
+        return tuple(p if type(p) is np.ndarray else np.frombuffer(host_bytes(p), dtype=np.uint8)
+                     for p in array.parts)
+    view = region(array, box, origin)
+    if type(view) is np.ndarray:
+        return (view,)
+    return np.frombuffer(host_bytes(view), dtype=np.uint8)
 
 
 def verify_arrival(job: str, index: int, t: Transfer, hop: int, check: Checksum, sent_nbytes: int,

@@ -359,3 +359,36 @@ def test_apply_into_refuses_a_malformed_sparse_delta_saying_why():
     assert np.count_nonzero(out.view(np.uint16)) == 2
     assert sparse_header(np.frombuffer(good, dtype=np.uint8)) == (300, 2)
     assert sparse_header(np.frombuffer(b"RSDL", dtype=np.uint8)) is None
+
+
+@st.composite
+def regions(draw):
+    """Two versions of a tile and one region of both (a box of a sender's tile, strided where it cuts columns),
+    with changes at a random rate: what a frame's sender diffs in place."""
+    shape = tuple(draw(st.integers(1, 60)) for _ in range(draw(st.integers(1, 3))))
+    dtype = draw(st.sampled_from(DTYPES))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    old = rng.integers(0, 256, size=int(np.prod(shape)) * dtype.itemsize, dtype=np.uint8).view(dtype).reshape(shape)
+    new = old.copy()
+    unsigned = np.dtype(f"uint{8 * dtype.itemsize}")
+    _flip(new.reshape(-1).view(unsigned), _mask("random", shape, rng, draw(st.sampled_from([0.0, 0.01, 0.05, 0.2]))),
+          rng)
+    index = tuple(slice(draw(st.integers(0, n - 1)), draw(st.integers(1, n)) if n > 1 else 1, draw(st.sampled_from(
+        [1, 2, 2]))) for n in shape)
+    return old[index], new[index]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regions(), st.sampled_from(["both in place", "old packed", "new packed"]))
+def test_encode_into_reads_strided_regions_where_they_lie(codec, case, which):
+    """A region of a tile (strided where it cuts the inner dimension), old or new or both in place: the frame bytes
+    are those of the packed box's delta."""
+    old, new = case
+    packed = [np.ascontiguousarray(a) for a in (old, new)]
+    if which == "old packed":
+        old = packed[0].reshape(-1).view(np.uint8)
+    elif which == "new packed":
+        new = packed[1].reshape(-1).view(np.uint8)
+    room = np.empty(HEADER_NBYTES + packed[0].nbytes + 64, dtype=np.uint8)
+    length = encode_into(old, new, packed[0].dtype.itemsize, room)
+    assert room[:length].tobytes() == encode(*packed).to_bytes()
