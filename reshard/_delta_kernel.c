@@ -9,7 +9,7 @@
  * A sender's boxes are often strided regions of its tiles (a row-parallel weight's columns): encode and `digest`
  * read any strided buffer (the buffer protocol's shape and strides) run by run, so neither end packs a box first.
  * `digest` is XXH3-64 (seed 0) over a buffer's bytes in C order, the same number `xxhash.xxh3_64_intdigest` gives
- * the packed bytes (xxHash's own header, vendored in _vendor/ under its BSD-2-Clause license).
+ * the packed bytes (xxHash's own header and x86 dispatch, vendored in _vendor/ under its BSD-2-Clause license).
  *
  * Only plain C and the buffer protocol: no numpy headers, so it builds wherever pip finds a C compiler.
  */
@@ -22,8 +22,16 @@
 #error "reshard._delta_kernel reads elements as little-endian words; reshard.delta's numpy path serves other hosts"
 #endif
 
+#if defined(__x86_64__) || defined(_M_X64)
+/* xxHash's runtime dispatch: its AVX-512, AVX2 or SSE2 code, whichever this CPU runs (a build for the baseline
+ * alone hashes at about half xxhash's speed). It includes _vendor/xxhash.h itself, inline. */
+#include "_vendor/xxh_x86dispatch.c"
+#define XXH3_UPDATE XXH3_64bits_update_dispatch
+#else
 #define XXH_INLINE_ALL
 #include "_vendor/xxhash.h"
+#define XXH3_UPDATE XXH3_64bits_update
+#endif
 
 #define MAX_VARINT_NBYTES 9 /* as reshard.delta._MAX_VARINT_NBYTES: 63 bits */
 
@@ -339,7 +347,7 @@ static PyObject *digest(PyObject *self, PyObject *args) {
         Py_ssize_t idx[64] = {0};
         const uint8_t *at = r.base;
         for (Py_ssize_t i = 0; i < r.nruns; i++) {
-            XXH3_64bits_update(&state, at, (size_t)r.run);
+            XXH3_UPDATE(&state, at, (size_t)r.run);
             at = next_run(&r, idx, at);
         }
         Py_END_ALLOW_THREADS
