@@ -258,51 +258,151 @@ done:
     return result;
 }
 
-/* Returns 0, or -1 where the stream is not k well-formed gaps inside n elements (the caller's numpy path names why). */
-static inline __attribute__((always_inline)) int apply_core(const uint8_t *stream, Py_ssize_t len,
-                                                            const uint8_t *values, Py_ssize_t k, Py_ssize_t n,
-                      int s, uint8_t *out) {
-    Py_ssize_t pos = 0;
-    uint64_t next = 0; /* the first index the next gap may name */
-    for (Py_ssize_t i = 0; i < k; i++) {
-        uint64_t gap = 0;
-        int shift = 0, nbytes = 0;
+#define APPLY_CHUNK (64 * 1024) /* bytes copied, patched and hashed while they are in cache */
+
+/* Returns 0, or -1 where the stream is not k well-formed gaps inside n elements (the caller's numpy path names why).
+ * The base is copied chunk by chunk; each chunk gets the values whose indices fall in it, then goes to ``state``
+ * (NULL: no digest), so the result is hashed as it is made, not read again. */
+static inline __attribute__((always_inline)) int apply_core(const uint8_t *old, const uint8_t *stream,
+                                                            Py_ssize_t len, const uint8_t *values, Py_ssize_t k,
+                                                            Py_ssize_t n, int s, uint8_t *out, XXH3_state_t *state) {
+    Py_ssize_t pos = 0, decoded = 0;
+    uint64_t next = 0, index = 0; /* the first index the next gap may name; the last one decoded */
+    int pending = 0;              /* index decoded, its value not yet written (it lies in a later chunk) */
+    const Py_ssize_t total = n * s;
+    for (Py_ssize_t c0 = 0; c0 < total; c0 += APPLY_CHUNK) {
+        const Py_ssize_t c1 = total - c0 > APPLY_CHUNK ? c0 + APPLY_CHUNK : total;
+        memcpy(out + c0, old + c0, (size_t)(c1 - c0));
         for (;;) {
-            if (pos >= len || nbytes == MAX_VARINT_NBYTES) return -1;
-            uint8_t byte = stream[pos++];
-            gap |= (uint64_t)(byte & 0x7F) << shift;
-            shift += 7;
-            nbytes++;
-            if (!(byte & 0x80)) break;
+            if (!pending) {
+                if (decoded == k) break;
+                uint64_t gap = 0;
+                int shift = 0, nbytes = 0;
+                for (;;) {
+                    if (pos >= len || nbytes == MAX_VARINT_NBYTES) return -1;
+                    uint8_t byte = stream[pos++];
+                    gap |= (uint64_t)(byte & 0x7F) << shift;
+                    shift += 7;
+                    nbytes++;
+                    if (!(byte & 0x80)) break;
+                }
+                if (gap >= (uint64_t)n - next) return -1; /* next <= n: no wrap */
+                index = next + gap;
+                next = index + 1;
+                decoded++;
+                pending = 1;
+            }
+            if ((Py_ssize_t)index * s >= c1) break;
+            memcpy(out + index * s, values + (decoded - 1) * s, (size_t)s);
+            pending = 0;
         }
-        if (gap >= (uint64_t)n - next) return -1; /* next <= n: no wrap */
-        uint64_t index = next + gap;
-        memcpy(out + index * s, values + i * s, (size_t)s);
-        next = index + 1;
+        if (state) XXH3_UPDATE(state, out + c0, (size_t)(c1 - c0));
     }
-    return pos == len ? 0 : -1;
+    return decoded == k && !pending && pos == len ? 0 : -1;
 }
 
-static int apply_sized(const uint8_t *stream, Py_ssize_t len, const uint8_t *values, Py_ssize_t k, Py_ssize_t n,
-                       int s, uint8_t *out) {
+static int apply_sized(const uint8_t *old, const uint8_t *stream, Py_ssize_t len, const uint8_t *values, Py_ssize_t k,
+                       Py_ssize_t n, int s, uint8_t *out, XXH3_state_t *state) {
     switch (s) {
-    case 1: return apply_core(stream, len, values, k, n, 1, out);
-    case 2: return apply_core(stream, len, values, k, n, 2, out);
-    case 4: return apply_core(stream, len, values, k, n, 4, out);
-    default: return apply_core(stream, len, values, k, n, 8, out);
+    case 1: return apply_core(old, stream, len, values, k, n, 1, out, state);
+    case 2: return apply_core(old, stream, len, values, k, n, 2, out, state);
+    case 4: return apply_core(old, stream, len, values, k, n, 4, out, state);
+    default: return apply_core(old, stream, len, values, k, n, 8, out, state);
     }
 }
+
+/* A running XXH3-64 (seed 0) of bytes fed in order: what `digest` gives them joined. */
+typedef struct {
+    PyObject_HEAD
+    XXH3_state_t *state;
+} Hasher;
+
+static PyTypeObject HasherType;
+
+/* Feed the bytes of each buffer in ``views`` (any strides) to ``state``, in C order. */
+static int update_views(XXH3_state_t *state, PyObject *views) {
+    Py_ssize_t m = PyTuple_GET_SIZE(views);
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_buffer v;
+        if (get_strided(PyTuple_GET_ITEM(views, j), &v, 0) < 0) return -1;
+        Runs r;
+        if (PyBuffer_IsContiguous(&v, 'C')) {
+            r.base = (const uint8_t *)v.buf, r.run = v.len, r.nruns = v.len ? 1 : 0, r.nouter = 0;
+        } else {
+            runs_of(&v, contiguous_tail(&v), &r);
+        }
+        Py_BEGIN_ALLOW_THREADS
+        Py_ssize_t idx[64] = {0};
+        const uint8_t *at = r.base;
+        for (Py_ssize_t i = 0; i < r.nruns; i++) {
+            XXH3_UPDATE(state, at, (size_t)r.run);
+            at = next_run(&r, idx, at);
+        }
+        Py_END_ALLOW_THREADS
+        PyBuffer_Release(&v);
+    }
+    return 0;
+}
+
+static PyObject *Hasher_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+    if (PyTuple_GET_SIZE(args) || (kwargs && PyDict_GET_SIZE(kwargs))) {
+        PyErr_SetString(PyExc_TypeError, "Hasher() takes no arguments");
+        return NULL;
+    }
+    Hasher *self = (Hasher *)type->tp_alloc(type, 0);
+    if (!self) return NULL;
+    self->state = XXH3_createState();
+    if (!self->state) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    XXH3_64bits_reset(self->state);
+    return (PyObject *)self;
+}
+
+static void Hasher_dealloc(Hasher *self) {
+    if (self->state) XXH3_freeState(self->state);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Hasher_update(Hasher *self, PyObject *args) {
+    if (update_views(self->state, args) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Hasher_intdigest(Hasher *self, PyObject *unused) {
+    return PyLong_FromUnsignedLongLong((unsigned long long)XXH3_64bits_digest(self->state));
+}
+
+static PyMethodDef Hasher_methods[] = {
+    {"update", (PyCFunction)Hasher_update, METH_VARARGS, "update(*buffers): feed their bytes (any strides), in order"},
+    {"intdigest", (PyCFunction)Hasher_intdigest, METH_NOARGS, "intdigest() -> int: the XXH3-64 of all fed so far"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject HasherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "reshard._delta_kernel.Hasher",
+    .tp_basicsize = sizeof(Hasher),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hasher(): a running XXH3-64 (seed 0); apply_sparse feeds it the bytes it makes",
+    .tp_new = Hasher_new,
+    .tp_dealloc = (destructor)Hasher_dealloc,
+    .tp_methods = Hasher_methods,
+};
 
 PyDoc_STRVAR(apply_sparse_doc,
-"apply_sparse(old, out, stream, values, k, itemsize) -> bool\n\n"
+"apply_sparse(old, out, stream, values, k, itemsize, hasher=None) -> bool\n\n"
 "old copied into out (one length, not overlapping), then the k values written where the varint gaps of stream\n"
-"name. False, with out partly written, where stream is not k well-formed gaps inside the buffer.");
+"name; out's bytes fed to hasher (a Hasher) as they are made. False, with out partly written and hasher partly\n"
+"fed, where stream is not k well-formed gaps inside the buffer.");
 
 static PyObject *apply_sparse(PyObject *self, PyObject *args) {
     Py_buffer old, out, stream, values;
     Py_ssize_t k;
     int s;
-    if (!PyArg_ParseTuple(args, "y*w*y*y*ni", &old, &out, &stream, &values, &k, &s)) return NULL;
+    PyObject *hasher = Py_None;
+    if (!PyArg_ParseTuple(args, "y*w*y*y*ni|O", &old, &out, &stream, &values, &k, &s, &hasher)) return NULL;
     PyObject *result = NULL;
     if (!unit_size(s) || old.len != out.len || old.len % s || k < 0 || values.len != k * s) {
         PyErr_Format(PyExc_ValueError, "apply_sparse takes old and out of one length in elements of 1, 2, 4 or 8 "
@@ -310,11 +410,15 @@ static PyObject *apply_sparse(PyObject *self, PyObject *args) {
                      old.len, out.len, s, k, values.len);
         goto done;
     }
+    if (hasher != Py_None && !PyObject_TypeCheck(hasher, &HasherType)) {
+        PyErr_Format(PyExc_TypeError, "apply_sparse's hasher is a Hasher or None; got %s", Py_TYPE(hasher)->tp_name);
+        goto done;
+    }
+    XXH3_state_t *state = hasher == Py_None ? NULL : ((Hasher *)hasher)->state;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    memcpy(out.buf, old.buf, (size_t)old.len);
-    rc = apply_sized((const uint8_t *)stream.buf, stream.len, (const uint8_t *)values.buf, k, old.len / s, s,
-                    (uint8_t *)out.buf);
+    rc = apply_sized((const uint8_t *)old.buf, (const uint8_t *)stream.buf, stream.len, (const uint8_t *)values.buf,
+                     k, old.len / s, s, (uint8_t *)out.buf, state);
     Py_END_ALLOW_THREADS
     result = PyBool_FromLong(rc == 0);
 done:
@@ -331,28 +435,9 @@ PyDoc_STRVAR(digest_doc,
 "bytes packed and joined. Each buffer any strides.");
 
 static PyObject *digest(PyObject *self, PyObject *args) {
-    Py_ssize_t m = PyTuple_GET_SIZE(args);
     XXH3_state_t state;
     XXH3_64bits_reset(&state);
-    for (Py_ssize_t j = 0; j < m; j++) {
-        Py_buffer v;
-        if (get_strided(PyTuple_GET_ITEM(args, j), &v, 0) < 0) return NULL;
-        Runs r;
-        if (PyBuffer_IsContiguous(&v, 'C')) {
-            r.base = (const uint8_t *)v.buf, r.run = v.len, r.nruns = v.len ? 1 : 0, r.nouter = 0;
-        } else {
-            runs_of(&v, contiguous_tail(&v), &r);
-        }
-        Py_BEGIN_ALLOW_THREADS
-        Py_ssize_t idx[64] = {0};
-        const uint8_t *at = r.base;
-        for (Py_ssize_t i = 0; i < r.nruns; i++) {
-            XXH3_UPDATE(&state, at, (size_t)r.run);
-            at = next_run(&r, idx, at);
-        }
-        Py_END_ALLOW_THREADS
-        PyBuffer_Release(&v);
-    }
+    if (update_views(&state, args) < 0) return NULL;
     return PyLong_FromUnsignedLongLong((unsigned long long)XXH3_64bits_digest(&state));
 }
 
@@ -368,4 +453,15 @@ static struct PyModuleDef module = {
     "The sparse delta's encode and apply in one pass each (reshard.delta uses them where built).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__delta_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__delta_kernel(void) {
+    if (PyType_Ready(&HasherType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&HasherType);
+    if (PyModule_AddObject(m, "Hasher", (PyObject *)&HasherType) < 0) {
+        Py_DECREF(&HasherType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

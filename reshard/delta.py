@@ -53,8 +53,8 @@ except ImportError:
     _kernel = None
 
 __all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "SENDER_PASSES", "RECEIVER_PASSES", "DeltaError",
-           "Delta", "DeltaEstimate", "encode", "encode_into", "apply", "apply_into", "sparse_header", "estimate",
-           "unit_dtype"]
+           "Delta", "DeltaEstimate", "encode", "encode_into", "apply", "apply_into", "hasher", "sparse_header",
+           "estimate", "unit_dtype"]
 
 SPARSE = "sparse"
 BITMAP = "bitmap"
@@ -311,11 +311,12 @@ def sparse_header(encoded: np.ndarray) -> tuple[int, int] | None:
     return (n, size) if magic == _MAGIC and version == _VERSION and code == _KIND_CODES[SPARSE] else None
 
 
-def apply_into(old: np.ndarray, encoded: np.ndarray, out: np.ndarray, itemsize: int) -> None:
+def apply_into(old: np.ndarray, encoded: np.ndarray, out: np.ndarray, itemsize: int, hasher=None) -> None:
     """`apply` of an encoded delta (``encoded``: `Delta.to_bytes`'s bytes, uint8) to a box given as its packed
-    bytes (``old``, C-contiguous uint8 of elements of ``itemsize``) into ``out`` (the same, not overlapping ``old``).
-    A sparse delta that fits goes straight to the compiled pass; anything else, a malformed one included, through
-    `Delta.from_bytes` and `apply`, which name what is wrong (`DeltaError`)."""
+    bytes (``old``, C-contiguous uint8 of elements of ``itemsize``) into ``out`` (the same, not overlapping ``old``),
+    and ``out``'s bytes fed to ``hasher`` (`hasher`'s, or None). A sparse delta that fits goes straight to the
+    compiled pass, which hashes each part of the result while it is in cache; anything else, a malformed one
+    included, through `Delta.from_bytes` and `apply`, which name what is wrong (`DeltaError`)."""
     if _kernel is not None and itemsize in _UNSIGNED and len(encoded) >= HEADER_NBYTES:
         magic, version, code, size, n, k = _HEADER.unpack_from(encoded)
         values = k * size
@@ -323,10 +324,18 @@ def apply_into(old: np.ndarray, encoded: np.ndarray, out: np.ndarray, itemsize: 
                 and n * size == old.nbytes == out.nbytes and values <= len(encoded) - HEADER_NBYTES
                 and out.flags.writeable and not np.may_share_memory(out, old)
                 and _kernel.apply_sparse(old, out, encoded[HEADER_NBYTES:len(encoded) - values],
-                                         encoded[len(encoded) - values:], k, size)):
+                                         encoded[len(encoded) - values:], k, size, hasher)):
             return
     unit = unit_dtype(itemsize)
     apply(old.view(unit), Delta.from_bytes(encoded), out=out.view(unit))
+    if hasher is not None:
+        hasher.update(out)
+
+
+def hasher():
+    """A running XXH3-64 that `apply_into` feeds what it writes (``update(*buffers)``, ``intdigest()``): the
+    compiled kernel's, or None where it is not built (the caller then digests the result itself)."""
+    return _kernel.Hasher() if _kernel is not None else None
 
 
 def estimate(num_elements: int, itemsize: int, num_changed: int) -> DeltaEstimate:

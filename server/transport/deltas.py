@@ -62,6 +62,7 @@ from reshard import box as boxes
 from reshard.box import Box
 from reshard.delta import (FULL, HEADER_NBYTES, Delta, DeltaError, apply, apply_into, encode_into, sparse_header,
                            unit_dtype)
+from reshard.delta import hasher as new_hasher
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import Checksum, digest, digest_views
 from reshard.server.common.contract import DELTA_BASE_MISMATCH
@@ -341,6 +342,7 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
             raise AssertionError(f"step {d.step}: a delta lands in {d.nbytes} C-contiguous bytes")
         targets = [flat[seg.lo:seg.hi] for seg in d.segments]
     missing = []  # segments whose base this device does not hold
+    hashed = new_hasher()  # fed each segment's result as it is made, in order (None: the result is hashed at the end)
     for k, seg in enumerate(d.segments):
         length = int(table[k, 0])
         if at + length > len(frame):
@@ -356,7 +358,7 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
                 missing.append(k)
                 continue
             try:
-                apply_into(old, encoded, targets[k], seg.itemsize)
+                apply_into(old, encoded, targets[k], seg.itemsize, hashed)
             except DeltaError as e:
                 raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
             continue
@@ -375,6 +377,8 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
                                            f"its segment goes whole; the frame carries a {delta.kind} delta")
             if seg.versions is None:
                 into[...] = np.frombuffer(delta.payload, dtype=np.uint8)
+                if hashed is not None:
+                    hashed.update(into)
                 continue
         old = d.receiver_base(device, k)
         if old is None:
@@ -385,13 +389,17 @@ def apply_frame(job: str, d: DeltaStream, frame: np.ndarray, device: str, out=No
             apply(_items(old, seg.itemsize), delta, out=_items(into, seg.itemsize))
         except DeltaError as e:
             raise InvalidArgumentError(f"job {job}: segment {k} of the delta frame of step {d.step}: {e}") from None
+        if hashed is not None:
+            hashed.update(into)
     if missing:
         _bases_differ(job, d, table, device, missing)
     if at != len(frame) or _table_digest(table) != base_sent:
         raise DataLossError(f"job {job}: the delta frame of step {d.step} is inconsistent: its segments take "
                             f"{at} of its {len(frame)} bytes, their base digests XXH3-64 {_table_digest(table):016x} "
                             f"where the head says {base_sent:016x}")
-    if isinstance(out, Segments):
+    if hashed is not None:
+        got = hashed.intdigest()
+    elif isinstance(out, Segments):
         got = _parts_digest(targets)
     else:
         got = digest(flat)

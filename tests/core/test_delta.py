@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,6 +23,7 @@ from reshard.delta import (
     encode,
     encode_into,
     estimate,
+    hasher,
     sparse_header,
 )
 from reshard.dtypes import holder_name
@@ -343,6 +345,11 @@ def test_the_byte_level_calls_write_what_to_bytes_writes_and_rebuild_new(case):
     out = np.empty_like(old_b)
     apply_into(old_b, room[:length], out, size)
     assert out.tobytes() == new.tobytes()
+    running = hasher()  # the kernel's running XXH3-64, fed as apply_into writes: None on the numpy path
+    if running is not None:
+        running.update(old_b[:3])
+        apply_into(old_b, room[:length], np.empty_like(old_b), size, running)
+        assert running.intdigest() == xxhash.xxh3_64_intdigest(old_b[:3].tobytes() + new.tobytes())
 
 
 def test_apply_into_refuses_a_malformed_sparse_delta_saying_why():
