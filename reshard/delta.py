@@ -187,14 +187,18 @@ def encode(old: np.ndarray, new: np.ndarray, kind: str | None = None) -> Delta:
     if kind is not None and kind not in _KIND_CODES:
         raise DeltaError(f"a delta's kind must be one of {list(KINDS)}, or None for the smallest; got {kind!r}")
     n, size = new_units.size, new.dtype.itemsize
-    if kind is None and _kernel is not None and size in _UNSIGNED:
+    compiled = kind is None and _kernel is not None and size in _UNSIGNED
+    if compiled:
         sparse = _kernel_sparse(old_units, new_units, n, size)
         if sparse is not None:
             return sparse
     changed = _changed(old_units, new_units, size)
-    # The indices at once where a sparse delta may be asked for (their count is k: one pass over `changed`, not two)
-    index = np.flatnonzero(changed) if kind in (None, SPARSE) else None
-    k = index.size if index is not None else int(np.count_nonzero(changed))
+    if compiled:  # the kernel found sparse no smaller, or most elements changed: the indices only where sparse may win
+        k = int(np.count_nonzero(changed))
+        index = np.flatnonzero(changed) if k < _bitmap_nbytes(n) else None
+    else:  # the indices at once where a sparse delta may be asked for (their count is k: one pass, not two)
+        index = np.flatnonzero(changed) if kind in (None, SPARSE) else None
+        k = index.size if index is not None else int(np.count_nonzero(changed))
     nbytes = {FULL: n * size, BITMAP: _bitmap_nbytes(n) + k * size}
     gaps = None
     # Every gap costs at least a byte, so from one change in eight on no sparse delta can undercut the bitmap.
