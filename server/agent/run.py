@@ -232,8 +232,8 @@ class Run(Session):
         if shard is None or not boxes.contains(shard.tile, seg.box):
             return None
         view = buffers.region(shard.array, seg.box, shard.tile)
-        if side == 0 and type(view) is np.ndarray:
-            return view
+        if type(view) is np.ndarray and (side == 0 or view.flags.c_contiguous):  # the common cases, kept short
+            return view if side == 0 else view.reshape(-1).view(np.uint8)
         return np.frombuffer(buffers.host_bytes(view), dtype=np.uint8)
 
     def commit_version(self, tensor: str) -> int:
