@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _checks import check_every_device, tile_digests  # noqa: E402
 
 from reshard import Mesh, Sharding  # noqa: E402
+from reshard.delta import COMPILED  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "rl_weight_sync"
 LR = 1e-6  # an RL-typical learning rate (issue 40 measured 1e-6 to 1e-4)
@@ -215,9 +216,11 @@ def _summary(r: dict, where: str, speed_goal: bool) -> str:
               f"`full_network_bytes`, {own:.1%}); medians over the steps after the first sync.")
     if later and later[0]["full"]["cpu"] is not None:
         cpu = {side: statistics.median(row[side]["cpu"] for row in later) for side in r["sides"]}
+        ratio = cpu["delta"] / cpu["full"] if cpu["full"] else float("inf")
         text += (f" The planner and agents used {cpu['full']:.2f} CPU s for a full sync and {cpu['delta']:.2f} for a "
-                 f"delta one: a delta saves the network, not the CPU (the sender compares every element, each "
-                 f"receiver copies its base and checks the result).")
+                 f"delta one ({ratio:.2f}x; delta codec {'compiled' if COMPILED else 'numpy'}): the sender still "
+                 f"compares every element and each receiver copies its base and checks the result, which on "
+                 f"loopback costs about what moving every byte does.")
     notes = sorted({row["delta"]["note"] for row in r["rows"] if row["delta"]["note"]})
     if notes:
         text += " The delta jobs' notes: " + "; ".join(notes) + "."

@@ -52,7 +52,12 @@ try:  # the sparse passes in C, built by pip where a C compiler is present; nump
 except ImportError:
     _kernel = None
 
-__all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "SENDER_PASSES", "RECEIVER_PASSES", "DeltaError",
+# Whether this process encodes and applies with the compiled passes (reshard/_delta_kernel.c): a few times less CPU
+# a delta at RL change rates (bench/delta_codec.py); the bytes on the wire are the same either way.
+COMPILED: bool = _kernel is not None
+
+__all__ = ["SPARSE", "BITMAP", "FULL", "KINDS", "HEADER_NBYTES", "SENDER_PASSES", "RECEIVER_PASSES", "COMPILED",
+           "DeltaError",
            "Delta", "DeltaEstimate", "encode", "encode_into", "apply", "apply_into", "hasher", "sparse_header",
            "estimate", "unit_dtype"]
 

@@ -149,6 +149,7 @@ def _add_agent_command(sub) -> None:
 
 
 def _run_agent(args) -> int:
+    from reshard import delta as delta_codec
     from reshard.server.agent.service import Agent
     from reshard.server.common.config import AgentConfig
 
@@ -169,6 +170,9 @@ def _run_agent(args) -> int:
     health = _health_server(args, "reshard.v1.Agent")
     stopped = on_signal()
     log.info("agent %s: %s", config.host, describe_copies())
+    log.info("agent %s: delta codec %s", config.host, "compiled (reshard._delta_kernel)" if delta_codec.COMPILED else
+             "numpy: the compiled passes were not built (pip builds them where a C compiler is on the PATH: install "
+             "reshard again there for a few times less CPU per delta sync)")
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     settle_heap()
