@@ -41,12 +41,18 @@ digest does not. The result is applied straight into the destination where the s
 tile's, or a bucket's members'), else into a buffer written into the sink whole; either way only staged buffers,
 which a failed job never commits.
 
-Memory, per delta stream in flight: the sender holds the frame (at most the box plus the headers above), the new box
-packed where its region is strided (a bucket: each member where it lies, copied only where its region is strided;
-packed whole, as for a full move, where the bucket also has receivers on the sender's host), and one segment's base
-and encode temporaries at a time (about twice the segment); a receiver holds the frame, the applied box, and one
-segment's base copy and decoded encoding at a time. Both are bounded by about twice the box (a bucket:
-``bucket_mib``) per stream.
+The work, with the compiled codec (`reshard.delta.COMPILED`): a sender reads each segment's new and base regions where
+they lie, strided ones included (`reshard.delta.encode_into`: compare, gaps and values in one pass, written straight
+into the frame; the digests by `digest_views`); a receiver copies its base into the destination 64 KiB at a time,
+patches the changes in and feeds each piece to a running XXH3-64 while it is in cache (`reshard.delta.apply_into`
+with `reshard.delta.hasher`), so the new box's digest costs no second read. The numpy codec packs strided regions
+first and hashes the result after.
+
+Memory, per delta stream in flight: the sender holds the frame (at most the box plus the headers above) and, with the
+numpy codec only, the new box and its base packed where their regions are strided (a bucket: each member where it
+lies; packed whole, as for a full move, where the bucket also has receivers on the sender's host); a receiver holds
+the frame and the applied box, and with the numpy codec one segment's decoded encoding at a time. Both are bounded by
+about twice the box (a bucket: ``bucket_mib``) per stream.
 """
 
 from __future__ import annotations
