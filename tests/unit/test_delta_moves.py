@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 
 from reshard import Mesh, Sharding, TensorDecl
+from reshard import delta as delta_codec
 from reshard.cost import network_copies
 from reshard.delta import hasher as running_digest
 from reshard.many import plan_many
 from reshard.program import MOVE
+from reshard.proto import layout
 from reshard.proto.errors import DataLossError, FailedPreconditionError, InvalidArgumentError, NotFoundError
 from reshard.proto.layout import digest, np_dtype
 from reshard.routes import hops
@@ -63,6 +65,20 @@ def _changed(a: np.ndarray, rng, share: float) -> np.ndarray:
     return out
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def codec(request, monkeypatch):
+    """A frame test on both codecs: the compiled passes (`reshard._delta_kernel`, built wherever `make test` runs)
+    and numpy's, which an install without a C compiler runs; their frames must be the same bytes."""
+    if request.param == "numpy":
+        monkeypatch.setattr(delta_codec, "_kernel", None)
+        monkeypatch.setattr(layout, "_kernel", None)
+    elif delta_codec._kernel is None:
+        pytest.fail("reshard._delta_kernel is not built: pip compiles it at install time where gcc or cc is on the "
+                    "PATH (pip install -e . again, and see the build log for the compiler's error)")
+    return request.param
+
+
+@pytest.mark.usefixtures("codec")
 def test_a_frame_of_a_one_percent_change_is_small_and_applies_bit_exact():
     rng = np.random.default_rng(0)
     old = rng.standard_normal((64, 48)).astype(np.float32)
@@ -80,6 +96,7 @@ def test_a_frame_of_a_one_percent_change_is_small_and_applies_bit_exact():
     assert all(b - a <= 100 for a, b in ranges) and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
 
 
+@pytest.mark.usefixtures("codec")
 def test_a_frame_where_everything_changed_is_at_most_the_box_and_its_headers():
     rng = np.random.default_rng(1)
     old = rng.integers(0, 255, (1000,), dtype=np.uint8)
@@ -90,6 +107,7 @@ def test_a_frame_where_everything_changed_is_at_most_the_box_and_its_headers():
     assert apply_frame("j", d, frame.data, "host1/0").tobytes() == new.tobytes()
 
 
+@pytest.mark.usefixtures("codec")
 def test_a_bucket_frame_diffs_each_member_at_its_own_itemsize():
     """bf16 as uint16 bits, fp8 as uint8, float32 with NaN payloads and -0.0, int64, and a member without a base
     (sent whole): one segment each, applied bit-exact."""
@@ -132,6 +150,24 @@ def test_a_bucket_frame_diffs_each_member_at_its_own_itemsize():
         encode_frame("j", d, Segments([packed]))
 
 
+@pytest.mark.usefixtures("codec")
+def test_a_sender_reads_strided_regions_where_they_lie_and_frames_the_same_bytes():
+    """A bucket whose members are strided regions of their tiles (a row-parallel weight's columns), new and base:
+    the frame from the regions where they lie is the frame from their packed bytes, and it rebuilds every member."""
+    rng = np.random.default_rng(5)
+    tiles = [rng.integers(0, 2**16, (40, 96), dtype=np.uint16), rng.standard_normal((30, 50)).astype(np.float32),
+             rng.integers(0, 256, (12, 70), dtype=np.uint8)]
+    cuts = [np.s_[:, 16:64], np.s_[5:25, ::2], np.s_[:, :]]
+    news = [_changed(t, rng, 0.03) for t in tiles]
+    pairs = [(np.ascontiguousarray(t[c]), np.ascontiguousarray(n[c])) for t, n, c in zip(tiles, news, cuts)]
+    d, packed = _stream(pairs)
+    in_place = DeltaStream(d.step, d.sender, d.segments, d.nbytes, lambda k: tiles[k][cuts[k]], d.receiver_base)
+    strided = encode_frame("j", in_place, tuple(n[c] for n, c in zip(news, cuts)))
+    assert strided.data.tobytes() == encode_frame("j", d, packed).data.tobytes()
+    assert apply_frame("j", d, strided.data, "host1/0").tobytes() == packed.tobytes()
+
+
+@pytest.mark.usefixtures("codec")
 def test_a_base_that_differs_or_is_not_held_names_each_tensor():
     rng = np.random.default_rng(3)
     a, b = rng.standard_normal(40).astype(np.float32), rng.integers(0, 9, 30).astype(np.int16)
@@ -147,6 +183,7 @@ def test_a_base_that_differs_or_is_not_held_names_each_tensor():
     assert f"tensor 'store1': device host3/0 holds no version {DST_BASE}" in text and "step 3 of job job9" in text
 
 
+@pytest.mark.usefixtures("codec")
 def test_a_receiver_hashes_its_bases_only_where_the_result_does_not_match(monkeypatch):
     """The result's digest proves the new box; the bases are hashed only to name a mismatch. A base that differs
     only where the delta overwrites it rebuilds the box exactly, so it passes."""
@@ -173,6 +210,7 @@ def test_a_receiver_hashes_its_bases_only_where_the_result_does_not_match(monkey
         apply_frame("j", d, encode_frame("j", d, packed).data, "host1/0")
 
 
+@pytest.mark.usefixtures("codec")
 def test_a_sender_without_its_base_refuses_to_encode():
     a = np.arange(10, dtype=np.float32)
     d, packed = _stream([(a, a + 1)])
@@ -182,6 +220,7 @@ def test_a_sender_without_its_base_refuses_to_encode():
         encode_frame("j", d, packed)
 
 
+@pytest.mark.usefixtures("codec")
 def test_a_changed_value_in_a_frame_is_data_loss_and_a_changed_head_is_refused():
     rng = np.random.default_rng(4)
     a = rng.standard_normal(500).astype(np.float32)
