@@ -19,7 +19,9 @@ import reshard
 
 CORE = Path(reshard.__file__).parent
 SDK = CORE.parent / "client"
-CORE_MODULES = {p.stem for p in CORE.glob("*.py")} - {"__init__"}
+# The core's compiled module (reshard/_delta_kernel.c: plain C against Python's own API, no other library) counts as
+# core too: numpy does its work where it was not built.
+CORE_MODULES = ({p.stem for p in CORE.glob("*.py")} | {p.stem for p in CORE.glob("*.c")}) - {"__init__"}
 HEAVY = ("grpc", "torch", "fastapi", "google.protobuf", "reshard.server", "reshard.client", "reshard.proto")
 # reshard/__init__.py reaches the SDK lazily, inside `__getattr__`, so that
 # `reshard.connect` works while `import reshard` stays numpy-only.
