@@ -10,7 +10,7 @@ destination) against the memory rate the agents' probe reports, measured in the 
 box's bytes each side costs, which is how the planner prices a delta (`reshard.delta.SENDER_PASSES`,
 ``RECEIVER_PASSES``). Prints only; it writes no BENCHMARKS.md section yet.
 
-    python bench/delta_codec.py [--mib 64] [--rates 0.5,1,2,4,12,50] [--runs 3]
+    python bench/delta_codec.py [--mib 64] [--rates 0.5,1,2,4,12,50] [--runs 3] [--numpy]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from reshard.delta import RECEIVER_PASSES, SENDER_PASSES, apply, encode
+from reshard.delta import COMPILED, RECEIVER_PASSES, SENDER_PASSES, apply, encode
 from reshard.server.agent.probe import probe
 from reshard.server.transport.deltas import DeltaStream, Segment, apply_frame, encode_frame
 
@@ -49,10 +49,19 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="the box's size in MiB (default 64)")
     parser.add_argument("--rates", default="0.5,1,2,4,12,50", help="change rates in percent, comma-separated")
     parser.add_argument("--runs", type=int, default=3, help="timed runs per rate; the best is printed")
+    parser.add_argument("--numpy", action="store_true",
+                        help="the numpy codec, as an install without a C compiler runs it (default: the compiled "
+                             "passes, reshard/_delta_kernel.c, where built)")
     args = parser.parse_args()
+    if args.numpy:
+        import reshard.delta
+        from reshard.proto import layout
+
+        reshard.delta._kernel = layout._kernel = None
     num_elements = args.mib * 2**20 // 2
     box_nbytes = num_elements * 2
-    print(f"delta codec on a {args.mib} MiB bfloat16 box ({num_elements:,} elements), best of {args.runs}")
+    codec = "numpy" if args.numpy or not COMPILED else "compiled"
+    print(f"delta codec ({codec}) on a {args.mib} MiB bfloat16 box ({num_elements:,} elements), best of {args.runs}")
     header = (f"{'rate':>6} {'changed':>7} {'kind':>6} {'delta MiB':>10} {'of full':>8} {'B/changed':>9} "
               f"{'encode s':>9} {'GB/s':>6} {'apply s':>8} {'GB/s':>6}")
     print(header)
