@@ -14,10 +14,8 @@ broadcast         the paper's method: one sender per unit task, the least-loaded
 auto              ours, the default: local copies where a receiver's host holds a
                   replica, a greedy choice per unit task (largest first) among
                   chain, star and striped deliveries that keeps the busiest NIC as
-                  idle as possible, point-to-point where a broadcast buys nothing,
-                  then a star for each chain whose sender has room under the peak
-                  (`_unchain`); and never worse on the cost model than any other
-                  strategy
+                  idle as possible, point-to-point where a broadcast buys nothing;
+                  and never worse on the cost model than any other strategy
 ================= ==============================================================
 
 Unit tasks come as columns (`reshard.tasks.UnitTasks`). `auto` assigns them one by
@@ -449,62 +447,12 @@ def _auto(tasks: UnitTasks, hosts: HostCache, topology: Topology, size: int,
     loads = loads if loads is not None else Loads(topology)
     order, cut, rows = loads.task_rows(tasks, hosts)
     if len(rows) == len(order):
-        return _unchain(_auto_loop(rows, size, loads, hosts, step_s), size, loads, hosts, step_s)
+        return _auto_loop(rows, size, loads, hosts, step_s)
     if space is None:
-        return _unchain(_auto_loop(rows + _rows(tasks, order[cut:], hosts), size, loads, hosts, step_s), size, loads,
-                        hosts, step_s)
-    head = _unchain(_auto_loop(rows, size, loads, hosts, step_s), size, loads, hosts, step_s)
+        return _auto_loop(rows + _rows(tasks, order[cut:], hosts), size, loads, hosts, step_s)
+    head = _auto_loop(rows, size, loads, hosts, step_s)
     tail = _one_to_one(tasks, order[cut:], space, size, loads)
     return TransferTable.concat(TransferTable.from_transfers(head, tasks.lo.shape[1], space), tail) if head else tail
-
-
-def _unchain(transfers: list[Transfer], size: int, loads: Loads, hosts: HostCache, step_s: float) -> list[Transfer]:
-    """``transfers`` with each chain whose sender has room sent as a star instead: from the sender straight to every
-    host of its route, where that leaves the sender's NIC no busier than the busiest NIC of ``loads`` already is
-    (the plan's peak, reached anyway). Chains in the order they were planned (largest first); small boxes
-    (`STEP_S`) stay chains: one step, where a star is one per host.
-
-    The cost model prices the two alike; a real network does not. A chain's hops forward what has landed, and a
-    forwarded flow shares the next host's link with the flows sent there straight: where the senders' NICs have
-    room and the forwarding hosts only receive (a weight sync from training hosts to inference replicas), the
-    forwarding falls behind and the last hosts finish late; a star's flows leave at once and end together (the
-    emulated weight sync of `bench/link_timeline.py` on nixl, two rounds of five runs, chains and stars taking
-    turns: medians 1.032 s against 1.008 s, 1.187 against 1.054). Where every host sends as much as it forwards
-    (an all-gather), no sender has room and the chains stay; they measure better there too (`allgather4` on the
-    emulated hosts: 0.865-0.868 s against 0.895-0.899 s with every chain a star)."""
-    ceiling = loads.peak * (1 + 1e-9)
-    send = loads.send
-    out: list | None = None
-    for i, t in enumerate(transfers):
-        route = t.route
-        if len(route) < 2:
-            continue
-        hs = hosts[t.sender]
-        nbytes = boxes.volume(t.box) * size
-        mine = loads.seconds(hs, nbytes)
-        if mine < step_s or send[hs] + mine * (len(route) - 1) > ceiling:
-            continue
-        _star_loads(t, hs, nbytes, mine, loads)
-        groups: dict[str, list[str]] = {h: [] for h in route}
-        for r in t.receivers:
-            groups[hosts[r]].append(r)
-        out = out or list(transfers)
-        out[i] = Transfer.star(t.box, t.sender, [(h, tuple(groups[h])) for h in route])
-    if out is None:
-        return transfers
-    return [leg for t in out for leg in ([t] if isinstance(t, Transfer) else t)]
-
-
-def _star_loads(t: Transfer, hs: str, nbytes: int, mine: float, loads: Loads) -> None:
-    """Move chain ``t``'s loads (its sender ``hs``, ``nbytes``, ``mine`` seconds a copy) to its star's."""
-    send, pairs, hops, route = loads.send, loads.pairs, loads.next_hops, t.route
-    send[hs] += mine * (len(route) - 1)
-    for h in route[:-1]:
-        send[h] -= loads.seconds(h, nbytes)
-    for a, b in zip((hs, *route), route):
-        hops[a][b] = pairs[a, b] = pairs[a, b] - nbytes
-    for h in route:
-        hops[hs][h] = pairs[hs, h] = pairs[hs, h] + nbytes
 
 
 def _order(tasks: UnitTasks) -> tuple[np.ndarray, int]:

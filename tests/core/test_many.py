@@ -176,10 +176,9 @@ def _move(step) -> tuple:
 
 
 def test_small_chains_share_one_route_and_bucket_and_large_ones_keep_theirs():
+    train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
     infer = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"i{i}" for i in range(4)], 1)
-    # (of four shapes: each its own layout, planned on its own, so their chains may take several orders; from two
-    # training hosts, whose NICs a star to both replicas would make the busiest, so they stay chains)
-    train = Mesh.from_hosts({"tp": 2}, ["t0", "t1"], 1)
+    # (of four shapes: each its own layout, planned on its own, so their chains may take several orders)
     decls = _state_dict() + [TensorDecl(f"big{i}", (4096 + 64 * i, 64), "float32", Sharding(train, ("tp", None)),
                                         Sharding(infer, ("tp", None))) for i in range(4)]
     alone = plan_many(decls, bucket_bytes=0)  # every chain as its tensor's plan ordered it
