@@ -440,7 +440,7 @@ def place_runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
     place gave `Segments`. None where a part has no region, the parts lie on more than one device, or there would
     be more than ``most`` runs."""
     runs: list[tuple[int, int]] = []
-    where: list = []  # [device, owners, scattered]
+    where: list = []  # [device, owners, scattered, the owners' ids]
     if not _visit(box, place, most, runs, where):
         return None
     return where[0], where[1], runs, where[2]
@@ -454,7 +454,7 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
         device, view = got
         parts = view if isinstance(view, Segments) else (view,)
         if not where:
-            where.extend((device, [], isinstance(view, Segments)))
+            where.extend((device, [], isinstance(view, Segments), set()))
         elif where[0] != device:
             return False
         for part in parts:
@@ -463,7 +463,8 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
             owner, flat = owner_of(part)
             if owner is None:
                 return False
-            if not any(o is owner for o in where[1]):
+            if id(owner) not in where[3]:  # a bucket's members lie in hundreds of tiles: no scan of the list
+                where[3].add(id(owner))
                 where[1].append(owner)
             addr = flat.ctypes.data
             if runs and runs[-1][0] + runs[-1][1] == addr:
@@ -482,8 +483,9 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
             if hi - lo > most or (where and where[0] != device):
                 return False
             if not where:
-                where.extend((device, [], False))
-            if not any(o is owner for o in where[1]):
+                where.extend((device, [], False, set()))
+            if id(owner) not in where[3]:
+                where[3].add(id(owner))
                 where[1].append(owner)
             for k in range(hi - lo):
                 addr = first + k * stride
