@@ -78,6 +78,7 @@ bench: $(STAMP)
 	$(PY) bench/weight_sync.py  # its emulated-hosts part needs root, else says why it skipped
 	$(PY) bench/weight_sync.py --transport nixl  # the same on the NIXL transport: a section of its own
 	$(PY) bench/link_timeline.py  # where that sync's time goes on the emulated links (root, else says why it skipped)
+	$(PY) bench/cpu_profile.py  # where that sync's CPU goes, machine-wide (root and perf, else says why it skipped)
 	$(PY) bench/small_tensors.py --sync-at 139583  # about 5 minutes more: a registered sync at issue 41's count
 	$(PY) bench/sync_start.py  # issue 41: the planner's part of a repeated sync of the whole Kimi-K2-like case
 	$(PY) bench/moe_sync.py  # issue 41 must-show 3; its emulated hosts need root, else it says why it skipped

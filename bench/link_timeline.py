@@ -149,15 +149,20 @@ def section(measured: dict, gbps: float, layers: int, hidden: int) -> str:
             + "\n\n".join(parts) + "\n\nReproduce: `python bench/link_timeline.py` (root).")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def sync_options(description: str, argv=None) -> argparse.Namespace:
+    """The options of a bench that runs the emulated-hosts sync once per transport (this one and cpu_profile.py)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--transports", default="nixl,collective", help="comma-separated (default nixl,collective)")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--gbps", type=float, default=1.0, help="the lab's link rate, Gbit/s each way (default 1)")
     ap.add_argument("--layers", type=int, default=50)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--no-write", action="store_true", help="print, do not write BENCHMARKS.md")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = sync_options(__doc__.split("\n\n")[0], argv)
     from reshard.server.devtools.lab import lab_available
 
     ok, why = lab_available()
