@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,24 +99,27 @@ def measure(transport: str, runs: int, gbps: float, layers: int, hidden: int) ->
         c.put_many(put)
         data = Path(tmp) / "perf.data"
         recorder = None
-        for k in range(1 - weight_sync.WARMUP, runs + 1):  # k <= 0: untimed
-            if k == 1:
-                recorder = subprocess.Popen(["perf", "record", "-a", "-k", "mono", "-F", str(RATE_HZ), "-o", str(data)],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-                time.sleep(1.0)  # perf is recording before the first timed sync
-            t0 = time.monotonic()
-            c.reshard_many(there).result(timeout=TIMEOUT_S)
-            t1 = time.monotonic()
-            if k > 0:
-                windows.append((t0, t1))
-                seconds.append(t1 - t0)
-            _settle(c, names)
-            check_every_device(c, expected, f"{transport} reshard_many")
-            print(f"{transport}: reshard_many {'(untimed) ' if k <= 0 else ''}{t1 - t0:.3f}s", flush=True)
-            c.reshard_many(back).result(timeout=TIMEOUT_S)
-            _settle(c, names)
-        recorder.send_signal(signal.SIGINT)
-        recorder.wait(timeout=60)
+        try:
+            for k in range(1 - weight_sync.WARMUP, runs + 1):  # k <= 0: untimed
+                if k == 1:
+                    recorder = subprocess.Popen(["perf", "record", "-a", "-k", "mono", "-F", str(RATE_HZ), "-o",
+                                                 str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                    time.sleep(1.0)  # perf is recording before the first timed sync
+                t0 = time.monotonic()
+                c.reshard_many(there).result(timeout=TIMEOUT_S)
+                t1 = time.monotonic()
+                if k > 0:
+                    windows.append((t0, t1))
+                    seconds.append(t1 - t0)
+                _settle(c, names)
+                check_every_device(c, expected, f"{transport} reshard_many")
+                print(f"{transport}: reshard_many {'(untimed) ' if k <= 0 else ''}{t1 - t0:.3f}s", flush=True)
+                c.reshard_many(back).result(timeout=TIMEOUT_S)
+                _settle(c, names)
+        finally:  # a failed sync leaves no perf recording every core behind
+            if recorder is not None:
+                recorder.send_signal(signal.SIGINT)
+                recorder.wait(timeout=60)
         script = subprocess.run(["perf", "script", "-i", str(data), "-F", "comm,pid,tid,time,ip,sym,dso"],
                                 capture_output=True, text=True, check=True).stdout
     return {"seconds": seconds, "bound": weight_sync.lab_bound(tensors, infer, gbps),
@@ -123,9 +127,9 @@ def measure(transport: str, runs: int, gbps: float, layers: int, hidden: int) ->
 
 
 def tally(script: str, windows: list[tuple[float, float]], roles: dict[str, str]) -> dict:
-    """Counts of ``perf script``'s samples inside ``windows``: all, busy (not the idle task), busy by kind and by
-    whom, and the same two counts within each window's first `START_MS`."""
-    total = busy = start_total = start_busy = 0
+    """Counts of ``perf script``'s busy samples (not the idle task) inside ``windows``: all, by kind and by whom, and
+    those within each window's first `START_MS`; against the samples every core would give all the time."""
+    busy = start_busy = 0
     kinds, whom = Counter(), Counter()
     for line in script.splitlines():
         m = SAMPLE.match(line)
@@ -136,19 +140,16 @@ def tally(script: str, windows: list[tuple[float, float]], roles: dict[str, str]
         window = next((w for w in windows if w[0] <= t < w[1]), None)
         if window is None:
             continue
-        early = t < window[0] + START_MS / 1e3
-        total += 1
-        start_total += early
         if comm == "swapper":
             continue
         busy += 1
-        start_busy += early
+        start_busy += t < window[0] + START_MS / 1e3
         kinds[kind(dso, sym.split("+")[0])] += 1
         whom[roles.get(pid, "the kernel's threads" if "kernel" in dso and comm.startswith("k") else "others")] += 1
     # perf takes no sample on a core that sleeps in the idle task without its tick: a core's time is counted from
     # the rate, and its idle part is what no busy sample covers
     cores = os.cpu_count() or 1
-    return {"total": total, "busy": busy, "start_total": start_total, "start_busy": start_busy, "kinds": kinds,
+    return {"busy": busy, "start_busy": start_busy, "kinds": kinds,
             "whom": whom, "possible": sum(b - a for a, b in windows) * cores * RATE_HZ,
             "start_possible": len(windows) * START_MS / 1e3 * cores * RATE_HZ}
 
@@ -162,7 +163,7 @@ def section(measured: dict, gbps: float, layers: int, hidden: int, runs: int) ->
         if not m["busy"]:
             parts.append(f"{transport}: perf recorded no sample inside the syncs")
             continue
-        median = sorted(m["seconds"])[len(m["seconds"]) // 2]
+        median = statistics.median(m["seconds"])
         rows = ["| what ran | share of the busy samples |", "|---|---:|"]
         rows += [f"| {k} | {m['kinds'][k] / m['busy']:.0%} |" for k in KINDS if m["kinds"][k]]
         rows += ["", "| whose | share of the busy samples |", "|---|---:|"]
@@ -188,8 +189,7 @@ def main(argv=None) -> int:
     from reshard.server.devtools.lab import lab_available
 
     ok, why = lab_available()
-    why = None if ok else why
-    why = why or perf_missing()
+    why = perf_missing() if ok else why
     measured = {}
     for transport in args.transports.split(","):
         measured[transport] = {"skipped": why} if why else measure(transport, args.runs, args.gbps, args.layers,
