@@ -53,7 +53,7 @@ from reshard.server.agent.programs import HostLayout, load_program
 from reshard.server.agent.run import Run
 from reshard.server.agent.store import ShardStore
 from reshard.server.agent.task_graph import Task
-from reshard.server.agent.threads import limit_this_thread
+from reshard.server.agent.threads import Spares, limit_this_thread
 from reshard.server.agent.trace import TaskTrace
 from reshard.server.common.config import AgentConfig
 from reshard.server.common.contract import PROGRAM_NOT_HELD, PROGRAMS_KEPT, PROGRAMS_KEPT_BYTES
@@ -92,6 +92,7 @@ class Runtime:
         self._workers = workers
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix=f"step-{host}", initializer=limit_this_thread)
         self._digest_pool = ThreadPoolExecutor(2, thread_name_prefix=f"digest-{host}")
+        self._runners = Spares(f"run-{host}")  # a thread per run in flight, each its units' scheduler (`_in_order`)
         # Active transports' local tasks (computes, copies between this host's devices): they call no peer, so a
         # pool of their own bounds them at the kernels' threads (``--compute-threads``; 0: every core) instead of
         # the steps' workers, which on a shared CPU would run dozens at once, each slower for the others. An
@@ -286,7 +287,7 @@ class Runtime:
             for task in ready:
                 self._submit(run, task)
         elif run.tasks:
-            threading.Thread(target=self._in_order, args=(run, ready), daemon=True, name=f"run-{job[:8]}").start()
+            self._runners.start(self._in_order, run, ready)
         self._end_if_over(run)  # a run with nothing to do here is over already
         return run
 
@@ -371,6 +372,7 @@ class Runtime:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._local_pool.shutdown(wait=False, cancel_futures=True)
         self._digest_pool.shutdown(wait=False, cancel_futures=True)
+        self._runners.close()
         with self._lock:  # a run that ends from now on shuts its lanes down (`_lanes_done`)
             idle, self._idle_lanes = self._idle_lanes or {}, None
         for pools in idle.values():

@@ -45,7 +45,7 @@ from reshard.proto.auth import channel
 from reshard.server.agent.memory import default_memory_limit, keep_freed_memory
 from reshard.server.agent.probe import DeviceRates, probe
 from reshard.server.agent.pace import DevicePace
-from reshard.server.agent.threads import limit_compute_threads
+from reshard.server.agent.threads import Spares, limit_compute_threads
 from reshard.server.agent.trace import TaskTrace
 from reshard.server.agent.ucx import ucx_environment
 from reshard.server.agent.store import ShardStore
@@ -132,6 +132,7 @@ class AgentServicer(pb_grpc.AgentServicer):
         self.store = store
         self.runtime = runtime
         self.tickets = tickets  # calls that change what this agent holds carry the planner's ticket
+        self._loaders = Spares(f"load-{config.host}")  # threads that load an Execute's prepare (`_loading`)
         self.nixl_peers = NixlPeers(config.host, runtime.transports.get("nixl"))
         self.devices = {f"{config.host}/{i}" for i in range(config.num_devices)}
         self.handover = CudaHandover(config.host, store)
@@ -320,7 +321,7 @@ class AgentServicer(pb_grpc.AgentServicer):
             finally:
                 loaded.set()
 
-        threading.Thread(target=load, daemon=True, name=f"load-{request.job[:8]}").start()
+        self._loaders.start(load)
         try:
             while not loaded.wait(_PROGRESS_INTERVAL_S):
                 if context.is_active():

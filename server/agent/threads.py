@@ -18,11 +18,15 @@ the limit).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import queue
 import sys
+import threading
+from collections.abc import Callable
 
-__all__ = ["limit_compute_threads", "limit_this_thread"]
+__all__ = ["Spares", "limit_compute_threads", "limit_this_thread"]
 
 # The OpenMP and BLAS libraries read these as they load; OMP_NUM_THREADS is also each new thread's OpenMP default.
 _ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
@@ -58,3 +62,57 @@ def limit_this_thread() -> None:
 
     if torch.get_num_threads() != _limit:
         torch.set_num_threads(_limit)
+
+
+class Spares:
+    """Daemon threads kept for reuse: `start` hands a call to an idle one, and makes a thread only where none is
+    idle. A new thread's ``start`` waits until the thread runs, and on cores that 8 agents share that wait was
+    milliseconds of a job's start on every host (an agent starts a thread per job to run it, and one to load its
+    prepare); a spare thread is woken, not made. Each call's exceptions are its own: one that raises is logged."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads = 0
+        self._numbers = itertools.count()
+
+    @property
+    def threads(self) -> int:
+        """Threads made so far (each kept until `close`)."""
+        return self._threads
+
+    def start(self, fn: Callable, *args) -> None:
+        """Run ``fn(*args)`` on a spare thread."""
+        with self._lock:
+            spare = self._idle > 0
+            if spare:
+                self._idle -= 1
+            else:
+                self._threads += 1
+        self._calls.put((fn, args))
+        if not spare:
+            threading.Thread(target=self._serve, daemon=True, name=f"{self.name}-{next(self._numbers)}").start()
+
+    def _serve(self) -> None:
+        while True:
+            call = self._calls.get()
+            if call is None:
+                return
+            fn, args = call
+            try:
+                fn(*args)
+            except BaseException:  # the call's own failure, logged; the thread serves the next one
+                log.exception("%s: a call on a spare thread failed", self.name)
+            del fn, args, call  # nothing of the call is held while the thread waits for the next
+            with self._lock:
+                self._idle += 1
+
+    def close(self) -> None:
+        """End the idle threads, and each busy one once its call returns."""
+        with self._lock:
+            threads, self._threads = self._threads, 0
+            self._idle = 0
+        for _ in range(threads):
+            self._calls.put(None)

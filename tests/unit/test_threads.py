@@ -102,3 +102,69 @@ def test_a_local_cluster_gives_each_agent_its_share_unless_told():
     assert shared.agent_args[-2:] == ["--compute-threads", str(share_of_cores(4))]
     told = LocalCluster(hosts=4, devices_per_host=1, agent_args=["--compute-threads=3"])
     assert told.agent_args.count("--compute-threads") == 0 and "--compute-threads=3" in told.agent_args
+
+
+def test_spares_reuse_an_idle_thread_and_make_one_only_where_none_is_idle():
+    import threading
+    import time
+
+    from reshard.server.agent.threads import Spares
+
+    spares = Spares("t")
+    try:
+        ran, done = [], threading.Event()
+        for i in range(3):  # one after the other: the same thread each time
+            done.clear()
+            spares.start(lambda i=i: (ran.append((i, threading.current_thread().name)), done.set()))
+            assert done.wait(5)
+            deadline = time.monotonic() + 5
+            while spares._idle != 1:  # the thread counts itself idle after the call returns
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        assert [i for i, _ in ran] == [0, 1, 2] and len({n for _, n in ran}) == 1 and spares.threads == 1
+        gate, inside = threading.Event(), threading.Barrier(3, timeout=5)
+        for _ in range(2):  # two at once, the idle one busy: one more thread, two calls running together
+            spares.start(lambda: (inside.wait(), gate.wait(5)))
+        inside.wait()
+        assert spares.threads == 2
+        gate.set()
+    finally:
+        spares.close()
+
+
+def test_a_call_that_raises_is_logged_and_its_thread_serves_the_next(caplog):
+    import threading
+    import time
+
+    from reshard.server.agent.threads import Spares
+
+    spares = Spares("t")
+    try:
+        done = threading.Event()
+        spares.start(lambda: 1 / 0)
+        deadline = time.monotonic() + 5
+        while spares._idle != 1:  # the call raised, was logged, and its thread waits for the next
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+        assert "a call on a spare thread failed" in caplog.text and "ZeroDivisionError" in caplog.text
+        spares.start(done.set)
+        assert done.wait(5) and spares.threads == 1
+    finally:
+        spares.close()
+
+
+def test_closed_spares_end_their_threads():
+    import threading
+    import time
+
+    from reshard.server.agent.threads import Spares
+
+    spares = Spares("closing")
+    done = threading.Event()
+    spares.start(done.set)
+    assert done.wait(5)
+    spares.close()
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("closing-") for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "a spare thread outlived close"
+        time.sleep(0.01)
