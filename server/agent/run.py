@@ -77,6 +77,9 @@ class Run(Session):
         layout = layout if layout is not None else HostLayout(program, host)
         self.layout = layout
         self.buckets = layout.buckets  # first step id -> the bucket that travels as that step's stream
+        # (step id, hop) -> the sink a receive was posted into as the run began (`Runtime._prepost`): its lane's
+        # take must deliver into the same one (a bucket's sink is made anew at each `destination`)
+        self.presinks: dict[tuple[int, int], object] = {}
         super().__init__(job, ident, layout.dtypes, peers, generation=generation, seq=seq, streams=layout.streams,
                          num_streams=layout.num_streams, push_tickets=push_tickets, dtype_pairs=layout.dtype_pairs,
                          pair_streams=layout.pair_streams)

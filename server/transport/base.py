@@ -123,6 +123,11 @@ class Transport(ABC):
     def handshake(self, s: Session, peers: set[str]) -> None:
         """Before the first call with ``peers`` in a job."""
 
+    def prepost(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> bool:
+        """Post incoming stream ``key`` now, for `arrivals` to find when a lane takes it (`moves.prepost`); whether
+        it was. No by default: only a transport whose receivers post their regions (nixl) has anything to post."""
+        return False
+
     def all_reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str,
                    read: Callable[[str], Any], produce: Callable[[str, Box], tuple[Any, Box]]) -> bool:
         """This host's part of a replicated `reduce` as the backend's own all-reduce, where the transport has

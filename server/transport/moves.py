@@ -59,7 +59,7 @@ from reshard.server.transport.streams import Gather, IpcRegion, Piece, Segments,
 if TYPE_CHECKING:
     from reshard.server.transport.base import Transport
 
-__all__ = ["send", "send_ipc", "relay", "move", "take", "verify_arrival"]
+__all__ = ["send", "send_ipc", "relay", "move", "take", "prepost", "verify_arrival"]
 
 
 def send(transport: Transport, s: Session, key: StreamKey, peer: str, array, origin: Box, box: Box,
@@ -325,6 +325,16 @@ def take(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sin
                 sink.digested(r, t.box, digest)
 
     return transport.relay(s, key, peer, t.box, items, sink, local, nxt, verify)
+
+
+def prepost(transport: Transport, s: Session, step: int, t: Transfer, hop: int, sink: Sink) -> bool:
+    """Post hop ``hop`` of transfer ``t`` arriving here now, into ``sink``, before the lane that takes it runs
+    (`Transport.prepost`); whether it was: that lane's `take` must then be given the same ``sink``."""
+    targets = hop_targets(t, hop, transport.host)
+    if targets is None:
+        return False
+    local, _, peer = targets
+    return transport.prepost(s, StreamKey(s.job, step, hop), peer, t.box, _placer(transport, sink, local))
 
 
 def _placer(transport: Transport, sink: Sink, local: list[str]) -> Callable[[Box], tuple[str, object] | None]:

@@ -22,7 +22,8 @@ peers           whole metadata travels through the planner (`metadata`, `add_pee
 post ``D``      the receiver registers the buffer the box lands in (the destination tile that
                 ``place`` offers, else a scratch buffer of the transport's `Pool`) and notifies the sender
                 of the box's contiguous runs in that buffer, in C order (a strided box is a
-                list of runs, not a packed copy); an empty box is posted too
+                list of runs, not a packed copy); an empty box is posted too. A run's first
+                receives are posted as the run begins (`prepost`), not as their lanes wake
 chunk ``C``     the sender WRITEs each chunk into the part of the runs its bytes fill, at most
                 `WINDOW` WRITEs in flight per stream; the WRITE's notification names the
                 chunk's byte range and sub-box, and arrives after its bytes, so the receiver
@@ -85,7 +86,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -136,6 +137,16 @@ STAGE_REGISTER_BYTES = 1 << 20  # a chunk's own buffer this large is registered 
 # -- the transport --------------------------------------------------------------------------------------
 
 
+class _Posted(NamedTuple):
+    """A stream posted here (`NixlTransport._post`): its sender, the region it lands in (None: an empty box), its
+    bytes, and the secrets its shared segments were offered by (withdrawn as the sender copies or the stream ends)."""
+
+    peer: str
+    landing: Landing | DeviceLanding | None
+    nbytes: int
+    offered: list[bytes]
+
+
 class NixlTransport(Transport):
     """Streams as one-sided WRITEs into the receiver's registered memory (see the module table)."""
 
@@ -169,6 +180,7 @@ class NixlTransport(Transport):
         self._post_lock = threading.Lock()  # a post's metadata and its sending, one post at a time (`arrivals`)
         self._progress = Progress(self._agent, host, poll_pause_s)  # `nixl_progress.shortest_pause`
         self._peers: dict[str, bytes] = {}
+        self._preposted: dict[StreamKey, _Posted] = {}  # streams posted before their lanes took them (`prepost`)
         self.incarnation = os.urandom(INCARNATION)  # this NIXL agent's, in its metadata and every post it makes
         self._memory = Registry(self._agent, host)
         self._pool = Pool(self._memory)
@@ -263,7 +275,12 @@ class NixlTransport(Transport):
                 f"peers before it runs (add_peer), and it introduced none by that name")
 
     def detach(self, s: Session) -> None:
-        """Drop what is left of the job's notifications, and those that come late."""
+        """Drop what is left of the job's notifications, and those that come late; release its posts that no lane
+        took (its run failed first)."""
+        with self._lock:
+            left = [(k, self._preposted.pop(k)) for k in [k for k in self._preposted if k.job == s.job]]
+        for key, posted in left:
+            self._unpost(key, posted)
         self._progress.detach(s.job)
 
     def close(self) -> None:
@@ -411,14 +428,32 @@ class NixlTransport(Transport):
         return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))
 
-    def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
-        """Post the region the box lands in, then yield each chunk once it landed, in stream order, then the
-        trailer (see the module table)."""
+    def prepost(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> bool:
+        """Post stream ``key`` now, before the lane that takes it runs: `arrivals` finds the post made. A run's first
+        receives are posted so as it begins (`moves.prepost`, from `Runtime._in_order`), not as each of its lanes
+        wakes (on cores that agents share, a lane took 3-16 ms to wake). A delta frame is posted by its lane."""
+        if s.delta(key.step) is not None:
+            return False
         self._require_peer(s, peer)
+        posted = self._post(s, key, peer, box, place)
+        with self._lock:
+            self._preposted[key] = posted
+        return True
+
+    def arrivals(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> Iterator:
+        """Post the region the box lands in (unless `prepost` did), then yield each chunk once it landed, in stream
+        order, then the trailer (see the module table)."""
+        self._require_peer(s, peer)
+        with self._lock:
+            posted = self._preposted.pop(key, None)
+        yield from self._receive(s, key, peer, posted if posted is not None else self._post(s, key, peer, box, place))
+
+    def _post(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> _Posted:
+        """Make the region the box lands in and post it to ``peer`` (see the module table)."""
         delta = s.delta(key.step)  # a delta frame (`deltas`) lands in scratch of the most it may take; it may be less
         nbytes = delta.limit if delta is not None else boxes.volume(box) * s.dtype(key.step)[1].itemsize
         landing = self._landing(box, nbytes, place, peer) if nbytes else None
-        offered: list[bytes] = []  # secrets a peer may fetch this box's shared segments by, until it copies
+        posted = _Posted(peer, landing, nbytes, [])  # offered: secrets a peer may fetch the box's segments by
         try:
             runs = np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`nixl_out.NixlOut.end`)
             if landing is not None:
@@ -431,7 +466,7 @@ class NixlTransport(Transport):
                 metadata = b"" if landing is None else \
                     blobs([self._memory.metadata_for(r, peer) for r in landing.registrations])
                 in_place = landing is not None and landing.device is not None  # not scratch: its tiles may be shared
-                offer = self.shared.offer(peer, landing.owners if in_place else None, offered,
+                offer = self.shared.offer(peer, landing.owners if in_place else None, posted.offered,
                                           only=in_place and not landing.registrations)
                 vram = landing is not None and landing.vram
                 device = (landing.buf.device.index or 0) if vram else 0
@@ -439,6 +474,22 @@ class NixlTransport(Transport):
                 self._notify(peer, encode(b"D", key, POST.pack(device, len(metadata), len(offer), vram,
                                                                self.incarnation) + metadata
                                           + offer + runs.tobytes()))
+        except BaseException:
+            self._unpost(key, posted)
+            raise
+        return posted
+
+    def _unpost(self, key: StreamKey, posted: _Posted) -> None:
+        """Release what a post holds: the stream ended here, taken or not."""
+        self._progress.ended(posted.peer, key)
+        self.shared.withdraw(posted.offered)
+        if posted.landing is not None:
+            posted.landing.release()
+
+    def _receive(self, s: Session, key: StreamKey, peer: str, posted: _Posted) -> Iterator:
+        """Yield each chunk of posted stream ``key`` once it landed, in stream order, then the trailer."""
+        landing, nbytes, offered = posted.landing, posted.nbytes, posted.offered
+        try:
             waiting: dict[int, tuple[Box, int]] = {}
             got = chunks = 0
             trailer = None
@@ -469,7 +520,4 @@ class NixlTransport(Transport):
                     chunks += 1
             yield Trailer(trailer[0], trailer[1], landing is not None and landing.vram)
         finally:
-            self._progress.ended(peer, key)
-            self.shared.withdraw(offered)
-            if landing is not None:
-                landing.release()
+            self._unpost(key, posted)

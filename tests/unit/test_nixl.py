@@ -588,3 +588,27 @@ def test_metadata_nixl_cannot_load_is_refused_naming_the_host(pair):
     whole = ((0, 128), (0, 128))
     _move(a, b, "after-bad-metadata", src, whole, _placing("b/0", dst))
     assert np.array_equal(dst, src)
+
+
+def test_a_stream_posted_before_its_lane_runs_lands_there_and_one_no_lane_took_is_released(pair):
+    """`prepost` (a run's first receives, posted as it begins): the sender WRITEs into the region posted early, and
+    `arrivals` takes that post instead of making another; a post no lane took is released by `detach`."""
+    a, b = pair
+    src = np.arange(64 * 256, dtype=np.float32).reshape(64, 256)  # 64 KiB: one chunk
+    dst = np.zeros_like(src)
+    full = ((0, 64), (0, 256))
+    s = Session("early", "p", {0: src.dtype.name}, {})
+    key = StreamKey("early", 0, 0)
+    assert b.prepost(s, key, "a", full, _placing("b/0", dst))
+    sent = in_thread("send", a.send, s, key, "b", src, full, full)
+    sent.result(5)  # the sender finished on the early post alone: no lane of b's asked for the stream yet
+    assert np.array_equal(dst, src)
+    items = list(b.arrivals(s, key, "a", full, lambda sub: pytest.fail("posted again")))
+    assert items[-1] == (src.nbytes, xxhash.xxh3_64_intdigest(src.tobytes()), False)
+    assert not b._preposted and not b._progress._landed
+
+    gone = Session("failed", "p", {0: src.dtype.name}, {})
+    assert b.prepost(gone, StreamKey("failed", 0, 0), "a", full, _placing("b/0", np.zeros_like(src)))
+    assert b._preposted and b._progress._landed  # posted, and polled for
+    b.detach(gone)  # its run failed before a lane took it
+    assert not b._preposted and not b._progress._landed
