@@ -506,8 +506,11 @@ class Runtime:
         """Post the receives that start the first depth's units now, as the run begins, rather than as each lane
         wakes to run its unit (`Transport.prepost`: only where the receiver posts its regions, nixl): on cores that
         agents share a lane took 3-16 ms to wake, and every sender waits for its receiver's post."""
+        if not run.transport.preposts:
+            return
         for task in firsts:
-            if task.role != "recv" or task.waiting or run.failed is not None:
+            # a delta frame lands in the transport's own buffer, posted by its lane (`moves.take`)
+            if task.role != "recv" or task.waiting or run.failed is not None or run.delta(task.step.id) is not None:
                 continue
             step = task.step
             sink = run.destination(step)

@@ -123,9 +123,12 @@ class Transport(ABC):
     def handshake(self, s: Session, peers: set[str]) -> None:
         """Before the first call with ``peers`` in a job."""
 
+    # Whether `prepost` posts anything: only a transport whose receivers post their regions (nixl)
+    preposts = False
+
     def prepost(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> bool:
         """Post incoming stream ``key`` now, for `arrivals` to find when a lane takes it (`moves.prepost`); whether
-        it was. No by default: only a transport whose receivers post their regions (nixl) has anything to post."""
+        it was (never, where `preposts` is False)."""
         return False
 
     def all_reduce(self, s: Session, step: int, group: tuple[str, ...], box: Box, op: str,

@@ -154,6 +154,7 @@ class NixlTransport(Transport):
     passive = False  # receivers post their receives (`arrivals`), as the collective transport's do
     scatters = True  # a bucket WRITEs from its members' source regions into their destination tiles
     lands_on_gpu = True  # a box bound for a GPU tile lands in GPU memory (VRAM), not host scratch
+    preposts = True  # a run's first receives are posted as it begins (`prepost`)
 
     # ``lanes``: `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here alone, as
     # the tests make them, runs as many as an agent would
