@@ -538,15 +538,13 @@ class Runtime:
                 # host's earlier, local work. A host that calls no peer (a compute job's local steps) announces
                 # nothing: a peer waits only for the hosts it calls, and they call it back.
                 link.handshake(run, set())
-            first = True
-            for peers, _, units in run.layout.depths:
+            for depth, (peers, _, units) in enumerate(run.layout.depths):
                 if run.failed is not None:
                     return
                 if peers:
                     link.handshake(run, set(peers))
-                if first:
+                if depth == 0:
                     self._prepost(run, [tasks[unit[0]] for _, unit in units if unit])
-                    first = False
                 for small, unit in units:
                     lane = small_lanes if small else lanes
                     pending.add(lane.submit(self._run_unit, run, [tasks[i] for i in unit]))
