@@ -98,6 +98,10 @@ class Run(Session):
         self.deltas.update(self._delta_streams())
         self.digests: dict[int, Future] = {}  # step -> XXH3-64 of its box, from a held source shard
         self.done = threading.Event()
+        # Set once every unit of this host's first depth has begun on its lane (`Runtime._in_order`): a moves-only
+        # run's local copies wait for it (`Runtime._copies_after_streams`)
+        self.underway = threading.Event()
+        self._unstarted = 0
         self.executing = False
         self.started = 0.0
         self.retired = False  # the job has ended on this host, and the runtime let the run go (`Runtime._retire`)
@@ -410,6 +414,20 @@ class Run(Session):
             self.executing = True
             self.started = time.monotonic()
             return [t for t in self.tasks if t.role != "recv" and not t.waiting and not t.finished]
+
+    def units_to_start(self, n: int) -> None:
+        """This host's first depth has ``n`` lane units; `underway` is set once each has begun (`unit_started`)."""
+        with self._lock:
+            self._unstarted = n
+            if n <= 0:
+                self.underway.set()
+
+    def unit_started(self) -> None:
+        """One unit of this host's first depth has begun on its lane."""
+        with self._lock:
+            self._unstarted -= 1
+            if self._unstarted <= 0:
+                self.underway.set()
 
     def finish(self, task: Task) -> list[Task]:
         """Count ``task`` as done; returns the tasks it made ready."""

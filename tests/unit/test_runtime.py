@@ -287,6 +287,35 @@ def test_the_part_of_a_tile_its_own_device_held_is_copied_while_the_streams_run(
     assert np.array_equal(hosts.get("a", dst, a.shape), a)
 
 
+@pytest.mark.parametrize("group", ["collective", "nixl"], indirect=True)
+def test_an_active_transport_copies_the_held_parts_once_the_first_streams_began(group):
+    # The copies need only be done by the job's end; made as the run begins they would take the cores from the
+    # hosts' first posts and WRITEs (`Runtime._copies_after_streams`): each host copies once its first depth's
+    # units have begun on their lanes.
+    hosts = Hosts(group=group)
+    try:
+        a = np.arange((4 * 13 + 1) * 5, dtype=np.float32).reshape(4 * 13 + 1, 5)
+        src = _sharding({"x": 4, "y": 2}, HOSTS, 2, ("x", None))
+        dst = _sharding({"x": 4, "y": 2}, HOSTS, 2, (None, None))
+        hosts.put_tensor("a", a, src)
+        plan = make_plan(a.shape, a.dtype, src, dst, strategy="auto").validate()
+        job, peers = uuid.uuid4().hex, {h: h for h in hosts.runtimes}
+        extra = (group.generation, next(_SEQ)) if hosts.kind == "collective" else ()
+        runs = {h: r.prepare(job, plan.dumps(), "a", 1, 2, peers, hosts.kind, *extra)
+                for h, r in hosts.runtimes.items()}
+        seen = {}
+        for h, run in runs.items():
+            assert run.fills, h
+            run.fill = lambda h=h, run=run, fill=run.fill: (seen.__setitem__(h, run.underway.is_set()), fill())
+        for r in hosts.runtimes.values():
+            r.execute(job, plan.id)
+        hosts.finish(job, runs)
+        assert seen == {h: True for h in HOSTS}
+        assert np.array_equal(hosts.get("a", dst, a.shape), a)
+    finally:
+        hosts.close()
+
+
 def _chain_program(shape=(64, 32), dtype="float32"):
     """Step 0: host0/0 -> host1/0; step 1 (after 0): host1/0 -> host2/0 of the box step 0 delivered;
     step 2, independent: host3/0 -> host2/1 of another tensor... of the same tensor, from its own tile."""
