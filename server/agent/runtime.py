@@ -234,6 +234,11 @@ class Runtime:
                 run.digests[task.step.id] = known = Future()
                 known.set_result(shard.digest)
                 continue
+            # A box its send packs chunk by chunk (a strided region whose runs are too short to go as they lie) is
+            # digested from those packed chunks as it goes (`moves.send`): a pass of its own here would copy it once
+            # more, at the run's start, when the hosts' first posts and WRITEs need the cores
+            if run.transport.packs(buffers.region(shard.array, t.box, shard.tile)):
+                continue
             dtype, np_type = run.dtype(task.step.id)
             args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)
             if boxes.volume(t.box) * np_type.itemsize > _DIGEST_HERE_BYTES:

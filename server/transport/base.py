@@ -47,6 +47,8 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from reshard.box import Box
 from reshard.plans import Transfer
 from reshard.proto.errors import FailedPreconditionError
@@ -122,6 +124,12 @@ class Transport(ABC):
 
     def handshake(self, s: Session, peers: set[str]) -> None:
         """Before the first call with ``peers`` in a job."""
+
+    def packs(self, view) -> bool:
+        """Whether sending ``view``, a region of a held host tile, packs its bytes into a copy chunk by chunk (the
+        default `Outgoing.put_region` packs every strided region): its digest then rides on those copies
+        (`moves.send`), where a pass of its own ahead (`Runtime._digest_sources`) would copy the box once more."""
+        return isinstance(view, np.ndarray) and not view.flags.c_contiguous
 
     # Whether `prepost` posts anything: only a transport whose receivers post their regions (nixl)
     preposts = False

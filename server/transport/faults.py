@@ -75,6 +75,9 @@ class Wrapped(Transport):
     def all_reduce(self, s, step, group, box, op, read, produce) -> bool:
         return self.inner.all_reduce(s, step, group, box, op, read, produce)
 
+    def packs(self, view) -> bool:
+        return self.inner.packs(view)
+
     def close(self) -> None:
         self.inner.close()
 

@@ -115,8 +115,9 @@ from reshard.server.transport.nixl_memory import (
     encode,
     owner_of,
     place_runs,
+    source_runs,
 )
-from reshard.server.transport.nixl_out import DEVICE_CHUNK_BYTES, SHARED_CHUNK_BYTES, WINDOW, NixlOut
+from reshard.server.transport.nixl_out import DEVICE_CHUNK_BYTES, SHARED_CHUNK_BYTES, SOURCE_RUN_BYTES, WINDOW, NixlOut
 from reshard.server.transport.nixl_progress import POLL_MIN_S, Progress
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
@@ -428,6 +429,11 @@ class NixlTransport(Transport):
         buf = self._scratch(nbytes)
         return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))
+
+    def packs(self, view) -> bool:
+        """A strided region goes from its own runs, unpacked, unless they average under `SOURCE_RUN_BYTES`
+        (`NixlOut.put_region`)."""
+        return super().packs(view) and source_runs(view, max(1, view.nbytes // SOURCE_RUN_BYTES)) is None
 
     def prepost(self, s: Session, key: StreamKey, peer: str, box: Box, place) -> bool:
         """Post stream ``key`` now, before the lane that takes it runs: `arrivals` finds the post made. A run's first

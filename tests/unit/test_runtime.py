@@ -316,6 +316,23 @@ def test_an_active_transport_copies_the_held_parts_once_the_first_streams_began(
         hosts.close()
 
 
+@pytest.mark.parametrize("run_bytes", [2048, 16384])
+def test_a_box_its_send_packs_is_digested_from_the_packed_chunks_not_in_a_pass_ahead(hosts, run_bytes):
+    # A strided source box whose send packs it chunk by chunk (every strided box on the streaming transports;
+    # on nixl, runs under 8 KiB) is digested from those chunks as it goes: a pass ahead would copy it once more.
+    # Runs nixl writes as they lie are digested ahead, so that the send reads no byte.
+    a = np.arange(64 * run_bytes // 2, dtype=np.float32).reshape(64, run_bytes // 2)
+    src = _sharding({"x": 1}, ["host0"], 1, (None, None))
+    dst = _sharding({"x": 2}, ["host1"], 2, (None, "x"))  # each device's box: 64 runs of run_bytes
+    hosts.put_tensor("a", a, src)
+    plan = make_plan(a.shape, a.dtype, src, dst, strategy="send_recv").validate()
+    job, runs = hosts.start(plan.dumps(), "a")
+    hosts.finish(job, runs)
+    assert np.array_equal(hosts.get("a", dst, a.shape), a)
+    ahead = hosts.kind == "nixl" and run_bytes >= 8192
+    assert len(runs["host0"].digests) == (2 if ahead else 0), runs["host0"].digests
+
+
 def _chain_program(shape=(64, 32), dtype="float32"):
     """Step 0: host0/0 -> host1/0; step 1 (after 0): host1/0 -> host2/0 of the box step 0 delivered;
     step 2, independent: host3/0 -> host2/1 of another tensor... of the same tensor, from its own tile."""
