@@ -234,10 +234,10 @@ class Runtime:
                 run.digests[task.step.id] = known = Future()
                 known.set_result(shard.digest)
                 continue
-            # A box its send packs chunk by chunk (a strided region whose runs are too short to go as they lie) is
-            # digested from those packed chunks as it goes (`moves.send`): a pass of its own here would copy it once
-            # more, at the run's start, when the hosts' first posts and WRITEs need the cores
-            if run.transport.packs(buffers.region(shard.array, t.box, shard.tile)):
+            # A box whose send reads its bytes anyway (packing a strided region chunk by chunk), or that crosses a
+            # slow NIC, is digested chunk by chunk as it goes (`moves.send`): a pass of its own here would copy it
+            # once more, or take the cores as every host starts the job (`Transport.digest_ahead`)
+            if not run.transport.digest_ahead(buffers.region(shard.array, t.box, shard.tile)):
                 continue
             dtype, np_type = run.dtype(task.step.id)
             args = (run, dtype, t.box, shard.array, shard.tile, run.transport.chunk_bytes)

@@ -524,7 +524,8 @@ def nixl_transport(config: AgentConfig, throttle: Throttle) -> Transport | None:
     return nixl.NixlTransport(config.host, backend=config.nixl_backend, lanes=config.collective_lanes,
                               chunk_bytes=config.nixl_chunk, timeout_s=config.transfer_timeout_s,
                               throttle=throttle, stall_timeout_s=config.stall_timeout_s,
-                              poll_pause_s=nixl_progress.shortest_pause(config.nixl_chunk, config.nic_gbps))
+                              poll_pause_s=nixl_progress.shortest_pause(config.nixl_chunk, config.nic_gbps),
+                              nic_gbps=config.nic_gbps)
 
 
 def advertised_address(config: AgentConfig, port: int) -> str:

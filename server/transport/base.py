@@ -125,11 +125,13 @@ class Transport(ABC):
     def handshake(self, s: Session, peers: set[str]) -> None:
         """Before the first call with ``peers`` in a job."""
 
-    def packs(self, view) -> bool:
-        """Whether sending ``view``, a region of a held host tile, packs its bytes into a copy chunk by chunk (the
-        default `Outgoing.put_region` packs every strided region): its digest then rides on those copies
-        (`moves.send`), where a pass of its own ahead (`Runtime._digest_sources`) would copy the box once more."""
-        return isinstance(view, np.ndarray) and not view.flags.c_contiguous
+    def digest_ahead(self, view) -> bool:
+        """Whether the XXH3-64 of ``view``, a region of a held host tile this host will send, is worth a pass of
+        its own as the job is prepared (`Runtime._digest_sources`) rather than over its chunks as they are sent
+        (`moves.send`). Not where the send packs it into a copy chunk by chunk (the default `Outgoing.put_region`
+        packs every strided region): the digest then rides on those copies, and a pass ahead would copy the box
+        once more."""
+        return not (isinstance(view, np.ndarray) and not view.flags.c_contiguous)
 
     # Whether `prepost` posts anything: only a transport whose receivers post their regions (nixl)
     preposts = False

@@ -75,8 +75,8 @@ class Wrapped(Transport):
     def all_reduce(self, s, step, group, box, op, read, produce) -> bool:
         return self.inner.all_reduce(s, step, group, box, op, read, produce)
 
-    def packs(self, view) -> bool:
-        return self.inner.packs(view)
+    def digest_ahead(self, view) -> bool:
+        return self.inner.digest_ahead(view)
 
     def close(self) -> None:
         self.inner.close()

@@ -175,6 +175,24 @@ def test_a_strided_source_box_is_written_from_the_tile_itself_with_no_staging_co
     assert a.registered == 1  # the source tile itself, once
 
 
+@pytest.mark.parametrize("shared, gbps, ahead", [(False, 1.0, False), (False, 100.0, True), (True, 1.0, True),
+                                                  (False, 0.0, True)])
+def test_a_box_bound_over_a_nic_hashing_outpaces_is_digested_as_it_goes_not_ahead(shared, gbps, ahead):
+    """Where every stream crosses a NIC of at most `HASH_IN_STREAM_GBPS` (no shared memory), each chunk's hash
+    costs the stream nothing, and a pass ahead would take the sender's cores as every host starts: no box is
+    digested ahead. A faster NIC, shared memory (a peer on this machine takes a stream at memory speed) or no rate
+    known: contiguous boxes and long runs are. Short runs never are (the send packs them)."""
+    t = NixlTransport("d", chunk_bytes=64 << 10, timeout_s=0.5, shared_memory=shared, nic_gbps=gbps)
+    try:
+        tile = np.zeros((64, 8192), dtype=np.float32)
+        assert t.hash_in_stream == (not ahead)
+        assert t.digest_ahead(tile[:8]) == ahead  # contiguous
+        assert t.digest_ahead(tile[:, :4096]) == ahead  # 16 KiB runs: written from the tile as they lie
+        assert not t.digest_ahead(tile[:, :512])  # 2 KiB runs: packed chunk by chunk as they go
+    finally:
+        t.close()
+
+
 def test_one_write_pairs_local_and_remote_runs_cut_wherever_either_ends():
     local = (np.array([1000, 2000], np.int64), np.array([0, 6, 10], np.int64))  # runs of 6 and 4 bytes
     remote = (np.array([50, 80, 90], np.int64), np.array([0, 3, 8, 20], np.int64))  # 3, 5, 12 bytes
