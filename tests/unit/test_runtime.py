@@ -25,7 +25,7 @@ from reshard.plans import Transfer
 from reshard.program import DST, SRC, Program, Step, TensorDecl, TileRef
 from reshard.proto.errors import DataLossError, DeadlineExceededError, UnavailableError
 from reshard.proto.layout import digest
-from reshard.server.agent.runtime import Runtime
+from reshard.server.agent.runtime import COPIES_WAIT_S, Runtime
 from reshard.server.agent.store import ShardStore, TileBuffer
 from reshard.server.common.contract import GroupView
 from reshard.server.transport.faults import Fail, Stall, Wrapped
@@ -306,7 +306,10 @@ def test_an_active_transport_copies_the_held_parts_once_the_first_streams_began(
         seen = {}
         for h, run in runs.items():
             assert run.fills, h
-            run.fill = lambda h=h, run=run, fill=run.fill: (seen.__setitem__(h, run.underway.is_set()), fill())
+            # at the copy: whether the first units had begun, or the longest wait for them had passed (a loaded
+            # machine's lanes may take longer to wake)
+            run.fill = lambda h=h, run=run, fill=run.fill: (seen.__setitem__(
+                h, run.underway.is_set() or time.monotonic() - run.started >= COPIES_WAIT_S), fill())
         for r in hosts.runtimes.values():
             r.execute(job, plan.id)
         hosts.finish(job, runs)
