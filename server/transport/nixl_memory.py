@@ -52,6 +52,8 @@ __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "INCARNATION", "blobs", "unblob",
 
 log = logging.getLogger(__name__)
 
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux's value where this Python does not name it
+
 HEAD = struct.Struct("<cIIH")  # kind, step, hop, len(job)
 CHUNK = struct.Struct("<QQB")  # offset, nbytes, ndim; then int64 (lo, hi) per dim
 TRAILER = struct.Struct("<QQQ")  # nbytes, xxh3_64, chunks
@@ -173,6 +175,15 @@ class Registry:
             reg = self._regs.get((lo, n))
             return reg.offerable if reg is not None else self._clear(lo, n)
 
+    def hole(self, owner: np.ndarray) -> int:
+        """The length of the buried ranges ``owner``'s memory overlaps, from the first one's start to the last one's
+        end (0: it is clear of them, `usable`)."""
+        lo, n = owner.ctypes.data, owner.nbytes
+        with self._lock:
+            i = bisect.bisect_right(self._dead, (lo, lo + n))
+            over = [(a, b) for a, b in self._dead[max(0, i - 1):i + 1] if a < lo + n and lo < b]
+        return over[-1][1] - over[0][0] if over else 0
+
     def _clear(self, lo: int, n: int) -> bool:
         """Whether [lo, lo + n) is clear of ``_dead`` (under the lock)."""
         i = bisect.bisect_right(self._dead, (lo, lo + n))
@@ -235,19 +246,24 @@ class Pool:
     from), by power-of-two size from `RECYCLE_MIN_BYTES`: each mapped once (``mmap``, outside malloc's heap) and
     kept until the transport closes, so a registration made for one stays valid and no buffer a peer knew goes
     back to malloc to become some tile's memory. A mapping that falls where a peer knew a freed buffer
-    (`Registry.usable`) is kept aside, unused, and another one mapped."""
+    (`Registry.usable`) is kept aside, unused, and the next one asked for larger than that freed range: the kernel
+    places a new mapping in the first gap it fits, so one of the same size would fall in the rest of the same
+    range (a freed tile of many megabytes holds hundreds of 64 KiB buffers); the buffer is the start of the
+    larger mapping, whose rest is address space never touched."""
 
     def __init__(self, registry: Registry, tries: int = 8):
         self._registry = registry
         self._tries = tries
         self._free: dict[int, list[np.ndarray]] = {}
         self._maps: list[mmap.mmap] = []  # every mapping, kept until close
+        self._held = 0  # the bytes of the buffers handed out (set-aside mappings are address space never touched)
         self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the pool's buffers, in use or free."""
         with self._lock:
-            return sum(len(m) for m in self._maps)
+            return self._held
 
     def take(self, nbytes: int) -> np.ndarray:
         """A buffer (uint8) of at least ``nbytes``; give it back with `put`."""
@@ -256,13 +272,19 @@ class Pool:
             free = self._free.get(size)
             if free:
                 return free.pop()
+        ask = size
         for _ in range(self._tries):
-            m = mmap.mmap(-1, size)
+            # larger than asked: reserve no swap for the part never touched
+            m = mmap.mmap(-1, ask, flags=mmap.MAP_SHARED | (MAP_NORESERVE if ask > size else 0))
             with self._lock:
                 self._maps.append(m)
-            buf = np.frombuffer(m, dtype=np.uint8)
-            if self._registry.usable(buf):
+            buf = np.frombuffer(m, dtype=np.uint8, count=size)
+            hole = self._registry.hole(buf)
+            if not hole:
+                with self._lock:
+                    self._held += size
                 return buf
+            ask = size + hole
         raise UnavailableError(f"agent {self._registry.host} mapped {self._tries} buffers of {size} bytes and each "
                                f"fell where its NIXL peers knew memory since freed; restart the agent to start afresh")
 
@@ -275,6 +297,7 @@ class Pool:
         with self._lock:
             self._free.clear()
             self._maps.clear()
+            self._held = 0
 
 
 class DevicePool:

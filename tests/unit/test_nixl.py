@@ -8,6 +8,7 @@ run (chains, reduces, uneven tiles, many jobs at once) run on nixl too, through 
 
 from __future__ import annotations
 
+import mmap
 import signal
 import subprocess
 import sys
@@ -305,6 +306,24 @@ def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
     landing = a._landing(((0, 100_000),), 100_000, _placing("b/0", buffer(256, 128)[:100_000]), "b")
     assert landing.device == "b/0"
     landing.release()
+
+
+def test_a_scratch_buffer_is_mapped_past_a_freed_range_its_peers_knew_however_large(pair):
+    """A freed tile a peer knew leaves a range never offered again; the kernel places a new mapping in the first
+    gap it fits, so scratch buffers of the same size would fall in that range one after another (a tile of 1 GiB
+    holds 16384 of 64 KiB): the pool asks for a mapping larger than the range and takes the start of it."""
+    a, _ = pair
+    probe = mmap.mmap(-1, 64 << 10)
+    at = np.frombuffer(probe, dtype=np.uint8).ctypes.data  # where a 64 KiB mapping goes next
+    probe.close()
+    a._memory._bury(at - (1 << 30), at + (1 << 20))
+    buf = a._scratch(64 << 10)
+    first = np.frombuffer(a._pool._maps[0], dtype=np.uint8).ctypes.data
+    assert at - (1 << 30) <= first < at + (1 << 20), "the first mapping fell outside the freed range"
+    assert a._memory.usable(buf) and len(a._pool._maps) >= 2
+    assert a.scratch_bytes == 64 << 10  # the larger mapping's rest is address space, never touched
+    buf[:] = 7  # memory of its own
+    a._unscratch(buf)
 
 
 def test_a_buffer_registered_to_send_from_over_memory_a_peer_knew_is_not_offered_to_it_either(pair):
