@@ -47,7 +47,7 @@ class Wrapped(Transport):
     def __init__(self, inner: Transport):
         self.inner = inner
         self.name, self.passive, self.lanes, self.scatters = inner.name, inner.passive, inner.lanes, inner.scatters
-        self.lands_on_gpu = inner.lands_on_gpu
+        self.lands_on_gpu, self.preposts = inner.lands_on_gpu, inner.preposts
         self.host, self.chunk_bytes, self.timeout_s = inner.host, inner.chunk_bytes, inner.timeout_s
         self.throttle, self.mailbox, self.scratch = inner.throttle, inner.mailbox, inner.scratch
 
@@ -77,6 +77,9 @@ class Wrapped(Transport):
 
     def digest_ahead(self, view) -> bool:
         return self.inner.digest_ahead(view)
+
+    def prepost(self, s, key, peer, box, place) -> bool:
+        return self.inner.prepost(s, key, peer, box, place)
 
     def close(self) -> None:
         self.inner.close()
