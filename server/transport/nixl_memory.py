@@ -178,16 +178,18 @@ class Registry:
     def hole(self, owner: np.ndarray) -> int:
         """The length of the buried ranges ``owner``'s memory overlaps, from the first one's start to the last one's
         end (0: it is clear of them, `usable`)."""
-        lo, n = owner.ctypes.data, owner.nbytes
         with self._lock:
-            i = bisect.bisect_right(self._dead, (lo, lo + n))
-            over = [(a, b) for a, b in self._dead[max(0, i - 1):i + 1] if a < lo + n and lo < b]
+            over = self._overlapped(owner.ctypes.data, owner.nbytes)
         return over[-1][1] - over[0][0] if over else 0
+
+    def _overlapped(self, lo: int, n: int) -> list[tuple[int, int]]:
+        """The ranges of ``_dead`` that [lo, lo + n) overlaps, in order (under the lock)."""
+        i = bisect.bisect_right(self._dead, (lo, lo + n))
+        return [(a, b) for a, b in self._dead[max(0, i - 1):i + 1] if a < lo + n and lo < b]
 
     def _clear(self, lo: int, n: int) -> bool:
         """Whether [lo, lo + n) is clear of ``_dead`` (under the lock)."""
-        i = bisect.bisect_right(self._dead, (lo, lo + n))
-        return not any(a < lo + n and lo < b for a, b in self._dead[max(0, i - 1):i + 1])
+        return not self._overlapped(lo, n)
 
     def _bury(self, lo: int, hi: int) -> None:
         """Add [lo, hi) to ``_dead``, merged with what it touches."""
