@@ -158,10 +158,16 @@ class StagedTiles:
     def place(self, devices: list[str], box: Box):
         for r in devices:
             tile = self.tiles.get(r)
-            if tile is not None and boxes.contains(tile, box):
+            if tile is None:
+                continue
+            if tile == box:  # a whole tile (a bucket member moved whole), asked per member as each post is made
+                view = self.buffers[r]
+            elif boxes.contains(tile, box):
                 view = buffers.region(self.buffers[r], box, tile)
-                if isinstance(view, np.ndarray) and view.flags.c_contiguous:
-                    return r, view
+            else:
+                continue
+            if isinstance(view, np.ndarray) and view.flags.c_contiguous:
+                return r, view
         return None
 
     place_whole = place  # its tiles are the destination: a delta is rebuilt where a transport lands

@@ -435,8 +435,9 @@ class NixlTransport(Transport):
             device, owners, runs, segments = found
             if self.shared.copies(peer) and all(shm.segment_of(o) is not None for o in owners):
                 return Landing(owners, runs, device, [], segments=segments)
-            if all(self._memory.usable(o) for o in owners):
-                return Landing(owners, runs, device, [self._memory.register(o) for o in owners], segments=segments)
+            registrations = self._memory.register_usable(owners)
+            if registrations is not None:
+                return Landing(owners, runs, device, registrations, segments=segments)
         buf = self._scratch(nbytes)
         return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))
@@ -478,8 +479,8 @@ class NixlTransport(Transport):
         try:
             runs = np.empty((0, 2), dtype=np.uint64)  # an empty box is posted too (`nixl_out.NixlOut.end`)
             if landing is not None:
-                runs = np.array([(a, landing.cum[i + 1] - landing.cum[i]) for i, a in enumerate(landing.addrs)],
-                                dtype=np.uint64)
+                runs = np.column_stack((np.asarray(landing.addrs, dtype=np.uint64),
+                                        np.diff(np.asarray(landing.cum, dtype=np.uint64))))
             # A buffer's metadata goes to a peer with the first post that names it, and a post that names it later
             # goes without: the two must leave in that order, or the peer may WRITE into memory it cannot find yet
             # (NIXL_ERR_NOT_FOUND) while two streams post regions of one new tile at once.

@@ -163,6 +163,17 @@ class Registry:
                 weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
+    def register_usable(self, owners: list[np.ndarray]) -> list[Registration] | None:
+        """The registrations of ``owners`` (buffers that own their memory) where every one is `usable`, made where
+        not yet; None where one is not. One pass under the lock: a post lands a bucket in a few hundred tiles."""
+        keys = [(o.ctypes.data, o.nbytes) for o in owners]
+        with self._lock:
+            for key in keys:
+                reg = self._regs.get(key)
+                if not (reg.offerable if reg is not None else self._clear(*key)):
+                    return None
+            return [self._register(o, addr, n, "DRAM", 0) for o, (addr, n) in zip(owners, keys)]
+
     def usable(self, owner: np.ndarray) -> bool:
         """Whether ``owner`` may be offered to peers: clear of every buffer a peer knew that is gone (see
         ``_dead``), as it was when registered where it is. A buffer registered to send from was never checked
@@ -383,10 +394,31 @@ def owner_of(data) -> tuple[np.ndarray | None, np.ndarray]:
     if isinstance(obj, np.ndarray):
         obj = _root(obj)
     if isinstance(obj, np.ndarray) and _owns(obj) and obj.flags.c_contiguous and obj.nbytes:
-        lo = obj.ctypes.data
-        if lo <= flat.ctypes.data and flat.ctypes.data + flat.nbytes <= lo + obj.nbytes:
+        lo, at = obj.ctypes.data, flat.ctypes.data  # (each `.ctypes` makes an object: a microsecond)
+        if lo <= at and at + flat.nbytes <= lo + obj.nbytes:
             return obj, flat
     return None, flat
+
+
+def _span_of(part: np.ndarray, spans: dict[int, tuple[int, int]],
+             owners: list[np.ndarray]) -> tuple[int, int] | None:
+    """Where C-contiguous array ``part`` lies, (address, bytes), inside the buffer that owns its memory, as
+    `owner_of` finds it: None where it lies in no such buffer. ``spans`` keeps each owner's (start, end) by id, and
+    ``owners`` lists each owner once as it is first met: a bucket's members lie in a few hundred tiles, and a
+    post asks this per member (`owner_of` made three ``.ctypes`` objects and two views per member, about a third
+    of a receiver's CPU in posting a weight sync's receives)."""
+    owner = _root(part)
+    span = spans.get(id(owner))
+    if span is None:
+        if not (_owns(owner) and owner.flags.c_contiguous and owner.nbytes):
+            return None
+        lo = owner.ctypes.data
+        span = spans[id(owner)] = (lo, lo + owner.nbytes)
+        owners.append(owner)
+    addr, n = part.ctypes.data, part.nbytes
+    if addr < span[0] or addr + n > span[1]:
+        return None
+    return addr, n
 
 
 def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -465,7 +497,7 @@ def place_runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
     place gave `Segments`. None where a part has no region, the parts lie on more than one device, or there would
     be more than ``most`` runs."""
     runs: list[tuple[int, int]] = []
-    where: list = []  # [device, owners, scattered, the owners' ids]
+    where: list = []  # [device, owners, scattered, each owner's (start, end) by id]
     if not _visit(box, place, most, runs, where):
         return None
     return where[0], where[1], runs, where[2]
@@ -479,23 +511,20 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
         device, view = got
         parts = view if isinstance(view, Segments) else (view,)
         if not where:
-            where.extend((device, [], isinstance(view, Segments), set()))
+            where.extend((device, [], isinstance(view, Segments), {}))
         elif where[0] != device:
             return False
         for part in parts:
             if not isinstance(part, np.ndarray) or not part.flags.c_contiguous:
                 return False
-            owner, flat = owner_of(part)
-            if owner is None:
+            found = _span_of(part, where[3], where[1])
+            if found is None:
                 return False
-            if id(owner) not in where[3]:  # a bucket's members lie in hundreds of tiles: no scan of the list
-                where[3].add(id(owner))
-                where[1].append(owner)
-            addr = flat.ctypes.data
+            addr, n = found
             if runs and runs[-1][0] + runs[-1][1] == addr:
-                runs[-1] = (runs[-1][0], runs[-1][1] + flat.nbytes)
-            elif flat.nbytes:
-                runs.append((addr, flat.nbytes))
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            elif n:
+                runs.append((addr, n))
         return len(runs) <= most
     d = next((i for i, (lo, hi) in enumerate(b) if hi - lo > 1), None)
     if d is None:
@@ -508,9 +537,10 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
             if hi - lo > most or (where and where[0] != device):
                 return False
             if not where:
-                where.extend((device, [], False, set()))
+                where.extend((device, [], False, {}))
             if id(owner) not in where[3]:
-                where[3].add(id(owner))
+                start = owner.ctypes.data
+                where[3][id(owner)] = (start, start + owner.nbytes)
                 where[1].append(owner)
             for k in range(hi - lo):
                 addr = first + k * stride

@@ -308,6 +308,32 @@ def test_memory_a_peer_knew_is_never_offered_to_peers_again_once_freed(pair):
     landing.release()
 
 
+def test_a_posts_owners_register_together_only_where_every_one_is_usable(pair):
+    """`Registry.register_usable` (one pass for a post's few hundred tiles) answers as `usable` and `register` one
+    by one: None where any owner overlaps memory a peer knew, each owner's own registration otherwise, the same one
+    `register` makes and keeps."""
+    import gc
+    import mmap
+
+    a, _ = pair
+    memory = a._memory
+    heap = mmap.mmap(-1, 1 << 20)
+
+    def buffer(offset_kib: int, kib: int) -> np.ndarray:
+        return np.frombuffer(heap, dtype=np.uint8, count=kib << 10, offset=offset_kib << 10)
+
+    known = buffer(128, 128)
+    memory.metadata_for(memory.register(known), "b")
+    del known
+    gc.collect()  # freed after a peer knew it: buried
+    clear = [buffer(512, 64), buffer(640, 64)]
+    made = memory.registered
+    assert memory.register_usable([clear[0], buffer(192, 64), clear[1]]) is None
+    assert memory.registered == made  # refused before any registration
+    regs = memory.register_usable(clear)
+    assert regs is not None and [memory.register(o) for o in clear] == regs and memory.registered == made + 2
+
+
 def test_a_scratch_buffer_is_mapped_past_a_freed_range_its_peers_knew_however_large(pair):
     """A freed tile a peer knew leaves a range never offered again; the kernel places a new mapping in the first
     gap it fits, so scratch buffers of the same size would fall in that range one after another (a tile of 1 GiB
