@@ -168,10 +168,8 @@ class Registry:
         not yet; None where one is not. One pass under the lock: a post lands a bucket in a few hundred tiles."""
         keys = [(o.ctypes.data, o.nbytes) for o in owners]
         with self._lock:
-            for key in keys:
-                reg = self._regs.get(key)
-                if not (reg.offerable if reg is not None else self._clear(*key)):
-                    return None
+            if not all(map(self._usable_locked, keys)):
+                return None
             return [self._register(o, addr, n, "DRAM", 0) for o, (addr, n) in zip(owners, keys)]
 
     def usable(self, owner: np.ndarray) -> bool:
@@ -181,10 +179,13 @@ class Registry:
         looks a WRITE's target up in its sorted list of the regions it loaded, and a stale region that starts
         inside this one hides it from the WRITEs past that start (NIXL's createXferReq: "no specified or potential
         backend had the required registrations")."""
-        lo, n = owner.ctypes.data, owner.nbytes
         with self._lock:
-            reg = self._regs.get((lo, n))
-            return reg.offerable if reg is not None else self._clear(lo, n)
+            return self._usable_locked((owner.ctypes.data, owner.nbytes))
+
+    def _usable_locked(self, key: tuple[int, int]) -> bool:
+        """`usable` of the buffer at ``key`` (address, bytes), under the lock."""
+        reg = self._regs.get(key)
+        return reg.offerable if reg is not None else self._clear(*key)
 
     def hole(self, owner: np.ndarray) -> int:
         """The length of the buried ranges ``owner``'s memory overlaps, from the first one's start to the last one's
@@ -393,7 +394,7 @@ def owner_of(data) -> tuple[np.ndarray | None, np.ndarray]:
     obj = data.obj if isinstance(data, memoryview) else data
     if isinstance(obj, np.ndarray):
         obj = _root(obj)
-    if isinstance(obj, np.ndarray) and _owns(obj) and obj.flags.c_contiguous and obj.nbytes:
+    if isinstance(obj, np.ndarray) and _is_buffer(obj):
         lo, at = obj.ctypes.data, flat.ctypes.data  # (each `.ctypes` makes an object: a microsecond)
         if lo <= at and at + flat.nbytes <= lo + obj.nbytes:
             return obj, flat
@@ -410,15 +411,28 @@ def _span_of(part: np.ndarray, spans: dict[int, tuple[int, int]],
     owner = _root(part)
     span = spans.get(id(owner))
     if span is None:
-        if not (_owns(owner) and owner.flags.c_contiguous and owner.nbytes):
+        if not _is_buffer(owner):
             return None
-        lo = owner.ctypes.data
-        span = spans[id(owner)] = (lo, lo + owner.nbytes)
-        owners.append(owner)
+        span = _note_owner(owner, spans, owners)
     addr, n = part.ctypes.data, part.nbytes
     if addr < span[0] or addr + n > span[1]:
         return None
     return addr, n
+
+
+def _is_buffer(array: np.ndarray) -> bool:
+    """Whether ``array`` is a C-contiguous, non-empty buffer of its own (`_owns`): one a registration may name."""
+    return _owns(array) and array.flags.c_contiguous and bool(array.nbytes)
+
+
+def _note_owner(owner: np.ndarray, spans: dict[int, tuple[int, int]], owners: list[np.ndarray]) -> tuple[int, int]:
+    """Add ``owner`` to a `place_runs` walk's owners, once, and return its (start, end)."""
+    span = spans.get(id(owner))
+    if span is None:
+        start = owner.ctypes.data
+        span = spans[id(owner)] = (start, start + owner.nbytes)
+        owners.append(owner)
+    return span
 
 
 def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
@@ -428,7 +442,7 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     if not isinstance(view, np.ndarray) or not view.nbytes:
         return None
     owner = _root(view)
-    if not (_owns(owner) and owner.flags.c_contiguous and owner.nbytes) or min(view.strides, default=0) < 0:
+    if not _is_buffer(owner) or min(view.strides, default=0) < 0:
         return None
     if view.flags.c_contiguous:  # one run: the common chunk of a contiguous box, worked out without the offsets
         lo = view.ctypes.data
@@ -538,10 +552,7 @@ def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -
                 return False
             if not where:
                 where.extend((device, [], False, {}))
-            if id(owner) not in where[3]:
-                start = owner.ctypes.data
-                where[3][id(owner)] = (start, start + owner.nbytes)
-                where[1].append(owner)
+            _note_owner(owner, where[3], where[1])
             for k in range(hi - lo):
                 addr = first + k * stride
                 if runs and runs[-1][0] + runs[-1][1] == addr:
