@@ -158,6 +158,7 @@ class HostLayout:
         # (whether each runs on the lanes for small routes, and its tasks).
         self.calls_peers, self.depths = depth_order(self.tasks, host, self.step_bytes)
         local_ranks(self.tasks, self.depths)
+        self.staged_later = self._staged_later()
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
         # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per
         # device of its own that receives it, until the last byte (`buckets.Bucket`); in all, and apart for the
@@ -169,6 +170,28 @@ class HostLayout:
         self.bucket_buffers = sorted((n for _, n in held), reverse=True)
         self.small_bucket_buffers = sorted((n for i, n in held if i in small), reverse=True)
         self.large_bucket_buffers = sorted((n for i, n in held if i not in small), reverse=True)
+
+    def _staged_later(self) -> frozenset[str]:
+        """The tensors whose tiles a run on a transport that posts its first receives may stage as it posts the
+        receive that lands in them, or after the posts (`Run.stage_for`, `Run.stage_rest`), rather than all before
+        the first: in a program of moves alone, those written here only by receives from peers, with no part held
+        here. On the lab's 2 shared cores a receiver staging a 501-tensor state dict took 10-15 ms before its
+        first post, and every sender waits for its receiver's post."""
+        if not self.moves_only or len(self.here) < 2:
+            return frozenset()
+        now: set[str] = set()
+        for name, plan in self.tile_plans.items():
+            if any(held is not None for _, _, _, held, _ in plan.devices):
+                now.add(name)
+        for task in self.tasks:
+            if task.role != "recv" or task.local:
+                now.update(self.tensors_of(task.step))
+        return frozenset(t.name for t in self.here if t.name not in now)
+
+    def tensors_of(self, step: Step) -> list[str]:
+        """The tensors move ``step`` carries: its bucket's members', where it stands for one."""
+        bucket = self.buckets.get(step.id)
+        return bucket.tensors if bucket is not None else [step.tensor]
 
     def step_bytes(self, step: Step) -> int:
         """The bytes a move step carries: its bucket's, when it stands for one."""

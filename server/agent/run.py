@@ -14,7 +14,7 @@ import numpy as np
 
 from reshard import box as boxes
 from reshard.box import Box
-from reshard.program import DST, SRC, Program, Step
+from reshard.program import DST, SRC, Program, Step, TensorDecl
 from reshard.proto.errors import DeadlineExceededError, FailedPreconditionError, InvalidArgumentError
 from reshard.proto.layout import tile_shape
 from reshard.routes import home_receivers
@@ -121,6 +121,7 @@ class Run(Session):
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
         self._roles: set[str] = set()  # the roles of the buffers in ``_made``: what a read without a role looks in
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
+        self._staging_lock = threading.Lock()  # `stage_rest` against an abort's look at what is staged (`owners`)
         self._stage(tasks_at_once)
         self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
         if not self.num_left:
@@ -150,29 +151,82 @@ class Run(Session):
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
         # would each pass over everything the store holds. Every tile is staged at the end, under one hold of the
         # store's lock.
-        together = staging_owner(self.job, "", 2) if several else None
+        together = self._together = staging_owner(self.job, "", 2) if several else None
+        # A transport that posts its first receives as the run begins stages the other tiles after those posts
+        # (`stage_rest`; which they are: `HostLayout.staged_later`), held meanwhile by ``together``'s reservation.
+        later = self.layout.staged_later if self.transport.preposts and several else frozenset()
+        self._later = {d.name: d for d in self.layout.here if d.name in later}
         staged: list = []
         try:
             if together is not None:
                 owners.append(together)
                 self.store.reserve(together, self.layout.staged,
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
-            for decl in self.layout.here:
-                owners.append(staging_owner(self.job, decl.name, self.layout.num_committed))
-                tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store,
-                                    self.version(decl.name), self.empty, defer, self.layout.tile_plans[decl.name],
-                                    staged, reserve=together is None)
-                self.staging[decl.name] = tiles
-                self.fills += tiles.fills
-            self.store.stage_many(staged)
-            if together is not None:
+            owners += self._stage_tiles([d for d in self.layout.here if d.name not in later], defer, staged)
+            self.store.stage_many(staged, reserved_by=together)
+            if together is not None and not self._later:
                 self.store.abort(together)  # every tile is staged now, and counts as staged
+            self._held = together if self._later else None  # the reservation that holds the later tiles' room
             self._reserve_buckets(tasks_at_once)
         except BaseException:
             if several:  # the job's own transaction is the planner's to abort; these are the run's
                 for owner in owners:
                     self.store.abort(owner)
             raise
+
+    def _stage_tiles(self, decls: list[TensorDecl], defer: bool, staged: list) -> list[str]:
+        """`StagedTiles` of each of ``decls`` into `staging`, their buffers appended to ``staged`` (for
+        `ShardStore.stage_many`); returns their store transactions."""
+        owners = []
+        for decl in decls:
+            owners.append(staging_owner(self.job, decl.name, self.layout.num_committed))
+            tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store, self.version(decl.name),
+                                self.empty, defer, self.layout.tile_plans[decl.name], staged,
+                                reserve=self._together is None)
+            self.staging[decl.name] = tiles
+            self.fills += tiles.fills
+        return owners
+
+    def stage_for(self, step: Step) -> None:
+        """Stage the tiles move ``step`` lands in that `_stage` left for later, as its receive is posted."""
+        if self._later:
+            with self._staging_lock:
+                self._stage_later([d for n in self.layout.tensors_of(step)
+                                   if (d := self._later.pop(n, None)) is not None])
+
+    def stage_rest(self) -> None:
+        """Stage every tile `_stage` left for later (none is held in part here, so none has a fill): once the run's
+        first receives are posted. Where the run failed first, or an abort took its transactions (`owners`),
+        nothing is staged; either way the reservation that held their room ends."""
+        if self._held is None:
+            return
+        with self._staging_lock:
+            held, self._held = self._held, None
+            if held is None:
+                return
+            try:
+                decls, self._later = list(self._later.values()), {}
+                self._stage_later(decls)
+            finally:
+                self.store.abort(held)  # the room left is free again (all of it, after a failure)
+
+    def _stage_later(self, decls: list[TensorDecl]) -> None:
+        """Stage ``decls``' tiles, as their room is held (`_stage`); under the staging lock."""
+        if decls and self.failed is None:
+            staged: list = []
+            try:
+                self._stage_tiles(decls, self.layout.moves_only, staged)
+                self.store.stage_many(staged, reserved_by=self._together)
+            except BaseException:
+                self._later = {}
+                raise
+
+    def owners(self) -> list[str]:
+        """The store transactions of the run's staged tiles, and of the room still held for tiles to stage, for an
+        abort to end: nothing is staged after this (`stage_rest`)."""
+        with self._staging_lock:
+            self._later, held, self._held = {}, self._held, None
+            return [s.owner for s in self.staging.values()] + ([held] if held is not None else [])
 
     def _reserve_buckets(self, tasks_at_once: int) -> None:
         """Hold room, until the job ends here, for the bucket buffers of the ``tasks_at_once`` tasks that may run

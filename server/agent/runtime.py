@@ -348,8 +348,8 @@ class Runtime:
         if run is not None:
             run.fail(FailedPreconditionError(f"job {job} was aborted"))
             self._retire(run)
-            for staged in run.staging.values():
-                self.store.abort(staged.owner)
+            for owner in run.owners():
+                self.store.abort(owner)
         else:
             # Never prepared here, nor will it be (`prepare` refuses an ended job): what its peers sent for it
             # meanwhile (a nixl post held for its introduction) goes, and what comes later is dropped
@@ -553,6 +553,7 @@ class Runtime:
             if task.role != "recv" or task.waiting or run.failed is not None or run.delta(task.step.id) is not None:
                 continue
             step = task.step
+            run.stage_for(step)
             sink = run.destination(step)
             if moves.prepost(run.transport, run, step.id, step.transfer, task.hop, sink):
                 run.presinks[(step.id, task.hop)] = sink
@@ -586,10 +587,12 @@ class Runtime:
                 if depth == 0:
                     firsts = [tasks[unit[0]] for _, unit in units if unit]
                     self._prepost(run, firsts)
+                    run.stage_rest()  # the tiles no first receive lands in (`Run.stage_rest`), while they land
                     run.units_to_start(len(firsts))
                 for small, unit in units:
                     lane = small_lanes if small else lanes
                     pending.add(lane.submit(self._run_unit, run, [tasks[i] for i in unit], depth == 0))
+            run.stage_rest()  # (a run without a first depth: nothing is left to stage)
             while not run.done.wait(0.1):
                 pass
             # Every task is done or the run failed: a finished unit's lane returns at once; a failed run's queued

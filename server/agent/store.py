@@ -245,9 +245,10 @@ class ShardStore:
     def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
         self.stage_many([(owner, device, shard)])
 
-    def stage_many(self, shards: list[tuple[str, str, TileBuffer]]) -> None:
+    def stage_many(self, shards: list[tuple[str, str, TileBuffer]], reserved_by: str | None = None) -> None:
         """`stage` of each (owner, device, buffer) of ``shards``, in order, under one hold of the lock: a job's
-        tiles of a whole state dict."""
+        tiles of a whole state dict. ``reserved_by``: the transaction whose reservation of each device (`reserve`)
+        held their room, which shrinks by each buffer's bytes as it is staged."""
         for _, _, shard in shards:
             assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
@@ -257,6 +258,9 @@ class ShardStore:
                 self._staged.setdefault(owner, {})[device] = shard
                 if self._reserved:
                     self._reserved.pop((owner, device), None)
+                    held = (reserved_by, device)
+                    if held in self._reserved:
+                        self._reserved[held] = max(0, self._reserved[held] - shard.nbytes)
 
     def digested(self, owner: str, device: str, array, digest: int) -> None:
         """Note ``digest`` (`TileBuffer.digest`) on ``device``'s buffer staged for ``owner``, if it is still

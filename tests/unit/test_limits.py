@@ -119,6 +119,24 @@ def test_a_failed_put_and_an_aborted_job_free_their_reservations():
     ShardStore().reserve("any", {"d": 2**80}, "no limit")  # 0: unlimited (unit tests' stores)
 
 
+def test_tiles_staged_into_room_held_together_count_once():
+    """A job's tiles of several tensors hold their room under one reservation and are staged a few at a time (a nixl
+    receiver's, `Run.stage_for`): each staged buffer takes its bytes out of that reservation, so the store counts
+    every tile once all along, and refuses a stranger only what is truly taken."""
+    store = ShardStore(limit_bytes=4 * MiB, host="h0")
+    store.reserve("job/", {"h0/0": 2 * MiB, "h0/1": MiB}, "job's destination tiles of 3 tensors")
+    store.stage_many([("job/a", "h0/0", _tile(store, MiB))], reserved_by="job/")
+    assert store.used_bytes() == 3 * MiB
+    store.stage_many([("job/b", "h0/0", _tile(store, MiB)), ("job/b", "h0/1", _tile(store, MiB // 2))],
+                     reserved_by="job/")
+    assert store.used_bytes() == 3 * MiB  # the room of the rest of h0/1's tile is still held
+    with pytest.raises(ResourceExhaustedError):
+        store.reserve("up", {"h0/2": MiB + 1}, "PutShard")
+    store.abort("job/")  # the last tile is not coming (the job failed): its room is free
+    assert store.used_bytes() == 2 * MiB + MiB // 2
+    store.reserve("up", {"h0/2": MiB + MiB // 2}, "PutShard")
+
+
 def test_the_staged_total_follows_thousands_of_uploads_as_they_commit_and_abort():
     """A put_many stages thousands of shards on one agent; each reservation checks the limit against a running total
     (recounting every staged shard per reservation made such a put quadratic)."""

@@ -248,6 +248,56 @@ def test_a_failure_commits_none_of_the_tensors():
         h.close()
 
 
+@pytest.mark.parametrize("transport", ["memory", "collective", "nixl"])
+def test_a_receiver_on_nixl_stages_each_tile_as_its_receive_is_posted_and_holds_the_room_of_the_rest(transport,
+                                                                                                      request):
+    """On nixl (a transport that posts its first receives as the run begins) a receiving host stages at prepare
+    only what is not received alone, and the rest as each receive is posted or once the first ones are
+    (`Run.stage_for`, `Run.stage_rest`); until then its store holds their room, so what counts against its memory
+    limit is every tile's bytes from the prepare on. An abort before the run staged them ends that hold, and a late
+    `stage_rest` stages nothing. The other transports stage every tile at prepare."""
+    tensors = row_split_state_dict(12)
+    receiver = HOSTS[2]  # it holds no source shard: its store holds nothing before the job
+    tile_bytes = sum(a.nbytes for a, _, _ in tensors.values())  # its two devices hold half of each tensor each
+    # Without buckets its store holds the tiles' room alone; with them (moves of 16 KiB, buckets of 64) also the
+    # room of the bucket buffers its run may hold at once, until the job ends.
+    for bucket_bytes in (0, 1 << 16):
+        program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=bucket_bytes).validate()
+        assert bool(program.buckets) == bool(bucket_bytes)
+        h = Hosts(group=_group(transport, request))
+        try:
+            for name, (a, decl, version) in tensors.items():
+                tiles = decl.src.tiles(a.shape)
+                h.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()},
+                      version)
+            for attempt in ("aborted", "run"):
+                job = uuid.uuid4().hex
+                extra = (h.group.generation, next(_SEQ)) if h.group else (0, 0)
+                runs = {x: r.prepare(job, program.dumps(), "", 0, 0, {x: x for x in h.runtimes}, h.kind, *extra,
+                                     reads={n: (n, v) for n, (_, _, v) in tensors.items()})
+                        for x, r in h.runtimes.items()}
+                run = runs[receiver]
+                assert run.layout.staged_later == set(tensors)  # every tile here is received alone
+                assert set(run.staging) == (set() if transport == "nixl" else set(tensors))
+                held = h.stores[receiver].used_bytes()
+                assert held > tile_bytes if bucket_bytes else held == tile_bytes, (held, tile_bytes)
+                if attempt == "aborted":
+                    for r in h.runtimes.values():
+                        r.abort(job)
+                    run.stage_rest()
+                    assert set(run.staging) == (set() if transport == "nixl" else set(tensors))
+                    assert h.stores[receiver].used_bytes() == 0
+                    continue
+                for r in h.runtimes.values():
+                    r.execute(job, program.id)
+                h.finish(job, runs)
+                assert h.stores[receiver].used_bytes() == tile_bytes  # committed, and no room held besides
+                for name, (a, decl, version) in tensors.items():
+                    assert np.array_equal(h.get(name, decl.dst, a.shape, version + 1), a), name
+        finally:
+            h.close()
+
+
 def test_a_reshard_many_job_reads_back_from_the_document_the_planner_saves():
     """A planner that restarts reads every job it saved; a reshard_many keeps its destinations, scales and
     versions (and, in flight when the planner stopped, is failed saying so)."""
