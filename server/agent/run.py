@@ -151,7 +151,7 @@ class Run(Session):
         # Several tensors reserve their tiles together: one check against the memory limit, where one per tensor
         # would each pass over everything the store holds. Every tile is staged at the end, under one hold of the
         # store's lock.
-        together = self._together = staging_owner(self.job, "", 2) if several else None
+        together = staging_owner(self.job, "", 2) if several else None
         # A transport that posts its first receives as the run begins stages the other tiles after those posts
         # (`stage_rest`; which they are: `HostLayout.staged_later`), held meanwhile by ``together``'s reservation.
         later = self.layout.staged_later if self.transport.preposts and several else frozenset()
@@ -162,7 +162,8 @@ class Run(Session):
                 owners.append(together)
                 self.store.reserve(together, self.layout.staged,
                                    f"job {self.job[:8]}'s destination tiles of {len(committed)} tensors")
-            owners += self._stage_tiles([d for d in self.layout.here if d.name not in later], defer, staged)
+            owners += self._stage_tiles([d for d in self.layout.here if d.name not in later], defer, staged,
+                                        reserve=together is None)
             self.store.stage_many(staged, reserved_by=together)
             if together is not None and not self._later:
                 self.store.abort(together)  # every tile is staged now, and counts as staged
@@ -174,15 +175,15 @@ class Run(Session):
                     self.store.abort(owner)
             raise
 
-    def _stage_tiles(self, decls: list[TensorDecl], defer: bool, staged: list) -> list[str]:
+    def _stage_tiles(self, decls: list[TensorDecl], defer: bool, staged: list, reserve: bool) -> list[str]:
         """`StagedTiles` of each of ``decls`` into `staging`, their buffers appended to ``staged`` (for
-        `ShardStore.stage_many`); returns their store transactions."""
+        `ShardStore.stage_many`), each reserving its own room unless the caller holds it (``reserve``); returns their
+        store transactions."""
         owners = []
         for decl in decls:
             owners.append(staging_owner(self.job, decl.name, self.layout.num_committed))
             tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store, self.version(decl.name),
-                                self.empty, defer, self.layout.tile_plans[decl.name], staged,
-                                reserve=self._together is None)
+                                self.empty, defer, self.layout.tile_plans[decl.name], staged, reserve=reserve)
             self.staging[decl.name] = tiles
             self.fills += tiles.fills
         return owners
@@ -192,7 +193,7 @@ class Run(Session):
         if self._later:
             with self._staging_lock:
                 self._stage_later([d for n in self.layout.tensors_of(step)
-                                   if (d := self._later.pop(n, None)) is not None])
+                                   if (d := self._later.pop(n, None)) is not None], self._held)
 
     def stage_rest(self) -> None:
         """Stage every tile `_stage` left for later (none is held in part here, so none has a fill): once the run's
@@ -206,17 +207,17 @@ class Run(Session):
                 return
             try:
                 decls, self._later = list(self._later.values()), {}
-                self._stage_later(decls)
+                self._stage_later(decls, held)
             finally:
                 self.store.abort(held)  # the room left is free again (all of it, after a failure)
 
-    def _stage_later(self, decls: list[TensorDecl]) -> None:
-        """Stage ``decls``' tiles, as their room is held (`_stage`); under the staging lock."""
+    def _stage_later(self, decls: list[TensorDecl], held: str) -> None:
+        """Stage ``decls``' tiles into the room ``held`` holds for them (`_stage`); under the staging lock."""
         if decls and self.failed is None:
             staged: list = []
             try:
-                self._stage_tiles(decls, self.layout.moves_only, staged)
-                self.store.stage_many(staged, reserved_by=self._together)
+                self._stage_tiles(decls, self.layout.moves_only, staged, reserve=False)
+                self.store.stage_many(staged, reserved_by=held)
             except BaseException:
                 self._later = {}
                 raise

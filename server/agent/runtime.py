@@ -592,7 +592,6 @@ class Runtime:
                 for small, unit in units:
                     lane = small_lanes if small else lanes
                     pending.add(lane.submit(self._run_unit, run, [tasks[i] for i in unit], depth == 0))
-            run.stage_rest()  # (a run without a first depth: nothing is left to stage)
             while not run.done.wait(0.1):
                 pass
             # Every task is done or the run failed: a finished unit's lane returns at once; a failed run's queued
