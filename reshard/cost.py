@@ -69,6 +69,7 @@ __all__ = [
     "phase_seconds",
     "estimate_seconds",
     "lower_bound_seconds",
+    "host_needs",
     "COLUMNS_FROM",
 ]
 
@@ -448,7 +449,34 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology, host
     """
     if isinstance(tasks, UnitTasks) and len(tasks) >= COLUMNS_FROM:
         return _columns_lower_bound(tasks, itemsize, topology)
-    hosts = hosts if hosts is not None else HostCache()
+    need, sole, leaving, sources = _needs(tasks, itemsize, hosts if hosts is not None else HostCache())
+    best = 0.0
+    rate: dict[str, float] = {}
+    for loads in (need, sole):
+        for h, b in loads.items():
+            if h not in rate:
+                rate[h] = topology.nic_bytes_per_s(h)
+            best = max(best, b / rate[h])
+    if sources:
+        # Every needed byte leaves one of its holders at least once, and all holders together
+        # send no faster than their NICs added up.
+        best = max(best, leaving / sum(rate.get(h) or topology.nic_bytes_per_s(h) for h in sources))
+    return best
+
+
+def host_needs(tasks: Iterable, itemsize: int, hosts: HostCache | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """The bytes each host must receive (its devices need them and none of its devices holds them), and the bytes
+    each host must send, the only holder of a box another host needs: by which `lower_bound_seconds` bounds a
+    plan, one host at a time."""
+    if isinstance(tasks, UnitTasks) and len(tasks) >= COLUMNS_FROM:
+        names, need, sole, *_ = _columns_needs(tasks, itemsize)
+        return tuple({names[i]: int(loads[i]) for i in np.flatnonzero(loads).tolist()} for loads in (need, sole))
+    need, sole, _, _ = _needs(tasks, itemsize, hosts if hosts is not None else HostCache())
+    return dict(need), dict(sole)
+
+
+def _needs(tasks: Iterable, itemsize: int, hosts: HostCache) -> tuple[dict, dict, int, set[str]]:
+    """`host_needs`' two tables one task at a time, and the bytes that leave their holders with those holders."""
     need: dict[str, int] = defaultdict(int)
     sole: dict[str, int] = defaultdict(int)
     leaving = 0
@@ -462,18 +490,7 @@ def lower_bound_seconds(tasks: Iterable, itemsize: int, topology: Topology, host
             sources |= holders
             if len(holders) == 1:
                 sole[next(iter(holders))] += n
-    best = 0.0
-    rate: dict[str, float] = {}
-    for loads in (need, sole):
-        for h, b in loads.items():
-            if h not in rate:
-                rate[h] = topology.nic_bytes_per_s(h)
-            best = max(best, b / rate[h])
-    if sources:
-        # Every needed byte leaves one of its holders at least once, and all holders together
-        # send no faster than their NICs added up.
-        best = max(best, leaving / sum(rate.get(h) or topology.nic_bytes_per_s(h) for h in sources))
-    return best
+    return need, sole, leaving, sources
 
 
 def _host_sets(tasks: Iterable, hosts: HostCache):
@@ -497,6 +514,23 @@ def _host_sets(tasks: Iterable, hosts: HostCache):
 def _columns_lower_bound(tasks: UnitTasks, itemsize: int, topology: Topology) -> float:
     """`lower_bound_seconds` on columns: a task's holder hosts are its sender group's, its wanting hosts its
     receiver group's hosts less those."""
+    names, need, sole, leaves, holds, g, nbytes = _columns_needs(tasks, itemsize)
+    bw = [topology.nic_bytes_per_s(name) for name in names]
+    best = 0.0
+    for loads in (need, sole):
+        for i in np.flatnonzero(loads).tolist():
+            best = max(best, int(loads[i]) / bw[i])
+    if leaves.any():
+        sources = holds[np.unique(g[leaves])].any(axis=0)
+        leaving = int(nbytes[leaves].sum()) if nbytes.dtype != object else sum(nbytes[leaves].tolist())
+        best = max(best, leaving / sum(bw[i] for i in np.flatnonzero(sources).tolist()))
+    return best
+
+
+def _columns_needs(tasks: UnitTasks, itemsize: int) -> tuple:
+    """`host_needs` on columns, by host number: (host names, bytes each must receive, bytes each must send as the
+    only holder), and for `_columns_lower_bound` which tasks leave their holders, the holder hosts of each sender
+    group, each task's sender group and its bytes."""
     host_ids: dict[str, int] = {}
     holder_hosts = [{host_ids.setdefault(host_of(d), len(host_ids)) for d in group} for group in tasks.senders]
     wanted = [list(dict.fromkeys(host_ids.setdefault(host_of(d), len(host_ids)) for d in group))
@@ -524,14 +558,4 @@ def _columns_lower_bound(tasks: UnitTasks, itemsize: int, topology: Topology) ->
     sole_host = np.where(holds.sum(axis=1) == 1, holds.argmax(axis=1), -1)[g]
     alone = leaves & (sole_host >= 0)
     sole = _sums(sole_host[alone], nbytes[alone], num_hosts)
-    names = list(host_ids)
-    bw = [topology.nic_bytes_per_s(name) for name in names]
-    best = 0.0
-    for loads in (need, sole):
-        for i in np.flatnonzero(loads).tolist():
-            best = max(best, int(loads[i]) / bw[i])
-    if leaves.any():
-        sources = holds[np.unique(g[leaves])].any(axis=0)
-        leaving = int(nbytes[leaves].sum()) if nbytes.dtype != object else sum(nbytes[leaves].tolist())
-        best = max(best, leaving / sum(bw[i] for i in np.flatnonzero(sources).tolist()))
-    return best
+    return list(host_ids), need, sole, leaves, holds, g, nbytes

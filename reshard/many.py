@@ -543,6 +543,8 @@ def _plan_many(decls: list[TensorDecl], topology: Topology, strategy: str, bucke
         # a layout's plan counting all its tensors' bytes (copies=), largest layout first.
         nics = Loads(topology)
         groups = sorted(layouts.values(), key=lambda g: -len(g) * math.prod(decls[g[0]].shape) * decls[g[0]].itemsize)
+        nics.set_floor([(nics.unit_tasks(decls[g[0]].shape, decls[g[0]].src, decls[g[0]].dst),
+                         decls[g[0]].itemsize * len(g)) for g in groups], HostCache())
         planned = [(g, plan(decls[g[0]].shape, decls[g[0]].dtype, decls[g[0]].src, decls[g[0]].dst, loads=nics,
                             copies=len(g))) for g in groups]
     else:

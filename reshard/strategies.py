@@ -14,8 +14,11 @@ broadcast         the paper's method: one sender per unit task, the least-loaded
 auto              ours, the default: local copies where a receiver's host holds a
                   replica, a greedy choice per unit task (largest first) among
                   chain, star and striped deliveries that keeps the busiest NIC as
-                  idle as possible, point-to-point where a broadcast buys nothing;
-                  and never worse on the cost model than any other strategy
+                  idle as possible (a star over a chain where neither takes a NIC
+                  past the floor of the whole, `Loads.set_floor`, and the star's
+                  sender is on another machine, `Topology.apart`), point-to-point
+                  where a broadcast buys nothing; and never worse on the cost model
+                  than any other strategy
 ================= ==============================================================
 
 Unit tasks come as columns (`reshard.tasks.UnitTasks`). `auto` assigns them one by
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from functools import lru_cache, reduce
 from itertools import chain, permutations, repeat
 from operator import add
@@ -45,6 +48,7 @@ from reshard.cost import (
     COLUMNS_FROM,
     HostCache,
     estimate_seconds,
+    host_needs,
     lower_bound_seconds,
     phase_seconds,
     table_phase_loads,
@@ -198,6 +202,9 @@ class Loads:
         self.next_hops: dict[str, dict[str, float]] = defaultdict(dict)
         self.local_out: dict[str, int] = defaultdict(int)
         self.peak = 0.0
+        # What no plan of the whole can beat (`set_floor`): NIC seconds at or below it are free, and a star that
+        # stays within it is taken over a chain (`_fewer_hops`)
+        self.floor = 0.0
         self.bandwidths: dict[str, float] = {}  # NIC bytes per second of the hosts seen
         self._bandwidth_arrays: dict[tuple[str, ...], np.ndarray] = {}
         self._bandwidth_tuples: dict[tuple[str, ...], tuple[float, ...]] = {}
@@ -260,6 +267,19 @@ class Loads:
         if bw is None:
             bw = self.bandwidths[host] = self.topology.nic_bytes_per_s(host)
         return nbytes / bw
+
+    def set_floor(self, tasks: Iterable[tuple[UnitTasks, int]], hosts: HostCache) -> None:
+        """The floor of the plans of ``tasks`` (each with the bytes of an element times its copies) on these
+        loads, moved together: the busiest host's NIC seconds for the bytes it must receive, or send as the only
+        holder (`reshard.cost.host_needs`)."""
+        need: dict[str, float] = defaultdict(float)
+        sole: dict[str, float] = defaultdict(float)
+        for t, size in tasks:
+            n, o = host_needs(t, size, hosts)
+            for mine, theirs in ((need, n), (sole, o)):
+                for h, b in theirs.items():
+                    mine[h] += b
+        self.floor = max((b / self.bandwidth(h) for got in (need, sole) for h, b in got.items()), default=0.0)
 
     def score(self, delta: dict[str, float]) -> tuple[float, float]:
         """(peak NIC load after adding ``delta`` to sends, growth of the sum of squares)."""
@@ -554,8 +574,8 @@ def _auto_loop(rows: list[tuple], size: int, loads: Loads, hosts: HostCache,
 def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote, loads: Loads,
                    whole: dict[str, float], step_s: float = STEP_S) -> Sequence[Transfer]:
     """Pick, among chain, star and striped deliveries, the one that keeps NIC loads lowest (the first of the
-    lowest, in the order chain and star of each candidate sender, then stripes). ``whole``: each receiving host's
-    NIC seconds for the box.
+    lowest, in the order chain and star of each candidate sender, then stripes), or the lowest star where it stays
+    within the floor the other does (`_fewer_hops`). ``whole``: each receiving host's NIC seconds for the box.
 
     A chain's route (`_chain_order`, most of the work) is found only where the chain could win: its score is
     bounded below without the route (`_chain_bound`), and a chain whose bound is above another option's score
@@ -571,10 +591,13 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
     # (score, position in the option order above, emit or None, and for a chain still to route: hs and delta)
     options: list[tuple] = []
     chains: list[tuple] = []
+    stars: list[int] = []  # the stars' positions in ``options``, where their sender is on another machine
     for hs in candidates[:MAX_STRIPES]:
         chains.append((len(options), hs, loads.seconds(hs, nbytes)))
         options.append(None)
         if len(remote) > 1:
+            if loads.topology.apart(hs, order):
+                stars.append(len(options))
             star = {hs: loads.seconds(hs, nbytes * len(remote))}
             options.append((loads.score(star), len(options), lambda hs=hs, star=star: _emit_star(
                 box, hs, holders[hs][0], remote, nbytes, wanting, loads, star)))
@@ -616,7 +639,34 @@ def _best_delivery(box, num_elements: int, nbytes: int, holders, wanting, remote
             delta[h] = whole[h]
         options[at] = (loads.score(delta), at, lambda hs=hs, route=route, delta=delta: _emit_chain(
             box, hs, holders[hs][0], route, nbytes, wanting, loads, delta))
-    return min(o for o in options if o is not None)[2]()
+    best = min(o for o in options if o is not None)
+    if stars and best[1] not in stars:
+        star = min(options[at] for at in stars)
+        if _fewer_hops(star[0], best[0], loads):
+            best = star
+    return best[2]()
+
+
+def _fewer_hops(star: tuple[float, float], other: tuple[float, float], loads: Loads) -> bool:
+    """Whether a star of score ``star`` (`Loads.score`) is taken over a chain or stripes of score ``other``: where
+    neither raises the busiest NIC above the floor of the whole (`Loads.set_floor`), or both raise it alike. The
+    cost model then tells them apart by their spread alone, where the chain spreads the sends; but each hop it
+    adds is a relay that waits for the chunk before it, shares its receiving link with the streams into that host
+    (TCP's share per connection) and spends CPU. bench/weight_sync.py's emulated sync (tensor-parallel 4 to two
+    replicas of 2, where each trainer's NIC has room to send its tiles twice), one lab per mode, two of each,
+    8 runs: stars 0.931 and 0.933 s (1.10x the bound), chains 0.954 and 0.960 s, half of the layouts each way 0.937
+    to 0.949 s. A caller whose senders' NICs carry other traffic meanwhile (a trainer's own collectives), which the
+    model cannot see, asks for ``broadcast``.
+
+    Only where the star's sender is on another machine than its receivers (`Topology.apart`; its callers ask):
+    between the agents of one machine a stream is a copy through memory on the cores the agents share, which a
+    chain spreads over its hops where a star puts every copy on the sender's. The same sync on one machine
+    (loopback, nixl through shared memory), 10 runs each taking turns: stars 0.368 s and 0.700 CPU-seconds of
+    agents, chains 0.321 s and 0.595."""
+    floor = loads.floor
+    if not floor:
+        return False
+    return max(star[0], floor) <= max(other[0], floor) * (1 + 1e-9)
 
 
 def _best_small(box, nbytes: int, holders, wanting, remote, loads: Loads, whole: dict[str, float],
@@ -646,8 +696,8 @@ def _best_small(box, nbytes: int, holders, wanting, remote, loads: Loads, whole:
 def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
                  whole: dict[str, float], step_s: float = STEP_S) -> Sequence[Transfer]:
     """`_best_delivery` where one host holds the box (experts, in a state dict): its options are a chain and, to
-    more than one host, a star from that host (no stripes), and the chain wins a tie. The same choice, without
-    the option list."""
+    more than one host, a star from that host (no stripes), and the chain wins a tie, unless both stay within
+    the floor (`_fewer_hops`). The same choice, without the option list."""
     (hs, group), = holders.items()
     send = loads.send
     # By name, then stably by load: ordered by (load, name) without a key tuple per host.
@@ -670,7 +720,8 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     delta = {hs: mine}
     for h in route[:-1]:
         delta[h] = whole[h]
-    if beaten is not None and loads.score(delta) > beaten:
+    if beaten is not None and (loads.score(delta) > beaten or (_fewer_hops(beaten, loads.score(delta), loads)
+                                                               and loads.topology.apart(hs, order))):
         return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
     return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
 
@@ -927,11 +978,17 @@ def plan(
     space = device_space(src.mesh, dst.mesh)
     hosts = space.host_of
     if strategy == "auto":
+        if loads is None:
+            loads = Loads(topology)
+            loads.set_floor([(tasks, size)], hosts)
+            alone = True
+        else:
+            alone = False
         transfers = _auto(tasks, hosts, topology, size * copies, space, loads, STEP_S * copies)
     else:
         transfers = _BUILDERS[strategy](tasks, hosts, topology, size)
     figures = {}
-    if strategy == "auto" and loads is None:
+    if strategy == "auto" and alone:
         transfers, figures = _never_worse(transfers, tasks, hosts, topology, size, space)
     result = Plan(shape, dtype, src, dst, strategy,
                   transfers if isinstance(transfers, TransferTable) else tuple(transfers), topology)

@@ -11,6 +11,10 @@ device that holds it (to a peer on the same rail) does, and as NCCL's PXN does b
 the right rail. `rail_bytes_per_s` is one NIC's rate, what one device's traffic gets when it cannot spread.
 A per-host override (``host_nic_gbps``, what an agent reports) is that host's whole network rate.
 `Topology.gpu_hosts` builds the GPU host of today's weight-sync records: 8 x 400 Gbit/s and NVLink 4.
+Hosts that are agents of one machine (``host_machine``: the planner's registry names each host's machine by the
+address its agent listens at) move bytes between them as copies through that machine's memory, on its cores, not
+over NICs: the cost model still prices each host's NIC alone, and `reshard.strategies` keeps a chain over a star
+between them (`Topology.apart`).
 Compute steps are priced as a roofline: the longer of their bytes over the
 device's memory bandwidth and their floating-point operations over its rate
 (``device_gflops``, GFLOP/s). The defaults (20 GB/s, 20 GFLOP/s) are a
@@ -56,6 +60,8 @@ class Topology:
     device_gflops: float = 20.0
     host_device_gflops: tuple[tuple[str, float], ...] = field(default=())
     nics_per_host: int = 1
+    # (host, machine) where hosts share a machine; a host not named is a machine of its own
+    host_machine: tuple[tuple[str, str], ...] = field(default=())
 
     def __post_init__(self):
         n = self.nics_per_host
@@ -74,6 +80,12 @@ class Topology:
             items = raw.items() if isinstance(raw, Mapping) else raw
             norm = tuple(sorted((str(h), _positive(f"{attr}[{h!r}]", v, unit)) for h, v in items))
             object.__setattr__(self, attr, norm)
+        raw = self.host_machine.items() if isinstance(self.host_machine, Mapping) else self.host_machine
+        machines = tuple(sorted((str(h), str(m)) for h, m in raw))
+        if any(not m for _, m in machines):
+            raise InvalidTopologyError(f"host_machine names a host with an empty machine: {brief(dict(machines))}")
+        object.__setattr__(self, "host_machine", machines)
+        object.__setattr__(self, "_machines", dict(machines))
 
     @classmethod
     def gpu_hosts(cls, nics: int = 8, nic_gbps: float = 400.0, nvlink_gbps: float = 3600.0,
@@ -96,6 +108,18 @@ class Topology:
         over = dict(self.host_nic_gbps).get(host)
         return (over if over is not None else self.nic_gbps * self.nics_per_host) * 1e9 / 8
 
+    def machine(self, host: str) -> str:
+        """The machine ``host`` runs on (`host_machine`; by default a machine of its own, named by the host)."""
+        return self._machines.get(host, "host:" + host)
+
+    def apart(self, sender: str, receivers) -> bool:
+        """Whether ``sender`` is on another machine than every host of ``receivers``: its streams to them cross
+        NICs. False where one of them shares its machine, whose streams are copies through memory."""
+        if not self._machines:
+            return sender not in receivers
+        mine = self.machine(sender)
+        return all(self.machine(h) != mine for h in receivers)
+
     def rail_bytes_per_s(self, host: str) -> float:
         """One of ``host``'s NICs: what one device's traffic gets when it stays on its own rail."""
         return self.nic_bytes_per_s(host) / self.nics_per_host
@@ -115,6 +139,8 @@ class Topology:
         # ``nics_per_host`` is written only where a host has more than one, so that every topology of one NIC a
         # host reads, writes and hashes (into plan ids) as it did before it existed.
         rails = {"nics_per_host": self.nics_per_host} if self.nics_per_host != 1 else {}
+        # likewise ``host_machine``, only where hosts share a machine
+        machines = {"host_machine": dict(self.host_machine)} if self.host_machine else {}
         return {
             "nic_gbps": self.nic_gbps,
             "intra_host_gbps": self.intra_host_gbps,
@@ -125,12 +151,13 @@ class Topology:
             "device_gflops": self.device_gflops,
             "host_device_gflops": dict(self.host_device_gflops),
             **rails,
+            **machines,
         }
 
     @classmethod
     def from_json(cls, data) -> "Topology":
         need(data, "object", "topology JSON", InvalidTopologyError)
-        for key in ("host_nic_gbps", "host_intra_gbps", "host_memory_gb_per_s", "host_device_gflops"):
+        for key in ("host_nic_gbps", "host_intra_gbps", "host_memory_gb_per_s", "host_device_gflops", "host_machine"):
             field_of(data, key, "object", "topology JSON", InvalidTopologyError, default={})
         return cls(
             nic_gbps=data.get("nic_gbps", 10.0),
@@ -143,6 +170,7 @@ class Topology:
             device_gflops=data.get("device_gflops", 20.0),
             host_device_gflops=data.get("host_device_gflops", {}),
             nics_per_host=data.get("nics_per_host", 1),
+            host_machine=data.get("host_machine", {}),
         )
 
     def __str__(self) -> str:

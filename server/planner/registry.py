@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -195,6 +197,22 @@ class Registry:
         """The cost model's view of the agents: each host's NIC and, where its agent measured them, its
         devices' compute and memory rates (the others get the defaults)."""
         agents = self.agents()
+        # Agents listening at one address are one machine's (`Topology.host_machine`); only such hosts are named
+        at = Counter(_machine(r.address) for r in agents)
         return Topology(host_nic_gbps={r.host: r.nic_gbps for r in agents},
                         host_device_gflops={r.host: r.device_gflops for r in agents if r.device_gflops},
-                        host_memory_gb_per_s={r.host: r.memory_gb_per_s for r in agents if r.memory_gb_per_s})
+                        host_memory_gb_per_s={r.host: r.memory_gb_per_s for r in agents if r.memory_gb_per_s},
+                        host_machine={r.host: _machine(r.address) for r in agents if at[_machine(r.address)] > 1})
+
+
+def _machine(address: str) -> str:
+    """The machine an agent listening at ``address`` (host:port, [v6]:port) runs on: its host part, every loopback
+    address the one machine the planner runs on."""
+    host = address.rsplit(":", 1)[0] if ":" in address else address
+    host = host.strip("[]")
+    if host == "localhost":
+        return "loopback"
+    try:
+        return "loopback" if ipaddress.ip_address(host).is_loopback else host
+    except ValueError:  # a name
+        return host

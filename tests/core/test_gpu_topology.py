@@ -56,3 +56,14 @@ def test_estimate_and_bound_of_a_host_to_host_move_are_for_eight_rails():
     one_nic = plan(shape, "float32", Sharding(train, ("gpu", None)), Sharding(serve, ("gpu", None)),
                    Topology(nic_gbps=400.0, intra_host_gbps=3600.0))
     assert one_nic.estimate_seconds == pytest.approx(8 * p.estimate_seconds, rel=1e-12)
+
+
+def test_hosts_that_share_a_machine_are_named_and_read_and_written_only_where_they_do():
+    t = Topology(host_machine={"a": "m1", "b": "m1", "c": "m2"})
+    assert t.machine("a") == t.machine("b") == "m1" and t.machine("d") != t.machine("e")
+    assert t.apart("c", ["a", "d"]) and not t.apart("a", ["b", "c"]) and not t.apart("d", ["d"])
+    assert Topology().apart("a", ["b", "c"]) and not Topology().apart("a", ["a", "b"])
+    assert Topology.from_json(t.to_json()) == t and t.to_json()["host_machine"] == {"a": "m1", "b": "m1", "c": "m2"}
+    assert "host_machine" not in Topology().to_json()  # plan ids hash this JSON: unchanged where no host shares one
+    with pytest.raises(InvalidTopologyError, match="host_machine names a host with an empty machine"):
+        Topology(host_machine={"a": ""})

@@ -13,7 +13,9 @@ from reshard import Mesh, Program, Sharding, TensorDecl, Topology, plan
 from reshard.errors import InvalidShardingError, PlanValidationError, ProgramSizeError, ScaleLayoutError
 from reshard.many import SHARED_ROUTE_BYTES, ManyProgram, plan_many, program_from_json, scale_sharding
 from reshard.program import MOVE, SRC
+from reshard.cost import HostCache
 from reshard.strategies import Loads
+from reshard.tasks import decompose
 from reshard.box import to_slices
 
 MiB = 2**20
@@ -67,13 +69,16 @@ def test_every_tensor_is_delivered_whole_and_exactly():
     for (name, dev), (got, want) in _run(program).items():
         assert np.array_equal(got, want), (name, dev)
     # each layout's tensors move as reshard.plan moves all of them at once (copies=) against one Loads of the
-    # layouts before it, largest in all first (a small chain may run its receivers in another order:
-    # `SHARED_ROUTE_BYTES`)
+    # layouts before it, largest in all first, whose floor is the whole state dict's (a small chain may run its
+    # receivers in another order: `SHARED_ROUTE_BYTES`)
     layouts: dict[tuple, list[TensorDecl]] = {}
     for decl in sorted(program.tensors, key=lambda d: -math.prod(d.shape) * d.itemsize):
         layouts.setdefault((decl.shape, decl.dtype, decl.src, decl.dst), []).append(decl)
     assert len(layouts) == 6  # the embedding, and the layers' five
     nics = Loads(program.topology)
+    nics.set_floor([(decompose(g[0].shape, g[0].src, g[0].dst), g[0].itemsize * len(g)) for g in layouts.values()],
+                   HostCache())
+    assert nics.floor > 0
     for group in sorted(layouts.values(), key=lambda g: -len(g) * math.prod(g[0].shape) * g[0].itemsize):
         d = group[0]
         alone = sorted((t.box, t.sender, tuple(sorted(t.receivers)))
@@ -181,8 +186,11 @@ def test_small_chains_share_one_route_and_bucket_and_large_ones_keep_theirs():
     # (of four shapes: each its own layout, planned on its own, so their chains may take several orders)
     decls = _state_dict() + [TensorDecl(f"big{i}", (4096 + 64 * i, 64), "float32", Sharding(train, ("tp", None)),
                                         Sharding(infer, ("tp", None))) for i in range(4)]
-    alone = plan_many(decls, bucket_bytes=0)  # every chain as its tensor's plan ordered it
-    packed = plan_many(decls, bucket_bytes=200 * 1024).validate()  # holds all the small moves of two ends
+    # The training hosts' NICs at half the serving hosts' rate: a star from a training host to both replicas of a
+    # large box would take it past the floor its serving hosts set, where a chain does not (`_fewer_hops`)
+    slow = Topology(host_nic_gbps=tuple((h, 5.0) for h in train.hosts))
+    alone = plan_many(decls, slow, bucket_bytes=0)  # every chain as its tensor's plan ordered it
+    packed = plan_many(decls, slow, bucket_bytes=200 * 1024).validate()  # holds all the small moves of two ends
     assert [_move(s) for s in packed.steps] == [_move(s) for s in alone.steps]
 
     def chains(program, small: bool) -> dict:

@@ -247,15 +247,58 @@ def test_broadcast_on_1to4x2_reaches_each_host_once():
     assert set(p.transfers[0].receivers) == set(case.dst.mesh.devices)
 
 
-def test_auto_allgather_chains_cross_each_host_pair_once():
-    # Agents stream between two hosts over one connection, and the kernel shares a NIC per connection: two
-    # chains on one pair of hosts would each get half a fair share, so auto spreads the hops over the pairs.
+def test_auto_allgather_sends_each_tile_straight_to_every_host_crossing_each_pair_once():
+    # Each host receives three tiles whatever the plan: a star from each holder (three sends of its tile) leaves no
+    # NIC busier than that floor, so it is taken over a chain (`_fewer_hops`), and each pair of hosts carries one
+    # stream each way (agents stream between two hosts over one connection, which the kernel shares per connection).
     case = next(c for c in overlap_cases() if c.name == "allgather4")
     p = plan(case.shape, case.dtype, case.src, case.dst, TEN_GBIT, "auto").validate()
     hops = [(a, b) for t in p.transfers for a, b in zip((host_of(t.sender), *t.route), t.route)]
-    assert [t.method for t in p.transfers] == ["broadcast"] * 4
+    assert {len(t.route) for t in p.transfers} == {1} and len(p.transfers) == 4 * 3
     assert len(hops) == len(set(hops)) == 4 * 3
     assert p.estimate() == pytest.approx(p.lower_bound())
+
+
+def test_auto_takes_a_star_over_a_chain_only_within_the_floor():
+    # Tensor-parallel 4 to two replicas of tensor-parallel 2 (a weight sync): each serving host receives half the
+    # tensor, and a training host's star to both replicas of its quarter sends as much: a star each. With the
+    # training hosts' NICs at half the rate, the star would take them past the floor and the chain stays; so it does
+    # where one host holds the tensor for eight (1to4x2): the star would send it eight times.
+    train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
+    serve = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"s{i}" for i in range(4)], 1)
+    src, dst = Sharding(train, ("tp", None)), Sharding(serve, ("tp", None))
+    even = plan((4096, 64), "float32", src, dst, TEN_GBIT, "auto").validate()
+    assert {(t.method, len(t.receivers)) for t in even.transfers} == {("p2p", 1)} and len(even.transfers) == 8
+    slow = Topology(nic_gbps=10.0, host_nic_gbps=tuple((h, 5.0) for h in train.hosts))
+    uneven = plan((4096, 64), "float32", src, dst, slow, "auto").validate()
+    assert {len(t.route) for t in uneven.transfers} == {2} and len(uneven.transfers) == 4
+    one = next(c for c in one_to_m_cases() if c.name == "1to4x2")
+    assert [len(t.route) for t in plan(one.shape, one.dtype, one.src, one.dst, TEN_GBIT, "auto").transfers] == [4]
+    for p in (even, uneven):
+        assert p.estimate() == pytest.approx(p.lower_bound())
+
+
+def test_auto_keeps_the_chain_between_the_agents_of_one_machine():
+    # The weight sync above with every host an agent of one machine (a LocalCluster: its streams are copies through
+    # memory, which a chain spreads over the hosts' cores): the chains, as where a star would pass the floor; with
+    # the serving hosts on one machine and the training hosts on others, the stars cross NICs and are taken.
+    train = Mesh.from_hosts({"tp": 4}, [f"t{i}" for i in range(4)], 1)
+    serve = Mesh.from_hosts({"dp": 2, "tp": 2}, [f"s{i}" for i in range(4)], 1)
+    src, dst = Sharding(train, ("tp", None)), Sharding(serve, ("tp", None))
+    hosts = [*train.hosts, *serve.hosts]
+    one = Topology(nic_gbps=10.0, host_machine={h: "m" for h in hosts})
+    chained = plan((4096, 64), "float32", src, dst, one, "auto").validate()
+    assert {len(t.route) for t in chained.transfers} == {2} and len(chained.transfers) == 4
+    apart = Topology(nic_gbps=10.0, host_machine={h: "serving" for h in serve.hosts})
+    starred = plan((4096, 64), "float32", src, dst, apart, "auto").validate()
+    assert {(t.method, len(t.receivers)) for t in starred.transfers} == {("p2p", 1)} and len(starred.transfers) == 8
+    for p in (chained, starred):
+        assert p.estimate() == pytest.approx(p.lower_bound())
+    # the allgather, each host's own tile to the other three, likewise
+    case = next(c for c in overlap_cases() if c.name == "allgather4")
+    together = Topology(nic_gbps=10.0, host_machine={h: "m" for h in case.src.mesh.hosts})
+    p = plan(case.shape, case.dtype, case.src, case.dst, together, "auto").validate()
+    assert [t.method for t in p.transfers] == ["broadcast"] * 4 and p.estimate() == pytest.approx(p.lower_bound())
 
 
 @pytest.mark.parametrize("elements, steps", [(64, 1), (15_616, 1), (15_632, 16), (312_500, 16)])

@@ -18,6 +18,13 @@ The small MoE's changed when a small chain's shared route (`reshard.many.SHARED_
 once per transfer, for every tensor of a layout alike (before, a later tensor found its own path's bucket open and
 kept its route): the steps of a layout's tensors stay one another's renamed, which the program's compact text
 writes as runs (`reshard.program.Run`).
+
+Updated when `auto` began to take a star over a chain where neither raises the busiest NIC above the floor of the
+whole (`reshard.strategies._fewer_hops`; issue 38: on the emulated hosts a weight sync's stars ran 2-4% faster than
+its chains, and allgather4's and grow2to4's 2-3%). Of the paper suites, allgather4, allgather8 and grow2to4 changed
+(stars, at the same estimate); the tests' small state dict and the one-layer Kimi-K2-like MoE changed (its large
+boxes wanted by all 16 serving hosts: 720 more steps); the small MoE's, the long chains' and the 61-layer Kimi-K2-like
+state dict's (bench/moe_plan.py: 1,603,405 steps, as before) did not.
 """
 
 from __future__ import annotations
@@ -44,10 +51,10 @@ def test_the_paper_suites_plan_as_they_did():
            for suite in (n_to_m_cases, one_to_m_cases, overlap_cases) for c in suite()
            for strategy in ("send_recv", "local_allgather", "broadcast", "auto")]
     assert len(ids) == 4 * 21
-    assert hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16] == "cfd42157bf887a90"
+    assert hashlib.sha256(" ".join(ids).encode()).hexdigest()[:16] == "ee9bcccd7e374695"
 
 
-@pytest.mark.parametrize("strategy, want", [("auto", "b8baf96e6a10476c"), ("broadcast", "ef312f101cccf5cf")])
+@pytest.mark.parametrize("strategy, want", [("auto", "783ff29f0144624e"), ("broadcast", "ef312f101cccf5cf")])
 def test_tests_state_dicts_plan_as_they_did(strategy, want):
     assert plan_many(small_state_dict(), strategy=strategy).id[:16] == want
 
@@ -61,14 +68,14 @@ def test_moe_state_dicts_plan_as_they_did():
     small = moe_state_dict(SMALL_MOE, train, serve, ep_devices=2)
     assert plan_many(small.tensors, Topology.gpu_hosts(nics=2), scales=small.scales).id[:16] == "5c07d65a8832202e"
     # Kimi K2's shapes, one MoE layer of 16 experts, from 16 training hosts of 2 GPUs to the records' serving mesh:
-    # chains over the 16 serving hosts (attention) and over 8 (each expert to its replicas), where the route search
-    # takes its greedy walks (its small boxes' chains take `_long_routes`' routes).
+    # chains over the 16 serving hosts (attention's small boxes, which take `_long_routes`' routes; its large ones go
+    # as stars) and over 8 (each expert to its replicas), where the route search takes its greedy walks.
     config = replace(KIMI_K2, num_layers=1, num_dense_layers=0, num_experts=16)
     kimi = moe_state_dict(config, Mesh.grid({"host": 16, "gpu": 2}, 2, "train"),
                           Mesh.grid({"host": 16, "gpu": 8}, 8, "serve"), 16)
     program = plan_many(kimi.tensors, Topology.gpu_hosts(), scales=kimi.scales)
-    assert (len(program.steps), len(program.buckets)) == (1_953, 387)
-    assert program.id[:16] == "44c72cee51c3adec"
+    assert (len(program.steps), len(program.buckets)) == (2_673, 446)
+    assert program.id[:16] == "7966b6dc2bf0c253"
 
 
 def _plain_chain_order(sender: str, order: list[str], loads: Loads) -> list[str]:

@@ -135,3 +135,16 @@ def test_a_second_agent_on_a_members_gpu_is_refused_or_runs_grpc_and_a_host_that
     register("g3", "collective", "GPU-2")  # a GPU of its own
     register("g0", "collective", "GPU-1")  # its own GPU again: no conflict with itself
     assert admitted == ["g0", "g2", "g3", "g0"] and group.mode("g3") == group.mode("g0") == "collective"
+
+
+def test_the_topology_names_the_machine_of_hosts_whose_agents_share_an_address():
+    # Agents at one address (every loopback address one machine) move bytes between them through its memory: the
+    # cost model's planner keeps chains there (`Topology.apart`); a host alone at its address is not named.
+    registry = Registry(heartbeat_timeout_s=5.0, clock=_Clock())
+    for host, address in (("a", "127.0.0.1:7001"), ("b", "127.0.0.2:7002"), ("c", "[::1]:7003"),
+                          ("d", "10.0.0.5:7001"), ("e", "10.0.0.5:7002"), ("f", "10.0.0.6:7001")):
+        registry.register(host, 1, address, 1.0, secret=bytes(16))
+    topology = registry.topology()
+    assert dict(topology.host_machine) == {"a": "loopback", "b": "loopback", "c": "loopback", "d": "10.0.0.5",
+                                           "e": "10.0.0.5"}
+    assert not topology.apart("a", ["c"]) and not topology.apart("d", ["e", "f"]) and topology.apart("f", ["a", "d"])
