@@ -278,6 +278,8 @@ class Run(Session):
             nbytes = segments[-1].hi if segments else 0
             if nbytes and any(seg.versions is not None for seg in segments):
                 sender = step.transfer.sender
+                if task.role == "send":  # this host sends it: a frame shared by the steps of the same box
+                    self.frames.expect((sender, segments))
                 out[step.id] = DeltaStream(step.id, sender, segments, nbytes,
                                            lambda k, segments=segments, sender=sender:
                                            self._delta_base(sender, segments[k], 0),

@@ -286,9 +286,9 @@ def move(transport: Transport, s: Session, step: int, t: Transfer, sink: Sink, a
         if h.forward_to is None and boxes.volume(t.box) and transport.ipc_to(s, h.dst, array):  # mapped there
             confirmed = send_ipc(transport, s, key, h.dst, array, origin, t.box)  # puts nothing on the network
         elif delta is not None:
-            if frame is None:  # once per transfer, the same frame down every hop
-                frame = deltas.encode_frame(s.job, delta, _packed(array, t.box, origin),
-                                            digest.result() if digest is not None else None)
+            if frame is None:  # once per transfer, the same frame down every hop, and for every step sending it
+                frame = s.frames.frame((delta.sender, delta.segments), lambda: deltas.encode_frame(
+                    s.job, delta, _packed(array, t.box, origin), digest.result() if digest is not None else None))
             confirmed = deltas.send_frame(transport, s, key, h.dst, frame, delta.nbytes)
         else:
             confirmed = transport.send(s, key, h.dst, array, origin, t.box, digest)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from reshard.server.transport.deltas import DeltaStream
     from reshard.server.transport.streams import StreamKey
 
-__all__ = ["Session", "Traffic", "dtype_pairs_of"]
+__all__ = ["Session", "SharedFrames", "Traffic", "dtype_pairs_of"]
 
 
 class Traffic:
@@ -71,6 +72,51 @@ def dtype_pairs_of(dtypes: dict[int, str]) -> dict[int, tuple[str, np.dtype]]:
     return {step: (name, np_dtype(name)) for step, name in dtypes.items()}
 
 
+class SharedFrames:
+    """A run's delta frames (`deltas.encode_frame`) that more than one of its move steps send from one device with the same segments (a star's
+    streams: one p2p step per receiving host, each of the same box), encoded once and sent down each: a star's sender
+    otherwise diffed the box once per receiver, where a chain's relays forward the frame they got. `expect` counts
+    the steps a key's frame serves (as the run is built); `frame` encodes it for the first to ask (the others wait
+    for it) and forgets it once the last has it, so a shared frame is held until its last stream takes it. A failed
+    encode is raised in every step that asks."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users: dict[tuple, int] = defaultdict(int)  # key -> the steps still to take its frame
+        self._made: dict[tuple, Future] = {}
+
+    def expect(self, key: tuple) -> None:
+        """One more step sends the frame of ``key``."""
+        with self._lock:
+            self._users[key] += 1
+
+    def frame(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """The frame of ``key``: ``make()``'s, made once for every step `expect` counted."""
+        with self._lock:
+            left = self._users.get(key, 0)
+            if left <= 1:  # a frame no other step sends, or the last of those that do
+                self._users.pop(key, None)
+                made = self._made.pop(key, None)
+            else:
+                self._users[key] = left - 1
+                made = self._made.get(key)
+                if made is None:
+                    made = self._made[key] = Future()
+                    made.set_running_or_notify_cancel()
+                    mine = True
+                else:
+                    mine = False
+        if left <= 1:
+            return make() if made is None else made.result()
+        if mine:
+            try:
+                made.set_result(make())
+            except BaseException as e:
+                made.set_exception(e)
+                raise
+        return made.result()
+
+
 class Session:
     """One job on one host, as its transport sees it: ids, dtype, peers, traffic and the first failure.
 
@@ -99,6 +145,7 @@ class Session:
         self.pair_streams = pair_streams
         self.traffic = Traffic()
         self.deltas: dict[int, DeltaStream] = {}
+        self.frames = SharedFrames()  # the delta frames several of its steps send (the agent's run counts them)
         self.failed: BaseException | None = None
         self._fail_lock = threading.Lock()
         self._on_fail: set[Callable[[], None]] = set()  # `watch`: called once, as the first failure is recorded

@@ -121,3 +121,30 @@ def test_a_receiver_base_that_differs_fails_with_the_rule_and_commits_nothing(ag
         failed.details()
     for dev in dst.mesh.devices:
         assert started["d1"].runtime.store.find("v", NEW + 1, dev) is None
+
+
+def test_the_steps_that_send_one_box_from_one_device_as_deltas_are_each_bit_exact(agents):
+    # send_recv moves a copy to every receiving device: two steps send each source box from one device of d0, one
+    # to each device of d1, which share the frame the first of them encodes (`SharedFrames`)
+    cluster, started = agents
+    rng = np.random.default_rng(11)
+    base = rng.standard_normal((128, 64)).astype(np.float32)
+    new = base.copy()
+    new.reshape(-1)[rng.choice(base.size, base.size // 100, replace=False)] += 1
+    src = Sharding(Mesh.from_hosts({"x": 2}, ["d0"], 2), ("x", None))
+    dst = Sharding(Mesh.from_hosts({"y": 2}, ["d1"], 2), (None, None))  # every device of d1 holds it whole
+    _put(started["d0"], "s", base, src, SRC_BASE)
+    _put(started["d0"], "s", new, src, NEW)
+    _put(started["d1"], "s", base, dst, DST_BASE)
+    plan = make_plan(new.shape, new.dtype, src, dst, strategy="send_recv").validate()
+    by_box: dict = {}
+    for t in plan.transfers:
+        by_box.setdefault((t.sender, t.box), []).append(t)
+    assert sorted(map(len, by_box.values())) == [2, 2]  # each box twice from its device: the frames are shared
+    out = _execute_all(cluster, started, plan, "s", {"tensor": (SRC_BASE, DST_BASE)})
+    assert all(isinstance(p, pb.Progress) and p.done for p in out.values()), out
+    for dev in dst.mesh.devices:
+        assert started["d1"].runtime.store.get("s", NEW + 1, dev).array.tobytes() == new.tobytes()
+    sender = out["d0"].traffic
+    assert sender.delta_full_bytes == {"tensor": 2 * new.nbytes}  # two full copies replaced
+    assert 0 < sender.delta_wire_bytes["tensor"] == sender.bytes_out["d1"] < 2 * new.nbytes / 5
