@@ -73,12 +73,12 @@ def dtype_pairs_of(dtypes: dict[int, str]) -> dict[int, tuple[str, np.dtype]]:
 
 
 class SharedFrames:
-    """A run's delta frames (`deltas.encode_frame`) that more than one of its move steps send from one device with the same segments (a star's
-    streams: one p2p step per receiving host, each of the same box), encoded once and sent down each: a star's sender
-    otherwise diffed the box once per receiver, where a chain's relays forward the frame they got. `expect` counts
-    the steps a key's frame serves (as the run is built); `frame` encodes it for the first to ask (the others wait
-    for it) and forgets it once the last has it, so a shared frame is held until its last stream takes it. A failed
-    encode is raised in every step that asks."""
+    """A run's delta frames (`deltas.encode_frame`) that more than one of its move steps send from one device with
+    the same segments (a star's streams: one p2p step per receiving host, each of the same box), encoded once and
+    sent down each: a star's sender otherwise diffed the box once per receiver, where a chain's relays forward the
+    frame they got. `expect` counts the steps a key's frame serves (as the run is built); `frame` encodes it for the
+    first to ask (the others wait for it) and forgets it once the last has it, so a shared frame is held until its
+    last stream takes it. A failed encode is raised in every step that asks."""
 
     def __init__(self):
         self._lock = threading.Lock()
