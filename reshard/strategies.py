@@ -720,8 +720,9 @@ def _best_of_one(box, nbytes: int, holders, wanting, remote, loads: Loads,
     delta = {hs: mine}
     for h in route[:-1]:
         delta[h] = whole[h]
-    if beaten is not None and (loads.score(delta) > beaten or (_fewer_hops(beaten, loads.score(delta), loads)
-                                                               and loads.topology.apart(hs, order))):
+    chained = loads.score(delta)
+    if beaten is not None and (chained > beaten or (_fewer_hops(beaten, chained, loads)
+                                                    and loads.topology.apart(hs, order))):
         return _emit_star(box, hs, group[0], remote, nbytes, wanting, loads, star)
     return _emit_chain(box, hs, group[0], route, nbytes, wanting, loads, delta)
 
@@ -977,13 +978,11 @@ def plan(
     tasks = decompose(shape, src, dst) if loads is None else loads.unit_tasks(shape, src, dst)
     space = device_space(src.mesh, dst.mesh)
     hosts = space.host_of
+    alone = loads is None  # a plan of its own, not one of a state dict's (`reshard.many`)
     if strategy == "auto":
-        if loads is None:
+        if alone:
             loads = Loads(topology)
             loads.set_floor([(tasks, size)], hosts)
-            alone = True
-        else:
-            alone = False
         transfers = _auto(tasks, hosts, topology, size * copies, space, loads, STEP_S * copies)
     else:
         transfers = _BUILDERS[strategy](tasks, hosts, topology, size)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-import ipaddress
 import threading
 import time
 from collections import Counter
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 
 from reshard.mesh import Mesh, host_of
 from reshard.proto.errors import FailedPreconditionError, InvalidArgumentError, PermissionDeniedError
+from reshard.server.common.auth import is_loopback_listen
 from reshard.server.common.contract import check_host_name
 from reshard.server.common.tickets import sign
 from reshard.topology import Topology
@@ -198,21 +198,15 @@ class Registry:
         devices' compute and memory rates (the others get the defaults)."""
         agents = self.agents()
         # Agents listening at one address are one machine's (`Topology.host_machine`); only such hosts are named
-        at = Counter(_machine(r.address) for r in agents)
+        machines = {r.host: _machine(r.address) for r in agents}
+        at = Counter(machines.values())
         return Topology(host_nic_gbps={r.host: r.nic_gbps for r in agents},
                         host_device_gflops={r.host: r.device_gflops for r in agents if r.device_gflops},
                         host_memory_gb_per_s={r.host: r.memory_gb_per_s for r in agents if r.memory_gb_per_s},
-                        host_machine={r.host: _machine(r.address) for r in agents if at[_machine(r.address)] > 1})
+                        host_machine={h: m for h, m in machines.items() if at[m] > 1})
 
 
 def _machine(address: str) -> str:
     """The machine an agent listening at ``address`` (host:port, [v6]:port) runs on: its host part, every loopback
     address the one machine the planner runs on."""
-    host = address.rsplit(":", 1)[0] if ":" in address else address
-    host = host.strip("[]")
-    if host == "localhost":
-        return "loopback"
-    try:
-        return "loopback" if ipaddress.ip_address(host).is_loopback else host
-    except ValueError:  # a name
-        return host
+    return "loopback" if is_loopback_listen(address) else address.rsplit(":", 1)[0].strip("[]")
