@@ -15,7 +15,7 @@ import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import NamedTuple
 
 import numpy as np
@@ -183,6 +183,11 @@ class Planner:
         self._repeats: OrderedDict[str, RegisteredSync] = OrderedDict()
         self._upload_lock = threading.Lock()
         self._commit_pool = ThreadPoolExecutor(8, thread_name_prefix="upload-commit")  # one host's commits each
+        # The versions a commit superseded are freed on their agents here, after the caller has its reply (a
+        # release call was a millisecond of every put of a next version); one at a time, in order.
+        self._release_pool = ThreadPoolExecutor(1, thread_name_prefix="upload-release")
+        self._releases_lock = threading.Lock()
+        self._releases: dict[str, Future] = {}  # tensor -> the release of its superseded versions under way
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="upload-reaper")
         self._reaper.start()
@@ -190,6 +195,7 @@ class Planner:
     def close(self) -> None:
         self._stop.set()
         self._commit_pool.shutdown(wait=False)
+        self._release_pool.shutdown(wait=False)
 
     def _sharding(self, text: str, what: str) -> Sharding:
         """The sharding of ``text``, read once per text and kept as one object per layout (`LAYOUTS_KEPT`): a
@@ -331,6 +337,7 @@ class Planner:
                     f"{tuple(shape)} gives it the tile {list(tiles[device])} of shape {want}"
                 )
         self._check_memory(sharding, sharding.check_shape(shape), dtype, f"tensor {name!r}")
+        self._released([name])
         upload = self.uploads.begin(name, shape, dtype, sharding, kind or "numpy", per_shard=bool(device), step=step)
         return upload, self._upload_locations(upload)
 
@@ -378,6 +385,7 @@ class Planner:
             parsed.append((name, shape, dtype, sharding, kind or "numpy"))
         self._check_memory_together([(sharding, shape, dtype, f"tensor {name!r}") for name, shape, dtype, sharding, _
                                      in parsed], f"put_many of {len(parsed)} tensors")
+        self._released(name for name, *_ in parsed)
         group, uploads = self.uploads.begin_group(parsed, step, key)
         mine = set(devices) if key else None
         return group, [(up, self._upload_locations(up, mine)) for up in uploads]
@@ -424,15 +432,41 @@ class Planner:
 
     def _commit_uploads(self, uploads: list[Upload]) -> None:
         """Number the uploads' versions, commit their staged shards on their agents (hosts at once), then publish
-        every tensor in the catalog in one step and release the versions that superseded (unless pinned); on any
-        failure nothing stays: committed shards are released and staged ones dropped."""
+        every tensor in the catalog in one step and hand the versions they superseded (unless pinned) to
+        `_release_later`; on any failure nothing stays: committed shards are released and staged ones dropped."""
         with self.catalog.publishing([up.record.name for up in uploads]) as versions:
             for up in uploads:
                 if up.record.version != versions[up.record.name]:
                     up.record = replace(up.record, version=versions[up.record.name])
             freed = self._publish(uploads)
         if freed:
-            self.jobs.release(*freed)
+            self._release_later(freed)
+
+    def _release_later(self, freed: list[TensorRecord]) -> None:
+        """Free ``freed`` on their agents after the caller has its reply (best effort: `JobRunner.release` logs a
+        host's failure). The next upload of one of their tensors waits for it (`_released`), so that a tensor put
+        every step holds no more versions on its agents than before."""
+        future = self._release_pool.submit(self.jobs.release, *freed)
+        names = {rec.name for rec in freed}
+        with self._releases_lock:
+            self._releases.update(dict.fromkeys(names, future))
+
+        def forget(done: Future) -> None:
+            with self._releases_lock:
+                for name in names:
+                    if self._releases.get(name) is done:
+                        del self._releases[name]
+
+        future.add_done_callback(forget)
+
+    def _released(self, names: Iterable[str]) -> None:
+        """Wait until the versions a commit superseded of any of ``names`` are freed on their agents."""
+        if not self._releases:  # nothing under way: no lock, no look at each name
+            return
+        with self._releases_lock:
+            pending = {f for name in names if (f := self._releases.get(name)) is not None}
+        for f in pending:
+            f.result()
 
     def _publish(self, uploads: list[Upload]) -> list[TensorRecord]:
         """`_commit_uploads` once the versions are numbered; returns the versions it made free."""

@@ -5,8 +5,10 @@ expires; pins and the versions they hold outlive a planner restart."""
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -143,6 +145,36 @@ def test_old_versions_leave_the_agents_once_no_pin_holds_them(c):
         c.versions("w")
     # and a name put again after that numbers its versions on
     assert c.put("w", weights(3)["w"], Sharding(TRAIN, ("x", None))).version == 1
+
+
+def test_a_put_replies_before_its_agents_free_the_version_it_replaced_and_they_free_it_after(cluster, c):
+    """Freeing a superseded version is a call to each of its hosts, made after the put has its reply (it was a
+    millisecond of every put of a next version): with host0's agent paused, a put that moves "w" off host0 and host1
+    returns without waiting for that call (which waits for the agent, up to the planner's 30 s for agent calls), as
+    does the next put of another tensor; the next put of "w" waits for it, so that a tensor put every step holds no
+    more versions than before; the version leaves both hosts once the agent runs again."""
+    c.put("w", weights(0)["w"], Sharding(TRAIN, ("x", None)), step=0)
+    agent = cluster.agents["host0"]
+    agent.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert c.put("w", weights(1)["w"], Sharding(SERVE, ("x", None)), step=1).version == 2
+        c.put("b", weights(1)["b"], Sharding(SERVE, ("x",)))
+        took = time.monotonic() - start
+        with ThreadPoolExecutor(1) as pool:
+            third = pool.submit(c.put, "w", weights(2)["w"], Sharding(SERVE, ("x", None)), step=2)
+            time.sleep(1.0)
+            waited = not third.done()
+            agent.send_signal(signal.SIGCONT)
+            assert third.result(timeout=30).version == 3
+    finally:
+        agent.send_signal(signal.SIGCONT)
+    assert took < 10, f"two puts took {took:.1f} s: they waited for the paused agent to free w v1"
+    assert waited, "the next put of w went ahead while its agents still held w v1"
+    b_half = weights(1)["b"].nbytes // 2
+    per_host = {"host0": 0, "host1": 0, "host2": NBYTES // 2 + b_half, "host3": NBYTES // 2 + b_half}
+    assert memory_used(c, per_host) == per_host
+    np.testing.assert_array_equal(c.get("w"), weights(2)["w"])
 
 
 @pytest.mark.slow  # it waits out the pin timeout twice (13 s); make test was at CI's 10 minutes
