@@ -516,16 +516,18 @@ class IpcMappings:
     ``open`` maps a handle as `open_cuda` does the first time, and afterwards
     returns a view of the same mapping: the producer's new reference goes back at
     once and the consumer only waits for the producer's event. The least recently
-    used mapping is dropped past ``keep`` of them or ``keep_bytes`` in all. A
-    mapping kept holds its allocation on the producer's GPU: torch does not reuse
-    memory a consumer has mapped, even after the producer frees its tensor, until
-    the mapping is dropped (``clear``, or pushed out by newer ones).
+    used mapping is dropped past ``keep`` of them or ``keep_bytes`` in all (and,
+    with ``share``, past that share of the memory of the GPU it maps). A mapping
+    kept holds its allocation on the producer's GPU: torch does not reuse memory a
+    consumer has mapped, even after the producer frees its tensor, until the
+    mapping is dropped (``clear``, or pushed out by newer ones).
     """
 
-    def __init__(self, keep: int, keep_bytes: int):
-        self.keep, self.keep_bytes = keep, keep_bytes
+    def __init__(self, keep: int, keep_bytes: int, share: float | None = None):
+        self.keep, self.keep_bytes, self.share = keep, keep_bytes, share
         self._lock = threading.Lock()
         self._mapped: OrderedDict[tuple, Any] = OrderedDict()  # handle -> its storage, mapped here
+        self._limits: dict[str, int] = {}  # GPU uuid -> the bytes kept mapped while a mapping of it is the newest
 
     def open(self, h: CudaIpcHandle):
         import torch
@@ -546,12 +548,23 @@ class IpcMappings:
                 out = torch.empty(0, dtype=torch_dtype(h.dtype), device=storage.device)
                 return out.set_(storage, h.offset, h.shape, h.stride)
         mapped = open_cuda(h)
+        limit = self._limit(h.gpu_uuid, mapped.device)
         with self._lock:
             self._mapped[key] = mapped.untyped_storage()
             total = sum(key[3] for key in self._mapped)
-            while len(self._mapped) > 1 and (len(self._mapped) > self.keep or total > self.keep_bytes):
+            while len(self._mapped) > 1 and (len(self._mapped) > self.keep or total > limit):
                 total -= self._mapped.popitem(last=False)[0][3]
         return mapped
+
+    def _limit(self, uuid: str, device) -> int:
+        if self.share is None:
+            return self.keep_bytes
+        if uuid not in self._limits:
+            import torch
+
+            total = torch.cuda.get_device_properties(device).total_memory
+            self._limits[uuid] = min(self.keep_bytes, int(total * self.share))
+        return self._limits[uuid]
 
     def __len__(self) -> int:
         return len(self._mapped)

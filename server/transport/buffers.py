@@ -61,7 +61,10 @@ from reshard.proto.devices import (
     to_torch,
     torch_dtype,
 )
+from reshard.dtypes import itemsize
+from reshard.proto.errors import ResourceExhaustedError
 from reshard.proto.layout import np_dtype
+from reshard.server.common.sizes import format_size
 from reshard.server.transport import shm
 
 __all__ = ["is_torch", "device_of", "empty", "region", "write", "to_device", "host_array", "host_bytes",
@@ -82,15 +85,35 @@ def device_of(array: Any) -> str:
 
 
 def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
+    """A buffer of ``shape`` on ``device``; `ResourceExhaustedError` naming the size and the device where it does not
+    fit (a GPU's free memory is tried twice: once more after giving back what torch's allocator cached unused)."""
     if device == "cpu":
         np_type = np_dtype(dtype)
         # a shared segment while a transport shares host memory with agents of this machine (`shm`): their
         # senders then copy straight into it
-        shared = shm.empty(math.prod(shape) * np_type.itemsize)
-        return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
+        try:
+            shared = shm.empty(math.prod(shape) * np_type.itemsize)
+            return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
+        except MemoryError as e:
+            raise _exhausted(shape, dtype, device, str(e)) from None
     import torch
 
-    return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+    for last in (False, True):
+        try:
+            return torch.empty(shape, dtype=torch_dtype(dtype), device=device)
+        except torch.OutOfMemoryError as e:
+            if last:
+                free, total = torch.cuda.mem_get_info(torch.device(device))
+                raise _exhausted(shape, dtype, device, f"{format_size(free)} of its {format_size(total)} are free; "
+                                                       f"{str(e).splitlines()[0]}") from None
+            torch.cuda.empty_cache()
+
+
+def _exhausted(shape: tuple[int, ...], dtype: str, device: str, why: str) -> ResourceExhaustedError:
+    nbytes = math.prod(shape) * itemsize(dtype)
+    return ResourceExhaustedError(
+        f"cannot allocate {format_size(nbytes)} on {device} for a {dtype}{list(shape)} buffer: {why}. Free memory "
+        f"there (delete tensors, release pins), or shard the tensor over more devices")
 
 
 def region(array, box: Box, origin: Box):

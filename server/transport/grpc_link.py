@@ -44,6 +44,10 @@ __all__ = ["GrpcTransport", "channel_options", "LocalDevice", "IPC_MAPPINGS_KEPT
 
 IPC_MAPPINGS_KEPT = 16  # peer buffers kept mapped by CUDA IPC (each holds its buffer on the sender's GPU)
 IPC_MAPPED_BYTES = 64 * 2**30  # and at most this many bytes of them
+# and at most this share of the sender's GPU: a sender's tile is a version that its next commit frees, and the
+# memory stays taken there while this agent keeps it mapped (a 16 GiB move each way between two agents of an H200
+# ran out of its 140 GiB with 64 GiB kept)
+IPC_MAPPED_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -91,7 +95,7 @@ class GrpcTransport(Transport):
         self._token, self._tls = token, tls  # what every Push presents (reshard.proto.auth)
         self._local = cuda_ipc  # None: this agent's tiles are in host memory, or CUDA IPC is off
         self._peer_devices: dict[str, pb.AgentDevice | None] = {}  # address -> its DescribeDevice, None: no IPC
-        self._mapped = devices.IpcMappings(IPC_MAPPINGS_KEPT, IPC_MAPPED_BYTES)  # peer buffers mapped here
+        self._mapped = devices.IpcMappings(IPC_MAPPINGS_KEPT, IPC_MAPPED_BYTES, IPC_MAPPED_SHARE)  # peer buffers mapped
 
     def _push_call(self, address: str):
         with self._lock:

@@ -21,7 +21,7 @@ import torch
 
 import reshard
 from reshard import Mesh, Sharding
-from reshard.client import Client, FailedPreconditionError, UnavailableError
+from reshard.client import Client, FailedPreconditionError, ResourceExhaustedError, UnavailableError
 from reshard.proto import devices
 from reshard.client.client import _sharding_json
 from reshard.client.cluster import LocalCluster
@@ -339,3 +339,29 @@ def test_cuda_tensors_without_ipc_go_through_pinned_shared_memory(agent_device):
             got = c.get_shard("shm", "host0/0", to=to, ipc=False)
             assert got.device.type == torch.device(to).type and torch.equal(_bits(got.cuda()), _bits(t))
         assert torch.equal(_bits(c.get("shm", device="cuda:0")), _bits(t))
+
+
+def test_a_gpu_buffer_that_does_not_fit_is_resource_exhausted_naming_the_gpu_s_free_memory():
+    total = torch.cuda.get_device_properties(0).total_memory
+    with pytest.raises(ResourceExhaustedError, match=r"cannot allocate .* on cuda:0 for a float32\[\d+\] buffer: "
+                                                     r"[\d.]+ GiB of its [\d.]+ GiB are free; .*or shard the tensor"):
+        buffers.empty((total // 2,), "float32", "cuda:0")  # twice the GPU's memory
+
+
+def test_moves_back_and_forth_between_gpu_agents_keep_at_most_an_eighth_of_the_gpu_mapped():
+    """After a move by CUDA IPC the receiver keeps the sender's tile mapped (the next move of the same buffer then
+    skips CUDA's open), and torch keeps a mapped tile allocated on the sender after its next commit frees it. The
+    receivers keep at most an eighth of the GPU so mapped (`IPC_MAPPED_SHARE`): a tensor of a twelfth of the GPU
+    moved between two agents 14 times fits. With 64 GiB kept per receiver, the same moves of 16 GiB on an H200
+    ran out of memory in the receiving agent's staging, and that failed as an internal error."""
+    n = torch.cuda.get_device_properties(0).total_memory // 12 // 4
+    one = {h: Sharding(Mesh.from_hosts({"x": 1}, [h], 1), (None,)) for h in ("host0", "host1")}
+    t = torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device="cuda")
+    with reshard.local_cluster(hosts=2, devices_per_host=1, device="cuda:0", transport="grpc") as c:
+        c.put_shard("big", "host0/0", t, one["host0"], ipc=True)
+        for i in range(14):
+            result = c.reshard("big", one["host1" if i % 2 == 0 else "host0"]).result(timeout=120)
+            assert result.network_bytes == 0  # by CUDA IPC
+        assert torch.equal(c.get_shard("big", "host0/0", to="cuda:0"), t)
+    del t
+    torch.cuda.empty_cache()

@@ -23,7 +23,8 @@ import torch
 
 import reshard
 from reshard import Mesh, Sharding
-from reshard.client import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from reshard.client import (FailedPreconditionError, InvalidArgumentError, ResourceExhaustedError,
+                            UnavailableError)
 from reshard.proto import devices
 from reshard.client.cluster import LocalCluster
 from reshard.proto import reshard_pb2 as pb
@@ -128,6 +129,15 @@ def test_device_check_names_the_device_count_on_a_host_without_cuda():
         devices.check_device("cuda:3")
     with pytest.raises(InvalidArgumentError, match="neither cpu nor cuda"):
         devices.check_device("tpu:0")
+
+
+def test_a_buffer_that_does_not_fit_is_resource_exhausted_naming_its_size_and_device():
+    """An agent's allocation that fails is the caller's RESOURCE_EXHAUSTED (a job fails naming it), not an
+    internal error; test_cuda.py checks the same on a GPU, where it reports the GPU's free memory."""
+    with pytest.raises(ResourceExhaustedError, match=r"cannot allocate 1\.0 PiB on cpu for a float32\[281474976710656\]"
+                                                     r" buffer: Unable to allocate .* Free memory there \(delete "
+                                                     r"tensors, release pins\), or shard the tensor over more devices"):
+        buffers.empty((2**48,), "float32")
 
 
 def test_buffers_move_numpy_and_torch_cpu_alike():
