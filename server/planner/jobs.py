@@ -729,22 +729,31 @@ class JobRunner:
             # Execute; where the job fails anywhere, its abort undoes what a host committed (`ShardStore.uncommit`,
             # keyed by the job, so an abort that reaches a paused host late never frees a retry's same version).
             staging = frozenset(work.commits.hosts)
+            # the records it commits, and its report where it waits for the run, are made once every host runs,
+            # off the job's start and its end
+            report = _Meanwhile(work.report) if work.report is not None else None
+
+            def running() -> None:
+                work.commits.make_meanwhile()
+                if report is not None:
+                    report.start()
+
             try:
                 ran = time.monotonic()
                 job.phases["planning"] = job.phases.get("planning", 0.0) + ran - began
-                # the records it commits are made once every host runs, off the job's start and its end
                 self._run_program(job, prep, hosts, deadline, self._prepares_early(transport, work.moves), staging,
-                                  work.commits.make_meanwhile)
-                if work.report is not None:
-                    work.report()
+                                  running)
+                if report is not None:
+                    report.finish()
                 committed = time.monotonic()
                 job.phases["running"] = job.phases.get("running", 0.0) + committed - ran
                 work.commits.check()
                 freed = self.catalog.commit(work.commits.records, self._bases(job, work.commits.records))
                 job.phases["committing"] = time.monotonic() - committed
             except BaseException as e:
-                if work.report is not None and not job.deltas:
-                    work.report()
+                if report is not None:
+                    with suppress(Exception):  # the job's own error is the one to raise
+                        report.finish()
                 self._undo(job, prep, hosts, e)
                 raise
             finally:
@@ -1181,8 +1190,9 @@ class JobRunner:
         not where the tensor's last delta sync sent more than `DELTA_FULL_ABOVE` of its full bytes (then every
         `DELTA_PROBE_EVERY`-th sync tries again); True uses every usable pair; False none.
 
-        Returns the bases, and where no tensor has a pair to consider (delta off, a first sync) the report to write
-        once the job's agents run: every tensor moves whole then, and a state dict's job writes 139,583 entries."""
+        Returns the bases, and where no tensor can move as a delta (delta off, a first sync, base pairs in other
+        layouts: a weight sync that moves its tensors there and back) the report to write as the job's agents run:
+        every tensor moves whole then, and a state dict's job writes 139,583 entries (501 took 3.7 ms here)."""
         pairs = self.catalog.bases(records) if self.catalog.delta and job.delta is not False else {}
         topology = self.registry.topology() if pairs else None
         bases: dict[str, tuple[int, int]] = {}
@@ -1191,7 +1201,9 @@ class JobRunner:
         def report() -> None:
             self._delta_report(job, records, moves, pairs, topology, made, bases)
 
-        if not pairs:
+        if not any(n not in job.dtypes and n not in made and moves.tensor_network.get(n, 0)
+                   and not _unusable(pair[1], pair[2], records[n], job.dsts[n], explain=False)
+                   for n, pair in pairs.items() if n in records):
             return bases, report
         report()
         return bases, None
@@ -1546,19 +1558,53 @@ def _commits_of(job: Job) -> list[str]:
     return [job.tensor]
 
 
-def _unusable(src: TensorRecord, dst: TensorRecord, moved: TensorRecord, target: Sharding) -> str:
-    """Why base pair (``src``, ``dst``) cannot start a delta move of ``moved`` into ``target``; "" where it can."""
+def _unusable(src: TensorRecord, dst: TensorRecord, moved: TensorRecord, target: Sharding, explain: bool = True
+              ) -> str:
+    """Why base pair (``src``, ``dst``) cannot start a delta move of ``moved`` into ``target``; "" where it can.
+    Without ``explain``, any non-empty text stands for why (a decision over every tensor of a state dict)."""
     if src.sharding != moved.sharding:
         return (f"its base pair's v{src.version} is in {src.sharding.spec_str()}, but v{moved.version} moves from "
-                f"{moved.sharding.spec_str()}: the senders hold no base in that layout")
+                f"{moved.sharding.spec_str()}: the senders hold no base in that layout") if explain else "src"
     if dst.sharding != target:
         return (f"its base pair's v{dst.version} is in {dst.sharding.spec_str()}, but the job moves it to "
-                f"{target.spec_str()}: the receivers hold no base in that layout")
+                f"{target.spec_str()}: the receivers hold no base in that layout") if explain else "dst"
     if not src.content or src.content != dst.content:
         return f"its base pair's v{src.version} and v{dst.version} are not known to hold the same values"
     if src.lost or dst.lost:
         return f"its base pair lost devices {sorted(src.lost | dst.lost)[:4]} when their agents restarted"
     return ""
+
+
+class _Meanwhile:
+    """``fn`` run on a thread of its own from `start`, or by `finish` where it never started; `finish` waits for it
+    and raises what it raised (the first time: it runs ``fn`` once)."""
+
+    def __init__(self, fn: Callable[[], None]):
+        self._fn = fn
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._finished = False
+
+    def start(self) -> None:
+        def run() -> None:
+            try:
+                self._fn()
+            except BaseException as e:  # noqa: BLE001 - raised again by finish
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="job-report", daemon=True)
+        self._thread.start()
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        if self._thread is None:
+            self._fn()
+            return
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _mismatched(error: BaseException, bases: dict[str, tuple[int, int]]) -> list[str] | None:
