@@ -70,6 +70,15 @@ def _check_served(c, weights: dict[str, np.ndarray]) -> None:
         assert got.dtype == w.dtype and np.array_equal(got, w), f"{n} differs after the sync"
 
 
+def _synced_once(c, prefix: str, rng) -> tuple[dict[str, tuple], dict[str, np.ndarray]]:
+    """SHAPES as ``prefix.<name>``: published in the training layout and synced once to the serving one."""
+    names = {f"{prefix}.{n}": s for n, s in SHAPES.items()}
+    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in names.items()}
+    _publish(c, weights)
+    c.reshard_many({n: _serve_layout(s) for n, s in names.items()}).result(timeout=120)
+    return names, weights
+
+
 def _agents_report_deltas(result) -> bool:
     return any(t.get("delta_full_bytes") for t in result.traffic.values())
 
@@ -147,12 +156,9 @@ def test_on_fast_links_the_default_moves_whole_and_says_why():
 
 
 def test_sync_state_dict_passes_delta_and_a_pair_in_another_layout_is_not_used(web):
-    cluster, c = web
+    _, c = web
     rng = np.random.default_rng(1)
-    names = {f"sd.{n}": s for n, s in SHAPES.items()}
-    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in names.items()}
-    _publish(c, weights)
-    c.reshard_many({n: _serve_layout(s) for n, s in names.items()}).result(timeout=120)
+    names, weights = _synced_once(c, "sd", rng)
     weights = _step(weights, rng)
     _publish(c, weights)
     # A plain state dict's layout is replicated on the serving devices: not the layout the pair's copy is in.
@@ -168,12 +174,8 @@ def test_a_sync_back_to_the_training_layout_moves_whole_and_reports_every_tensor
     """A weight sync there and back: the move back starts from the serving layout, where its base pair's first
     version is not, so no tensor can move as a delta. The planner then writes the report as the agents run instead
     of before it hands them the job (a 501-tensor sync's took 3.7 ms): every tensor is in it all the same."""
-    cluster, c = web
-    rng = np.random.default_rng(4)
-    names = {f"back.{n}": s for n, s in SHAPES.items()}
-    weights = {n: rng.standard_normal(s).astype(np.float32) for n, s in names.items()}
-    _publish(c, weights)
-    c.reshard_many({n: _serve_layout(s) for n, s in names.items()}).result(timeout=120)
+    _, c = web
+    names, weights = _synced_once(c, "back", np.random.default_rng(4))
     back = c.reshard_many({n: _train_layout(s) for n, s in names.items()}).result(timeout=120)
     assert sorted(back.deltas) == sorted(names)
     for n, d in back.deltas.items():
