@@ -47,6 +47,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -61,6 +62,7 @@ from reshard.server.transport.buffers import Recycler
 __all__ = ["TileBuffer", "ShardStore", "Recycler"]
 
 _ENDED_KEPT = 4096  # ended transactions remembered; each is an id string
+_NOTHING: Mapping[str, TileBuffer] = MappingProxyType({})  # what an owner that staged nothing holds
 DEFAULT_RECYCLE_BYTES = 1 << 30
 
 
@@ -290,38 +292,62 @@ class ShardStore:
         dropped: dict[str, TileBuffer] = {}
         try:
             with self._lock:
+                staged_of, committed = self._staged, self._committed
                 coming: set[tuple[str, int, str]] = set()  # and never twice in one call either
                 for owner, tensor, version, devices in commits:
-                    staged = self._staged.get(owner, {})
-                    missing = [d for d in devices if d not in staged]
-                    if missing:
-                        raise FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} "
-                                                      f"holds no shard for devices {missing}")
-                    keys = [(tensor, version, d) for d in devices]
-                    taken = sorted(key[2] for key in keys if key in self._committed or key in coming)
-                    coming.update(keys)
-                    if taken:
-                        dropped = self._drop_locked(owner)
-                        raise AlreadyExistsError(
-                            f"cannot commit {tensor!r} v{version} for devices {taken}: host {self.host} holds that "
-                            f"version already, and a committed version is never written over (a replayed commit is "
-                            f"refused so); transaction {owner[:12]} is dropped. A copy the planner could not free "
-                            f"earlier (a delete or a failed job while this agent was unreachable) goes with the "
-                            f"failed call's cleanup: try the put or job again")
-                for owner, tensor, version, devices in commits:
-                    staged = self._unstage_locked(owner)  # a commit of no devices may name one that staged nothing
+                    staged = staged_of.get(owner, _NOTHING)
                     for d in devices:
-                        shard = staged[d]
-                        self._committed_bytes += shard.nbytes
-                        self._committed[(tensor, version, d)] = shard
-                        self._devices.setdefault((tensor, version), set()).add(d)
+                        if d not in staged or (tensor, version, d) in committed or (tensor, version, d) in coming:
+                            error, dropped = self._refusal_locked(owner, tensor, version, devices, staged, coming)
+                            raise error
+                    coming.update((tensor, version, d) for d in devices)
+                # A state dict's commit: thousands of tensors, each in as few steps as the records allow
+                devices_of, committer, ended = self._devices, self._committer, self._ended
+                reserved = bool(self._reserved)
+                unstaged = added = 0
+                for owner, tensor, version, devices in commits:
+                    staged = staged_of.pop(owner, _NOTHING)
+                    for shard in staged.values():
+                        unstaged += shard.array.nbytes
+                    for d in devices:
+                        shard = committed[(tensor, version, d)] = staged[d]
+                        added += shard.array.nbytes
+                    if devices:
+                        held = devices_of.get((tensor, version))
+                        if held is None:
+                            devices_of[(tensor, version)] = set(devices)
+                        else:
+                            held.update(devices)
                     if by:
-                        self._committer[(tensor, version)] = by
-                    self._drop_reserved(owner)
-                    self._end_locked(owner)
+                        committer[(tensor, version)] = by
+                    if reserved:
+                        self._drop_reserved(owner)
+                    ended[owner] = None
+                    ended.move_to_end(owner)
+                self._staged_bytes -= unstaged
+                self._committed_bytes += added
+                while len(ended) > _ENDED_KEPT:
+                    ended.popitem(last=False)
                 self._fit_recycler()
         finally:
             self._recycle(dropped)
+
+    def _refusal_locked(self, owner: str, tensor: str, version: int, devices, staged, coming: set
+                        ) -> tuple[Exception, dict[str, TileBuffer]]:
+        """Why `commit_many` refuses one of its entries, and what it dropped: FailedPreconditionError where
+        ``owner`` staged no shard for a device, else AlreadyExistsError, ``owner`` dropped (it can never commit
+        here)."""
+        missing = [d for d in devices if d not in staged]
+        if missing:
+            return FailedPreconditionError(f"cannot commit {tensor!r} v{version}: transaction {owner} holds no "
+                                           f"shard for devices {missing}"), {}
+        taken = sorted(d for d in devices if (tensor, version, d) in self._committed or (tensor, version, d) in coming)
+        return AlreadyExistsError(
+            f"cannot commit {tensor!r} v{version} for devices {taken}: host {self.host} holds that version already, "
+            f"and a committed version is never written over (a replayed commit is refused so); transaction "
+            f"{owner[:12]} is dropped. A copy the planner could not free earlier (a delete or a failed job while this "
+            f"agent was unreachable) goes with the failed call's cleanup: try the put or job again"
+        ), self._drop_locked(owner)
 
     def abort(self, owner: str) -> None:
         with self._lock:

@@ -10,7 +10,7 @@ import pytest
 
 from reshard import Mesh, Sharding
 from reshard.proto.errors import AlreadyExistsError, DataLossError, FailedPreconditionError, ResourceExhaustedError
-from reshard.server.agent.store import ShardStore
+from reshard.server.agent.store import _ENDED_KEPT, ShardStore
 from reshard.server.common.config import PlannerConfig
 from reshard.server.common.sizes import format_size, parse_size
 from reshard.server.planner.catalog import TensorRecord
@@ -82,6 +82,36 @@ def test_a_job_s_tensors_commit_on_an_agent_all_or_none_and_release_together():
     assert store.ended("job/w") and store.ended("job/b")
     assert store.release_many([("w", 2), ("b", 2), ("w", 1)]) == 2  # a version it never held counts none
     assert store.held() == [] and store.used_bytes() == 0
+
+
+def test_a_commit_of_many_owners_keeps_the_store_s_books_as_one_commit_each_would():
+    """`commit_many` of a state dict takes each owner in a few steps (a 501-tensor commit: 3.3 -> 1.8 ms): the same
+    held versions, bytes, committers and ended owners as commits one by one, the newest `_ENDED_KEPT` remembered; an
+    entry of no devices ends its owner and holds nothing; a version committed in the same call is refused."""
+    many, single = ShardStore(host="h0"), ShardStore(host="h0")
+    entries = [(f"job/t{i}", f"t{i}", 2, ["h0/0", "h0/1"] if i % 2 else ["h0/0"]) for i in range(_ENDED_KEPT + 3)]
+    for store in (many, single):
+        for owner, _, _, devices in entries:
+            for d in devices:
+                store.stage(owner, d, _tile(store, 64))
+        store.stage("job/extra", "h0/1", _tile(store, 64))  # staged, committed for no device: dropped with its end
+    many.commit_many([*entries, ("job/extra", "x", 2, [])], by="job")
+    for entry in [*entries, ("job/extra", "x", 2, [])]:
+        single.commit_many([entry], by="job")
+    assert many.held() == single.held() and len(many.held()) == len(entries)
+    assert many.nbytes() == single.nbytes() == 64 * (len(entries) + len(entries) // 2) == many.used_bytes()
+    def books(store: ShardStore) -> tuple:
+        return (list(store._committed), store._devices, store._committer, list(store._staged), store._staged_bytes,
+                store._committed_bytes, list(store._ended))  # the ended owners in their order too
+
+    assert books(many) == books(single)
+    assert many.ended("job/extra") and many.ended(entries[-1][0]) and not many.ended(entries[0][0])
+    many.stage("job2/a", "h0/0", _tile(many, 64))
+    many.stage("job2/b", "h0/0", _tile(many, 64))
+    with pytest.raises(AlreadyExistsError, match=r"cannot commit 'a' v1 for devices \['h0/0'\]: host h0 holds that "
+                                                 r"version already"):
+        many.commit_many([("job2/a", "a", 1, ["h0/0"]), ("job2/b", "a", 1, ["h0/0"])])
+    assert many.ended("job2/b") and not many.ended("job2/a") and many.find("a", 1, "h0/0") is None
 
 
 def test_one_stream_per_device_and_nothing_staged_for_an_ended_transaction():
