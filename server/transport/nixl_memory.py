@@ -32,6 +32,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import logging
+import math
 import mmap
 import struct
 import threading
@@ -445,15 +446,15 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     if not _is_buffer(owner) or min(view.strides, default=0) < 0:
         return None
     if view.flags.c_contiguous:  # one run: the common chunk of a contiguous box, worked out without the offsets
-        lo = view.ctypes.data
-        if not owner.ctypes.data <= lo <= owner.ctypes.data + owner.nbytes - view.nbytes:
+        lo, base = view.ctypes.data, owner.ctypes.data  # (each `.ctypes` makes an object: 3 us here)
+        if not base <= lo <= base + owner.nbytes - view.nbytes:
             return None
         return owner, np.array([lo], dtype=np.int64), np.array([view.nbytes], dtype=np.int64)
     k, run = view.ndim, view.itemsize
     while k and (view.shape[k - 1] == 1 or view.strides[k - 1] == run):  # the trailing dims that are one block
         run *= view.shape[k - 1]
         k -= 1
-    if int(np.prod(view.shape[:k], dtype=np.int64)) > most:
+    if math.prod(view.shape[:k]) > most:  # (numpy's prod of a tuple took 11 us here, math's 0.5 us)
         return None
     offsets = np.zeros(1, dtype=np.int64)
     for size, stride in zip(view.shape[:k], view.strides[:k]):
