@@ -1577,10 +1577,12 @@ def _unusable(src: TensorRecord, dst: TensorRecord, moved: TensorRecord, target:
 
 class _Meanwhile:
     """``fn`` run on a thread of its own from `start`, or by `finish` where it never started; `finish` waits for it
-    and raises what it raised (the first time: it runs ``fn`` once)."""
+    and raises what it raised. It runs once: a `start` after `finish` (a host that reports its start after the job
+    failed) does nothing."""
 
     def __init__(self, fn: Callable[[], None]):
         self._fn = fn
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._finished = False
@@ -1592,17 +1594,22 @@ class _Meanwhile:
             except BaseException as e:  # noqa: BLE001 - raised again by finish
                 self._error = e
 
-        self._thread = threading.Thread(target=run, name="job-report", daemon=True)
-        self._thread.start()
+        with self._lock:
+            if self._finished or self._thread is not None:
+                return
+            self._thread = threading.Thread(target=run, name="job-report", daemon=True)
+            self._thread.start()
 
     def finish(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        if self._thread is None:
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+            thread = self._thread
+        if thread is None:
             self._fn()
             return
-        self._thread.join()
+        thread.join()
         if self._error is not None:
             raise self._error
 
