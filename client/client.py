@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from itertools import compress
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
@@ -207,6 +208,7 @@ class JobResult:
 
 
 def _result(info: pb.JobInfo) -> JobResult:
+    transports, versions, deltas = _per_tensor(info)
     return JobResult(
         id=info.id, state=info.state, tensor=info.tensor, strategy=info.strategy, plan_id=info.plan_id,
         seconds=info.seconds, version=info.version,
@@ -215,13 +217,26 @@ def _result(info: pb.JobInfo) -> JobResult:
                           "native_reduces": t.native_reduces, "delta_wire_bytes": dict(t.delta_wire_bytes),
                           "delta_full_bytes": dict(t.delta_full_bytes)} for t in info.traffic},
         error=info.error, transport=info.transport, transport_reason=info.transport_reason,
-        transports=tuple(info.transports), versions=dict(info.versions),
+        transports=transports, versions=versions,
         phases={p.name: p.seconds for p in info.phases}, host_seconds=dict(sorted(info.host_seconds.items())),
         manifest_digest=info.manifest_digest,
-        deltas={d.name: {"mode": d.mode, "why": d.why, "bytes": d.bytes, "full_bytes": d.full_bytes}
-                for d in info.deltas},
+        deltas=deltas,
         full_network_bytes=info.full_network_bytes, delta_note=info.delta_note, started_s=info.started_s,
         handed_s=info.handed_s)
+
+
+def _per_tensor(info: pb.JobInfo) -> tuple[tuple[str, ...], dict[str, int], dict[str, dict]]:
+    """A reply's transports, versions and deltas (`JobResult`'s), from its columns (`pb.JobColumns`) or, from a
+    planner before them, its messages."""
+    if not info.HasField("columns"):
+        return tuple(info.transports), dict(info.versions), {
+            d.name: {"mode": d.mode, "why": d.why, "bytes": d.bytes, "full_bytes": d.full_bytes} for d in info.deltas}
+    c = info.columns
+    names, texts = c.names.split("\n") if c.names else [], list(c.texts)
+    deltas = {n: {"mode": texts[m], "why": texts[w], "bytes": b, "full_bytes": f}
+              for n, m, w, b, f in zip(names, c.delta_modes, c.delta_whys, c.delta_bytes, c.delta_full_bytes)}
+    versions = dict(compress(zip(names, c.versions), c.versions))  # 0: commits none
+    return tuple(map(texts.__getitem__, c.transports)), versions, deltas
 
 
 def _delta(delta: Optional[bool]) -> Optional[bool]:

@@ -8,6 +8,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
+from itertools import repeat
 from operator import itemgetter
 from concurrent import futures
 
@@ -450,10 +451,11 @@ def _locations(items: list[TileLocation]) -> list[pb.TileLocation]:
 
 
 def job_info(job: Job, brief: bool = False) -> pb.JobInfo:
-    """``job`` as the wire has it; ``brief``, without the fields that grow with it (`JobRequest.brief`)."""
-    if brief:
-        job = replace(job, inputs=[], versions={}, deltas={}, transports=[])
-    return pb.JobInfo(
+    """``job`` as the wire has it; ``brief``, without the fields that grow with it (`JobRequest.brief`), which a
+    whole reply carries as columns (`job_columns`)."""
+    columns = None if brief else job_columns(job)
+    job = replace(job, inputs=[], versions={}, deltas={}, transports=[])
+    return pb.JobInfo(columns=columns,
         id=job.id, tensor=job.tensor, state=job.state, error=job.error,
         plan_id=job.ran.id if job.ran is not None else "", strategy=job.strategy,  # the program, where no plan ran
         progress=[pb.AgentProgress(host=h, bytes_done=d, bytes_total=t) for h, (d, t) in sorted(job.progress.items())],
@@ -471,6 +473,28 @@ def job_info(job: Job, brief: bool = False) -> pb.JobInfo:
                 for n, d in job.deltas.items()],
         network_bytes=job.network_bytes, full_network_bytes=job.full_network_bytes, delta_note=job.delta_note,
         started_s=job.started_s, handed_s=job.handed_s)
+
+
+def job_columns(job: Job) -> pb.JobColumns:
+    """``job``'s inputs, versions, deltas and transports as `JobColumns`: names with a delta entry first (in the
+    report's order, so that its columns line up without a look-up per tensor), then what it commits, then its
+    other inputs."""
+    deltas, versions = job.deltas, job.versions
+    names = list(deltas)
+    names += [n for n in versions if n not in deltas]
+    listed = set(names)
+    names += [n for n in dict.fromkeys(job.inputs) if n not in listed]
+    text = "\n".join(names)
+    if text.count("\n") != max(len(names) - 1, 0):  # printable names (`catalog.check_name`): never here
+        raise ValueError(f"job {job.id[:8]} names a tensor with a newline in its name")
+    modes, whys = list(map(itemgetter("mode"), deltas.values())), list(map(itemgetter("why"), deltas.values()))
+    texts = {t: i for i, t in enumerate(dict.fromkeys([*set(modes), *set(whys), *set(job.transports)]))}
+    return pb.JobColumns(
+        names=text, versions=list(map(versions.get, names, repeat(0))), texts=list(texts),
+        delta_modes=list(map(texts.__getitem__, modes)), delta_whys=list(map(texts.__getitem__, whys)),
+        delta_bytes=list(map(itemgetter("bytes"), deltas.values())),
+        delta_full_bytes=list(map(itemgetter("full_bytes"), deltas.values())),
+        transports=list(map(texts.__getitem__, job.transports)))
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:

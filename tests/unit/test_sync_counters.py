@@ -171,9 +171,40 @@ def test_a_brief_job_info_leaves_out_what_grows_with_the_job():
               deltas={n: {"mode": "full", "why": "", "bytes": 1, "full_bytes": 1, "expected": 1} for n in names})
     job.progress = {"a": [5, 10]}
     whole, brief = job_info(job), job_info(job, brief=True)
-    assert len(whole.inputs) == len(whole.versions) == len(whole.deltas) == 1000 and len(whole.transports) == 5000
-    assert not (brief.inputs or brief.versions or brief.deltas or brief.transports)
+    columns = whole.columns
+    assert len(columns.names.split("\n")) == len(columns.versions) == len(columns.delta_modes) == 1000
+    assert len(columns.transports) == 5000 and list(columns.texts) == ["full", "", "grpc"]
+    assert not (brief.HasField("columns") or brief.inputs or brief.versions or brief.deltas or brief.transports)
+    assert not (whole.inputs or whole.versions or whole.deltas or whole.transports)  # in the columns only
     assert (brief.id, brief.state, brief.tensor, list(brief.progress)) == (whole.id, whole.state, whole.tensor,
                                                                           list(whole.progress))
     assert len(brief.SerializeToString()) < len(whole.SerializeToString()) // 50
     assert job.inputs == names and len(job.transports) == 5000  # the job itself keeps them
+
+
+def test_a_whole_job_info_carries_versions_deltas_and_transports_in_columns_the_client_reads_back():
+    """A finished state-dict job's reply in columns (`job_columns`, `client._per_tensor`): the same versions,
+    delta report and transports as one message per tensor gave, in 0.8 of the 3.6 ms (501 tensors) and 0.5 of the
+    1.6 s (139,583) that building, sending and reading those took."""
+    from reshard.client.client import _result
+    from reshard.proto import reshard_pb2 as pb
+    from reshard.server.planner.jobs import Job
+    from reshard.server.planner.service import job_info
+
+    report = {"w": ("delta", "base v1 -> v2; change rate unknown: trying a delta", 10, 40),
+              "w.scale": ("full", "the block scales of 'w', made on the way as it is quantized", 4, 4),
+              "b": ("full", "no base pair held (the tensor's first sync, or its pair expired)", 8, 8)}
+    job = Job("j" * 32, "w", None, "auto", state="succeeded", kind="reshard_many", inputs=["w", "b", "read.only"],
+              versions={"w": 2, "b": 5, "w.scale": 2, "made": 1}, transports=["nixl", "local", "nixl"],
+              deltas={n: {"mode": m, "why": y, "bytes": b, "full_bytes": f, "expected": b}
+                      for n, (m, y, b, f) in report.items()})
+    got = _result(pb.JobInfo.FromString(job_info(job).SerializeToString()))
+    assert got.versions == {"w": 2, "b": 5, "w.scale": 2, "made": 1}
+    assert got.deltas == {n: {"mode": m, "why": y, "bytes": b, "full_bytes": f} for n, (m, y, b, f) in report.items()}
+    assert got.transports == ("nixl", "local", "nixl")
+    empty = _result(pb.JobInfo.FromString(job_info(Job("k" * 32, "t", None, "auto")).SerializeToString()))
+    assert (empty.versions, empty.deltas, empty.transports) == ({}, {}, ())
+    old = pb.JobInfo(id="j", versions={"w": 2}, transports=["grpc"],  # a planner from before the columns
+                     deltas=[pb.TensorDelta(name="w", mode="full", why="delta off", bytes=1, full_bytes=1)])
+    assert (_result(old).versions, _result(old).transports) == ({"w": 2}, ("grpc",))
+    assert _result(old).deltas == {"w": {"mode": "full", "why": "delta off", "bytes": 1, "full_bytes": 1}}
