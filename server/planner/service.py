@@ -488,7 +488,7 @@ def job_columns(job: Job) -> pb.JobColumns:
     if text.count("\n") != max(len(names) - 1, 0):  # printable names (`catalog.check_name`): never here
         raise ValueError(f"job {job.id[:8]} names a tensor with a newline in its name")
     modes, whys = list(map(itemgetter("mode"), deltas.values())), list(map(itemgetter("why"), deltas.values()))
-    texts = {t: i for i, t in enumerate(dict.fromkeys([*set(modes), *set(whys), *set(job.transports)]))}
+    texts = {t: i for i, t in enumerate(dict.fromkeys(modes) | dict.fromkeys(whys) | dict.fromkeys(job.transports))}
     return pb.JobColumns(
         names=text, versions=list(map(versions.get, names, repeat(0))), texts=list(texts),
         delta_modes=list(map(texts.__getitem__, modes)), delta_whys=list(map(texts.__getitem__, whys)),
