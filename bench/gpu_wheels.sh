@@ -3,7 +3,8 @@
 # has CUDA torch (and numpy, xxhash, rich, pyyaml, jinja2, prometheus-client, threadpoolctl, pytest,
 # pytest-timeout, hypothesis, as NVIDIA's and most CUDA images do): reshard's other runtime dependencies, at the
 # versions this checkout's .venv runs, for that host's Python and platform, and NIXL for that host's CUDA (the
-# nixl transport's GPU tests and bench row; its wheel is about 56 MB, "none" leaves it out). Run it here, carry DIR
+# nixl transport's GPU tests and bench row; its wheel is 59 MB, 31 MB once bench/_wheels.py drops its
+# expert-parallel kernels, which reshard never imports; "none" leaves it out). Run it here, carry DIR
 # over, then
 #   make gpu-check GPU_PYTHON=python3 WHEELS=DIR
 #
@@ -28,5 +29,10 @@ mkdir -p "$dir"
 $pip download --disable-pip-version-check --no-deps --only-binary=:all: --python-version "$version" \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d "$dir" $pins
-echo "gpu_wheels: $(ls "$dir"/*.whl | wc -l) wheels in $dir for Python $version; now, on the GPU host:"
+if [ "$nixl" != none ]; then  # its expert-parallel kernels, which reshard never imports: 31 of the wheel's 59 MB
+    for wheel in "$dir"/$(echo "$nixl" | tr - _)-*.whl; do
+        [ -e "$wheel" ] && ${PYTHON:-.venv/bin/python} "$(dirname "$0")/_wheels.py" "$wheel" "$(echo "$nixl" | sed 's/^nixl-/nixl_ep_/; s/-/_/g')"
+    done
+fi
+echo "gpu_wheels: $(ls "$dir"/*.whl | wc -l) wheels in $dir for Python $version ($(du -sh "$dir" | cut -f1)); now, on the GPU host:"
 echo "  make gpu-check GPU_PYTHON=python3 WHEELS=$dir"
