@@ -238,11 +238,13 @@ class ShardStore:
             self._drop_reserved(owner)
             self._end_locked(owner)
 
-    def _end_locked(self, owner: str) -> None:
-        self._ended[owner] = None
-        self._ended.move_to_end(owner)
-        while len(self._ended) > _ENDED_KEPT:
-            self._ended.popitem(last=False)
+    def _end_locked(self, *owners: str) -> None:
+        ended = self._ended
+        for owner in owners:
+            ended[owner] = None
+            ended.move_to_end(owner)
+        while len(ended) > _ENDED_KEPT:
+            ended.popitem(last=False)
 
     def stage(self, owner: str, device: str, shard: TileBuffer) -> None:
         self.stage_many([(owner, device, shard)])
@@ -302,7 +304,7 @@ class ShardStore:
                             raise error
                     coming.update((tensor, version, d) for d in devices)
                 # A state dict's commit: thousands of tensors, each in as few steps as the records allow
-                devices_of, committer, ended = self._devices, self._committer, self._ended
+                devices_of, committer = self._devices, self._committer
                 reserved = bool(self._reserved)
                 unstaged = added = 0
                 for owner, tensor, version, devices in commits:
@@ -322,12 +324,9 @@ class ShardStore:
                         committer[(tensor, version)] = by
                     if reserved:
                         self._drop_reserved(owner)
-                    ended[owner] = None
-                    ended.move_to_end(owner)
+                self._end_locked(*(owner for owner, *_ in commits))
                 self._staged_bytes -= unstaged
                 self._committed_bytes += added
-                while len(ended) > _ENDED_KEPT:
-                    ended.popitem(last=False)
                 self._fit_recycler()
         finally:
             self._recycle(dropped)

@@ -1201,12 +1201,31 @@ class JobRunner:
         def report() -> None:
             self._delta_report(job, records, moves, pairs, topology, made, bases)
 
-        if not any(n not in job.dtypes and n not in made and moves.tensor_network.get(n, 0)
-                   and not _unusable(pair[1], pair[2], records[n], job.dsts[n], explain=False)
-                   for n, pair in pairs.items() if n in records):
+        if all(self._whole(job, n, records[n], pair, moves.tensor_network.get(n, 0), made, explain=False)
+               for n, pair in pairs.items() if n in records):
             return bases, report
         report()
         return bases, None
+
+    def _whole(self, job: Job, n: str, rec: TensorRecord | None, pair, full: int, made: dict[str, str],
+               explain: bool = True) -> str:
+        """Why tensor ``n`` of reshard_many ``job`` moves whole whatever its change rate; "" where a delta may pay
+        (`_delta_report` prices it). Without ``explain``, any non-empty text stands for why (`_unusable`)."""
+        if n in job.dtypes:
+            return (f"quantized on the way, {rec.dtype} -> {job.dtypes[n]}: a delta needs one dtype at both ends, "
+                    f"so it moves whole") if explain else "dtype"
+        if n in made:
+            return (f"the block scales of {made[n]!r}, made on the way as it is quantized: nothing to diff "
+                    f"against") if explain else "made"
+        if not self.catalog.delta:
+            return "the planner runs with --no-delta"
+        if job.delta is False:
+            return "delta off for this job (delta=False)"
+        if pair is None:
+            return "no base pair held (the tensor's first sync, or its pair expired)"
+        if not full:
+            return "its moves stay within hosts: no network bytes to save"
+        return _unusable(pair[1], pair[2], rec, job.dsts[n], explain)
 
     def _delta_report(self, job: Job, records: dict[str, TensorRecord], moves: "_Moves", pairs: dict,
                       topology: Topology | None, made: dict[str, str], bases: dict[str, tuple[int, int]]) -> None:
@@ -1214,23 +1233,9 @@ class JobRunner:
         to ``bases``."""
         for n, rec in [*records.items(), *((s, None) for s in made if s not in records)]:
             full = moves.tensor_network.get(n, 0)
-            mode, why, expected = "full", "", full
+            mode, expected = "full", full
             pair = pairs.get(n)
-            if n in job.dtypes:
-                why = (f"quantized on the way, {rec.dtype} -> {job.dtypes[n]}: a delta needs one dtype at both "
-                       f"ends, so it moves whole")
-            elif n in made:
-                why = f"the block scales of {made[n]!r}, made on the way as it is quantized: nothing to diff against"
-            elif not self.catalog.delta:
-                why = "the planner runs with --no-delta"
-            elif job.delta is False:
-                why = "delta off for this job (delta=False)"
-            elif pair is None:
-                why = "no base pair held (the tensor's first sync, or its pair expired)"
-            elif not full:
-                why = "its moves stay within hosts: no network bytes to save"
-            else:
-                why = _unusable(pair[1], pair[2], rec, job.dsts[n])
+            why = self._whole(job, n, rec, pair, full, made)
             if not why:
                 base = f"base v{pair[0].src} -> v{pair[0].dst}"
                 with self._lock:
