@@ -271,6 +271,16 @@ class Sharding:
             object.__setattr__(self, "_hash", h)
         return h
 
+    def __eq__(self, other) -> bool:
+        # The planner compares a state dict's layouts tensor by tensor each job (a base pair's against the job's),
+        # mostly equal objects parsed apart: the kept hashes settle most unequal pairs without the meshes' devices
+        if self is other:
+            return True
+        if type(other) is not Sharding:
+            return NotImplemented
+        return hash(self) == hash(other) and (self.mesh, self.spec, self.partial) == (other.mesh, other.spec,
+                                                                                       other.partial)
+
     @property
     def is_partial(self) -> bool:
         """Whether devices hold addends along some axis (the value is pending a sum)."""
@@ -478,9 +488,15 @@ class Sharding:
     # -- notation and serialisation ----------------------------------------------
 
     def spec_str(self) -> str:
-        """``P('x', None)``, with `` + partial(y)`` when the tensor is a pending sum."""
-        text = "P(" + ", ".join(_entry_str(a) for a in self.spec) + ")"
-        return f"{text} + partial({', '.join(self.partial)})" if self.partial else text
+        """``P('x', None)``, with `` + partial(y)`` when the tensor is a pending sum; kept once worked out (the
+        planner's per-tensor explanations ask for it a state dict's hundreds of times per job)."""
+        text = self.__dict__.get("_spec_str")
+        if text is None:
+            text = "P(" + ", ".join(_entry_str(a) for a in self.spec) + ")"
+            if self.partial:
+                text = f"{text} + partial({', '.join(self.partial)})"
+            object.__setattr__(self, "_spec_str", text)  # not a field: equality, hashing and repr ignore it
+        return text
 
     def placements_str(self) -> str:
         return "".join(str(p) for p in self.placements)

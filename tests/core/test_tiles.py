@@ -163,3 +163,19 @@ def test_tile_of_a_device_outside_the_mesh_is_an_error():
     sharding = Sharding(_mesh({"x": 2}), ("x",))
     with pytest.raises(InvalidMeshError, match=r"device 'h9/0' is not in mesh"):
         sharding.tile((4,), "h9/0")
+
+
+def test_shardings_parsed_apart_compare_by_value_and_keep_their_spec_text():
+    """`Sharding.__eq__` settles on the kept hashes first and `spec_str` is kept once made: neither may change
+    what equality or the text say."""
+    one = Sharding(Mesh({"x": 2, "y": 2}, ["a/0", "a/1", "b/0", "b/1"]), ("x", None))
+    same = Sharding(Mesh({"x": 2, "y": 2}, ["a/0", "a/1", "b/0", "b/1"]), ("x", None))
+    assert one == same and hash(one) == hash(same) and not one != same
+    assert {one: 1}[same] == 1
+    other_devices = Sharding(Mesh({"x": 2, "y": 2}, ["a/0", "a/1", "b/1", "b/0"]), ("x", None))
+    other_spec = Sharding(one.mesh, (None, "x"))
+    summed = Sharding(one.mesh, ("x", None), partial=("y",))
+    assert one != other_devices and one != other_spec and one != summed and one != ("x", None)
+    assert one.spec_str() == "P('x', None)" and one.spec_str() is one.spec_str()
+    assert summed.spec_str() == "P('x', None) + partial(y)" == summed.spec_str()
+    assert repr(one) == repr(same) and "_spec_str" not in repr(one)
