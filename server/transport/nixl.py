@@ -351,11 +351,11 @@ class NixlTransport(Transport):
         owner, flat = owner_of(data)
         if owner is not None and (owner.nbytes > flat.nbytes or flat.nbytes >= STAGE_REGISTER_BYTES):
             self._memory.register(owner)
-            return flat.ctypes.data, data, None
+            return shm.address_of(flat), data, None
         staged = self._scratch(flat.nbytes)
         staged[:flat.nbytes] = flat
         self._memory.register(staged)
-        return staged.ctypes.data, None, staged
+        return shm.address_of(staged), None, staged
 
     # -- transfers ---------------------------------------------------------------------------------------------
 
@@ -439,7 +439,7 @@ class NixlTransport(Transport):
             if registrations is not None:
                 return Landing(owners, runs, device, registrations, segments=segments)
         buf = self._scratch(nbytes)
-        return Landing([buf], [(buf.ctypes.data, nbytes)], None, [self._memory.register(buf)],
+        return Landing([buf], [(shm.address_of(buf), nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))
 
     def digest_ahead(self, view) -> bool:

@@ -45,6 +45,7 @@ import numpy as np
 from reshard.box import Box
 from reshard.proto.errors import UnavailableError
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+from reshard.server.transport.shm import address_of
 from reshard.server.transport.streams import Segments, StreamKey
 
 __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "INCARNATION", "blobs", "unblob", "encode", "decode", "box_bytes",
@@ -142,7 +143,7 @@ class Registry:
         a recycler hands out views of the buffers it keeps, and the registration must live as long as the buffer,
         not the view), made at its first use."""
         owner = _root(owner)
-        return self._register(owner, owner.ctypes.data, owner.nbytes, "DRAM", 0)
+        return self._register(owner, address_of(owner), owner.nbytes, "DRAM", 0)
 
     def register_device(self, t) -> Registration:
         """The registration (VRAM) of the GPU tensor that owns ``t``'s memory (``t``'s base where it is a view),
@@ -167,7 +168,7 @@ class Registry:
     def register_usable(self, owners: list[np.ndarray]) -> list[Registration] | None:
         """The registrations of ``owners`` (buffers that own their memory) where every one is `usable`, made where
         not yet; None where one is not. One pass under the lock: a post lands a bucket in a few hundred tiles."""
-        keys = [(o.ctypes.data, o.nbytes) for o in owners]
+        keys = [(address_of(o), o.nbytes) for o in owners]
         with self._lock:
             if not all(map(self._usable_locked, keys)):
                 return None
@@ -181,7 +182,7 @@ class Registry:
         inside this one hides it from the WRITEs past that start (NIXL's createXferReq: "no specified or potential
         backend had the required registrations")."""
         with self._lock:
-            return self._usable_locked((owner.ctypes.data, owner.nbytes))
+            return self._usable_locked((address_of(owner), owner.nbytes))
 
     def _usable_locked(self, key: tuple[int, int]) -> bool:
         """`usable` of the buffer at ``key`` (address, bytes), under the lock."""
@@ -396,7 +397,7 @@ def owner_of(data) -> tuple[np.ndarray | None, np.ndarray]:
     if isinstance(obj, np.ndarray):
         obj = _root(obj)
     if isinstance(obj, np.ndarray) and _is_buffer(obj):
-        lo, at = obj.ctypes.data, flat.ctypes.data  # (each `.ctypes` makes an object: a microsecond)
+        lo, at = address_of(obj), address_of(flat)  # (each `.ctypes` makes an object: `shm.address_of`)
         if lo <= at and at + flat.nbytes <= lo + obj.nbytes:
             return obj, flat
     return None, flat
@@ -415,7 +416,7 @@ def _span_of(part: np.ndarray, spans: dict[int, tuple[int, int]],
         if not _is_buffer(owner):
             return None
         span = _note_owner(owner, spans, owners)
-    addr, n = part.ctypes.data, part.nbytes
+    addr, n = address_of(part), part.nbytes
     if addr < span[0] or addr + n > span[1]:
         return None
     return addr, n
@@ -430,7 +431,7 @@ def _note_owner(owner: np.ndarray, spans: dict[int, tuple[int, int]], owners: li
     """Add ``owner`` to a `place_runs` walk's owners, once, and return its (start, end)."""
     span = spans.get(id(owner))
     if span is None:
-        start = owner.ctypes.data
+        start = address_of(owner)
         span = spans[id(owner)] = (start, start + owner.nbytes)
         owners.append(owner)
     return span
@@ -446,7 +447,7 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     if not _is_buffer(owner) or min(view.strides, default=0) < 0:
         return None
     if view.flags.c_contiguous:  # one run: the common chunk of a contiguous box, worked out without the offsets
-        lo, base = view.ctypes.data, owner.ctypes.data  # (each `.ctypes` makes an object: 3 us here)
+        lo, base = address_of(view), address_of(owner)  # (each `.ctypes` makes an object: `shm.address_of`)
         if not base <= lo <= base + owner.nbytes - view.nbytes:
             return None
         return owner, np.array([lo], dtype=np.int64), np.array([view.nbytes], dtype=np.int64)
@@ -460,7 +461,7 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     for size, stride in zip(view.shape[:k], view.strides[:k]):
         offsets = (offsets[:, None] + np.arange(size, dtype=np.int64) * stride).reshape(-1)
     addrs = view.ctypes.data + offsets
-    lo, base = int(addrs[0]), owner.ctypes.data
+    lo, base = int(addrs[0]), address_of(owner)
     if lo < base or int(addrs[-1]) + run > base + owner.nbytes:
         return None
     return owner, addrs, np.full(len(addrs), run, dtype=np.int64)
@@ -477,7 +478,7 @@ def parts_runs(parts: list, run_bytes: int) -> tuple[np.ndarray, np.ndarray, lis
         if found is None:
             p = np.ascontiguousarray(p)
             keep.append(p)
-            found = (p, np.array([p.ctypes.data], np.int64), np.array([p.nbytes], np.int64))
+            found = (p, np.array([address_of(p)], np.int64), np.array([p.nbytes], np.int64))
         addrs.extend(found[1].tolist())
         lens.extend(found[2].tolist())
     return np.asarray(addrs, dtype=np.int64), np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64)))), keep
@@ -578,9 +579,10 @@ def _spaced(b: Box, d: int, place) -> tuple[str, np.ndarray, int, int, int] | No
     if owner is None or other != device or owner_of(last)[0] is not owner or head.nbytes != last.nbytes:
         return None
     stride = first.strides[d] if first.ndim == len(b) else 0
-    if not stride or last.ctypes.data - head.ctypes.data != (hi - 1 - lo) * stride:
+    at = address_of(head)
+    if not stride or address_of(last) - at != (hi - 1 - lo) * stride:
         return None
-    return device, owner, head.ctypes.data, head.nbytes, stride
+    return device, owner, at, head.nbytes, stride
 
 
 class Landing:
@@ -593,7 +595,7 @@ class Landing:
     def __init__(self, owners: list[np.ndarray], runs: list[tuple[int, int]], device: str | None,
                  registrations: list[Registration], release: Callable[[], None] = lambda: None,
                  segments: bool = False):
-        flats = sorted((o.ctypes.data, o.reshape(-1).view(np.uint8)) for o in owners)
+        flats = sorted((address_of(o), o.reshape(-1).view(np.uint8)) for o in owners)
         bases = [b for b, _ in flats]
         self.views = []  # per run, its bytes
         for addr, n in runs:
