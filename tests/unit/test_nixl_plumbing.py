@@ -236,3 +236,48 @@ def test_a_prepare_ticket_signs_the_nixl_peers_it_introduces():
     for forged in ({**peers, "host1": b"attacker"}, {**peers, "evil": b"meta"}, {"host0": b"meta-0"}):
         with pytest.raises(PermissionDeniedError):
             check.check(ticket, "prepare", *prepare_fields(*args, forged), what="Prepare")
+
+
+def test_nixl_calls_take_turns_and_a_call_that_waits_its_turn_leaves_the_gil_to_other_threads():
+    """`OneAtATime`: NIXL's agent lock is only ever taken by the thread whose turn it is, so no binding that keeps
+    the GIL (its handle release) waits for it; the waiting is on a lock of ours, during which Python runs on."""
+    import threading
+    import time
+
+    from reshard.server.transport.nixl_api import OneAtATime
+
+    class Agent:  # stands in for NIXL's agent: a call that holds its turn a while, and attributes
+        backends = {"UCX": 1}
+        held = 0
+
+        def poll(self, seconds: float) -> str:
+            self.held += 1
+            time.sleep(seconds)
+            self.held -= 1
+            return "polled"
+
+        def release(self) -> int:
+            return self.held  # how many calls were inside the agent with this one
+
+    agent = OneAtATime(Agent())
+    assert agent.backends == {"UCX": 1}
+    long_poll = threading.Thread(target=agent.poll, args=(0.3,))
+    long_poll.start()
+    time.sleep(0.05)
+    spins, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            spins[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    t0 = time.monotonic()
+    inside = agent.release()  # waits for the poll's turn to end
+    waited = time.monotonic() - t0
+    at_release = spins[0]
+    stop.set()
+    spinner.join()
+    long_poll.join()
+    assert inside == 0 and waited >= 0.2  # never inside together
+    assert at_release > 1000  # the spinner ran while the release waited its turn
