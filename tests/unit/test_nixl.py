@@ -11,7 +11,6 @@ from __future__ import annotations
 import mmap
 import signal
 import subprocess
-import threading
 import sys
 import time
 from concurrent.futures import Future
@@ -676,4 +675,3 @@ def test_a_stream_posted_before_its_lane_runs_lands_there_and_one_no_lane_took_i
     assert b._preposted and b._progress._landed  # posted, and polled for
     b.detach(gone)  # its run failed before a lane took it
     assert not b._preposted and not b._progress._landed
-
