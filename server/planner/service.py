@@ -478,23 +478,24 @@ def job_info(job: Job, brief: bool = False) -> pb.JobInfo:
 def job_columns(job: Job) -> pb.JobColumns:
     """``job``'s inputs, versions, deltas and transports as `JobColumns`: names with a delta entry first (in the
     report's order, so that its columns line up without a look-up per tensor), then what it commits, then its
-    other inputs."""
-    deltas, versions = job.deltas, job.versions
+    other inputs. A running job's runner adds to them meanwhile (its transports, its delta report): each is read
+    once, as it is now, and the reply built from those copies."""
+    deltas, versions, transports = dict(job.deltas), dict(job.versions), list(job.transports)
     names = list(deltas)
     names += [n for n in versions if n not in deltas]
     listed = set(names)
-    names += [n for n in dict.fromkeys(job.inputs) if n not in listed]
+    names += [n for n in dict.fromkeys(list(job.inputs)) if n not in listed]
     text = "\n".join(names)
     if text.count("\n") != max(len(names) - 1, 0):  # printable names (`catalog.check_name`): never here
         raise ValueError(f"job {job.id[:8]} names a tensor with a newline in its name")
     modes, whys = list(map(itemgetter("mode"), deltas.values())), list(map(itemgetter("why"), deltas.values()))
-    texts = {t: i for i, t in enumerate(dict.fromkeys(modes) | dict.fromkeys(whys) | dict.fromkeys(job.transports))}
+    texts = {t: i for i, t in enumerate(dict.fromkeys(modes) | dict.fromkeys(whys) | dict.fromkeys(transports))}
     return pb.JobColumns(
         names=text, versions=list(map(versions.get, names, repeat(0))), texts=list(texts),
         delta_modes=list(map(texts.__getitem__, modes)), delta_whys=list(map(texts.__getitem__, whys)),
         delta_bytes=list(map(itemgetter("bytes"), deltas.values())),
         delta_full_bytes=list(map(itemgetter("full_bytes"), deltas.values())),
-        transports=list(map(texts.__getitem__, job.transports)))
+        transports=list(map(texts.__getitem__, transports)))
 
 
 def group_info(view: GroupView) -> pb.GroupInfo:

@@ -208,3 +208,32 @@ def test_a_whole_job_info_carries_versions_deltas_and_transports_in_columns_the_
                      deltas=[pb.TensorDelta(name="w", mode="full", why="delta off", bytes=1, full_bytes=1)])
     assert (_result(old).versions, _result(old).transports) == ({"w": 2}, ("grpc",))
     assert _result(old).deltas == {"w": {"mode": "full", "why": "delta off", "bytes": 1, "full_bytes": 1}}
+
+
+def test_a_running_job_s_reply_reads_what_its_runner_adds_meanwhile_once():
+    """A job's reply is built while its runner still adds to it (its transports as each host reports, its delta
+    report on a thread of its own): each column comes from one reading, not from several that see more each time
+    (a reshard's reply failed INTERNAL with KeyError 'nixl' as its transport came in while the reply was built)."""
+    from reshard.server.planner.jobs import Job
+    from reshard.server.planner.service import job_info
+
+    class Growing(list):  # the runner appends a transport each time the reply reads them
+        def __iter__(self):
+            items = list(super().__iter__())
+            self.append("nixl")
+            return iter(items)
+
+    class Reporting(dict):  # the delta report adds a tensor each time the reply reads it
+        def values(self):
+            got = list(super().values())
+            self[f"t{len(self)}"] = {"mode": "full", "why": "late", "bytes": 1, "full_bytes": 1, "expected": 1}
+            return got
+
+    job = Job("r" * 32, "w", None, "auto", state="running", kind="reshard", inputs=["w"], versions={"w": 3},
+              transports=Growing(["local"]),
+              deltas=Reporting(w={"mode": "full", "why": "first", "bytes": 2, "full_bytes": 2, "expected": 2}))
+    columns = job_info(job).columns
+    names = columns.names.split("\n")
+    assert len(names) == len(columns.versions) and len(columns.delta_modes) == len(columns.delta_whys)
+    assert all(0 <= i < len(columns.texts) for i in [*columns.transports, *columns.delta_modes, *columns.delta_whys])
+    assert [columns.texts[i] for i in columns.transports][0] == "local"
