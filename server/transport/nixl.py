@@ -11,9 +11,7 @@ agent           one ``nixl_agent`` per transport, named by the host, UCX by defa
                 of ours that polls while anything waits or a WRITE is under way (from a 40th
                 of a chunk's time on the NIC, at least 20 us, doubling to 1 ms) and wakes the
                 waiter each notification or WRITE is for, and blocks
-                otherwise: an idle agent burns no CPU (`nixl_progress`); its calls take
-                turns on a lock of ours (`nixl_api.OneAtATime`): a binding that keeps the
-                GIL never waits for NIXL's own lock
+                otherwise: an idle agent burns no CPU (`nixl_progress`)
 peers           whole metadata travels through the planner (`metadata`, `add_peer`,
                 `drop_peer`), marked with the agent's incarnation (random, new each time its
                 NIXL agent is made); memory registered later travels to a peer as NIXL
@@ -101,7 +99,7 @@ from reshard.server.transport import shm
 from reshard.server.transport.base import Transport
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.nixl_api import api as _api
-from reshard.server.transport.nixl_api import OneAtATime, nixl_missing, ucx_tcp_only
+from reshard.server.transport.nixl_api import nixl_missing, ucx_tcp_only
 from reshard.server.transport.nixl_memory import (
     CHUNK,
     INCARNATION,
@@ -183,7 +181,7 @@ class NixlTransport(Transport):
         self.min_run_bytes = TCP_MIN_RUN_BYTES if ucx_tcp_only(os.environ) else MIN_RUN_BYTES  # landing in place
         config = api.nixl_agent_config(enable_prog_thread=False, enable_listen_thread=False, backends=[backend],
                                        sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
-        self._agent = OneAtATime(api.nixl_agent(host, config))
+        self._agent = api.nixl_agent(host, config)
         if backend not in self._agent.backends:
             raise FailedPreconditionError(
                 f"agent {host} asks for NIXL backend {backend!r}, which this NIXL does not have; its plugins are "

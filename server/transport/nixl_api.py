@@ -4,9 +4,7 @@ UCX, NIXL's backend, was told to use."""
 
 from __future__ import annotations
 
-import threading
-
-__all__ = ["api", "nixl_missing", "ucx_tcp_only", "INSTALL", "OneAtATime"]
+__all__ = ["api", "nixl_missing", "ucx_tcp_only", "INSTALL"]
 
 INSTALL = "pip install 'reshard[nixl]'"
 
@@ -37,33 +35,3 @@ def ucx_tcp_only(environ) -> bool:
     """Whether UCX may move bytes over TCP alone: ``UCX_TLS`` names tcp and nothing else (read as UCX reads it, when
     a NIXL agent is made)."""
     return {t.strip() for t in environ.get("UCX_TLS", "").split(",")} == {"tcp"}
-
-
-class OneAtATime:
-    """A NIXL agent whose calls from this process's threads take turns on a lock of ours, which a waiting thread
-    holds without the GIL.
-
-    The agent runs NIXL_THREAD_SYNC_STRICT: every call takes the agent's own lock, which a poll holds while it takes in
-    what arrived (over TCP, a millisecond and more) and a WRITE while it sends what the socket takes. Some of NIXL's
-    Python bindings wait for that lock holding the GIL (its handle release: on the emulated hosts' weight sync it
-    took 0.6-2 ms on average against 5 us uncontended, and every other thread of the agent stopped meanwhile). Here
-    the wait is on this lock, outside NIXL, and NIXL's own lock is always free. Attributes that are not methods (the
-    agent's backends, its plugin list) are the agent's own."""
-
-    def __init__(self, agent):
-        self._agent = agent
-        # reentrant: a buffer freed while this thread holds it (a collection as a call returns) deregisters itself
-        self._turn = threading.RLock()
-
-    def __getattr__(self, name: str):
-        attr = getattr(self._agent, name)
-        if not callable(attr):
-            return attr
-        turn = self._turn
-
-        def call(*args, **kwargs):
-            with turn:
-                return attr(*args, **kwargs)
-
-        call.__name__ = name
-        return call
