@@ -50,7 +50,7 @@ def _job_doc(job: Job) -> dict:
         "phases": dict(job.phases), "host_seconds": dict(sorted(job.host_seconds.items())),
         "program_bytes": dict(sorted(job.program_bytes.items())),
         "manifest_digest": job.manifest_digest or None,
-        "deltas": [{"name": n, **d} for n, d in job.deltas.items()], "network_bytes": job.network_bytes,
+        "deltas": [{"name": n, **d} for n, d in dict(job.deltas).items()], "network_bytes": job.network_bytes,
         "full_network_bytes": job.full_network_bytes, "expected_network_bytes": job.expected_network_bytes,
         "delta_note": job.delta_note or None, "sync": job.sync or None,
         "started_s": job.started_s or None, "handed_s": job.handed_s or None,

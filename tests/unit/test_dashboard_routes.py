@@ -105,3 +105,22 @@ def test_every_route_but_the_login_needs_the_token(served):
         if right.status_code == 404:
             assert right.json() == {"detail": f"no {path.split('/')[-2].rstrip('s')} 'nope'"}, (method, path)
     assert client.get("/login", params={"token": TOKEN}, follow_redirects=False).status_code == 303
+
+
+def test_a_running_sync_s_page_reads_its_delta_report_once_while_the_report_grows():
+    """The delta report fills a running sync's ``deltas`` on a thread of its own (`JobRunner._delta_report`): the
+    job's document copies it once, not iterating the dict the report adds to (which raises)."""
+    from reshard.server.dashboard.source import _job_doc
+    from reshard.server.planner.jobs import Job
+
+    class Reporting(dict):
+        def items(self):  # the report adds a tensor while the page reads it, as its thread does
+            for n, d in super().items():
+                self.setdefault("late", {"mode": "full", "why": "later", "bytes": 1, "full_bytes": 1, "expected": 1})
+                yield n, d
+
+    job = Job("d" * 32, "w", None, "auto", state="running", kind="reshard_many", inputs=["w"],
+              deltas=Reporting(w={"mode": "delta", "why": "base v1 -> v2", "bytes": 3, "full_bytes": 9,
+                                  "expected": 3}))
+    doc = _job_doc(job)
+    assert [d["name"] for d in doc["deltas"]] == ["w"] and doc["deltas"][0]["bytes"] == 3
