@@ -484,7 +484,7 @@ def job_columns(job: Job) -> pb.JobColumns:
     names = list(deltas)
     names += [n for n in versions if n not in deltas]
     listed = set(names)
-    names += [n for n in dict.fromkeys(list(job.inputs)) if n not in listed]
+    names += [n for n in dict.fromkeys(job.inputs) if n not in listed]
     text = "\n".join(names)
     if text.count("\n") != max(len(names) - 1, 0):  # printable names (`catalog.check_name`): never here
         raise ValueError(f"job {job.id[:8]} names a tensor with a newline in its name")

@@ -24,7 +24,6 @@ from reshard.proto.devices import is_cuda
 from reshard.proto.errors import InvalidArgumentError, UnavailableError
 from reshard.server.transport import shm
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES, host_bytes, synchronize
-from reshard.server.transport.shm import address_of
 from reshard.server.transport.nixl_memory import (
     CHUNK,
     POST,
@@ -145,7 +144,7 @@ class NixlOut(Outgoing):
             return
         self._ready(n)
         if self.remote.local is not None:  # copied from where it lies: no staging, no registration
-            self._write(box, (np.array([address_of(owner_of(data)[1])], np.int64), np.array([0, n], np.int64)), n,
+            self._write(box, (np.array([shm.address_of(owner_of(data)[1])], np.int64), np.array([0, n], np.int64)), n,
                         data, None)
             return
         addr, keep, staged = self.t._source(data)
@@ -200,7 +199,7 @@ class NixlOut(Outgoing):
             for i, p in small:
                 out = staged[at:at + p.nbytes]
                 out.view(p.dtype).reshape(p.shape)[...] = p
-                addrs[i] = address_of(out)
+                addrs[i] = shm.address_of(out)
                 at += p.nbytes
         cum = np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64))))
         self._write(box, (np.asarray(addrs, dtype=np.int64), cum), n, parts, staged)
