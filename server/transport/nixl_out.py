@@ -29,9 +29,10 @@ from reshard.server.transport.nixl_memory import (
     POST,
     TRAILER,
     box_bytes,
+    contiguous_run,
     encode,
     owner_of,
-    pair_runs,
+    pair_descs,
     parts_runs,
     source_runs,
 )
@@ -178,31 +179,43 @@ class NixlOut(Outgoing):
             addrs, cum, keep = parts_runs(parts, SOURCE_RUN_BYTES)
             self._write(box, (addrs, cum), n, (parts, keep), None)
             return
-        addrs, lens, small = [], [], []
+        # the runs as plain lists, made into arrays once: (numpy calls per part cost more than the part's own work)
+        addrs, cum, small = [], [0], []
+        register = self.t._memory.register
         for p in parts:
-            found = source_runs(p, max(1, p.nbytes // SOURCE_RUN_BYTES)) if p.nbytes >= RECYCLE_MIN_BYTES else None
-            if found is None:
-                if p.nbytes:
-                    small.append((len(addrs), p))
-                    addrs.append(None)
-                    lens.append(p.nbytes)
+            size = p.nbytes
+            if not size:
                 continue
-            owner, a, ln = found
-            self.t._memory.register(owner)
-            addrs.extend(a.tolist())
-            lens.extend(ln.tolist())
+            if size >= RECYCLE_MIN_BYTES:
+                if p.flags.c_contiguous:  # one run, the common member
+                    one = contiguous_run(p)
+                    if one is not None:
+                        register(one[0])
+                        addrs.append(one[1])
+                        cum.append(cum[-1] + size)
+                        continue
+                else:
+                    found = source_runs(p, max(1, size // SOURCE_RUN_BYTES))
+                    if found is not None:
+                        register(found[0])
+                        addrs.extend(found[1].tolist())
+                        for length in found[2].tolist():
+                            cum.append(cum[-1] + length)
+                        continue
+            small.append((len(addrs), p))
+            addrs.append(0)
+            cum.append(cum[-1] + size)
         staged = None
         if small:
             staged = self.t._scratch(sum(p.nbytes for _, p in small))
-            self.t._memory.register(staged)
+            register(staged)
             at = 0
             for i, p in small:
                 out = staged[at:at + p.nbytes]
                 out.view(p.dtype).reshape(p.shape)[...] = p
                 addrs[i] = shm.address_of(out)
                 at += p.nbytes
-        cum = np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64))))
-        self._write(box, (np.asarray(addrs, dtype=np.int64), cum), n, parts, staged)
+        self._write(box, (np.array(addrs, dtype=np.int64), np.array(cum, dtype=np.int64)), n, parts, staged)
 
     def _put_device(self, box: Box, t) -> None:
         """WRITE ``box`` from GPU tensor ``t`` where it lies (VRAM, its tensor registered through the cache; a
@@ -246,18 +259,15 @@ class NixlOut(Outgoing):
         lie in (DRAM, VRAM), and its device."""
         note = CHUNK.pack(self.offset, n, len(box)) + box_bytes(box)
         if self.remote.local is not None:
-            mine, theirs = pair_runs(local, (self.remote.local, self.remote.cum), self.offset, n)
+            mine, theirs = pair_descs(local, (self.remote.local, self.remote.cum), self.offset, n)
             shm.copy(theirs[:, 0], mine[:, 0], mine[:, 1])
             if staged is not None:
                 self.t._unscratch(staged)
             self.t.shared.copied_out(n)
             chunk = Chunk(b"S", note)
         else:
-            mine, theirs = pair_runs(local, (self.remote.addrs, self.remote.cum), self.offset, n)
-            local_descs = np.full((len(mine), 3), kind[1], dtype=np.uint64)
-            local_descs[:, :2] = mine
-            remote_descs = np.full((len(theirs), 3), self.remote.device, dtype=np.uint64)
-            remote_descs[:, :2] = theirs
+            local_descs, remote_descs = pair_descs(local, (self.remote.addrs, self.remote.cum), self.offset, n,
+                                                   kind[1], self.remote.device)
             chunk = Chunk(b"C", note, local_descs, remote_descs, keep, staged, kind[0])
         self.offset += n
         self.chunks += 1

@@ -24,7 +24,8 @@ from reshard.many import plan_many
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import TCP_MIN_RUN_BYTES, NixlTransport, nixl_missing
-from reshard.server.transport.nixl_memory import pair_runs, place_runs
+from reshard.server.transport import nixl_memory
+from reshard.server.transport.nixl_memory import pair_descs, pair_runs, place_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
@@ -200,6 +201,40 @@ def test_one_write_pairs_local_and_remote_runs_cut_wherever_either_ends():
     mine, theirs = pair_runs(local, remote, 2, 10)  # the chunk is bytes 2..12 of the remote runs
     assert mine.tolist() == [[1000, 1], [1001, 5], [2000, 4]]
     assert theirs.tolist() == [[52, 1], [80, 5], [90, 4]]
+
+
+def _runs(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]:
+    lens = rng.integers(1, 40, size=count)
+    return rng.integers(1, 1 << 40, size=count), np.concatenate(([0], np.cumsum(lens)))
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernel", "numpy"])
+def test_a_write_s_descriptors_are_the_paired_runs_with_each_side_s_device(compiled, monkeypatch):
+    """`pair_descs` cuts as `pair_runs` does, in the compiled kernel or in numpy, for any runs and any chunk of the
+    remote side; the kernel refuses runs too short for the chunk instead of reading past them."""
+    if compiled and nixl_memory._kernel is None:
+        pytest.fail("reshard._delta_kernel is not built: pip compiles it at install time where a C compiler is found")
+    if not compiled:
+        monkeypatch.setattr(nixl_memory, "_kernel", None)
+    rng = np.random.default_rng(7)
+    for case in range(300):
+        la, lc = _runs(rng, int(rng.integers(1, 9)))
+        n = int(lc[-1])
+        ra, rc = _runs(rng, int(rng.integers(1, 30)))
+        if rc[-1] < n:
+            rc[-1] = n + int(rng.integers(0, 50))
+        off = int(rng.integers(0, rc[-1] - n + 1))
+        mine, theirs = pair_runs((la, lc), (ra, rc), off, n)
+        local, remote = pair_descs((la, lc), (ra, rc), off, n, 3, 5)
+        assert local.dtype == remote.dtype == np.uint64
+        assert local[:, :2].astype(np.int64).tolist() == mine.tolist()
+        assert remote[:, :2].astype(np.int64).tolist() == theirs.tolist()
+        assert set(local[:, 2].tolist()) <= {3} and set(remote[:, 2].tolist()) <= {5}
+        assert int(local[:, 1].sum()) == n
+    if compiled:
+        short = (np.array([50], np.int64), np.array([0, 8], np.int64))
+        with pytest.raises(ValueError, match="remote one of at least off"):
+            pair_descs((np.array([1000], np.int64), np.array([0, 10], np.int64)), short, 0, 10)
 
 
 def test_a_column_split_box_lands_at_its_rows_stride_asking_the_sink_for_two_rows_not_each():
