@@ -69,7 +69,8 @@ def kind(dso: str, sym: str) -> str:
     """What a sample ran, by its library and symbol (`KINDS`)."""
     name = dso.rsplit("/", 1)[-1]
     if "kernel" in name:
-        if "copy_to_iter" in sym or "copy_from_iter" in sym or "copy_user" in sym:
+        # rep_movs_alternative: the user copy of x86 kernels from 6.5 on (this machine's 6.18), which copy_*_iter call
+        if "copy_to_iter" in sym or "copy_from_iter" in sym or "copy_user" in sym or sym == "rep_movs_alternative":
             return KINDS[2]
         return KINDS[1] if any(k in sym for k in NET) else KINDS[3]
     if "libpython" in name:
