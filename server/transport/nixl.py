@@ -280,6 +280,9 @@ class NixlTransport(Transport):
         self.shared.forget(host)
 
     def _require_peer(self, s: Session, peer: str) -> None:
+        """Refuse a stream with ``peer`` unless the planner introduced it; and have the job's failure wake this
+        agent's waiters at once (`Progress.wake_all`; `detach` stops it), whoever fails it."""
+        s.watch(self._progress.wake_all)
         with self._lock:
             known = peer in self._peers
         if not known:
@@ -295,6 +298,7 @@ class NixlTransport(Transport):
         for key, posted in left:
             self._unpost(key, posted)
         self._progress.detach(s.job)
+        s.unwatch(self._progress.wake_all)
 
     def close(self) -> None:
         """Deregister every buffer and let the agent go; a buffer freed later has nothing to deregister."""

@@ -7,9 +7,10 @@ Each waiting thread used to poll for itself, backing off from 20 us to 1 ms; wit
 on 2 cores shared by 8 agents that was about 5,000 wake-ups per agent and sync (bench/moe_sync.py on loopback,
 five times the collective transport's), each one a pass through the interpreter for the GIL. Now one thread polls
 with such a backoff (`Backoff`, from `shortest_pause`: a 40th of a chunk's time on the NIC), and a waiter sleeps on
-its own event until its notification or its WRITE's end is found, or for at most `CHECK_S` between looks at its job
-(failed elsewhere?) and its deadline. With nothing waiting and no WRITE under way the thread blocks: an idle agent
-still burns nothing.
+its own event until its notification or its WRITE's end is found, or its job fails (`wake_all`: the transport has
+each job's session call it as the job fails), or for at most `CHECK_S` between looks at its job and its deadline. A
+waiter leaves the polling of its WRITE to the thread too: each of NIXL's checks of a WRITE runs UCX's progress loop.
+With nothing waiting and no WRITE under way the thread blocks: an idle agent still burns nothing.
 
 The thread also polls while an incoming stream this agent posted has not all landed, and confirms it (``K``) as its
 last chunk and trailer land, counting them as it files them: the sender waits for that word, and the stream's reader
@@ -43,7 +44,11 @@ log = logging.getLogger(__name__)
 POLL_MIN_S, POLL_MAX_S = 20e-6, 1e-3
 # The poll's shortest pause, as a share of a chunk's time on the NIC (`shortest_pause`)
 PAUSE_OF_CHUNK = 1 / 40
-CHECK_S = 0.02  # a waiter looks at its job and deadline at least this often, woken or not
+# A waiter looks at its job and deadline at least this often, woken or not: a failed job wakes its waiters at once
+# (`Progress.wake_all`), so this is a safety net, not the way a failure is noticed. At 20 ms the weight-sync bench's
+# waits (776 per sync on the emulated hosts, some of them a whole sync long) took 126 ms of the agents' CPU per sync,
+# 95 ms at 250 ms (a timing wrapper around `Progress.wait` in every agent).
+CHECK_S = 0.25
 LINGER_S = 0.02
 ENDED_KEPT = 4096  # ended jobs whose late notifications are dropped
 FINISHED = ("DONE", "ERR")
@@ -337,6 +342,14 @@ class Progress:
                     del self._events[waiter]
             self._leave()
 
+    def wake_all(self) -> None:
+        """Wake every waiter, to look at its job and deadline now: a job failed (`NixlTransport` watches each job's
+        session), or the agent closes."""
+        with self._lock:
+            events = list(self._events.values())
+        for event in events:
+            event.set()
+
     def _wake(self, waiter: Hashable) -> None:
         with self._lock:
             event = self._events.get(waiter)
@@ -395,12 +408,12 @@ class Progress:
             self._start()
 
     def state(self, handle) -> str | None:
-        """DONE or ERR once the WRITE ended (a poll here if none found it yet), else None."""
+        """DONE or ERR once the thread's poll found the WRITE ended, else None. The thread polls every WRITE under
+        way (`track`) and wakes its waiter; a poll here as well would run UCX's progress loop once more (about 500
+        polls per weight sync on the emulated hosts, 33 us each)."""
         with self._xfer_lock:
             state = self._finished.get(handle)
-        if state is None:
-            state = self._poll(handle)
-        return state if state in FINISHED else None
+        return "ERR" if state is None and self._closed else state  # closed: nothing polls it any more
 
     def _poll(self, handle) -> str:
         try:
@@ -421,6 +434,7 @@ class Progress:
             self._closed = True
             self._idle.notify_all()
             thread = self._thread
+        self.wake_all()
         if thread is not None and thread is not threading.current_thread():
             thread.join(5)
         self.agent = None

@@ -647,6 +647,33 @@ def test_streams_waiting_on_a_silent_peer_leave_the_polling_to_one_thread(pair, 
     assert callers == {"nixl-progress-b"}
 
 
+def test_a_job_that_fails_elsewhere_stops_its_streams_waits_at_once(monkeypatch):
+    """A receive waiting on a silent peer and a send waiting for a post that never comes give up as soon as their
+    job fails elsewhere (another stream, an abort): the failure wakes the agent's waiters (`Progress.wake_all`),
+    not their next look at the job (`CHECK_S`, made a minute here), nor their timeout (a minute too)."""
+    from reshard.server.transport import nixl_progress
+
+    monkeypatch.setattr(nixl_progress, "CHECK_S", 60.0)
+    a, b = (NixlTransport(h, chunk_bytes=64 << 10, timeout_s=60, stall_timeout_s=60) for h in ("a", "b"))
+    try:
+        a.add_peer("b", b.metadata())
+        b.add_peer("a", a.metadata())
+        s = Session("doomed", "p", {0: "float32", 1: "float32"}, {})
+        src = np.ones(64, np.float32)
+        receive = in_thread("recv", lambda: list(b.arrivals(s, StreamKey("doomed", 0, 0), "a", ((0, 64),),
+                                                            lambda sub: None)))
+        send = in_thread("send", a.send, s, StreamKey("doomed", 1, 0), "b", src, ((0, 64),), ((0, 64),))
+        time.sleep(0.3)  # both wait: b for a's chunks, a for b's post
+        assert not receive.done() and not send.done()
+        s.fail(UnavailableError("job doomed: host c's stream failed"))
+        for wait in (receive, send):
+            with pytest.raises(UnavailableError, match="host c's stream failed"):
+                wait.result(20)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_the_polls_shortest_pause_is_a_fortieth_of_a_chunks_time_on_the_nic():
     """1 MiB chunks on the emulated hosts' 1 Gbit/s links take 8.4 ms: polls 210 us apart while notifications
     come, not 20 us (CPU the agents sharing cores spend on bytes); a 400 Gbit/s NIC's 16 MiB chunk keeps 20 us."""
