@@ -212,12 +212,26 @@ class RecordingCalls:
 HOSTS = ["h0", "h1"]
 
 
-@pytest.fixture()
-def planner(tmp_path):
-    p = Planner(PlannerConfig(heartbeat_timeout_s=0.05, max_plan_tasks=1000, state_path=str(tmp_path / "state.db")),
-                RecordingCalls())
+def _planner(tmp_path, heartbeat_timeout_s: float) -> Planner:
+    p = Planner(PlannerConfig(heartbeat_timeout_s=heartbeat_timeout_s, max_plan_tasks=1000,
+                              state_path=str(tmp_path / "state.db")), RecordingCalls())
     for h in HOSTS:
         p.register(h, 2, f"{h}:1", 10.0, secret=f"{h}-first-secret-0123".encode(), memory_limit_bytes=64 * MiB)
+    return p
+
+
+@pytest.fixture()
+def planner(tmp_path):
+    """Agents down 0.05 s after they registered (no heartbeats come here): a test sleeps past it to restart one."""
+    p = _planner(tmp_path, 0.05)
+    yield p
+    p.close()
+
+
+@pytest.fixture()
+def planner_up(tmp_path):
+    """Agents up for the whole test: one that plans for long on a loaded machine must not find them down first."""
+    p = _planner(tmp_path, 60.0)
     yield p
     p.close()
 
@@ -270,25 +284,25 @@ def test_the_planner_refuses_a_plan_over_its_size_limit_naming_count_limit_and_f
     assert planner.dry_plan("", (8, 8), "float32", _json(small), _json(Sharding(MESH, (None, "x"))), "auto")
 
 
-def test_a_reshard_many_over_the_size_limit_is_refused_whole_naming_counts_limit_and_flag(planner):
+def test_a_reshard_many_over_the_size_limit_is_refused_whole_naming_counts_limit_and_flag(planner_up):
     """70 tensors of 16 unit tasks each, each of its own layout: each alone is within --max-plan-tasks 1,000,
     together they are not. 70 of one layout are planned once (`plan_many`): 16."""
     src, dst = Sharding(MESH, ("x", None)), Sharding(MESH, (None, "x"))
     names = [f"t{i}" for i in range(70)]
     for i, name in enumerate(names):
-        planner.catalog.add(TensorRecord(name, (8, 8 + 4 * i), "float32", src, 1))
+        planner_up.catalog.add(TensorRecord(name, (8, 8 + 4 * i), "float32", src, 1))
     with pytest.raises(ResourceExhaustedError) as refused:
-        planner.reshard_many([(name, _json(dst)) for name in names], "auto", None, [])
+        planner_up.reshard_many([(name, _json(dst)) for name in names], "auto", None, [])
     assert str(refused.value) == (
         "reshard_many of 70 tensors would make too large a program: 1,120 unit tasks where the limit is 1,000; "
         "1,120 deliveries where the limit is 1,000 (reshard planner --max-plan-tasks 1,000, summed over the "
         "distinct layouts); move the tensors in several reshard_many jobs, or raise the limit")
-    assert all(planner.catalog.get(name).version == 1 for name in names)
+    assert all(planner_up.catalog.get(name).version == 1 for name in names)
     alike = [f"u{i}" for i in range(70)]
     for name in alike:
-        planner.catalog.add(TensorRecord(name, (8, 8), "float32", src, 1))
-    job = planner.reshard_many([(name, _json(dst)) for name in alike], "auto", None, [])
-    assert job.kind == "reshard_many"  # taken as one job (its agents are not up here: it runs no further)
+        planner_up.catalog.add(TensorRecord(name, (8, 8), "float32", src, 1))
+    job = planner_up.reshard_many([(name, _json(dst)) for name in alike], "auto", None, [])
+    assert job.kind == "reshard_many"  # taken as one job
 
 
 def test_a_restarted_host_marks_its_shards_lost(planner):
