@@ -167,9 +167,10 @@ class NixlTransport(Transport):
 
     # ``lanes``: `AgentConfig.collective_lanes`' default (the agent passes its own); a transport made here alone, as
     # the tests make them, runs as many as an agent would
-    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = AgentConfig.collective_lanes, chunk_bytes: int, timeout_s: float,
-                 throttle: Throttle | None = None, stall_timeout_s: float | None = None,
-                 shared_memory: bool | None = None, poll_pause_s: float = POLL_MIN_S, nic_gbps: float = 0.0):
+    def __init__(self, host: str, *, backend: str = "UCX", lanes: int = AgentConfig.collective_lanes,
+                 chunk_bytes: int, timeout_s: float, throttle: Throttle | None = None,
+                 stall_timeout_s: float | None = None, shared_memory: bool | None = None,
+                 poll_pause_s: float = POLL_MIN_S, nic_gbps: float = 0.0):
         super().__init__(host, chunk_bytes=chunk_bytes, timeout_s=timeout_s, throttle=throttle,
                          stall_timeout_s=stall_timeout_s)
         missing = nixl_missing()
