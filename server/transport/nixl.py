@@ -281,15 +281,17 @@ class NixlTransport(Transport):
         self.shared.forget(host)
 
     def _require_peer(self, s: Session, peer: str) -> None:
-        """Refuse a stream with ``peer`` unless the planner introduced it; and have the job's failure wake this
-        agent's waiters at once (`Progress.wake_all`; `detach` stops it), whoever fails it."""
-        s.watch(self._progress.wake_all)
         with self._lock:
             known = peer in self._peers
         if not known:
             raise FailedPreconditionError(
                 f"job {s.job}: host {peer} is not a NIXL peer of agent {self.host}: the planner introduces a job's "
                 f"peers before it runs (add_peer), and it introduced none by that name")
+
+    def attach(self, s: Session) -> None:
+        """The job's failure, whoever fails it, wakes this agent's waiters at once (`Progress.wake_all`), until
+        `detach`."""
+        s.watch(self._progress.wake_all)
 
     def detach(self, s: Session) -> None:
         """Drop what is left of the job's notifications, and those that come late; release its posts that no lane

@@ -11,7 +11,8 @@ them, and the byte layout of the notifications that name those runs.
                  from them: a strided box is a descriptor list, not a packed copy)
 ``place_runs``   a destination box's runs in the buffers that ``place`` offers: a tile, or a
                  bucket's members' tiles (a receiver posts them)
-``parts_runs``   the runs of several parts (a bucket's members) from where they lie
+``parts_runs``   the runs of several parts (a bucket's members) from where they lie (each part's:
+                 ``part_runs``)
 ``pair_runs``    a chunk's local runs against the receiver's runs, cut where either ends: the
                  two descriptor lists of one WRITE (``pair_descs``: as NIXL takes them, in C
                  where ``reshard._delta_kernel`` is built)
@@ -55,7 +56,7 @@ except ImportError:
     _kernel = None
 
 __all__ = ["HEAD", "CHUNK", "TRAILER", "POST", "INCARNATION", "blobs", "unblob", "encode", "decode", "box_bytes",
-           "box_of", "Registration", "Registry", "Pool", "DevicePool", "owner_of", "contiguous_run", "source_runs",
+           "box_of", "Registration", "Registry", "Pool", "DevicePool", "owner_of", "source_runs", "part_runs",
            "parts_runs", "place_runs", "pair_runs", "pair_descs", "Landing", "DeviceLanding", "device_root"]
 
 log = logging.getLogger(__name__)
@@ -443,7 +444,7 @@ def _note_owner(owner: np.ndarray, spans: dict[int, tuple[int, int]], owners: li
     return span
 
 
-def contiguous_run(view: np.ndarray) -> tuple[np.ndarray, int] | None:
+def _contiguous_run(view: np.ndarray) -> tuple[np.ndarray, int] | None:
     """The C-contiguous numpy buffer that owns C-contiguous, non-empty ``view``, and the address of ``view`` in it:
     `source_runs`' one run, as plain numbers. None where ``view`` does not lie inside such a buffer."""
     owner = _root(view)
@@ -460,7 +461,7 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     if not isinstance(view, np.ndarray) or not view.nbytes:
         return None
     if view.flags.c_contiguous:  # one run: the common chunk of a contiguous box, worked out without the offsets
-        one = contiguous_run(view)
+        one = _contiguous_run(view)
         if one is None:
             return None
         return one[0], np.array([one[1]], dtype=np.int64), np.array([view.nbytes], dtype=np.int64)
@@ -483,21 +484,33 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
     return owner, addrs, np.full(len(addrs), run, dtype=np.int64)
 
 
+def part_runs(part: np.ndarray, run_bytes: int) -> tuple[np.ndarray, list[int], list[int]] | None:
+    """`source_runs` of one non-empty part (a bucket's member) whose runs average ``run_bytes`` or more, as plain
+    lists: (owner, addresses, lengths). A bucket's WRITE lists its members' runs this way and makes its arrays once:
+    numpy calls per member cost more than the member's own work."""
+    if part.flags.c_contiguous:  # one run, the common member
+        one = _contiguous_run(part)
+        return None if one is None else (one[0], [one[1]], [part.nbytes])
+    found = source_runs(part, max(1, part.nbytes // run_bytes))
+    return None if found is None else (found[0], found[1].tolist(), found[2].tolist())
+
+
 def parts_runs(parts: list, run_bytes: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """The runs of ``parts`` (arrays, in order) in their own buffers where they average ``run_bytes`` or more, else
     packed: (addresses, offsets of their starts and the end, the packed copies to keep while they are read)."""
-    addrs, lens, keep = [], [], []
+    addrs, cum, keep = [], [0], []
     for p in parts:
         if not p.nbytes:
             continue
-        found = source_runs(p, max(1, p.nbytes // run_bytes))
+        found = part_runs(p, run_bytes)
         if found is None:
             p = np.ascontiguousarray(p)
             keep.append(p)
-            found = (p, np.array([address_of(p)], np.int64), np.array([p.nbytes], np.int64))
-        addrs.extend(found[1].tolist())
-        lens.extend(found[2].tolist())
-    return np.asarray(addrs, dtype=np.int64), np.concatenate(([0], np.cumsum(np.asarray(lens, dtype=np.int64)))), keep
+            found = (p, [address_of(p)], [p.nbytes])
+        addrs += found[1]
+        for length in found[2]:
+            cum.append(cum[-1] + length)
+    return np.array(addrs, dtype=np.int64), np.array(cum, dtype=np.int64), keep
 
 
 def pair_runs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np.ndarray], off: int,

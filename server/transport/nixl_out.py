@@ -29,10 +29,10 @@ from reshard.server.transport.nixl_memory import (
     POST,
     TRAILER,
     box_bytes,
-    contiguous_run,
     encode,
     owner_of,
     pair_descs,
+    part_runs,
     parts_runs,
     source_runs,
 )
@@ -179,32 +179,22 @@ class NixlOut(Outgoing):
             addrs, cum, keep = parts_runs(parts, SOURCE_RUN_BYTES)
             self._write(box, (addrs, cum), n, (parts, keep), None)
             return
-        # the runs as plain lists, made into arrays once: (numpy calls per part cost more than the part's own work)
-        addrs, cum, small = [], [0], []
+        addrs, cum, small = [], [0], []  # as `parts_runs`, the small parts packed into one registered buffer
         register = self.t._memory.register
         for p in parts:
             size = p.nbytes
             if not size:
                 continue
-            if size >= RECYCLE_MIN_BYTES:
-                if p.flags.c_contiguous:  # one run, the common member
-                    one = contiguous_run(p)
-                    if one is not None:
-                        register(one[0])
-                        addrs.append(one[1])
-                        cum.append(cum[-1] + size)
-                        continue
-                else:
-                    found = source_runs(p, max(1, size // SOURCE_RUN_BYTES))
-                    if found is not None:
-                        register(found[0])
-                        addrs.extend(found[1].tolist())
-                        for length in found[2].tolist():
-                            cum.append(cum[-1] + length)
-                        continue
-            small.append((len(addrs), p))
-            addrs.append(0)
-            cum.append(cum[-1] + size)
+            found = part_runs(p, SOURCE_RUN_BYTES) if size >= RECYCLE_MIN_BYTES else None
+            if found is None:
+                small.append((len(addrs), p))
+                addrs.append(0)
+                cum.append(cum[-1] + size)
+                continue
+            register(found[0])
+            addrs += found[1]
+            for length in found[2]:
+                cum.append(cum[-1] + length)
         staged = None
         if small:
             staged = self.t._scratch(sum(p.nbytes for _, p in small))

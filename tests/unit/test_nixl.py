@@ -659,6 +659,8 @@ def test_a_job_that_fails_elsewhere_stops_its_streams_waits_at_once(monkeypatch)
         a.add_peer("b", b.metadata())
         b.add_peer("a", a.metadata())
         s = Session("doomed", "p", {0: "float32", 1: "float32"}, {})
+        a.attach(s)  # as the runtime does when it prepares a job
+        b.attach(s)
         src = np.ones(64, np.float32)
         receive = in_thread("recv", lambda: list(b.arrivals(s, StreamKey("doomed", 0, 0), "a", ((0, 64),),
                                                             lambda sub: None)))
