@@ -11,8 +11,7 @@ them, and the byte layout of the notifications that name those runs.
                  from them: a strided box is a descriptor list, not a packed copy)
 ``place_runs``   a destination box's runs in the buffers that ``place`` offers: a tile, or a
                  bucket's members' tiles (a receiver posts them)
-``parts_runs``   the runs of several parts (a bucket's members) from where they lie (each part's:
-                 ``part_runs``)
+``parts_runs``   the runs of a bucket's parts from where they lie (one part's: ``part_runs``)
 ``pair_runs``    a chunk's local runs against the receiver's runs, cut where either ends: the
                  two descriptor lists of one WRITE (``pair_descs``: as NIXL takes them, in C
                  where ``reshard._delta_kernel`` is built)
@@ -485,9 +484,8 @@ def source_runs(view, most: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | 
 
 
 def part_runs(part: np.ndarray, run_bytes: int) -> tuple[np.ndarray, list[int], list[int]] | None:
-    """`source_runs` of one non-empty part (a bucket's member) whose runs average ``run_bytes`` or more, as plain
-    lists: (owner, addresses, lengths). A bucket's WRITE lists its members' runs this way and makes its arrays once:
-    numpy calls per member cost more than the member's own work."""
+    """`source_runs` of one non-empty part (a bucket's member) as plain lists, (owner, addresses, lengths): a bucket's
+    WRITE makes its arrays once, as numpy calls per member cost more than the member's own work."""
     if part.flags.c_contiguous:  # one run, the common member
         one = _contiguous_run(part)
         return None if one is None else (one[0], [one[1]], [part.nbytes])
@@ -537,9 +535,8 @@ def pair_runs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np
 def pair_descs(local: tuple[np.ndarray, np.ndarray], remote: tuple[np.ndarray, np.ndarray], off: int, n: int,
                local_device: int = 0, remote_device: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`pair_runs` as the descriptor lists of one WRITE: two uint64 arrays of shape (k, 3), rows (address, length,
-    device). The compiled kernel cuts them in one pass where it is built: numpy's way takes about 20 calls into
-    numpy (110-280 us a WRITE on this development machine, 6% of the agents' CPU in the weight-sync bench's nixl
-    sync on the emulated hosts), the kernel's one."""
+    device); cut in one pass by the compiled kernel where it is built, where numpy's way takes about 20 calls (110-280
+    us a WRITE here, 6% of the agents' CPU in the weight-sync bench's nixl sync on the emulated hosts)."""
     if _kernel is None:
         mine, theirs = pair_runs(local, remote, off, n)
         local_descs = np.full((len(mine), 3), local_device, dtype=np.uint64)
