@@ -113,10 +113,8 @@ from reshard.server.transport.nixl_memory import (
     blobs,
     box_of,
     encode,
-    owner_of,
-    place_runs,
-    source_runs,
 )
+from reshard.server.transport.nixl_runs import owner_of, place_runs, source_runs
 from reshard.server.transport.nixl_out import DEVICE_CHUNK_BYTES, SHARED_CHUNK_BYTES, SOURCE_RUN_BYTES, WINDOW, NixlOut
 from reshard.server.transport.nixl_progress import POLL_MIN_S, Progress
 from reshard.server.transport.session import Session

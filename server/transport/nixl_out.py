@@ -24,18 +24,8 @@ from reshard.proto.devices import is_cuda
 from reshard.proto.errors import InvalidArgumentError, UnavailableError
 from reshard.server.transport import shm
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES, host_bytes, synchronize
-from reshard.server.transport.nixl_memory import (
-    CHUNK,
-    POST,
-    TRAILER,
-    box_bytes,
-    encode,
-    owner_of,
-    pair_descs,
-    part_runs,
-    parts_runs,
-    source_runs,
-)
+from reshard.server.transport.nixl_memory import CHUNK, POST, TRAILER, box_bytes, encode
+from reshard.server.transport.nixl_runs import owner_of, pair_descs, part_runs, parts_runs, source_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Outgoing, Segments, StreamKey
 

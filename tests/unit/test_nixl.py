@@ -24,8 +24,8 @@ from reshard.many import plan_many
 from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import TCP_MIN_RUN_BYTES, NixlTransport, nixl_missing
-from reshard.server.transport import nixl_memory
-from reshard.server.transport.nixl_memory import pair_descs, pair_runs, place_runs
+from reshard.server.transport import nixl_runs
+from reshard.server.transport.nixl_runs import pair_descs, pair_runs, place_runs
 from reshard.server.transport.session import Session
 from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
@@ -212,10 +212,10 @@ def _runs(rng: np.random.Generator, count: int) -> tuple[np.ndarray, np.ndarray]
 def test_a_write_s_descriptors_are_the_paired_runs_with_each_side_s_device(compiled, monkeypatch):
     """`pair_descs` cuts as `pair_runs` does, in the compiled kernel or in numpy, for any runs and any chunk of the
     remote side; the kernel refuses runs too short for the chunk instead of reading past them."""
-    if compiled and nixl_memory._kernel is None:
+    if compiled and nixl_runs._kernel is None:
         pytest.fail("reshard._delta_kernel is not built: pip compiles it at install time where a C compiler is found")
     if not compiled:
-        monkeypatch.setattr(nixl_memory, "_kernel", None)
+        monkeypatch.setattr(nixl_runs, "_kernel", None)
     rng = np.random.default_rng(7)
     for case in range(300):
         la, lc = _runs(rng, int(rng.integers(1, 9)))
