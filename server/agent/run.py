@@ -180,12 +180,16 @@ class Run(Session):
         `ShardStore.stage_many`), each reserving its own room unless the caller holds it (``reserve``); returns their
         store transactions."""
         owners = []
+        empty = self.store.empty if self.device == self.store.device else self.empty  # asked per tile: bound once
+        plans, num_committed = self.layout.tile_plans, self.layout.num_committed
         for decl in decls:
-            owners.append(staging_owner(self.job, decl.name, self.layout.num_committed))
-            tiles = StagedTiles(self.job, decl, self.names[decl.name], owners[-1], self.store, self.version(decl.name),
-                                self.empty, defer, self.layout.tile_plans[decl.name], staged, reserve=reserve)
-            self.staging[decl.name] = tiles
-            self.fills += tiles.fills
+            name = decl.name
+            owners.append(staging_owner(self.job, name, num_committed))
+            tiles = StagedTiles(self.job, decl, self.names[name], owners[-1], self.store, self.version(name), empty,
+                                defer, plans[name], staged, reserve=reserve)
+            self.staging[name] = tiles
+            if tiles.fills:
+                self.fills += tiles.fills
         return owners
 
     def stage_for(self, step: Step) -> None:

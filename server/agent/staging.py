@@ -162,10 +162,15 @@ class StagedTiles:
                 continue
             if tile == box:  # a whole tile (a bucket member moved whole), asked per member as each post is made
                 view = self.buffers[r]
-            elif boxes.contains(tile, box):
-                view = buffers.region(self.buffers[r], box, tile)
             else:
-                continue
+                # where the box lies, as `_place` keeps it for the program's later runs; a box outside the tile is
+                # not kept (it may be asked of each device in turn)
+                place = self._places.get((r, box))
+                if place is None:
+                    if not boxes.contains(tile, box):
+                        continue
+                    place = self._place(r, box)
+                view = self.buffers[r][place[0]]
             if isinstance(view, np.ndarray) and view.flags.c_contiguous:
                 return r, view
         return None

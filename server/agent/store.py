@@ -198,12 +198,12 @@ class ShardStore:
 
     def empty(self, shape: tuple[int, ...], dtype: str):
         """A buffer for ``shape`` on this store's device: a recycled one when one of that size is free."""
-        if self.device == "cpu":
-            np_type = np_dtype(dtype)
-            free = self.recycler.take(math.prod(shape) * np_type.itemsize)
-            if free is not None:
-                return free.view(np_type).reshape(shape)
-        return buffers.empty(shape, dtype, self.device)
+        if self.device != "cpu":
+            return buffers.empty(shape, dtype, self.device)
+        np_type = np_dtype(dtype)
+        nbytes = math.prod(shape) * np_type.itemsize
+        free = self.recycler.take(nbytes)
+        return free.view(np_type).reshape(shape) if free is not None else buffers.host_empty(shape, np_type, nbytes)
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes of host memory whatever this store's device (a bucket's, `buckets.Bucket`): a recycled
@@ -256,15 +256,22 @@ class ShardStore:
         for _, _, shard in shards:
             assert shard.device == self.device, f"a {shard.device} buffer staged in a store on {self.device}"
         with self._lock:
+            # a state dict's hundreds of tiles at once, so the loop asks no method per tile
+            ended, staged_of, reserved = self._ended, self._staged, self._reserved
             for owner, device, shard in shards:
-                self._check_open_locked(owner, f"staging device {device}'s buffer")
-                self._staged_bytes += shard.nbytes - self._staged_nbytes(owner, device)
-                self._staged.setdefault(owner, {})[device] = shard
-                if self._reserved:
-                    self._reserved.pop((owner, device), None)
+                if owner in ended:
+                    self._check_open_locked(owner, f"staging device {device}'s buffer")
+                staged = staged_of.get(owner)
+                if staged is None:
+                    staged = staged_of[owner] = {}
+                old, nbytes = staged.get(device), shard.array.nbytes
+                self._staged_bytes += nbytes - (old.array.nbytes if old is not None else 0)
+                staged[device] = shard
+                if reserved:
+                    reserved.pop((owner, device), None)
                     held = (reserved_by, device)
-                    if held in self._reserved:
-                        self._reserved[held] = max(0, self._reserved[held] - shard.nbytes)
+                    if held in reserved:
+                        reserved[held] = max(0, reserved[held] - nbytes)
 
     def digested(self, owner: str, device: str, array, digest: int) -> None:
         """Note ``digest`` (`TileBuffer.digest`) on ``device``'s buffer staged for ``owner``, if it is still

@@ -89,13 +89,7 @@ def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
     fit (a GPU's free memory is tried twice: once more after giving back what torch's allocator cached unused)."""
     if device == "cpu":
         np_type = np_dtype(dtype)
-        # a shared segment while a transport shares host memory with agents of this machine (`shm`): their
-        # senders then copy straight into it
-        try:
-            shared = shm.empty(math.prod(shape) * np_type.itemsize)
-            return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
-        except MemoryError as e:
-            raise _exhausted(shape, dtype, device, str(e)) from None
+        return host_empty(shape, np_type, math.prod(shape) * np_type.itemsize)
     import torch
 
     for last in (False, True):
@@ -107,6 +101,17 @@ def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
                 raise _exhausted(shape, dtype, device, f"{format_size(free)} of its {format_size(total)} are free; "
                                                        f"{str(e).splitlines()[0]}") from None
             torch.cuda.empty_cache()
+
+
+def host_empty(shape: tuple[int, ...], np_type: np.dtype, nbytes: int) -> np.ndarray:
+    """`empty` in host memory of ``np_type`` elements, ``nbytes`` in all (worked out by the caller, which staging a
+    state dict asks per tile): a shared segment while a transport shares host memory with agents of this machine
+    (`shm`), whose senders then copy straight into it."""
+    try:
+        shared = shm.empty(nbytes)
+        return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
+    except MemoryError as e:
+        raise _exhausted(shape, np_type.name, "cpu", str(e)) from None
 
 
 def _exhausted(shape: tuple[int, ...], dtype: str, device: str, why: str) -> ResourceExhaustedError:
@@ -231,6 +236,8 @@ class Recycler:
 
     def take(self, nbytes: int) -> np.ndarray | None:
         """A free buffer of exactly ``nbytes`` (uint8, 1-D), or None."""
+        if nbytes < RECYCLE_MIN_BYTES:  # never kept (`put`)
+            return None
         with self._lock:
             arrays = self._free.get(nbytes)
             while arrays:
