@@ -121,6 +121,11 @@ class Run(Session):
         self._made: dict[tuple[str, str, str], list[tuple[Box, Any]]] = defaultdict(list)
         self._roles: set[str] = set()  # the roles of the buffers in ``_made``: what a read without a role looks in
         self.fills: list[tuple[Any, Box, Box, Any]] = []  # (staged buffer, held box, its tile, source shard)
+        # Set where the run commits its tensors here (`Runtime.execute`): each of `HostLayout.receives_of` as its last
+        # receive ends (`received`), the rest at the run's end
+        self.commit_early = False
+        self._receives_left = dict(layout.receives_of)
+        self.committed_early: set[str] = set()
         self._staging_lock = threading.Lock()  # `stage_rest` against an abort's look at what is staged (`owners`)
         self._stage(tasks_at_once)
         self.num_left = len(self.tasks) + bool(self.fills)  # the fills count as one task
@@ -455,6 +460,24 @@ class Run(Session):
             self.num_left -= 1
             if not self.num_left:
                 self.done.set()
+
+    def commit_entry(self, name: str) -> tuple[str, str, int, list[str]]:
+        """`ShardStore.commit_many`'s entry for staged tensor ``name``: its transaction, store name, version and
+        devices."""
+        staged = self.staging[name]
+        return staged.owner, self.names[name], self.commit_version(name), list(staged.tiles)
+
+    def received(self, step: Step) -> list[str]:
+        """A receive of ``step`` ended here: the tensors (of `HostLayout.receives_of`) whose last receive it was."""
+        done = []
+        with self._lock:
+            for name in self.layout.tensors_of(step):
+                left = self._receives_left.get(name)
+                if left is not None:
+                    self._receives_left[name] = left - 1
+                    if left == 1:
+                        done.append(name)
+        return done
 
     def check_complete(self) -> None:
         short = [(name, d, n) for name, staged in self.staging.items() for d, n in staged.short().items()]

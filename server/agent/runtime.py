@@ -277,14 +277,17 @@ class Runtime:
                             + ("" if self.store.ended(job) else f" (none came within {self.prepare_wait_s:g}s of "
                                                                  f"its first push)"))
 
-    def execute(self, job: str, program_id: str) -> Run:
-        """Start running ``job``'s tasks; returns its `Run` to wait on (`Run.wait`)."""
+    def execute(self, job: str, program_id: str, commit: bool = False) -> Run:
+        """Start running ``job``'s tasks; returns its `Run` to wait on (`Run.wait`). ``commit``: the caller commits
+        the run here as it ends (`commit`), so each tensor whose last receive ends before may commit then
+        (`HostLayout.receives_of`); an abort takes those back with the rest (`ShardStore.uncommit`)."""
         run = self.run(job)
         if program_id != run.program_id:
             raise FailedPreconditionError(
                 f"job {job}: execute names program {program_id[:12]} but agent {self.host} prepared program "
                 f"{run.program_id[:12]}; every agent must run the same program"
             )
+        run.commit_early = commit and not run.transport.passive  # a passive transport's receives end in `accept`
         ready = run.begin()
         later = self._copies_later(run, ready)
         if run.fills and not later:
@@ -336,9 +339,9 @@ class Runtime:
         if run.failed is not None:
             raise FailedPreconditionError(f"job {job} failed on agent {self.host}, so it cannot commit: {run.failed}")
         run.check_complete()
-        # only tensors with destination tiles here stage any
-        self.store.commit_many([(staged.owner, run.names[name], run.commit_version(name), list(staged.tiles))
-                                for name, staged in run.staging.items()], by=job)
+        # only tensors with destination tiles here stage any; those whose last receive ended before committed then
+        self.store.commit_many([run.commit_entry(name) for name in run.staging if name not in run.committed_early],
+                               by=job)
         self.store.end(job)
         self._retire(run)
 
@@ -434,6 +437,8 @@ class Runtime:
         start = time.time() if self.trace is not None else 0.0
         try:
             self._perform(run, task)
+            if run.commit_early and task.role == "recv":
+                self._commit_received(run, task)
         except BaseException as e:  # noqa: BLE001 - the run fails; Execute reports it
             self._traced(run, task, start, False)
             run.fail(e)
@@ -449,6 +454,18 @@ class Runtime:
             elif t.local:
                 self._submit_local(run, t)
         self._end_if_over(run)
+
+    def _commit_received(self, run: Run, task: Task) -> None:
+        """Commit the tensors whose last receive here ``task`` was (`Run.received`), complete, while the run goes on:
+        the run's end then commits only the tensors of its last receives, and the commit's CPU is spent while the
+        links still carry the rest. Nothing is visible before the planner's catalog swap, and an abort takes them
+        back as it takes back the run's final commit (`ShardStore.uncommit`): by then every owner is ended, so a
+        commit racing the abort either precedes its uncommit or finds nothing staged to commit."""
+        # one whose tiles lack elements is left to the run's end, which names what is missing
+        ready = [name for name in run.received(task.step) if name in run.staging and not run.staging[name].short()]
+        if ready and run.failed is None:
+            self.store.commit_many([run.commit_entry(name) for name in ready], by=run.job)
+            run.committed_early.update(ready)
 
     def _traced(self, run: Run, task: Task, start: float, ok: bool) -> None:
         """The task's line in the trace (``--trace-dir``), if any; a diagnostic, so it never fails the task (or,

@@ -347,7 +347,7 @@ class AgentServicer(pb_grpc.AgentServicer):
                 self._prepare(request.prepare)
             else:
                 yield from self._loading(request, context)
-        run = self.runtime.execute(request.job, request.program_id)
+        run = self.runtime.execute(request.job, request.program_id, commit=request.commit)
         # The run started: the planner counts a job's hosts started (`Job.started_s`, `Job.handed_s`)
         yield self._progress(run, started_after_s=time.monotonic() - received)
         while not run.wait(_PROGRESS_INTERVAL_S, self.runtime.step_timeout_s):

@@ -19,7 +19,7 @@ from reshard.program import MOVE
 from reshard.proto.errors import UnavailableError
 from reshard.server.agent.buckets import bucket_moves
 from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
-from reshard.server.transport.faults import Fail
+from reshard.server.transport.faults import Fail, Wrapped
 from reshard.server.transport.nixl import nixl_missing
 from tests.unit.test_runtime import _SEQ, HOSTS, STEP_TIMEOUT_S, Gloo, Hosts, nixl_agents
 
@@ -70,14 +70,16 @@ def row_split_state_dict(n: int, rows: int = 256) -> dict[str, tuple[np.ndarray,
     return out
 
 
-def _start(hosts: Hosts, program, versions: dict[str, int]):
+def _start(hosts: Hosts, program, versions: dict[str, int], commit: bool = False):
+    """Prepare and execute ``program`` on every host; ``commit``: as the planner's Execute asks of the hosts that
+    commit, each may commit a tensor as its last receive ends (`Runtime.execute`)."""
     job = uuid.uuid4().hex
     extra = (hosts.group.generation, next(_SEQ)) if hosts.group else (0, 0)
     reads = {n: (n, v) for n, v in versions.items()}
     runs = {h: r.prepare(job, program.dumps(), "", 0, 0, {h: h for h in hosts.runtimes}, hosts.kind, *extra,
                          reads=reads) for h, r in hosts.runtimes.items()}
     for r in hosts.runtimes.values():
-        r.execute(job, program.id)
+        r.execute(job, program.id, commit=commit)
     return job, runs
 
 
@@ -244,6 +246,88 @@ def test_a_failure_commits_none_of_the_tensors():
                 assert h.stores[dev.split("/")[0]].find(name, version + 1, dev) is None, (name, dev)
             assert np.array_equal(h.get(name, decl.src, a.shape, version), a), name
         assert {host: store.used_bytes() for host, store in h.stores.items()} == used  # nothing staged is left
+    finally:
+        h.close()
+
+
+class _FailLate(Wrapped):
+    """The move of ``step`` fails on this host, ``after_s`` seconds after it starts (the other streams end first)."""
+
+    def __init__(self, inner, step: int, after_s: float):
+        super().__init__(inner)
+        self.step, self.after_s = step, after_s
+
+    def move(self, s, step: int, *args, **kwargs) -> None:
+        if step == self.step:
+            time.sleep(self.after_s)
+            raise UnavailableError(f"job {s.job}: step {step} failed late on host {self.host} (injected by the test)")
+        super().move(s, step, *args, **kwargs)
+
+
+def _committed(h: Hosts, tensors: dict, version_of) -> set[str]:
+    """The tensors that some destination device's store holds at ``version_of(stored version)``."""
+    return {name for name, (_, decl, version) in tensors.items() for dev in decl.dst.mesh.require_devices()
+            if h.stores[dev.split("/")[0]].find(name, version_of(version), dev) is not None}
+
+
+@pytest.mark.parametrize("transport", ["collective", "nixl"])
+def test_a_run_that_commits_commits_each_tensor_as_its_last_receive_ends(transport, request):
+    """Where the Execute asks a host to commit (the hosts that stage new versions), each tensor written here only by
+    receives commits as the last of them ends, while the run goes on; the run's end commits the rest (none here)."""
+    tensors = _state_dict(np.random.default_rng(6))
+    program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=2048).validate()
+    h = Hosts(group=_group(transport, request))
+    try:
+        for name, (a, decl, version) in tensors.items():
+            tiles = decl.src.tiles(a.shape)
+            h.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()}, version)
+        job, runs = _start(h, program, {n: v for n, (_, _, v) in tensors.items()}, commit=True)
+        for run in runs.values():
+            run.result(STEP_TIMEOUT_S)
+        early = {name for run in runs.values() for name in run.committed_early}
+        assert early == {n for run in runs.values() for n in run.layout.receives_of} == set(tensors), early
+        assert _committed(h, tensors, lambda v: v + 1) == set(tensors)  # before any commit call
+        for r in h.runtimes.values():
+            r.commit(job)
+        for name, (a, decl, version) in tensors.items():
+            assert np.array_equal(h.get(name, decl.dst, a.shape, version + 1), a), name
+    finally:
+        h.close()
+
+
+@pytest.mark.parametrize("transport", ["collective", "nixl"])
+def test_a_job_that_fails_after_early_commits_leaves_none_of_them(transport):
+    """A job whose last stream fails after the others' receivers committed their tensors (the run commits as it
+    goes): the abort takes every one back, the old versions stay readable, and nothing staged is left."""
+    if transport == "nixl":
+        if nixl_missing() is not None:
+            pytest.skip(nixl_missing())
+        group = nixl_agents()
+    else:
+        pytest.importorskip("torch", reason="the collective transport needs torch")
+        group = Gloo()  # its own: a gloo group that a job failed on is formed again before the next job
+    tensors = _state_dict(np.random.default_rng(7))
+    program = plan_many([d for _, d, _ in tensors.values()], bucket_bytes=2048).validate()
+    members = {i for bucket in program.buckets for i in bucket}
+    leads = {bucket[0] for bucket in program.buckets}
+    last = [s for s in program.steps if s.id in leads or s.id not in members][-1]  # a stream of its own
+    sender = last.transfer.sender.split("/")[0]
+    h = Hosts(wrap=lambda host, t: _FailLate(t, last.id, 1.0) if host == sender else t, group=group)
+    try:
+        for name, (a, decl, version) in tensors.items():
+            tiles = decl.src.tiles(a.shape)
+            h.put(name, {d: (a[tuple(slice(lo, hi) for lo, hi in b)].copy(), b) for d, b in tiles.items()}, version)
+        used = {host: store.used_bytes() for host, store in h.stores.items()}
+        job, runs = _start(h, program, {n: v for n, (_, _, v) in tensors.items()}, commit=True)
+        with pytest.raises(UnavailableError, match=f"step {last.id} failed late on host {sender}"):
+            runs[sender].result(STEP_TIMEOUT_S)
+        assert _committed(h, tensors, lambda v: v + 1), "no receiver committed a tensor before the failure"
+        for r in h.runtimes.values():  # what the planner does when one host fails
+            r.abort(job)
+        assert not _committed(h, tensors, lambda v: v + 1)
+        for name, (a, decl, version) in tensors.items():
+            assert np.array_equal(h.get(name, decl.src, a.shape, version), a), name
+        assert {host: store.used_bytes() for host, store in h.stores.items()} == used
     finally:
         h.close()
 
