@@ -203,7 +203,7 @@ class ShardStore:
         np_type = np_dtype(dtype)
         nbytes = math.prod(shape) * np_type.itemsize
         free = self.recycler.take(nbytes)
-        return free.view(np_type).reshape(shape) if free is not None else buffers.host_empty(shape, np_type, nbytes)
+        return free.view(np_type).reshape(shape) if free is not None else buffers.host_empty(shape, dtype, nbytes)
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """``nbytes`` bytes of host memory whatever this store's device (a bucket's, `buckets.Bucket`): a recycled

@@ -88,8 +88,7 @@ def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
     """A buffer of ``shape`` on ``device``; `ResourceExhaustedError` naming the size and the device where it does not
     fit (a GPU's free memory is tried twice: once more after giving back what torch's allocator cached unused)."""
     if device == "cpu":
-        np_type = np_dtype(dtype)
-        return host_empty(shape, np_type, math.prod(shape) * np_type.itemsize)
+        return host_empty(shape, dtype, math.prod(shape) * np_dtype(dtype).itemsize)
     import torch
 
     for last in (False, True):
@@ -103,15 +102,16 @@ def empty(shape: tuple[int, ...], dtype: str, device: str = "cpu"):
             torch.cuda.empty_cache()
 
 
-def host_empty(shape: tuple[int, ...], np_type: np.dtype, nbytes: int) -> np.ndarray:
-    """`empty` in host memory of ``np_type`` elements, ``nbytes`` in all (worked out by the caller, which staging a
-    state dict asks per tile): a shared segment while a transport shares host memory with agents of this machine
-    (`shm`), whose senders then copy straight into it."""
+def host_empty(shape: tuple[int, ...], dtype: str, nbytes: int) -> np.ndarray:
+    """`empty` in host memory, ``nbytes`` in all (worked out by the caller, which staging a state dict asks per
+    tile): a shared segment while a transport shares host memory with agents of this machine (`shm`), whose senders
+    then copy straight into it. A refusal names ``dtype`` as the caller knows it (bfloat16, not its uint16 bits)."""
+    np_type = np_dtype(dtype)
     try:
         shared = shm.empty(nbytes)
         return np.empty(shape, dtype=np_type) if shared is None else shared.view(np_type).reshape(shape)
     except MemoryError as e:
-        raise _exhausted(shape, np_type.name, "cpu", str(e)) from None
+        raise _exhausted(shape, dtype, "cpu", str(e)) from None
 
 
 def _exhausted(shape: tuple[int, ...], dtype: str, device: str, why: str) -> ResourceExhaustedError:
