@@ -480,7 +480,11 @@ class Run(Session):
         return done
 
     def check_complete(self) -> None:
-        short = [(name, d, n) for name, staged in self.staging.items() for d, n in staged.short().items()]
+        """Refuse the commit of a tile that still lacks elements; a tensor committed as its last receive ended was
+        complete then (`Runtime._commit_received`)."""
+        early = self.committed_early
+        short = [(name, d, n) for name, staged in self.staging.items() if name not in early
+                 for d, n in staged.short().items()]
         if short:
             name, d, n = short[0]
             raise FailedPreconditionError(
