@@ -148,3 +148,19 @@ def test_the_topology_names_the_machine_of_hosts_whose_agents_share_an_address()
     assert dict(topology.host_machine) == {"a": "loopback", "b": "loopback", "c": "loopback", "d": "10.0.0.5",
                                            "e": "10.0.0.5"}
     assert not topology.apart("a", ["c"]) and not topology.apart("d", ["e", "f"]) and topology.apart("f", ["a", "d"])
+
+
+def test_the_topology_is_worked_out_again_only_after_a_registration():
+    # a job asks for it twice before its hosts start: kept per registry generation, and a new agent, address or
+    # NIC rate is in the next one asked for
+    registry = Registry(heartbeat_timeout_s=5.0, clock=_Clock())
+    registry.register("a", 1, "127.0.0.1:7001", 1.0, secret=bytes(16))
+    first = registry.topology()
+    registry.alive("a", "127.0.0.1:7001")  # a report from the agent changes nothing the topology reads
+    assert registry.topology() is first
+    registry.register("a", 1, "10.0.0.5:7001", 25.0, secret=bytes(16))  # the same agent, moved
+    registry.register("b", 1, "10.0.0.5:7002", 1.0, secret=bytes(16))
+    second = registry.topology()
+    assert second is not first and registry.topology() is second
+    assert dict(second.host_nic_gbps) == {"a": 25.0, "b": 1.0}
+    assert dict(second.host_machine) == {"a": "10.0.0.5", "b": "10.0.0.5"}
