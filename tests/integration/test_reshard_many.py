@@ -183,6 +183,31 @@ def test_bad_requests_name_the_rule_and_change_nothing(client, fresh_name):
         c.delete(fresh_name)
 
 
+def test_a_state_dict_asked_again_moves_as_it_is_now(client, fresh_name):
+    # The client keeps the last few target lists as wire bytes (`Client._targets`): the same dict asked again, one
+    # layout changed in it since, must move that tensor to its new layout, and a value that is no sharding is named
+    c = client
+    names = [f"{fresh_name}_{i}" for i in range(3)]
+    values = {n: np.arange(64 * 8, dtype=np.float32).reshape(64, 8) + i for i, n in enumerate(names)}
+    c.put_many({n: (v, Sharding(TRAIN, ("tp", None))) for n, v in values.items()})
+    try:
+        there = {n: Sharding(INFER, ("tp", None)) for n in names}
+        back = {n: Sharding(TRAIN, ("tp", None)) for n in names}
+        for _ in range(2):  # the second time round, both dicts are kept
+            c.reshard_many(there).result(timeout=60)
+            c.reshard_many(back).result(timeout=60)
+        there[names[1]] = Sharding(INFER, (None, "tp"))  # the same dict object, one value replaced
+        c.reshard_many(there).result(timeout=60)
+        listed = {t.name: t for t in c.tensors()}
+        assert [listed[n].sharding for n in names] == [there[n] for n in names]
+        assert all(np.array_equal(got, values[n]) for n, got in c.get_many(names).items())
+        with pytest.raises(InvalidArgumentError, match="sharding must be a reshard.Sharding, got list"):
+            c.reshard_many({**there, names[2]: ["tp", None]})
+    finally:
+        for n in names:
+            c.delete(n)
+
+
 # -- an agent killed mid-job --------------------------------------------------------------------------------------
 
 RATE_MIB_S = 8  # every agent sends at most this fast, so the kill lands mid-job
