@@ -114,11 +114,11 @@ from reshard.server.transport.nixl_memory import (
     box_of,
     encode,
 )
-from reshard.server.transport.nixl_runs import owner_of, place_runs, source_runs
+from reshard.server.transport.nixl_runs import owner_of, place_runs, segment_runs, source_runs
 from reshard.server.transport.nixl_out import DEVICE_CHUNK_BYTES, SHARED_CHUNK_BYTES, SOURCE_RUN_BYTES, WINDOW, NixlOut
 from reshard.server.transport.nixl_progress import POLL_MIN_S, Progress
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Outgoing, Piece, StreamKey, Throttle, Trailer
+from reshard.server.transport.streams import Outgoing, Piece, Segments, StreamKey, Throttle, Trailer
 
 __all__ = ["nixl_missing", "NixlTransport", "WINDOW", "MIN_RUN_BYTES", "TCP_MIN_RUN_BYTES", "SHARED_CHUNK_BYTES",
            "DEVICE_CHUNK_BYTES"]
@@ -431,18 +431,25 @@ class NixlTransport(Transport):
         if got is not None and is_cuda(got[1]):
             buf = self._device_pool.take(nbytes, got[1].device)
             return DeviceLanding(buf, nbytes, self._memory.register_device(buf), self._device_pool)
-        # `place_runs` asks for the whole box first: its answer is ``got``, not asked for again
-        found = place_runs(box, lambda b: got if b == box else place(b), max(1, nbytes // self.min_run_bytes))
+        most = max(1, nbytes // self.min_run_bytes)
+        keys = views = None
+        if got is not None and isinstance(got[1], Segments):  # a whole bucket: its runs, owners and views at once
+            seg, found = segment_runs(got[1], most), None
+            if seg is not None:
+                owners, keys, runs, views = seg
+                found = (got[0], owners, runs, True)
+        else:  # `place_runs` asks for the whole box first: its answer is ``got``, not asked for again
+            found = place_runs(box, lambda b: got if b == box else place(b), most)
         # only into buffers the store's recycler keeps (`RECYCLE_MIN_BYTES`): a smaller tile is fresh memory every
         # run, to register and announce each time, and freed after, which leaves peers knowing memory that
         # malloc hands out again (`Registry.usable`)
         if found is not None and all(o.nbytes >= RECYCLE_MIN_BYTES for o in found[1]):
             device, owners, runs, segments = found
             if self.shared.copies(peer) and all(shm.segment_of(o) is not None for o in owners):
-                return Landing(owners, runs, device, [], segments=segments)
-            registrations = self._memory.register_usable(owners)
+                return Landing(owners, runs, device, [], segments=segments, views=views)
+            registrations = self._memory.register_usable(owners, keys)
             if registrations is not None:
-                return Landing(owners, runs, device, registrations, segments=segments)
+                return Landing(owners, runs, device, registrations, segments=segments, views=views)
         buf = self._scratch(nbytes)
         return Landing([buf], [(shm.address_of(buf), nbytes)], None, [self._memory.register(buf)],
                        lambda: self._unscratch(buf))

@@ -157,10 +157,13 @@ class Registry:
                 weakref.finalize(owner, _forget, weakref.ref(self), key, reg.ident)
             return reg
 
-    def register_usable(self, owners: list[np.ndarray]) -> list[Registration] | None:
+    def register_usable(self, owners: list[np.ndarray], keys: list[tuple[int, int]] | None = None
+                        ) -> list[Registration] | None:
         """The registrations of ``owners`` (buffers that own their memory) where every one is `usable`, made where
-        not yet; None where one is not. One pass under the lock: a post lands a bucket in a few hundred tiles."""
-        keys = [(address_of(o), o.nbytes) for o in owners]
+        not yet; None where one is not. One pass under the lock: a post lands a bucket in a few hundred tiles.
+        ``keys``: each owner's (address, bytes), where the caller has them (`nixl_runs.segment_runs`)."""
+        if keys is None:
+            keys = [(address_of(o), o.nbytes) for o in owners]
         with self._lock:
             if not all(map(self._usable_locked, keys)):
                 return None
@@ -375,13 +378,16 @@ class Landing:
 
     def __init__(self, owners: list[np.ndarray], runs: list[tuple[int, int]], device: str | None,
                  registrations: list[Registration], release: Callable[[], None] = lambda: None,
-                 segments: bool = False):
-        flats = sorted((address_of(o), o.reshape(-1).view(np.uint8)) for o in owners)
-        bases = [b for b, _ in flats]
-        self.views = []  # per run, its bytes
-        for addr, n in runs:
-            base, flat = flats[bisect.bisect_right(bases, addr) - 1]
-            self.views.append(flat[addr - base:addr - base + n])
+                 segments: bool = False, views: list[np.ndarray] | None = None):
+        """``views``: a uint8 view of each run, where the caller has them (`nixl_runs.segment_runs`)."""
+        if views is None:
+            flats = sorted((address_of(o), o.reshape(-1).view(np.uint8)) for o in owners)
+            bases = [b for b, _ in flats]
+            views = []
+            for addr, n in runs:
+                base, flat = flats[bisect.bisect_right(bases, addr) - 1]
+                views.append(flat[addr - base:addr - base + n])
+        self.views = views  # per run, its bytes
         self.owners = owners  # a receiver offers them to a peer of this machine where they are shared segments
         self.addrs = [a for a, _ in runs]
         self.cum = [0, *itertools.accumulate(n for _, n in runs)]

@@ -6,6 +6,8 @@ a receiver's in its destination tiles, and the two paired into one WRITE's descr
                  from them: a strided box is a descriptor list, not a packed copy)
 ``place_runs``   a destination box's runs in the buffers that ``place`` offers: a tile, or a
                  bucket's members' tiles (a receiver posts them)
+``segment_runs`` a bucket's members' regions (`Segments`) as runs, their buffers and a view of
+                 each run, in one pass (`place_runs` of a whole bucket, for its post)
 ``parts_runs``   the runs of a bucket's parts from where they lie (one part's: ``part_runs``)
 ``pair_runs``    a chunk's local runs against the receiver's runs, cut where either ends: the
                  two descriptor lists of one WRITE (``pair_descs``: as NIXL takes them, in C
@@ -30,8 +32,8 @@ try:  # built by pip where a C compiler is present (`pair_descs`)
 except ImportError:
     _kernel = None
 
-__all__ = ["buffer_root", "owner_of", "source_runs", "part_runs", "parts_runs", "place_runs", "pair_runs",
-           "pair_descs"]
+__all__ = ["buffer_root", "owner_of", "source_runs", "part_runs", "parts_runs", "place_runs", "segment_runs",
+           "pair_runs", "pair_descs"]
 
 def buffer_root(array: np.ndarray) -> np.ndarray:
     """The array whose memory ``array`` views (``array`` itself where it is no view), through every view between."""
@@ -215,6 +217,55 @@ def place_runs(box: Box, place: Callable[[Box], tuple[str, Any] | None],
     if not _visit(box, place, most, runs, where):
         return None
     return where[0], where[1], runs, where[2]
+
+
+def segment_runs(parts: Segments, most: int) -> tuple[list[np.ndarray], list[tuple[int, int]],
+                                                    list[tuple[int, int]], list[np.ndarray]] | None:
+    """`place_runs` of a whole bucket that landed as ``parts`` (a bucket's members' regions, `Segments`), with what a
+    post asks of them next, in one pass: the buffers that own the parts, each one's (address, bytes), the runs
+    (address, length; parts adjacent in one buffer are one run) and a uint8 view of each run. None where a part is
+    not C-contiguous in a buffer of its own, or there would be more than ``most`` runs. A post of a bucket asked
+    the address of every member's buffer three times, once to find its runs, once to view them and once to
+    register them (`nixl.NixlTransport._landing`): about half of the CPU a receiver spent posting a weight sync."""
+    spans: dict[int, tuple[int, int, int]] = {}  # id(owner) -> (start, end, index)
+    owners: list[np.ndarray] = []
+    keys: list[tuple[int, int]] = []
+    runs: list[list[int]] = []  # [address, length, owner index]
+    views: list[np.ndarray | None] = []  # a run's view, None where runs merged (made from its owner below)
+    for part in parts:
+        if type(part) is not np.ndarray or not part.flags.c_contiguous:
+            return None
+        n = part.nbytes
+        if not n:
+            continue
+        owner = part
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        span = spans.get(id(owner))
+        if span is None:
+            if not _is_buffer(owner):
+                return None
+            start = address_of(owner)
+            span = spans[id(owner)] = (start, start + owner.nbytes, len(owners))
+            owners.append(owner)
+            keys.append((start, owner.nbytes))
+        addr = address_of(part)
+        if addr < span[0] or addr + n > span[1]:
+            return None
+        if runs and runs[-1][0] + runs[-1][1] == addr and runs[-1][2] == span[2]:
+            runs[-1][1] += n
+            views[-1] = None
+        else:
+            if len(runs) == most:
+                return None
+            runs.append([addr, n, span[2]])
+            views.append(part if part.ndim == 1 and part.dtype == np.uint8 else part.reshape(-1).view(np.uint8))
+    for k, view in enumerate(views):
+        if view is None:
+            addr, n, i = runs[k]
+            at = addr - keys[i][0]
+            views[k] = owners[i].reshape(-1).view(np.uint8)[at:at + n]
+    return owners, keys, [(a, n) for a, n, _ in runs], views
 
 
 def _visit(b: Box, place, most: int, runs: list[tuple[int, int]], where: list) -> bool:

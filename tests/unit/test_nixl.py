@@ -25,9 +25,9 @@ from reshard.proto.errors import DataLossError, UnavailableError
 from reshard.server.transport.faults import CorruptRelay
 from reshard.server.transport.nixl import TCP_MIN_RUN_BYTES, NixlTransport, nixl_missing
 from reshard.server.transport import nixl_runs
-from reshard.server.transport.nixl_runs import pair_descs, pair_runs, place_runs
+from reshard.server.transport.nixl_runs import pair_descs, pair_runs, place_runs, segment_runs
 from reshard.server.transport.session import Session
-from reshard.server.transport.streams import Piece, StreamKey, Trailer, in_thread
+from reshard.server.transport.streams import Piece, Segments, StreamKey, Trailer, in_thread
 from reshard.strategies import plan as make_plan
 from tests.unit.test_many_runtime import _move_bucket_by_bucket, _start, row_split_state_dict
 from tests.unit.test_runtime import Hosts, nixl_agents
@@ -262,6 +262,25 @@ def test_a_column_split_box_lands_at_its_rows_stride_asking_the_sink_for_two_row
 
     assert place_runs(box, two, 1000) is None
     assert place_runs(((0, 32), (64, 128)), two, 1000)[2] == [(top[i, 64:].ctypes.data, 256) for i in range(32)]
+
+
+def test_a_buckets_regions_give_the_runs_place_runs_finds_with_their_buffers_and_views_in_one_pass():
+    # members in tiles of their own, and small members packed into one buffer (adjacent ones are one run), as a
+    # bucket's sink offers them (`buckets._Unpack._scattered`)
+    tiles = [np.zeros((64, 64), np.float32) for _ in range(3)]
+    rest = np.zeros(300, np.uint8)
+    flat = [t.reshape(-1).view(np.uint8) for t in tiles]
+    parts = Segments([flat[0], rest[:100], rest[100:250], flat[1], rest[250:250], flat[2][:8192], rest[250:]])
+    nbytes = parts.nbytes
+    device, owners, runs, segments = place_runs(((0, nbytes),), lambda b: ("b/0", parts), 1000)
+    got_owners, keys, got_runs, views = segment_runs(parts, 1000)
+    assert segments and got_runs == runs and [id(o) for o in got_owners] == [id(o) for o in owners]
+    assert keys == [(o.ctypes.data, o.nbytes) for o in owners]
+    assert [(v.ctypes.data, v.nbytes, v.dtype) for v in views] == [(a, n, np.uint8) for a, n in runs]
+    assert runs[1] == (rest.ctypes.data, 250)  # the two packed members, adjacent: one run
+    assert segment_runs(parts, len(runs) - 1) is None  # more runs than allowed
+    assert segment_runs(Segments([tiles[0][:, :32]]), 1000) is None  # not C-contiguous
+    assert segment_runs(Segments([memoryview(rest)]), 1000) is None  # not a numpy view
 
 
 def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
