@@ -22,6 +22,7 @@ from reshard.server.agent.buckets import BYTES, bucket_moves
 from reshard.server.agent.staging import staged_bytes, tile_plan
 from reshard.server.agent.task_graph import Task, depth_order, host_tasks, local_ranks
 from reshard.server.common.config import AgentConfig, PlannerConfig
+from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
 from reshard.server.transport.session import dtype_pairs_of
 
 __all__ = ["load_program", "HostLayout"]
@@ -159,6 +160,13 @@ class HostLayout:
         self.calls_peers, self.depths = depth_order(self.tasks, host, self.step_bytes)
         local_ranks(self.tasks, self.depths)
         self.staged_later = self._staged_later()
+        # Of those, the ones whose tiles a post may land a box in (`Run.stage_for`): a smaller tile is not landed in
+        # place (`nixl.NixlTransport._landing`: only buffers the store's recycler keeps)
+        itemsize = {t.name: t.itemsize for t in self.here}
+        self.landed_later = frozenset(
+            n for n in self.staged_later
+            if max(boxes.volume(tile) for _, tile, _, _, _ in self.tile_plans[n].devices) * itemsize[n]
+            >= RECYCLE_MIN_BYTES)
         self.receives_of = self._receives_of()
         # The host memory each of this host's bucket tasks holds while it runs, largest first: a sender packs its
         # bucket into one buffer, and every host the bucket reaches (the sender's own included) holds one per

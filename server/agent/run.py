@@ -198,11 +198,18 @@ class Run(Session):
         return owners
 
     def stage_for(self, step: Step) -> None:
-        """Stage the tiles move ``step`` lands in that `_stage` left for later, as its receive is posted."""
+        """Stage the tiles move ``step`` may land in that `_stage` left for later, as its receive is posted. Of a
+        bucket's members, those a post lands a box in (`HostLayout.landed_later`): the smaller ones, which their
+        bytes reach through the bucket's buffer and a copy as the bucket is unpacked (its sink finds each member's
+        tiles then), wait for `stage_rest` after the run's first posts. 300 of the weight-sync bench's 501 tensors
+        are such, and staging them held up each receiver's first posts, which every sender waits for."""
         if self._later:
+            names = self.layout.tensors_of(step)
+            if step.id in self.buckets:
+                landed = self.layout.landed_later
+                names = [n for n in names if n in landed]
             with self._staging_lock:
-                self._stage_later([d for n in self.layout.tensors_of(step)
-                                   if (d := self._later.pop(n, None)) is not None], self._held)
+                self._stage_later([d for n in names if (d := self._later.pop(n, None)) is not None], self._held)
 
     def stage_rest(self) -> None:
         """Stage every tile `_stage` left for later (none is held in part here, so none has a fill): once the run's

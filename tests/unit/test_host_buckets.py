@@ -6,6 +6,8 @@ are its template's) and its steps' dtypes are worked out when asked for."""
 
 from __future__ import annotations
 
+import math
+
 from reshard import Mesh
 from reshard.cost import sender_bytes
 from reshard.many import plan_many
@@ -152,3 +154,22 @@ def test_a_buckets_members_are_read_from_columns_as_the_steps_say_and_make_no_ru
                 s = steps[m.id]  # made now, to compare
                 assert (m.id, m.tensor, m.transfer, m.after, m.role) == (s.id, s.tensor, s.transfer, s.after, s.role)
     assert sum(s is None for s in steps.items) < unmade
+
+
+def test_a_post_stages_only_the_tiles_it_may_land_in_and_leaves_the_small_ones_for_after():
+    # `Run.stage_for` stages a bucket's members whose tiles a post lands a box in (`HostLayout.landed_later`); a
+    # tile under the recycler's least size is reached through the bucket's buffer, staged after the first posts
+    from reshard import Sharding, TensorDecl
+    from reshard.server.transport.buffers import RECYCLE_MIN_BYTES
+
+    train = Mesh.from_hosts({"tp": 2}, ["t0", "t1"], 1)
+    serve = Mesh.from_hosts({"tp": 2}, ["s0", "s1"], 1)
+    decls = [TensorDecl(f"w{i}", (256, 256), "float32", Sharding(train, ("tp", None)), Sharding(serve, ("tp", None)))
+             for i in range(3)]
+    decls += [TensorDecl(f"n{i}", (256,), "float32", Sharding(train, (None,)), Sharding(serve, (None,)))
+              for i in range(3)]
+    layout = HostLayout(plan_many(decls), "s0")
+    assert layout.staged_later == {d.name for d in decls}  # every tile here is received alone
+    big = {d.name for d in decls if max(
+        math.prod(hi - lo for lo, hi in t) for t in layout.dst_tiles[d.name].values()) * 4 >= RECYCLE_MIN_BYTES}
+    assert layout.landed_later == big == {"w0", "w1", "w2"}
