@@ -547,11 +547,130 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(segment_runs_doc,
+"segment_runs(parts, ndarray, most) -> (owners, keys, runs, firsts) or None\n\n"
+"nixl_runs.segment_runs' pass over a bucket's member regions: each part (of type ndarray exactly, C-contiguous) in\n"
+"the buffer that owns its memory (its .base, followed while that is an ndarray), each such buffer once with its\n"
+"(address, bytes), the runs (address, length; parts adjacent in one buffer are one run) and per run the index of\n"
+"its part, or where parts merged -1 - the index of their buffer. None where a part or its buffer is not so, or there\n"
+"would be more than most runs.");
+
+/* The buffer that owns ``obj``'s memory: its .base while that is an ``ndarray`` (a new reference), or NULL with an
+   exception set. */
+static PyObject *base_name;  /* "base", interned at import */
+
+static PyObject *root_of(PyObject *obj, PyTypeObject *ndarray) {
+    Py_INCREF(obj);
+    for (;;) {
+        PyObject *base = PyObject_GetAttr(obj, base_name);
+        if (!base) { Py_DECREF(obj); return NULL; }
+        if (!PyObject_TypeCheck(base, ndarray)) { Py_DECREF(base); return obj; }
+        Py_DECREF(obj);
+        obj = base;
+    }
+}
+
+/* Address and bytes of a C-contiguous buffer; 0 where ``obj`` has none (the error cleared), -1 on another error. */
+static int span_of(PyObject *obj, int64_t *addr, int64_t *nbytes) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(obj, &v, PyBUF_C_CONTIGUOUS) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_BufferError) && !PyErr_ExceptionMatches(PyExc_ValueError)) return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    *addr = (int64_t)(intptr_t)v.buf;
+    *nbytes = (int64_t)v.len;
+    PyBuffer_Release(&v);
+    return 1;
+}
+
+static PyObject *segment_runs(PyObject *self, PyObject *args) {
+    PyObject *parts, *type;
+    Py_ssize_t most;
+    if (!PyArg_ParseTuple(args, "OOn", &parts, &type, &most)) return NULL;
+    if (!PyType_Check(type)) { PyErr_SetString(PyExc_TypeError, "segment_runs takes the ndarray type"); return NULL; }
+    PyTypeObject *ndarray = (PyTypeObject *)type;
+    PyObject *seq = PySequence_Fast(parts, "segment_runs takes a sequence of parts");
+    if (!seq) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    PyObject *owners = PyList_New(0), *keys = PyList_New(0), *runs = PyList_New(0), *firsts = PyList_New(0);
+    PyObject *result = NULL;
+    int64_t *starts = PyMem_Malloc(sizeof(int64_t) * 2 * (n + 1));  /* per owner: start, end */
+    int64_t ra = 0, rn = 0, rowner = -1, rfirst = -1;  /* the run being built */
+    Py_ssize_t nowners = 0, nruns = 0, last = -1;
+    if (!owners || !keys || !runs || !firsts || !starts) { PyErr_NoMemory(); goto fail; }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        PyObject *part = items[k];
+        int64_t addr, len;
+        if (Py_TYPE(part) != ndarray) goto none;
+        int got = span_of(part, &addr, &len);
+        if (got < 0) goto fail;
+        if (!got) goto none;
+        if (!len) continue;
+        PyObject *root = root_of(part, ndarray);
+        if (!root) goto fail;
+        Py_ssize_t o = -1;
+        if (last >= 0 && PyList_GET_ITEM(owners, last) == root) o = last;
+        for (Py_ssize_t i = 0; o < 0 && i < nowners; i++)
+            if (PyList_GET_ITEM(owners, i) == root) o = i;
+        if (o < 0) {
+            int64_t start, size;
+            got = span_of(root, &start, &size);
+            if (got <= 0 || !size) { Py_DECREF(root); if (got < 0) goto fail; goto none; }
+            PyObject *key = Py_BuildValue("(LL)", (long long)start, (long long)size);
+            if (!key || PyList_Append(owners, root) < 0 || PyList_Append(keys, key) < 0) {
+                Py_XDECREF(key); Py_DECREF(root); goto fail;
+            }
+            Py_DECREF(key);
+            starts[2 * nowners] = start;
+            starts[2 * nowners + 1] = start + size;
+            o = nowners++;
+        }
+        Py_DECREF(root);
+        last = o;
+        if (addr < starts[2 * o] || addr + len > starts[2 * o + 1]) goto none;
+        if (nruns && rowner == o && ra + rn == addr) {
+            rn += len;
+            rfirst = -1 - o;
+            continue;
+        }
+        if (nruns) {
+            PyObject *run = Py_BuildValue("(LL)", (long long)ra, (long long)rn), *first = PyLong_FromSsize_t(rfirst);
+            if (!run || !first || PyList_Append(runs, run) < 0 || PyList_Append(firsts, first) < 0) {
+                Py_XDECREF(run); Py_XDECREF(first); goto fail;
+            }
+            Py_DECREF(run); Py_DECREF(first);
+        }
+        if (nruns == most) goto none;
+        nruns++;
+        ra = addr; rn = len; rowner = o; rfirst = k;
+    }
+    if (nruns) {
+        PyObject *run = Py_BuildValue("(LL)", (long long)ra, (long long)rn), *first = PyLong_FromSsize_t(rfirst);
+        if (!run || !first || PyList_Append(runs, run) < 0 || PyList_Append(firsts, first) < 0) {
+            Py_XDECREF(run); Py_XDECREF(first); goto fail;
+        }
+        Py_DECREF(run); Py_DECREF(first);
+    }
+    result = PyTuple_Pack(4, owners, keys, runs, firsts);
+    goto fail;  /* releases what is not returned */
+none:
+    result = Py_None;
+    Py_INCREF(result);
+fail:
+    PyMem_Free(starts);
+    Py_XDECREF(owners); Py_XDECREF(keys); Py_XDECREF(runs); Py_XDECREF(firsts);
+    Py_DECREF(seq);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"digest", digest, METH_VARARGS, digest_doc},
     {"encode_sparse", encode_sparse, METH_VARARGS, encode_sparse_doc},
     {"apply_sparse", apply_sparse, METH_VARARGS, apply_sparse_doc},
     {"pair_runs", pair_runs, METH_VARARGS, pair_runs_doc},
+    {"segment_runs", segment_runs, METH_VARARGS, segment_runs_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -562,6 +681,7 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__delta_kernel(void) {
     if (PyType_Ready(&HasherType) < 0) return NULL;
+    if (!base_name && !(base_name = PyUnicode_InternFromString("base"))) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&HasherType);

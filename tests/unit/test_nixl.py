@@ -274,13 +274,17 @@ def test_a_buckets_regions_give_the_runs_place_runs_finds_with_their_buffers_and
     nbytes = parts.nbytes
     device, owners, runs, segments = place_runs(((0, nbytes),), lambda b: ("b/0", parts), 1000)
     got_owners, keys, got_runs, views = segment_runs(parts, 1000)
+    python = nixl_runs._segment_runs(parts, 1000)  # where the C kernel is not built: the same
+    assert python[1:3] == (keys, got_runs) and [id(o) for o in python[0]] == [id(o) for o in got_owners]
+    assert [(v.ctypes.data, v.nbytes) for v in python[3]] == [(v.ctypes.data, v.nbytes) for v in views]
     assert segments and got_runs == runs and [id(o) for o in got_owners] == [id(o) for o in owners]
     assert keys == [(o.ctypes.data, o.nbytes) for o in owners]
     assert [(v.ctypes.data, v.nbytes, v.dtype) for v in views] == [(a, n, np.uint8) for a, n in runs]
     assert runs[1] == (rest.ctypes.data, 250)  # the two packed members, adjacent: one run
-    assert segment_runs(parts, len(runs) - 1) is None  # more runs than allowed
-    assert segment_runs(Segments([tiles[0][:, :32]]), 1000) is None  # not C-contiguous
-    assert segment_runs(Segments([memoryview(rest)]), 1000) is None  # not a numpy view
+    for runs_of in (segment_runs, nixl_runs._segment_runs):
+        assert runs_of(parts, len(runs) - 1) is None  # more runs than allowed
+        assert runs_of(Segments([tiles[0][:, :32]]), 1000) is None  # not C-contiguous
+        assert runs_of(Segments([memoryview(rest)]), 1000) is None  # not a numpy view
 
 
 def test_a_box_with_no_region_to_land_in_arrives_through_a_scratch_buffer(pair):
