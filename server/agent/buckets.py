@@ -49,6 +49,9 @@ BUCKETS_KEY = "bucket buffers"  # what a job's reservation for its bucket buffer
 IN_PLACE_BYTES = buffers.RECYCLE_MIN_BYTES
 
 
+_EMPTY = np.empty(0, np.uint8)  # the region of a member of no bytes
+
+
 def _new(nbytes: int) -> np.ndarray:
     return np.empty(nbytes, dtype=np.uint8)
 
@@ -88,6 +91,9 @@ class Bucket:
             n += size
         self.nbytes = n
         self.tensors = [s.tensor for s in members]
+        # where each member starts in the bucket, and the end; the members large enough to land in place, by index
+        self.starts = [p[2] for p in self.parts] + [n]
+        self.large = [k for k, p in enumerate(self.parts) if p[3] - p[2] >= IN_PLACE_BYTES]
         # Whether every member's tensor has source shards, which the sender then packs from (`pack`); and, filled
         # as runs pack, (member index, the tile of its shard) -> the member's slices in that shard, or None where
         # the shard lacks the member's box: a weight sync packs the same boxes from the same tiles every run.
@@ -197,25 +203,29 @@ class _Unpack:
             known = self._regions.get(device)
         if known is not None:
             return known[0]
-        places = []
-        for tensor, box, lo, hi, _, _ in self.bucket.parts:
-            got = self.destination(tensor, box).place([device], box) if hi - lo >= IN_PLACE_BYTES else None
+        bucket = self.bucket
+        places: list = [None] * len(bucket.parts)  # only the large members are asked (`Bucket.large`)
+        in_place = [False] * len(places)
+        landed = 0
+        for k in bucket.large:
+            tensor, box, lo, hi, _, _ = bucket.parts[k]
+            got = self.destination(tensor, box).place([device], box)
             view = got[1] if got is not None else None
-            ok = isinstance(view, np.ndarray) and view.flags.c_contiguous and view.nbytes == hi - lo
-            places.append(view.reshape(-1).view(np.uint8) if ok else None)
-        if all(v is None for v in places):
+            if isinstance(view, np.ndarray) and view.flags.c_contiguous and view.nbytes == hi - lo:
+                places[k], in_place[k] = view.reshape(-1).view(np.uint8), True
+                landed += hi - lo
+        if not landed:
             return None
-        rest = sum(hi - lo for (_, _, lo, hi, _, _), v in zip(self.bucket.parts, places) if v is None)
+        rest = bucket.nbytes - landed
         buf = self._buffer(device, rest) if rest else None
-        parts, at = [], 0
-        for (_, _, lo, hi, _, _), v in zip(self.bucket.parts, places):
+        at, starts = 0, bucket.starts
+        for k, v in enumerate(places):
             if v is None:
-                v, at = buf[at:at + hi - lo], at + hi - lo
-            parts.append(v)
-        regions = Segments(parts)
+                n = starts[k + 1] - starts[k]
+                places[k], at = (buf[at:at + n] if n else _EMPTY), at + n
+        regions = Segments(places)
         with self._lock:
-            self._regions[device] = (regions, [p[2] for p in self.bucket.parts] + [self.bucket.nbytes],
-                                     [v is not None for v in places])
+            self._regions[device] = (regions, starts, in_place)
         return regions
 
     def write(self, device: str, box: Box, data) -> None:
