@@ -182,10 +182,7 @@ class _Unpack:
         self.scatter = scatter
         self._lock = threading.Lock()
         self._bytes: dict[str, np.ndarray] = {}
-        # device -> [the end of the bytes arrived from the bucket's start on, the first member not yet unpacked,
-        # unpacks under way], and the pieces arrived beyond that end (start -> end)
-        self._front: dict[str, list[int]] = {}
-        self._ahead: dict[str, dict[int, int]] = {}
+        self._fronts: dict[str, _Front] = {}  # device -> how far its bytes arrived and its members were unpacked
         # device -> (its regions, where each starts in the bucket and the end, the members landing in place)
         self._regions: dict[str, tuple[Segments, list[int], list[bool]]] = {}
 
@@ -275,37 +272,39 @@ class _Unpack:
         lo, hi = piece
         parts = self.bucket.parts
         with self._lock:
-            front = self._front.get(device)
-            if front is None:  # [bytes in from the start, the first member not unpacked, unpacks under way]
-                front = self._front[device] = [0, 0, 0]
-                self._ahead[device] = {}
-            end, first = front[0], front[1]
+            front = self._fronts.get(device)
+            if front is None:
+                front = self._fronts[device] = _Front()
+            end = front.end
             if lo == end:
-                ahead = self._ahead[device]
                 end = hi
-                while end in ahead:
-                    end = ahead.pop(end)
+                while end in front.ahead:
+                    end = front.ahead.pop(end)
             else:  # beyond what arrived so far (a transport whose pieces come out of order)
-                self._ahead[device][lo] = hi
-            last = first
+                front.ahead[lo] = hi
+            first = last = front.unpacked
             while last < len(parts) and parts[last][3] <= end:
                 last += 1
-            front[0], front[1] = end, last
-            front[2] += last > first
-            buf = self._bytes.get(device)
-            known = self._regions.get(device)
+            front.end, front.unpacked = end, last
+            if last > first:
+                front.busy += 1
+                buf, known, done = self._bytes.get(device), self._regions.get(device), None
+            else:
+                done = self._done_locked(device, front)
         if last > first:
             try:
                 self._unpack(device, buf, known, first, last)
             finally:
                 with self._lock:
-                    front[2] -= 1
-        with self._lock:  # every byte in, and no unpack still reading the buffer
-            done = front[0] == self.bucket.nbytes and not front[2]
-            buf = self._bytes.pop(device, None) if done else None
-        if buf is not None:
+                    front.busy -= 1
+                    done = self._done_locked(device, front)
+        if done is not None:
             # Views of it a chain hop still forwards keep it from being handed out again until they end.
-            self._give(buf)
+            self._give(done)
+
+    def _done_locked(self, device: str, front: "_Front") -> np.ndarray | None:
+        """``device``'s buffer, taken back, once every byte is in and no unpack still reads it (under the lock)."""
+        return self._bytes.pop(device, None) if front.end == self.bucket.nbytes and not front.busy else None
 
     def _unpack(self, device: str, buf: np.ndarray | None, known, first: int, last: int) -> None:
         """Members ``first`` to ``last`` (not included), whose bytes are all on ``device``, into their
@@ -323,6 +322,16 @@ class _Unpack:
                 destination(tensor, box).mark(device, box)
             else:
                 destination(tensor, box).write(device, box, regions[k].view(kind).reshape(shape))
+
+
+class _Front:
+    """How far a bucket's bytes arrived on one device (`_Unpack._arrived`): the end of those in from its start, the
+    pieces in beyond it (start -> end), the first member not yet unpacked, and the unpacks under way."""
+
+    __slots__ = ("end", "ahead", "unpacked", "busy")
+
+    def __init__(self):
+        self.end, self.ahead, self.unpacked, self.busy = 0, {}, 0, 0
 
 
 def bucket_moves(program: Program, host: str | None = None) -> dict[int, Bucket]:
