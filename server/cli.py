@@ -14,7 +14,7 @@ from reshard.errors import ReshardError
 from reshard.proto.errors import InvalidArgumentError
 from reshard.server.devtools.certs import add_certs_command
 from reshard.server.devtools.lab import add_lab_command
-from reshard.server.common.lifecycle import on_signal, settle_heap
+from reshard.server.common.lifecycle import on_signal, settle_heap, settle_switching
 
 __all__ = ["main", "build_parser"]
 
@@ -176,6 +176,7 @@ def _run_agent(args) -> int:
     print(f"reshard agent {config.host} listening on {agent.address} "
           f"(devices {config.host}/0..{config.host}/{config.num_devices - 1})", flush=True)
     settle_heap()
+    settle_switching()
     try:
         stopped()
     finally:
@@ -274,6 +275,7 @@ def _run_planner(args) -> int:
     stopped = on_signal()
     print(f"reshard planner listening on {host}:{port}{dashboard}", flush=True)
     settle_heap()
+    settle_switching()
     try:
         stopped()
     finally:

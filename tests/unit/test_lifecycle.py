@@ -1,5 +1,5 @@
-"""How a service process lives: its garbage collector once it is up (`settle_heap`) and its wait for a stop signal
-(`on_signal`), each in a process of its own."""
+"""How a service process lives: its garbage collector and its threads' hand-over of the GIL once it is up
+(`settle_heap`, `settle_switching`) and its wait for a stop signal (`on_signal`), each in a process of its own."""
 
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def test_a_settled_service_collects_new_cycles_and_leaves_what_was_alive_at_star
         del before
         gc.collect()
         assert kept() is not None  # frozen: no pass visits it
+        print("ok")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_a_settled_service_hands_the_gil_on_sooner_than_python_does():
+    script = textwrap.dedent("""
+        import sys
+        from reshard.server.common.lifecycle import GIL_SWITCH_S, settle_switching
+
+        assert sys.getswitchinterval() == 0.005  # Python's
+        settle_switching()
+        assert abs(sys.getswitchinterval() - GIL_SWITCH_S) < 1e-9 and GIL_SWITCH_S < 0.005
         print("ok")
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
