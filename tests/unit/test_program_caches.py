@@ -258,3 +258,28 @@ def test_the_planners_moves_of_a_state_dict_are_counted_once_per_transfer_as_mov
         assert made.tensor_codec == {n: (dict(d), dict(a)) for n, (d, a) in codec.items()}
         assert made.network == [bool(hops(t)) for t in transfers]
         assert made.network_bytes == sum(per_tensor.values()) > 0
+
+
+def test_a_job_calls_the_hosts_its_moves_reach_first_the_most_reached_first():
+    """`_Moves.receivers` lists the hosts a move's network hop reaches, by how many reach each; `receivers_first`
+    puts them before the job's other hosts (a receiver's call starts the bytes: on nixl it posts where they land)."""
+    from reshard.box import volume
+    from reshard.program import MOVE
+    from reshard.routes import hops
+    from reshard.server.planner.jobs import _Moves, receivers_first
+
+    program = _program(8)
+    moves = [(s.transfer, program.tensor(s.tensor).itemsize) for s in program.steps if s.kind == MOVE]
+    made = _Moves.of(moves, {"b0"})
+    reached: dict[str, int] = {}
+    for t, _ in moves:
+        for hop in hops(t):
+            reached[hop.dst] = reached.get(hop.dst, 0) + 1
+    assert reached and all(volume(t.box) for t, _ in moves)
+    assert made.receivers == tuple(sorted(reached, key=lambda h: (-reached[h], h)))
+    hosts = sorted(made.hosts)
+    ordered = receivers_first(hosts, made)
+    assert sorted(ordered) == hosts
+    assert ordered[:len(made.receivers)] == list(made.receivers)
+    assert ordered[len(made.receivers):] == [h for h in hosts if h not in reached]
+    assert receivers_first(["a0"], made) == ["a0"]  # hosts of the job only, none added
