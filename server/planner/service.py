@@ -603,12 +603,14 @@ class PlannerServicer(pb_grpc.PlannerServicer):
 
     @servicer_method
     def ReshardMany(self, request, context):
+        # brief, as Sync's: the caller named the tensors, and the job has just been queued (GetJob has it whole).
+        # Whole, the reply of a 501-tensor state dict took 1.2 ms of the planner while the job it queued was planned.
         return job_info(self.planner.reshard_many(
             [(t.name, t.dst_json) for t in request.targets], request.strategy,
             request.bucket_bytes if request.HasField("bucket_bytes") else None,
             [(p.weight, p.scale, tuple(p.block) or None) for p in request.scales],
             manifest_json=request.manifest_json, pin=request.pin, step=_step(request),
-            delta=request.delta if request.HasField("delta") else None, dtypes=dict(request.dtypes)))
+            delta=request.delta if request.HasField("delta") else None, dtypes=dict(request.dtypes)), brief=True)
 
     @servicer_method
     def RegisterSync(self, request, context):
