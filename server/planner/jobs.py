@@ -267,8 +267,12 @@ class Job:
     # reshard_many: weight -> the dtype it is quantized to on the way (`reshard.quantize`); its scale is made
     dtypes: dict[str, str] = field(default_factory=dict)
     sync: str = ""  # reshard_many: the registered sync it runs (`Planner.sync`), if any
-    # a registered sync's job: its tensors' slots in the catalog's columns (`Catalog.slots`), ``inputs``' order
+    # a registered sync's job, or a repeated request's: its tensors' slots in the catalog's columns
+    # (`Catalog.slots`), ``inputs``' order
     slots: np.ndarray | None = field(default=None, repr=False)
+    # reshard_many: what its program is kept under for the next job alike (`JobRunner._sync_programs`): its registered
+    # sync's id, or the digest of a request made again as it was (`Planner._repeated`); "" for neither
+    kept_as: str = field(default="", repr=False)
     # Seconds from the request (``created``) to every host's part running (its agent's first report), and to the
     # planner's calls having reached every host (each report's time less the agent's own seconds before it: its
     # prepare): what starting the job cost the planner. 0 until then.
@@ -479,23 +483,28 @@ class JobRunner:
     def submit_many(self, dsts: dict[str, Sharding], strategy: str, bucket_bytes: int,
                     scales: dict[str, list], *, manifest_digest: str = "", pin: str = "",
                     step: int | None = None, delta: bool | None = None, dtypes: dict[str, str] | None = None,
-                    sync: tuple[str, list[str], np.ndarray] | None = None, received: float | None = None) -> Job:
+                    sync: tuple[str, list[str], np.ndarray] | None = None, received: float | None = None,
+                    repeat: tuple[str, list[str], np.ndarray] | None = None) -> Job:
         """Queue a reshard of every tensor of ``dsts`` into its destination in one program and one commit; with
         ``pin`` or ``step``, of the versions they name (still current as the job starts). ``delta``: move tensors
         as deltas where it pays (None), never (False), or wherever a base pair is usable (True). ``dtypes``: the
         weights quantized on the way, each to its dtype; their scales (in ``scales``) are made by the job.
         ``sync``: the registered sync the job runs (`Planner.sync`): its id, its tensors in order and their slots
-        (`Catalog.slots`); the arguments are the sync's own, not copied. ``received``: when its request arrived
-        (`time.time`; default now), which the job's waiting phase and ``started_s`` count from."""
-        if sync is None:
+        (`Catalog.slots`); the arguments are the sync's own, not copied. ``repeat``: the same of a request made again
+        as it was (`Planner._repeated`: its digest for an id), whose job finds its program as a registered sync's
+        does. ``received``: when its request arrived (`time.time`; default now), which the job's waiting phase and
+        ``started_s`` count from."""
+        kept = sync if sync is not None else repeat
+        if kept is None:
             names, dsts, scales, dtypes = sorted(dsts), dict(dsts), dict(scales), dict(dtypes or {})
         else:
-            names = sync[1]
+            names = kept[1]
         return self._submit(Job(uuid.uuid4().hex, names[0], None, strategy, kind="reshard_many", inputs=names,
                                 dsts=dsts, scales=scales, bucket_bytes=bucket_bytes,
                                 manifest_digest=manifest_digest, pin=pin, step=step, delta=delta,
                                 dtypes=dtypes or {}, sync=sync[0] if sync is not None else "",
-                                slots=sync[2] if sync is not None else None,
+                                slots=kept[2] if kept is not None else None,
+                                kept_as=kept[0] if kept is not None else "",
                                 created=time.time() if received is None else received))
 
     def _submit(self, job: Job) -> Job:
@@ -811,21 +820,22 @@ class JobRunner:
             records = dict(zip(stored, self.catalog.current_named(stored, job.pin, job.step, scales)))
             topology = self.registry.topology()
             blocks = {s: block_of(w, s, job.scales[w][1]) for s, w in scales.items()}
-            # A registered sync's program, where its request was checked as at its last job (the same arguments),
+            # A registered sync's program (or a request's made again as it was: `Job.kept_as`), where its request was
+            # checked as at its last job (the same arguments),
             # the tensors it read are declared as they were, each in the dtype it had and from the very sharding
             # object it came from then (the planner reads each layout's text into one object): found without a key
             # of every tensor's layout
-            sources = list(map(_SHARDING, records.values())) if job.sync else []
-            dtypes = list(map(_DTYPE, records.values())) if job.sync else []
+            sources = list(map(_SHARDING, records.values())) if job.kept_as else []
+            dtypes = list(map(_DTYPE, records.values())) if job.kept_as else []
             with self._lock:
-                kept = self._sync_programs.get(job.sync)
+                kept = self._sync_programs.get(job.kept_as)
             if (kept is not None and kept.basis == (shapes, topology) and kept.dsts is job.dsts
                     and kept.dtypes == dtypes and len(kept.sources) == len(sources)
                     and all(map(operator.is_, sources, kept.sources)) and self.catalog.shapes == shapes):
                 hit = kept.hit
             else:
                 hit = self._many_program(job, records, topology, scales, blocks)
-                if job.sync:
+                if job.kept_as:
                     every = len(records) == len(job.inputs)  # else a scale the job makes is not there yet
                     kept = _KeptSync((shapes, topology), job.dsts, sources, dtypes, hit,
                                      np.fromiter(map(id, sources), np.int64, len(sources)),
@@ -833,7 +843,7 @@ class JobRunner:
                                      _sync_reads(job, dict(zip(records, dtypes))) if job.dtypes and every else None,
                                      np.array([n not in scales for n in records], bool) if scales else None)
                     with self._lock:
-                        self._sync_programs[job.sync] = kept
+                        self._sync_programs[job.kept_as] = kept
                         while len(self._sync_programs) > MANY_PROGRAMS_KEPT:
                             self._sync_programs.popitem(last=False)
             program, text = hit

@@ -108,3 +108,19 @@ def test_the_planner_remembers_the_last_few_requests(planner):
     _many(planner, dsts[-1])  # remembered
     _many(planner, dsts[0])  # the least recently used: forgotten
     assert len(planner.checks) == len(dsts) + 1
+
+
+def test_a_request_made_again_finds_its_program_as_a_registered_sync_does(planner):
+    # Its job keeps its program under the request's digest, by the objects it read (`Job.kept_as`); it is not a
+    # registered sync's job (none can be run by that digest), and another request keeps its own
+    first = _many(planner)
+    assert first.kept_as and first.sync == "" and first.slots is not None
+    kept = planner.jobs._sync_programs[first.kept_as]
+    assert kept.dsts is first.dsts and kept.hit[0] is first.program
+    _publish(planner)
+    again = _many(planner)
+    assert again.kept_as == first.kept_as and again.dsts is first.dsts and again.program is first.program
+    assert list(again.slots) == list(planner.catalog.slots(["w"]))
+    other = _many(planner, ROWS)
+    assert other.kept_as not in ("", first.kept_as) and other.program is not first.program
+    assert _many(planner).kept_as == first.kept_as  # the first request again
