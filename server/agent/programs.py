@@ -136,6 +136,11 @@ class HostLayout:
         self.num_committed = program.num_committed if sliced else len(self.committed)
         self.committed_names = frozenset(t.name for t in self.committed)
         self.unresharded = [t.name for t in self.committed if not t.is_reshard]
+        # every program tensor under its own name, those with a source, and those resharded (`Runtime.prepare`:
+        # a job of a state dict's program names each of its hundreds of tensors)
+        self.names = {t.name: t.name for t in program.tensors}
+        self.sourced = [t.name for t in program.tensors if t.src is not None]
+        self.resharded = [t.name for t in program.tensors if t.is_reshard]
         # tensor -> this host's devices' destination tiles, and how this host stages them (`staging.tile_plan`):
         # worked out once per layout, which a state dict's layers repeat (tensors of one layout share them)
         self.dst_tiles, self.tile_plans = {}, {}

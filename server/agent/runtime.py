@@ -31,6 +31,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from operator import itemgetter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -69,6 +70,7 @@ log = logging.getLogger(__name__)
 
 _ENDED_KEPT = 256  # jobs that ended here whose traffic (and whether they ended with their run) a runtime keeps
 _DIGEST_HERE_BYTES = 64 << 10  # a held box up to this size is digested as the job is prepared, not on the pool
+_FIRST, _SECOND = itemgetter(0), itemgetter(1)
 _IDLE_LANES_KEPT = 4  # a runtime's idle lane pools of each lane count (`Runtime._lanes`), for jobs that overlap
 # A moves-only run's local copies wait at most this long for its first network units to begin
 # (`Runtime._copies_after_streams`)
@@ -147,23 +149,29 @@ class Runtime:
                 f"--transport {'/'.join(sorted(self.transports))}"
             )
         program, ident, layout = self._loaded(program_json, program_sha256)
+        names = dict(layout.names)  # program tensor -> the store's name of it
         if reads_at is not None:
-            reads = {t.name: (t.name, reads_at) for t in program.tensors if t.src is not None}
-        names = {t.name: t.name for t in program.tensors}
-        resharded = [t.name for t in program.tensors if t.is_reshard]
-        # (counted over the whole program: a slice holds its host's tensors alone)
-        if len(resharded) == 1 and (program.num_resharded if isinstance(program, ProgramSlice) else 1) == 1:
-            names[resharded[0]] = tensor
-        unknown = sorted(set(reads or ()) - set(names))
-        if unknown:
-            raise InvalidArgumentError(f"job {job}: reads name tensors {unknown[:5]} that its program does not have")
-        names.update((t, name) for t, (name, _) in (reads or {}).items())
+            # every tensor with a source reads its own name at that version, the resharded one too: the layout's
+            # lists, not a pass over the program's tensors per job (a weight sync's hundreds, every step)
+            versions = dict.fromkeys(layout.sourced, reads_at)
+        else:
+            resharded = layout.resharded
+            # (counted over the whole program: a slice holds its host's tensors alone)
+            if len(resharded) == 1 and (program.num_resharded if isinstance(program, ProgramSlice) else 1) == 1:
+                names[resharded[0]] = tensor
+            unknown = sorted(set(reads or ()) - set(names))
+            if unknown:
+                raise InvalidArgumentError(f"job {job}: reads name tensors {unknown[:5]} that its program does not "
+                                           f"have")
+            reads = reads or {}
+            names.update(zip(reads, map(_FIRST, reads.values())))
+            versions = dict(zip(reads, map(_SECOND, reads.values())))
         with self._lock:
             if job in self._runs:
                 raise FailedPreconditionError(f"job {job} is already prepared on agent {self.host}")
         run = Run(job, program, ident, names, src_version, dst_version, peers, self.host, self.store, link,
                   generation=generation, seq=seq, device=self.device, push_tickets=push_tickets,
-                  versions={t: v for t, (_, v) in (reads or {}).items()}, layout=layout,
+                  versions=versions, layout=layout,
                   tasks_at_once=link.lanes if not link.passive else self._workers, delta_bases=delta_bases)
         link.attach(run)
         with self._lock:
