@@ -939,7 +939,8 @@ class PlannerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReshardMany(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Answers with the job as queued and brief (JobRequest.brief: no inputs, versions or deltas, which GetJob gives).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
