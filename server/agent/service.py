@@ -53,7 +53,7 @@ from reshard.server.agent.ipc import CudaHandover, ShmHandover
 from reshard.proto.devices import CudaIpcHandle, machine_id, visible_gpus
 from reshard.server.transport import buffers
 
-__all__ = ["Agent", "NixlPeers", "serve_agent"]
+__all__ = ["Agent", "NixlPeers", "serve_agent", "HEARTBEAT_DEADLINE_S"]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +62,11 @@ _PROGRESS_INTERVAL_S = 0.2
 # no read columns, runs on the handler's own thread: it takes a small share of a progress interval, where a thread to
 # load it and the hand-offs to and from that thread cost each host of a small job a few tenths of a millisecond.
 QUICK_PREPARE_BYTES = 64 << 10
+# How long a heartbeat call waits for the planner. A planner starved of CPU (a loaded machine) answers late, and a
+# beat it reads late still counts; one whose call gave up after a second was lost, and the next went a whole interval
+# later, so a planner slow for 3 s went 5 s, its default --heartbeat-timeout, without a beat from an agent that was
+# alive. Well under that timeout, so that a beat that does time out leaves time for one more.
+HEARTBEAT_DEADLINE_S = 3.0
 
 
 def _push_stream(request_iterator) -> tuple[pb.PushHeader, Iterator]:
@@ -633,7 +638,7 @@ class Agent:
                     broken_generation=broken, uploading=self.runtime.store.receiving_uploads(),
                     proof=sign(self.secret, "heartbeat", self.config.host, self.address),
                     memory_used_bytes=self.runtime.store.used_bytes()),
-                    timeout=max(self._interval, 1.0))
+                    timeout=max(self._interval, HEARTBEAT_DEADLINE_S))
                 self._interval = reply.heartbeat_interval_s or self.config.heartbeat_interval_s
                 if not reply.known:
                     self._register_again("the planner does not know this agent")
@@ -641,6 +646,8 @@ class Agent:
                     self._follow_group(reply.group)
             except grpc.RpcError as e:
                 log.warning("heartbeat to planner %s failed: %s", self.config.planner, e.code().name)
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # it has waited already: the next beat goes now
+                    self._wake.set()
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED:  # another registrant holds the name now
                     self._register_again(e.details())
 
